@@ -1,0 +1,1 @@
+"""Model facts: ModelSpec from config.json, Checkpoint from safetensors headers, tiny models."""
