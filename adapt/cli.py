@@ -119,6 +119,83 @@ def targets(as_json: JsonOpt = False) -> None:
     console.print(f"stacks: {', '.join(stack_names())}")
 
 
+@app.command()
+def info(
+    model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Show a model's spec, parameters, bytes by component and quantization (headers only, no weights)."""
+    from rich.progress import Progress
+
+    from adapt.stages.info import describe_model
+
+    with Progress(console=err_console, transient=True, disable=as_json) as progress:
+        task = progress.add_task("reading safetensors headers", total=None)
+
+        def tick(done: int, total: int, shard: str) -> None:
+            progress.update(task, completed=done, total=total, description=f"headers: {shard}")
+
+        facts = describe_model(model, progress=tick)
+    if as_json:
+        print_json(facts)
+        return
+    params = facts["parameters"]
+    console.print(f"[bold]{model}[/bold]  model_type={facts['model_type']}  layers={facts['layers']} "
+                  f"(MoE {facts['moe_layers']}, MTP {facts['mtp_layers']})  attention={', '.join(facts['attention'])}")
+    console.print(f"parameters: total {params['total']:,}  active {params['active']:,}  "
+                  f"with MTP {params['total_with_mtp']:,}")
+    table = Table(title="components", title_justify="left")
+    for column in ("component", "parameters", "stored as", "checkpoint bytes"):
+        table.add_column(column, justify="right" if column != "component" else "left")
+    stored = facts.get("checkpoint", {}).get("bytes_by_component", {})
+    for component, count in params["per_component"].items():
+        if count or stored.get(component):
+            table.add_row(component, f"{count:,}", facts["quantization"].get(component, "-"),
+                          f"{stored[component]:,}" if component in stored else "-")
+    for component in sorted(set(stored) - set(params["per_component"])):
+        table.add_row(component, "-", "-", f"{stored[component]:,}")
+    console.print(table)
+    if "checkpoint" in facts:
+        ck = facts["checkpoint"]
+        console.print(f"checkpoint: {ck['shards']} shards, {ck['tensors']:,} tensors, {ck['total_bytes']:,} bytes")
+        for f in ck["findings"]:
+            console.print(f"[yellow]{f['severity']}[/yellow] {f['code']}: {f['message']}")
+
+
+@app.command()
+def validate(
+    model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
+    stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-4).")],
+    target: TargetOpt = "h200",
+    devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
+    nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
+    context: Annotated[int, typer.Option("--context", help="Tokens per sequence.")] = 8192,
+    batch: Annotated[int, typer.Option("--batch", help="Concurrent sequences.")] = 1,
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="bf16 or fp8.")] = "bf16",
+    weights: Annotated[str, typer.Option("--weights", help="Weight format (see plan-memory).")] = "as-stored",
+    stack: Annotated[str | None, typer.Option("--stack", help="Stack table name or YAML path.")] = None,
+    output: OutputOpt = Path("reports"),
+    run_id: RunOpt = None,
+    gates: GatesOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run stage N as a gate, after the stages before it (those not yet passed in the run directory)."""
+    from adapt.report import load_gates
+    from adapt.stages.pipeline import PipelineOptions
+    from adapt.stages.pipeline import validate as run_gates
+
+    thresholds = load_gates(gates)
+    options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
+                              batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack)
+    run = RunDir(output, run_id)
+    reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report)
+    if as_json:
+        print_json({"run": str(run.path), "reports": [r.to_dict() for r in reports]})
+    else:
+        console.print(f"[dim]reports: {run.path}[/dim]")
+    raise typer.Exit(max((r.exit_code for r in reports), default=0))
+
+
 def main() -> None:
     """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage)."""
     try:

@@ -34,6 +34,17 @@ class OutOfPagesError(RuntimeError):
     """The page pool cannot hold the tokens asked for; nothing was allocated or written."""
 
 
+def _rows_of(pool: torch.Tensor) -> torch.Tensor:
+    """[pages * 64, width] view of a cache pool; e4m3 pools as uint8 (index_copy_ has no fp8 CPU kernel)."""
+    rows = pool.view(-1, pool.shape[-1]) if pool.dim() > 2 else pool.view(-1, 1)
+    return rows.view(torch.uint8) if rows.dtype == FP8_DTYPE else rows
+
+
+def _as_rows(values: torch.Tensor) -> torch.Tensor:
+    values = values.reshape(values.shape[0], -1)
+    return values.view(torch.uint8) if values.dtype == FP8_DTYPE else values
+
+
 def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the last axis of ``x`` to e4m3 with one fp32 scale per ``group`` elements.
 
@@ -85,17 +96,15 @@ class DSALayerCache:
         an fp8 cache); rope: [N, rope_dim] rotated shared key; index_k: [N, index_head_dim]
         e4m3; index_scale: [N] fp32.
         """
-        nope = self.latent_nope.view(-1, self.latent_nope.shape[-1])
         if self.latent_scale is not None:
             values, scales = quantize_fp8_groups(latent, self.latent_scale_group)
-            nope.index_copy_(0, slots, values)
-            self.latent_scale.view(-1, self.latent_scale.shape[-1]).index_copy_(0, slots, scales)
+            _rows_of(self.latent_nope).index_copy_(0, slots, _as_rows(values))
+            _rows_of(self.latent_scale).index_copy_(0, slots, scales)
         else:
-            nope.index_copy_(0, slots, latent.to(nope.dtype))
-        self.latent_rope.view(-1, self.latent_rope.shape[-1]).index_copy_(
-            0, slots, rope.to(self.latent_rope.dtype))
-        self.index_k.view(-1, self.index_k.shape[-1]).index_copy_(0, slots, index_k)
-        self.index_scale.view(-1).index_copy_(0, slots, index_scale.float())
+            _rows_of(self.latent_nope).index_copy_(0, slots, latent.to(self.latent_nope.dtype))
+        _rows_of(self.latent_rope).index_copy_(0, slots, rope.to(self.latent_rope.dtype))
+        _rows_of(self.index_k).index_copy_(0, slots, _as_rows(index_k.to(FP8_DTYPE)))
+        _rows_of(self.index_scale).index_copy_(0, slots, index_scale.float().reshape(-1, 1))
 
     def latent_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Dequantized latent rows at ``slots``: fp32 [N, kv_lora_rank + rope_dim]."""

@@ -1,0 +1,296 @@
+"""DeepSeek Sparse Attention lightning indexer: FP8 scoring over the paged key cache + top-k.
+
+Score of query token t against cached key s (DeepSeek-V3.2, transformers' deepseek_v32):
+
+    I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) * d**-0.5,   w = weights_proj(x) * H**-0.5
+
+with q [H, D] per token (H = index_n_heads, D = index_head_dim) and one key k [D] per token.
+q and k are stored as e4m3 with one fp32 scale per (token, head) and per token; because ReLU
+commutes with a positive factor, the query scale, d**-0.5 and H**-0.5 fold into w
+(``fold_index_weights``) and the key scale multiplies the head sum:
+
+    I[t, s] = kscale[s] * sum_h w_eff[t, h] * ReLU(q8[t, h] . k8[s]).
+
+Top-k (``index_topk``, 2048 for DeepSeek-V3.2) per query over the keys it may see (causal:
+positions < limit[t] = position[t] + 1). Indices are absolute positions in the query's
+sequence, -1 where a row has fewer visible keys than k.
+
+What is Triton and what is torch here:
+- ``quantize_fp8_rows``: Triton (torch twin ``quantize_fp8_rows_torch``).
+- ``index_scores``: Triton FP8 scoring kernel over the paged cache; key tiles of 128
+  positions stay in registers while the program walks the query rows of its tile (prefill
+  tiles hold up to 64 consecutive query rows of one sequence, decode tiles one), so each key
+  tile is read from memory once per 64 queries, not once per query. Torch twin
+  ``index_scores_torch``.
+- ``index_topk``: calls ``index_scores`` on bounded chunks of query rows and selects with
+  ``torch.topk`` (torch, not Triton). The [T, S] score matrix is never materialised: a chunk
+  holds at most ``max_score_bytes`` of fp32 scores (rows x visible keys of its last row);
+  ``IndexStats.peak_score_bytes`` reports what was used.
+
+Work per call, for N query rows against the keys each sees (S_t keys for row t):
+FLOPs = 2 * H * D * sum_t S_t (prefill: about H * D * T**2; decode: 2 * H * D * S per
+sequence). Bytes (HBM): keys (D + 4) B per cached token per sequence (read once per tile of
+64 queries), queries N * H * (D + 4) B, scores 4 B per (row, visible key) written and read
+back by top-k, indices 4 * topk B per row.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from adapt.runtime.kv_cache import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
+
+PREFILL_ROWS_PER_TILE = 64
+KEY_BLOCK = 128
+DEFAULT_MAX_SCORE_BYTES = 1 << 30
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _quantize_fp8_rows_kernel(x_ptr, out_ptr, scale_ptr, n_rows, dim,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE_FP32: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)
+    offs = rows[:, None].to(tl.int64) * dim + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    if STORE_FP32:
+        tl.store(out_ptr + offs, q, mask=mask)
+    else:
+        tl.store(out_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=rows < n_rows)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row (last axis) of ``x`` to e4m3 with one fp32 scale per row (Triton).
+
+    x: [..., D] any float dtype. Returns (e4m3 [..., D], fp32 scale [...]), scale =
+    max(amax, 1e-4) / 448. Bytes: read N * D * elt, write N * (D + 4).
+
+    Under the interpreter the kernel stores the scaled fp32 values and torch casts them:
+    the interpreter's fp32 -> e4m3 conversion drops the carry when rounding crosses a power
+    of two (126.8 becomes 64, not 128); compiled kernels cast in the kernel.
+    """
+    *lead, dim = x.shape
+    flat = x.reshape(-1, dim).contiguous()
+    interpreting = _interpreting()
+    out = torch.empty(flat.shape, dtype=torch.float32 if interpreting else FP8_DTYPE, device=x.device)
+    scale = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
+    block_d = triton.next_power_of_2(dim)
+    block_r = max(1, min(64, 8192 // block_d))
+    grid = (triton.cdiv(flat.shape[0], block_r),)
+    _quantize_fp8_rows_kernel[grid](flat, out, scale, flat.shape[0], dim, BLOCK_R=block_r, BLOCK_D=block_d,
+                                    STORE_FP32=interpreting)
+    if interpreting:
+        out = out.to(FP8_DTYPE)
+    return out.reshape(*lead, dim), scale.reshape(lead)
+
+
+def quantize_fp8_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of ``quantize_fp8_rows``."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(1e-4) / FP8_E4M3_MAX
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def fold_index_weights(weights: torch.Tensor, q_scale: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Fold the query scales and the constant factors into the per-head weights.
+
+    weights: [N, H] raw ``weights_proj(x)``; q_scale: [N, H] fp32 per (token, head).
+    Returns fp32 [N, H] = weights * H**-0.5 * head_dim**-0.5 * q_scale.
+    """
+    n_heads = weights.shape[-1]
+    return weights.float() * (n_heads ** -0.5) * (head_dim ** -0.5) * q_scale.float()
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
+                         row_base, n_heads, bt_stride, out_stride, out_cols,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                         KEY_TILES: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    row0 = tl.load(tiles_ptr + tile * 3)
+    n_rows = tl.load(tiles_ptr + tile * 3 + 1)
+    seq = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
+    tile_limit = tl.load(limit_ptr + row0 + n_rows - 1)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_DIM)
+    for kt in range(KEY_TILES):
+        pos = (tl.program_id(1) * KEY_TILES + kt) * BLOCK_S + tl.arange(0, BLOCK_S)
+        out_mask = pos < out_cols
+        if (tl.program_id(1) * KEY_TILES + kt) * BLOCK_S < tile_limit:
+            key_mask = pos < tile_limit
+            page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None], other=0.0)
+            kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+            if UPCAST:
+                keys = keys.to(tl.float32)
+            for r in range(0, n_rows):
+                row = (row0 + r).to(tl.int64)
+                q_t = tl.load(q_ptr + row * n_heads * HEAD_DIM + heads[None, :] * HEAD_DIM + dims[:, None],
+                              mask=heads[None, :] < n_heads, other=0.0)
+                if UPCAST:
+                    q_t = q_t.to(tl.float32)
+                w = tl.load(w_ptr + row * n_heads + heads, mask=heads < n_heads, other=0.0)
+                logits = tl.dot(keys, q_t)
+                score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * kscale
+                limit = tl.load(limit_ptr + row)
+                score = tl.where(pos < limit, score, float("-inf"))
+                tl.store(out_ptr + (row - row_base) * out_stride + pos, score, mask=out_mask)
+        else:
+            for r in range(0, n_rows):
+                row = (row0 + r).to(tl.int64)
+                tl.store(out_ptr + (row - row_base) * out_stride + pos,
+                         tl.full([BLOCK_S], float("-inf"), tl.float32), mask=out_mask)
+
+
+def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
+    """int32 [tiles, 3] of (first row, rows, sequence): consecutive rows of one sequence."""
+    seq = token_seq.cpu()
+    tiles = []
+    start = 0
+    n = int(seq.shape[0])
+    while start < n:
+        end = start + 1
+        limit = min(n, start + rows_per_tile)
+        while end < limit and seq[end] == seq[start]:
+            end += 1
+        tiles.append((start, end - start, int(seq[start])))
+        start = end
+    return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3)
+
+
+def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
+                 block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
+                 num_cols: int, *, rows_per_tile: int | None = None) -> torch.Tensor:
+    """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
+
+    q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
+    index_k: e4m3 [pages, 64, D]; index_scale: fp32 [pages, 64];
+    block_table: int32 [B, max_pages]; token_seq: int32 [N] sequence of each row (rows of one
+    sequence consecutive, positions ascending); limits: int32 [N] keys row t may see
+    (position + 1 when causal). Returns fp32 [N, num_cols]: I[t, s] for s < limits[t],
+    -inf elsewhere. FLOPs 2 * H * D * sum(limits); bytes N * num_cols * 4 written.
+    """
+    n_rows, n_heads, head_dim = q_fp8.shape
+    out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
+    if n_rows == 0 or num_cols == 0:
+        return out
+    decode = rows_per_tile == 1 or (rows_per_tile is None and bool((token_seq[1:] != token_seq[:-1]).all()))
+    per_tile = 1 if decode else (rows_per_tile or PREFILL_ROWS_PER_TILE)
+    tiles = _query_tiles(token_seq, per_tile).to(q_fp8.device)
+    key_tiles = 8 if decode else 1
+    block_h = max(16, triton.next_power_of_2(n_heads))
+    grid = (tiles.shape[0], triton.cdiv(num_cols, KEY_BLOCK * key_tiles))
+    _index_scores_kernel[grid](
+        q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
+        limits.to(torch.int32).contiguous(), tiles, out,
+        0, n_heads, block_table.stride(0), out.stride(0), num_cols,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=KEY_BLOCK, KEY_TILES=key_tiles, PAGE=PAGE_SIZE,
+        UPCAST=_interpreting(), num_warps=8 if KEY_BLOCK >= 128 else 4,
+    )
+    return out
+
+
+def index_scores_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
+                       index_scale: torch.Tensor, block_table: torch.Tensor, token_seq: torch.Tensor,
+                       limits: torch.Tensor, num_cols: int, *, rows_per_tile: int | None = None) -> torch.Tensor:
+    """Torch twin of ``index_scores`` (dequantized fp32 math; ``rows_per_tile`` is ignored)."""
+    n_rows = q_fp8.shape[0]
+    out = torch.full((n_rows, num_cols), float("-inf"), dtype=torch.float32, device=q_fp8.device)
+    if n_rows == 0 or num_cols == 0:
+        return out
+    keys_flat = index_k.reshape(-1, index_k.shape[-1])
+    scale_flat = index_scale.reshape(-1)
+    pos = torch.arange(num_cols, device=q_fp8.device)
+    for row in range(n_rows):
+        limit = min(int(limits[row]), num_cols)
+        if limit == 0:
+            continue
+        pages = block_table[int(token_seq[row])].long()[pos[:limit] // PAGE_SIZE]
+        slots = pages * PAGE_SIZE + pos[:limit] % PAGE_SIZE
+        logits = q_fp8[row].float() @ keys_flat[slots].float().T
+        out[row, :limit] = (logits.clamp_min(0) * weights[row].float()[:, None]).sum(0) * scale_flat[slots]
+    return out
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """How ``index_topk`` bounded its memory: chunks run and the largest fp32 score buffer (bytes)."""
+
+    chunks: int
+    peak_score_bytes: int
+
+
+def _select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    k = min(topk, scores.shape[1])
+    values, idx = torch.topk(scores, k, dim=-1, sorted=False)
+    idx = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
+    if k < topk:
+        idx = torch.cat([idx, idx.new_full((idx.shape[0], topk - k), -1)], dim=1)
+    return idx
+
+
+def _index_topk_chunked(score_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
+                        topk, max_score_bytes, rows_per_tile):
+    n_rows = q_fp8.shape[0]
+    out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
+    limits_host = limits.cpu().long()
+    peak = 0
+    chunks = 0
+    start = 0
+    while start < n_rows:
+        end = start + 1
+        width = int(limits_host[start])
+        while end < n_rows:
+            grown = max(width, int(limits_host[end]))
+            cols = -(-grown // KEY_BLOCK) * KEY_BLOCK
+            if (end + 1 - start) * cols * 4 > max_score_bytes:
+                break
+            width = grown
+            end += 1
+        cols = max(KEY_BLOCK, -(-width // KEY_BLOCK) * KEY_BLOCK)
+        scores = score_fn(q_fp8[start:end], weights[start:end], index_k, index_scale, block_table,
+                          token_seq[start:end], limits[start:end], cols, rows_per_tile=rows_per_tile)
+        peak = max(peak, scores.numel() * 4)
+        out[start:end] = _select_topk(scores, topk)
+        del scores
+        chunks += 1
+        start = end
+    return out, IndexStats(chunks=chunks, peak_score_bytes=peak)
+
+
+def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
+               block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor, topk: int, *,
+               max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES,
+               rows_per_tile: int | None = None) -> tuple[torch.Tensor, IndexStats]:
+    """Top-``topk`` key positions per query row: Triton scoring on bounded chunks + torch.topk.
+
+    Arguments as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the row
+    sees fewer than ``topk`` keys; stats). Rows are chunked so that each chunk's score buffer
+    (rows x visible keys of its widest row, fp32) stays under ``max_score_bytes`` (a single
+    row may exceed it: one row of S keys needs 4 * S bytes). Order within a row is unspecified.
+    """
+    return _index_topk_chunked(index_scores, q_fp8, weights, index_k, index_scale, block_table, token_seq,
+                               limits, topk, max_score_bytes, rows_per_tile)
+
+
+def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
+                     index_scale: torch.Tensor, block_table: torch.Tensor, token_seq: torch.Tensor,
+                     limits: torch.Tensor, topk: int, *, max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES,
+                     rows_per_tile: int | None = None) -> tuple[torch.Tensor, IndexStats]:
+    """Torch twin of ``index_topk``."""
+    return _index_topk_chunked(index_scores_torch, q_fp8, weights, index_k, index_scale, block_table,
+                               token_seq, limits, topk, max_score_bytes, rows_per_tile)
