@@ -152,7 +152,7 @@ def info(
         if count or stored.get(component):
             table.add_row(component, f"{count:,}", facts["quantization"].get(component, "-"),
                           f"{stored[component]:,}" if component in stored else "-")
-    for component in sorted(set(stored) - set(params["per_component"])):
+    for component in sorted(c for c in set(stored) - set(params["per_component"]) if stored[c]):
         table.add_row(component, "-", "-", f"{stored[component]:,}")
     console.print(table)
     if "checkpoint" in facts:
@@ -194,6 +194,78 @@ def validate(
     else:
         console.print(f"[dim]reports: {run.path}[/dim]")
     raise typer.Exit(max((r.exit_code for r in reports), default=0))
+
+
+ModelArg = Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")]
+DevicesOpt = Annotated[int, typer.Option("--devices", "-d", help="Devices in total (over all nodes).")]
+NodesOpt = Annotated[int, typer.Option("--nodes", "-n", help="Nodes the devices are spread over.")]
+ContextOpt = Annotated[int, typer.Option("--context", help="Tokens per sequence (vLLM max_model_len).")]
+BatchOpt = Annotated[int, typer.Option("--batch", help="Concurrent sequences over all replicas.")]
+KvDtypeOpt = Annotated[str, typer.Option("--kv-dtype", help="KV cache dtype: bf16 or fp8.")]
+WeightsOpt = Annotated[str, typer.Option(
+    "--weights", help="Weight format: as-stored, bf16, fp8, mxfp4-online, mxfp4-offline-fp8.")]
+HeadroomOpt = Annotated[float | None, typer.Option(
+    "--headroom", help="Margin on the estimated terms, as a fraction (default: gates memory.headroom_fraction).")]
+UtilOpt = Annotated[float | None, typer.Option(
+    "--gpu-memory-utilization", help="vLLM's fraction of device memory (default 0.9).")]
+BatchedTokensOpt = Annotated[int | None, typer.Option(
+    "--max-num-batched-tokens", help="Prefill chunk in tokens (default: vLLM's for the target).")]
+MaxSeqsOpt = Annotated[int | None, typer.Option(
+    "--max-num-seqs", help="vLLM max_num_seqs (default: vLLM's for the target).")]
+BlockOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV page.")]
+RopeOpt = Annotated[float | None, typer.Option(
+    "--rope-factor", help="Rope-scaling factor over the model's pre-scaling length, to plan a longer --context.")]
+
+
+@app.command("plan-memory")
+def plan_memory_command(
+    model: ModelArg, target: TargetOpt, devices: DevicesOpt, context: ContextOpt, batch: BatchOpt = 1,
+    nodes: NodesOpt = 1, kv_dtype: KvDtypeOpt = "bf16", weights: WeightsOpt = "as-stored",
+    tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size.")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", help="Expert-parallel size (1 or TP x DP).")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", help="Pipeline-parallel size.")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", help="Data-parallel size.")] = None,
+    headroom: HeadroomOpt = None, gpu_memory_utilization: UtilOpt = None,
+    max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None, block_size: BlockOpt = 64,
+    rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"), run_id: RunOpt = None,
+    gates: GatesOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
+    from adapt.report import load_gates
+    from adapt.stages.memory import run_plan_memory
+
+    report = run_plan_memory(model, target, gates=load_gates(gates), devices=devices, nodes=nodes, context=context,
+                             batch=batch, kv_dtype=kv_dtype, weights=weights, tp=tp, ep=ep, pp=pp, dp=dp,
+                             headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
+                             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                             block_size=block_size, rope_factor=rope_factor)
+    finish(report, as_json, RunDir(output, run_id))
+
+
+@app.command("plan-parallel")
+def plan_parallel_command(
+    model: ModelArg, target: TargetOpt, devices: DevicesOpt, context: ContextOpt, batch: BatchOpt = 1,
+    nodes: NodesOpt = 1, kv_dtype: KvDtypeOpt = "bf16", weights: WeightsOpt = "as-stored",
+    headroom: HeadroomOpt = None, gpu_memory_utilization: UtilOpt = None,
+    max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None, block_size: BlockOpt = 64,
+    rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"), run_id: RunOpt = None,
+    gates: GatesOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Stage 4: rank TP x EP x PP x DP plans; print vLLM engine arguments, `vllm serve` and Ray steps."""
+    import shlex
+
+    from adapt.report import load_gates
+    from adapt.stages.parallel import run_plan_parallel
+
+    report = run_plan_parallel(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
+                               context=context, batch=batch, kv_dtype=kv_dtype, weights=weights, headroom=headroom,
+                               gpu_memory_utilization=gpu_memory_utilization,
+                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                               block_size=block_size, rope_factor=rope_factor)
+    lines = report.metrics.get("ray_steps") or (
+        [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else [])
+    extra = {"parallel.launch.sh": "#!/bin/sh\n" + "\n".join(lines) + "\n"} if lines else None
+    finish(report, as_json, RunDir(output, run_id), extra=extra)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import operator
 import os
 import re
 import struct
@@ -62,6 +63,8 @@ _SCALE_SUFFIXES = (".weight_scale_inv", "_scales", ".weight_scale", ".weight_sca
 _MTP_MARKERS = (".eh_proj.", ".enorm.", ".hnorm.", ".shared_head.")
 _ROUTER_RE = re.compile(r"\.(?:gate|router)\.(?:weight|bias|e_score_correction_bias)$")
 _MAX_NAME_CHARS = 160
+_INT_ONLY = frozenset({int})
+_SPAN = operator.itemgetter(4, 5)  # TensorInfo (start, end)
 
 
 def _shown(text: str) -> str:
@@ -178,7 +181,13 @@ def read_shard_header(path: Path, shard: str) -> tuple[list[TensorInfo], ShardIn
     if len(raw) != header_bytes:
         raise InputError(f"header ends after {len(raw)} of {header_bytes} bytes", file=where)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_json_object)
+        text = raw.decode("utf-8")
+        header = json.loads(text)
+        entries = len(header) - ("__metadata__" in header) if isinstance(header, dict) else 0
+        if entries and (raw.count(b'"data_offsets"') > entries or b"\\u" in raw):
+            # json.loads keeps the last of repeated keys: when an extra "data_offsets" key (or an
+            # escape that could spell one) hints at a repeat, parse again watching for them
+            json.loads(text, object_pairs_hook=_json_object)
     except UnicodeDecodeError as exc:
         raise InputError(f"header is not UTF-8 (byte {exc.start})", file=where) from None
     except _DuplicateKey as exc:
@@ -202,46 +211,62 @@ def read_shard_header(path: Path, shard: str) -> tuple[list[TensorInfo], ShardIn
     tensors: list[TensorInfo] = []
     append = tensors.append
     bits_of = DTYPE_BITS.get
+    prod = math.prod
     for name, entry in header.items():
-        if type(entry) is not dict:
-            raise InputError(f"{_tensor(name)}: entry is not an object", file=where)
-        dtype = entry.get("dtype")
-        shape = entry.get("shape")
-        offsets = entry.get("data_offsets")
-        bits = bits_of(dtype) if type(dtype) is str else None
-        if bits is None:
-            raise InputError(f"{_tensor(name)}: unknown dtype {_shown(repr(dtype))}", file=where,
-                             hint=f"known: {', '.join(DTYPE_BITS)}")
-        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
-            raise InputError(f"{_tensor(name)}: shape {_shown(repr(shape))} is not a list of "
-                             "non-negative integers", file=where)
-        if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
-                or type(offsets[1]) is not int):
-            raise InputError(f"{_tensor(name)}: data_offsets {_shown(repr(offsets))} is not "
-                             "[begin, end] integers", file=where)
-        start, end = offsets
-        if start < 0 or end < start:
-            raise InputError(f"{_tensor(name)}: data_offsets [{start}, {end}] are not "
-                             "0 <= begin <= end", file=where)
-        if end > data_bytes:
-            raise InputError(f"{_tensor(name)}: data_offsets [{start}, {end}] end outside the data "
-                             f"area ({data_bytes:,} bytes)", file=where, hint="truncated download?")
-        nbits = math.prod(shape) * bits
-        if nbits != (end - start) * 8:
-            size = f"{nbits // 8:,}" if nbits % 8 == 0 else f"{nbits / 8:,}"
-            raise InputError(f"{_tensor(name)}: shape {shape} x {dtype} is {size} bytes but "
-                             f"data_offsets span {end - start:,} bytes", file=where)
+        try:
+            dtype = entry["dtype"]
+            shape = entry["shape"]
+            start, end = entry["data_offsets"]
+            valid = (type(dtype) is str and type(shape) is list and type(start) is int and type(end) is int
+                     and 0 <= start <= end <= data_bytes
+                     and (not shape or (min(shape) >= 0 and _INT_ONLY.issuperset(map(type, shape))))
+                     and prod(shape) * bits_of(dtype) == (end - start) * 8)
+        except (KeyError, TypeError, ValueError):
+            valid = False
+        if not valid:
+            _raise_entry_error(name, entry, data_bytes, where)
         append(TensorInfo(name, dtype, tuple(shape), shard, start, end, data_offset))
 
     _check_tiling(tensors, data_bytes, where)
     return tensors, ShardInfo(shard, file_bytes, header_bytes, len(tensors), metadata)
 
 
+def _raise_entry_error(name: str, entry: object, data_bytes: int, where: str) -> None:
+    """Raise the InputError that says what is wrong with one header entry."""
+    if type(entry) is not dict:
+        raise InputError(f"{_tensor(name)}: entry is not an object", file=where)
+    dtype = entry.get("dtype")
+    shape = entry.get("shape")
+    offsets = entry.get("data_offsets")
+    bits = DTYPE_BITS.get(dtype) if type(dtype) is str else None
+    if bits is None:
+        raise InputError(f"{_tensor(name)}: unknown dtype {_shown(repr(dtype))}", file=where,
+                         hint=f"known: {', '.join(DTYPE_BITS)}")
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise InputError(f"{_tensor(name)}: shape {_shown(repr(shape))} is not a list of "
+                         "non-negative integers", file=where)
+    if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
+            or type(offsets[1]) is not int):
+        raise InputError(f"{_tensor(name)}: data_offsets {_shown(repr(offsets))} is not "
+                         "[begin, end] integers", file=where)
+    start, end = offsets
+    if start < 0 or end < start:
+        raise InputError(f"{_tensor(name)}: data_offsets [{start}, {end}] are not "
+                         "0 <= begin <= end", file=where)
+    if end > data_bytes:
+        raise InputError(f"{_tensor(name)}: data_offsets [{start}, {end}] end outside the data "
+                         f"area ({data_bytes:,} bytes)", file=where, hint="truncated download?")
+    nbits = math.prod(shape) * bits
+    size = f"{nbits // 8:,}" if nbits % 8 == 0 else f"{nbits / 8:,}"
+    raise InputError(f"{_tensor(name)}: shape {shape} x {dtype} is {size} bytes but "
+                     f"data_offsets span {end - start:,} bytes", file=where)
+
+
 def _check_tiling(tensors: list[TensorInfo], data_bytes: int, where: str) -> None:
     """The byte spans must cover [0, data_bytes) exactly: no overlap, no gap, no trailing bytes."""
     position = 0
     previous: TensorInfo | None = None
-    for t in sorted(tensors, key=lambda t: (t.start, t.end)):
+    for t in sorted(tensors, key=_SPAN):
         if t.start < position:
             raise InputError(f"{_tensor(t.name)} [{t.start}, {t.end}] overlaps {_tensor(previous.name)} "
                              f"[{previous.start}, {previous.end}]", file=where)
@@ -378,12 +403,12 @@ class Checkpoint:
         shards = []
         for number, (name, file) in enumerate(zip(names, files, strict=True), start=1):
             shard_tensors, shard = read_shard_header(file, name)
-            for t in shard_tensors:
-                other = tensors.get(t.name)
-                if other is not None:
-                    raise InputError(f"{_tensor(t.name)} is also in shard '{_shown(other.shard)}'",
-                                     file=_shown(str(file)))
-                tensors[t.name] = t
+            by_name = {t.name: t for t in shard_tensors}
+            if not tensors.keys().isdisjoint(by_name):
+                repeated = next(n for n in by_name if n in tensors)
+                raise InputError(f"{_tensor(repeated)} is also in shard '{_shown(tensors[repeated].shard)}'",
+                                 file=_shown(str(file)))
+            tensors.update(by_name)
             shards.append(shard)
             if progress is not None:
                 progress(number, len(names), name)
@@ -518,6 +543,8 @@ class Checkpoint:
 def _check_index_matches(weight_map: dict[str, str], tensors: dict[str, TensorInfo],
                          directory: Path, where: str) -> None:
     """Every tensor the index names is in that shard, and every shard tensor is in the index."""
+    if {name: t.shard for name, t in tensors.items()} == weight_map:
+        return
     for name, shard in weight_map.items():
         have = tensors.get(name)
         if have is None or have.shard != shard:

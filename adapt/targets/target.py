@@ -187,8 +187,10 @@ class Support:
 
     status: native | composable | adapt_kernel | missing
     reason: why (what it is composed from, which adapt kernel and its test, what is missing)
-    requires: dtypes / capabilities the op needs from the target (e.g. ["fp8"]); when the target
-        lacks one, the entry turns into a gap
+    requires: dtypes / capabilities the op needs from the target (e.g. ["fp8"], or "sm90" for an
+        NVIDIA compute capability of at least 9.0); when the target lacks one, the entry turns into a gap
+    kernel / test: for adapt_kernel, the function ("adapt.kernels.dsa.index_topk") and its tolerance test
+    plan: what closes the gap when the op is missing or a requirement is unmet ("" = no plan)
     """
 
     op: str
@@ -197,6 +199,7 @@ class Support:
     requires: tuple[str, ...] = ()
     kernel: str = ""
     test: str = ""
+    plan: str = ""
 
 
 @dataclass(frozen=True)
@@ -236,8 +239,12 @@ def load_stack(name_or_path: str) -> StackTable:
         requires = entry.get("requires", [])
         if not isinstance(requires, list):
             raise InputError("expected a list", file=path, field=f"{where}.requires")
+        if status == "adapt_kernel" and not (entry.get("kernel") and entry.get("test")):
+            raise InputError("an adapt_kernel entry names its kernel and its tolerance test", file=path,
+                             field=f"{where}.kernel" if not entry.get("kernel") else f"{where}.test")
         table[str(op)] = Support(op=str(op), status=status, reason=reason.strip(),
                                  requires=tuple(str(r) for r in requires),
-                                 kernel=str(entry.get("kernel", "")), test=str(entry.get("test", "")))
+                                 kernel=str(entry.get("kernel", "")), test=str(entry.get("test", "")),
+                                 plan=str(entry.get("plan", "")).strip())
     return StackTable(name=str(data.get("name", path.stem)), path=str(path),
                       description=str(data.get("description", "")), ops=table)

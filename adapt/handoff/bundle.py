@@ -1,0 +1,202 @@
+"""Deployment bundle: what a serving team needs to start the validated model under vLLM.
+
+``write_bundle`` checks the run's gates, takes the engine arguments from the stage-4 plan and
+writes ``reports/<run>/handoff/``:
+
+  engine_args.json   model path, engine arguments, nodes, devices, target, where they came from
+  serve.sh           the ``vllm serve`` command (single node) or the head node's command
+  ray.sh             several nodes only: the Ray bring-up and per-node commands, in order
+  preflight.json     the environment checks of the run's preflight report (when it ran)
+  README.md          what was validated, what was not, and how the bundle was made
+
+plus ``handoff.{json,md,junit.xml}`` and a manifest entry through ``RunDir.write``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from adapt.errors import InputError
+from adapt.handoff.vllm import multi_node_args, ray_steps, serve_command
+from adapt.report import RunDir, StageReport, fingerprint, markdown_table
+
+STAGE_NUMBER = 7
+REQUIRED_STAGES = ("inventory", "memory", "kernels", "parallel")
+LATER_STAGES = ("precision", "bench")
+BUNDLE_DIR = "handoff"
+
+
+def gate_verdicts(run: RunDir) -> dict[str, str | None]:
+    """Recorded verdict of every stage the hand-off needs (None: not run in this run directory)."""
+    return {stage: run.verdict_of(stage) for stage in REQUIRED_STAGES}
+
+
+def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: int, force: bool) -> list[str]:
+    """Refuse (InputError) unless stages 1-4 passed or warned in ``run``; with ``force``, return
+    the list of problems that were overridden instead (recorded in the bundle)."""
+    problems = []
+    for stage, verdict in gate_verdicts(run).items():
+        if verdict is None:
+            problems.append(f"{stage}: not run")
+        elif verdict not in ("pass", "warn"):
+            problems.append(f"{stage}: {verdict}")
+    if problems and not force:
+        command = (f"adapt validate {shlex.quote(model)} --stage 4 --target {shlex.quote(target)} "
+                   f"--devices {devices} --nodes {nodes} --run {run.run_id} "
+                   f"--output {shlex.quote(str(run.path.parent))}")
+        raise InputError(f"hand-off refused: gates up to stage 4 have not passed in {run.path} ("
+                         + "; ".join(problems) + ")", hint=f"run `{command}`, or pass --force (recorded)")
+    return problems
+
+
+def plan_engine_args(run: RunDir, *, devices: int, nodes: int, forced: bool) -> tuple[dict[str, Any], str]:
+    """Engine arguments from the run's stage-4 report (``parallel.json`` metrics ``engine_args``).
+
+    Returns (engine_args, source). Without a stage-4 report (only reachable with ``--force``), the
+    arguments are tensor parallel over each node's devices and pipeline parallel over nodes.
+    The plan's world size (tensor x pipeline x data) must equal ``devices`` (devices in total).
+    """
+    path = run.path / "parallel.json"
+    if path.is_file():
+        try:
+            metrics = json.loads(path.read_text()).get("metrics", {})
+        except json.JSONDecodeError:
+            raise InputError("stage-4 report is not valid JSON", file=path) from None
+        engine_args = metrics.get("engine_args")
+        if not isinstance(engine_args, dict) or not engine_args:
+            raise InputError("stage-4 report has no engine_args in its metrics", file=path,
+                             hint="re-run stage 4 with this adapt version")
+        source = f"stage-4 plan ({path.name})"
+    elif forced:
+        if devices % nodes:
+            raise InputError(f"{devices} devices do not split evenly over {nodes} nodes", field="--devices")
+        engine_args = {"tensor_parallel_size": devices // nodes, "pipeline_parallel_size": nodes}
+        source = "no stage-4 plan (forced): tensor parallel within a node, pipeline parallel across nodes"
+    else:
+        raise InputError("no stage-4 report in the run directory", file=path)
+    world = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        world *= int(engine_args.get(key) or 1)
+    if world != devices:
+        raise InputError(f"the plan uses {world} devices but --devices is {devices}", field="--devices",
+                         hint="pass the device count the stage-4 plan was made for, or re-plan")
+    return dict(engine_args), source
+
+
+def model_reference(model: str) -> str:
+    """The path ``vllm serve`` gets: an existing directory as an absolute path, else the name as given."""
+    path = Path(model)
+    if path.is_dir():
+        return str(path.resolve())
+    if path.name == "config.json" and path.is_file():
+        return str(path.parent.resolve())
+    return model
+
+
+def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunDir, force: bool = False,
+                 export_note: str | None = None,
+                 served_model: str | None = None) -> tuple[StageReport, dict[str, str]]:
+    """Check gates and compose the bundle: returns the hand-off report and the bundle's files
+    (run-relative name -> text); ``RunDir.write(report, extra=files)`` writes both.
+
+    export_note: a sentence about a converted checkpoint the bundle serves instead of ``model``
+    (e.g. experts dequantized for the CPU backend); served_model: that checkpoint's path.
+    """
+    from adapt.targets.target import load_target
+
+    resolved_target = load_target(target)
+    if devices < 1 or nodes < 1:
+        raise InputError("--devices and --nodes must be positive", field="--devices")
+    overridden = check_gates(run, model=model, target=target, devices=devices, nodes=nodes, force=force)
+    engine_args, source = plan_engine_args(run, devices=devices, nodes=nodes, forced=force)
+    model_path = served_model or model_reference(model)
+    args = multi_node_args(engine_args, nodes)
+    argv = serve_command(model_path, args)
+    steps = ray_steps(model_path, engine_args, nodes)
+
+    report = StageReport("handoff", STAGE_NUMBER, "Hand-off to vLLM",
+                         fingerprint=fingerprint(model=model, target=resolved_target.name, devices=devices,
+                                                 nodes=nodes))
+    report.metrics.update({"engine_args": args, "serve_command": argv, "ray_steps": steps, "nodes": nodes,
+                           "devices": devices, "forced": bool(force and overridden),
+                           "overridden_gates": overridden, "engine_args_source": source})
+    if overridden:
+        report.add("warn", "forced",
+                   "hand-off forced past gates that had not passed: " + "; ".join(overridden))
+    verdicts = gate_verdicts(run)
+    preflight = _preflight_checks(run)
+    files = {
+        f"{BUNDLE_DIR}/engine_args.json": json.dumps({
+            "model": model_path, "source_model": model, "target": resolved_target.name, "devices": devices,
+            "nodes": nodes, "engine_args": args, "engine_args_source": source, "forced": bool(overridden),
+            "overridden_gates": overridden, "export_note": export_note}, indent=2) + "\n",
+        f"{BUNDLE_DIR}/serve.sh": "#!/bin/sh\n# vllm serve for "
+        + (f"the head node of a {nodes}-node Ray cluster (see ray.sh)" if nodes > 1 else "one node")
+        + "\nexec " + shlex.join(argv) + "\n",
+        f"{BUNDLE_DIR}/README.md": _readme(model, model_path, resolved_target.name, devices, nodes, verdicts,
+                                          source, overridden, preflight, export_note, run),
+    }
+    if steps:
+        files[f"{BUNDLE_DIR}/ray.sh"] = (f"# Ray bring-up for vLLM over {nodes} nodes; run each line "
+                                         "where its comment says, in order.\n" + "\n".join(steps) + "\n")
+    if preflight is not None:
+        files[f"{BUNDLE_DIR}/preflight.json"] = json.dumps(preflight, indent=2) + "\n"
+    else:
+        report.add("info", "no-preflight",
+                   "the run has no preflight report; the bundle lists no environment checks",
+                   hint="run `adapt preflight` in this run directory")
+    report.metrics["bundle_files"] = sorted(files)
+    report.summary = (f"vLLM bundle for {model} on {devices} x {resolved_target.name}"
+                      + (f" over {nodes} nodes" if nodes > 1 else "") + f" in {run.path / BUNDLE_DIR}")
+    report.tables["gates"] = [{"stage": s, "verdict": v or "not run"} for s, v in verdicts.items()]
+    return report, files
+
+
+def _preflight_checks(run: RunDir) -> dict[str, Any] | None:
+    """The run's preflight report (``preflight.json``): its verdict, findings and tables, or None."""
+    path = run.path / "preflight.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise InputError("preflight report is not valid JSON", file=path) from None
+    return {key: data.get(key) for key in ("verdict", "summary", "metrics", "findings", "tables", "finished")}
+
+
+def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
+            verdicts: dict[str, str | None],
+            source: str, overridden: list[str], preflight: dict[str, Any] | None, export_note: str | None,
+            run: RunDir) -> str:
+    manifest = run.manifest()["stages"]
+    lines = [f"# vLLM hand-off: {model}", "",
+             f"Target: {devices} x {target}" + (f" over {nodes} nodes (Ray)" if nodes > 1 else "") + ".",
+             f"Model path served: `{model_path}`.", f"Engine arguments: {source}.", ""]
+    if export_note:
+        lines += [f"Checkpoint: {export_note}", ""]
+    lines += ["## Validated", ""]
+    rows = [{"stage": s, "verdict": v or "not run", "finished": manifest.get(s, {}).get("finished", "-")}
+            for s, v in verdicts.items()]
+    rows += [{"stage": s, "verdict": manifest[s]["verdict"], "finished": manifest[s].get("finished", "-")}
+             for s in LATER_STAGES if s in manifest]
+    lines += markdown_table(rows) + [""]
+    if overridden:
+        lines += ["**Forced:** the hand-off was made with `--force` past: " + "; ".join(overridden) + ".", ""]
+    lines += ["## Not validated", ""]
+    later = [s for s in LATER_STAGES if s not in manifest]
+    if later:
+        lines.append(f"- stages not run in this run directory: {', '.join(later)}")
+    lines.append("- the engine arguments are checked by vLLM's own parser only when `adapt handoff "
+                 "--validate` or `--launch` ran; the smoke-test result, if any, is in handoff_smoke.json")
+    if nodes > 1:
+        lines.append("- the Ray bring-up (ray.sh) follows vLLM's multi-node guide; adapt has not run it")
+    if preflight is None:
+        lines.append("- no preflight report: driver, library and interconnect checks were not recorded")
+    else:
+        lines.append(f"- preflight verdict: {preflight.get('verdict')} (preflight.json)")
+    start = "sh serve.sh" if nodes == 1 else "# run ray.sh's lines first; then on the head node: sh serve.sh"
+    lines += ["", "## Start", "", "```sh", start, "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,391 @@
+"""vLLM hand-off: engine arguments -> ``vllm serve`` argv, Ray multi-node steps, launch and teardown.
+
+Everything above the "Launch" section is pure string work and imports without vLLM installed.
+vLLM's own argument parser is reached only through a subprocess in the environment that has
+vLLM (``validate_with_vllm``), so adapt never imports vLLM itself.
+
+Flag spelling: vLLM derives every ``vllm serve`` flag from an ``EngineArgs`` field name by
+replacing ``_`` with ``-`` (``tensor_parallel_size`` -> ``--tensor-parallel-size``); booleans
+are switches (``enable_expert_parallel`` -> ``--enable-expert-parallel``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from adapt.errors import InputError
+
+# The engine-argument keys the stage-4 plan produces, in the order they appear on the command line.
+PLAN_KEYS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enable_expert_parallel",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "kv_cache_dtype",
+    "block_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+)
+RAY_PORT = 6379
+_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def flag_of(key: str) -> str:
+    """The ``vllm serve`` flag for an EngineArgs field name (``max_model_len`` -> ``--max-model-len``)."""
+    if not _KEY.match(key):
+        raise InputError(f"not an engine-argument name: {key!r}", field=key,
+                         hint="use vLLM EngineArgs field names such as tensor_parallel_size")
+    return "--" + key.replace("_", "-")
+
+
+def engine_argv(engine_args: dict[str, Any]) -> list[str]:
+    """Engine arguments as ``vllm serve`` flags: plan keys first (in PLAN_KEYS order), then the rest sorted.
+
+    ``None`` and ``False`` values are left out (vLLM's default applies); ``True`` is a bare switch;
+    dicts and lists are passed as JSON, which is how vLLM reads structured arguments.
+    """
+    rest = sorted(k for k in engine_args if k not in PLAN_KEYS)
+    ordered = [k for k in PLAN_KEYS if k in engine_args] + rest
+    argv: list[str] = []
+    for key in ordered:
+        value = engine_args[key]
+        flag = flag_of(key)
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (dict, list)):
+            argv += [flag, json.dumps(value, separators=(",", ":"))]
+        elif isinstance(value, (int, float, str)):
+            argv += [flag, str(value)]
+        else:
+            raise InputError(f"engine argument has unsupported type {type(value).__name__}", field=key)
+    return argv
+
+
+def serve_command(model_path: str, engine_args: dict[str, Any]) -> list[str]:
+    """The ``vllm serve`` argv for one model directory (or hub id) and a dict of engine arguments.
+
+    engine_args: EngineArgs field names -> values, e.g. ``{"tensor_parallel_size": 8,
+    "enable_expert_parallel": True, "max_model_len": 8192, "gpu_memory_utilization": 0.9}``.
+    Returns e.g. ``["vllm", "serve", "/models/ds", "--tensor-parallel-size", "8", ...]``.
+    """
+    if not model_path:
+        raise InputError("model path is empty", field="model")
+    return ["vllm", "serve", str(model_path), *engine_argv(engine_args)]
+
+
+def _positive_int(engine_args: dict[str, Any], key: str) -> int:
+    value = engine_args.get(key, 1)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"expected a positive integer, got {value!r}", field=key)
+    return value
+
+
+def multi_node_args(engine_args: dict[str, Any], nodes: int) -> dict[str, Any]:
+    """Engine arguments for a plan spread over ``nodes`` hosts joined by Ray.
+
+    A model replica (tensor x pipeline ranks) wider than one node runs on Ray workers
+    (``distributed_executor_backend="ray"``); data-parallel ranks on several nodes are placed
+    by Ray (``data_parallel_backend="ray"``), so one launch on the head node starts them all.
+    """
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise InputError(f"expected a positive number of nodes, got {nodes!r}", field="nodes")
+    tp = _positive_int(engine_args, "tensor_parallel_size")
+    pp = _positive_int(engine_args, "pipeline_parallel_size")
+    dp = _positive_int(engine_args, "data_parallel_size")
+    world = tp * pp * dp
+    if world % nodes:
+        raise InputError(f"{world} ranks (tensor {tp} x pipeline {pp} x data {dp}) do not split evenly "
+                         f"over {nodes} nodes", field="nodes")
+    args = dict(engine_args)
+    if nodes == 1:
+        return args
+    per_node = world // nodes
+    if tp * pp > per_node:
+        args.setdefault("distributed_executor_backend", "ray")
+    if dp > 1:
+        args.setdefault("data_parallel_backend", "ray")
+    return args
+
+
+def ray_steps(model_path: str, engine_args: dict[str, Any], nodes: int,
+              head_address: str = "<head-ip>") -> list[str]:
+    """Shell lines that bring up a Ray cluster over ``nodes`` hosts and start ``vllm serve`` on its head.
+
+    Follows vLLM's multi-node serving guide: every node exports ``VLLM_HOST_IP`` (its own
+    address), the head runs ``ray start --head``, each worker joins with ``ray start --address``,
+    ``ray status`` confirms the cluster, and only the head runs ``vllm serve``. Every node must see
+    the model at the same path. Each line ends with a ``#`` comment naming where it runs.
+    Returns [] for one node (no Ray needed).
+    """
+    args = multi_node_args(engine_args, nodes)
+    if nodes == 1:
+        return []
+    world = (_positive_int(args, "tensor_parallel_size") * _positive_int(args, "pipeline_parallel_size")
+             * _positive_int(args, "data_parallel_size"))
+    per_node = world // nodes
+    workers = nodes - 1
+    return [
+        f"export VLLM_HOST_IP=<this-node-ip>  # on all {nodes} nodes, before starting Ray",
+        f"ray start --head --port={RAY_PORT}  # on the head node ({head_address})",
+        f"ray start --address={head_address}:{RAY_PORT} --block  # on each of the {workers} worker node(s)",
+        f"ray status  # on the head node: expect {nodes} nodes and {world} GPUs ({per_node} per node)",
+        shlex.join(serve_command(model_path, args)) + "  # on the head node only",
+    ]
+
+
+def find_vllm(explicit: str | None = None) -> Path:
+    """The ``vllm`` executable: ``explicit`` if given, else next to the running Python, else
+    ``.venv-serve/bin/vllm`` in the current directory or the repository, else on PATH."""
+    if explicit:
+        path = Path(explicit)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise InputError("no vllm executable there", file=explicit, hint="run `make serve-env`")
+        return path
+    candidates = [Path(sys.executable).parent / "vllm",
+                  Path.cwd() / ".venv-serve" / "bin" / "vllm",
+                  Path(__file__).resolve().parents[2] / ".venv-serve" / "bin" / "vllm"]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    on_path = shutil.which("vllm")
+    if on_path:
+        return Path(on_path)
+    raise InputError("vLLM is not installed: no `vllm` next to this Python, in .venv-serve/bin, or on PATH",
+                     hint="run `make serve-env` or pass --vllm PATH")
+
+
+# ---------------------------------------------------------------- Validation through vLLM's parser
+
+_VALIDATE_SCRIPT = r"""
+import json, sys
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    try:
+        namespace = parser.parse_args(argv[2:])
+        if getattr(namespace, "model_tag", None):
+            namespace.model = namespace.model_tag
+        validate_parsed_serve_args(namespace)
+        engine = AsyncEngineArgs.from_cli_args(namespace)
+    except SystemExit as exc:
+        results.append({"ok": False, "error": f"argument parser exited with {exc.code}"})
+        continue
+    except Exception as exc:
+        results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        continue
+    results.append({"ok": True, "engine_args": {k: v for k, v in vars(engine).items()
+                                                if isinstance(v, (int, float, str, bool, type(None)))}})
+print("ADAPT-VALIDATE " + json.dumps(results))
+"""
+
+
+def validate_with_vllm(commands: list[list[str]], vllm: str | Path | None = None,
+                       timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Parse each ``vllm serve`` argv with vLLM's own CLI parser and build ``EngineArgs`` from it.
+
+    Runs in the Python next to the vllm executable (a subprocess, so adapt never imports vLLM),
+    loads no model and touches no network. Returns one dict per command: ``{"ok": True,
+    "engine_args": {field: value}}`` or ``{"ok": False, "error": "..."}`` (argparse's message is
+    on the subprocess' stderr, included in the error).
+    """
+    import subprocess
+
+    executable = find_vllm(str(vllm) if vllm else None)
+    python = executable.parent / "python"
+    if not python.exists():
+        raise InputError("no python next to the vllm executable", file=executable)
+    proc = subprocess.run([str(python), "-c", _VALIDATE_SCRIPT, json.dumps(commands)], capture_output=True,
+                          text=True, timeout=timeout_s, env={**os.environ, **cpu_env()})
+    marker = [line for line in proc.stdout.splitlines() if line.startswith("ADAPT-VALIDATE ")]
+    if not marker:
+        raise RuntimeError(f"vLLM's parser did not run (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    results = json.loads(marker[-1][len("ADAPT-VALIDATE "):])
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    for result in results:
+        if not result["ok"] and errors:
+            result["error"] += "; " + errors.pop(0).strip()
+    return results
+
+
+def cpu_env() -> dict[str, str]:
+    """Environment for vLLM on a machine without a CUDA GPU (empty when one is present)."""
+    if has_cuda():
+        return {}
+    return {"VLLM_TARGET_DEVICE": "cpu"}
+
+
+def has_cuda() -> bool:
+    """Whether an NVIDIA GPU is visible (``nvidia-smi`` lists one); does not import torch."""
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+# ---------------------------------------------------------------- Launch, health, teardown
+
+class ServerFailed(Exception):
+    """The vLLM server did not come up or died; ``log_tail`` holds its last log lines."""
+
+    def __init__(self, message: str, log_tail: list[str]):
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a TCP listener could bind ``host:port`` now."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free on ``host`` (it may be taken again before use)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live (non-zombie) process ids whose session id is ``sid``, read from /proc (Linux)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        # after the command name: state, ppid, pgrp, session, ...
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry.name))
+    return found
+
+
+class VllmServer:
+    """One ``vllm serve`` process tree on this machine, started in its own session.
+
+    argv: the full ``vllm serve`` argv (executable first); ``--host``/``--port`` are appended.
+    log_path: file that receives the server's stdout and stderr.
+    Use as a context manager: leaving the block (normally, on an exception, on Ctrl-C) stops
+    the whole session (SIGTERM, then SIGKILL after ``grace_s`` seconds) and checks nothing is left.
+    """
+
+    def __init__(self, argv: list[str], log_path: Path, *, host: str = "127.0.0.1", port: int = 8000,
+                 env: dict[str, str] | None = None, grace_s: float = 15.0):
+        self.argv = [*argv, "--host", host, "--port", str(port)]
+        self.log_path = Path(log_path)
+        self.host, self.port = host, port
+        self.env = {**os.environ, **(env or {})}
+        self.grace_s = grace_s
+        self.process = None
+        self.leftover: list[int] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        import subprocess
+
+        if not port_is_free(self.host, self.port):
+            raise InputError(f"port {self.port} on {self.host} is already in use", field="port",
+                             hint="pass a free --port or stop what listens there")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Poll ``GET /health`` until it answers 200; returns seconds waited. Raises ServerFailed."""
+        import time
+        import urllib.error
+        import urllib.request
+
+        started = time.monotonic()
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerFailed(f"vllm serve exited with code {code} before it was healthy",
+                                   self.log_tail())
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return time.monotonic() - started
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - started > timeout_s:
+                raise ServerFailed(f"vllm serve was not healthy after {timeout_s:.0f} s", self.log_tail())
+            time.sleep(1.0)
+
+    def stop(self) -> list[int]:
+        """Stop the server's whole session; returns process ids still alive afterwards (expected: [])."""
+        import signal
+        import subprocess
+        import time
+
+        if self.process is None:
+            return []
+        sid = self.process.pid
+        for sig, wait_s in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, 10.0)):
+            for pid in [sid, *session_processes(sid)]:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            deadline = time.monotonic() + wait_s
+            while session_processes(sid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if not session_processes(sid):
+                break
+        self.leftover = session_processes(sid)
+        return self.leftover
+
+    def log_tail(self, lines: int = 30) -> list[str]:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        return text.splitlines()[-lines:]
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

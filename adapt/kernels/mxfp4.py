@@ -1,0 +1,482 @@
+"""MXFP4 codec (OCP MX v1.0) and MXFP4 -> FP8 e4m3 conversion, as Triton kernels with torch twins.
+
+Format. An MXFP4 tensor of logical shape ``[..., K]`` (K a multiple of 32) is stored as
+
+- ``packed`` uint8 ``[..., K/2]``: two E2M1 codes per byte, the even element in the low nibble.
+  E2M1 code bits ``s e1 e0 m``: magnitudes ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``, bit 3 is the sign.
+- ``scales`` uint8 ``[..., K/32]``: one E8M0 scale per 32 consecutive elements along K,
+  ``2 ** (byte - 127)``; ``0xFF`` is NaN and is rejected with ``InputError``.
+
+gpt-oss checkpoints hold the same bytes as ``*_blocks`` uint8 ``[E, N, K/32, 16]`` and
+``*_scales`` uint8 ``[E, N, K/32]``; ``from_gpt_oss_blocks`` / ``to_gpt_oss_blocks`` are views.
+
+Quantisation rule: per 32-block, shared exponent ``floor(log2(amax)) - 2`` (clamped to the E8M0
+range), elements ``x / 2**e`` rounded to nearest even on the E2M1 grid, saturated at +-6.
+
+MXFP4 -> FP8. Within a group of ``group_k`` elements of one row (128 by default, or the whole
+row), the group exponent is ``g = max(block exponents) - 6`` and each element becomes
+``e4m3(code * 2**(e_block - g))`` (round to nearest even), so the value is ``fp8 * 2**g``.
+The largest block lands at most at ``6 * 2**6 = 384 <= 448`` (no saturation); an element is
+exact while ``e_block >= g - 8``, i.e. while the group's exponent spread is at most 14.
+Elements that lose bits are counted (``lost``), never hidden.
+
+Public functions (``*_torch`` are the twins with the same signature and results):
+
+- ``quantize_mxfp4(x) -> (packed, scales)``            x: float ``[..., K]``
+- ``dequantize_mxfp4(packed, scales, dtype) -> [..., K]``
+- ``mxfp4_to_fp8(packed, scales, group_k) -> Fp8Groups``  (values e4m3 ``[..., K]``,
+  exponents int32 ``[..., K/group_k]``, lost int64 ``[1]`` on the device)
+- ``check_scales(scales, name)``: raises ``InputError`` on an E8M0 NaN scale.
+
+Bytes and FLOPs: every kernel here is a streaming pass. ``quantize_mxfp4`` reads ``4*K`` bytes per
+fp32 row (2*K for bf16) and writes ``K/2 + K/32``; ``dequantize_mxfp4`` reads ``K/2 + K/32`` and
+writes ``K * itemsize``; ``mxfp4_to_fp8`` reads ``K/2 + K/32`` (the scales twice) and writes
+``K + 4*K/group_k`` bytes per row. No FLOPs worth counting.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from adapt.errors import InputError
+
+MX_BLOCK = 32
+"""Elements per E8M0 scale (OCP MX v1.0)."""
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+E2M1_MAX = 6.0
+FP8_E4M3_MAX = 448.0
+FP8_FOLD_HEADROOM = 6
+"""Exponent headroom of the MXFP4 -> e4m3 fold: the largest block maps to at most 6 * 2**6 = 384."""
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""Value of each 4-bit E2M1 code, indexed by the code."""
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""True when Triton kernels run under the CPU interpreter (no bf16 arithmetic there)."""
+SOFT_E4M3_ROUNDING = tl.constexpr(INTERPRET)
+"""The interpreter's fp32 -> e4m3 cast mis-rounds (ties, carries); round on the grid first there."""
+
+
+@dataclass
+class Fp8Groups:
+    """MXFP4 converted to e4m3 with power-of-two scales.
+
+    values:    float8_e4m3fn ``[..., K]``
+    exponents: int32 ``[..., K/group_k]``; element value = ``values * 2**exponents``
+    lost:      int64 ``[1]`` (device): nonzero MXFP4 elements whose e4m3 image is not exact
+    """
+
+    values: torch.Tensor
+    exponents: torch.Tensor
+    lost: torch.Tensor
+
+
+def check_scales(scales: torch.Tensor, name: str = "scales") -> None:
+    """Raise ``InputError`` if any E8M0 scale byte is 0xFF (NaN). Synchronises with the device."""
+    if scales.dtype != torch.uint8:
+        raise InputError(f"expected uint8 E8M0 scales, got {scales.dtype}", field=name)
+    bad = int((scales == E8M0_NAN).sum().item())
+    if bad:
+        raise InputError(
+            f"{bad} E8M0 scale byte(s) are 0xFF, which OCP MX v1.0 defines as NaN",
+            field=name,
+            hint="the checkpoint's MXFP4 scales are corrupt or not E8M0; re-export the weights",
+        )
+
+
+def _check_mx_shapes(packed: torch.Tensor, scales: torch.Tensor) -> int:
+    """Validate packed/scales shapes; return K (elements per row)."""
+    if packed.dtype != torch.uint8:
+        raise InputError(f"expected uint8 packed MXFP4 codes, got {packed.dtype}", field="packed")
+    k = packed.shape[-1] * 2
+    if k % MX_BLOCK or tuple(scales.shape) != (*packed.shape[:-1], k // MX_BLOCK):
+        raise InputError(
+            f"packed {tuple(packed.shape)} and scales {tuple(scales.shape)} do not form an MXFP4 tensor",
+            field="scales",
+            hint="expect packed [..., K/2] and scales [..., K/32] with K a multiple of 32",
+        )
+    return k
+
+
+def from_gpt_oss_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss ``*_blocks`` uint8 ``[E, N, K/32, 16]`` -> packed ``[E, N, K/2]`` (a view)."""
+    if blocks.dim() < 2 or blocks.shape[-1] != MX_BLOCK // 2:
+        raise InputError(f"gpt-oss blocks must end in 16 bytes per 32-block, got {tuple(blocks.shape)}",
+                         field="blocks")
+    return blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1])
+
+
+def to_gpt_oss_blocks(packed: torch.Tensor) -> torch.Tensor:
+    """Packed ``[E, N, K/2]`` -> gpt-oss ``*_blocks`` ``[E, N, K/32, 16]`` (a view)."""
+    return packed.reshape(*packed.shape[:-1], packed.shape[-1] // (MX_BLOCK // 2), MX_BLOCK // 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch twins
+# ----------------------------------------------------------------------------------------------
+
+def _floor_log2_bits(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2(a)) of fp32 ``a`` >= 0 read from its exponent bits (-127 for 0 and denormals)."""
+    return ((a.view(torch.int32) >> 23) & 0xFF) - 127
+
+
+def _e2m1_code(y: torch.Tensor) -> torch.Tensor:
+    """Round |y| to nearest even on the E2M1 grid (saturating at 6) -> 3-bit magnitude code."""
+    a = y.abs()
+    code = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
+            + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
+    return code | ((y < 0).int() << 3)
+
+
+def quantize_mxfp4_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float ``[..., K]`` -> (packed uint8 ``[..., K/2]``, scales uint8 ``[..., K/32]``).
+
+    Non-finite blocks get the NaN scale 0xFF.
+    """
+    k = x.shape[-1]
+    if k % MX_BLOCK:
+        raise InputError(f"MXFP4 needs the last dimension to be a multiple of 32, got {k}", field="x")
+    xb = x.float().reshape(*x.shape[:-1], k // MX_BLOCK, MX_BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    e = (_floor_log2_bits(amax) - 2).clamp(-127, 127)
+    finite = torch.isfinite(amax)
+    scale = torch.where(finite, e + E8M0_BIAS, torch.full_like(e, E8M0_NAN)).to(torch.uint8)
+    y = xb * torch.pow(2.0, -e.float()).unsqueeze(-1)
+    code = _e2m1_code(torch.where(torch.isfinite(y), y, torch.zeros_like(y))).reshape(*x.shape[:-1], k)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return packed, scale
+
+
+def _unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., K/2]`` -> int64 codes ``[..., K]``."""
+    p = packed.long()
+    return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> fp32 ``2**(s-127)`` (NaN for 0xFF)."""
+    v = torch.pow(2.0, scales.float() - E8M0_BIAS)
+    return torch.where(scales == E8M0_NAN, torch.full_like(v, float("nan")), v)
+
+
+def dequantize_mxfp4_torch(packed: torch.Tensor, scales: torch.Tensor,
+                           dtype: torch.dtype = torch.float32, validate: bool = True) -> torch.Tensor:
+    """packed ``[..., K/2]`` + scales ``[..., K/32]`` -> ``dtype`` ``[..., K]``."""
+    k = _check_mx_shapes(packed, scales)
+    if validate:
+        check_scales(scales)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    vals = lut[_unpack_codes(packed)].reshape(*packed.shape[:-1], k // MX_BLOCK, MX_BLOCK)
+    return (vals * _scale_values(scales).unsqueeze(-1)).reshape(*packed.shape[:-1], k).to(dtype)
+
+
+def _check_group(k: int, group_k: int | None) -> int:
+    g = k if group_k is None else group_k
+    if g % MX_BLOCK or k % g:
+        raise InputError(f"group_k={group_k} must be a multiple of 32 that divides K={k}", field="group_k")
+    return g
+
+
+def mxfp4_to_fp8_torch(packed: torch.Tensor, scales: torch.Tensor, group_k: int | None = 128,
+                       validate: bool = True) -> Fp8Groups:
+    """Twin of ``mxfp4_to_fp8``: fold block exponents into e4m3 relative to a group exponent.
+
+    group_k: elements per group along K (a multiple of 32 dividing K), or None for the whole row.
+    """
+    k = _check_mx_shapes(packed, scales)
+    g = _check_group(k, group_k)
+    if validate:
+        check_scales(scales)
+    lead = packed.shape[:-1]
+    e_blk = scales.int() - E8M0_BIAS                                   # [..., K/32]
+    e_grp = e_blk.reshape(*lead, k // g, g // MX_BLOCK).amax(dim=-1) - FP8_FOLD_HEADROOM
+    d = e_blk - e_grp.repeat_interleave(g // MX_BLOCK, dim=-1)         # [..., K/32], <= 6
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    codes = _unpack_codes(packed)
+    c = lut[codes].reshape(*lead, k // MX_BLOCK, MX_BLOCK)
+    exact = c * torch.pow(2.0, d.float()).unsqueeze(-1)
+    fp8 = exact.to(torch.float8_e4m3fn)
+    lost = ((fp8.float() != exact) & (c != 0)).sum().reshape(1)
+    return Fp8Groups(fp8.reshape(*lead, k), e_grp.int(), lost)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton building blocks (used by moe_gemm too)
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def pow2_f32(e):
+    """2**e as fp32 from an int32 exponent, built from its bits (e clamped to [-126, 127])."""
+    ec = tl.minimum(tl.maximum(e, -126), 127)
+    return ((ec + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_e4m3(v):
+    """Round to e4m3 (nearest even, saturating at +-448). Compiled: the hardware conversion;
+    interpreter: round onto the e4m3 grid in fp32 first, so the cast itself is exact."""
+    if SOFT_E4M3_ROUNDING:
+        f = v.to(tl.float32)
+        e = tl.maximum(((f.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        ulp = pow2_f32(e - 3)
+        q = ((f / ulp + 12582912.0) - 12582912.0) * ulp
+        return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+    else:
+        return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def e2m1_to_f16(code):
+    """E2M1 codes (uint8, low 4 bits) -> exact fp16 values (integer ops + one multiply)."""
+    c = code.to(tl.uint16)
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    # the code's 3 magnitude bits sit at fp16 exponent/mantissa positions of 2**-14 * value
+    # (0.5 lands on the fp16 denormal 2**-15), so one multiply by 2**14 gives the value
+    two14 = tl.full(bits.shape, 0x7400, tl.uint16).to(tl.float16, bitcast=True)
+    return bits.to(tl.float16, bitcast=True) * two14
+
+
+@triton.jit
+def e2m1_to_bf16_scaled(code, scale_bits):
+    """E2M1 codes (uint8) times bf16 block scales (given as uint16 bf16 bits, broadcastable) -> bf16.
+
+    bf16 path: code bits at bf16 exponent/mantissa positions of 2**-126 * value (0.5 is a bf16
+    denormal), then two bf16 multiplies: by 2**126 and by the block scale.
+    """
+    c = code.to(tl.uint16)
+    bits = ((c & 8) << 12) | ((c & 7) << 6)
+    two126 = tl.full(bits.shape, (126 + 127) << 7, tl.uint16).to(tl.bfloat16, bitcast=True)
+    return bits.to(tl.bfloat16, bitcast=True) * two126 * scale_bits.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e8m0_to_bf16_bits(s):
+    """E8M0 bytes -> bf16 bit patterns of 2**(s-127) (0x0040 denormal for s = 0, NaN for 0xFF)."""
+    s16 = s.to(tl.uint16)
+    bits = tl.where(s16 == 0, 0x0040, s16 << 7)
+    return tl.where(s16 == 255, 0x7FC0, bits).to(tl.uint16)
+
+
+@triton.jit
+def e8m0_to_f32(s):
+    """E8M0 bytes -> fp32 2**(s-127) (exact, including 2**-127; NaN for 0xFF)."""
+    s32 = s.to(tl.int32)
+    v = tl.where(s32 == 0, 0x00400000, s32 << 23).to(tl.float32, bitcast=True)
+    return tl.where(s32 == 255, float("nan"), v)
+
+
+@triton.jit
+def decode_mxfp4_tile(packed, scales, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TO_BF16: tl.constexpr):
+    """Decode an MXFP4 tile: packed uint8 [BLOCK_R, BLOCK_K/2], scales uint8 [BLOCK_R, BLOCK_K/32].
+
+    Returns [BLOCK_R, BLOCK_K]: bf16 when TO_BF16 (compiled GPU path), else fp32 (interpreter).
+    """
+    lo = packed & 0xF
+    hi = packed >> 4
+    if TO_BF16:
+        sb = tl.reshape(e8m0_to_bf16_bits(scales), (BLOCK_R, BLOCK_K // 32, 1))
+        vlo = e2m1_to_bf16_scaled(tl.reshape(lo, (BLOCK_R, BLOCK_K // 32, 16)), sb)
+        vhi = e2m1_to_bf16_scaled(tl.reshape(hi, (BLOCK_R, BLOCK_K // 32, 16)), sb)
+    else:
+        sf = tl.reshape(e8m0_to_f32(scales), (BLOCK_R, BLOCK_K // 32, 1))
+        vlo = e2m1_to_f16(tl.reshape(lo, (BLOCK_R, BLOCK_K // 32, 16))).to(tl.float32) * sf
+        vhi = e2m1_to_f16(tl.reshape(hi, (BLOCK_R, BLOCK_K // 32, 16))).to(tl.float32) * sf
+    return tl.reshape(tl.join(vlo, vhi), (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def decode_mxfp4_tile_fp8(packed, scales, g_row, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decode an MXFP4 tile to e4m3 relative to per-row exponents ``g_row`` int32 [BLOCK_R].
+
+    Each element becomes e4m3(code * 2**(e_block - g_row)) with round-to-nearest-even, computed
+    as an exact fp16 value times two powers of two, then one fp16 -> e4m3 conversion.
+    """
+    d = scales.to(tl.int32) - 127 - g_row[:, None]                      # [R, K/32], <= 6
+    step = tl.reshape(pow2_f32(tl.maximum(d, -40)).to(tl.float16), (BLOCK_R, BLOCK_K // 32, 1))
+    lo = tl.reshape(packed & 0xF, (BLOCK_R, BLOCK_K // 32, 16))
+    hi = tl.reshape(packed >> 4, (BLOCK_R, BLOCK_K // 32, 16))
+    vlo = to_e4m3(e2m1_to_f16(lo) * step)
+    vhi = to_e4m3(e2m1_to_f16(hi) * step)
+    return tl.reshape(tl.join(vlo, vhi), (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def e2m1_code_of(y):
+    """fp32 ``y`` (already divided by the block scale) -> 4-bit E2M1 code, RNE, saturating."""
+    a = tl.abs(y)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32))
+    return code | ((y < 0).to(tl.int32) << 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _quantize_mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, n_rows, n_blocks,
+                           BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program: BLOCK_R rows x BLOCK_B 32-blocks. x fp32/bf16 [rows, K] contiguous."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    ok = (r < n_rows)[:, None, None] & (b < n_blocks)[None, :, None]
+    j = tl.arange(0, 32)
+    k = b[None, :, None] * 32 + j[None, None, :]
+    x = tl.load(x_ptr + r[:, None, None].to(tl.int64) * (n_blocks * 32) + k, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=2)                                          # [R, B]
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 2
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    has_nan = tl.max((x != x).to(tl.int32), axis=2)
+    finite = (amax < float("inf")) & (has_nan == 0)
+    s = tl.where(finite, e + 127, 255)
+    y = x * pow2_f32(-e)[:, :, None]
+    y = tl.where(finite[:, :, None], y, 0.0)
+    code = e2m1_code_of(y)                                                    # [R, B, 32]
+    pair = tl.reshape(code, (BLOCK_R, BLOCK_B, 16, 2))
+    lo, hi = tl.split(pair)
+    byte = (lo | (hi << 4)).to(tl.uint8)
+    jb = tl.arange(0, 16)
+    tl.store(packed_ptr + r[:, None, None].to(tl.int64) * (n_blocks * 16) + b[None, :, None] * 16
+             + jb[None, None, :], byte, mask=ok)
+    tl.store(scales_ptr + r[:, None].to(tl.int64) * n_blocks + b[None, :], s.to(tl.uint8),
+             mask=(r < n_rows)[:, None] & (b < n_blocks)[None, :])
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float ``[..., K]`` -> (packed uint8 ``[..., K/2]``, scales uint8 ``[..., K/32]``). Triton."""
+    k = x.shape[-1]
+    if k % MX_BLOCK:
+        raise InputError(f"MXFP4 needs the last dimension to be a multiple of 32, got {k}", field="x")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    rows, nb = x2.shape[0], k // MX_BLOCK
+    packed = torch.empty(rows, k // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(rows, nb, dtype=torch.uint8, device=x.device)
+    br, bb = 16, 8
+    _quantize_mxfp4_kernel[(triton.cdiv(rows, br), triton.cdiv(nb, bb))](
+        x2, packed, scales, rows, nb, BLOCK_R=br, BLOCK_B=bb)
+    return packed.reshape(*lead, k // 2), scales.reshape(*lead, nb)
+
+
+@triton.jit
+def _dequantize_mxfp4_kernel(packed_ptr, scales_ptr, out_ptr, n_rows, k,
+                             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TO_BF16: tl.constexpr):
+    """One program: BLOCK_R rows x BLOCK_K elements; out [rows, K] (bf16 or fp32)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    ks = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    rm = (r < n_rows)[:, None]
+    p = tl.load(packed_ptr + r[:, None].to(tl.int64) * (k // 2) + kb[None, :],
+                mask=rm & (kb < k // 2)[None, :], other=0)
+    s = tl.load(scales_ptr + r[:, None].to(tl.int64) * (k // 32) + ks[None, :],
+                mask=rm & (ks < k // 32)[None, :], other=127)
+    v = decode_mxfp4_tile(p, s, BLOCK_R, BLOCK_K, TO_BF16)
+    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + r[:, None].to(tl.int64) * k + kk[None, :], v.to(out_ptr.dtype.element_ty),
+             mask=rm & (kk < k)[None, :])
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype = torch.float32, validate: bool = True) -> torch.Tensor:
+    """packed ``[..., K/2]`` + scales ``[..., K/32]`` -> ``dtype`` (bf16 or fp32) ``[..., K]``. Triton."""
+    k = _check_mx_shapes(packed, scales)
+    if validate:
+        check_scales(scales)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise InputError(f"dequantize_mxfp4 writes float32 or bfloat16, not {dtype}", field="dtype")
+    lead = packed.shape[:-1]
+    p2 = packed.reshape(-1, k // 2).contiguous()
+    s2 = scales.reshape(-1, k // 32).contiguous()
+    out = torch.empty(p2.shape[0], k, dtype=dtype, device=packed.device)
+    br, bk = 16, 128
+    _dequantize_mxfp4_kernel[(triton.cdiv(p2.shape[0], br), triton.cdiv(k, bk))](
+        p2, s2, out, p2.shape[0], k, BLOCK_R=br, BLOCK_K=bk, TO_BF16=not INTERPRET)
+    return out.reshape(*lead, k)
+
+
+@triton.jit
+def group_fold_exponent(scales_ptr, row_off, n_blocks, rmask, blk0, GROUP_BLOCKS: tl.constexpr,
+                        BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+    """Group exponent g = max(e_block) - 6 over GROUP_BLOCKS scales starting at ``blk0``.
+
+    scales_ptr + row_off[:, None] + block: uint8 E8M0; returns int32 [BLOCK_R].
+    """
+    gmax = tl.full((BLOCK_R,), -127, tl.int32)
+    for c0 in range(0, GROUP_BLOCKS, CHUNK):
+        cb = blk0 + c0 + tl.arange(0, CHUNK)
+        ok = rmask[:, None] & (cb < n_blocks)[None, :] & ((c0 + tl.arange(0, CHUNK)) < GROUP_BLOCKS)[None, :]
+        s = tl.load(scales_ptr + row_off[:, None] + cb[None, :], mask=ok, other=0)
+        gmax = tl.maximum(gmax, tl.max(s.to(tl.int32), axis=1) - 127)
+    return gmax - 6
+
+
+@triton.jit
+def fold_loss(p, s, g, v, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per row of a tile: nonzero MXFP4 elements whose e4m3 image ``v`` differs from the exact value.
+
+    p uint8 [R, K/2], s uint8 [R, K/32], g int32 [R] (group exponent), v e4m3 [R, K] -> int32 [R].
+    """
+    d = s.to(tl.int32) - 127 - g[:, None]
+    step = tl.reshape(pow2_f32(tl.maximum(d, -126)), (BLOCK_R, BLOCK_K // 32, 1))
+    lo = tl.reshape(p & 0xF, (BLOCK_R, BLOCK_K // 32, 16))
+    hi = tl.reshape(p >> 4, (BLOCK_R, BLOCK_K // 32, 16))
+    exact = tl.reshape(tl.join(e2m1_to_f16(lo).to(tl.float32) * step,
+                               e2m1_to_f16(hi).to(tl.float32) * step), (BLOCK_R, BLOCK_K))
+    nonzero = tl.reshape(tl.join((lo & 7).to(tl.int32), (hi & 7).to(tl.int32)), (BLOCK_R, BLOCK_K)) != 0
+    bad = ((v.to(tl.float32) != exact) | (exact == 0.0)) & nonzero
+    return tl.sum(bad.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _mxfp4_to_fp8_kernel(packed_ptr, scales_ptr, out_ptr, exp_ptr, lost_ptr, n_rows, k,
+                         GROUP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    """One program: BLOCK_R rows x one group of GROUP_K elements, in BLOCK_K steps."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    grp = tl.program_id(1)
+    rm = r < n_rows
+    rr = r.to(tl.int64)
+    g = group_fold_exponent(scales_ptr, rr * (k // 32), k // 32, rm, grp * (GROUP_K // 32),
+                            GROUP_K // 32, BLOCK_R, CHUNK)
+    tl.store(exp_ptr + rr * (k // GROUP_K) + grp, g, mask=rm)
+    lost = tl.zeros((BLOCK_R,), tl.int32)
+    for k0 in range(0, GROUP_K, BLOCK_K):
+        kb = grp * (GROUP_K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ks = grp * (GROUP_K // 32) + k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        p = tl.load(packed_ptr + rr[:, None] * (k // 2) + kb[None, :], mask=rm[:, None], other=0)
+        s = tl.load(scales_ptr + rr[:, None] * (k // 32) + ks[None, :], mask=rm[:, None], other=127)
+        v = decode_mxfp4_tile_fp8(p, s, g, BLOCK_R, BLOCK_K)
+        kk = grp * GROUP_K + k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + rr[:, None] * k + kk[None, :], v, mask=rm[:, None])
+        lost += fold_loss(p, s, g, v, BLOCK_R, BLOCK_K)
+    tl.atomic_add(lost_ptr, tl.sum(tl.where(rm, lost, 0), axis=0).to(tl.int64))
+
+
+def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, group_k: int | None = 128,
+                 validate: bool = True) -> Fp8Groups:
+    """MXFP4 ``[..., K]`` -> e4m3 values + power-of-two exponents per (row, group_k). Triton.
+
+    group_k: elements per group along K (multiple of 32 dividing K), None for the whole row.
+    """
+    k = _check_mx_shapes(packed, scales)
+    g = _check_group(k, group_k)
+    if validate:
+        check_scales(scales)
+    lead = packed.shape[:-1]
+    p2 = packed.reshape(-1, k // 2).contiguous()
+    s2 = scales.reshape(-1, k // 32).contiguous()
+    rows = p2.shape[0]
+    out = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=packed.device)
+    exps = torch.empty(rows, k // g, dtype=torch.int32, device=packed.device)
+    lost = torch.zeros(1, dtype=torch.int64, device=packed.device)
+    bk = 32 if g % 64 else (64 if g % 128 else 128)
+    br = 16
+    _mxfp4_to_fp8_kernel[(triton.cdiv(rows, br), k // g)](
+        p2, s2, out, exps, lost, rows, k, GROUP_K=g, BLOCK_R=br, BLOCK_K=bk, CHUNK=32)
+    return Fp8Groups(out.reshape(*lead, k), exps.reshape(*lead, k // g), lost)

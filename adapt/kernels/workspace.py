@@ -1,0 +1,169 @@
+"""The shared FP8 expert workspace: online MXFP4 -> e4m3 conversion of only the active experts.
+
+One ``FP8Workspace`` serves every MoE layer of a model: a layer's experts are processed in chunks
+of ``chunk_experts``; the experts of a chunk that have tokens are converted (per-row exponent fold,
+the rule of ``mxfp4.mxfp4_to_fp8(group_k=None)``) into one of two slot buffers while the previous
+chunk's GEMMs run on the main stream, so conversion of chunk c+1 overlaps the GEMMs of chunk c.
+Its size follows the experts computed at once (2 * chunk_experts), never the expert count.
+
+    ws = FP8Workspace(chunk_experts=16, hidden=7168, intermediate=2048, device="cuda")
+    y = expert_mlp(hidden, perm, weights, top_k=8, workspace=ws)   # or moe_forward(..., workspace=ws)
+    ws.nbytes            # bytes held
+    ws.lost              # int64 [1] on the device: elements that lost bits, all conversions so far
+
+Buffers: w1 e4m3 [2C, 2I, H], w1_exp int32 [2C, 2I], w2 e4m3 [2C, H, I], w2_exp int32 [2C, H].
+Conversion kernel bytes per active expert: reads 3*H*I*17/32 (+ the scales once more for the row
+exponent), writes 3*H*I + 4*(2I + H).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from adapt.errors import InputError
+from adapt.kernels.mxfp4 import decode_mxfp4_tile_fp8, fold_loss
+
+
+def workspace_bytes(chunk_experts: int, hidden: int, intermediate: int) -> int:
+    """Bytes of an ``FP8Workspace``: two chunks of experts, e4m3 weights + int32 row exponents."""
+    per_expert = 3 * hidden * intermediate + 4 * (2 * intermediate + hidden)
+    return 2 * chunk_experts * per_expert
+
+
+@triton.jit
+def _convert_experts_kernel(packed_ptr, scales_ptr, out_ptr, exp_ptr, lost_ptr, offsets_ptr,
+                            e_lo, slot_base, n_rows, k,
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_LOSS: tl.constexpr):
+    """Program (i, rb): expert e_lo + i, rows rb*BLOCK_R.. -> slot slot_base + i (skipped when idle).
+
+    packed uint8 [E, N, K/2], scales uint8 [E, N, K/32] -> out e4m3 [slots, N, K], exp int32 [slots, N].
+    """
+    i = tl.program_id(0)
+    e = e_lo + i
+    if tl.load(offsets_ptr + e + 1) > tl.load(offsets_ptr + e):
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rm = r < n_rows
+        src = e.to(tl.int64) * n_rows + r
+        dst = (slot_base + i).to(tl.int64) * n_rows + r
+        gmax = tl.full((BLOCK_R,), -127, tl.int32)
+        for c0 in range(0, k // 32, 64):
+            cb = c0 + tl.arange(0, 64)
+            s = tl.load(scales_ptr + src[:, None] * (k // 32) + cb[None, :], mask=rm[:, None] & (cb < k // 32)[None, :],
+                        other=0)
+            gmax = tl.maximum(gmax, tl.max(s.to(tl.int32), axis=1) - 127)
+        g = gmax - 6
+        tl.store(exp_ptr + dst, g, mask=rm)
+        lost = tl.zeros((BLOCK_R,), tl.int32)
+        for k0 in range(0, k, BLOCK_K):
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            km = (kb < k // 2)[None, :]
+            p = tl.load(packed_ptr + src[:, None] * (k // 2) + kb[None, :], mask=rm[:, None] & km, other=0)
+            s = tl.load(scales_ptr + src[:, None] * (k // 32) + ks[None, :],
+                        mask=rm[:, None] & (ks < k // 32)[None, :], other=127)
+            v = decode_mxfp4_tile_fp8(p, s, g, BLOCK_R, BLOCK_K)
+            kk = k0 + tl.arange(0, BLOCK_K)
+            tl.store(out_ptr + dst[:, None] * k + kk[None, :], v, mask=rm[:, None] & (kk < k)[None, :])
+            if COUNT_LOSS:
+                lost += fold_loss(p, s, g, v, BLOCK_R, BLOCK_K)
+        if COUNT_LOSS:
+            tl.atomic_add(lost_ptr, tl.sum(tl.where(rm, lost, 0), axis=0).to(tl.int64))
+
+
+def convert_experts(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, exps: torch.Tensor,
+                    lost: torch.Tensor, expert_offsets: torch.Tensor, experts: tuple[int, int], slot_base: int,
+                    count_loss: bool = True) -> None:
+    """Convert experts [lo, hi) that own tokens into slots slot_base + (e - lo) of ``out``/``exps``."""
+    lo, hi = experts
+    n, k = packed.shape[1], packed.shape[2] * 2
+    br = 16
+    bk = 128 if k % 128 == 0 else 32
+    _convert_experts_kernel[(hi - lo, triton.cdiv(n, br))](
+        packed, scales, out, exps, lost, expert_offsets, lo, slot_base, n, k,
+        BLOCK_R=br, BLOCK_K=bk, COUNT_LOSS=count_loss, num_warps=4)
+
+
+class FP8Workspace:
+    """Two chunks of e4m3 expert slots shared by all layers (see the module docstring)."""
+
+    def __init__(self, chunk_experts: int, hidden: int, intermediate: int, device: str | torch.device,
+                 count_loss: bool = True):
+        if chunk_experts < 1:
+            raise InputError(f"chunk_experts must be >= 1, got {chunk_experts}", field="chunk_experts")
+        self.chunk_experts = chunk_experts
+        self.hidden = hidden
+        self.intermediate = intermediate
+        self.count_loss = count_loss
+        dev = torch.device(device)
+        slots = 2 * chunk_experts
+        self.w1 = torch.empty(slots, 2 * intermediate, hidden, dtype=torch.float8_e4m3fn, device=dev)
+        self.w1_exp = torch.empty(slots, 2 * intermediate, dtype=torch.int32, device=dev)
+        self.w2 = torch.empty(slots, hidden, intermediate, dtype=torch.float8_e4m3fn, device=dev)
+        self.w2_exp = torch.empty(slots, hidden, dtype=torch.int32, device=dev)
+        self.lost = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w1, self.w1_exp, self.w2, self.w2_exp))
+
+    def _convert(self, weights, perm, chunk: tuple[int, int], buf: int) -> None:
+        base = buf * self.chunk_experts
+        convert_experts(weights.w1_packed, weights.w1_scales, self.w1, self.w1_exp, self.lost, perm.expert_offsets,
+                        chunk, base, self.count_loss)
+        convert_experts(weights.w2_packed, weights.w2_scales, self.w2, self.w2_exp, self.lost, perm.expert_offsets,
+                        chunk, base, self.count_loss)
+
+    def run_layer(self, weights, perm, tiles, xq, xs, hbuf, hq_hs, y, *, group, activation, configs, top_k,
+                  alpha, limit) -> None:
+        """GEMM1 + SwiGLU + GEMM2 of one layer, chunk by chunk through the workspace (fp8 MMA).
+
+        xq/xs: quantised hidden [T, H]; hbuf bf16 [S, I]; hq_hs: (e4m3 [S, I], scales); y bf16 [S, H].
+        """
+        from adapt.kernels.moe_gemm import _fp8_operand, moe_gemm, quantize_fp8_rows
+
+        if (weights.hidden, weights.intermediate) != (self.hidden, self.intermediate):
+            raise InputError(f"workspace is for hidden {self.hidden} x {self.intermediate}, layer is "
+                             f"{weights.hidden} x {weights.intermediate}", field="workspace")
+        c1, c2 = configs
+        e = weights.n_experts
+        chunks = [(lo, min(e, lo + self.chunk_experts)) for lo in range(0, e, self.chunk_experts)]
+        hq, hs = hq_hs
+        main = torch.cuda.current_stream(xq.device) if self._side is not None else None
+        converted, done = [], []
+        if self._side is not None:
+            self._side.wait_stream(main)
+        for c, chunk in enumerate(chunks):
+            buf = c % 2
+            if self._side is None:
+                self._convert(weights, perm, chunk, buf)
+            else:
+                if c == 0:
+                    with torch.cuda.stream(self._side):
+                        self._convert(weights, perm, chunk, buf)
+                        converted.append(torch.cuda.Event())
+                        converted[-1].record(self._side)
+                main.wait_event(converted[c])
+                if c + 1 < len(chunks):
+                    with torch.cuda.stream(self._side):
+                        if c >= 1:
+                            self._side.wait_event(done[c - 1])
+                        self._convert(weights, perm, chunks[c + 1], 1 - buf)
+                        converted.append(torch.cuda.Event())
+                        converted[-1].record(self._side)
+            base = buf * self.chunk_experts
+            op1 = _fp8_operand(self.w1, self.w1_exp, weights.w1_bias)
+            op2 = _fp8_operand(self.w2, self.w2_exp, weights.w2_bias)
+            common = dict(top_k=top_k, alpha=alpha, limit=limit, experts=chunk, slot_base=base)
+            moe_gemm(xq, xs, op1, perm, tiles, hbuf, gather=True, activation=activation,
+                     interleaved=weights.gate_up_interleaved, cfg=c1, **common)
+            rows = perm.expert_offsets[[chunk[0], chunk[1]]]
+            quantize_fp8_rows(hbuf, group, row_range=rows, out=(hq, hs))
+            moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
+            if self._side is not None:
+                done.append(torch.cuda.Event())
+                done[-1].record(main)
+        if self._side is not None:
+            main.wait_stream(self._side)

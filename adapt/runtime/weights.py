@@ -1,0 +1,237 @@
+"""Checkpoint weights for the runtime: read only the tensors a run needs, keep their stored formats.
+
+``WeightStore`` opens a model directory through ``adapt.model.checkpoint.Checkpoint`` (headers
+only), optionally narrowed to some decoder layers (``select``), and reads one tensor at a time
+with ``safetensors.safe_open``. Formats stay as stored:
+
+- dense projections: ``Linear`` holds the stored tensor (bf16 / fp32), or e4m3 with its
+  ``weight_scale_inv`` block scales (fp8 block checkpoints, 128 x 128 blocks); ``apply_linear``
+  dequantizes one matrix transiently for the matmul;
+- routed experts: ``Experts`` holds either a stacked [E, ...] tensor of the stored dtype (bf16,
+  or e4m3 with block scales) built once from per-expert tensors, or the MXFP4 ``MoEWeights``
+  (``*_blocks`` / ``*_scales``, packed) of a fused-expert checkpoint. ``Experts.expert(e)``
+  dequantizes one expert for the torch reference path; no full-precision copy of all experts
+  is made.
+
+Execution layout: gate and up rows of an expert's first matrix are stacked as [2I, H]; gpt-oss
+interleaves them (row 2i gate, 2i + 1 up), every other family stores gate rows then up rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adapt.errors import InputError
+from adapt.model.checkpoint import Checkpoint
+
+FP8_BLOCK = 128
+
+
+@dataclass
+class Linear:
+    """A projection y = x W^T (+ b) as stored.
+
+    weight: [out, in], bf16 / fp16 / fp32, or float8_e4m3fn with ``scale``
+    scale: fp32 [ceil(out / 128), ceil(in / 128)] block scales (weight_scale_inv), or None
+    bias: [out] or None
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as ``dtype`` [out, in] (fp8 blocks multiplied by their scales)."""
+        if self.scale is None:
+            return self.weight.to(dtype)
+        return dequantize_fp8_blocks(self.weight, self.scale).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.bias) if t is not None)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 weight [..., N, K] times block scales [..., ceil(N/128), ceil(K/128)] -> fp32 [..., N, K]."""
+    n, k = weight.shape[-2:]
+    expanded = scale.float().repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :]
+    expanded = expanded.repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
+    return weight.float() * expanded
+
+
+def apply_linear(x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x's dtype."""
+    weight = linear.dense(x.dtype)
+    bias = None if linear.bias is None else linear.bias.to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@dataclass
+class Experts:
+    """One MoE layer's routed experts.
+
+    Stacked form (``mxfp4`` None): gate_up [E, 2I, H] and down [E, H, I] as stored (bf16 / fp32,
+    or e4m3 with gate_up_scale [E, ceil(2I/128), ceil(H/128)] and down_scale
+    [E, ceil(H/128), ceil(I/128)]); optional biases gate_up_bias [E, 2I], down_bias [E, H].
+    MXFP4 form: ``mxfp4`` is an ``adapt.kernels.moe_gemm.MoEWeights`` (packed blocks and E8M0
+    scales, biases inside) and the stacked fields are None.
+    interleaved: gate/up rows alternate (gpt-oss) instead of gate rows then up rows.
+    """
+
+    count: int
+    interleaved: bool
+    gate_up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    mxfp4: object | None = None
+
+    def expert(self, index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                torch.Tensor | None]:
+        """Expert ``index`` dequantized to ``dtype``: (gate_up [2I, H], down [H, I], gate_up_bias [2I] | None,
+        down_bias [H] | None)."""
+        if self.mxfp4 is not None:
+            from adapt.kernels.mxfp4 import dequantize_mxfp4_torch
+
+            w = self.mxfp4
+            gate_up = dequantize_mxfp4_torch(w.w1_packed[index], w.w1_scales[index], dtype, validate=False)
+            down = dequantize_mxfp4_torch(w.w2_packed[index], w.w2_scales[index], dtype, validate=False)
+            b1 = None if w.w1_bias is None else w.w1_bias[index].to(dtype)
+            b2 = None if w.w2_bias is None else w.w2_bias[index].to(dtype)
+            return gate_up, down, b1, b2
+        if self.gate_up_scale is not None:
+            gate_up = dequantize_fp8_blocks(self.gate_up[index], self.gate_up_scale[index]).to(dtype)
+            down = dequantize_fp8_blocks(self.down[index], self.down_scale[index]).to(dtype)
+        else:
+            gate_up, down = self.gate_up[index].to(dtype), self.down[index].to(dtype)
+        b1 = None if self.gate_up_bias is None else self.gate_up_bias[index].to(dtype)
+        b2 = None if self.down_bias is None else self.down_bias[index].to(dtype)
+        return gate_up, down, b1, b2
+
+    @property
+    def nbytes(self) -> int:
+        if self.mxfp4 is not None:
+            return self.mxfp4.nbytes()
+        parts = (self.gate_up, self.down, self.gate_up_scale, self.down_scale, self.gate_up_bias, self.down_bias)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+class WeightStore:
+    """Lazy, per-tensor access to a checkpoint directory's weights.
+
+    layers: None for the whole model, a count N (layers 0..N-1) or explicit layer indices;
+    tensors of other decoder layers are never read. ``bytes_read`` counts tensor bytes loaded.
+    """
+
+    def __init__(self, directory: str | Path, layers: int | Iterable[int] | None = None,
+                 device: torch.device | str = "cpu"):
+        self.directory = Path(directory)
+        checkpoint = Checkpoint.open(self.directory)
+        if layers is not None:
+            checkpoint = checkpoint.select(layers if isinstance(layers, int) else list(layers))
+        self.checkpoint = checkpoint
+        self.device = torch.device(device)
+        self.bytes_read = 0
+        self._handles: dict[str, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.checkpoint.tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read tensor ``name`` as stored (dtype and shape), on the store's device."""
+        from safetensors import safe_open
+
+        info = self.checkpoint.tensors.get(name)
+        if info is None:
+            raise InputError(f"tensor '{name}' is missing from the checkpoint", file=self.directory,
+                             hint="is the directory complete, and does config.json describe it?")
+        handle = self._handles.get(info.shard)
+        if handle is None:
+            handle = safe_open(str(self.directory / info.shard), framework="pt", device="cpu")
+            self._handles[info.shard] = handle
+        tensor = handle.get_tensor(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor.to(self.device)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if self.has(name) else None
+
+    def linear(self, prefix: str, bias: bool | None = None) -> Linear:
+        """The projection ``prefix`` (``prefix.weight`` [+ ``weight_scale_inv``] [+ ``bias``]).
+
+        bias: True requires ``prefix.bias``, False ignores it, None reads it when present.
+        """
+        weight = self.get(f"{prefix}.weight")
+        scale = self.optional(f"{prefix}.weight_scale_inv")
+        if weight.dtype == torch.float8_e4m3fn and scale is None:
+            raise InputError(f"fp8 tensor '{prefix}.weight' has no weight_scale_inv", file=self.directory)
+        if bias is None:
+            bias_tensor = self.optional(f"{prefix}.bias")
+        else:
+            bias_tensor = self.get(f"{prefix}.bias") if bias else None
+        return Linear(weight, scale, bias_tensor)
+
+    def experts(self, prefix: str, count: int, interleaved: bool) -> Experts:
+        """Routed experts under ``prefix`` (e.g. 'model.layers.3.mlp.experts').
+
+        Recognised layouts: fused MXFP4 (``gate_up_proj_blocks`` / ``_scales`` [E, 2I, H/32(, 16)],
+        ``down_proj_blocks`` / ``_scales``, optional ``*_bias``); fused bf16 in transformers' gpt-oss
+        layout (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H], moved to [E, out, in] once);
+        per-expert ``{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (bf16, or fp8 with
+        ``weight_scale_inv``), stacked once.
+        """
+        if self.has(f"{prefix}.gate_up_proj_blocks"):
+            from adapt.kernels.moe_gemm import MoEWeights
+
+            weights = MoEWeights(
+                w1_blocks=self.get(f"{prefix}.gate_up_proj_blocks"),
+                w1_scales=self.get(f"{prefix}.gate_up_proj_scales"),
+                w2_blocks=self.get(f"{prefix}.down_proj_blocks"),
+                w2_scales=self.get(f"{prefix}.down_proj_scales"),
+                w1_bias=self.optional(f"{prefix}.gate_up_proj_bias"),
+                w2_bias=self.optional(f"{prefix}.down_proj_bias"),
+                gate_up_interleaved=interleaved,
+            )
+            weights.validate()
+            if weights.n_experts != count:
+                raise InputError(f"{weights.n_experts} experts stored under '{prefix}', config says {count}",
+                                 file=self.directory)
+            return Experts(count=count, interleaved=interleaved, mxfp4=weights)
+        if self.has(f"{prefix}.gate_up_proj"):
+            return Experts(
+                count=count, interleaved=interleaved,
+                gate_up=self.get(f"{prefix}.gate_up_proj").transpose(1, 2).contiguous(),
+                down=self.get(f"{prefix}.down_proj").transpose(1, 2).contiguous(),
+                gate_up_bias=self.optional(f"{prefix}.gate_up_proj_bias"),
+                down_bias=self.optional(f"{prefix}.down_proj_bias"),
+            )
+        gate_up, down, gate_up_scale, down_scale = [], [], [], []
+        for e in range(count):
+            gate = self.linear(f"{prefix}.{e}.gate_proj", bias=False)
+            up = self.linear(f"{prefix}.{e}.up_proj", bias=False)
+            proj = self.linear(f"{prefix}.{e}.down_proj", bias=False)
+            gate_up.append(torch.cat([gate.weight, up.weight]))
+            down.append(proj.weight)
+            if gate.scale is not None:
+                gate_up_scale.append(_stack_gate_up_scales(gate, up))
+                down_scale.append(proj.scale)
+        return Experts(
+            count=count, interleaved=False, gate_up=torch.stack(gate_up), down=torch.stack(down),
+            gate_up_scale=torch.stack(gate_up_scale) if gate_up_scale else None,
+            down_scale=torch.stack(down_scale) if down_scale else None,
+        )
+
+
+def _stack_gate_up_scales(gate: Linear, up: Linear) -> torch.Tensor:
+    """Block scales of [gate; up] stacked along the output rows (each part a whole number of blocks)."""
+    rows = gate.weight.shape[0]
+    if rows % FP8_BLOCK:
+        raise InputError(f"fp8 expert width {rows} is not a multiple of the {FP8_BLOCK}-row scale block",
+                         hint="stacking gate and up needs block-aligned widths")
+    return torch.cat([gate.scale, up.scale])

@@ -1,0 +1,130 @@
+"""Lightning indexer kernels (Triton) against their torch twins, on CPU (interpreter) and GPU."""
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from adapt.kernels import dsa
+from adapt.runtime.kv_cache import PagedDSACache
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def filled_cache(lengths, *, heads, dim, device, decode=False, seed=0):
+    """Cache with sequences of ``lengths`` tokens; returns (cache layer, batch, q8, weights).
+
+    With ``decode`` the last token of each sequence is appended as a separate decode step and
+    the returned batch and queries are that step's."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedDSACache(num_pages=sum(-(-n // 64) for n in lengths) + 1, num_layers=1, kv_lora_rank=32,
+                          rope_dim=16, index_head_dim=dim, device=device)
+    seqs = [cache.add_sequence() for _ in lengths]
+    first = [n - 1 for n in lengths] if decode else list(lengths)
+    steps = [cache.append_tokens(seqs, first)]
+    if decode:
+        steps.append(cache.append_tokens(seqs, [1] * len(lengths)))
+    layer = cache.layer(0)
+    for batch in steps:
+        n = batch.num_tokens
+        keys, key_scale = dsa.quantize_fp8_rows_torch(torch.randn(n, dim, generator=gen).to(device))
+        layer.write(batch.slots, torch.randn(n, 32, generator=gen).to(device),
+                    torch.randn(n, 16, generator=gen).to(device), keys, key_scale)
+    batch = steps[-1]
+    q8, q_scale = dsa.quantize_fp8_rows_torch(torch.randn(batch.num_tokens, heads, dim, generator=gen).to(device))
+    weights = dsa.fold_index_weights(torch.randn(batch.num_tokens, heads, generator=gen).to(device), q_scale, dim)
+    return layer, batch, q8, weights
+
+
+def assert_same_topk(got, want, scores, k):
+    """Same selected sets, except ties at the k-th score; -1 exactly where a row sees < k keys."""
+    for row in range(scores.shape[0]):
+        visible = int(torch.isfinite(scores[row]).sum())
+        g, w = got[row], want[row]
+        assert int((g == -1).sum()) == max(0, k - visible)
+        assert int((w == -1).sum()) == max(0, k - visible)
+        g, w = set(g[g >= 0].tolist()), set(w[w >= 0].tolist())
+        assert len(g) == min(k, visible)
+        if g != w:
+            kth = scores[row].topk(min(k, visible)).values[-1]
+            assert all(scores[row, i] == kth for i in g ^ w), f"row {row}: {sorted(g ^ w)} are not ties"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(5, 32), (3, 48), (2, 4, 64)])
+def test_quantize_fp8_rows_matches_twin(device, shape):
+    x = (torch.randn(shape) * torch.rand(shape[:-1] + (1,)) * 10).to(device)
+    got, got_scale = dsa.quantize_fp8_rows(x)
+    want, want_scale = dsa.quantize_fp8_rows_torch(x)
+    torch.testing.assert_close(got_scale, want_scale)
+    assert torch.equal(got.float(), want.float())
+    assert ((got.float() * got_scale.unsqueeze(-1) - x).abs() <= x.abs().amax(-1, keepdim=True) / 16).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lengths", [(3, 64, 65), (130,)])
+def test_prefill_scores_match_twin(device, lengths):
+    layer, batch, q8, weights = filled_cache(lengths, heads=3, dim=32, device=device)
+    limits = (batch.positions + 1).int()
+    cols = 256
+    got = dsa.index_scores(q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq,
+                           limits, cols)
+    want = dsa.index_scores_torch(q8, weights, layer.index_k, layer.index_scale, batch.block_table,
+                                  batch.token_seq, limits, cols)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    assert finite.sum(1).tolist() == limits.tolist()
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_scores_and_topk_match_twin(device):
+    layer, batch, q8, weights = filled_cache((10, 64, 65, 129), heads=4, dim=32, device=device, decode=True)
+    limits = (batch.positions + 1).int()
+    assert limits.tolist() == [10, 64, 65, 129]
+    args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
+    got = dsa.index_scores(*args, 192)
+    want = dsa.index_scores_torch(*args, 192)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    idx, _ = dsa.index_topk(*args, 32)
+    ref, _ = dsa.index_topk_torch(*args, 32)
+    assert_same_topk(idx.cpu(), ref.cpu(), want.cpu(), 32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_chunks_stay_under_the_memory_bound(device):
+    layer, batch, q8, weights = filled_cache((100,), heads=4, dim=32, device=device)
+    limits = (batch.positions + 1).int()
+    args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
+    bound = 16 * 128 * 4
+    idx, stats = dsa.index_topk(*args, 24, max_score_bytes=bound)
+    whole, whole_stats = dsa.index_topk_torch(*args, 24)
+    assert stats.chunks >= 100 // 16 and stats.peak_score_bytes <= bound
+    assert whole_stats.chunks == 1
+    scores = dsa.index_scores_torch(*args, 128).cpu()
+    assert_same_topk(idx.cpu(), whole.cpu(), scores, 24)
+    assert (idx.cpu() <= batch.positions.cpu()[:, None]).all()
+
+
+@pytest.mark.gpu
+def test_deepseek_v32_shapes_on_gpu():
+    """64 heads x 128 dims, top-2048, prefill of 3000 tokens + decode at 5000 against the twin."""
+    layer, batch, q8, weights = filled_cache((3000, 700), heads=64, dim=128, device="cuda")
+    limits = (batch.positions + 1).int()
+    rows = torch.cat([torch.arange(0, 3700, 97), torch.tensor([2999, 3000, 3699])]).cuda()
+    args = (layer.index_k, layer.index_scale, batch.block_table)
+    got = dsa.index_scores(q8, weights, *args, batch.token_seq, limits, 3072)[rows]
+    want = dsa.index_scores_torch(q8[rows], weights[rows], *args, batch.token_seq[rows], limits[rows], 3072)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+    idx, stats = dsa.index_topk(q8, weights, *args, batch.token_seq, limits, 2048, max_score_bytes=1 << 24)
+    assert stats.peak_score_bytes <= 1 << 24 and stats.chunks > 1
+    ref, _ = dsa.index_topk_torch(q8[rows], weights[rows], *args, batch.token_seq[rows], limits[rows], 2048)
+    assert_same_topk(idx[rows].cpu(), ref.cpu(), want.cpu(), 2048)
