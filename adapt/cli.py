@@ -205,7 +205,7 @@ KvDtypeOpt = Annotated[str, typer.Option("--kv-dtype", help="KV cache dtype: bf1
 WeightsOpt = Annotated[str, typer.Option(
     "--weights", help="Weight format: as-stored, bf16, fp8, mxfp4-online, mxfp4-offline-fp8.")]
 HeadroomOpt = Annotated[float | None, typer.Option(
-    "--headroom", help="Margin on the estimated terms, as a fraction (default: gates memory.headroom_fraction).")]
+    "--headroom", help="Margin on the estimated terms (default: gates memory.headroom_fraction).")]
 UtilOpt = Annotated[float | None, typer.Option(
     "--gpu-memory-utilization", help="vLLM's fraction of device memory (default 0.9).")]
 BatchedTokensOpt = Annotated[int | None, typer.Option(
@@ -214,7 +214,7 @@ MaxSeqsOpt = Annotated[int | None, typer.Option(
     "--max-num-seqs", help="vLLM max_num_seqs (default: vLLM's for the target).")]
 BlockOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV page.")]
 RopeOpt = Annotated[float | None, typer.Option(
-    "--rope-factor", help="Rope-scaling factor over the model's pre-scaling length, to plan a longer --context.")]
+    "--rope-factor", help="Rope-scaling factor over the pre-scaling length, to plan a longer --context.")]
 
 
 @app.command("plan-memory")
@@ -225,17 +225,19 @@ def plan_memory_command(
     ep: Annotated[int | None, typer.Option("--ep", help="Expert-parallel size (1 or TP x DP).")] = None,
     pp: Annotated[int | None, typer.Option("--pp", help="Pipeline-parallel size.")] = None,
     dp: Annotated[int | None, typer.Option("--dp", help="Data-parallel size.")] = None,
+    dcp: Annotated[int | None, typer.Option("--dcp", help="Decode context-parallel size (divides TP).")] = None,
     headroom: HeadroomOpt = None, gpu_memory_utilization: UtilOpt = None,
-    max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None, block_size: BlockOpt = 64,
-    rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"), run_id: RunOpt = None,
-    gates: GatesOpt = None, as_json: JsonOpt = False,
+    max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None,
+    block_size: BlockOpt = 64, rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"),
+    run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
     from adapt.report import load_gates
     from adapt.stages.memory import run_plan_memory
 
-    report = run_plan_memory(model, target, gates=load_gates(gates), devices=devices, nodes=nodes, context=context,
-                             batch=batch, kv_dtype=kv_dtype, weights=weights, tp=tp, ep=ep, pp=pp, dp=dp,
+    report = run_plan_memory(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
+                             context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
+                             tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp,
                              headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              block_size=block_size, rope_factor=rope_factor)
@@ -247,9 +249,9 @@ def plan_parallel_command(
     model: ModelArg, target: TargetOpt, devices: DevicesOpt, context: ContextOpt, batch: BatchOpt = 1,
     nodes: NodesOpt = 1, kv_dtype: KvDtypeOpt = "bf16", weights: WeightsOpt = "as-stored",
     headroom: HeadroomOpt = None, gpu_memory_utilization: UtilOpt = None,
-    max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None, block_size: BlockOpt = 64,
-    rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"), run_id: RunOpt = None,
-    gates: GatesOpt = None, as_json: JsonOpt = False,
+    max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None,
+    block_size: BlockOpt = 64, rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"),
+    run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Stage 4: rank TP x EP x PP x DP plans; print vLLM engine arguments, `vllm serve` and Ray steps."""
     import shlex
@@ -258,14 +260,104 @@ def plan_parallel_command(
     from adapt.stages.parallel import run_plan_parallel
 
     report = run_plan_parallel(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
-                               context=context, batch=batch, kv_dtype=kv_dtype, weights=weights, headroom=headroom,
-                               gpu_memory_utilization=gpu_memory_utilization,
+                               context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
+                               headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                block_size=block_size, rope_factor=rope_factor)
     lines = report.metrics.get("ray_steps") or (
         [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else [])
     extra = {"parallel.launch.sh": "#!/bin/sh\n" + "\n".join(lines) + "\n"} if lines else None
     finish(report, as_json, RunDir(output, run_id), extra=extra)
+
+
+@app.command("inventory")
+def inventory_command(
+    model: ModelArg, target: TargetOpt = "h200",
+    stack: Annotated[str | None, typer.Option(
+        "--stack", help="Stack table (vllm-cuda, vllm-cpu, vllm-rocm) or YAML; default: the target's.")] = None,
+    all_layers: Annotated[bool, typer.Option(
+        "--all-layers", help="Trace every decoder layer, not one per distinct structure.")] = False,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Prefill tokens in the traced step.")] = 16,
+    output: OutputOpt = Path("reports"), run_id: RunOpt = None, gates: GatesOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stage 1: every operator the model needs and how the target's stack provides it (gaps fail the gate)."""
+    from adapt.report import load_gates
+    from adapt.stages.inventory import build_inventory
+
+    status = console.status("tracing the model on the meta device ...") if not as_json else None
+    with status or _no_status():
+        inventory = build_inventory(model, target, stack=stack, gates=load_gates(gates),
+                                    all_layers=all_layers, prefill_tokens=tokens)
+    detail = {"operators": [r.to_dict() for r in inventory.rows], "fusions": inventory.fusions,
+              "aten": inventory.aten}
+    finish(inventory.report, as_json, RunDir(output, run_id),
+           extra={"inventory.detail.json": json.dumps(detail, indent=1, default=str) + "\n"})
+
+
+@app.command("preflight")
+def preflight_command(
+    target: TargetOpt = "h200",
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (to check its formats).")] = None,
+    eval_data: Annotated[Path | None, typer.Option(
+        "--eval-data", help="Evaluation data file or directory stage 5 will read.")] = None,
+    output: OutputOpt = Path("reports"), run_id: RunOpt = None, gates: GatesOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stage 0: the pre-adaptation checklist, checked where this machine can, listed where it cannot."""
+    from adapt.report import load_gates
+    from adapt.stages.preflight import run_preflight
+
+    run = RunDir(output, run_id)
+    report = run_preflight(target, model, run.path, eval_data=eval_data, gates=load_gates(gates))
+    finish(report, as_json, run)
+
+
+@app.command("handoff")
+def handoff_command(
+    model: Annotated[str, typer.Argument(help="Model directory (or preset name for a bundle only).")],
+    target: TargetOpt = "h200",
+    devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
+    nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Hand off although gates 1-4 did not pass (recorded).")] = False,
+    validate_args: Annotated[bool, typer.Option(
+        "--validate", help="Check the serve command with vLLM's parser.")] = False,
+    launch: Annotated[bool, typer.Option(
+        "--launch", help="Start vllm serve here and run the smoke test.")] = False,
+    vllm: Annotated[str | None, typer.Option("--vllm", help="vllm executable (default: found).")] = None,
+    port: Annotated[int | None, typer.Option(
+        "--port", help="Server port for --launch (default: a free one).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Greedy tokens per prompt.")] = 16,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16 for --launch.")] = "float32",
+    memory_fraction: Annotated[float, typer.Option(
+        "--memory-fraction", help="--gpu-memory-utilization on a CPU launch (host memory).")] = 0.1,
+    output: OutputOpt = Path("reports"), run_id: RunOpt = None, gates: GatesOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Hand-off: vLLM deployment bundle from the stage-4 plan; --launch serves it here and compares tokens."""
+    from adapt.handoff.bundle import run_handoff
+    from adapt.report import load_gates
+
+    if dtype not in ("float32", "bfloat16"):
+        raise InputError(f"expected float32 or bfloat16, got {dtype!r}", field="--dtype")
+    if run_id is None:
+        raise InputError("--run is required: the hand-off reads the run's gate reports", field="--run")
+    run = RunDir(output, run_id)
+    report, files, log_tail = run_handoff(
+        model, target=target, devices=devices, nodes=nodes, run=run, gates=load_gates(gates), force=force,
+        validate=validate_args, launch=launch, vllm=vllm, port=port, max_tokens=max_tokens, dtype=dtype,
+        memory_fraction=memory_fraction)
+    if log_tail:
+        err_console.print("[red]vllm serve, last log lines:[/red]")
+        err_console.print("\n".join(log_tail), markup=False, highlight=False)
+    finish(report, as_json, run, extra=files)
+
+
+def _no_status():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def main() -> None:

@@ -190,7 +190,7 @@ def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
     if later:
         lines.append(f"- stages not run in this run directory: {', '.join(later)}")
     lines.append("- the engine arguments are checked by vLLM's own parser only when `adapt handoff "
-                 "--validate` or `--launch` ran; the smoke-test result, if any, is in handoff_smoke.json")
+                 "--validate` or `--launch` ran; the smoke-test result, if any, is in smoke.json")
     if nodes > 1:
         lines.append("- the Ray bring-up (ray.sh) follows vLLM's multi-node guide; adapt has not run it")
     if preflight is None:
@@ -200,3 +200,42 @@ def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
     start = "sh serve.sh" if nodes == 1 else "# run ray.sh's lines first; then on the head node: sh serve.sh"
     lines += ["", "## Start", "", "```sh", start, "```", ""]
     return "\n".join(lines)
+
+
+def run_handoff(model: str, *, target: str, devices: int, nodes: int, run: RunDir, gates: dict[str, Any],
+                force: bool = False, validate: bool = False, launch: bool = False, vllm: str | None = None,
+                port: int | None = None, max_tokens: int = 16, dtype: str = "float32",
+                memory_fraction: float = 0.1, health_timeout_s: float = 600.0
+                ) -> tuple[StageReport, dict[str, str], list[str]]:
+    """The ``adapt handoff`` command: bundle, then optionally vLLM's parser check and a local launch.
+
+    Returns (report, bundle files for ``RunDir.write``, the server's last log lines if it failed).
+    """
+    report, files = write_bundle(model, target=target, devices=devices, nodes=nodes, run=run, force=force)
+    argv = report.metrics["serve_command"]
+    if validate:
+        from adapt.handoff.vllm import validate_with_vllm
+
+        (checked,) = validate_with_vllm([argv], vllm)
+        report.metrics["vllm_parser"] = "accepted" if checked["ok"] else checked["error"]
+        if checked["ok"]:
+            report.add("info", "vllm-parser", "vLLM's own argument parser accepts the serve command")
+        else:
+            report.add("error", "vllm-parser", f"vLLM rejects the serve command: {checked['error']}")
+    log_tail: list[str] = []
+    if launch:
+        from adapt.handoff.smoke import launch_and_compare
+
+        smoke = launch_and_compare(model_reference(model), report.metrics["engine_args"], vllm=vllm,
+                                   log_path=run.path / BUNDLE_DIR / "server.log", gates=gates["handoff"],
+                                   port=port, max_tokens=max_tokens, dtype=dtype,
+                                   memory_fraction=memory_fraction, health_timeout_s=health_timeout_s)
+        for severity, code, message in smoke.findings:
+            report.add(severity, code, message)
+        report.metrics["smoke"] = smoke.metrics
+        report.tables.update(smoke.tables)
+        log_tail = smoke.log_tail
+        files[f"{BUNDLE_DIR}/smoke.json"] = json.dumps({"metrics": smoke.metrics, "findings": smoke.findings,
+                                                        "log_tail": log_tail}, indent=2, default=str) + "\n"
+    report.decide()
+    return report, files, log_tail

@@ -235,3 +235,178 @@ def gate(comparisons: list[Comparison], gates: dict[str, Any]) -> list[tuple[str
                          f"chosen-token logprob differs by more than {gates['max_logprob_diff']} nats: "
                          + ", ".join(f"'{c.prompt}' {c.max_logprob_diff:.3g}" for c in drift)))
     return findings
+
+
+def adapt_traces(model_dir: str | Path, prompt_ids: list[list[int]], max_tokens: int,
+                 dtype: str) -> list[Trace]:
+    """Greedy continuations from adapt's runtime (``adapt.runtime.engine.Engine``, torch reference ops).
+
+    Raises InputError when the runtime does not support the model's architecture.
+    """
+    import torch
+
+    from adapt.runtime.engine import Engine
+
+    engine = Engine.load(model_dir, dtype=getattr(torch, dtype), max_tokens=max(len(p) for p in prompt_ids)
+                         + max_tokens + 64)
+    traces = []
+    for ids in prompt_ids:
+        (seq,) = engine.start(1)
+        tokens, logits = [], []
+        try:
+            step_logits = engine.step([seq], [ids])[0]
+            for _ in range(max_tokens):
+                token = int(torch.argmax(step_logits))
+                tokens.append(token)
+                logits.append(step_logits)
+                if len(tokens) < max_tokens:
+                    step_logits = engine.step([seq], [[token]])[0]
+        finally:
+            engine.release([seq])
+        traces.append(_trace_from_logits(tokens, logits))
+    return traces
+
+
+@dataclass
+class SmokeResult:
+    """Outcome of ``launch_and_compare``.
+
+    findings: (severity, code, message); metrics: JSON-able numbers (seconds, counts);
+    tables: name -> rows; log_tail: the server's last log lines when it failed.
+    """
+
+    findings: list[tuple[str, str, str]] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    log_tail: list[str] = field(default_factory=list)
+
+
+def local_engine_args(engine_args: dict[str, Any], *, cuda: bool, dtype: str, max_model_len: int,
+                      memory_fraction: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Engine arguments for launching on this machine, and the overrides applied to the plan's.
+
+    On a machine without a CUDA GPU the plan must need a single device (tensor x pipeline x data
+    = 1); ``gpu_memory_utilization`` becomes ``memory_fraction`` (vLLM's CPU backend reads it as a
+    fraction of host memory), the KV cache uses the model dtype, and CUDA graphs are off.
+    """
+    from adapt.errors import InputError
+
+    world = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        world *= int(engine_args.get(key) or 1)
+    overrides: dict[str, Any] = {"dtype": dtype, "served_model_name": "adapt-handoff",
+                                 "max_model_len": min(int(engine_args.get("max_model_len") or max_model_len),
+                                                      max_model_len)}
+    if not cuda:
+        if world != 1:
+            raise InputError(f"the plan needs {world} devices; this machine has no CUDA GPU, so --launch "
+                             "runs only single-device plans here", field="--launch",
+                             hint="launch on the target machine, or plan for --target cpu --devices 1")
+        seqs = min(int(engine_args.get("max_num_seqs") or 4), 4)
+        batched = min(int(engine_args.get("max_num_batched_tokens") or 0), 2048)
+        overrides.update(gpu_memory_utilization=memory_fraction, enforce_eager=True, kv_cache_dtype="auto",
+                         enable_expert_parallel=False, max_num_seqs=seqs,
+                         max_num_batched_tokens=max(overrides["max_model_len"], batched))
+    args = {**engine_args, **overrides}
+    args.pop("distributed_executor_backend", None)
+    args.pop("data_parallel_backend", None)
+    changed = {k: v for k, v in overrides.items() if engine_args.get(k) != v}
+    return args, changed
+
+
+def launch_and_compare(model_dir: str | Path, engine_args: dict[str, Any], *, vllm: str | None,
+                       log_path: Path, gates: dict[str, Any], port: int | None = None,
+                       max_tokens: int = 16, dtype: str = "float32", max_model_len: int = 512,
+                       memory_fraction: float = 0.1, health_timeout_s: float = 600.0) -> SmokeResult:
+    """Start ``vllm serve`` here, wait for ``/health``, run the prompt set greedily, compare, stop.
+
+    The server is stopped on every path out (success, failure, Ctrl-C, SIGTERM). Bad input
+    (no model directory, no vllm, port taken, a plan this machine cannot run) raises InputError
+    before anything starts; a server that dies or never turns healthy gives an error finding
+    and ``log_tail``.
+    """
+    import signal
+    import time
+
+    from adapt.errors import InputError
+    from adapt.handoff.vllm import (
+        ServerFailed,
+        VllmServer,
+        cpu_env,
+        find_vllm,
+        free_port,
+        has_cuda,
+        launch_argv,
+        serve_command,
+    )
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise InputError("not a model directory (no config.json)", file=model_dir,
+                         hint="--launch needs the checkpoint on this machine")
+    executable = find_vllm(vllm)
+    cuda = has_cuda()
+    args, overrides = local_engine_args(engine_args, cuda=cuda, dtype=dtype, max_model_len=max_model_len,
+                                        memory_fraction=memory_fraction)
+    result = SmokeResult()
+    result.metrics.update(launch_overrides=overrides, vllm=str(executable), max_tokens=max_tokens,
+                          dtype=dtype, prompts=len(PROMPTS))
+    prompt_ids = encode_prompts(model_dir)
+    started = time.monotonic()
+    reference = transformers_traces(model_dir, prompt_ids, max_tokens, dtype)
+    result.metrics["transformers_s"] = round(time.monotonic() - started, 2)
+
+    argv = launch_argv(executable, serve_command(str(model_dir.resolve()), args))
+    server = VllmServer(argv, log_path, port=port or free_port(), env=cpu_env())
+    result.metrics["serve_argv"] = serve_command(str(model_dir.resolve()), args)
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
+    served: list[Trace] = []
+    try:
+        server.start()
+        result.metrics["health_s"] = round(server.wait_healthy(health_timeout_s), 2)
+        started = time.monotonic()
+        served = [vllm_trace(server.base_url, "adapt-handoff", ids, max_tokens) for ids in prompt_ids]
+        result.metrics["requests_s"] = round(time.monotonic() - started, 2)
+    except ServerFailed as exc:
+        result.findings.append(("error", "server-failed", str(exc)))
+        result.log_tail = exc.log_tail
+    except (RuntimeError, OSError, KeyError, ValueError) as exc:
+        result.findings.append(("error", "request-failed", f"{type(exc).__name__}: {exc}"))
+        result.log_tail = server.log_tail()
+    finally:
+        leftover = server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    result.metrics["leftover_processes"] = leftover
+    if leftover:
+        result.findings.append(("error", "processes-left",
+                                f"server processes still alive after stop: {leftover}"))
+    if not served:
+        return result
+
+    vs_ref = [compare(p, len(ids), r, c) for p, ids, r, c in zip(PROMPTS, prompt_ids, reference, served,
+                                                                   strict=True)]
+    result.tables["vllm vs transformers"] = [c.row() for c in vs_ref]
+    result.metrics["vllm_vs_transformers"] = [c.to_dict() for c in vs_ref]
+    result.findings += gate(vs_ref, gates)
+    try:
+        ours = adapt_traces(model_dir, prompt_ids, max_tokens, dtype)
+    except InputError as exc:
+        result.findings.append(("info", "no-adapt-runtime", f"adapt's runtime not compared: {exc.line()}"))
+        return result
+    vs_adapt = [compare(p, len(ids), a, c)
+                for p, ids, a, c in zip(PROMPTS, prompt_ids, ours, served, strict=True)]
+    result.tables["vllm vs adapt runtime"] = [c.row() for c in vs_adapt]
+    result.metrics["vllm_vs_adapt"] = [c.to_dict() for c in vs_adapt]
+    result.findings += [(s, f"adapt-{code}", msg) for s, code, msg in gate(vs_adapt, gates)]
+    return result
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

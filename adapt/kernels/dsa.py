@@ -133,7 +133,8 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
             key_mask = pos < tile_limit
             page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
             slot = page.to(tl.int64) * PAGE + pos % PAGE
-            keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None], other=0.0)
+            keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None],
+                           other=0.0)
             kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
             if UPCAST:
                 keys = keys.to(tl.float32)
@@ -157,19 +158,16 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
 
 
 def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
-    """int32 [tiles, 3] of (first row, rows, sequence): consecutive rows of one sequence."""
-    seq = token_seq.cpu()
-    tiles = []
-    start = 0
-    n = int(seq.shape[0])
-    while start < n:
-        end = start + 1
-        limit = min(n, start + rows_per_tile)
-        while end < limit and seq[end] == seq[start]:
-            end += 1
-        tiles.append((start, end - start, int(seq[start])))
-        start = end
-    return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3)
+    """int32 [tiles, 3] of (first row, rows, sequence): runs of consecutive rows of one
+    sequence, cut every ``rows_per_tile`` rows."""
+    n = token_seq.shape[0]
+    rows = torch.arange(n, device=token_seq.device)
+    new_run = torch.ones(n, dtype=torch.bool, device=token_seq.device)
+    new_run[1:] = token_seq[1:] != token_seq[:-1]
+    run_start = torch.cummax(torch.where(new_run, rows, 0), dim=0).values
+    starts = torch.nonzero((rows - run_start) % rows_per_tile == 0).flatten()
+    counts = torch.diff(starts, append=starts.new_tensor([n]))
+    return torch.stack([starts, counts, token_seq[starts].long()], dim=1).to(torch.int32).contiguous()
 
 
 def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
@@ -190,7 +188,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         return out
     decode = rows_per_tile == 1 or (rows_per_tile is None and bool((token_seq[1:] != token_seq[:-1]).all()))
     per_tile = 1 if decode else (rows_per_tile or PREFILL_ROWS_PER_TILE)
-    tiles = _query_tiles(token_seq, per_tile).to(q_fp8.device)
+    tiles = _query_tiles(token_seq, per_tile)
     key_tiles = 8 if decode else 1
     block_h = max(16, triton.next_power_of_2(n_heads))
     grid = (tiles.shape[0], triton.cdiv(num_cols, KEY_BLOCK * key_tiles))
@@ -206,7 +204,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
 
 def index_scores_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
                        index_scale: torch.Tensor, block_table: torch.Tensor, token_seq: torch.Tensor,
-                       limits: torch.Tensor, num_cols: int, *, rows_per_tile: int | None = None) -> torch.Tensor:
+                       limits: torch.Tensor, num_cols: int, *,
+                       rows_per_tile: int | None = None) -> torch.Tensor:
     """Torch twin of ``index_scores`` (dequantized fp32 math; ``rows_per_tile`` is ignored)."""
     n_rows = q_fp8.shape[0]
     out = torch.full((n_rows, num_cols), float("-inf"), dtype=torch.float32, device=q_fp8.device)
@@ -247,28 +246,21 @@ def _index_topk_chunked(score_fn, q_fp8, weights, index_k, index_scale, block_ta
                         topk, max_score_bytes, rows_per_tile):
     n_rows = q_fp8.shape[0]
     out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
-    limits_host = limits.cpu().long()
+    if n_rows == 0:
+        return out, IndexStats(chunks=0, peak_score_bytes=0)
+    widest = max(KEY_BLOCK, -(-int(limits.max()) // KEY_BLOCK) * KEY_BLOCK)
+    rows_per_chunk = max(1, max_score_bytes // (4 * widest))
     peak = 0
     chunks = 0
-    start = 0
-    while start < n_rows:
-        end = start + 1
-        width = int(limits_host[start])
-        while end < n_rows:
-            grown = max(width, int(limits_host[end]))
-            cols = -(-grown // KEY_BLOCK) * KEY_BLOCK
-            if (end + 1 - start) * cols * 4 > max_score_bytes:
-                break
-            width = grown
-            end += 1
-        cols = max(KEY_BLOCK, -(-width // KEY_BLOCK) * KEY_BLOCK)
+    for start in range(0, n_rows, rows_per_chunk):
+        end = min(n_rows, start + rows_per_chunk)
+        cols = max(KEY_BLOCK, -(-int(limits[start:end].max()) // KEY_BLOCK) * KEY_BLOCK)
         scores = score_fn(q_fp8[start:end], weights[start:end], index_k, index_scale, block_table,
                           token_seq[start:end], limits[start:end], cols, rows_per_tile=rows_per_tile)
         peak = max(peak, scores.numel() * 4)
         out[start:end] = _select_topk(scores, topk)
         del scores
         chunks += 1
-        start = end
     return out, IndexStats(chunks=chunks, peak_score_bytes=peak)
 
 
@@ -280,8 +272,8 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
 
     Arguments as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the row
     sees fewer than ``topk`` keys; stats). Rows are chunked so that each chunk's score buffer
-    (rows x visible keys of its widest row, fp32) stays under ``max_score_bytes`` (a single
-    row may exceed it: one row of S keys needs 4 * S bytes). Order within a row is unspecified.
+    (rows x visible keys of the widest row, fp32) stays under ``max_score_bytes``; a chunk
+    holds at least one row (4 * S bytes for S keys). Order within a row is unspecified.
     """
     return _index_topk_chunked(index_scores, q_fp8, weights, index_k, index_scale, block_table, token_seq,
                                limits, topk, max_score_bytes, rows_per_tile)

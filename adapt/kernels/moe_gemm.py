@@ -289,8 +289,7 @@ def _pow2_scale_exponent_torch(amax: torch.Tensor) -> torch.Tensor:
     return e.clamp(-126, 127)
 
 
-def quantize_fp8_rows_torch(x: torch.Tensor, group: int | None = None,
-                            row_range: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows_torch(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``quantize_fp8_rows``: x [R, K] -> (e4m3 [R, K], fp32 power-of-two scales [R] or [R, K/group])."""
     r, k = x.shape
     g = k if group is None else group
@@ -302,11 +301,14 @@ def quantize_fp8_rows_torch(x: torch.Tensor, group: int | None = None,
 
 
 @triton.jit
-def _quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, range_ptr, k, stride_s,
-                              GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Persistent over rows in [range[0], range[1]); one row (all groups) per step."""
-    lo = tl.load(range_ptr)
-    hi = tl.load(range_ptr + 1)
+def _quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, range_ptr, lo_idx, hi_idx, n_rows, k, stride_s,
+                              USE_RANGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Persistent over rows in [range[lo_idx], range[hi_idx]) (USE_RANGE) or [0, n_rows)."""
+    lo = 0
+    hi = n_rows
+    if USE_RANGE:
+        lo = tl.load(range_ptr + lo_idx)
+        hi = tl.load(range_ptr + hi_idx)
     for row in range(lo + tl.program_id(0), hi, tl.num_programs(0)):
         r = row + tl.zeros((), tl.int64)
         for g0 in range(0, k, GROUP):
@@ -335,7 +337,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def quantize_fp8_rows(x: torch.Tensor, group: int | None = None,
-                      row_range: torch.Tensor | None = None,
+                      row_range: tuple[torch.Tensor, int, int] | None = None,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16/fp32 [R, K] -> (e4m3 [R, K], fp32 power-of-two scales [R] (group None) or [R, K/group]).
 
@@ -352,11 +354,11 @@ def quantize_fp8_rows(x: torch.Tensor, group: int | None = None,
         s = torch.empty((r,) if group is None else (r, k // g), dtype=torch.float32, device=x.device)
     else:
         q, s = out
-    if row_range is None:
-        row_range = torch.tensor([0, r], dtype=torch.int32, device=x.device)
+    rng, i, j = row_range if row_range is not None else (x, 0, 0)
     if r:
         grid = (max(1, min(r, _num_sms(x.device) * 8)),)
-        _quantize_fp8_rows_kernel[grid](x, q, s, row_range, k, 1 if group is None else k // g, GROUP=g,
+        _quantize_fp8_rows_kernel[grid](x, q, s, rng, i, j, r, k, 1 if group is None else k // g,
+                                        USE_RANGE=row_range is not None, GROUP=g,
                                         BLOCK_K=min(1024, triton.next_power_of_2(g)))
     return q, s
 

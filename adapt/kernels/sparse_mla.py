@@ -132,7 +132,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     num_warps = num_warps or (4 if interpreting else 8)
     grid = (n_rows, triton.cdiv(n_heads, block_h), v_split)
     _sparse_mla_kernel[grid](
-        q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale if fp8 else latent_nope, latent_rope,
+        q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale if fp8 else latent_nope,
+        latent_rope,
         block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(), out,
         n_heads, topk, block_table.stride(0), softmax_scale * math.log2(math.e),
         RANK=rank, ROPE=rope, V_SPLIT=v_split, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, FP8=fp8,
@@ -160,7 +161,8 @@ def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: to
         slots = pages * PAGE_SIZE + idx % PAGE_SIZE
         kv = nope[slots].float()
         if scale is not None:
-            kv = (kv.view(len(slots), scale.shape[-1], -1) * scale[slots].unsqueeze(-1)).view(len(slots), rank)
+            kv = kv.view(len(slots), scale.shape[-1], -1) * scale[slots].unsqueeze(-1)
+            kv = kv.view(len(slots), rank)
         logits = (q_nope[row].float() @ kv.T + q_rope[row].float() @ rope[slots].float().T) * softmax_scale
         out[row] = torch.softmax(logits, dim=-1) @ kv
     return out.to(torch.bfloat16)

@@ -159,8 +159,7 @@ class FP8Workspace:
             common = dict(top_k=top_k, alpha=alpha, limit=limit, experts=chunk, slot_base=base)
             moe_gemm(xq, xs, op1, perm, tiles, hbuf, gather=True, activation=activation,
                      interleaved=weights.gate_up_interleaved, cfg=c1, **common)
-            rows = perm.expert_offsets[[chunk[0], chunk[1]]]
-            quantize_fp8_rows(hbuf, group, row_range=rows, out=(hq, hs))
+            quantize_fp8_rows(hbuf, group, row_range=(perm.expert_offsets, chunk[0], chunk[1]), out=(hq, hs))
             moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
             if self._side is not None:
                 done.append(torch.cuda.Event())

@@ -321,7 +321,12 @@ class TensorSpec:
     @property
     def module(self) -> str:
         """The owning module's name with expert index 0, as quantization configs name it."""
-        return self.name.rsplit(".", 1)[0].replace("*", "0")
+        return _module_of(self.name)
+
+
+def _module_of(tensor_name: str) -> str:
+    """"model.layers.3.mlp.experts.*.up_proj.weight" -> "model.layers.3.mlp.experts.0.up_proj"."""
+    return tensor_name.rsplit(".", 1)[0].replace("*", "0")
 
 
 @dataclass(frozen=True)
@@ -807,6 +812,9 @@ def _gpt_oss(f: _Fields, model_type: str) -> ModelSpec:
     top_k_field = "num_experts_per_tok" if f.has("num_experts_per_tok") else "experts_per_token"
     experts = f.integer("num_local_experts")
     top_k = f.integer(top_k_field)
+    if f.has("experts_per_token") and f.integer("experts_per_token") != top_k:
+        raise f.error("experts_per_token", f"equal to num_experts_per_tok ({top_k})",
+                      f.integer("experts_per_token"))
     _check_routing(f, "num_local_experts", experts, top_k, top_k_field)
     moe = FFNSpec(
         kind="moe", num_experts=experts, top_k=top_k, expert_intermediate=f.integer("intermediate_size"),
@@ -1050,7 +1058,7 @@ def _component_modules(spec: ModelSpec) -> dict[str, list[str]]:
         found = {component for _, _, component, quantizable, _ in rows if quantizable} - set(modules)
         for name, _, component, quantizable, _ in rows:
             if quantizable and component in found:
-                modules.setdefault(component, []).append((prefix + name).rsplit(".", 1)[0].replace("*", "0"))
+                modules.setdefault(component, []).append(_module_of(prefix + name))
     return modules
 
 

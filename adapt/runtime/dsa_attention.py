@@ -79,7 +79,8 @@ class DSAConfig:
         theta = get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         kind = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
         if kind not in ("default", "yarn"):
-            raise InputError(f"rope type {kind!r} is not supported by the DSA block (supported: default, yarn)",
+            raise InputError(f"rope type {kind!r} is not supported by the DSA block "
+                             "(supported: default, yarn)",
                              file="config.json", field="rope_scaling")
         names = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                  "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk")
@@ -87,7 +88,8 @@ class DSAConfig:
         for name in names:
             value = get(name)
             if not isinstance(value, int) or value <= 0:
-                raise InputError(f"expected a positive integer, got {value!r}", file="config.json", field=name)
+                raise InputError(f"expected a positive integer, got {value!r}", file="config.json",
+                                 field=name)
             values[name] = value
         return cls(**values, rms_norm_eps=float(get("rms_norm_eps") or 1e-6), rope_theta=float(theta),
                    rope_scaling=dict(rope) if rope and kind == "yarn" else None)
@@ -144,7 +146,8 @@ class DSAWeights:
     w_uv: torch.Tensor
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, torch.Tensor], config: DSAConfig, prefix: str = "") -> DSAWeights:
+    def from_state_dict(cls, state: Mapping[str, torch.Tensor], config: DSAConfig,
+                        prefix: str = "") -> DSAWeights:
         """Pick ``prefix + name`` for every name in ``WEIGHT_NAMES`` (prefix e.g.
         'model.layers.3.self_attn.'); a missing tensor is an ``InputError``."""
         tensors = {}
@@ -244,7 +247,8 @@ class DSAAttention:
         dtype = hidden.dtype
         cos, sin = self._cos_sin(batch.positions, dtype)
 
-        q_resid = _rms_norm(F.linear(hidden, self._w("q_a_proj.weight")), self._w("q_a_layernorm.weight"), 1e-6)
+        q_resid = _rms_norm(F.linear(hidden, self._w("q_a_proj.weight")), self._w("q_a_layernorm.weight"),
+                            1e-6)
         q = F.linear(q_resid, self._w("q_b_proj.weight")).view(n, cfg.num_attention_heads, -1)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_rope = _rope_interleaved(q_rope, cos, sin)

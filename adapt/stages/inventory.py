@@ -58,22 +58,42 @@ _TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float
 # Semantic operator -> category shown in the "kind" column.
 OP_KINDS = {
     "embedding": "embedding",
-    "linear_bf16": "linear", "linear_fp8_block": "linear", "linear_int4": "linear",
-    "rmsnorm": "norm", "layernorm": "norm",
-    "rope_plain": "rope", "rope_yarn": "rope", "rope_llama3": "rope", "rope_linear": "rope",
-    "rope_dynamic": "rope", "rope_longrope": "rope",
-    "attention_gqa": "attention", "attention_gqa_sinks": "attention",
-    "attention_sliding_window": "attention", "attention_sliding_window_sinks": "attention",
-    "attention_mla": "attention", "attention_mla_sparse": "attention",
+    "linear_bf16": "linear",
+    "linear_fp8_block": "linear",
+    "linear_int4": "linear",
+    "rmsnorm": "norm",
+    "layernorm": "norm",
+    "rope_plain": "rope",
+    "rope_yarn": "rope",
+    "rope_llama3": "rope",
+    "rope_linear": "rope",
+    "rope_dynamic": "rope",
+    "rope_longrope": "rope",
+    "attention_gqa": "attention",
+    "attention_gqa_sinks": "attention",
+    "attention_sliding_window": "attention",
+    "attention_sliding_window_sinks": "attention",
+    "attention_mla": "attention",
+    "attention_mla_sparse": "attention",
     "dsa_indexer": "attention",
-    "kv_cache_paged": "kv cache", "kv_cache_mla_latent": "kv cache", "kv_cache_indexer": "kv cache",
-    "routing_softmax_topk": "routing", "routing_topk_softmax": "routing",
-    "routing_sigmoid_topk": "routing", "routing_sigmoid_group_topk": "routing",
-    "moe_permute": "moe", "moe_grouped_gemm_bf16": "moe", "moe_grouped_gemm_fp8_block": "moe",
-    "moe_grouped_gemm_mxfp4": "moe", "moe_grouped_gemm_int4": "moe",
-    "swiglu": "activation", "swiglu_clamped": "activation",
-    "fp8_block_dequant": "quantization", "fp8_act_quant": "quantization",
-    "mxfp4_decode": "quantization", "int4_dequant": "quantization",
+    "kv_cache_paged": "kv cache",
+    "kv_cache_mla_latent": "kv cache",
+    "kv_cache_indexer": "kv cache",
+    "routing_softmax_topk": "routing",
+    "routing_topk_softmax": "routing",
+    "routing_sigmoid_topk": "routing",
+    "routing_sigmoid_group_topk": "routing",
+    "moe_permute": "moe",
+    "moe_grouped_gemm_bf16": "moe",
+    "moe_grouped_gemm_fp8_block": "moe",
+    "moe_grouped_gemm_mxfp4": "moe",
+    "moe_grouped_gemm_int4": "moe",
+    "swiglu": "activation",
+    "swiglu_clamped": "activation",
+    "fp8_block_dequant": "quantization",
+    "fp8_act_quant": "quantization",
+    "mxfp4_decode": "quantization",
+    "int4_dequant": "quantization",
 }
 FUSIONS = {
     "fuse_qkv_projection": "projections reading the same input merged into one GEMM",
@@ -83,10 +103,22 @@ FUSIONS = {
     "fuse_dequant_matmul": "weight dequantization inside the GEMM (no dequantized copy)",
     "fuse_residual_rmsnorm": "residual add fused with the following RMSNorm",
 }
-_ROPE_NAMES = {"default": "rope_plain", "yarn": "rope_yarn", "llama3": "rope_llama3", "linear": "rope_linear",
-               "dynamic": "rope_dynamic", "longrope": "rope_longrope"}
-_FORMAT_SUFFIX = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "fp8_block": "fp8_block", "mxfp4": "mxfp4",
-                  "int4": "int4"}
+_ROPE_NAMES = {
+    "default": "rope_plain",
+    "yarn": "rope_yarn",
+    "llama3": "rope_llama3",
+    "linear": "rope_linear",
+    "dynamic": "rope_dynamic",
+    "longrope": "rope_longrope",
+}
+_FORMAT_SUFFIX = {
+    "bf16": "bf16",
+    "fp16": "bf16",
+    "fp32": "bf16",
+    "fp8_block": "fp8_block",
+    "mxfp4": "mxfp4",
+    "int4": "int4",
+}
 
 
 # ---------------------------------------------------------------- trace
@@ -134,8 +166,10 @@ class ModelTrace:
     module_calls: (phase, path) -> forward calls; sequences: path -> its own aten ops in prefill order
     shared_inputs: groups of Linear module paths that read the very same input tensor
     layer_groups: traced layer index -> every layer index of that structure (itself included)
-    seconds: wall time of build + trace (s); peak_rss_bytes: the process's peak RSS after the trace;
-    rss_growth_bytes: growth of that peak during the trace; meta_parameter_bytes: bytes the model's
+    seconds: wall time of building the meta model and running it (s); import_seconds: importing
+    torch and transformers before that (s, near 0 when already imported); peak_rss_bytes: the
+    process's peak RSS after the trace; rss_growth_bytes: growth of that peak during the trace;
+    meta_parameter_bytes: bytes the model's
     parameters would take if materialised in their dtypes (none are allocated)
     """
 
@@ -148,6 +182,7 @@ class ModelTrace:
     num_layers: int
     prefill_tokens: int
     seconds: float
+    import_seconds: float
     peak_rss_bytes: int
     rss_growth_bytes: int
     meta_parameter_bytes: int
@@ -223,9 +258,14 @@ def _layer_signature(layer, layer_type: str | None) -> tuple:
 
 
 def _module_facts(path: str, module) -> ModuleFacts:
-    attrs = {k: v for k, v in module.__dict__.items()
-             if not k.startswith("_") and k != "training" and isinstance(v, (int, float, bool, str, type(None)))}
-    tensors = {k: tuple(v.shape) for k, v in {**module._parameters, **module._buffers}.items() if v is not None}
+    attrs = {
+        k: v
+        for k, v in module.__dict__.items()
+        if not k.startswith("_") and k != "training" and isinstance(v, (int, float, bool, str, type(None)))
+    }
+    tensors = {
+        k: tuple(v.shape) for k, v in {**module._parameters, **module._buffers}.items() if v is not None
+    }
     children = {k: type(v).__name__ for k, v in module._modules.items() if v is not None}
     return ModuleFacts(path=path, cls=type(module).__name__, attrs=attrs, tensors=tensors, children=children)
 
@@ -237,20 +277,25 @@ def _op_name(func, args) -> str:
     return name
 
 
-def trace_model(config: dict, *, prefill_tokens: int = PREFILL_TOKENS, all_layers: bool = False) -> ModelTrace:
+def trace_model(
+    config: dict, *, prefill_tokens: int = PREFILL_TOKENS, all_layers: bool = False
+) -> ModelTrace:
     """Trace one prefill of ``prefill_tokens`` tokens and one decode step on the meta device.
 
     config: a config.json dict (quantization_config is ignored for the trace).
     Raises TraceUnavailable when transformers cannot build or run the model.
     """
     rss_before = _peak_rss_bytes()
-    started = time.perf_counter()
+    import_started = time.perf_counter()
     import torch
     import torch.nn as nn
     import transformers
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
     from transformers import AutoModelForCausalLM
+
+    started = time.perf_counter()
+    import_seconds = started - import_started
 
     class PassThroughLayer(nn.Module):
         """Stands in for a decoder layer whose structure another traced layer already covers."""
@@ -259,14 +304,19 @@ def trace_model(config: dict, *, prefill_tokens: int = PREFILL_TOKENS, all_layer
             return hidden_states
 
     hf_config = _hf_config(config)
-    dtype = getattr(torch, _TORCH_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), "bfloat16"))
+    dtype = getattr(
+        torch, _TORCH_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), "bfloat16")
+    )
     try:
         with torch.device("meta"), _quiet_transformers():
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="eager",
-                                                     experts_implementation="grouped_mm")
+            model = AutoModelForCausalLM.from_config(
+                hf_config, dtype=dtype, attn_implementation="eager", experts_implementation="grouped_mm"
+            )
     except Exception as exc:  # any failure to build is reported, never raised to the user
-        raise TraceUnavailable(f"transformers {transformers.__version__} cannot build "
-                               f"{config.get('model_type')!r}: {type(exc).__name__}: {exc}") from None
+        raise TraceUnavailable(
+            f"transformers {transformers.__version__} cannot build "
+            f"{config.get('model_type')!r}: {type(exc).__name__}: {exc}"
+        ) from None
     model.eval()
     names = {module: name for name, module in model.named_modules()}
     facts = {name: _module_facts(name, module) for module, name in names.items()}
@@ -334,24 +384,46 @@ def trace_model(config: dict, *, prefill_tokens: int = PREFILL_TOKENS, all_layer
             model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
     except Exception as exc:  # a module that cannot run on meta: say which, fall back to the spec
         where = stack[-1] if stack else "the model"
-        raise TraceUnavailable(f"the meta-device {state['phase']} failed in {where}: "
-                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise TraceUnavailable(
+            f"the meta-device {state['phase']} failed in {where}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     finally:
         for handle in handles:
             handle.remove()
 
     classes = {path: f.cls for path, f in facts.items()}
-    calls = [AtenCall(op=op, module=path, module_class=classes.get(path, ""), phase=phase, calls=entry[0],
-                      dtypes=tuple(sorted(entry[1])), shape=entry[2])
-             for (phase, path, op), entry in aggregated.items()]
+    calls = [
+        AtenCall(
+            op=op,
+            module=path,
+            module_class=classes.get(path, ""),
+            phase=phase,
+            calls=entry[0],
+            dtypes=tuple(sorted(entry[1])),
+            shape=entry[2],
+        )
+        for (phase, path, op), entry in aggregated.items()
+    ]
     shared = [tuple(paths) for paths in linear_readers.values() if len(paths) > 1]
     seconds = time.perf_counter() - started
     peak = _peak_rss_bytes()
-    return ModelTrace(calls=calls, modules=facts, module_calls=module_calls, sequences=sequences,
-                      shared_inputs=shared, layer_groups=layer_groups, num_layers=len(layers),
-                      prefill_tokens=prefill_tokens, seconds=seconds, peak_rss_bytes=peak,
-                      rss_growth_bytes=max(0, peak - rss_before), meta_parameter_bytes=meta_bytes,
-                      transformers_version=transformers.__version__)
+    return ModelTrace(
+        calls=calls,
+        modules=facts,
+        module_calls=module_calls,
+        sequences=sequences,
+        shared_inputs=shared,
+        layer_groups=layer_groups,
+        num_layers=len(layers),
+        prefill_tokens=prefill_tokens,
+        seconds=seconds,
+        import_seconds=import_seconds,
+        peak_rss_bytes=peak,
+        rss_growth_bytes=max(0, peak - rss_before),
+        meta_parameter_bytes=meta_bytes,
+        transformers_version=transformers.__version__,
+    )
 
 
 # ---------------------------------------------------------------- semantic operators
@@ -383,9 +455,16 @@ class SemanticOp:
         return "; ".join(self.details)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "detail": self.detail, "layers": sorted(self.layers),
-                "count": self.count, "origin": self.origin, "modules": sorted(self.modules),
-                "aten": sorted(self.aten)}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "detail": self.detail,
+            "layers": sorted(self.layers),
+            "count": self.count,
+            "origin": self.origin,
+            "modules": sorted(self.modules),
+            "aten": sorted(self.aten),
+        }
 
 
 class _OpSet:
@@ -394,8 +473,16 @@ class _OpSet:
     def __init__(self):
         self.ops: dict[str, SemanticOp] = {}
 
-    def add(self, name: str, detail: str = "", layers=(), count: int = 1, origin: str = "trace",
-            module: str = "", aten=()) -> SemanticOp:
+    def add(
+        self,
+        name: str,
+        detail: str = "",
+        layers=(),
+        count: int = 1,
+        origin: str = "trace",
+        module: str = "",
+        aten=(),
+    ) -> SemanticOp:
         op = self.ops.get(name)
         if op is None:
             op = self.ops[name] = SemanticOp(name=name, kind=OP_KINDS.get(name, "other"), origin=origin)
@@ -471,17 +558,28 @@ def _first_moe(spec: ModelSpec):
 
 
 def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], list[dict[str, Any]]]:
-    """Semantic operators and fusion candidates from a trace; quantization and cache operators from the spec."""
+    """Semantic operators and fusion candidates from a trace (quantization and caches from the spec)."""
     ops = _OpSet()
     fusions: dict[str, dict[str, Any]] = {}
     formats = _module_formats(spec)
-    rotary = next((f for p, f in trace.modules.items() if "rope_type" in f.attrs and "inv_freq" in f.tensors), None)
+    rotary = next(
+        (f for p, f in trace.modules.items() if "rope_type" in f.attrs and "inv_freq" in f.tensors), None
+    )
     rope_type = str(rotary.attrs["rope_type"]) if rotary else spec.rope.type
     rotary_dim = 2 * rotary.tensors["inv_freq"][0] if rotary else spec.rope.rotary_dim
 
     def fusion(name: str, where: str, layers, weight: int, evidence: str):
-        row = fusions.setdefault(name, {"candidate": name, "what": FUSIONS[name], "where": set(),
-                                        "layers": set(), "count": 0, "evidence": evidence})
+        row = fusions.setdefault(
+            name,
+            {
+                "candidate": name,
+                "what": FUSIONS[name],
+                "where": set(),
+                "layers": set(),
+                "count": 0,
+                "evidence": evidence,
+            },
+        )
         row["where"].add(_LAYER_RE.sub(lambda m: m.group(0).replace(m.group(1), "*"), where))
         row["layers"].update(layers)
         row["count"] += weight
@@ -496,14 +594,20 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
         seq = trace.sequences.get(path, [])
         cls = facts.cls
         leaf = path.rsplit(".", 1)[-1]
-        add = lambda name, detail="", aten=(): ops.add(name, detail, layers, weight, "trace", path,  # noqa: E731
-                                                        aten or own)
+
+        def add(name: str, detail: str = "", layers=layers, weight=weight, path=path, own=own) -> None:
+            ops.add(name, detail, layers, weight, "trace", path, own)
+
         if "aten.embedding.default" in own:
             add("embedding", f"vocab {facts.tensors.get('weight', (0,))[0]:,}")
         elif cls.endswith("RMSNorm"):
             width = facts.tensors.get("weight", (0,))[0]
-            site = {"q_norm": "per-head q norm", "k_norm": "per-head k norm", "q_a_layernorm": "MLA q latent",
-                    "kv_a_layernorm": "MLA kv latent"}.get(leaf, "hidden")
+            site = {
+                "q_norm": "per-head q norm",
+                "k_norm": "per-head k norm",
+                "q_a_layernorm": "MLA q latent",
+                "kv_a_layernorm": "MLA kv latent",
+            }.get(leaf, "hidden")
             add("rmsnorm", f"{site} ({width})")
         elif "aten.native_layer_norm.default" in own:
             add("layernorm", f"{leaf} ({facts.tensors.get('weight', (0,))[0]})")
@@ -513,7 +617,9 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
                 component = "lm_head"
             add(f"linear_{_FORMAT_SUFFIX.get(method, method)}", component or leaf)
         elif "Router" in cls or (leaf == "gate" and "aten.topk.default" in own):
-            ffn = next((spec.layers[i].ffn for i in layers if spec.layers[i].ffn.kind == "moe"), _first_moe(spec))
+            ffn = next(
+                (spec.layers[i].ffn for i in layers if spec.layers[i].ffn.kind == "moe"), _first_moe(spec)
+            )
             scoring = "sigmoid" if "aten.sigmoid.default" in own else "softmax"
             topks = [i for i, op in enumerate(seq) if op == "aten.topk.default"]
             softmaxes = [i for i, op in enumerate(seq) if op == "aten._softmax.default"]
@@ -522,14 +628,18 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
             name = _routing_name(scoring, 2 if groups else 1, after)
             add(name, _routing_detail(ffn) if ffn else scoring)
         elif "Experts" in cls:
-            ffn = next((spec.layers[i].ffn for i in layers if spec.layers[i].ffn.kind == "moe"), _first_moe(spec))
+            ffn = next(
+                (spec.layers[i].ffn for i in layers if spec.layers[i].ffn.kind == "moe"), _first_moe(spec)
+            )
             if own & {"aten.sort.default", "aten.index.Tensor"}:
                 add("moe_permute", "sort token-expert pairs by expert, gather rows, weighted un-permute")
             if "aten._grouped_mm.default" in own or "aten.mm.default" in own:
                 component, method = formats.get(path, ("routed_experts", spec.quant.default.method))
                 size = f"{ffn.num_experts} experts x {ffn.expert_intermediate}" if ffn else ""
-                add(f"moe_grouped_gemm_{_FORMAT_SUFFIX.get(method, method)}",
-                    f"{size}, {_format_detail(spec, 'routed_experts')}")
+                add(
+                    f"moe_grouped_gemm_{_FORMAT_SUFFIX.get(method, method)}",
+                    f"{size}, {_format_detail(spec, 'routed_experts')}",
+                )
                 fusion("fuse_routing_permute", path, layers, weight, "router top-k feeds the expert sort")
             if "aten.clamp.default" in own:
                 limit, alpha = facts.attrs.get("limit"), facts.attrs.get("alpha")
@@ -538,32 +648,59 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
             add("swiglu", f"{cls.replace('Activation', '').lower()}(gate) * up")
         elif "Indexer" in cls:
             verified = {"aten.relu.default", "aten.topk.default"} <= own
-            add("dsa_indexer", f"{facts.attrs.get('n_heads')} heads x {facts.attrs.get('head_dim')}, "
-                               f"top-{facts.attrs.get('index_topk')}"
-                + ("" if verified else " (ReLU/top-k not seen in the trace)"))
+            add(
+                "dsa_indexer",
+                f"{facts.attrs.get('n_heads')} heads x {facts.attrs.get('head_dim')}, "
+                f"top-{facts.attrs.get('index_topk')}"
+                + ("" if verified else " (ReLU/top-k not seen in the trace)"),
+            )
             interleaved = any(op.startswith("aten.slice.Tensor[step=") for op in own)
-            ops.add(_ROPE_NAMES.get(rope_type, f"rope_{rope_type}"),
-                    _rope_detail(spec, interleaved, facts.attrs.get("qk_rope_head_dim", 0),
-                                 facts.attrs.get("head_dim", 0), "indexer"), layers, weight, "trace", path)
-            ops.add("kv_cache_indexer", f"{facts.attrs.get('head_dim')} key values per token",
-                    layers, weight, "spec", path)
+            ops.add(
+                _ROPE_NAMES.get(rope_type, f"rope_{rope_type}"),
+                _rope_detail(
+                    spec,
+                    interleaved,
+                    facts.attrs.get("qk_rope_head_dim", 0),
+                    facts.attrs.get("head_dim", 0),
+                    "indexer",
+                ),
+                layers,
+                weight,
+                "trace",
+                path,
+            )
+            ops.add(
+                "kv_cache_indexer",
+                f"{facts.attrs.get('head_dim')} key values per token",
+                layers,
+                weight,
+                "spec",
+                path,
+            )
         elif "Attention" in cls:
             _lift_attention(ops, trace, spec, facts, layers, weight, own, seq, rope_type, rotary_dim, path)
             if "aten._softmax.default" in seq:
-                before = seq[max(0, seq.index("aten._softmax.default") - 3):seq.index("aten._softmax.default")]
+                before = seq[
+                    max(0, seq.index("aten._softmax.default") - 3) : seq.index("aten._softmax.default")
+                ]
                 if {"aten.add.Tensor", "aten.masked_fill.Scalar"} & set(before):
                     fusion("fuse_mask_softmax", path, layers, weight, "mask add/fill right before softmax")
         elif "DecoderLayer" in cls and "aten.add.Tensor" in own:
             norms = [k for k, v in facts.children.items() if v.endswith("RMSNorm")]
             if norms:
-                fusion("fuse_residual_rmsnorm", path, layers, weight, f"residual add before {', '.join(norms)}")
+                fusion(
+                    "fuse_residual_rmsnorm", path, layers, weight, f"residual add before {', '.join(norms)}"
+                )
 
     for group in trace.shared_inputs:
         layers = trace.layers_of(group[0])
         weight = max(1, len(layers))
         leaves = [p.split(".self_attn.")[-1].split(".mlp.")[-1] for p in group]
-        name = "fuse_gate_up_projection" if ".mlp." in group[0] and not any("attn" in p for p in group) \
+        name = (
+            "fuse_gate_up_projection"
+            if ".mlp." in group[0] and not any("attn" in p for p in group)
             else "fuse_qkv_projection"
+        )
         evidence = " + ".join(leaves) + " read the same input"
         fusion(name, group[0].rsplit(".", 1)[0], layers, weight, evidence)
         if evidence not in fusions[name]["evidence"]:
@@ -572,19 +709,33 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
     return ops.values(), _fusion_rows(fusions)
 
 
-def _lift_attention(ops: _OpSet, trace: ModelTrace, spec: ModelSpec, facts: ModuleFacts, layers, weight: int,
-                    own: set[str], seq: list[str], rope_type: str, rotary_dim: int, path: str) -> None:
+def _lift_attention(
+    ops: _OpSet,
+    trace: ModelTrace,
+    spec: ModelSpec,
+    facts: ModuleFacts,
+    layers,
+    weight: int,
+    own: set[str],
+    seq: list[str],
+    rope_type: str,
+    rotary_dim: int,
+    path: str,
+) -> None:
     attrs = facts.attrs
     layer_spec = spec.layers[layers[0]].attention if layers else None
     if "indexer" in facts.children:
         name = "attention_mla_sparse"
-        detail = (f"{attrs.get('num_heads')} heads, latent {attrs.get('kv_lora_rank')} + rope "
-                  f"{attrs.get('qk_rope_head_dim')}, attends to the indexer's top-"
-                  f"{layer_spec.index_topk if layer_spec else '?'} tokens")
+        detail = (
+            f"{attrs.get('num_heads')} heads, latent {attrs.get('kv_lora_rank')} + rope "
+            f"{attrs.get('qk_rope_head_dim')}, attends to the indexer's top-"
+            f"{layer_spec.index_topk if layer_spec else '?'} tokens"
+        )
         cache = "kv_cache_mla_latent"
     elif "kv_lora_rank" in attrs:
         name = "attention_mla"
-        detail = f"{attrs.get('num_heads')} heads, latent {attrs.get('kv_lora_rank')} + rope {attrs.get('qk_rope_head_dim')}"
+        detail = (f"{attrs.get('num_heads')} heads, latent {attrs.get('kv_lora_rank')} "
+                  f"+ rope {attrs.get('qk_rope_head_dim')}")
         cache = "kv_cache_mla_latent"
     else:
         window = attrs.get("sliding_window")
@@ -594,7 +745,8 @@ def _lift_attention(ops: _OpSet, trace: ModelTrace, spec: ModelSpec, facts: Modu
         kv_heads = layer_spec.num_kv_heads if layer_spec else None
         base = "attention_sliding_window" if window else "attention_gqa"
         name = base + ("_sinks" if sinks else "")
-        detail = f"{'GQA' if groups and groups > 1 else 'MHA'} {heads}/{kv_heads} heads, head dim {attrs.get('head_dim')}"
+        kind = "GQA" if groups and groups > 1 else "MHA"
+        detail = f"{kind} {heads}/{kv_heads} heads, head dim {attrs.get('head_dim')}"
         if window:
             detail += f", window {window}"
         if sinks:
@@ -602,16 +754,26 @@ def _lift_attention(ops: _OpSet, trace: ModelTrace, spec: ModelSpec, facts: Modu
         cache = "kv_cache_paged"
     ops.add(name, detail, layers, weight, "trace", path, own)
     if cache == "kv_cache_mla_latent":
-        cache_detail = f"{attrs.get('kv_lora_rank')} latent + {attrs.get('qk_rope_head_dim')} rope values per token"
+        cache_detail = (
+            f"{attrs.get('kv_lora_rank')} latent + {attrs.get('qk_rope_head_dim')} rope values per token"
+        )
     else:
-        cache_detail = f"K and V, {layer_spec.num_kv_heads if layer_spec else '?'} heads x {attrs.get('head_dim')}" + (
-            f", window {attrs.get('sliding_window')}" if attrs.get("sliding_window") else "")
+        cache_detail = (
+            f"K and V, {layer_spec.num_kv_heads if layer_spec else '?'} heads x {attrs.get('head_dim')}"
+            + (f", window {attrs.get('sliding_window')}" if attrs.get("sliding_window") else "")
+        )
     ops.add(cache, cache_detail, layers, weight, "spec", path)
     interleaved = any(op.startswith("aten.slice.Tensor[step=") for op in own)
     head_dim = attrs.get("qk_head_dim") or attrs.get("head_dim") or 0
     rot = attrs.get("qk_rope_head_dim") or rotary_dim
-    ops.add(_ROPE_NAMES.get(rope_type, f"rope_{rope_type}"),
-            _rope_detail(spec, interleaved, rot, head_dim, "attention"), layers, weight, "trace", path)
+    ops.add(
+        _ROPE_NAMES.get(rope_type, f"rope_{rope_type}"),
+        _rope_detail(spec, interleaved, rot, head_dim, "attention"),
+        layers,
+        weight,
+        "trace",
+        path,
+    )
 
 
 def _quant_sites(spec: ModelSpec) -> dict[str, tuple[set[int], int, set[str]]]:
@@ -636,15 +798,28 @@ def _add_quant_ops(ops: _OpSet, spec: ModelSpec, fusions: dict[str, dict[str, An
         where = ", ".join(sorted(components))
         if method == "fp8_block":
             ops.add("fp8_block_dequant", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
-            ops.add("fp8_act_quant", "dynamic per-token groups of 128 to e4m3 before each fp8 GEMM",
-                    layers, count, origin)
+            ops.add(
+                "fp8_act_quant",
+                "dynamic per-token groups of 128 to e4m3 before each fp8 GEMM",
+                layers,
+                count,
+                origin,
+            )
         elif method == "mxfp4":
             ops.add("mxfp4_decode", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
         elif method == "int4":
             ops.add("int4_dequant", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
-        fusions.setdefault("fuse_dequant_matmul", {
-            "candidate": "fuse_dequant_matmul", "what": FUSIONS["fuse_dequant_matmul"], "where": set(),
-            "layers": set(), "count": 0, "evidence": ""})
+        fusions.setdefault(
+            "fuse_dequant_matmul",
+            {
+                "candidate": "fuse_dequant_matmul",
+                "what": FUSIONS["fuse_dequant_matmul"],
+                "where": set(),
+                "layers": set(),
+                "count": 0,
+                "evidence": "",
+            },
+        )
         row = fusions["fuse_dequant_matmul"]
         row["where"].add(f"{method}: {where}")
         row["layers"].update(layers)
@@ -682,18 +857,38 @@ def ops_from_spec(spec: ModelSpec) -> tuple[list[SemanticOp], list[dict[str, Any
             if at.kind == "mla+dsa":
                 detail += f", attends to the indexer's top-{at.index_topk} tokens"
             add(name, detail, here)
-            add("kv_cache_mla_latent", f"{at.kv_lora_rank} latent + {at.qk_rope_head_dim} rope values per token", here)
-            add(rope, _rope_detail(spec, spec.rope.interleaved, at.qk_rope_head_dim, at.head_dim, "attention"), here)
+            add(
+                "kv_cache_mla_latent",
+                f"{at.kv_lora_rank} latent + {at.qk_rope_head_dim} rope values per token",
+                here,
+            )
+            add(
+                rope,
+                _rope_detail(spec, spec.rope.interleaved, at.qk_rope_head_dim, at.head_dim, "attention"),
+                here,
+            )
         else:
             add(f"linear_{attn_fmt}", "attention", here, 4)
             base = "attention_sliding_window" if at.window else "attention_gqa"
-            detail = f"{'GQA' if at.num_kv_heads < at.num_heads else 'MHA'} {at.num_heads}/{at.num_kv_heads} heads, " \
-                     f"head dim {at.head_dim}" + (f", window {at.window}" if at.window else "") + \
-                     (", learned sinks" if at.sinks else "")
+            detail = (
+                f"{'GQA' if at.num_kv_heads < at.num_heads else 'MHA'} "
+                f"{at.num_heads}/{at.num_kv_heads} heads, "
+                f"head dim {at.head_dim}"
+                + (f", window {at.window}" if at.window else "")
+                + (", learned sinks" if at.sinks else "")
+            )
             add(base + ("_sinks" if at.sinks else ""), detail, here)
-            add("kv_cache_paged", f"K and V, {at.num_kv_heads} heads x {at.head_dim}"
-                + (f", window {at.window}" if at.window else ""), here)
-            add(rope, _rope_detail(spec, spec.rope.interleaved, spec.rope.rotary_dim, at.head_dim, "attention"), here)
+            add(
+                "kv_cache_paged",
+                f"K and V, {at.num_kv_heads} heads x {at.head_dim}"
+                + (f", window {at.window}" if at.window else ""),
+                here,
+            )
+            add(
+                rope,
+                _rope_detail(spec, spec.rope.interleaved, spec.rope.rotary_dim, at.head_dim, "attention"),
+                here,
+            )
             if at.qk_norm:
                 add("rmsnorm", f"per-head q norm ({at.head_dim})", here)
                 add("rmsnorm", f"per-head k norm ({at.head_dim})", here)
@@ -711,14 +906,23 @@ def ops_from_spec(spec: ModelSpec) -> tuple[list[SemanticOp], list[dict[str, Any
         add(_routing_name(ffn.scoring, ffn.n_group, spec.model_type == "gpt_oss"), _routing_detail(ffn), here)
         add("moe_permute", "sort token-expert pairs by expert, gather rows, weighted un-permute", here)
         method = _FORMAT_SUFFIX[spec.quant.format_of("routed_experts").method]
-        add(f"moe_grouped_gemm_{method}",
-            f"{ffn.num_experts} experts x {ffn.expert_intermediate}, {_format_detail(spec, 'routed_experts')}", here)
+        add(
+            f"moe_grouped_gemm_{method}",
+            f"{ffn.num_experts} experts x {ffn.expert_intermediate}, "
+            f"{_format_detail(spec, 'routed_experts')}",
+            here,
+        )
         if ffn.activation == "swiglu_clamped":
             add("swiglu_clamped", f"clamp {ffn.swiglu_limit}, sigmoid(alpha * gate), (up + 1)", here)
         else:
             add("swiglu", "silu(gate) * up", here)
         if ffn.num_shared_experts:
-            add(f"linear_{_FORMAT_SUFFIX[spec.quant.format_of('shared_experts').method]}", "shared_experts", here, 3)
+            add(
+                f"linear_{_FORMAT_SUFFIX[spec.quant.format_of('shared_experts').method]}",
+                "shared_experts",
+                here,
+                3,
+            )
             add("swiglu", "silu(gate) * up", here)
     _add_quant_ops(ops, spec, fusions)
     return ops.values(), _fusion_rows(fusions)
@@ -745,16 +949,29 @@ class GapRow:
 
     def row(self) -> dict[str, Any]:
         text = self.provided + (f" | plan: {self.plan}" if self.status == "missing" and self.plan else "")
-        return {"op": self.op.name, "kind": self.op.kind, "status": self.status, "provided by / reason": text,
-                "count": self.op.count, "layers": format_layers(self.op.layers)}
+        return {
+            "op": self.op.name,
+            "kind": self.op.kind,
+            "status": self.status,
+            "provided by / reason": text,
+            "count": self.op.count,
+            "layers": format_layers(self.op.layers),
+        }
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.op.to_dict(), "status": self.status, "provided": self.provided, "plan": self.plan,
-                "kernel": self.kernel, "test": self.test, "stack_status": self.stack_status}
+        return {
+            **self.op.to_dict(),
+            "status": self.status,
+            "provided": self.provided,
+            "plan": self.plan,
+            "kernel": self.kernel,
+            "test": self.test,
+            "stack_status": self.stack_status,
+        }
 
 
 def format_layers(layers) -> str:
-    """Sorted layer indices as ranges ("0-2, 3-60"); "model" for model-level operators."""
+    """Layer indices as ranges ("0-2, 3-60", "1-35 every 2"); "model" for model-level operators."""
     items = sorted(layers)
     if not items:
         return "model"
@@ -765,6 +982,9 @@ def format_layers(layers) -> str:
             start = value
         prev = value
     ranges.append((start, prev))
+    steps = {b - a for a, b in zip(items, items[1:], strict=False)}
+    if len(items) >= 3 and len(steps) == 1 and min(steps) > 1:
+        return f"{items[0]}-{items[-1]} every {steps.pop()}"
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
 
 
@@ -782,13 +1002,17 @@ def unmet_requirements(requires: tuple[str, ...], target: Target) -> list[str]:
             try:
                 have = float(target.compute_capability)
             except ValueError:
-                reasons.append(f"needs NVIDIA compute capability >= {wanted:g}; {target.name} is "
-                               f"{target.compute_capability}")
+                reasons.append(
+                    f"needs NVIDIA compute capability >= {wanted:g}; {target.name} is "
+                    f"{target.compute_capability}"
+                )
                 continue
             if have < wanted:
                 reasons.append(f"needs compute capability >= {wanted:g}; {target.name} has {have:g}")
         elif need not in target.native_dtypes:
-            reasons.append(f"needs native {need}; {target.name} native dtypes are {', '.join(target.native_dtypes)}")
+            reasons.append(
+                f"needs native {need}; {target.name} native dtypes are {', '.join(target.native_dtypes)}"
+            )
     return reasons
 
 
@@ -813,18 +1037,45 @@ def classify(op: SemanticOp, stack: StackTable, target: Target) -> GapRow:
         return GapRow(op, "missing", f"stack {stack.name} has no entry for {op.name}", stack_status="absent")
     unmet = unmet_requirements(entry.requires, target)
     if unmet:
-        return GapRow(op, "missing", f"{entry.status} in {stack.name} but " + "; ".join(unmet),
-                      plan=entry.plan, kernel=entry.kernel, test=entry.test, stack_status=entry.status)
+        return GapRow(
+            op,
+            "missing",
+            f"{entry.status} in {stack.name} but " + "; ".join(unmet),
+            plan=entry.plan,
+            kernel=entry.kernel,
+            test=entry.test,
+            stack_status=entry.status,
+        )
     if entry.status == "adapt_kernel":
         problem = _kernel_problem(entry.kernel)
         if problem:
-            return GapRow(op, "missing", f"adapt kernel {entry.kernel}: {problem}", plan=entry.plan,
-                          kernel=entry.kernel, test=entry.test, stack_status=entry.status)
+            return GapRow(
+                op,
+                "missing",
+                f"adapt kernel {entry.kernel}: {problem}",
+                plan=entry.plan,
+                kernel=entry.kernel,
+                test=entry.test,
+                stack_status=entry.status,
+            )
         test_note = "" if (REPO_ROOT / entry.test).is_file() else " (test file not in this checkout)"
-        return GapRow(op, "adapt_kernel", f"{entry.kernel}, tolerance test {entry.test}{test_note}: {entry.reason}",
-                      kernel=entry.kernel, test=entry.test, stack_status=entry.status)
-    return GapRow(op, entry.status, entry.reason, plan=entry.plan, kernel=entry.kernel, test=entry.test,
-                  stack_status=entry.status)
+        return GapRow(
+            op,
+            "adapt_kernel",
+            f"{entry.kernel}, tolerance test {entry.test}{test_note}: {entry.reason}",
+            kernel=entry.kernel,
+            test=entry.test,
+            stack_status=entry.status,
+        )
+    return GapRow(
+        op,
+        entry.status,
+        entry.reason,
+        plan=entry.plan,
+        kernel=entry.kernel,
+        test=entry.test,
+        stack_status=entry.status,
+    )
 
 
 # ---------------------------------------------------------------- the stage
@@ -845,8 +1096,15 @@ class Inventory:
     trace: ModelTrace | None
 
 
-def build_inventory(model: str, target: str, stack: str | None = None, gates: dict | None = None, *,
-                    all_layers: bool = False, prefill_tokens: int = PREFILL_TOKENS) -> Inventory:
+def build_inventory(
+    model: str,
+    target: str,
+    stack: str | None = None,
+    gates: dict | None = None,
+    *,
+    all_layers: bool = False,
+    prefill_tokens: int = PREFILL_TOKENS,
+) -> Inventory:
     """Stage 1 with its detail. model: preset, config.json or model directory; target: name or YAML;
     stack: stack name or YAML (default: the target's default_stack); gates: the full gates dict."""
     started = now_iso()
@@ -861,65 +1119,113 @@ def build_inventory(model: str, target: str, stack: str | None = None, gates: di
     try:
         trace = trace_model(spec.config, prefill_tokens=prefill_tokens, all_layers=all_layers)
     except TraceUnavailable as exc:
-        report.add("warn", "inventory.spec_only",
-                   f"the operator list is from the ModelSpec, not a trace: {exc}",
-                   "counts are per forward step as the spec implies them; run with a transformers that "
-                   "implements this architecture to trace it")
+        report.add(
+            "warn",
+            "inventory.spec_only",
+            f"the operator list is from the ModelSpec, not a trace: {exc}",
+            "counts are per forward step as the spec implies them; run with a transformers that "
+            "implements this architecture to trace it",
+        )
     if trace is not None:
         ops, fusions = lift_trace(trace, spec)
         _cross_check(report, ops, spec)
         _trace_notes(report, trace, spec)
     else:
         ops, fusions = ops_from_spec(spec)
-    if spec.quant.source != "none":
-        report.add("info", "inventory.quant_from_spec",
-                   f"quantization operators come from the spec's quantization_config ({spec.quant.source}); "
-                   "the trace ran the unquantized graph")
+    if spec.quant.source != "none" and trace is not None:
+        report.add(
+            "info",
+            "inventory.quant_from_spec",
+            f"quantization operators come from the spec's quantization_config ({spec.quant.source}); "
+            "the trace ran the unquantized graph (quantization_config dropped)",
+        )
 
     rows = [classify(op, table, tgt) for op in ops]
-    rows.sort(key=lambda r: (list(OP_KINDS).index(r.op.name) if r.op.name in OP_KINDS else len(OP_KINDS)))
+    rows.sort(key=lambda r: list(OP_KINDS).index(r.op.name) if r.op.name in OP_KINDS else len(OP_KINDS))
     fusion_rows = []
     for row in fusions:
         entry = table.lookup(row["candidate"])
-        fusion_rows.append({"candidate": row["candidate"], "what": row["what"], "where": row["where"],
-                            "evidence": row["evidence"], "count": row["count"],
-                            "layers": format_layers(row["layers"]),
-                            "stack": f"{entry.status}: {entry.reason}" if entry else f"not listed in {table.name}"})
+        fusion_rows.append(
+            {
+                "candidate": row["candidate"],
+                "what": row["what"],
+                "where": row["where"],
+                "evidence": row["evidence"],
+                "count": row["count"],
+                "layers": format_layers(row["layers"]),
+                "stack": f"{entry.status}: {entry.reason}" if entry else f"not listed in {table.name}",
+            }
+        )
     _gate(report, rows, int(thresholds.get("max_missing", 0)))
 
-    counts = {status: sum(1 for r in rows if r.status == status)
-              for status in ("native", "composable", "adapt_kernel", "missing")}
+    counts = {
+        status: sum(1 for r in rows if r.status == status)
+        for status in ("native", "composable", "adapt_kernel", "missing")
+    }
     report.metrics = {
-        "operators": len(rows), "per_status": counts,
+        "operators": len(rows),
+        "per_status": counts,
         "missing_without_plan": sum(1 for r in rows if r.status == "missing" and not r.plan),
         "origin": "trace" if trace else "spec",
-        "model_type": spec.model_type, "layers": spec.num_layers, "stack": table.name, "target": tgt.name,
+        "model_type": spec.model_type,
+        "layers": spec.num_layers,
+        "stack": table.name,
+        "target": tgt.name,
     }
     if trace is not None:
         report.metrics["trace"] = {
-            "seconds": round(trace.seconds, 3), "peak_rss_bytes": trace.peak_rss_bytes,
-            "rss_growth_bytes": trace.rss_growth_bytes, "meta_parameter_bytes": trace.meta_parameter_bytes,
-            "traced_layers": sorted(trace.layer_groups), "prefill_tokens": trace.prefill_tokens,
-            "aten_operators": len({c.op for c in trace.calls}), "transformers": trace.transformers_version,
+            "seconds": round(trace.seconds, 3),
+            "import_seconds": round(trace.import_seconds, 3),
+            "peak_rss_bytes": trace.peak_rss_bytes,
+            "rss_growth_bytes": trace.rss_growth_bytes,
+            "meta_parameter_bytes": trace.meta_parameter_bytes,
+            "traced_layers": sorted(trace.layer_groups),
+            "prefill_tokens": trace.prefill_tokens,
+            "aten_operators": len({c.op for c in trace.calls}),
+            "transformers": trace.transformers_version,
         }
     report.tables["operator gaps"] = [r.row() for r in rows]
     report.tables["counts per status"] = [{"status": k, "operators": v} for k, v in counts.items()]
     report.tables["fusion candidates"] = fusion_rows
-    report.summary = (f"{len(rows)} operators of {spec.model_type} on {tgt.name} with stack {table.name}: "
-                      + ", ".join(f"{v} {k}" for k, v in counts.items())
-                      + (f"; traced in {trace.seconds:.1f} s on the meta device" if trace else "; from the spec"))
-    report.fingerprint = fingerprint(spec_hash=spec.spec_hash(), target=tgt.name, stack=table.name,
-                                     stack_path=table.path, all_layers=all_layers, prefill_tokens=prefill_tokens,
-                                     gates=thresholds)
+    report.summary = (
+        f"{len(rows)} operators of {spec.model_type} on {tgt.name} with stack {table.name}: "
+        + ", ".join(f"{v} {k}" for k, v in counts.items())
+        + (f"; traced in {trace.seconds:.1f} s on the meta device" if trace else "; from the spec")
+    )
+    report.fingerprint = fingerprint(
+        spec_hash=spec.spec_hash(),
+        target=tgt.name,
+        stack=table.name,
+        stack_path=table.path,
+        all_layers=all_layers,
+        prefill_tokens=prefill_tokens,
+        gates=thresholds,
+    )
     report.finished = now_iso()
     report.decide()
-    aten = [{"op": c.op, "module": c.module, "module_class": c.module_class, "phase": c.phase, "calls": c.calls,
-             "layers": format_layers(trace.layers_of(c.module)), "dtypes": list(c.dtypes), "shape": list(c.shape)}
-            for c in trace.calls] if trace else []
+    aten = (
+        [
+            {
+                "op": c.op,
+                "module": c.module,
+                "module_class": c.module_class,
+                "phase": c.phase,
+                "calls": c.calls,
+                "layers": format_layers(trace.layers_of(c.module)),
+                "dtypes": list(c.dtypes),
+                "shape": list(c.shape),
+            }
+            for c in trace.calls
+        ]
+        if trace
+        else []
+    )
     return Inventory(report=report, rows=rows, fusions=fusion_rows, aten=aten, trace=trace)
 
 
-def run_inventory(model: str, target: str, stack: str | None = None, gates: dict | None = None) -> StageReport:
+def run_inventory(
+    model: str, target: str, stack: str | None = None, gates: dict | None = None
+) -> StageReport:
     """Stage 1 as a gated report (stage "inventory", number 1)."""
     return build_inventory(model, target, stack=stack, gates=gates).report
 
@@ -928,19 +1234,30 @@ def _gate(report: StageReport, rows: list[GapRow], max_missing: int) -> None:
     unplanned = [r for r in rows if r.status == "missing" and not r.plan]
     severity = "error" if len(unplanned) > max_missing else "warn"
     for r in unplanned:
-        report.add(severity, "inventory.missing", f"{r.op.name}: {r.provided}",
-                   "add an adapt kernel or a stack entry with a plan, or choose another stack/target")
+        report.add(
+            severity,
+            "inventory.missing",
+            f"{r.op.name}: {r.provided}",
+            "add an adapt kernel or a stack entry with a plan, or choose another stack/target",
+        )
     for r in rows:
         if r.status == "missing" and r.plan:
             report.add("warn", "inventory.gap_with_plan", f"{r.op.name}: {r.provided}", f"plan: {r.plan}")
         elif r.status == "composable":
             report.add("warn", "inventory.composable", f"{r.op.name}: {r.provided}")
         elif r.status == "adapt_kernel":
-            report.add("info", "inventory.adapt_kernel", f"{r.op.name}: {r.kernel}",
-                       f"stage 3 runs its tolerance test {r.test}")
+            report.add(
+                "info",
+                "inventory.adapt_kernel",
+                f"{r.op.name}: {r.kernel}",
+                f"stage 3 runs its tolerance test {r.test}",
+            )
     if len(unplanned) > max_missing:
-        report.add("error", "inventory.gate",
-                   f"{len(unplanned)} operator(s) missing without a plan (gate allows {max_missing})")
+        report.add(
+            "error",
+            "inventory.gate",
+            f"{len(unplanned)} operator(s) missing without a plan (gate allows {max_missing})",
+        )
 
 
 def _cross_check(report: StageReport, ops: list[SemanticOp], spec: ModelSpec) -> None:
@@ -948,8 +1265,12 @@ def _cross_check(report: StageReport, ops: list[SemanticOp], spec: ModelSpec) ->
     traced = {op.name for op in ops if op.origin == "trace"}
     expected = {op.name for op in ops_from_spec(spec)[0] if op.origin == "spec" and op.kind != "kv cache"}
     for name in sorted(expected - traced):
-        report.add("warn", "inventory.not_traced", f"the spec implies {name} but the trace did not show it",
-                   "the transformers implementation may differ from the checkpoint's architecture")
+        report.add(
+            "warn",
+            "inventory.not_traced",
+            f"the spec implies {name} but the trace did not show it",
+            "the transformers implementation may differ from the checkpoint's architecture",
+        )
     for name in sorted(traced - expected):
         report.add("info", "inventory.trace_only", f"the trace shows {name}, which the spec does not imply")
 
@@ -958,17 +1279,25 @@ def _trace_notes(report: StageReport, trace: ModelTrace, spec: ModelSpec) -> Non
     traced = sorted(trace.layer_groups)
     if len(traced) < trace.num_layers:
         groups = "; ".join(f"layer {i} stands for {format_layers(trace.layer_groups[i])}" for i in traced)
-        report.add("info", "inventory.representative_layers",
-                   f"traced {len(traced)} of {trace.num_layers} decoder layers, one per distinct structure "
-                   f"({groups}); counts are scaled by the layers each stands for")
+        report.add(
+            "info",
+            "inventory.representative_layers",
+            f"traced {len(traced)} of {trace.num_layers} decoder layers, one per distinct structure "
+            f"({groups}); counts are scaled by the layers each stands for",
+        )
     if spec.mtp_layers:
-        report.add("info", "inventory.mtp_not_traced",
-                   f"{len(spec.mtp_layers)} multi-token-prediction layer(s) "
-                   f"({format_layers(layer.index for layer in spec.mtp_layers)}) are not built by transformers and "
-                   "not listed; they use the operators of a MoE layer plus eh_proj (linear) and two RMSNorms")
-    report.add("info", "inventory.trace_cost",
-               f"meta-device trace: {trace.seconds:.1f} s, peak RSS {trace.peak_rss_bytes / 2**30:.2f} GiB "
-               f"(+{trace.rss_growth_bytes / 2**20:.0f} MiB during the trace); the parameters would take "
-               f"{trace.meta_parameter_bytes / 2**30:,.0f} GiB if materialised")
-
-
+        report.add(
+            "info",
+            "inventory.mtp_not_traced",
+            f"{len(spec.mtp_layers)} multi-token-prediction layer(s) "
+            f"({format_layers(layer.index for layer in spec.mtp_layers)}) are not built by transformers and "
+            "not listed; they use the operators of a MoE layer plus eh_proj (linear) and two RMSNorms",
+        )
+    report.add(
+        "info",
+        "inventory.trace_cost",
+        f"meta-device build + trace: {trace.seconds:.1f} s (+{trace.import_seconds:.1f} s importing "
+        f"torch/transformers), peak RSS {trace.peak_rss_bytes / 2**30:.2f} GiB "
+        f"(+{trace.rss_growth_bytes / 2**20:.0f} MiB during the trace); the parameters would take "
+        f"{trace.meta_parameter_bytes / 2**30:,.0f} GiB if materialised",
+    )

@@ -94,12 +94,16 @@ class Layout:
     tp: tensor-parallel ranks; pp: pipeline stages; dp: data-parallel replicas
     expert_parallel: routed experts split over the tp * dp ranks of a stage (vLLM
         ``--enable-expert-parallel``) instead of being split by TP and copied per replica
+    dcp: decode context parallelism (vLLM ``--decode-context-parallel-size``): the TP ranks
+        that would hold copies of the same KV entries (MLA latents, or KV heads replicated
+        because TP exceeds them) stripe a sequence's tokens over ``dcp`` of them instead
     """
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     expert_parallel: bool = False
+    dcp: int = 1
 
     @property
     def devices(self) -> int:
@@ -118,6 +122,8 @@ class Layout:
             parts.append(f"DP{self.dp}")
         if self.expert_parallel:
             parts.append(f"EP{self.ep}")
+        if self.dcp > 1:
+            parts.append(f"DCP{self.dcp}")
         return " x ".join(parts)
 
 
@@ -188,8 +194,12 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["layout"] = {**asdict(self.layout), "ep": self.layout.ep, "devices": self.layout.devices,
-                          "label": self.layout.label()}
+        data["layout"] = {
+            **asdict(self.layout),
+            "ep": self.layout.ep,
+            "devices": self.layout.devices,
+            "label": self.layout.label(),
+        }
         data["exact_terms"] = list(self.exact_terms)
         data["estimated_terms"] = list(self.estimated_terms)
         data["terms_gib"] = {k: round(v / GiB, 3) for k, v in self.terms.items()}
@@ -204,7 +214,9 @@ class MemoryPlan:
 
 def vllm_batch_defaults(target: Target) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) that `vllm serve` picks on this target's devices."""
-    return VLLM_BATCH_DEFAULTS[target.memory_bytes >= VLLM_LARGE_GPU_BYTES and "a100" not in target.name.lower()]
+    return VLLM_BATCH_DEFAULTS[
+        target.memory_bytes >= VLLM_LARGE_GPU_BYTES and "a100" not in target.name.lower()
+    ]
 
 
 def context_limit(spec: ModelSpec, rope_factor: float | None = None) -> int:
@@ -214,6 +226,10 @@ def context_limit(spec: ModelSpec, rope_factor: float | None = None) -> int:
         return spec.max_position
     base = spec.rope.original_max_position or spec.max_position
     return int(base * rope_factor)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def divisors(n: int) -> list[int]:
@@ -226,8 +242,11 @@ def _ffn_widths(spec: ModelSpec) -> list[tuple[str, int, int | None]]:
     seen = set()
     for layer in spec.layers:
         f = layer.ffn
-        items = [("dense FFN intermediate size", f.intermediate, "dense_mlp")] if f.kind == "dense" else [
-            ("expert intermediate size", f.expert_intermediate, "routed_experts")]
+        items = (
+            [("dense FFN intermediate size", f.intermediate, "dense_mlp")]
+            if f.kind == "dense"
+            else [("expert intermediate size", f.expert_intermediate, "routed_experts")]
+        )
         if f.kind == "moe" and f.num_shared_experts:
             items.append(("shared expert intermediate size", f.shared_intermediate, "shared_experts"))
         for what, width, component in items:
@@ -266,15 +285,45 @@ def layout_problems(spec: ModelSpec, layout: Layout, weights: str = "as-stored")
         if width % tp:
             problems.append(f"TP {tp} does not divide the {what} {width}")
         elif block and weights in ("as-stored", "fp8") and (width // tp) % block:
-            problems.append(f"TP {tp} splits the {what} {width} into {width // tp}, not a multiple of "
-                            f"the fp8 weight block {block}")
+            problems.append(
+                f"TP {tp} splits the {what} {width} into {width // tp}, not a multiple of "
+                f"the fp8 weight block {block}"
+            )
     if layout.pp > spec.num_layers:
         problems.append(f"PP {layout.pp} exceeds the {spec.num_layers} layers")
+    if layout.dcp > 1:
+        copies = kv_copies(spec, tp)
+        if attn.kind == "mla+dsa":
+            problems.append("decode context parallelism is not modelled for DSA attention (indexer cache)")
+        elif copies % layout.dcp:
+            problems.append(
+                f"DCP {layout.dcp} does not divide the {copies} TP ranks holding the same KV entries"
+            )
     return problems
 
 
-def resolve_layout(spec: ModelSpec, target: Target, *, devices: int, nodes: int, tp: int | None,
-                   ep: int | None, pp: int | None, dp: int | None, weights: str) -> Layout:
+def kv_copies(spec: ModelSpec, tp: int) -> int:
+    """How many TP ranks hold the same KV entries: all of them for MLA latents, TP / KV heads
+    when TP exceeds the KV heads, else 1."""
+    attn = spec.layers[0].attention
+    if attn.kind in ("mla", "mla+dsa"):
+        return tp
+    return max(1, tp // attn.num_kv_heads)
+
+
+def resolve_layout(
+    spec: ModelSpec,
+    target: Target,
+    *,
+    devices: int,
+    nodes: int,
+    tp: int | None,
+    ep: int | None,
+    pp: int | None,
+    dp: int | None,
+    weights: str,
+    dcp: int | None = None,
+) -> Layout:
     """The layout the flags ask for (InputError naming the flag and the fix when it cannot work).
 
     Unset sizes default to: PP = nodes, TP = devices per node, DP = 1, no EP.
@@ -284,16 +333,22 @@ def resolve_layout(spec: ModelSpec, target: Target, *, devices: int, nodes: int,
     if nodes < 1:
         raise InputError(f"expected a positive node count, got {nodes}", field="--nodes")
     if devices % nodes:
-        raise InputError(f"--devices {devices} does not split evenly over --nodes {nodes}", field="--devices",
-                         hint=f"use a multiple of {nodes}")
+        raise InputError(
+            f"--devices {devices} does not split evenly over --nodes {nodes}",
+            field="--devices",
+            hint=f"use a multiple of {nodes}",
+        )
     per_node = devices // nodes
     if per_node > target.devices_per_node:
-        raise InputError(f"{per_node} devices per node, but a {target.name} node has "
-                         f"{target.devices_per_node}", field="--devices",
-                         hint=f"use at most {target.devices_per_node * nodes} devices on {nodes} node(s) "
-                              "or add --nodes")
+        raise InputError(
+            f"{per_node} devices per node, but a {target.name} node has {target.devices_per_node}",
+            field="--devices",
+            hint=f"use at most {target.devices_per_node * nodes} devices on {nodes} node(s) or add --nodes",
+        )
     if nodes > target.max_nodes:
-        raise InputError(f"--nodes {nodes} exceeds the target's max_nodes {target.max_nodes}", field="--nodes")
+        raise InputError(
+            f"--nodes {nodes} exceeds the target's max_nodes {target.max_nodes}", field="--nodes"
+        )
     for flag, value in (("--tp", tp), ("--ep", ep), ("--pp", pp), ("--dp", dp)):
         if value is not None and value < 1:
             raise InputError(f"expected a positive integer, got {value}", field=flag)
@@ -305,8 +360,11 @@ def resolve_layout(spec: ModelSpec, target: Target, *, devices: int, nodes: int,
     else:
         known = math.prod(given)
         if devices % known:
-            raise InputError(f"--tp/--pp/--dp multiply to {known}, which does not divide --devices {devices}",
-                             field="--devices", hint="TP x PP x DP must equal the device count")
+            raise InputError(
+                f"--tp/--pp/--dp multiply to {known}, which does not divide --devices {devices}",
+                field="--devices",
+                hint="TP x PP x DP must equal the device count",
+            )
         rest = devices // known
         if tp is None:
             tp, rest = rest, 1
@@ -316,25 +374,39 @@ def resolve_layout(spec: ModelSpec, target: Target, *, devices: int, nodes: int,
             pp, rest = rest, 1
         pp, dp = pp or 1, dp or 1
         if rest != 1:
-            raise InputError(f"TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp}, not --devices {devices}",
-                             field="--devices", hint="TP x PP x DP must equal the device count")
+            raise InputError(
+                f"TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp}, not --devices {devices}",
+                field="--devices",
+                hint="TP x PP x DP must equal the device count",
+            )
         source = "--tp"
     expert_parallel = ep is not None and ep > 1
     if expert_parallel and ep != tp * dp:
-        raise InputError(f"--ep {ep} must be 1 or TP x DP = {tp * dp}", field="--ep",
-                         hint="vLLM's expert parallelism spans the TP x DP ranks of a pipeline stage")
+        raise InputError(
+            f"--ep {ep} must be 1 or TP x DP = {tp * dp}",
+            field="--ep",
+            hint="vLLM's expert parallelism spans the TP x DP ranks of a pipeline stage",
+        )
     if expert_parallel and not spec.moe_layers:
         raise InputError("--ep needs a mixture-of-experts model", field="--ep")
-    layout = Layout(tp=tp, pp=pp, dp=dp, expert_parallel=expert_parallel)
+    if dcp is not None and dcp < 1:
+        raise InputError(f"expected a positive integer, got {dcp}", field="--dcp")
+    layout = Layout(tp=tp, pp=pp, dp=dp, expert_parallel=expert_parallel, dcp=dcp or 1)
     attn = spec.layers[0].attention
     if attn.num_heads % tp:
         good = ", ".join(str(d) for d in divisors(attn.num_heads) if d <= max(target.devices_per_node, tp))
-        raise InputError(f"{source} {tp} does not divide {attn.num_heads} attention heads; use {good}",
-                         field=source, hint="or split the devices with --pp/--dp")
+        raise InputError(
+            f"{source} {tp} does not divide {attn.num_heads} attention heads; use {good}",
+            field=source,
+            hint="or split the devices with --pp/--dp",
+        )
     problems = layout_problems(spec, layout, weights)
     if problems:
-        raise InputError(f"{layout.label()} cannot run {spec.source}: {problems[0]}", field=source,
-                         hint="choose other --tp/--ep/--pp/--dp, or let `adapt plan-parallel` choose")
+        raise InputError(
+            f"{layout.label()} cannot run {spec.source}: {problems[0]}",
+            field=source,
+            hint="choose other --tp/--ep/--pp/--dp, or let `adapt plan-parallel` choose",
+        )
     return layout
 
 
@@ -362,8 +434,9 @@ def tensor_format(spec: ModelSpec, tensor: TensorSpec, weights: str) -> QuantFor
         return _MXFP4 if expert_matrix else stored
     if weights == "mxfp4-offline-fp8":
         return _FP8_BLOCK if expert_matrix else stored
-    raise InputError(f"unknown weights format {weights!r}; expected one of {', '.join(WEIGHT_FORMATS)}",
-                     field="--weights")
+    raise InputError(
+        f"unknown weights format {weights!r}; expected one of {', '.join(WEIGHT_FORMATS)}", field="--weights"
+    )
 
 
 def _share_kind(tensor: TensorSpec) -> str:
@@ -377,8 +450,15 @@ def _share_kind(tensor: TensorSpec) -> str:
     if component == "routed_experts":
         return "experts"
     if component == "attention":
-        replicated = ("q_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "kv_a_layernorm", "q_norm", "k_norm",
-                      "o_proj.bias")
+        replicated = (
+            "q_a_proj",
+            "kv_a_proj_with_mqa",
+            "q_a_layernorm",
+            "kv_a_layernorm",
+            "q_norm",
+            "k_norm",
+            "o_proj.bias",
+        )
         if any(part in name for part in replicated):
             return "replicated"
         if ".k_proj." in name or ".v_proj." in name:
@@ -448,8 +528,15 @@ class _StageWeights:
     expert_bytes: float
 
 
-def _stage_weights(spec: ModelSpec, layout: Layout, weights: str, stage: int, layers: range,
-                   target: Target, checkpoint_bytes: dict[str, int] | None) -> _StageWeights:
+def _stage_weights(
+    spec: ModelSpec,
+    layout: Layout,
+    weights: str,
+    stage: int,
+    layers: range,
+    target: Target,
+    checkpoint_bytes: dict[str, int] | None,
+) -> _StageWeights:
     """Weight bytes on one device of pipeline stage ``stage`` (covering main-model ``layers``).
     Embeddings live on the first stage; lm_head and the final norm on the last."""
     last = stage == layout.pp - 1
@@ -474,8 +561,9 @@ def _stage_weights(spec: ModelSpec, layout: Layout, weights: str, stage: int, la
     return _StageWeights(by_component, padding, by_component.get("routed_experts", 0.0))
 
 
-def _scale_to_checkpoint(by_component: dict[str, float], totals: dict[str, float],
-                         checkpoint_bytes: dict[str, int]) -> dict[str, float]:
+def _scale_to_checkpoint(
+    by_component: dict[str, float], totals: dict[str, float], checkpoint_bytes: dict[str, int]
+) -> dict[str, float]:
     """Replace spec-derived bytes by the checkpoint's exact per-component bytes, keeping each
     component's device share. Scale tensors ("scales") follow the quantized components' share;
     unrecognised tensors ("other") count on every device."""
@@ -483,8 +571,9 @@ def _scale_to_checkpoint(by_component: dict[str, float], totals: dict[str, float
     for component, device_bytes in by_component.items():
         share = device_bytes / totals[component] if totals.get(component) else 0.0
         out[component] = checkpoint_bytes.get(component, 0) * share
-    quantized = [c for c in ("attention", "indexer", "routed_experts", "shared_experts", "dense_mlp")
-                 if totals.get(c)]
+    quantized = [
+        c for c in ("attention", "indexer", "routed_experts", "shared_experts", "dense_mlp") if totals.get(c)
+    ]
     if checkpoint_bytes.get("scales"):
         whole = sum(totals[c] for c in quantized)
         here = sum(by_component.get(c, 0.0) for c in quantized)
@@ -524,8 +613,11 @@ def _mxfp4_padding(spec: ModelSpec, layout: Layout, layers: range, target: Targe
 # KV cache
 
 
-def kv_bytes_per_token(spec: ModelSpec, layout: Layout, kv_dtype: str, layers: range | None = None) -> dict[str, int]:
-    """KV-cache bytes per token on one device, per layer group.
+def kv_bytes_per_token(
+    spec: ModelSpec, layout: Layout, kv_dtype: str, layers: range | None = None
+) -> dict[str, int]:
+    """KV-cache bytes per token on the device that holds the token, per layer group (with
+    decode context parallelism a device holds 1/dcp of a sequence's tokens).
 
     full: full-attention GQA/MHA layers, 2 (K, V) x KV heads per rank (at least one: heads are
         replicated when TP exceeds them) x head dim x element bytes
@@ -557,19 +649,24 @@ def kv_bytes_per_token(spec: ModelSpec, layout: Layout, kv_dtype: str, layers: r
     return out
 
 
-def kv_bytes_per_sequence(spec: ModelSpec, layout: Layout, kv_dtype: str, context: int, block_size: int,
-                          layers: range | None = None) -> int:
+def kv_bytes_per_sequence(
+    spec: ModelSpec, layout: Layout, kv_dtype: str, context: int, block_size: int, layers: range | None = None
+) -> int:
     """KV bytes one sequence of ``context`` tokens occupies on one device, in whole pages of
     ``block_size`` tokens. Sliding-window layers keep the pages covering their window plus the
     page being written (vLLM's sliding-window manager frees the older ones)."""
     per = kv_bytes_per_token(spec, layout, kv_dtype, layers)
-    pages = -(-context // block_size)
+    pages = _cdiv(_cdiv(context, layout.dcp), block_size)
     total = (per["full"] + per["mla_latent"] + per["dsa_indexer"]) * pages * block_size
     if per["sliding"]:
-        windows = {spec.layers[i].attention.window for i in (layers or range(spec.num_layers))
-                   if spec.layers[i].attention.window}
+        windows = {
+            spec.layers[i].attention.window
+            for i in (layers or range(spec.num_layers))
+            if spec.layers[i].attention.window
+        }
         window = max(windows)
-        total += per["sliding"] * min(pages, -(-(window - 1) // block_size) + 1) * block_size
+        window_pages = _cdiv(_cdiv(window - 1, layout.dcp), block_size) + 1
+        total += per["sliding"] * min(pages, window_pages) * block_size
     return total
 
 
@@ -583,8 +680,16 @@ def _layer_activation(spec: ModelSpec, layer, layout: Layout, tokens: int, moe_t
     a, f, h, tp = layer.attention, layer.ffn, spec.hidden, layout.tp
     heads = a.num_heads // tp
     if a.kind in ("mla", "mla+dsa"):
-        attn = tokens * ((a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
-                         + heads * (a.head_dim + a.qk_nope_head_dim + 2 * a.v_head_dim)) * 2
+        attn = (
+            tokens
+            * (
+                (a.q_lora_rank or 0)
+                + a.kv_lora_rank
+                + a.qk_rope_head_dim
+                + heads * (a.head_dim + a.qk_nope_head_dim + 2 * a.v_head_dim)
+            )
+            * 2
+        )
         if a.kind == "mla+dsa":
             attn += tokens * a.index_n_heads * a.index_head_dim + tokens * tokens * 4
     else:
@@ -643,7 +748,9 @@ def mxfp4_workspace_bytes(spec: ModelSpec, layout: Layout, tokens: int) -> int:
     local = f.num_experts // layout.ep if layout.expert_parallel else f.num_experts
     width = f.expert_intermediate if layout.expert_parallel else f.expert_intermediate // layout.tp
     concurrent = min(local, tokens * f.top_k)
-    per_expert = _FP8_BLOCK.tensor_bytes((2 * width, spec.hidden)) + _FP8_BLOCK.tensor_bytes((spec.hidden, width))
+    per_expert = _FP8_BLOCK.tensor_bytes((2 * width, spec.hidden)) + _FP8_BLOCK.tensor_bytes(
+        (spec.hidden, width)
+    )
     return concurrent * per_expert
 
 
@@ -662,9 +769,23 @@ class _StageResult:
     layers: range
 
 
-def _stage_terms(spec: ModelSpec, target: Target, layout: Layout, *, stage: int, layers: range, weights: str,
-                 kv_dtype: str, context: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 headroom: float, decode_tokens: int, checkpoint_bytes: dict[str, int] | None) -> _StageResult:
+def _stage_terms(
+    spec: ModelSpec,
+    target: Target,
+    layout: Layout,
+    *,
+    stage: int,
+    layers: range,
+    weights: str,
+    kv_dtype: str,
+    context: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    headroom: float,
+    decode_tokens: int,
+    checkpoint_bytes: dict[str, int] | None,
+) -> _StageResult:
     w = _stage_weights(spec, layout, weights, stage, layers, target, checkpoint_bytes)
     prefill = forward_activation_bytes(spec, layout, max_num_batched_tokens, layers)
     decode = forward_activation_bytes(spec, layout, decode_tokens, layers)
@@ -677,8 +798,9 @@ def _stage_terms(spec: ModelSpec, target: Target, layout: Layout, *, stage: int,
     terms: dict[str, float] = {
         "weights": sum(w.by_component.values()),
         "weight_layout_padding": w.layout_padding,
-        "mxfp4_fp8_workspace": (mxfp4_workspace_bytes(spec, layout, max_num_batched_tokens)
-                                if weights == "mxfp4-online" else 0),
+        "mxfp4_fp8_workspace": (
+            mxfp4_workspace_bytes(spec, layout, max_num_batched_tokens) if weights == "mxfp4-online" else 0
+        ),
         "activations": activations,
         "moe_dispatch_buffers": moe_dispatch_bytes(spec, layout, max_num_batched_tokens),
         "communication_buffers": communication_bytes(layout),
@@ -689,25 +811,54 @@ def _stage_terms(spec: ModelSpec, target: Target, layout: Layout, *, stage: int,
     terms["headroom"] = headroom * estimated
     per_token = kv_bytes_per_token(spec, layout, kv_dtype, layers)
     per_seq = kv_bytes_per_sequence(spec, layout, kv_dtype, context, block_size, layers)
-    detail = {"prefill_chunk": prefill, "decode_batch": decode, "sampler": sampler, "mla_workspace": mla_workspace}
+    detail = {
+        "prefill_chunk": prefill,
+        "decode_batch": decode,
+        "sampler": sampler,
+        "mla_workspace": mla_workspace,
+    }
     return _StageResult(stage, terms, w.by_component, detail, per_token, per_seq, layers)
 
 
 EXACT_TERMS = ("weights", "kv_cache")
-ESTIMATED_TERMS = ("weight_layout_padding", "mxfp4_fp8_workspace", "activations", "moe_dispatch_buffers",
-                   "communication_buffers", "cuda_graphs", "framework_overhead", "headroom")
+ESTIMATED_TERMS = (
+    "weight_layout_padding",
+    "mxfp4_fp8_workspace",
+    "activations",
+    "moe_dispatch_buffers",
+    "communication_buffers",
+    "cuda_graphs",
+    "framework_overhead",
+    "headroom",
+)
 
 
-def _check_inputs(spec: ModelSpec, *, context: int, batch: int, kv_dtype: str, weights: str, headroom: float,
-                  gpu_memory_utilization: float, block_size: int, max_num_batched_tokens: int,
-                  rope_factor: float | None) -> None:
+def _check_inputs(
+    spec: ModelSpec,
+    *,
+    context: int,
+    batch: int,
+    kv_dtype: str,
+    weights: str,
+    headroom: float,
+    gpu_memory_utilization: float,
+    block_size: int,
+    max_num_batched_tokens: int,
+    rope_factor: float | None,
+) -> None:
     if kv_dtype not in KV_DTYPES:
-        raise InputError(f"unknown KV dtype {kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}", field="--kv-dtype")
+        raise InputError(
+            f"unknown KV dtype {kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}", field="--kv-dtype"
+        )
     if weights not in WEIGHT_FORMATS:
-        raise InputError(f"unknown weights format {weights!r}; expected one of {', '.join(WEIGHT_FORMATS)}",
-                         field="--weights")
+        raise InputError(
+            f"unknown weights format {weights!r}; expected one of {', '.join(WEIGHT_FORMATS)}",
+            field="--weights",
+        )
     if weights.startswith("mxfp4") and not spec.moe_layers:
-        raise InputError(f"--weights {weights} converts routed experts, and this model has none", field="--weights")
+        raise InputError(
+            f"--weights {weights} converts routed experts, and this model has none", field="--weights"
+        )
     if batch < 1:
         raise InputError(f"expected at least one sequence, got {batch}", field="--batch")
     if context < 1:
@@ -717,32 +868,56 @@ def _check_inputs(spec: ModelSpec, *, context: int, batch: int, kv_dtype: str, w
     limit = context_limit(spec, rope_factor)
     if context > limit:
         base = spec.rope.original_max_position or spec.max_position
-        raise InputError(f"--context {context:,} exceeds the model's limit of {limit:,} tokens "
-                         f"(max_position_embeddings {spec.max_position:,})", field="--context",
-                         hint=f"lower --context, or extend the model with --rope-factor "
-                              f"{math.ceil(context / base)} (rope scaling of the {base:,}-token base)")
+        raise InputError(
+            f"--context {context:,} exceeds the model's limit of {limit:,} tokens "
+            f"(max_position_embeddings {spec.max_position:,})",
+            field="--context",
+            hint=f"lower --context, or extend the model with --rope-factor "
+            f"{math.ceil(context / base)} (rope scaling of the {base:,}-token base)",
+        )
     if not 0 <= headroom < 1:
         raise InputError(f"expected a fraction in [0, 1), got {headroom}", field="--headroom")
     if not 0 < gpu_memory_utilization <= 1:
-        raise InputError(f"expected a fraction in (0, 1], got {gpu_memory_utilization}",
-                         field="--gpu-memory-utilization")
+        raise InputError(
+            f"expected a fraction in (0, 1], got {gpu_memory_utilization}", field="--gpu-memory-utilization"
+        )
     if block_size < 1 or block_size & (block_size - 1):
         raise InputError(f"expected a power of two, got {block_size}", field="--block-size")
     if max_num_batched_tokens < 1:
-        raise InputError(f"expected a positive token count, got {max_num_batched_tokens}",
-                         field="--max-num-batched-tokens")
+        raise InputError(
+            f"expected a positive token count, got {max_num_batched_tokens}", field="--max-num-batched-tokens"
+        )
 
 
-def plan_memory(spec: ModelSpec, target: Target, *, devices: int, nodes: int = 1, context: int, batch: int,
-                kv_dtype: str = "bf16", weights: str = "as-stored", tp: int | None = None, ep: int | None = None,
-                pp: int | None = None, dp: int | None = None, headroom: float = 0.2, checkpoint=None,
-                max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
-                block_size: int = 64, max_num_seqs: int | None = None, rope_factor: float | None = None,
-                layout: Layout | None = None, search: bool = True) -> MemoryPlan:
+def plan_memory(
+    spec: ModelSpec,
+    target: Target,
+    *,
+    devices: int,
+    nodes: int = 1,
+    context: int,
+    batch: int,
+    kv_dtype: str = "bf16",
+    weights: str = "as-stored",
+    tp: int | None = None,
+    ep: int | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
+    dcp: int | None = None,
+    headroom: float = 0.2,
+    checkpoint=None,
+    max_num_batched_tokens: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    block_size: int = 64,
+    max_num_seqs: int | None = None,
+    rope_factor: float | None = None,
+    layout: Layout | None = None,
+    search: bool = True,
+) -> MemoryPlan:
     """Bytes per device for ``batch`` sequences of ``context`` tokens on ``devices`` devices.
 
-    devices: total devices over ``nodes`` nodes; tp/ep/pp/dp: the layout (unset: TP over each
-        node's devices, PP over nodes; ``layout`` overrides them)
+    devices: total devices over ``nodes`` nodes; tp/ep/pp/dp/dcp: the layout (unset: TP over
+        each node's devices, PP over nodes, no EP, no DCP; ``layout`` overrides them)
     checkpoint: an adapt.model.checkpoint.Checkpoint (or its ``bytes_by_component()`` dict);
         with weights "as-stored" its exact per-component bytes replace the spec's
     max_num_batched_tokens / max_num_seqs: vLLM's (unset: the defaults `vllm serve` picks on
@@ -754,21 +929,45 @@ def plan_memory(spec: ModelSpec, target: Target, *, devices: int, nodes: int = 1
     max_num_batched_tokens = max_num_batched_tokens or default_tokens
     max_num_seqs = max_num_seqs or default_seqs
     util = VLLM_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
-    _check_inputs(spec, context=context, batch=batch, kv_dtype=kv_dtype, weights=weights, headroom=headroom,
-                  gpu_memory_utilization=util, block_size=block_size,
-                  max_num_batched_tokens=max_num_batched_tokens, rope_factor=rope_factor)
+    _check_inputs(
+        spec,
+        context=context,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        weights=weights,
+        headroom=headroom,
+        gpu_memory_utilization=util,
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        rope_factor=rope_factor,
+    )
     if layout is None:
-        layout = resolve_layout(spec, target, devices=devices, nodes=nodes, tp=tp, ep=ep, pp=pp, dp=dp,
-                                weights=weights)
+        layout = resolve_layout(
+            spec, target, devices=devices, nodes=nodes, tp=tp, ep=ep, pp=pp, dp=dp, weights=weights, dcp=dcp
+        )
     checkpoint_bytes = None
     if checkpoint is not None and weights == "as-stored":
         checkpoint_bytes = checkpoint if isinstance(checkpoint, dict) else checkpoint.bytes_by_component()
-    options = dict(weights=weights, kv_dtype=kv_dtype, block_size=block_size, headroom=headroom,
-                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    options = dict(
+        weights=weights,
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        headroom=headroom,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+    )
     sequences = -(-batch // layout.dp)
     budget = int(util * target.memory_bytes)
-    stage, concurrent, pool = _evaluate(spec, target, layout, context=context, sequences=sequences,
-                                        budget=budget, checkpoint_bytes=checkpoint_bytes, **options)
+    stage, concurrent, pool = _evaluate(
+        spec,
+        target,
+        layout,
+        context=context,
+        sequences=sequences,
+        budget=budget,
+        checkpoint_bytes=checkpoint_bytes,
+        **options,
+    )
     terms = {k: int(round(v)) for k, v in stage.terms.items()}
     terms["kv_cache"] = sequences * stage.kv_per_sequence
     if pool < stage.kv_per_sequence:
@@ -779,40 +978,94 @@ def plan_memory(spec: ModelSpec, target: Target, *, devices: int, nodes: int = 1
         verdict = "fits"
     binding = max(terms, key=lambda k: terms[k])
     plan = MemoryPlan(
-        model=spec.source, target=target.name, layout=layout, nodes=nodes, context=context, batch=batch,
-        kv_dtype=kv_dtype, weights_format=weights,
+        model=spec.source,
+        target=target.name,
+        layout=layout,
+        nodes=nodes,
+        context=context,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        weights_format=weights,
         weights_source="checkpoint headers" if checkpoint_bytes is not None else "model spec",
-        block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        gpu_memory_utilization=util, headroom=headroom, device_memory_bytes=target.memory_bytes,
-        budget_bytes=budget, terms=terms, exact_terms=EXACT_TERMS, estimated_terms=ESTIMATED_TERMS,
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=util,
+        headroom=headroom,
+        device_memory_bytes=target.memory_bytes,
+        budget_bytes=budget,
+        terms=terms,
+        exact_terms=EXACT_TERMS,
+        estimated_terms=ESTIMATED_TERMS,
         weights_by_component={k: int(round(v)) for k, v in stage.weights_by_component.items()},
-        activation_detail=stage.activation_detail, kv_bytes_per_token=stage.kv_per_token,
-        kv_bytes_per_sequence=stage.kv_per_sequence, kv_pool_bytes=int(pool), sequences_per_replica=sequences,
-        concurrent_sequences=concurrent, verdict=verdict, binding_term=binding, binding_stage=stage.stage,
-        fewest_devices=None, longest_context=0, min_gpu_memory_utilization=None,
+        activation_detail=stage.activation_detail,
+        kv_bytes_per_token=stage.kv_per_token,
+        kv_bytes_per_sequence=stage.kv_per_sequence,
+        kv_pool_bytes=int(pool),
+        sequences_per_replica=sequences,
+        concurrent_sequences=concurrent,
+        verdict=verdict,
+        binding_term=binding,
+        binding_stage=stage.stage,
+        fewest_devices=None,
+        longest_context=0,
+        min_gpu_memory_utilization=None,
     )
     if weights == "mxfp4-online":
         plan.mxfp4_comparison = _mxfp4_comparison(spec, target, layout, stage, checkpoint_bytes, options)
     plan.min_gpu_memory_utilization = _min_utilization(terms, target)
     if search:
-        plan.longest_context = _longest_context(spec, target, layout, budget, sequences, checkpoint_bytes,
-                                                context_limit(spec, rope_factor), options)
+        plan.longest_context = _longest_context(
+            spec,
+            target,
+            layout,
+            budget,
+            sequences,
+            checkpoint_bytes,
+            context_limit(spec, rope_factor),
+            options,
+        )
         plan.fewest_devices = _fewest_devices(spec, target, context, batch, checkpoint_bytes, util, options)
     plan.explanation = _explain(plan)
     return plan
 
 
-def _evaluate(spec: ModelSpec, target: Target, layout: Layout, *, context: int, sequences: int, budget: int,
-              checkpoint_bytes, weights: str, kv_dtype: str, block_size: int, headroom: float,
-              max_num_batched_tokens: int, max_num_seqs: int) -> tuple[_StageResult, int, float]:
+def _evaluate(
+    spec: ModelSpec,
+    target: Target,
+    layout: Layout,
+    *,
+    context: int,
+    sequences: int,
+    budget: int,
+    checkpoint_bytes,
+    weights: str,
+    kv_dtype: str,
+    block_size: int,
+    headroom: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> tuple[_StageResult, int, float]:
     """The binding pipeline stage (fewest concurrent sequences), its concurrency and KV pool."""
     worst: tuple[_StageResult, int, float] | None = None
     decode_tokens = min(sequences, max_num_seqs, max_num_batched_tokens)
     for stage, layers in enumerate(pp_stages(spec.num_layers, layout.pp)):
-        result = _stage_terms(spec, target, layout, stage=stage, layers=layers, weights=weights, kv_dtype=kv_dtype,
-                              context=context, block_size=block_size,
-                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                              headroom=headroom, decode_tokens=decode_tokens, checkpoint_bytes=checkpoint_bytes)
+        result = _stage_terms(
+            spec,
+            target,
+            layout,
+            stage=stage,
+            layers=layers,
+            weights=weights,
+            kv_dtype=kv_dtype,
+            context=context,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            headroom=headroom,
+            decode_tokens=decode_tokens,
+            checkpoint_bytes=checkpoint_bytes,
+        )
         pool = budget - sum(result.terms.values())
         concurrent = int(pool // result.kv_per_sequence) if pool > 0 and result.kv_per_sequence else 0
         if result.kv_per_sequence == 0 and pool > 0:
@@ -830,8 +1083,16 @@ def _longest_context(spec, target, layout, budget, sequences, checkpoint_bytes, 
     block = options["block_size"]
 
     def fits(tokens: int) -> bool:
-        _, concurrent, pool = _evaluate(spec, target, layout, context=tokens, sequences=sequences, budget=budget,
-                                        checkpoint_bytes=checkpoint_bytes, **options)
+        _, concurrent, pool = _evaluate(
+            spec,
+            target,
+            layout,
+            context=tokens,
+            sequences=sequences,
+            budget=budget,
+            checkpoint_bytes=checkpoint_bytes,
+            **options,
+        )
         return pool > 0 and concurrent >= sequences
 
     if fits(limit):
@@ -863,8 +1124,16 @@ def _fewest_devices(spec, target, context, batch, checkpoint_bytes, util, option
         layout = Layout(tp=min(count, per_node), pp=nodes)
         if layout_problems(spec, layout, options["weights"]):
             continue
-        _, concurrent, pool = _evaluate(spec, target, layout, context=context, sequences=batch, budget=budget,
-                                        checkpoint_bytes=checkpoint_bytes, **options)
+        _, concurrent, pool = _evaluate(
+            spec,
+            target,
+            layout,
+            context=context,
+            sequences=batch,
+            budget=budget,
+            checkpoint_bytes=checkpoint_bytes,
+            **options,
+        )
         if pool > 0 and concurrent >= batch:
             return count
     return None
@@ -886,29 +1155,43 @@ def _gib(value: float) -> str:
 
 def _explain(plan: MemoryPlan) -> list[str]:
     t = plan.terms
+    buffer_terms = ("moe_dispatch_buffers", "communication_buffers", "cuda_graphs", "framework_overhead")
+    buffers = sum(t[k] for k in buffer_terms)
     lines = [
         f"{plan.layout.label()} on {plan.layout.devices} x {plan.target}: budget "
-        f"{plan.gpu_memory_utilization:.2f} x {_gib(plan.device_memory_bytes)} = {_gib(plan.budget_bytes)} per device.",
+        f"{plan.gpu_memory_utilization:.2f} x {_gib(plan.device_memory_bytes)} = {_gib(plan.budget_bytes)} "
+        "per device.",
         f"Weights {_gib(t['weights'])} per device ({plan.weights_format}, from {plan.weights_source})"
-        + (f" + {_gib(t['weight_layout_padding'])} MXFP4 kernel-layout padding" if t["weight_layout_padding"] else "")
+        + (
+            f" + {_gib(t['weight_layout_padding'])} MXFP4 kernel-layout padding"
+            if t["weight_layout_padding"]
+            else ""
+        )
         + ".",
-        f"Estimated: activations {_gib(t['activations'])} (prefill chunk of {plan.max_num_batched_tokens:,} tokens, "
-        f"sampler over {min(plan.max_num_seqs, plan.max_num_batched_tokens):,} requests), buffers and overhead "
-        f"{_gib(t['moe_dispatch_buffers'] + t['communication_buffers'] + t['cuda_graphs'] + t['framework_overhead'])},"
+        f"Estimated: activations {_gib(t['activations'])} (prefill chunk of {plan.max_num_batched_tokens:,} "
+        f"tokens, sampler over {min(plan.max_num_seqs, plan.max_num_batched_tokens):,} requests), "
+        f"buffers and overhead {_gib(buffers)},"
         f" headroom {_gib(t['headroom'])} ({plan.headroom:.0%} of the estimates).",
         f"KV cache pool {_gib(plan.kv_pool_bytes)}; one sequence of {plan.context:,} tokens needs "
         f"{_gib(plan.kv_bytes_per_sequence)}; {plan.concurrent_sequences:,} fit per replica, "
         f"{plan.sequences_per_replica:,} requested.",
     ]
     if plan.verdict == "does-not-fit":
-        lines.append(f"Does not fit: vLLM would refuse to start (KV for one {plan.context:,}-token sequence "
-                     f"exceeds the pool); binding term: {plan.binding_term} ({_gib(t[plan.binding_term])}).")
+        lines.append(
+            f"Does not fit: vLLM would refuse to start (KV for one {plan.context:,}-token sequence "
+            f"exceeds the pool); binding term: {plan.binding_term} ({_gib(t[plan.binding_term])})."
+        )
     elif plan.verdict == "fits-fewer-sequences":
-        lines.append(f"Starts, but only {plan.concurrent_sequences:,} of {plan.sequences_per_replica:,} sequences "
-                     f"fit at once; binding term: {plan.binding_term} ({_gib(t[plan.binding_term])}).")
+        lines.append(
+            f"Starts, but only {plan.concurrent_sequences:,} of {plan.sequences_per_replica:,} sequences "
+            f"fit at once; binding term: {plan.binding_term} ({_gib(t[plan.binding_term])})."
+        )
     else:
         lines.append(f"Fits; the largest term is {plan.binding_term} ({_gib(t[plan.binding_term])}).")
-    if plan.min_gpu_memory_utilization is not None and plan.min_gpu_memory_utilization > plan.gpu_memory_utilization:
+    if (
+        plan.min_gpu_memory_utilization is not None
+        and plan.min_gpu_memory_utilization > plan.gpu_memory_utilization
+    ):
         lines.append(f"Fits with --gpu-memory-utilization {plan.min_gpu_memory_utilization:.2f} or more.")
     return lines
 
@@ -925,17 +1208,36 @@ def load_model(model: str) -> tuple[ModelSpec, Any]:
     spec = load_spec(model)
     path = Path(model)
     checkpoint = None
-    if path.is_dir() and (any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()):
+    if path.is_dir() and (
+        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()
+    ):
         checkpoint = Checkpoint.open(path)
     return spec, checkpoint
 
 
-def run_plan_memory(model: str, target: str, *, gates: dict, devices: int, nodes: int = 1, context: int,
-                    batch: int, kv_dtype: str = "bf16", weights: str = "as-stored", tp: int | None = None,
-                    ep: int | None = None, pp: int | None = None, dp: int | None = None,
-                    headroom: float | None = None, max_num_batched_tokens: int | None = None,
-                    gpu_memory_utilization: float | None = None, block_size: int = 64,
-                    max_num_seqs: int | None = None, rope_factor: float | None = None) -> StageReport:
+def run_plan_memory(
+    model: str,
+    target: str,
+    *,
+    gates: dict,
+    devices: int,
+    nodes: int = 1,
+    context: int,
+    batch: int,
+    kv_dtype: str = "bf16",
+    weights: str = "as-stored",
+    tp: int | None = None,
+    ep: int | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
+    dcp: int | None = None,
+    headroom: float | None = None,
+    max_num_batched_tokens: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    block_size: int = 64,
+    max_num_seqs: int | None = None,
+    rope_factor: float | None = None,
+) -> StageReport:
     """Stage 2 as a gated report. ``gates["memory"]``: headroom_fraction (default margin on the
     estimated terms), min_concurrent_sequences (fewer concurrent sequences than this fails)."""
     from adapt.targets.target import load_target
@@ -946,53 +1248,107 @@ def run_plan_memory(model: str, target: str, *, gates: dict, devices: int, nodes
         headroom = float(thresholds.get("headroom_fraction", 0.2))
     spec, checkpoint = load_model(model)
     tgt = load_target(target)
-    plan = plan_memory(spec, tgt, devices=devices, nodes=nodes, context=context, batch=batch, kv_dtype=kv_dtype,
-                       weights=weights, tp=tp, ep=ep, pp=pp, dp=dp, headroom=headroom, checkpoint=checkpoint,
-                       max_num_batched_tokens=max_num_batched_tokens,
-                       gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                       max_num_seqs=max_num_seqs, rope_factor=rope_factor)
+    plan = plan_memory(
+        spec,
+        tgt,
+        devices=devices,
+        nodes=nodes,
+        context=context,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        weights=weights,
+        tp=tp,
+        ep=ep,
+        pp=pp,
+        dp=dp,
+        dcp=dcp,
+        headroom=headroom,
+        checkpoint=checkpoint,
+        max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=gpu_memory_utilization,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        rope_factor=rope_factor,
+    )
     report = StageReport(stage="memory", number=2, title="Memory plan", started=started)
     report.summary = " ".join(plan.explanation)
     report.metrics = plan.to_dict()
     report.tables["terms per device"] = [
-        {"term": name, "GiB": round(value / GiB, 3), "bytes": value,
-         "kind": "exact" if name in EXACT_TERMS else "estimate"}
-        for name, value in plan.terms.items()]
+        {
+            "term": name,
+            "GiB": round(value / GiB, 3),
+            "bytes": value,
+            "kind": "exact" if name in EXACT_TERMS else "estimate",
+        }
+        for name, value in plan.terms.items()
+    ]
     report.tables["kv cache per token per device"] = [
-        {"group": k, "bytes": v} for k, v in plan.kv_bytes_per_token.items() if v]
+        {"group": k, "bytes": v} for k, v in plan.kv_bytes_per_token.items() if v
+    ]
     if plan.mxfp4_comparison:
         report.tables["mxfp4 online vs offline fp8 (per device)"] = [
-            {"item": k, "GiB": round(v / GiB, 3), "bytes": v} for k, v in plan.mxfp4_comparison.items()]
+            {"item": k, "GiB": round(v / GiB, 3), "bytes": v} for k, v in plan.mxfp4_comparison.items()
+        ]
     minimum = int(thresholds.get("min_concurrent_sequences", 1))
     if plan.verdict == "does-not-fit" or plan.concurrent_sequences < minimum:
-        hint = (f"fewest devices that fit: {plan.fewest_devices}" if plan.fewest_devices else
-                "no device count of this target fits")
+        hint = (
+            f"fewest devices that fit: {plan.fewest_devices}"
+            if plan.fewest_devices
+            else "no device count of this target fits"
+        )
         if plan.longest_context:
             hint += f"; longest context that fits here: {plan.longest_context:,}"
         if plan.min_gpu_memory_utilization:
             hint += f"; or --gpu-memory-utilization {plan.min_gpu_memory_utilization:.2f}"
-        report.add("error", "memory.does_not_fit",
-                   f"{plan.concurrent_sequences} sequence(s) of {context:,} tokens fit per replica (need at least "
-                   f"{minimum}); binding term {plan.binding_term} {_gib(plan.terms[plan.binding_term])}", hint)
+        report.add(
+            "error",
+            "memory.does_not_fit",
+            f"{plan.concurrent_sequences} sequence(s) of {context:,} tokens fit per replica (need at least "
+            f"{minimum}); binding term {plan.binding_term} {_gib(plan.terms[plan.binding_term])}",
+            hint,
+        )
     elif plan.verdict == "fits-fewer-sequences":
-        report.add("warn", "memory.fewer_sequences",
-                   f"only {plan.concurrent_sequences} of {plan.sequences_per_replica} sequences of {context:,} "
-                   "tokens fit at once per replica; the rest wait",
-                   f"longest context for {batch} sequences: {plan.longest_context:,}")
+        report.add(
+            "warn",
+            "memory.fewer_sequences",
+            f"only {plan.concurrent_sequences} of {plan.sequences_per_replica} sequences of {context:,} "
+            "tokens fit at once per replica; the rest wait",
+            f"longest context for {batch} sequences: {plan.longest_context:,}",
+        )
     else:
-        report.add("info", "memory.fits", f"fits with {plan.concurrent_sequences} concurrent sequences per replica")
+        report.add(
+            "info", "memory.fits", f"fits with {plan.concurrent_sequences} concurrent sequences per replica"
+        )
     if plan.terms["weight_layout_padding"]:
-        report.add("info", "memory.mxfp4_layout_padding",
-                   f"vLLM's MXFP4 MoE kernels pad the expert layout: +{_gib(plan.terms['weight_layout_padding'])}")
+        report.add(
+            "info",
+            "memory.mxfp4_layout_padding",
+            f"vLLM's MXFP4 MoE kernels pad the expert layout: +{_gib(plan.terms['weight_layout_padding'])}",
+        )
     if checkpoint is not None and weights != "as-stored":
-        report.add("info", "memory.weights_from_spec",
-                   f"--weights {weights}: weight bytes come from the spec, not the checkpoint headers")
-    report.add("info", "memory.estimates",
-               "activations, buffers, CUDA graphs and overhead are estimates (sources in adapt/stages/memory.py); "
-               f"weights and KV are exact; headroom {headroom:.0%} is added to the estimates")
-    report.fingerprint = fingerprint(spec_hash=spec.spec_hash(), target=tgt.name, devices=devices, nodes=nodes,
-                                     context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
-                                     layout=plan.layout.label(), gates=thresholds)
+        report.add(
+            "info",
+            "memory.weights_from_spec",
+            f"--weights {weights}: weight bytes come from the spec, not the checkpoint headers",
+        )
+    report.add(
+        "info",
+        "memory.estimates",
+        "activations, buffers, CUDA graphs and overhead are estimates (sources in adapt/stages/memory.py); "
+        f"weights and KV are exact; headroom {headroom:.0%} is added to the estimates",
+    )
+    report.fingerprint = fingerprint(
+        spec_hash=spec.spec_hash(),
+        target=tgt.name,
+        devices=devices,
+        nodes=nodes,
+        context=context,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        weights=weights,
+        layout=plan.layout.label(),
+        gates=thresholds,
+    )
     report.finished = now_iso()
     report.decide()
     return report

@@ -38,6 +38,7 @@ from adapt.stages.memory import (
     Layout,
     MemoryPlan,
     divisors,
+    kv_copies,
     layout_problems,
     load_model,
     plan_memory,
@@ -49,6 +50,9 @@ from adapt.targets.target import Target
 # up to this utilization are offered with a warning (the vLLM GPT-OSS recipe runs gpt-oss-120b on
 # one H100 with --gpu-memory-utilization 0.95).
 MAX_RAISED_UTILIZATION = 0.95
+# Contexts from which decode context parallelism is enumerated (tokens): below it the KV copies
+# it removes are small next to the weights (a planning choice, not a vLLM rule).
+LONG_CONTEXT_TOKENS = 32 * 1024
 
 
 @dataclass
@@ -111,13 +115,20 @@ class ParallelPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "label": self.label, "layout": {**asdict(self.layout), "ep": self.layout.ep},
-            "feasible": self.feasible, "reason": self.reason,
+            "label": self.label,
+            "layout": {**asdict(self.layout), "ep": self.layout.ep},
+            "feasible": self.feasible,
+            "reason": self.reason,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "cost": asdict(self.cost) if self.cost else None,
-            "memory": {"verdict": self.memory.verdict, "terms": self.memory.terms,
-                       "kv_pool_bytes": self.memory.kv_pool_bytes,
-                       "concurrent_sequences": self.memory.concurrent_sequences} if self.memory else None,
+            "memory": {
+                "verdict": self.memory.verdict,
+                "terms": self.memory.terms,
+                "kv_pool_bytes": self.memory.kv_pool_bytes,
+                "concurrent_sequences": self.memory.concurrent_sequences,
+            }
+            if self.memory
+            else None,
         }
 
 
@@ -147,24 +158,36 @@ class ParallelResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model, "target": self.target, "devices": self.devices, "nodes": self.nodes,
-            "context": self.context, "batch": self.batch, "engine_args": self.engine_args,
-            "single_node_fits": self.single_node_fits, "raised_utilization": self.raised_utilization,
-            "feasible": [p.to_dict() for p in self.feasible], "rejected": [p.to_dict() for p in self.rejected],
+            "model": self.model,
+            "target": self.target,
+            "devices": self.devices,
+            "nodes": self.nodes,
+            "context": self.context,
+            "batch": self.batch,
+            "engine_args": self.engine_args,
+            "single_node_fits": self.single_node_fits,
+            "raised_utilization": self.raised_utilization,
+            "feasible": [p.to_dict() for p in self.feasible],
+            "rejected": [p.to_dict() for p in self.rejected],
             "explanation": self.explanation,
         }
 
 
-def enumerate_layouts(spec: ModelSpec, devices: int) -> list[Layout]:
+def enumerate_layouts(spec: ModelSpec, devices: int, context: int = 0) -> list[Layout]:
     """Every TP x PP x DP split of ``devices``, with and without EP (EP only for MoE models and
-    when more than one rank would share the experts)."""
+    when more than one rank would share the experts); for contexts of LONG_CONTEXT_TOKENS or
+    more, also every decode-context-parallel size that divides the TP ranks holding copies of
+    the same KV entries."""
     out = []
     for tp in divisors(devices):
+        copies = kv_copies(spec, tp)
+        dcps = [d for d in divisors(copies) if d > 1] if context >= LONG_CONTEXT_TOKENS else []
         for pp in divisors(devices // tp):
             dp = devices // (tp * pp)
-            out.append(Layout(tp=tp, pp=pp, dp=dp))
-            if spec.moe_layers and tp * dp > 1:
-                out.append(Layout(tp=tp, pp=pp, dp=dp, expert_parallel=True))
+            eps = [False, True] if spec.moe_layers and tp * dp > 1 else [False]
+            for ep in eps:
+                out.append(Layout(tp=tp, pp=pp, dp=dp, expert_parallel=ep))
+                out += [Layout(tp=tp, pp=pp, dp=dp, expert_parallel=ep, dcp=d) for d in dcps]
     return out
 
 
@@ -192,8 +215,9 @@ def _collective_time(nbytes: float, ranks: int, bandwidth: float, latency: float
     return latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
 
 
-def _attention_flops_and_reads(spec: ModelSpec, layout: Layout, kv_dtype: str, tokens: int,
-                               attended: int) -> tuple[float, float]:
+def _attention_flops_and_reads(
+    spec: ModelSpec, layout: Layout, kv_dtype: str, tokens: int, attended: int
+) -> tuple[float, float]:
     """(FLOPs for ``tokens`` query tokens, KV bytes one sequence reads) per device, each query
     attending to ``attended`` earlier tokens (sliding layers: their window; DSA: the indexer
     scores all of them, attention reads its top-k)."""
@@ -216,7 +240,7 @@ def _attention_flops_and_reads(spec: ModelSpec, layout: Layout, kv_dtype: str, t
             kv = max(1, a.num_kv_heads // tp)
             flops += 2 * tokens * heads * (a.head_dim + a.v_head_dim) * span
             reads += kv * (a.head_dim + a.v_head_dim) * (2 if kv_dtype == "bf16" else 1) * span
-    return flops / layout.pp, reads / layout.pp
+    return flops / layout.pp / layout.dcp, reads / layout.pp / layout.dcp
 
 
 def _expert_hit_fraction(spec: ModelSpec, tokens: float) -> float:
@@ -232,7 +256,8 @@ def _compute_dtype(spec: ModelSpec, target: Target, weights: str) -> str:
     """Dtype the matrix units run for the routed experts (fp8 only where weights are fp8 and the
     target has fp8 units; weight-only MXFP4 and bf16 run in bf16)."""
     fp8 = weights in ("fp8", "mxfp4-online", "mxfp4-offline-fp8") or (
-        weights == "as-stored" and spec.quant.format_of("routed_experts").method == "fp8_block")
+        weights == "as-stored" and spec.quant.format_of("routed_experts").method == "fp8_block"
+    )
     return "fp8" if fp8 and target.supports_dtype("fp8") else "bf16"
 
 
@@ -261,7 +286,9 @@ def plan_cost(spec: ModelSpec, target: Target, memory: MemoryPlan, *, nodes: int
     def step(tokens: int, sequences: int, attended: int) -> tuple[float, dict[str, float]]:
         moe_tokens = tokens * dp if layout.expert_parallel else tokens
         weight_read = dense_weights + experts * _expert_hit_fraction(spec, moe_tokens)
-        attn_flops, kv_per_sequence = _attention_flops_and_reads(spec, layout, memory.kv_dtype, tokens, attended)
+        attn_flops, kv_per_sequence = _attention_flops_and_reads(
+            spec, layout, memory.kv_dtype, tokens, attended
+        )
         kv_read = kv_per_sequence * sequences
         gemm_flops = 2 * tokens * counts.active / (tp * pp)
         compute = gemm_flops / target.flops(dtype) + attn_flops / target.flops("bf16")
@@ -279,62 +306,130 @@ def plan_cost(spec: ModelSpec, target: Target, memory: MemoryPlan, *, nodes: int
         pp_bytes = tokens * hidden * 2
         bw, lat, pp_link = link("pipeline")
         pp_s = (pp - 1) * (lat + pp_bytes / bw)
-        stage = max(compute, memory_s) + tp_s + ep_s
+        # DCP: every layer merges the partial attention outputs of the dcp ranks (bf16 values)
+        dcp_s = layers_per_stage * _collective_time(
+            tokens * spec.layers[0].attention.num_heads // tp * spec.layers[0].attention.v_head_dim * 2,
+            layout.dcp,
+            *link("tensor parallel")[:2],
+        )
+        stage = max(compute, memory_s) + tp_s + ep_s + dcp_s
         total = pp * stage + pp_s
-        parts = {"weight_read": weight_read, "kv_read": kv_read, "compute": pp * compute, "memory": pp * memory_s,
-                 "comm": pp * (tp_s + ep_s) + pp_s, "tp_bytes": 2 * layers_per_stage * allreduce_bytes if tp > 1 else 0,
-                 "ep_bytes": 2 * moe_layers_per_stage * ep_bytes * (dp - 1), "pp_bytes": pp_bytes if pp > 1 else 0,
-                 "tp_link": tp_link if tp > 1 else "", "ep_link": ep_link, "pp_link": pp_link if pp > 1 else ""}
+        parts = {
+            "weight_read": weight_read,
+            "kv_read": kv_read,
+            "compute": pp * compute,
+            "memory": pp * memory_s,
+            "comm": pp * (tp_s + ep_s) + pp_s,
+            "tp_bytes": 2 * layers_per_stage * allreduce_bytes if tp > 1 else 0,
+            "ep_bytes": 2 * moe_layers_per_stage * ep_bytes * (dp - 1),
+            "pp_bytes": pp_bytes if pp > 1 else 0,
+            "tp_link": tp_link if tp > 1 else "",
+            "ep_link": ep_link,
+            "pp_link": pp_link if pp > 1 else "",
+        }
         return total, parts
 
     decode, d = step(seqs, seqs, memory.context)
     chunk = memory.max_num_batched_tokens
     prefill, _ = step(chunk, 1, min(memory.context, chunk) // 2 + 1)
     return PlanCost(
-        decode_step_s=decode, prefill_chunk_s=prefill, decode_tokens_per_s=batch / decode if decode else 0.0,
-        weight_read_bytes=d["weight_read"], kv_read_bytes=d["kv_read"], decode_compute_s=d["compute"],
-        decode_memory_s=d["memory"], decode_comm_s=d["comm"], tp_allreduce_bytes=d["tp_bytes"],
-        tp_link=d["tp_link"], ep_dispatch_bytes=d["ep_bytes"], ep_link=d["ep_link"],
-        pp_transfer_bytes=d["pp_bytes"], pp_link=d["pp_link"])
+        decode_step_s=decode,
+        prefill_chunk_s=prefill,
+        decode_tokens_per_s=batch / decode if decode else 0.0,
+        weight_read_bytes=d["weight_read"],
+        kv_read_bytes=d["kv_read"],
+        decode_compute_s=d["compute"],
+        decode_memory_s=d["memory"],
+        decode_comm_s=d["comm"],
+        tp_allreduce_bytes=d["tp_bytes"],
+        tp_link=d["tp_link"],
+        ep_dispatch_bytes=d["ep_bytes"],
+        ep_link=d["ep_link"],
+        pp_transfer_bytes=d["pp_bytes"],
+        pp_link=d["pp_link"],
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # Solver
 
 
-def plan_parallel(spec: ModelSpec, target: Target, *, devices: int, nodes: int = 1, context: int, batch: int,
-                  kv_dtype: str = "bf16", weights: str = "as-stored", headroom: float = 0.2, checkpoint=None,
-                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
-                  block_size: int = 64, max_num_seqs: int | None = None,
-                  rope_factor: float | None = None) -> ParallelResult:
+def plan_parallel(
+    spec: ModelSpec,
+    target: Target,
+    *,
+    devices: int,
+    nodes: int = 1,
+    context: int,
+    batch: int,
+    kv_dtype: str = "bf16",
+    weights: str = "as-stored",
+    headroom: float = 0.2,
+    checkpoint=None,
+    max_num_batched_tokens: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    block_size: int = 64,
+    max_num_seqs: int | None = None,
+    rope_factor: float | None = None,
+) -> ParallelResult:
     """Enumerate, filter, cost and rank the layouts of ``devices`` devices over ``nodes`` nodes.
 
     Arguments as ``adapt.stages.memory.plan_memory``. Raises InputError for a device count the
     nodes or the target cannot hold, bad workload flags, or a context above the model's limit.
     """
     if devices < 1 or nodes < 1 or devices % nodes:
-        raise InputError(f"--devices {devices} does not split evenly over --nodes {nodes}", field="--devices",
-                         hint=f"use a positive multiple of {max(nodes, 1)}")
+        raise InputError(
+            f"--devices {devices} does not split evenly over --nodes {nodes}",
+            field="--devices",
+            hint=f"use a positive multiple of {max(nodes, 1)}",
+        )
     per_node = devices // nodes
     if per_node > target.devices_per_node:
-        raise InputError(f"{per_node} devices per node, but a {target.name} node has {target.devices_per_node}",
-                         field="--devices", hint=f"use at most {target.devices_per_node * nodes} devices or add --nodes")
+        raise InputError(
+            f"{per_node} devices per node, but a {target.name} node has {target.devices_per_node}",
+            field="--devices",
+            hint=f"use at most {target.devices_per_node * nodes} devices or add --nodes",
+        )
     if nodes > target.max_nodes:
-        raise InputError(f"--nodes {nodes} exceeds the target's max_nodes {target.max_nodes}", field="--nodes")
+        raise InputError(
+            f"--nodes {nodes} exceeds the target's max_nodes {target.max_nodes}", field="--nodes"
+        )
     default_tokens, default_seqs = vllm_batch_defaults(target)
-    options = dict(context=context, batch=batch, kv_dtype=kv_dtype, weights=weights, headroom=headroom,
-                   checkpoint=checkpoint.bytes_by_component() if checkpoint is not None and weights == "as-stored"
-                   and not isinstance(checkpoint, dict) else checkpoint,
-                   max_num_batched_tokens=max_num_batched_tokens or default_tokens, block_size=block_size,
-                   max_num_seqs=max_num_seqs or default_seqs, rope_factor=rope_factor)
+    options = dict(
+        context=context,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        weights=weights,
+        headroom=headroom,
+        checkpoint=checkpoint.bytes_by_component()
+        if checkpoint is not None and weights == "as-stored" and not isinstance(checkpoint, dict)
+        else checkpoint,
+        max_num_batched_tokens=max_num_batched_tokens or default_tokens,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs or default_seqs,
+        rope_factor=rope_factor,
+    )
     util = VLLM_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
     # validates the workload flags once (context limit, dtypes, ...) before the enumeration
-    plan_memory(spec, target, devices=1, context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
-                headroom=headroom, gpu_memory_utilization=util, block_size=block_size,
-                max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
-                rope_factor=rope_factor, layout=Layout(), search=False)
+    plan_memory(
+        spec,
+        target,
+        devices=1,
+        context=context,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        weights=weights,
+        headroom=headroom,
+        gpu_memory_utilization=util,
+        block_size=block_size,
+        max_num_batched_tokens=options["max_num_batched_tokens"],
+        max_num_seqs=options["max_num_seqs"],
+        rope_factor=rope_factor,
+        layout=Layout(),
+        search=False,
+    )
 
-    candidates = enumerate_layouts(spec, devices)
+    candidates = enumerate_layouts(spec, devices, context)
     plans = [_memory_check(spec, target, layout, util, options) for layout in candidates]
     raised = False
     if gpu_memory_utilization is None and not any(p.feasible for p in plans):
@@ -354,34 +449,80 @@ def plan_parallel(spec: ModelSpec, target: Target, *, devices: int, nodes: int =
         spans = crosses_nodes(plan.layout, per_node, nodes)
         if spans and single_node:
             plan.feasible = False
-            plan.reason = (f"{' and '.join(spans)} group spans nodes, but a layout inside one node fits; "
-                           f"cross-node links ({target.inter_node_bandwidth / 1e9:.0f} GB/s) are slower than "
-                           f"intra-node ({target.intra_node_bandwidth / 1e9:.0f} GB/s)")
+            plan.reason = (
+                f"{' and '.join(spans)} group spans nodes, but a layout inside one node fits; "
+                f"cross-node links ({target.inter_node_bandwidth / 1e9:.0f} GB/s) are slower than "
+                f"intra-node ({target.intra_node_bandwidth / 1e9:.0f} GB/s)"
+            )
             continue
         plan.cost = plan_cost(spec, target, plan.memory, nodes=nodes, batch=batch)
-    feasible = sorted((p for p in plans if p.feasible),
-                      key=lambda p: (p.cost.decode_step_s, p.cost.prefill_chunk_s, p.layout.pp, p.layout.tp))
+    feasible = sorted(
+        (p for p in plans if p.feasible),
+        key=lambda p: (p.cost.decode_step_s, p.cost.prefill_chunk_s, p.layout.pp, p.layout.tp),
+    )
     rejected = [p for p in plans if not p.feasible]
     engine_args = _engine_args(feasible[0], options) if feasible else {}
-    result = ParallelResult(model=spec.source, target=target.name, devices=devices, nodes=nodes, context=context,
-                            batch=batch, feasible=feasible, rejected=rejected, engine_args=engine_args,
-                            single_node_fits=single_node, raised_utilization=raised)
+    result = ParallelResult(
+        model=spec.source,
+        target=target.name,
+        devices=devices,
+        nodes=nodes,
+        context=context,
+        batch=batch,
+        feasible=feasible,
+        rejected=rejected,
+        engine_args=engine_args,
+        single_node_fits=single_node,
+        raised_utilization=raised,
+    )
     result.explanation = _explain(result, target)
     return result
 
 
-def _memory_check(spec: ModelSpec, target: Target, layout: Layout, util: float, options: dict) -> ParallelPlan:
+def _memory_check(
+    spec: ModelSpec, target: Target, layout: Layout, util: float, options: dict
+) -> ParallelPlan:
     problems = layout_problems(spec, layout, options["weights"])
     if problems:
         return ParallelPlan(layout, False, "; ".join(problems), gpu_memory_utilization=util)
-    memory = plan_memory(spec, target, devices=layout.devices, gpu_memory_utilization=util, layout=layout,
-                         search=False, **options)
+    memory = plan_memory(
+        spec,
+        target,
+        devices=layout.devices,
+        gpu_memory_utilization=util,
+        layout=layout,
+        search=False,
+        **options,
+    )
     plan = ParallelPlan(layout, memory.fits, memory=memory, gpu_memory_utilization=util)
     if not memory.fits:
-        plan.reason = (f"memory: {memory.concurrent_sequences} of {memory.sequences_per_replica} sequences of "
-                       f"{memory.context:,} tokens fit per replica (KV pool {memory.kv_pool_bytes / GiB:,.1f} GiB, "
-                       f"binding term {memory.binding_term} {memory.terms[memory.binding_term] / GiB:,.1f} GiB)")
+        plan.reason = (
+            f"memory: {memory.concurrent_sequences} of {memory.sequences_per_replica} sequences of "
+            f"{memory.context:,} tokens fit per replica (KV pool {memory.kv_pool_bytes / GiB:,.1f} GiB, "
+            f"binding term {memory.binding_term} {memory.terms[memory.binding_term] / GiB:,.1f} GiB)"
+        )
     return plan
+
+
+def extra_engine_args(spec: ModelSpec, plan: ParallelPlan, rope_factor: float | None) -> dict[str, Any]:
+    """Engine arguments a plan needs beyond the ten plan keys: ``decode_context_parallel_size``
+    for a DCP plan, and ``hf_overrides`` with YaRN rope scaling when ``rope_factor`` extends the
+    context past the model's own limit (base: the config's pre-scaling length, or
+    max_position_embeddings when it has none)."""
+    extra: dict[str, Any] = {}
+    if plan.layout.dcp > 1:
+        extra["decode_context_parallel_size"] = plan.layout.dcp
+    if rope_factor is not None:
+        base = spec.rope.original_max_position or spec.max_position
+        extra["hf_overrides"] = {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": rope_factor,
+                "original_max_position_embeddings": base,
+            },
+            "max_position_embeddings": int(base * rope_factor),
+        }
+    return extra
 
 
 def _engine_args(plan: ParallelPlan, options: dict) -> dict[str, Any]:
@@ -405,8 +546,10 @@ def _engine_args(plan: ParallelPlan, options: dict) -> dict[str, Any]:
 def _explain(result: ParallelResult, target: Target) -> list[str]:
     lines = []
     if not result.feasible:
-        lines.append(f"No layout of {result.devices} x {target.name} holds {result.batch} sequence(s) of "
-                     f"{result.context:,} tokens; see the rejected plans.")
+        lines.append(
+            f"No layout of {result.devices} x {target.name} holds {result.batch} sequence(s) of "
+            f"{result.context:,} tokens; see the rejected plans."
+        )
         return lines
     for rank, plan in enumerate(result.feasible[:3], start=1):
         c, m = plan.cost, plan.memory
@@ -422,12 +565,17 @@ def _explain(result: ParallelResult, target: Target) -> list[str]:
             f"#{rank} {plan.label}: decode step {c.decode_step_s * 1e3:,.2f} ms (reads "
             f"{c.weight_read_bytes / GiB:,.2f} GiB weights + {c.kv_read_bytes / GiB:,.2f} GiB KV per device; "
             f"memory {c.decode_memory_s * 1e3:,.2f} ms, compute {c.decode_compute_s * 1e3:,.2f} ms, "
-            f"communication {c.decode_comm_s * 1e3:,.2f} ms), prefill chunk {c.prefill_chunk_s * 1e3:,.1f} ms; "
-            f"{m.terms['weights'] / GiB:,.1f} GiB weights and {m.concurrent_sequences:,} concurrent sequences per "
-            f"device" + (f"; {', '.join(comm)}" if comm else "") + ".")
+            f"communication {c.decode_comm_s * 1e3:,.2f} ms), prefill chunk "
+            f"{c.prefill_chunk_s * 1e3:,.1f} ms; {m.terms['weights'] / GiB:,.1f} GiB weights and "
+            f"{m.concurrent_sequences:,} concurrent sequences per device"
+            + (f"; {', '.join(comm)}" if comm else "")
+            + "."
+        )
     if result.raised_utilization:
-        lines.append(f"Nothing fits at gpu_memory_utilization {VLLM_GPU_MEMORY_UTILIZATION}; the plans above need "
-                     f"up to {MAX_RAISED_UTILIZATION}.")
+        lines.append(
+            f"Nothing fits at gpu_memory_utilization {VLLM_GPU_MEMORY_UTILIZATION}; the plans above need "
+            f"up to {MAX_RAISED_UTILIZATION}."
+        )
     return lines
 
 
@@ -445,11 +593,24 @@ def _model_path(model: str) -> str:
     return model
 
 
-def run_plan_parallel(model: str, target: str, *, gates: dict, devices: int, nodes: int = 1, context: int,
-                      batch: int, kv_dtype: str = "bf16", weights: str = "as-stored", headroom: float | None = None,
-                      max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
-                      block_size: int = 64, max_num_seqs: int | None = None,
-                      rope_factor: float | None = None) -> StageReport:
+def run_plan_parallel(
+    model: str,
+    target: str,
+    *,
+    gates: dict,
+    devices: int,
+    nodes: int = 1,
+    context: int,
+    batch: int,
+    kv_dtype: str = "bf16",
+    weights: str = "as-stored",
+    headroom: float | None = None,
+    max_num_batched_tokens: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    block_size: int = 64,
+    max_num_seqs: int | None = None,
+    rope_factor: float | None = None,
+) -> StageReport:
     """Stage 4 as a gated report. ``gates["parallel"]["min_plans"]``: fewer feasible plans fail.
     Metrics hold ``engine_args``, ``serve_command`` (argv) and, for several nodes, ``ray_steps``."""
     from adapt.handoff.vllm import ray_steps, serve_command
@@ -461,56 +622,96 @@ def run_plan_parallel(model: str, target: str, *, gates: dict, devices: int, nod
         headroom = float(gates.get("memory", {}).get("headroom_fraction", 0.2))
     spec, checkpoint = load_model(model)
     tgt = load_target(target)
-    result = plan_parallel(spec, tgt, devices=devices, nodes=nodes, context=context, batch=batch, kv_dtype=kv_dtype,
-                           weights=weights, headroom=headroom, checkpoint=checkpoint,
-                           max_num_batched_tokens=max_num_batched_tokens,
-                           gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                           max_num_seqs=max_num_seqs, rope_factor=rope_factor)
+    result = plan_parallel(
+        spec,
+        tgt,
+        devices=devices,
+        nodes=nodes,
+        context=context,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        weights=weights,
+        headroom=headroom,
+        checkpoint=checkpoint,
+        max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=gpu_memory_utilization,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        rope_factor=rope_factor,
+    )
     report = StageReport(stage="parallel", number=4, title="Parallel plan", started=started)
     report.summary = " ".join(result.explanation)
     model_path = _model_path(model)
+    extra = extra_engine_args(spec, result.best, rope_factor) if result.best else {}
     report.metrics = {
         "engine_args": result.engine_args,
-        "serve_command": serve_command(model_path, result.engine_args) if result.engine_args else [],
+        "extra_engine_args": extra,
+        "serve_command": serve_command(model_path, result.engine_args | extra) if result.engine_args else [],
         "best_plan": result.best.label if result.best else None,
         "feasible_plans": len(result.feasible),
         "rejected_plans": len(result.rejected),
         "single_node_fits": result.single_node_fits,
-        "devices": devices, "nodes": nodes, "context": context, "batch": batch,
+        "devices": devices,
+        "nodes": nodes,
+        "context": context,
+        "batch": batch,
         "top_plans": [p.to_dict() for p in result.feasible[:3]],
     }
     if nodes > 1 and result.engine_args:
-        report.metrics["ray_steps"] = ray_steps(model_path, result.engine_args, nodes)
+        report.metrics["ray_steps"] = ray_steps(model_path, result.engine_args | extra, nodes)
     launch = report.metrics.get("ray_steps") or (
-        [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else [])
+        [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else []
+    )
     if launch:
         report.tables["launch"] = [{"step": i, "command": line} for i, line in enumerate(launch, start=1)]
     report.tables["ranked plans"] = [dict(rank=i, **p.row()) for i, p in enumerate(result.feasible, start=1)]
     report.tables["rejected plans"] = [p.row() for p in result.rejected]
     minimum = int(thresholds.get("min_plans", 1))
     if len(result.feasible) < minimum:
-        report.add("error", "parallel.no_plan",
-                   f"{len(result.feasible)} feasible plan(s) of {len(result.feasible) + len(result.rejected)} "
-                   f"(need {minimum})", "use more devices, a shorter --context, fewer --batch sequences, "
-                   "--kv-dtype fp8 or smaller --weights")
+        report.add(
+            "error",
+            "parallel.no_plan",
+            f"{len(result.feasible)} feasible plan(s) of {len(result.feasible) + len(result.rejected)} "
+            f"(need {minimum})",
+            "use more devices, a shorter --context, fewer --batch sequences, "
+            "--kv-dtype fp8 or smaller --weights",
+        )
     else:
         best = result.best
         assert best is not None
         report.add("info", "parallel.best", f"{best.label}: `{shlex.join(report.metrics['serve_command'])}`")
     if result.raised_utilization:
-        report.add("warn", "parallel.raised_utilization",
-                   f"no plan fits at gpu_memory_utilization {VLLM_GPU_MEMORY_UTILIZATION}; the best plan needs "
-                   f"{result.engine_args.get('gpu_memory_utilization')}",
-                   "little memory is left for anything outside vLLM's accounting on these devices")
+        report.add(
+            "warn",
+            "parallel.raised_utilization",
+            f"no plan fits at gpu_memory_utilization {VLLM_GPU_MEMORY_UTILIZATION}; the best plan needs "
+            f"{result.engine_args.get('gpu_memory_utilization')}",
+            "little memory is left for anything outside vLLM's accounting on these devices",
+        )
     if model_path == model and not Path(model).exists():
-        report.add("info", "parallel.model_path", f"the serve command names the preset {model!r}",
-                   "replace it with your checkpoint directory or Hugging Face repository id")
-    report.add("info", "parallel.cost_model",
-               "costs are roofline estimates from the target's datasheet rates (HBM, matrix units, links); "
-               "they rank plans, they do not predict latency")
-    report.fingerprint = fingerprint(spec_hash=spec.spec_hash(), target=tgt.name, devices=devices, nodes=nodes,
-                                     context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
-                                     gates=thresholds)
+        report.add(
+            "info",
+            "parallel.model_path",
+            f"the serve command names the preset {model!r}",
+            "replace it with your checkpoint directory or Hugging Face repository id",
+        )
+    report.add(
+        "info",
+        "parallel.cost_model",
+        "costs are roofline estimates from the target's datasheet rates (HBM, matrix units, links); "
+        "they rank plans, they do not predict latency",
+    )
+    report.fingerprint = fingerprint(
+        spec_hash=spec.spec_hash(),
+        target=tgt.name,
+        devices=devices,
+        nodes=nodes,
+        context=context,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        weights=weights,
+        gates=thresholds,
+    )
     report.finished = now_iso()
     report.decide()
     return report

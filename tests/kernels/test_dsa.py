@@ -35,8 +35,9 @@ def filled_cache(lengths, *, heads, dim, device, decode=False, seed=0):
         layer.write(batch.slots, torch.randn(n, 32, generator=gen).to(device),
                     torch.randn(n, 16, generator=gen).to(device), keys, key_scale)
     batch = steps[-1]
-    q8, q_scale = dsa.quantize_fp8_rows_torch(torch.randn(batch.num_tokens, heads, dim, generator=gen).to(device))
-    weights = dsa.fold_index_weights(torch.randn(batch.num_tokens, heads, generator=gen).to(device), q_scale, dim)
+    n = batch.num_tokens
+    q8, q_scale = dsa.quantize_fp8_rows_torch(torch.randn(n, heads, dim, generator=gen).to(device))
+    weights = dsa.fold_index_weights(torch.randn(n, heads, generator=gen).to(device), q_scale, dim)
     return layer, batch, q8, weights
 
 

@@ -30,7 +30,8 @@ def setup(lengths, *, heads, rank, rope, topk, latent_format, device, seed=0):
     rows = []
     for pos in batch.positions.tolist():
         chosen = torch.randperm(pos + 1, generator=gen)[:topk]
-        rows.append(torch.cat([chosen, torch.full((topk - len(chosen),), -1)])[torch.randperm(topk, generator=gen)])
+        padded = torch.cat([chosen, torch.full((topk - len(chosen),), -1)])
+        rows.append(padded[torch.randperm(topk, generator=gen)])
     indices = torch.stack(rows).int().to(device)
     q_nope = torch.randn(n, heads, rank, generator=gen).to(device, torch.bfloat16)
     q_rope = torch.randn(n, heads, rope, generator=gen).to(device, torch.bfloat16)

@@ -428,6 +428,10 @@ def test_load_spec_from_directory_file_and_preset(tmp_path):
     assert by_dir.spec_hash() == by_preset.spec_hash()
 
 
+def test_list_presets():
+    assert set(list_presets()) >= {"deepseek-v3.2", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b"}
+
+
 def test_presets_are_the_shared_configs():
     pairs = {"deepseek-v3.2": "DeepSeek-V3.2", "gpt-oss-120b": "gpt-oss-120b",
              "qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B"}
@@ -505,6 +509,7 @@ BAD_CONFIGS = [
     ("gpt-oss-120b", {"layer_types": ["global"] * 36}, "layer_types",
      "'sliding_attention' or 'full_attention'"),
     ("gpt-oss-120b", {"sliding_window": None}, "sliding_window", "missing required field"),
+    ("gpt-oss-120b", {"experts_per_token": 8}, "experts_per_token", "equal to num_experts_per_tok (4)"),
     ("gpt-oss-120b", {"quantization_config": {"quant_method": "mxfp4",
                                               "modules_to_not_convert": ["model.layers.*.mlp"]}},
      "quantization_config.modules_to_not_convert", "leave the routed experts in mxfp4"),
@@ -544,3 +549,102 @@ def test_every_supported_model_type_builds():
     assert set(configs) == set(SUPPORTED_MODEL_TYPES)
     for model_type, config in configs.items():
         assert spec_from_config(config, model_type).model_type == model_type
+
+
+# ----------------------------------------------------------------- more published counts
+# Sources of these totals: tests/fixtures/configs/README.md. They were not used to build the
+# formulas: a wrong term for MLA width, qk-norm, MTP copies or shared experts breaks them.
+
+
+def test_kimi_k2_instruct_total():
+    spec = load_spec(FIXTURES / "kimi-k2-instruct.aiconfigurator.json")
+    assert spec.model_type == "kimi_k2" and spec.layers[0].attention.kind == "mla"
+    assert [layer.ffn.kind for layer in spec.layers[:2]] == ["dense", "moe"]
+    assert spec.param_counts().total == 1_026_408_232_448
+
+
+def test_glm_4_5_air_total_with_mtp():
+    counts = load_spec(FIXTURES / "glm-4.5-air.json").param_counts()
+    assert counts.total_with_mtp == 110_468_824_832
+
+
+def test_glm_4_5_total_with_and_without_mtp():
+    config = json.loads((FIXTURES / "glm-4.5-air.json").read_text()) | {
+        "hidden_size": 5120, "num_hidden_layers": 92, "first_k_dense_replace": 3,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "n_routed_experts": 160,
+        "use_qk_norm": True, "routed_scaling_factor": 2.5}
+    counts = spec_from_config(config, "glm-4.5").param_counts()
+    assert counts.total == 352_797_829_024
+    assert counts.total_with_mtp == 358_337_791_296
+
+
+def test_qwen3_235b_a22b_total():
+    config = preset_config("qwen3-30b-a3b") | {
+        "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+        "moe_intermediate_size": 1536, "intermediate_size": 12288, "max_window_layers": 94}
+    assert spec_from_config(config, "qwen3-235b").param_counts().total == 235_093_634_560
+
+
+# ----------------------------------------------------------------- config dialects
+
+
+def test_transformers5_rope_parameters_and_dtype_keys():
+    """transformers 5 writes rope_parameters (theta inside) and dtype instead of torch_dtype."""
+    old = preset_config("gpt-oss-120b")
+    new = dict(old)
+    scaling = new.pop("rope_scaling")
+    new["rope_parameters"] = scaling | {"rope_theta": new.pop("rope_theta")}
+    new["dtype"] = "bfloat16"
+    assert spec_from_config(new, "new").rope == spec_from_config(old, "old").rope
+    glm = glm4_moe_config()
+    glm["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
+    spec = spec_from_config(glm, "glm")
+    assert (spec.rope.partial_rotary_factor, spec.rope.rotary_dim, spec.rope.theta) == (0.25, 4, 1e6)
+
+
+def compressed_tensors_fp8(strategy: str, **weights) -> dict:
+    config = glm4_moe_config()
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, **weights}}},
+    }
+    return config
+
+
+def test_compressed_tensors_fp8_schemes():
+    channel = spec_from_config(compressed_tensors_fp8("channel"), "glm")
+    fmt = channel.quant.format_of("attention")
+    assert (fmt.method, fmt.scale_format) == ("fp8_channel", "bf16")
+    assert fmt.tensor_bytes((3, 64, 32)) == 3 * 64 * 32 + 3 * 64 * 2
+    assert channel.quant.format_of("lm_head").method == "bf16"
+    block = spec_from_config(compressed_tensors_fp8("block", block_structure=[128, 128]), "glm")
+    assert block.quant.format_of("routed_experts") == QuantFormat("fp8_block", (128, 128), "bf16")
+    tensor = spec_from_config(compressed_tensors_fp8("tensor", scale_dtype="float32"), "glm")
+    assert tensor.quant.format_of("dense_mlp") == QuantFormat("fp8_tensor", None, "fp32")
+    assert tensor.quant.format_of("router").method == "bf16"
+
+
+def test_fp8_without_block_size_is_per_tensor():
+    config = preset_config("deepseek-v3.2")
+    del config["quantization_config"]["weight_block_size"]
+    del config["quantization_config"]["scale_fmt"]
+    spec = spec_from_config(config, "ds")
+    assert spec.quant.format_of("routed_experts") == QuantFormat("fp8_tensor", None, "fp32")
+
+
+def test_tensor_inventory_agrees_with_counts_and_formats():
+    spec = load_spec("deepseek-v3.2")
+    tensors = spec.tensors()
+    assert sum(t.numel for t in tensors) == spec.param_counts().total_with_mtp
+    assert sum(t.active for t in tensors if not t.mtp) == spec.param_counts().active
+    by_name = {t.name: t for t in tensors}
+    assert by_name["model.layers.61.eh_proj.weight"].shape == (7168, 14336)
+    def method(name: str) -> str:
+        return spec.tensor_format(by_name[f"model.layers.5.{name}"]).method
+
+    assert method("self_attn.indexer.wk.weight") == "fp8_block"
+    assert method("self_attn.indexer.weights_proj.weight") == "bf16"
+    assert method("mlp.gate.weight") == "bf16"
+    experts = by_name["model.layers.5.mlp.experts.*.down_proj.weight"]
+    assert experts.shape == (256, 7168, 2048) and experts.active == experts.numel // 256 * 8

@@ -58,7 +58,11 @@ def hf_forward(config, attn, rotary, x, indices=None):
     pe = rotary(x[None], torch.arange(t)[None])
     mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]
     captured = {}
-    handle = attn.indexer.register_forward_hook(lambda m, i, o: captured.setdefault("idx", o[0]))
+
+    def keep_indices(module, inputs, output):
+        captured["idx"] = output[0]
+
+    handle = attn.indexer.register_forward_hook(keep_indices)
     saved = attn.indexer.forward
     if indices is not None:
         own = torch.arange(t)[:, None].expand_as(indices)
@@ -165,8 +169,9 @@ def test_decode_after_prefill_equals_longer_prefill(hf_layer, backend, device):
 def test_yarn_frequencies_and_scale_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+            "mscale_all_dim": 1.0}
     config = tiny_config()
     config.rope_parameters = rope
     config.max_position_embeddings = 163840

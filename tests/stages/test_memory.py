@@ -28,7 +28,9 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def specs():
-    return {name: load_spec(name) for name in ("gpt-oss-120b", "qwen3-30b-a3b", "deepseek-v3.2", "mixtral-8x7b")}
+    return {
+        name: load_spec(name) for name in ("gpt-oss-120b", "qwen3-30b-a3b", "deepseek-v3.2", "mixtral-8x7b")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,8 @@ def test_expert_parallel_splits_experts_and_dp_copies_attention(specs, h200):
     tp8 = plan_memory(spec, h200, devices=8, context=4096, batch=8, tp=8, search=False)
     dp8 = plan_memory(spec, h200, devices=8, context=4096, batch=8, tp=1, dp=8, ep=8, search=False)
     assert dp8.weights_by_component["routed_experts"] == pytest.approx(
-        tp8.weights_by_component["routed_experts"], rel=1e-6)
+        tp8.weights_by_component["routed_experts"], rel=1e-6
+    )
     whole = spec.weight_bytes()["attention"]
     assert dp8.weights_by_component["attention"] == whole  # DP attention: a full copy per device
     # TP splits q_b, kv_b and o; q_a and kv_a (and their norms) stay whole on every rank
@@ -180,11 +183,25 @@ def test_longest_context_is_the_boundary(specs, h100):
 
 
 def _tiny_qwen3_dir(tmp_path: Path) -> Path:
-    config = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
-              "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 4096,
-              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-              "torch_dtype": "bfloat16", "norm_topk_prob": True}
+    config = {
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "norm_topk_prob": True,
+    }
     spec = spec_from_config(config, "tiny")
     tensors = {}
     for t in spec.tensors():
@@ -213,17 +230,20 @@ def test_directory_weights_come_from_checkpoint_headers(tmp_path):
 # ----------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("kwargs, flag", [
-    (dict(devices=6), "--devices"),
-    (dict(devices=8, tp=3, dp=2), "--devices"),
-    (dict(devices=8, tp=4, dp=2, ep=4), "--ep"),
-    (dict(devices=16, nodes=1), "--devices"),
-    (dict(devices=8, nodes=3), "--devices"),
-    (dict(devices=8, context=200_000), "--context"),
-    (dict(devices=8, kv_dtype="int4"), "--kv-dtype"),
-    (dict(devices=8, weights="nf4"), "--weights"),
-    (dict(devices=8, headroom=1.5), "--headroom"),
-])
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(devices=6), "--devices"),
+        (dict(devices=8, tp=3, dp=2), "--devices"),
+        (dict(devices=8, tp=4, dp=2, ep=4), "--ep"),
+        (dict(devices=16, nodes=1), "--devices"),
+        (dict(devices=8, nodes=3), "--devices"),
+        (dict(devices=8, context=200_000), "--context"),
+        (dict(devices=8, kv_dtype="int4"), "--kv-dtype"),
+        (dict(devices=8, weights="nf4"), "--weights"),
+        (dict(devices=8, headroom=1.5), "--headroom"),
+    ],
+)
 def test_bad_flags_raise_input_error(specs, h100, kwargs, flag):
     args = dict(context=4096, batch=1) | kwargs
     with pytest.raises(InputError) as err:
@@ -249,9 +269,28 @@ def test_rope_factor_allows_a_longer_context(specs, h200):
 
 
 def test_cli_json_report_and_exit_codes(tmp_path):
-    result = runner.invoke(app, ["plan-memory", "qwen3-30b-a3b", "--target", "h100-sxm", "--devices", "1",
-                                 "--context", "262144", "--rope-factor", "8", "--kv-dtype", "bf16", "--json",
-                                 "--output", str(tmp_path), "--run", "r1"])
+    result = runner.invoke(
+        app,
+        [
+            "plan-memory",
+            "qwen3-30b-a3b",
+            "--target",
+            "h100-sxm",
+            "--devices",
+            "1",
+            "--context",
+            "262144",
+            "--rope-factor",
+            "8",
+            "--kv-dtype",
+            "bf16",
+            "--json",
+            "--output",
+            str(tmp_path),
+            "--run",
+            "r1",
+        ],
+    )
     data = json.loads(result.stdout)
     assert data["stage"] == "memory" and data["number"] == 2
     assert data["metrics"]["kv_bytes_per_sequence"] == 24 * GiB
@@ -260,17 +299,30 @@ def test_cli_json_report_and_exit_codes(tmp_path):
 
 
 def test_cli_gpt_oss_h100_fails_at_default_and_passes_at_095(tmp_path):
-    base = ["plan-memory", "gpt-oss-120b", "--target", "h100-sxm", "--devices", "1", "--context", "8192",
-            "--output", str(tmp_path)]
+    base = [
+        "plan-memory",
+        "gpt-oss-120b",
+        "--target",
+        "h100-sxm",
+        "--devices",
+        "1",
+        "--context",
+        "8192",
+        "--output",
+        str(tmp_path),
+    ]
     assert runner.invoke(app, base).exit_code == 1
     assert runner.invoke(app, base + ["--gpu-memory-utilization", "0.95"]).exit_code == 0
 
 
-@pytest.mark.parametrize("args", [
-    ["--devices", "6"],
-    ["--devices", "8", "--context", "999999"],
-    ["--devices", "8", "--target", "no-such-gpu"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--devices", "6"],
+        ["--devices", "8", "--context", "999999"],
+        ["--devices", "8", "--target", "no-such-gpu"],
+    ],
+)
 def test_cli_bad_flags_exit_2(tmp_path, args):
     base = ["plan-memory", "gpt-oss-120b", "--context", "4096", "--output", str(tmp_path)]
     if "--target" not in args:

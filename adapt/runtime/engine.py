@@ -1,0 +1,246 @@
+"""A compact inference engine for validation: load, prefill, decode, sample, capture.
+
+    engine = Engine.load("path/to/model", layers=[0, 3], kernels="attention,moe", dtype=torch.bfloat16)
+    result = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)          # greedy
+    with engine.capture(hidden_states=True, router=True) as cap:
+        engine.generate(...)
+    cap.hidden_states[3]  # per step [N, hidden] outputs of decoder layer 3
+
+Batches hold sequences of different lengths: a step flattens every sequence's new tokens
+(prefill: the whole prompt; decode: one token) into one [N] token row over the paged cache.
+Serving stays vLLM's job; this engine exists to execute the adapted path and compare it.
+
+Kernel selection (``kernels``): 'none' (every op family on its torch reference), 'all', or a
+comma list of op families among attention, indexer, moe, norm_rope. Kernels run compiled on a
+GPU and under the Triton interpreter on CPU (``prepare_triton`` sets ``TRITON_INTERPRET=1`` when
+no GPU is present; it must run before any Triton kernel module is imported).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from adapt.errors import InputError
+from adapt.runtime.kv_cache import PAGE_SIZE
+from adapt.runtime.model import OP_FAMILIES, ArchConfig, Capture, DecoderModel
+
+ProgressFn = Callable[[str, int, int, float], None]
+"""progress(phase 'prefill' | 'decode', tokens done, tokens total, seconds elapsed)."""
+
+
+def prepare_triton() -> None:
+    """Run Triton kernels in the interpreter when there is no CUDA device (before importing kernels)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def parse_kernels(spec: str | dict[str, str] | None) -> dict[str, str]:
+    """'none' | 'all' | 'attention,moe' | {family: 'torch' | 'kernel'} -> {family: path} for every family."""
+    if isinstance(spec, dict):
+        paths = {family: "torch" for family in OP_FAMILIES}
+        for family, path in spec.items():
+            if family not in OP_FAMILIES or path not in ("torch", "kernel"):
+                raise InputError(f"bad op path {family}={path}", field="kernels",
+                                 hint=f"families: {', '.join(OP_FAMILIES)}; paths: torch, kernel")
+            paths[family] = path
+        return paths
+    text = (spec or "none").strip().lower()
+    if text == "none":
+        return {family: "torch" for family in OP_FAMILIES}
+    if text == "all":
+        return {family: "kernel" for family in OP_FAMILIES}
+    chosen = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [part for part in chosen if part not in OP_FAMILIES]
+    if unknown:
+        raise InputError(f"unknown op family {', '.join(unknown)}", field="kernels",
+                         hint=f"use none, all, or a comma list of {', '.join(OP_FAMILIES)}")
+    return {family: "kernel" if family in chosen else "torch" for family in OP_FAMILIES}
+
+
+def parse_layers(spec: str | int | Sequence[int] | None, num_layers: int) -> list[int]:
+    """None -> all layers; N -> 0..N-1; '0,3,60' or [0, 3, 60] -> those (sorted, unique)."""
+    if spec is None:
+        return list(range(num_layers))
+    if isinstance(spec, str):
+        parts = [p.strip() for p in spec.split(",") if p.strip()]
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            raise InputError(f"--layers takes a count or a comma list of layer indices, got {spec!r}",
+                             field="layers") from None
+        spec = values[0] if len(values) == 1 and "," not in spec else values
+    if isinstance(spec, int):
+        if not 1 <= spec <= num_layers:
+            raise InputError(f"layer count {spec} is outside 1..{num_layers}", field="layers")
+        return list(range(spec))
+    layers = sorted(set(int(i) for i in spec))
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad or not layers:
+        raise InputError(f"layer indices {bad or 'none'} are outside 0..{num_layers - 1}", field="layers")
+    return layers
+
+
+@dataclass
+class StepTiming:
+    """Tokens and wall seconds of the prefill and decode phases of a ``generate`` call."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+
+@dataclass
+class Generation:
+    """tokens: generated ids per sequence (prompt excluded); finished: stopped at an EOS id."""
+
+    tokens: list[list[int]]
+    finished: list[bool]
+    timing: StepTiming = field(default_factory=StepTiming)
+
+
+class Engine:
+    """Runs one model (whole or reduced depth) over a paged cache.
+
+    Use ``Engine.load``. ``max_tokens`` sizes the cache: pages of 64 tokens for that many tokens
+    over all live sequences.
+    """
+
+    def __init__(self, model: DecoderModel, *, max_tokens: int = 4096, cache_dtype: torch.dtype | None = None):
+        from adapt.runtime.attention import PagedKVCache
+
+        self.model = model
+        self.config = model.config
+        pages = -(-max_tokens // PAGE_SIZE)
+        self.cache = PagedKVCache(pages, model.cache_layouts(cache_dtype or model.dtype), model.device)
+        self._capture_stack: list[Capture] = []
+
+    @classmethod
+    def load(cls, path: str | Path, *, layers: str | int | Sequence[int] | None = None,
+             kernels: str | dict[str, str] | None = "none", dtype: torch.dtype = torch.bfloat16,
+             device: str | torch.device = "cpu", max_tokens: int = 4096, workspace=None) -> Engine:
+        """Read config.json and the tensors of the chosen layers from ``path``.
+
+        layers: None (all), a count, or indices ('0,3,60'); kernels: see ``parse_kernels``;
+        dtype: compute dtype (float32 for reference comparisons, bfloat16 to run);
+        workspace: an FP8 expert workspace for the MoE kernel (online MXFP4 -> FP8), or None.
+        """
+        from adapt.runtime.weights import WeightStore
+
+        paths = parse_kernels(kernels)
+        if any(p == "kernel" for p in paths.values()):
+            prepare_triton()
+        config = ArchConfig.from_dir(path)
+        layer_ids = parse_layers(layers, config.num_layers)
+        store = WeightStore(path, layers=None if layers is None else layer_ids, device=device)
+        model = DecoderModel(config, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace)
+        engine = cls(model, max_tokens=max_tokens)
+        engine.bytes_read = store.bytes_read
+        return engine
+
+    # -- capture ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(self, hidden_states: bool = True, router: bool = True, dsa_indices: bool = False) -> Iterator[Capture]:
+        """Record per-layer outputs, router top-k and DSA selections of the steps run inside."""
+        record = Capture(hidden_states, router, dsa_indices)
+        previous = self.model.capture
+        self.model.capture = record
+        try:
+            yield record
+        finally:
+            self.model.capture = previous
+
+    # -- stepping --------------------------------------------------------------------------------
+
+    def start(self, count: int) -> list[int]:
+        """Register ``count`` empty sequences; returns their ids."""
+        return [self.cache.add_sequence() for _ in range(count)]
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self.cache.free_sequence(seq_id)
+
+    @torch.no_grad()
+    def step(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], *, all_logits: bool = False
+             ) -> list[torch.Tensor]:
+        """Append ``tokens[i]`` to sequence ``seq_ids[i]`` and run them (prefill or decode alike).
+
+        Returns per sequence fp32 logits: [vocab] of its last new token, or [n_i, vocab] for
+        every new token when ``all_logits``.
+        """
+        counts = [len(t) for t in tokens]
+        if any(c == 0 for c in counts):
+            raise ValueError("every sequence in a step needs at least one new token")
+        batch = self.cache.append_tokens(seq_ids, counts)
+        flat = torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64, device=self.model.device)
+        if int(flat.max()) >= self.config.vocab or int(flat.min()) < 0:
+            raise InputError(f"token id outside the vocabulary of {self.config.vocab}", field="tokens")
+        hidden = self.model.forward(flat, batch, self.cache.pools)
+        ends = batch.query_starts.tolist()
+        if all_logits:
+            logits = self.model.logits(hidden)
+            return [logits[ends[b]:ends[b + 1]] for b in range(len(seq_ids))]
+        last = torch.tensor([e - 1 for e in ends[1:]], device=hidden.device)
+        logits = self.model.logits(hidden[last])
+        return list(logits)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+                 seed: int = 0, stop_at_eos: bool = True, progress: ProgressFn | None = None) -> Generation:
+        """Prefill every prompt in one step, then decode all live sequences together.
+
+        temperature 0 is greedy (argmax); otherwise tokens are drawn from softmax(logits / T) with a
+        generator seeded by ``seed``. A sequence stops after ``max_new_tokens`` or, with
+        ``stop_at_eos``, after emitting one of the config's EOS ids.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise InputError("every prompt needs at least one token", field="prompt")
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}", field="max_new_tokens")
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        ids = self.start(len(prompts))
+        out: list[list[int]] = [[] for _ in prompts]
+        finished = [False] * len(prompts)
+        timing = StepTiming()
+        eos = set(self.config.eos_ids) if stop_at_eos else set()
+        try:
+            t0 = time.perf_counter()
+            logits = self.step(ids, prompts)
+            timing.prefill_tokens, timing.prefill_s = sum(map(len, prompts)), time.perf_counter() - t0
+            if progress:
+                progress("prefill", timing.prefill_tokens, timing.prefill_tokens, timing.prefill_s)
+            live = list(range(len(prompts)))
+            total = max_new_tokens * len(prompts)
+            t0 = time.perf_counter()
+            while True:
+                nxt = [self._sample(logits[j], temperature, gen) for j in range(len(live))]
+                for j, b in enumerate(live):
+                    out[b].append(nxt[j])
+                    if nxt[j] in eos:
+                        finished[b] = True
+                keep = [j for j, b in enumerate(live) if not finished[b] and len(out[b]) < max_new_tokens]
+                timing.decode_tokens = sum(map(len, out))
+                timing.decode_s = time.perf_counter() - t0
+                if progress:
+                    progress("decode", timing.decode_tokens, total, timing.decode_s)
+                if not keep:
+                    break
+                live = [live[j] for j in keep]
+                logits = self.step([ids[b] for b in live], [[out[b][-1]] for b in live])
+        finally:
+            self.release(ids)
+        return Generation(out, finished, timing)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
+        if temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,177 @@
+"""MoE feed-forward for the runtime: routing as transformers does it, experts by reference or by kernel.
+
+Routers (transformers 5.19 semantics):
+
+- ``deepseek`` (deepseek_v3 / deepseek_v32 / kimi_k2): fp32 logits, sigmoid scores, the
+  correction bias added for selection only; groups ranked by the sum of their two best biased
+  scores, ``topk_group`` groups kept, top-k experts among them; weights = unbiased scores of the
+  chosen experts, divided by their sum (+1e-20) when ``norm_topk_prob``, times
+  ``routed_scaling_factor``; shared experts are added for every token.
+- ``gpt_oss``: logits = x W^T + b in the compute dtype, top-k logits, softmax over those k.
+- ``qwen3``: softmax over all experts in fp32, top-k, renormalised when ``norm_topk_prob``,
+  cast to the compute dtype.
+
+Experts: SwiGLU ``silu(gate) * up`` or gpt-oss's clamped form (gate clamped above at ``limit``,
+up to +-limit, ``gate * sigmoid(alpha * gate) * (up + 1)``), then down; outputs weighted by the
+routing weights and summed per token.
+
+Paths: ``torch`` loops over the experts that received tokens, dequantizing one expert at a time
+(MXFP4 or fp8 blocks) to the compute dtype. ``kernel`` hands MXFP4 layers to
+``adapt.kernels.moe_gemm.moe_forward`` (routing, fused MXFP4 GEMMs, combine; with the shared FP8
+workspace when one is given), whose output is bf16. Layers whose experts are not MXFP4 have no
+kernel; ``MoE.kernel_refusal`` says why, and they run the torch path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from adapt.runtime.weights import Experts, Linear, apply_linear
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """kind: 'deepseek' | 'gpt_oss' | 'qwen3'; top_k experts per token; DeepSeek grouping and scaling."""
+
+    kind: str
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling: float = 1.0
+
+
+@dataclass
+class DenseMLP:
+    """gate/up [I, hidden], down [hidden, I]: down(silu(gate x) * up x)."""
+
+    gate: Linear
+    up: Linear
+    down: Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_linear(F.silu(apply_linear(x, self.gate)) * apply_linear(x, self.up), self.down)
+
+
+def swiglu(gate_up: torch.Tensor, interleaved: bool, clamped: bool, alpha: float, limit: float) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: split gate/up (interleaved rows or halves) and apply the (clamped) SwiGLU."""
+    if interleaved:
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+    if not clamped:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class MoE:
+    """One MoE layer: router weight [E, hidden] (+ bias [E] for gpt-oss, + correction bias [E]
+    for DeepSeek), routed ``Experts``, optional shared ``DenseMLP``.
+
+    ``forward(x [T, hidden]) -> [T, hidden]``; ``last_topk`` holds the latest (ids int64 [T, k],
+    weights fp32 [T, k]) for router capture.
+    """
+
+    def __init__(self, router: RouterSpec, gate: Linear, experts: Experts, *, correction_bias=None,
+                 shared: DenseMLP | None = None, clamped: bool = False, alpha: float = 1.702, limit: float = 7.0,
+                 path: str = "torch", workspace=None):
+        self.router = router
+        self.gate = gate
+        self.experts = experts
+        self.correction_bias = correction_bias
+        self.shared = shared
+        self.clamped, self.alpha, self.limit = clamped, alpha, limit
+        self.path = path if path == "torch" or self.kernel_refusal is None else "torch"
+        self.workspace = workspace
+        self.last_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def kernel_refusal(self) -> str | None:
+        """Why adapt's MoE kernel cannot run this layer (None when it can)."""
+        if self.experts.mxfp4 is None:
+            return "experts are not stored MXFP4 (adapt.kernels.moe_gemm takes MXFP4 experts)"
+        return None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids int64 [T, k], weights [T, k]: fp32 for DeepSeek, else x's dtype)."""
+        r = self.router
+        if r.kind == "deepseek":
+            logits = F.linear(x.float(), self.gate.dense(torch.float32))
+            scores = logits.sigmoid()
+            choice = scores + self.correction_bias.float() if self.correction_bias is not None else scores
+            if r.n_group > 1:
+                t, e = choice.shape
+                grouped = choice.view(t, r.n_group, e // r.n_group)
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+                keep = group_scores.topk(r.topk_group, dim=-1, sorted=False).indices
+                group_mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0)
+                expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(t, e).bool()
+                choice = choice.masked_fill(~expert_mask, float("-inf"))
+            ids = choice.topk(r.top_k, dim=-1, sorted=False).indices
+            weights = scores.gather(1, ids)
+            if r.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return ids, weights * r.routed_scaling
+        if r.kind == "gpt_oss":
+            logits = apply_linear(x, self.gate)
+            values, ids = logits.topk(r.top_k, dim=-1)
+            return ids, torch.softmax(values, dim=-1, dtype=values.dtype)
+        logits = apply_linear(x, self.gate)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        values, ids = probs.topk(r.top_k, dim=-1)
+        if r.norm_topk_prob:
+            values = values / values.sum(dim=-1, keepdim=True)
+        return ids, values.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "kernel":
+            return self._forward_kernel(x)
+        ids, weights = self.route(x)
+        self.last_topk = (ids, weights.float())
+        out = torch.zeros_like(x)
+        hit = torch.unique(ids).tolist()
+        for e in hit:
+            token, slot = torch.where(ids == e)
+            gate_up, down, b1, b2 = self.experts.expert(e, x.dtype)
+            h = F.linear(x[token], gate_up, b1)
+            h = swiglu(h, self.experts.interleaved, self.clamped, self.alpha, self.limit)
+            y = F.linear(h, down, b2) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        if self.shared is not None:
+            out = out + self.shared.forward(x)
+        return out
+
+    def _forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """Routing, permutation, fused MXFP4 expert GEMMs and combine from ``adapt.kernels``.
+
+        The router runs as ``gate_logits`` (fp32); gpt-oss's router bias joins as one extra input
+        column of ones, so logits = [x, 1] [W, b]^T.
+        """
+        from adapt.kernels.moe_gemm import expert_mlp
+        from adapt.kernels.routing import RouterConfig, combine, gate_logits, permute_by_expert, route
+
+        r = self.router
+        config = RouterConfig(top_k=r.top_k, scoring="sigmoid" if r.kind == "deepseek" else "softmax",
+                              n_group=r.n_group, topk_group=r.topk_group,
+                              renormalize=r.norm_topk_prob or r.kind == "gpt_oss",
+                              routed_scaling=r.routed_scaling)
+        gate = self.gate.dense(torch.float32)
+        gate_in = x.float()
+        if self.gate.bias is not None:
+            gate_in = torch.cat([gate_in, gate_in.new_ones(x.shape[0], 1)], dim=1)
+            gate = torch.cat([gate, self.gate.bias.float()[:, None]], dim=1)
+        weights, ids = route(gate_logits(gate_in, gate), config, self.correction_bias)
+        self.last_topk = (ids.long(), weights)
+        perm = permute_by_expert(ids, self.experts.count)
+        y = expert_mlp(x.to(torch.bfloat16).contiguous(), perm, self.experts.mxfp4, top_k=r.top_k,
+                       activation="swiglu_clamped" if self.clamped else "swiglu", alpha=self.alpha,
+                       limit=self.limit, workspace=self.workspace)
+        out = combine(y, weights, perm.slot_pos, None).to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared.forward(x)
+        return out

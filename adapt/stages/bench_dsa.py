@@ -1,0 +1,352 @@
+"""DSA kernel benchmark on one CUDA GPU at DeepSeek-V3.2 shapes (``adapt bench kernels --dsa``).
+
+Per layer, on random (never zero) data, medians of CUDA-event timings:
+
+- decode: one query token per sequence, batch x context grid; indexer scan + top-k and
+  sparse MLA over the paged caches (latent fp8 656 B/token by default, indexer 132 B/token);
+  byte floor = indexer keys B*S*132 + selected latent rows B*topk*latent_bytes, at the
+  copy bandwidth measured in the same run;
+- prefill: one sequence of T tokens; indexer scoring + chunked top-k + sparse MLA (the
+  DSA core: projections are GEMMs that dense attention has too and are left out of both);
+- in the same run: device-to-device copy bandwidth, torch bf16 matmul and fp8 _scaled_mm
+  rates, and torch scaled_dot_product_attention over dense KV with the same heads and
+  context (causal 128 heads x (192 q.k, 128 v) for prefill; the dense latent (MQA over
+  576/512) for decode);
+- the prefill form: absorbed latent Triton kernel vs the per-head 192/128 form (torch
+  gather + matmul), per query row, at the smallest prefill length.
+
+Writes ``dsa_bench.json`` and ``dsa_bench.md`` into ``out_dir`` and returns the dict.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from adapt.errors import InputError
+from adapt.kernels import dsa, sparse_mla
+from adapt.runtime.kv_cache import FP8_DTYPE, PAGE_SIZE, PagedDSACache
+
+HEADS, RANK, ROPE, INDEX_HEADS, INDEX_DIM, NOPE, VDIM = 128, 512, 64, 64, 128, 128, 128
+
+
+def _time_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Median milliseconds of ``reps`` runs of ``fn`` (CUDA events), after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _ceilings(reps: int) -> dict:
+    n = 1 << 28
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = _time_ms(lambda: dst.copy_(src), reps)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = _time_ms(lambda: a @ b, reps)
+    a8, b8 = a.to(FP8_DTYPE), b.to(FP8_DTYPE).T.contiguous().T
+    one = torch.ones((), device="cuda")
+    fp8_ms = _time_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps)
+    flops = 2 * 8192 ** 3
+    return {"copy_TBps": 2 * n / copy_ms / 1e9, "bf16_matmul_TFLOPs": flops / mm_ms / 1e9,
+            "fp8_scaled_mm_TFLOPs": flops / fp8_ms / 1e9}
+
+
+def _random_cache(num_tokens: int, latent_format: str) -> PagedDSACache:
+    pages = -(-num_tokens // PAGE_SIZE)
+    cache = PagedDSACache(num_pages=pages, num_layers=1, kv_lora_rank=RANK, rope_dim=ROPE,
+                          index_head_dim=INDEX_DIM, latent_format=latent_format, device="cuda")
+    step = 1 << 14
+    for p0 in range(0, pages, step):
+        p1 = min(pages, p0 + step)
+        shape = (1, p1 - p0, PAGE_SIZE)
+        cache.index_k[:, p0:p1] = torch.randn(*shape, INDEX_DIM, device="cuda").mul_(100).to(FP8_DTYPE)
+        cache.latent_nope[:, p0:p1] = torch.randn(*shape, RANK, device="cuda").mul_(100).to(cache.latent_nope.dtype)
+        cache.latent_rope[:, p0:p1] = torch.randn(*shape, ROPE, device="cuda").to(torch.bfloat16)
+    cache.index_scale.uniform_(0.5e-2, 1.5e-2)
+    if cache.latent_scale is not None:
+        cache.latent_scale.uniform_(0.5e-2, 1.5e-2)
+    return cache
+
+
+def _queries(rows: int):
+    q8, q_scale = dsa.quantize_fp8_rows(torch.randn(rows, INDEX_HEADS, INDEX_DIM, device="cuda"))
+    weights = dsa.fold_index_weights(torch.randn(rows, INDEX_HEADS, device="cuda"), q_scale, INDEX_DIM)
+    q_nope = torch.randn(rows, HEADS, RANK, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(rows, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)
+    return q8, weights, q_nope, q_rope
+
+
+def _latent_row_bytes(latent_format: str) -> int:
+    return (RANK + 4 * RANK // 128 if latent_format == "fp8" else 2 * RANK) + 2 * ROPE
+
+
+def _decode_case(batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int) -> dict:
+    cache = _random_cache(batch * context, latent_format)
+    layer = cache.layer(0)
+    pages_per_seq = context // PAGE_SIZE
+    block_table = torch.randperm(batch * pages_per_seq, device="cuda").view(batch, pages_per_seq).int()
+    token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
+    limits = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    q8, weights, q_nope, q_rope = _queries(batch)
+    holder = {}
+
+    def index():
+        holder["idx"], _ = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq,
+                                          limits, topk)
+
+    def attend():
+        return sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
+                                     block_table, token_seq, holder["idx"], 0.1)
+
+    index_ms = _time_ms(index, reps)
+    attend_ms = _time_ms(attend, reps)
+    step_ms = _time_ms(lambda: (index(), attend()), reps)
+    key_bytes = batch * context * (INDEX_DIM + 4)
+    latent_bytes = batch * topk * _latent_row_bytes(latent_format)
+    floor_bytes = key_bytes + latent_bytes
+    floor_us = floor_bytes / copy_tbps / 1e6
+    index_flops = 2 * INDEX_HEADS * INDEX_DIM * context * batch
+    attend_flops = 2 * batch * HEADS * topk * (RANK + ROPE + RANK)
+    dense = _dense_decode_ms(batch, context, reps)
+    del cache
+    return {
+        "batch": batch, "context": context, "latent_format": latent_format,
+        "index_topk_us": index_ms * 1e3, "sparse_mla_us": attend_ms * 1e3, "step_us": step_ms * 1e3,
+        "floor_bytes": floor_bytes, "floor_us": floor_us, "step_over_floor": step_ms * 1e3 / floor_us,
+        "achieved_TBps": floor_bytes / step_ms / 1e9,
+        "index_TBps": key_bytes / index_ms / 1e9, "index_TFLOPs": index_flops / index_ms / 1e9,
+        "sparse_mla_TBps": (latent_bytes + batch * HEADS * (RANK + ROPE + RANK) * 2) / attend_ms / 1e9,
+        "sparse_mla_TFLOPs": attend_flops / attend_ms / 1e9,
+        "dense_sdpa_us": None if dense is None else dense * 1e3,
+        "dense_over_step": None if dense is None else dense / step_ms,
+    }
+
+
+def _dense_decode_ms(batch: int, context: int, reps: int) -> float | None:
+    """Dense MLA decode through SDPA: 128 heads as 128 query rows over one latent KV head."""
+    kv_bytes = batch * context * (RANK + ROPE) * 2
+    if kv_bytes > 40 * 2 ** 30:
+        return None
+    k = torch.randn(batch, 1, context, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, 1, HEADS, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
+    v = k[..., :RANK]
+    ms = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.1), reps)
+    del k, q, v
+    return ms
+
+
+def _prefill_case(length: int, topk: int, latent_format: str, reps: int, max_score_bytes: int,
+                  attend_rows: int) -> dict:
+    cache = _random_cache(length, latent_format)
+    layer = cache.layer(0)
+    block_table = torch.arange(-(-length // PAGE_SIZE), device="cuda", dtype=torch.int32)[None]
+    token_seq = torch.zeros(length, device="cuda", dtype=torch.int32)
+    limits = torch.arange(1, length + 1, device="cuda", dtype=torch.int32)
+    q8, weights, _, _ = _queries(length)
+    q_nope = torch.randn(attend_rows, HEADS, RANK, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(attend_rows, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)
+    holder = {}
+
+    def index():
+        holder["idx"], holder["stats"] = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale,
+                                                        block_table, token_seq, limits, topk,
+                                                        max_score_bytes=max_score_bytes)
+
+    def attend():
+        idx = holder["idx"]
+        for r0 in range(0, length, attend_rows):
+            r1 = min(length, r0 + attend_rows)
+            sparse_mla.sparse_mla(q_nope[: r1 - r0], q_rope[: r1 - r0], layer.latent_nope, layer.latent_scale,
+                                  layer.latent_rope, block_table, token_seq[r0:r1], idx[r0:r1], 0.1)
+
+    index_ms = _time_ms(index, reps)
+    scores_ms = _time_ms(lambda: dsa.index_scores(q8[-4096:], weights[-4096:], layer.index_k, layer.index_scale,
+                                                  block_table, token_seq[-4096:], limits[-4096:], length), reps)
+    attend_ms = _time_ms(attend, reps)
+    total_ms = index_ms + attend_ms
+    selected = sum(min(t + 1, topk) for t in range(length))
+    index_flops = 2 * INDEX_HEADS * INDEX_DIM * length * (length + 1) / 2
+    tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(length - 4095, length + 1))
+    attend_flops = 2 * HEADS * selected * (RANK + ROPE + RANK)
+    dense_ms, dense_note = _dense_prefill_ms(length, reps)
+    dense_flops = 2 * HEADS * (NOPE + ROPE + VDIM) * length * length / 2
+    result = {
+        "tokens": length, "latent_format": latent_format, "index_topk_ms": index_ms,
+        "index_chunks": holder["stats"].chunks, "peak_score_bytes": holder["stats"].peak_score_bytes,
+        "index_scores_last4096_ms": scores_ms, "index_scores_TFLOPs": tail_flops / scores_ms / 1e9,
+        "index_TFLOPs_with_topk": index_flops / index_ms / 1e9,
+        "sparse_mla_ms": attend_ms, "sparse_mla_TFLOPs": attend_flops / attend_ms / 1e9,
+        "total_ms": total_ms, "dense_sdpa_ms": dense_ms, "dense_sdpa_note": dense_note,
+        "dense_sdpa_TFLOPs": dense_flops / dense_ms / 1e9, "speedup_vs_dense": dense_ms / total_ms,
+        "sparse_mla_rows_per_launch": attend_rows,
+    }
+    del cache, holder
+    return result
+
+
+def _dense_prefill_ms(length: int, reps: int) -> tuple[float, str]:
+    """Causal SDPA, 128 heads, q/k 192 and v 128 (falls back to v padded to 192)."""
+    q = torch.randn(1, HEADS, length, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn_like(q)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        v = torch.randn(1, HEADS, length, VDIM, device="cuda", dtype=torch.bfloat16)
+        ms = _time_ms(lambda: sdpa(q, k, v, is_causal=True), reps)
+        note = "q,k 192 / v 128"
+    except RuntimeError:
+        v = torch.randn_like(q)
+        ms = _time_ms(lambda: sdpa(q, k, v, is_causal=True), reps)
+        note = "q,k,v 192 (v padded: no SDPA backend took v 128)"
+    del q, k, v
+    return ms, note
+
+
+def _prefill_forms(length: int, topk: int, rows: int, reps: int) -> dict:
+    """Per query row: absorbed latent kernel vs the per-head 192/128 form (torch gather + matmul)."""
+    cache = _random_cache(length, "bf16")
+    layer = cache.layer(0)
+    block_table = torch.arange(length // PAGE_SIZE, device="cuda", dtype=torch.int32)[None]
+    token_seq = torch.zeros(rows, device="cuda", dtype=torch.int32)
+    idx = torch.stack([torch.randperm(length, device="cuda")[:topk] for _ in range(rows)]).int()
+    q_nope = torch.randn(rows, HEADS, RANK, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(rows, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)
+    absorbed = _time_ms(lambda: sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, None, layer.latent_rope,
+                                                      block_table, token_seq, idx, 0.1), reps)
+    keys = torch.randn(length, HEADS, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn(length, HEADS, VDIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(rows, HEADS, 1, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
+
+    def per_head():
+        k_sel = keys[idx.long()].permute(0, 2, 1, 3)
+        v_sel = values[idx.long()].permute(0, 2, 1, 3)
+        return torch.softmax((q @ k_sel.transpose(-1, -2)).float() * 0.1, -1).to(torch.bfloat16) @ v_sel
+
+    per_head_ms = _time_ms(per_head, reps)
+    del cache, keys, values
+    return {"context": length, "rows": rows, "absorbed_triton_us_per_row": absorbed * 1e3 / rows,
+            "per_head_torch_us_per_row": per_head_ms * 1e3 / rows,
+            "absorbed_bytes_per_row": topk * (2 * RANK + 2 * ROPE),
+            "per_head_bytes_per_row": topk * HEADS * (NOPE + ROPE + VDIM) * 2}
+
+
+def _commit() -> str:
+    if os.environ.get("ADAPT_COMMIT"):
+        return os.environ["ADAPT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_dsa_bench(out_dir: Path, *, decode_batches: Sequence[int] = (1, 16, 64),
+                  contexts: Sequence[int] = (8192, 32768, 131072),
+                  prefill_lengths: Sequence[int] = (8192, 32768, 131072), topk: int = 2048,
+                  latent_format: str = "fp8", reps: int = 10, prefill_reps: int = 3,
+                  max_score_bytes: int = 2 << 30, attend_rows: int = 16384) -> dict:
+    """Run the DSA benchmark grid on the current CUDA device; write JSON + Markdown to ``out_dir``."""
+    if not torch.cuda.is_available():
+        raise InputError("the DSA benchmark needs a CUDA GPU and none is visible",
+                         hint="run it on the GPU machine, e.g. `adapt bench kernels --dsa` there")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    result = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(), "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": __import__("triton").__version__,
+        "shapes": {"heads": HEADS, "latent": RANK, "rope": ROPE, "index_heads": INDEX_HEADS,
+                   "index_dim": INDEX_DIM, "topk": topk, "latent_format": latent_format},
+        "ceilings": _ceilings(reps),
+    }
+    copy = result["ceilings"]["copy_TBps"]
+    result["decode"] = [_decode_case(b, s, topk, latent_format, copy, reps)
+                        for s in contexts for b in decode_batches]
+    result["prefill_forms"] = _prefill_forms(min(prefill_lengths), topk, 16, reps)
+    result["prefill"] = [_prefill_case(t, topk, latent_format, prefill_reps, max_score_bytes, attend_rows)
+                         for t in prefill_lengths]
+    (out_dir / "dsa_bench.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "dsa_bench.md").write_text(render_markdown(result))
+    return result
+
+
+def _fmt(value, digits=1):
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def render_markdown(result: dict) -> str:
+    """The benchmark as Markdown tables (what README.md in benchmarks/dsa quotes)."""
+    c = result["ceilings"]
+    lines = [
+        f"# DSA kernels, {result['gpu']}",
+        "",
+        f"Date {result['date']}, commit {result['commit']}, torch {result['torch']}, triton {result['triton']}. "
+        f"Shapes: {result['shapes']}. Medians of CUDA-event timings, per layer.",
+        "",
+        f"Ceilings (same run): copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s, "
+        f"fp8 _scaled_mm {c['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s.",
+        "",
+        "## Decode (one token per sequence)",
+        "",
+        "| batch | context | index+top-k us | sparse MLA us | step us | floor us | step/floor | TB/s "
+        "| index TB/s | MLA TFLOP/s | dense SDPA us | dense/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d in result["decode"]:
+        lines.append(
+            f"| {d['batch']} | {d['context']} | {_fmt(d['index_topk_us'])} | {_fmt(d['sparse_mla_us'])} "
+            f"| {_fmt(d['step_us'])} | {_fmt(d['floor_us'])} | {_fmt(d['step_over_floor'], 2)} "
+            f"| {_fmt(d['achieved_TBps'], 2)} | {_fmt(d['index_TBps'], 2)} | {_fmt(d['sparse_mla_TFLOPs'])} "
+            f"| {_fmt(d['dense_sdpa_us'])} | {_fmt(d['dense_over_step'], 2)} |")
+    lines += ["", "## Prefill (one sequence, causal)", "",
+              "| tokens | index+top-k ms | chunks | peak score MiB | scores TFLOP/s (last 4096 rows) "
+              "| sparse MLA ms | MLA TFLOP/s | total ms | dense SDPA ms | SDPA TFLOP/s | speedup |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in result["prefill"]:
+        lines.append(
+            f"| {p['tokens']} | {_fmt(p['index_topk_ms'])} | {p['index_chunks']} "
+            f"| {_fmt(p['peak_score_bytes'] / 2**20, 0)} | {_fmt(p['index_scores_TFLOPs'])} "
+            f"| {_fmt(p['sparse_mla_ms'])} | {_fmt(p['sparse_mla_TFLOPs'])} | {_fmt(p['total_ms'])} "
+            f"| {_fmt(p['dense_sdpa_ms'])} | {_fmt(p['dense_sdpa_TFLOPs'])} | {_fmt(p['speedup_vs_dense'], 2)} |")
+    f = result["prefill_forms"]
+    lines += ["", "## Prefill form (per query row, context "
+              f"{f['context']}, {f['rows']} rows)", "",
+              "| form | us per row | bytes gathered per row |", "|---|---|---|",
+              f"| absorbed latent 576/512 (Triton) | {_fmt(f['absorbed_triton_us_per_row'], 2)} "
+              f"| {f['absorbed_bytes_per_row']:,} |",
+              f"| per-head 192/128 (torch gather + matmul) | {_fmt(f['per_head_torch_us_per_row'], 2)} "
+              f"| {f['per_head_bytes_per_row']:,} |", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="DSA kernel benchmark (one CUDA GPU)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="small grid for a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        summary = run_dsa_bench(args.out, decode_batches=(1, 4), contexts=(8192,), prefill_lengths=(8192,), reps=3,
+                                prefill_reps=2)
+    else:
+        summary = run_dsa_bench(args.out)
+    print((args.out / "dsa_bench.md").read_text())

@@ -1,0 +1,313 @@
+"""MoE kernel benchmark (``adapt bench kernels --moe``): one MoE layer at real expert shapes on a GPU.
+
+``run_moe_bench(out_dir, tokens, shapes) -> dict`` times, as CUDA-graph replays (median of the
+replays), for each shape and token count T with uniform random routing:
+
+- ``bf16``:        fused MXFP4 -> bf16 decode, bf16 MMA (GEMM1 + SwiGLU + GEMM2)
+- ``fp8``:         fused MXFP4 -> e4m3 fold per row, fp8 MMA, activations per token
+- ``fp8_offline``: the same fp8 GEMMs on weights converted to e4m3 ahead of time
+- ``fp8_ws``:      online conversion of the active experts into the shared workspace + fp8 GEMMs
+- ``torch_grouped_bf16``: torch ``_grouped_mm`` over dequantized bf16 weights (the baseline)
+- ``layer_*``:     the whole ``moe_forward`` (gating, routing, permutation, shared expert, combine)
+
+and in the same run the ceilings: device-to-device copy bandwidth (bytes read + written), torch
+bf16 matmul and fp8 ``_scaled_mm`` at 8192^3. Rates: TB/s on the MXFP4 bytes of the active experts
+(3*H*I*17/32 each), TFLOP/s on 6*T*k*H*I. Writes ``moe_bench.json`` and ``moe_bench.md`` to out_dir.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import statistics
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from adapt.errors import InputError
+
+SHAPES = {
+    # DeepSeek-V3 config.json: n_routed_experts 256, num_experts_per_tok 8, hidden_size 7168,
+    # moe_intermediate_size 2048, n_group 8, topk_group 4, routed_scaling_factor 2.5,
+    # n_shared_experts 1, 58 MoE layers (61 layers, first_k_dense_replace 3)
+    "deepseek-v3": dict(experts=256, top_k=8, hidden=7168, intermediate=2048, scoring="sigmoid", n_group=8,
+                        topk_group=4, routed_scaling=2.5, shared=1, activation="swiglu", interleaved=False,
+                        bias=False, moe_layers=58),
+    # gpt-oss-120b config.json: num_local_experts 128, experts_per_token 4, hidden_size 2880,
+    # intermediate_size 2880, swiglu_limit 7.0, 36 layers (all MoE), expert biases, interleaved gate/up
+    "gpt-oss-120b": dict(experts=128, top_k=4, hidden=2880, intermediate=2880, scoring="softmax", n_group=1,
+                         topk_group=1, routed_scaling=1.0, shared=0, activation="swiglu_clamped",
+                         interleaved=True, bias=True, moe_layers=36),
+}
+DEFAULT_TOKENS = [1, 16, 64, 256, 1024, 4096, 16384]
+WORKSPACE_CHUNK = 32
+"""Experts per workspace chunk (the workspace holds two chunks)."""
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "adapt/kernels"], capture_output=True, text=True,
+                               timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "uncommitted"
+    if out.returncode != 0:
+        return "uncommitted"
+    return out.stdout.strip() + (" (kernels modified)" if dirty.stdout.strip() else "")
+
+
+def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median time of ``fn`` in us, as replays of a CUDA graph captured after two warm-up calls."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del g
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (TB/s, read + write), bf16 and fp8 matmul (TFLOP/s) at 8192^3, random data."""
+    n = 1 << 30
+    a = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t_copy = graph_time_us(lambda: b.copy_(a))
+    m = 8192
+    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    t_bf16 = graph_time_us(lambda: x @ y, reps=10)
+    xf, yf = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    t_fp8 = graph_time_us(lambda: torch._scaled_mm(xf, yf.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                          reps=10)
+    flops = 2 * m ** 3
+    return {"copy_tbps": 2 * n / t_copy / 1e6, "bf16_matmul_tflops": flops / t_bf16 / 1e6,
+            "fp8_matmul_tflops": flops / t_fp8 / 1e6}
+
+
+def _random_layer(shape: dict, device: str):
+    """Random MXFP4 experts (random codes, block exponents 2**-9..2**-5) in the gpt-oss layout."""
+    from adapt.kernels.moe_gemm import MoEWeights
+
+    def mx(e, n, k):
+        blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, device=device)
+        scales = torch.randint(118, 123, (e, n, k // 32), dtype=torch.uint8, device=device)
+        return blocks, scales
+
+    e, h, i = shape["experts"], shape["hidden"], shape["intermediate"]
+    b1, s1 = mx(e, 2 * i, h)
+    b2, s2 = mx(e, h, i)
+    bias1 = torch.randn(e, 2 * i, device=device) * 0.1 if shape["bias"] else None
+    bias2 = torch.randn(e, h, device=device) * 0.1 if shape["bias"] else None
+    routed = MoEWeights(b1, s1, b2, s2, bias1, bias2, shape["interleaved"])
+    shared = None
+    if shape["shared"]:
+        c1, d1 = mx(shape["shared"], 2 * i, h)
+        c2, d2 = mx(shape["shared"], h, i)
+        shared = MoEWeights(c1, d1, c2, d2, None, None, shape["interleaved"])
+    return routed, shared
+
+
+def _uniform_routing(t: int, e: int, k: int, device: str):
+    ids = torch.rand(t, e, device=device).topk(k, dim=-1).indices.int()
+    w = torch.rand(t, k, device=device)
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1.702, limit=7.0):
+    """Baseline: torch._grouped_mm over dequantized bf16 weights (w*t: [E, K, N] views)."""
+    from adapt.kernels.moe_gemm import swiglu_torch
+
+    def run():
+        xs = x_sorted_fn()
+        h1 = torch._grouped_mm(xs, w1t, offs=offs)
+        i = h1.shape[1] // 2
+        g, u = (h1[:, 0::2], h1[:, 1::2]) if interleaved else (h1[:, :i], h1[:, i:])
+        h = swiglu_torch(g.float(), u.float(), activation, alpha, limit).to(torch.bfloat16)
+        return torch._grouped_mm(h, w2t, offs=offs)
+    return run
+
+
+def _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape) -> dict:
+    """The timed callables of one (shape, T) point."""
+    from adapt.kernels.moe_gemm import expert_mlp, moe_forward
+
+    k, act = shape["top_k"], shape["activation"]
+    kw = dict(top_k=k, activation=act)
+    lw = dict(correction_bias=bias, shared=shared, activation=act)
+    return {
+        "bf16": lambda: expert_mlp(x, perm, routed, compute="bf16", **kw),
+        "fp8": lambda: expert_mlp(x, perm, routed, compute="fp8", **kw),
+        "fp8_offline": lambda: expert_mlp(x, perm, routed, fp8_weights=offline, **kw),
+        "fp8_ws": lambda: expert_mlp(x, perm, routed, workspace=ws, **kw),
+        "torch_grouped_bf16": _torch_grouped(lambda: x[perm.sorted_slot.long() // k], w1t, w2t,
+                                             perm.expert_offsets[1:], act, shape["interleaved"]),
+        "layer_bf16": lambda: moe_forward(x, gate, routed, router, compute="bf16", **lw),
+        "layer_fp8": lambda: moe_forward(x, gate, routed, router, compute="fp8", **lw),
+    }
+
+
+def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[dict]:
+    from adapt.kernels.moe_gemm import FP8Weights, expert_mlp, mxfp4_expert_bytes
+    from adapt.kernels.mxfp4 import dequantize_mxfp4
+    from adapt.kernels.routing import RouterConfig, permute_by_expert
+    from adapt.kernels.workspace import FP8Workspace
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    routed, shared = _random_layer(shape, dev)
+    e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
+    act = shape["activation"]
+    offline = FP8Weights.from_mxfp4(routed, validate=False)
+    ws = FP8Workspace(WORKSPACE_CHUNK, h, inter, dev)
+    w1t = dequantize_mxfp4(routed.w1_packed, routed.w1_scales, torch.bfloat16, validate=False).transpose(1, 2)
+    w2t = dequantize_mxfp4(routed.w2_packed, routed.w2_scales, torch.bfloat16, validate=False).transpose(1, 2)
+    gate = torch.randn(e, h, device=dev) * 0.02
+    bias = torch.randn(e, device=dev) * 0.01 if shape["scoring"] == "sigmoid" else None
+    router = RouterConfig(top_k=k, scoring=shape["scoring"], n_group=shape["n_group"],
+                          topk_group=shape["topk_group"], routed_scaling=shape["routed_scaling"])
+    expert_bytes = mxfp4_expert_bytes(h, inter)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        _, ids = _uniform_routing(t, e, k, dev)
+        perm = permute_by_expert(ids, e)
+        active = int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item())
+        flops = 6 * t * k * h * inter
+        wbytes = active * expert_bytes
+        floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
+        variants = _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape)
+        ref = variants["bf16"]().float()
+        for vname, fn in variants.items():
+            try:
+                err = None
+                if not vname.startswith("layer"):
+                    out = fn().float()
+                    err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+                us = graph_time_us(fn, reps=10 if t >= 4096 else 20)
+            except (RuntimeError, ValueError) as exc:
+                rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
+                print(f"{name} T={t} {vname}: FAILED {str(exc)[:200]}", flush=True)
+                continue
+            row = {"shape": name, "tokens": t, "variant": vname, "time_us": us, "active_experts": active,
+                   "weight_tbps": wbytes / us / 1e6, "tflops": flops / us / 1e6, "byte_floor_us": floor_us,
+                   "x_floor": us / floor_us, "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
+                   "rel_diff_vs_bf16": err}
+            rows.append(row)
+            print(f"{name:13s} T={t:6d} {vname:19s} {us:10.1f} us  {row['weight_tbps']:5.2f} TB/s "
+                  f"({row['copy_fraction']:.2f} of copy)  {row['tflops']:7.1f} TFLOP/s  x{row['x_floor']:.2f} floor"
+                  + (f"  diff {err:.2e}" if err is not None else ""), flush=True)
+    torch.cuda.synchronize()
+    mem = {
+        "shape": name, "mxfp4_expert_bytes": routed.nbytes(), "fp8_offline_bytes": offline.nbytes(),
+        "workspace_bytes": ws.nbytes, "workspace_chunk_experts": WORKSPACE_CHUNK,
+        "fold_lost_elements_offline": int(offline.lost.item()), "fold_lost_elements_ws": int(ws.lost.item()),
+        "moe_layers": shape["moe_layers"],
+    }
+    mem["layer_ratio_online_vs_offline"] = (mem["mxfp4_expert_bytes"] + mem["workspace_bytes"]) / mem["fp8_offline_bytes"]
+    n_l = shape["moe_layers"]
+    mem["model_ratio_online_vs_offline"] = ((n_l * mem["mxfp4_expert_bytes"] + mem["workspace_bytes"])
+                                            / (n_l * mem["fp8_offline_bytes"]))
+    # peak device memory of one layer's online and offline fp8 path at the largest T, beyond the weights
+    t = max(tokens)
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    _, ids = _uniform_routing(t, e, k, dev)
+    perm = permute_by_expert(ids, e)
+    for label, kwargs in (("online_ws", {"workspace": ws}), ("offline", {"fp8_weights": offline}),
+                          ("online_fused", {"compute": "fp8"})):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        expert_mlp(x, perm, routed, top_k=k, activation=act, **kwargs)
+        torch.cuda.synchronize()
+        mem[f"peak_activation_bytes_{label}"] = torch.cuda.max_memory_allocated() - base
+    print(json.dumps(mem), flush=True)
+    return rows, mem
+
+
+def _markdown(result: dict) -> str:
+    c = result["ceilings"]
+    lines = ["# MoE kernel benchmark\n", f"- date: {result['date']}", f"- commit: {result['commit']}",
+             f"- GPU: {result['gpu']}, torch {result['torch']}, triton {result['triton']}",
+             f"- ceilings (same run): copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} "
+             f"TFLOP/s, fp8 _scaled_mm {c['fp8_matmul_tflops']:.0f} TFLOP/s (8192^3)", "",
+             "Times are medians of CUDA-graph replays (us). TB/s on MXFP4 bytes of the active experts; "
+             "TFLOP/s on 6*T*k*H*I; x floor = time / (MXFP4 bytes / copy bandwidth).", "",
+             "| shape | T | variant | time us | TB/s | of copy | TFLOP/s | x floor | vs torch grouped |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["shape"], r["tokens"]): r["time_us"] for r in result["rows"]
+            if r.get("variant") == "torch_grouped_bf16" and "time_us" in r}
+    for r in result["rows"]:
+        if "time_us" not in r:
+            lines.append(f"| {r['shape']} | {r['tokens']} | {r['variant']} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        b = base.get((r["shape"], r["tokens"]))
+        speed = f"{b / r['time_us']:.2f}x" if b else ""
+        lines.append(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['time_us']:.1f} | {r['weight_tbps']:.2f} | "
+                     f"{r['copy_fraction']:.2f} | {r['tflops']:.1f} | {r['x_floor']:.2f} | {speed} |")
+    lines += ["", "## Expert memory", "", "| shape | MXFP4 GB | FP8 offline GB | workspace GB | layer ratio | "
+              "model ratio (all MoE layers, one workspace) | lost elements (fold) |", "|---|---|---|---|---|---|---|"]
+    for m in result["memory"]:
+        lines.append(f"| {m['shape']} | {m['mxfp4_expert_bytes'] / 1e9:.2f} | {m['fp8_offline_bytes'] / 1e9:.2f} | "
+                     f"{m['workspace_bytes'] / 1e9:.2f} | {m['layer_ratio_online_vs_offline']:.3f} | "
+                     f"{m['model_ratio_online_vs_offline']:.3f} ({m['moe_layers']} layers) | "
+                     f"{m['fold_lost_elements_offline']} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_moe_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[str] | None = None) -> dict:
+    """Run the MoE benchmark on the current CUDA device; write moe_bench.json / .md to out_dir."""
+    import triton
+
+    if not torch.cuda.is_available():
+        raise InputError("the MoE benchmark needs a CUDA GPU", hint="run it on the target machine")
+    tokens = tokens or DEFAULT_TOKENS
+    shapes = shapes or list(SHAPES)
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise InputError(f"unknown MoE shape(s) {unknown}", field="shapes", hint=f"choose from {sorted(SHAPES)}")
+    ceil = measure_ceilings()
+    print(json.dumps(ceil), flush=True)
+    rows, mems = [], []
+    for s in shapes:
+        r, m = _bench_shape(s, SHAPES[s], tokens, ceil)
+        rows += r
+        mems.append(m)
+    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": _git_commit(),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "ceilings": ceil, "rows": rows, "memory": mems}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "moe_bench.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "moe_bench.md").write_text(_markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="MoE kernel benchmark")
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--tokens", type=int, nargs="*", default=None)
+    ap.add_argument("--shapes", nargs="*", default=None)
+    args = ap.parse_args()
+    run_moe_bench(args.out_dir, args.tokens, args.shapes)

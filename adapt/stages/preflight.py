@@ -1,0 +1,366 @@
+"""Stage 0: the pre-adaptation checklist.
+
+Each item is checked where this machine can check it and listed where it cannot; an item that
+cannot be checked here never fails the gate, it says what to run where.
+
+Items:
+- driver and CUDA: ``nvidia-smi`` (driver version, GPUs, their compute capability and memory)
+  and torch's CUDA build;
+- software: torch, triton and vLLM versions; whether the installed triton is the one torch
+  was built against; whether the vLLM version has the model's features (DSA: >= 0.11.0,
+  gpt-oss MXFP4: >= 0.10.1);
+- formats: the target's compute capability and native dtypes against the formats the model
+  needs (fp8 compute: sm89+, DeepSeek sparse attention: sm90+, native MXFP4 MMA: sm100+; on
+  sm90 MXFP4 experts are decoded in-kernel or converted to FP8), and a local GPU against the
+  target profile;
+- memory: the stage-2 report of the run directory (``memory.json``): its verdict, and free
+  device memory after every planned term, which must be at least ``gates.memory.headroom_fraction``;
+- evaluation data for stage 5 (``eval_data``): present and non-empty.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapt.errors import InputError
+from adapt.report import StageReport, fingerprint, load_gates, now_iso
+from adapt.targets.target import Target, load_target
+
+OK, FAIL, WARN, ELSEWHERE, NOT_RUN = "ok", "fail", "warn", "cannot check here", "not run"
+# vLLM releases that added the model features adapt hands over (vLLM blogs: gpt-oss 2025-08-05
+# with 0.10.1; DeepSeek-V3.2-Exp day-0 support 2025-09-29 with 0.11.0).
+VLLM_MIN_FOR = {"mla+dsa": (0, 11, 0), "mxfp4": (0, 10, 1)}
+# Compute capability each format needs on NVIDIA: fp8 tensor cores (Ada/Hopper+, vLLM FP8 docs),
+# FlashMLA sparse kernels (Hopper/Blackwell, vllm#31480), fp4 tensor cores (Blackwell).
+MIN_CC = {"fp8": 8.9, "mla+dsa": 9.0, "mxfp4_mma": 10.0}
+
+
+@dataclass
+class Check:
+    """One checklist item: status ok | fail | warn | cannot check here | not run."""
+
+    item: str
+    status: str
+    detail: str
+
+    def row(self) -> dict[str, str]:
+        return {"check": self.item, "status": self.status, "detail": self.detail}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """Leading numeric release of a version string ("0.11.2.dev3+g12" -> (0, 11, 2))."""
+    parts = []
+    for piece in re.split(r"[.+-]", version):
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts)
+
+
+def nvidia_smi() -> list[dict[str, str]] | None:
+    """GPUs as nvidia-smi reports them (name, driver_version, memory.total, compute_cap), or None
+    when nvidia-smi is absent or fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    fields = ("name", "driver_version", "memory.total", "compute_cap")
+    try:
+        out = subprocess.run(
+            [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [
+        dict(zip(fields, (v.strip() for v in line.split(",")), strict=False))
+        for line in out.strip().splitlines()
+        if line.strip()
+    ]
+
+
+def _driver_checks(gpus: list[dict[str, str]] | None) -> list[Check]:
+    import torch
+
+    checks = []
+    if gpus is None:
+        checks.append(
+            Check(
+                "driver",
+                ELSEWHERE,
+                "nvidia-smi not found: no NVIDIA driver on this machine; "
+                "run `adapt preflight` on the target node",
+            )
+        )
+    else:
+        names = sorted({g.get("name", "?") for g in gpus})
+        checks.append(
+            Check(
+                "driver",
+                OK,
+                f"driver {gpus[0].get('driver_version', '?')}, {len(gpus)} GPU(s): {', '.join(names)}",
+            )
+        )
+    cuda = torch.version.cuda
+    if cuda is None:
+        checks.append(Check("cuda", ELSEWHERE, f"torch {torch.__version__} is a CPU build (no CUDA runtime)"))
+    elif not torch.cuda.is_available():
+        checks.append(Check("cuda", FAIL, f"torch built for CUDA {cuda} but no CUDA device is usable"))
+    else:
+        checks.append(Check("cuda", OK, f"torch CUDA {cuda}, {torch.cuda.device_count()} device(s) visible"))
+    return checks
+
+
+def _software_checks(needs: set[str]) -> list[Check]:
+    import torch
+
+    checks = [Check("python", OK, platform.python_version())]
+    triton = _version("triton")
+    checks.append(Check("torch", OK, torch.__version__))
+    pinned = [r for r in (importlib.metadata.requires("torch") or []) if r.startswith("triton")]
+    if triton is None:
+        checks.append(Check("triton", FAIL, "triton is not installed; adapt's kernels need it"))
+    elif not pinned:
+        checks.append(Check("triton", OK, f"{triton} (this torch build pins no triton version)"))
+    else:
+        wanted = re.search(r"==\s*([\w.]+)", pinned[0])
+        good = wanted is None or _release(wanted.group(1)) == _release(triton)
+        checks.append(
+            Check("triton", OK if good else FAIL, f"{triton}; torch requires {pinned[0].split(';')[0]}")
+        )
+    vllm = _version("vllm")
+    if vllm is None:
+        checks.append(
+            Check(
+                "vllm",
+                ELSEWHERE,
+                "vLLM is not installed in this environment (the serve extra); check on the serving node",
+            )
+        )
+        return checks
+    problems = [
+        f"{feature} needs vLLM >= {'.'.join(map(str, least))}"
+        for feature, least in VLLM_MIN_FOR.items()
+        if feature in needs and _release(vllm) < least
+    ]
+    checks.append(
+        Check("vllm", FAIL if problems else OK, vllm + (": " + "; ".join(problems) if problems else ""))
+    )
+    return checks
+
+
+def model_needs(model: str | None) -> tuple[set[str], str]:
+    """Formats and features the model needs ({"fp8", "mxfp4", "mla+dsa", ...}) and its model_type."""
+    if model is None:
+        return set(), ""
+    from adapt.model.spec import COMPONENTS, load_spec
+
+    spec = load_spec(model)
+    needs = {spec.quant.format_of(c).method for c in COMPONENTS} - {"bf16", "fp16", "fp32"}
+    needs = {"fp8" if n == "fp8_block" else n for n in needs}
+    needs |= {layer.attention.kind for layer in spec.layers if layer.attention.kind == "mla+dsa"}
+    return needs, spec.model_type
+
+
+def _capability(cc: str) -> float | None:
+    try:
+        return float(cc)
+    except ValueError:
+        return None
+
+
+def _format_checks(target: Target, needs: set[str], gpus: list[dict[str, str]] | None) -> list[Check]:
+    checks = []
+    cc = _capability(target.compute_capability)
+    if "fp8" in needs:
+        if "fp8" not in target.native_dtypes:
+            checks.append(
+                Check(
+                    "fp8 weights",
+                    FAIL,
+                    f"{target.name} has no native fp8; dequantize to bf16 (weights x2, re-plan stage 2)",
+                )
+            )
+        elif cc is not None and cc < MIN_CC["fp8"]:
+            checks.append(
+                Check("fp8 weights", FAIL, f"fp8 compute needs sm{MIN_CC['fp8']:g}+, {target.name} is {cc:g}")
+            )
+        else:
+            checks.append(
+                Check("fp8 weights", OK, f"{target.name} ({target.compute_capability}) computes fp8")
+            )
+    if "mla+dsa" in needs:
+        if cc is None:
+            checks.append(
+                Check(
+                    "sparse attention (DSA)",
+                    WARN,
+                    f"{target.name} is not NVIDIA ({target.compute_capability}): vLLM's FlashMLA "
+                    "sparse path does not apply; see the stage-1 inventory for its stack",
+                )
+            )
+        elif cc < MIN_CC["mla+dsa"]:
+            checks.append(
+                Check(
+                    "sparse attention (DSA)",
+                    FAIL,
+                    f"FlashMLA sparse needs sm90+, {target.name} is {cc:g}; adapt's Triton DSA kernels "
+                    "are the path (stage 3)",
+                )
+            )
+        else:
+            checks.append(
+                Check("sparse attention (DSA)", OK, f"sm{cc * 10:g} runs FlashMLA sparse + DeepGEMM indexer")
+            )
+    if "mxfp4" in needs:
+        native = "mxfp4" in target.native_dtypes and (cc is None or cc >= MIN_CC["mxfp4_mma"])
+        detail = (
+            f"{target.name} has native MXFP4 MMA"
+            if native
+            else f"{target.name} ({target.compute_capability}) has no native MXFP4 MMA (needs sm100): "
+            "experts "
+            "are decoded in-kernel to bf16, or converted online MXFP4 -> FP8 "
+            "(adapt.kernels.mxfp4.mxfp4_to_fp8)"
+        )
+        checks.append(Check("mxfp4 experts", OK, detail))
+    if gpus:
+        local = {g.get("compute_cap", "") for g in gpus}
+        matches = target.compute_capability in local
+        checks.append(
+            Check(
+                "local GPU vs target",
+                OK if matches else WARN,
+                f"local compute capability {', '.join(sorted(local))}, target {target.name} is "
+                f"{target.compute_capability}",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                "local GPU vs target",
+                ELSEWHERE,
+                f"no GPU here; {target.name} profile says compute capability {target.compute_capability}",
+            )
+        )
+    return checks
+
+
+def _memory_check(run_dir: Path | None, headroom: float) -> Check:
+    """Free device memory after every term of the run's stage-2 plan, as a fraction of the device."""
+    path = run_dir / "memory.json" if run_dir is not None else None
+    if path is None or not path.is_file():
+        return Check(
+            "memory headroom",
+            NOT_RUN,
+            "no stage-2 report in the run directory; run `adapt plan-memory ... --run <id>` first",
+        )
+    try:
+        data = json.loads(path.read_text())
+        metrics = data["metrics"]
+        device = int(metrics["device_memory_bytes"])
+        used = sum(int(v) for k, v in metrics["terms"].items() if k != "headroom")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise InputError(
+            "stage-2 report lacks metrics.device_memory_bytes / metrics.terms", file=path
+        ) from None
+    free = 1 - used / device
+    verdict = data.get("verdict", "?")
+    status = OK if free >= headroom and verdict != "fail" else FAIL
+    return Check(
+        "memory headroom",
+        status,
+        f"stage 2 verdict {verdict}; {free:.1%} of {device / 2**30:.1f} GiB free after the plan's terms "
+        f"(gate: >= {headroom:.0%})",
+    )
+
+
+def _eval_check(eval_data: Path | None) -> Check:
+    if eval_data is None:
+        return Check(
+            "evaluation data (stage 5)", WARN, "not given; pass --eval-data with the prompts stage 5 scores"
+        )
+    if not eval_data.exists():
+        return Check("evaluation data (stage 5)", FAIL, f"{eval_data} does not exist")
+    size = (
+        sum(p.stat().st_size for p in eval_data.rglob("*") if p.is_file())
+        if eval_data.is_dir()
+        else eval_data.stat().st_size
+    )
+    if size == 0:
+        return Check("evaluation data (stage 5)", FAIL, f"{eval_data} is empty")
+    return Check("evaluation data (stage 5)", OK, f"{eval_data} ({size:,} bytes)")
+
+
+def run_preflight(
+    target: str,
+    model: str | None,
+    run_dir: Path | None,
+    *,
+    eval_data: Path | None = None,
+    gates: dict | None = None,
+    gpus: list[dict[str, str]] | None | str = "detect",
+) -> StageReport:
+    """Stage 0 as a gated report (stage "preflight", number 0).
+
+    target: name or YAML; model: preset, config.json or directory (None: no format checks);
+    run_dir: the run directory holding a stage-2 report (None: not checked); eval_data: file or
+    directory for stage 5; gates: full gates dict (memory.headroom_fraction is the headroom bar);
+    gpus: nvidia-smi rows to use instead of detecting them ("detect"), None for no GPU.
+    """
+    started = now_iso()
+    gates = gates if gates is not None else load_gates()
+    headroom = float(gates.get("memory", {}).get("headroom_fraction", 0.2))
+    tgt = load_target(target)
+    needs, model_type = model_needs(model)
+    found = nvidia_smi() if gpus == "detect" else gpus
+    checks = (
+        _driver_checks(found)
+        + _software_checks(needs)
+        + _format_checks(tgt, needs, found)
+        + [_memory_check(run_dir, headroom), _eval_check(eval_data)]
+    )
+    report = StageReport(stage="preflight", number=0, title="Preflight checklist", started=started)
+    for check in checks:
+        if check.status == FAIL:
+            report.add("error", f"preflight.{_code(check.item)}", check.detail)
+        elif check.status == WARN:
+            report.add("warn", f"preflight.{_code(check.item)}", check.detail)
+        elif check.status in (ELSEWHERE, NOT_RUN):
+            report.add("info", f"preflight.{_code(check.item)}", f"{check.status}: {check.detail}")
+    counts = {s: sum(1 for c in checks if c.status == s) for s in (OK, FAIL, WARN, ELSEWHERE, NOT_RUN)}
+    report.tables["checklist"] = [c.row() for c in checks]
+    report.metrics = {
+        "checks": counts,
+        "needs": sorted(needs),
+        "target": tgt.name,
+        "compute_capability": tgt.compute_capability,
+    }
+    report.summary = f"{len(checks)} checks for {model_type or 'no model'} on {tgt.name}: " + ", ".join(
+        f"{v} {k}" for k, v in counts.items() if v
+    )
+    report.fingerprint = fingerprint(
+        target=tgt.name, model=model, eval_data=str(eval_data) if eval_data else None, headroom=headroom
+    )
+    report.finished = now_iso()
+    report.decide()
+    return report
+
+
+def _code(item: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", item.lower()).strip("_")

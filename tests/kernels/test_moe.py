@@ -1,0 +1,309 @@
+"""MoE path: routing, permutation, grouped MXFP4 GEMMs (bf16 and fp8), workspace, the whole layer.
+
+Kernels against their torch twins and a float64 reference; tiny shapes under the interpreter.
+"""
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from adapt.errors import InputError
+from adapt.kernels import moe_gemm as mg
+from adapt.kernels import mxfp4 as mx
+from adapt.kernels import routing as rt
+from adapt.kernels.workspace import FP8Workspace, workspace_bytes
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def make_layer(e, h, i, *, bias=False, interleaved=False, seed=0):
+    g = _gen(seed)
+    w1 = torch.randn(e, 2 * i, h, generator=g, device=DEV) * 0.1
+    w2 = torch.randn(e, h, i, generator=g, device=DEV) * 0.1
+    p1, s1 = mx.quantize_mxfp4(w1)
+    p2, s2 = mx.quantize_mxfp4(w2)
+    b1 = torch.randn(e, 2 * i, generator=g, device=DEV) * 0.1 if bias else None
+    b2 = torch.randn(e, h, generator=g, device=DEV) * 0.1 if bias else None
+    return mg.MoEWeights(mx.to_gpt_oss_blocks(p1), s1, mx.to_gpt_oss_blocks(p2), s2, b1, b2, interleaved)
+
+
+def ref_expert_mlp_f64(x, ids, weights, activation="swiglu", alpha=1.702, limit=7.0):
+    """float64 reference in token-slot order: [T, k, H], exact dequantized weights, no rounding."""
+    w1 = mx.dequantize_mxfp4_torch(weights.w1_packed, weights.w1_scales).double()
+    w2 = mx.dequantize_mxfp4_torch(weights.w2_packed, weights.w2_scales).double()
+    wg, wu = mg._split_gate_up(w1, weights.gate_up_interleaved)
+    t, k = ids.shape
+    out = torch.zeros(t, k, weights.hidden, dtype=torch.float64, device=x.device)
+    for tt in range(t):
+        for j in range(k):
+            e = int(ids[tt, j])
+            xv = x[tt].double()
+            gate, up = wg[e] @ xv, wu[e] @ xv
+            if weights.w1_bias is not None:
+                bg, bu = mg._split_gate_up(weights.w1_bias.double().unsqueeze(-1), weights.gate_up_interleaved)
+                gate, up = gate + bg[e, :, 0], up + bu[e, :, 0]
+            hv = mg.swiglu_torch(gate, up, activation, alpha, limit)
+            o = w2[e] @ hv
+            if weights.w2_bias is not None:
+                o = o + weights.w2_bias[e].double()
+            out[tt, j] = o
+    return out
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return float((a - b).norm() / b.norm())
+
+
+# ----------------------------------------------------------------------------------------------
+# routing
+# ----------------------------------------------------------------------------------------------
+
+ROUTERS = [
+    (rt.RouterConfig(top_k=8, scoring="sigmoid", n_group=4, topk_group=2, routed_scaling=2.5), 32, True),
+    (rt.RouterConfig(top_k=4), 8, False),
+    (rt.RouterConfig(top_k=1, renormalize=False), 8, False),
+    (rt.RouterConfig(top_k=3, scoring="sigmoid"), 6, True),
+    (rt.RouterConfig(top_k=8), 8, False),
+]
+
+
+@pytest.mark.parametrize("cfg,e,with_bias", ROUTERS)
+def test_route_matches_twin(cfg, e, with_bias):
+    g = _gen(1)
+    logits = torch.randn(37, e, generator=g, device=DEV)
+    bias = torch.randn(e, generator=g, device=DEV) * 0.1 if with_bias else None
+    w, ids = rt.route(logits, cfg, bias)
+    w_t, ids_t = rt.route_torch(logits, cfg, bias)
+    assert torch.equal(ids, ids_t)
+    assert torch.allclose(w, w_t, rtol=1e-5, atol=1e-6)
+    if cfg.renormalize:
+        assert torch.allclose(w.sum(-1), torch.full_like(w[:, 0], cfg.routed_scaling), rtol=1e-5)
+
+
+def test_group_limited_routing_keeps_groups():
+    cfg = rt.RouterConfig(top_k=4, scoring="sigmoid", n_group=4, topk_group=1)
+    logits = torch.full((1, 16), -5.0, device=DEV)
+    logits[0, 4:8] = torch.tensor([1.0, 2.0, 3.0, 4.0], device=DEV)   # group 1 holds the best pair
+    logits[0, 0] = 10.0                                                # group 0: one great, one bad
+    _, ids = rt.route(logits, cfg)
+    assert sorted(ids[0].tolist()) == [4, 5, 6, 7]
+
+
+def test_router_config_rejected():
+    with pytest.raises(InputError):
+        rt.route(torch.zeros(2, 8, device=DEV), rt.RouterConfig(top_k=9))
+    with pytest.raises(InputError):
+        rt.route(torch.zeros(2, 8, device=DEV), rt.RouterConfig(top_k=2, n_group=3))
+
+
+@pytest.mark.parametrize("t,k,e,skew", [(37, 2, 8, False), (300, 1, 5, True), (3, 8, 8, False)])
+def test_permutation_matches_twin(t, k, e, skew):
+    g = _gen(2)
+    ids = torch.stack([torch.randperm(e, generator=g, device=DEV)[:k] for _ in range(t)]).int()
+    if skew:
+        ids[:] = 3                                                 # all tokens on one expert, others empty
+    p, pt = rt.permute_by_expert(ids, e), rt.permute_by_expert_torch(ids, e)
+    assert torch.equal(p.sorted_slot, pt.sorted_slot)
+    assert torch.equal(p.slot_pos, pt.slot_pos)
+    assert torch.equal(p.expert_offsets, pt.expert_offsets)
+    flat = ids.reshape(-1).long()
+    assert torch.equal(flat[p.sorted_slot.long()], flat.sort(stable=True).values)
+
+
+def test_combine_matches_twin():
+    g = _gen(3)
+    t, k, h = 11, 3, 40
+    ids = torch.randint(0, 4, (t, k), generator=g, device=DEV).int()
+    p = rt.permute_by_expert(ids, 4)
+    y = torch.randn(t * k, h, generator=g, device=DEV).bfloat16()
+    w = torch.rand(t, k, generator=g, device=DEV)
+    sh = torch.randn(t, h, generator=g, device=DEV).bfloat16()
+    got, want = rt.combine(y, w, p.slot_pos, sh), rt.combine_torch(y, w, p.slot_pos, sh)
+    assert rel(got, want) < 4e-3
+
+
+def test_tile_map_matches_twin():
+    offsets = torch.tensor([0, 0, 5, 40, 40, 41], dtype=torch.int32, device=DEV)
+    mt = mg.max_m_tiles(41, 5, 16)
+    a, b = mg.tile_map(offsets, 16, mt), mg.tile_map_torch(offsets, 16, mt)
+    n = int(b.tile_start[-1])
+    assert torch.equal(a.tile_start, b.tile_start)
+    assert torch.equal(a.tile_expert[:n], b.tile_expert[:n]) and torch.equal(a.tile_row[:n], b.tile_row[:n])
+
+
+# ----------------------------------------------------------------------------------------------
+# expert GEMMs
+# ----------------------------------------------------------------------------------------------
+
+TOL = {"bf16": 2e-2, "fp8": 6e-2}
+
+
+def _check_mlp(x, ids, weights, *, activation="swiglu", compute="bf16", **kw):
+    k = ids.shape[1]
+    perm = rt.permute_by_expert(ids, weights.n_experts)
+    y = mg.expert_mlp(x, perm, weights, top_k=k, activation=activation, compute=compute, **kw)
+    y_t = mg.expert_mlp_torch(x, perm, weights, top_k=k, activation=activation, compute=compute, **kw)
+    ref = ref_expert_mlp_f64(x, ids, weights, activation)
+    order = perm.slot_pos.long()
+    got = y.double()[order].reshape_as(ref)
+    twin = y_t.double()[order].reshape_as(ref)
+    tol = TOL["bf16" if compute == "bf16" and not kw else "fp8"]
+    e_kernel, e_twin = rel(got, ref), rel(twin, ref)
+    assert rel(got, twin) < tol
+    assert e_kernel < max(1.5 * e_twin, 5e-3)
+    return y
+
+
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_expert_mlp_odd_sizes_and_empty_experts(compute):
+    g = _gen(4)
+    w = make_layer(6, 96, 32, seed=4)                               # H = 96, I = 32: odd tiles
+    x = torch.randn(7, 96, generator=g, device=DEV).bfloat16()
+    ids = torch.tensor([[0, 2], [2, 5], [0, 5], [2, 0], [5, 2], [0, 2], [5, 0]], dtype=torch.int32, device=DEV)
+    _check_mlp(x, ids, w, compute=compute)                          # experts 1, 3, 4 own no tokens
+
+
+def test_expert_mlp_gpt_oss_clamped_bias_interleaved():
+    g = _gen(5)
+    w = make_layer(4, 64, 32, bias=True, interleaved=True, seed=5)
+    x = (torch.randn(9, 64, generator=g, device=DEV) * 3).bfloat16()   # large enough to hit the clamp
+    ids = torch.randint(0, 4, (9, 1), generator=g, device=DEV).int()
+    _check_mlp(x, ids, w, activation="swiglu_clamped", compute="bf16")
+    _check_mlp(x, ids, w, activation="swiglu_clamped", compute="fp8")
+
+
+def test_expert_mlp_all_tokens_one_expert_k1():
+    g = _gen(6)
+    w = make_layer(4, 64, 32, seed=6)
+    x = torch.randn(40, 64, generator=g, device=DEV).bfloat16()
+    ids = torch.full((40, 1), 2, dtype=torch.int32, device=DEV)
+    _check_mlp(x, ids, w, compute="bf16")
+
+
+def test_expert_mlp_k8_every_expert():
+    g = _gen(7)
+    w = make_layer(8, 64, 32, seed=7)
+    x = torch.randn(3, 64, generator=g, device=DEV).bfloat16()
+    ids = torch.stack([torch.randperm(8, generator=g, device=DEV) for _ in range(3)]).int()
+    _check_mlp(x, ids, w, compute="fp8")
+
+
+def test_offline_and_workspace_paths():
+    g = _gen(8)
+    w = make_layer(5, 64, 32, bias=True, seed=8)
+    x = torch.randn(6, 64, generator=g, device=DEV).bfloat16()
+    ids = torch.randint(0, 5, (6, 2), generator=g, device=DEV).int()
+    perm = rt.permute_by_expert(ids, 5)
+    fused = mg.expert_mlp(x, perm, w, top_k=2, compute="fp8")
+    off = mg.FP8Weights.from_mxfp4(w)
+    assert off.lost.item() == 0
+    ws = FP8Workspace(2, 64, 32, DEV)                               # 3 chunks of 2 experts, two buffers
+    assert ws.nbytes == workspace_bytes(2, 64, 32)
+    for kw in ({"fp8_weights": off}, {"workspace": ws}):
+        y = mg.expert_mlp(x, perm, w, top_k=2, **kw)
+        assert torch.equal(y, fused)                                # same e4m3 operands, same kernel math
+    assert ws.lost.item() == 0
+
+
+def test_group128_activation_quant():
+    g = _gen(9)
+    w = make_layer(3, 128, 128, seed=9)
+    x = torch.randn(4, 128, generator=g, device=DEV).bfloat16()
+    ids = torch.randint(0, 3, (4, 1), generator=g, device=DEV).int()
+    _check_mlp(x, ids, w, compute="fp8", act_quant="group128")
+
+
+def test_fp8_row_quant_matches_twin():
+    g = _gen(10)
+    x = torch.randn(5, 256, generator=g, device=DEV).bfloat16()
+    x[2] = 0
+    for group in (None, 128):
+        q, s = mg.quantize_fp8_rows(x, group)
+        q_t, s_t = mg.quantize_fp8_rows_torch(x, group)
+        assert torch.equal(q.float(), q_t.float()) and torch.equal(s, s_t)
+        assert (q.float().abs().amax() <= 448)
+
+
+def test_moe_forward_deepseek_routing_shared_matches_twin():
+    g = _gen(11)
+    e, h, i, t = 8, 64, 32, 10
+    w = make_layer(e, h, i, seed=11)
+    sh = make_layer(1, h, i, seed=12)
+    x = torch.randn(t, h, generator=g, device=DEV).bfloat16()
+    gate = torch.randn(e, h, generator=g, device=DEV)
+    bias = torch.randn(e, generator=g, device=DEV) * 0.1
+    cfg = rt.RouterConfig(top_k=2, scoring="sigmoid", n_group=4, topk_group=2, routed_scaling=2.5)
+    out = mg.moe_forward(x, gate, w, cfg, correction_bias=bias, shared=sh)
+    out_t = mg.moe_forward_torch(x, gate, w, cfg, correction_bias=bias, shared=sh)
+    assert out.shape == (t, h) and out.dtype == torch.bfloat16
+    assert rel(out, out_t) < 2e-2
+
+
+def test_nan_scale_and_bad_inputs_rejected():
+    w = make_layer(2, 64, 32)
+    w.w2_scales[1, 3, 0] = 0xFF
+    with pytest.raises(InputError, match="0xFF"):
+        w.validate()
+    with pytest.raises(InputError):
+        mg.moe_forward(torch.zeros(2, 32, device=DEV).bfloat16(), torch.zeros(2, 32, device=DEV), w,
+                       rt.RouterConfig(top_k=1))
+    with pytest.raises(InputError):
+        mg.MoEWeights(w.w1_blocks, w.w1_scales, w.w1_blocks, w.w1_scales)
+
+
+# ----------------------------------------------------------------------------------------------
+# real shapes on the GPU
+# ----------------------------------------------------------------------------------------------
+
+GPU_SHAPES = {
+    "deepseek-v3": dict(e=32, k=8, h=7168, i=2048, bias=False, interleaved=False, act="swiglu"),
+    "gpt-oss-120b": dict(e=32, k=4, h=2880, i=2880, bias=True, interleaved=True, act="swiglu_clamped"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+@pytest.mark.parametrize("t", [1, 45, 600])
+def test_expert_mlp_real_shapes_gpu(name, t):
+    s = GPU_SHAPES[name]
+    w = make_layer(s["e"], s["h"], s["i"], bias=s["bias"], interleaved=s["interleaved"], seed=13)
+    g = _gen(14)
+    x = torch.randn(t, s["h"], generator=g, device=DEV).bfloat16()
+    ids = torch.rand(t, s["e"], generator=g, device=DEV).topk(s["k"], dim=-1).indices.int()
+    perm = rt.permute_by_expert(ids, s["e"])
+    for compute in ("bf16", "fp8"):
+        y = mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], compute=compute)
+        y_t = mg.expert_mlp_torch(x, perm, w, top_k=s["k"], activation=s["act"], compute=compute)
+        assert rel(y, y_t.float()) < TOL[compute], compute
+    ws = FP8Workspace(8, s["h"], s["i"], DEV)
+    off = mg.FP8Weights.from_mxfp4(w)
+    fused = mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], compute="fp8")
+    assert torch.equal(mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], workspace=ws), fused)
+    assert torch.equal(mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], fp8_weights=off), fused)
+
+
+@pytest.mark.gpu
+def test_moe_forward_real_deepseek_gpu():
+    e, h, i, t = 256, 7168, 2048, 64
+    w = make_layer(e, h, i, seed=15)
+    sh = make_layer(1, h, i, seed=16)
+    g = _gen(17)
+    x = torch.randn(t, h, generator=g, device=DEV).bfloat16()
+    gate = torch.randn(e, h, generator=g, device=DEV) * 0.02
+    bias = torch.randn(e, generator=g, device=DEV) * 0.01
+    cfg = rt.RouterConfig(top_k=8, scoring="sigmoid", n_group=8, topk_group=4, routed_scaling=2.5)
+    for compute in ("bf16", "fp8"):
+        out = mg.moe_forward(x, gate, w, cfg, correction_bias=bias, shared=sh, compute=compute)
+        out_t = mg.moe_forward_torch(x, gate, w, cfg, correction_bias=bias, shared=sh, compute=compute)
+        assert rel(out, out_t) < TOL[compute]

@@ -1,0 +1,138 @@
+"""MXFP4 codec and MXFP4 -> e4m3 conversion: Triton kernels against their torch twins and exact math."""
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from adapt.errors import InputError
+from adapt.kernels import mxfp4 as mx
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rand(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    # magnitudes over many binades so blocks get different exponents
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 6, shape, generator=g).float() / 3)
+    return x.to(DEV)
+
+
+@pytest.mark.parametrize("shape", [(3, 32), (5, 7, 96), (2, 160)])
+def test_quantize_matches_twin_and_rules(shape):
+    x = _rand(shape, 1)
+    packed, scales = mx.quantize_mxfp4(x)
+    p_t, s_t = mx.quantize_mxfp4_torch(x)
+    assert torch.equal(packed, p_t) and torch.equal(scales, s_t)
+    deq = mx.dequantize_mxfp4_torch(packed, scales).double()
+    xb = x.double().reshape(*shape[:-1], -1, 32)
+    # OCP rule: scale = 2**(floor(log2(amax)) - 2); every element within half a grid step or saturated at 6
+    amax = xb.abs().amax(-1)
+    e = torch.floor(torch.log2(amax)) - 2
+    assert torch.equal(scales.double(), (e + 127).clamp(0, 254))
+    scaled = xb / torch.exp2(e).unsqueeze(-1)
+    q = deq.reshape_as(xb) / torch.exp2(e).unsqueeze(-1)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64, device=DEV)
+    nearest = (scaled.abs().unsqueeze(-1) - grid).abs().min(-1).values
+    assert torch.all((q.abs() - scaled.abs()).abs() <= nearest + 1e-12)
+
+
+def test_round_to_nearest_even_ties():
+    # ties of the E2M1 grid at block scale 1 (amax 6 -> exponent 0): 0.25->0, 0.75->1, 1.25->1, 1.75->2,
+    # 2.5->2, 3.5->4, 5->4; 7 saturates... but amax fixes the scale, so put 6 in the block
+    vals = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -5.0, 6.0] + [0.0] * 22
+    x = torch.tensor([vals], device=DEV)
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -1.0, -4.0, 6.0] + [0.0] * 22
+    for fn in (mx.quantize_mxfp4, mx.quantize_mxfp4_torch):
+        p, s = fn(x)
+        assert s.item() == 127
+        assert mx.dequantize_mxfp4_torch(p, s).tolist() == [want]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_matches_twin(dtype):
+    p, s = mx.quantize_mxfp4_torch(_rand((6, 5, 64), 2))
+    got = mx.dequantize_mxfp4(p, s, dtype)
+    assert torch.equal(got, mx.dequantize_mxfp4_torch(p, s, dtype))
+
+
+def test_gpt_oss_layout_round_trip():
+    p, s = mx.quantize_mxfp4_torch(_rand((4, 6, 96), 3))
+    blocks = mx.to_gpt_oss_blocks(p)
+    assert blocks.shape == (4, 6, 3, 16)
+    assert torch.equal(mx.from_gpt_oss_blocks(blocks), p)
+    # even element in the low nibble
+    x = torch.zeros(1, 32, device=DEV)
+    x[0, 0], x[0, 1] = 1.0, -6.0
+    p1, s1 = mx.quantize_mxfp4_torch(x)
+    assert p1[0, 0].item() == (0x2 | (0xF << 4))
+
+
+@pytest.mark.parametrize("group_k", [32, 128, None])
+def test_fp8_conversion_exact_and_matches_twin(group_k):
+    p, s = mx.quantize_mxfp4_torch(_rand((5, 256), 4))
+    got = mx.mxfp4_to_fp8(p, s, group_k)
+    ref = mx.mxfp4_to_fp8_torch(p, s, group_k)
+    assert torch.equal(got.values.float(), ref.values.float())
+    assert torch.equal(got.exponents, ref.exponents)
+    assert got.lost.item() == ref.lost.item() == 0
+    g = 256 if group_k is None else group_k
+    back = got.values.float().reshape(5, 256 // g, g) * torch.exp2(got.exponents.float()).unsqueeze(-1)
+    assert torch.equal(back.reshape(5, 256), mx.dequantize_mxfp4_torch(p, s))
+
+
+def test_fp8_conversion_counts_lost_bits():
+    # one block 2**-20 below the others in the same row: its elements fall under e4m3's range
+    x = torch.randn(2, 128, device=DEV)
+    x[0, 32:64] *= 2.0 ** -20
+    p, s = mx.quantize_mxfp4_torch(x)
+    got = mx.mxfp4_to_fp8(p, s, None)
+    ref = mx.mxfp4_to_fp8_torch(p, s, None)
+    nonzero_small = int((mx.dequantize_mxfp4_torch(p, s)[0, 32:64] != 0).sum())
+    assert got.lost.item() == ref.lost.item() == nonzero_small > 0
+    # with groups of 32 nothing is lost
+    assert mx.mxfp4_to_fp8(p, s, 32).lost.item() == 0
+
+
+def test_nan_scale_rejected():
+    p, s = mx.quantize_mxfp4_torch(_rand((2, 128), 5))
+    s[1, 1] = 0xFF
+    for fn in (mx.dequantize_mxfp4, mx.dequantize_mxfp4_torch, mx.mxfp4_to_fp8, mx.mxfp4_to_fp8_torch):
+        with pytest.raises(InputError, match="0xFF"):
+            fn(p, s)
+
+
+def test_non_finite_input_gets_nan_scale():
+    x = _rand((1, 64), 6)
+    x[0, 40] = float("nan")
+    for fn in (mx.quantize_mxfp4, mx.quantize_mxfp4_torch):
+        _, s = fn(x)
+        assert s[0, 1].item() == 0xFF and s[0, 0].item() != 0xFF
+
+
+def test_bad_shapes_rejected():
+    with pytest.raises(InputError):
+        mx.quantize_mxfp4_torch(torch.zeros(2, 40))
+    p, s = mx.quantize_mxfp4_torch(torch.randn(2, 64))
+    with pytest.raises(InputError):
+        mx.dequantize_mxfp4(p, s[:, :1])
+    with pytest.raises(InputError):
+        mx.mxfp4_to_fp8(p, s, 48)
+
+
+@pytest.mark.gpu
+def test_codec_real_shapes_gpu():
+    x = torch.randn(2880, 2880, device="cuda") * 0.02
+    p, s = mx.quantize_mxfp4(x)
+    p_t, s_t = mx.quantize_mxfp4_torch(x)
+    assert torch.equal(p, p_t) and torch.equal(s, s_t)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(mx.dequantize_mxfp4(p, s, dtype), mx.dequantize_mxfp4_torch(p, s, dtype))
+    for g in (128, None):
+        a, b = mx.mxfp4_to_fp8(p, s, g), mx.mxfp4_to_fp8_torch(p, s, g)
+        assert torch.equal(a.values.float(), b.values.float()) and torch.equal(a.exponents, b.exponents)
+        assert a.lost.item() == b.lost.item()
