@@ -145,15 +145,17 @@ def info(
     console.print(f"parameters: total {params['total']:,}  active {params['active']:,}  "
                   f"with MTP {params['total_with_mtp']:,}")
     table = Table(title="components", title_justify="left")
-    for column in ("component", "parameters", "stored as", "checkpoint bytes"):
-        table.add_column(column, justify="right" if column != "component" else "left")
     stored = facts.get("checkpoint", {}).get("bytes_by_component", {})
+    bytes_column = "checkpoint bytes" if stored else "bytes from spec"
+    for column in ("component", "parameters", "stored as", bytes_column):
+        table.add_column(column, justify="right" if column != "component" else "left")
+    sizes = stored or facts["estimated_bytes"]
     for component, count in params["per_component"].items():
-        if count or stored.get(component):
+        if count or sizes.get(component):
             table.add_row(component, f"{count:,}", facts["quantization"].get(component, "-"),
-                          f"{stored[component]:,}" if component in stored else "-")
-    for component in sorted(c for c in set(stored) - set(params["per_component"]) if stored[c]):
-        table.add_row(component, "-", "-", f"{stored[component]:,}")
+                          f"{sizes[component]:,}" if component in sizes else "-")
+    for component in sorted(c for c in set(sizes) - set(params["per_component"]) if sizes[c]):
+        table.add_row(component, "-", "-", f"{sizes[component]:,}")
     console.print(table)
     if "checkpoint" in facts:
         ck = facts["checkpoint"]
@@ -274,7 +276,7 @@ def plan_parallel_command(
 def inventory_command(
     model: ModelArg, target: TargetOpt = "h200",
     stack: Annotated[str | None, typer.Option(
-        "--stack", help="Stack table (vllm-cuda, vllm-cpu, vllm-rocm) or YAML; default: the target's.")] = None,
+        "--stack", help="Stack table (vllm-cuda, vllm-cpu, vllm-rocm) or YAML; default: target's.")] = None,
     all_layers: Annotated[bool, typer.Option(
         "--all-layers", help="Trace every decoder layer, not one per distinct structure.")] = False,
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Prefill tokens in the traced step.")] = 16,

@@ -172,7 +172,8 @@ def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
 
 def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
                  block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
-                 num_cols: int, *, rows_per_tile: int | None = None) -> torch.Tensor:
+                 num_cols: int, *, rows_per_tile: int | None = None, key_tiles: int | None = None,
+                 num_warps: int | None = None) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -181,6 +182,9 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     sequence consecutive, positions ascending); limits: int32 [N] keys row t may see
     (position + 1 when causal). Returns fp32 [N, num_cols]: I[t, s] for s < limits[t],
     -inf elsewhere. FLOPs 2 * H * D * sum(limits); bytes N * num_cols * 4 written.
+    Tiling: ``rows_per_tile`` query rows share each key tile (default 64, 1 when every row is
+    its own sequence, as in decode); ``key_tiles`` 128-key tiles per program (default 8 in
+    decode, 1 in prefill); ``num_warps`` per program (default 8).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -189,7 +193,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     decode = rows_per_tile == 1 or (rows_per_tile is None and bool((token_seq[1:] != token_seq[:-1]).all()))
     per_tile = 1 if decode else (rows_per_tile or PREFILL_ROWS_PER_TILE)
     tiles = _query_tiles(token_seq, per_tile)
-    key_tiles = 8 if decode else 1
+    key_tiles = key_tiles or (8 if decode else 1)
     block_h = max(16, triton.next_power_of_2(n_heads))
     grid = (tiles.shape[0], triton.cdiv(num_cols, KEY_BLOCK * key_tiles))
     _index_scores_kernel[grid](
@@ -197,16 +201,15 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         limits.to(torch.int32).contiguous(), tiles, out,
         0, n_heads, block_table.stride(0), out.stride(0), num_cols,
         HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=KEY_BLOCK, KEY_TILES=key_tiles, PAGE=PAGE_SIZE,
-        UPCAST=_interpreting(), num_warps=8 if KEY_BLOCK >= 128 else 4,
+        UPCAST=_interpreting(), num_warps=num_warps or 8,
     )
     return out
 
 
 def index_scores_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
                        index_scale: torch.Tensor, block_table: torch.Tensor, token_seq: torch.Tensor,
-                       limits: torch.Tensor, num_cols: int, *,
-                       rows_per_tile: int | None = None) -> torch.Tensor:
-    """Torch twin of ``index_scores`` (dequantized fp32 math; ``rows_per_tile`` is ignored)."""
+                       limits: torch.Tensor, num_cols: int, **_tile_options) -> torch.Tensor:
+    """Torch twin of ``index_scores`` (dequantized fp32 math; tile options are ignored)."""
     n_rows = q_fp8.shape[0]
     out = torch.full((n_rows, num_cols), float("-inf"), dtype=torch.float32, device=q_fp8.device)
     if n_rows == 0 or num_cols == 0:

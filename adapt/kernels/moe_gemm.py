@@ -60,6 +60,7 @@ from adapt.kernels.mxfp4 import (
     mxfp4_to_fp8,
     mxfp4_to_fp8_torch,
     pow2_f32,
+    to_bf16,
     to_e4m3,
 )
 from adapt.kernels.routing import (
@@ -509,7 +510,7 @@ def _moe_gemm_kernel(
             uc = tl.minimum(tl.maximum(acc_u, -limit), limit)
             res = gc / (1.0 + tl.exp(-alpha * gc)) * (uc + 1.0)
         optr = out_ptr + rows[None, :].to(tl.int64) * stride_o + n[:, None]
-        tl.store(optr, res.to(tl.bfloat16), mask=n_ok[:, None] & row_ok[None, :])
+        tl.store(optr, to_bf16(res), mask=n_ok[:, None] & row_ok[None, :])
 
 
 @dataclass

@@ -59,7 +59,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton kernels run under the CPU interpreter (no bf16 arithmetic there)."""
 SOFT_E4M3_ROUNDING = tl.constexpr(INTERPRET)
-"""The interpreter's fp32 -> e4m3 cast mis-rounds (ties, carries); round on the grid first there."""
+"""The interpreter's fp32 -> e4m3 / bf16 casts mis-round; round in fp32 first there."""
 
 
 @dataclass
@@ -228,6 +228,17 @@ def to_e4m3(v):
         return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
     else:
         return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def to_bf16(v):
+    """fp32 -> bf16, nearest even. The interpreter's cast truncates, so round the bits first there."""
+    if SOFT_E4M3_ROUNDING:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return v.to(tl.bfloat16)
 
 
 @triton.jit

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
+from adapt.kernels.mxfp4 import to_bf16
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,7 @@ def _combine_kernel(y_ptr, w_ptr, pos_ptr, shared_ptr, out_ptr, h,
         acc += w * tl.load(y_ptr + p * h + c, mask=cm, other=0.0).to(tl.float32)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t * h + c, mask=cm, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * h + c, acc.to(tl.bfloat16), mask=cm)
+    tl.store(out_ptr + t * h + c, to_bf16(acc), mask=cm)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, slot_pos: torch.Tensor,

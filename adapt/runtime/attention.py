@@ -422,9 +422,10 @@ class MLAAttention:
                       + torch.einsum("nhd,ld->hnl", q_rope[rows], k_rope)) * s.scale
             if indices is not None:
                 chosen = indices[rows].long()
-                selected = torch.zeros_like(mask)
-                selected.scatter_(1, chosen.clamp_min(0), chosen >= 0)
-                mask = mask & selected
+                length = mask.shape[1]
+                selected = torch.zeros(mask.shape[0], length + 1, dtype=torch.bool, device=mask.device)
+                selected.scatter_(1, torch.where(chosen >= 0, chosen, length), True)  # -1 -> spare column
+                mask = mask & selected[:, :length]
             logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
             probs = torch.softmax(logits.float(), dim=-1).to(dtype)
             out[rows] = torch.einsum("hnl,lhv->nhv", probs, values)

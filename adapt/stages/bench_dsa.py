@@ -63,22 +63,36 @@ def _ceilings(reps: int) -> dict:
     mm_ms = _time_ms(lambda: a @ b, reps)
     a8, b8 = a.to(FP8_DTYPE), b.to(FP8_DTYPE).T.contiguous().T
     one = torch.ones((), device="cuda")
-    fp8_ms = _time_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps)
-    flops = 2 * 8192 ** 3
-    return {"copy_TBps": 2 * n / copy_ms / 1e9, "bf16_matmul_TFLOPs": flops / mm_ms / 1e9,
-            "fp8_scaled_mm_TFLOPs": flops / fp8_ms / 1e9}
+    fp8_ms = _time_ms(
+        lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps
+    )
+    flops = 2 * 8192**3
+    return {
+        "copy_TBps": 2 * n / copy_ms / 1e9,
+        "bf16_matmul_TFLOPs": flops / mm_ms / 1e9,
+        "fp8_scaled_mm_TFLOPs": flops / fp8_ms / 1e9,
+    }
 
 
 def _random_cache(num_tokens: int, latent_format: str) -> PagedDSACache:
     pages = -(-num_tokens // PAGE_SIZE)
-    cache = PagedDSACache(num_pages=pages, num_layers=1, kv_lora_rank=RANK, rope_dim=ROPE,
-                          index_head_dim=INDEX_DIM, latent_format=latent_format, device="cuda")
+    cache = PagedDSACache(
+        num_pages=pages,
+        num_layers=1,
+        kv_lora_rank=RANK,
+        rope_dim=ROPE,
+        index_head_dim=INDEX_DIM,
+        latent_format=latent_format,
+        device="cuda",
+    )
     step = 1 << 14
     for p0 in range(0, pages, step):
         p1 = min(pages, p0 + step)
         shape = (1, p1 - p0, PAGE_SIZE)
-        cache.index_k[:, p0:p1] = torch.randn(*shape, INDEX_DIM, device="cuda").mul_(100).to(FP8_DTYPE)
-        cache.latent_nope[:, p0:p1] = torch.randn(*shape, RANK, device="cuda").mul_(100).to(cache.latent_nope.dtype)
+        cache.index_k[:, p0:p1] = torch.randn(*shape, INDEX_DIM, device="cuda").mul_(30).to(FP8_DTYPE)
+        cache.latent_nope[:, p0:p1] = (
+            torch.randn(*shape, RANK, device="cuda").mul_(30).to(cache.latent_nope.dtype)
+        )
         cache.latent_rope[:, p0:p1] = torch.randn(*shape, ROPE, device="cuda").to(torch.bfloat16)
     cache.index_scale.uniform_(0.5e-2, 1.5e-2)
     if cache.latent_scale is not None:
@@ -98,7 +112,9 @@ def _latent_row_bytes(latent_format: str) -> int:
     return (RANK + 4 * RANK // 128 if latent_format == "fp8" else 2 * RANK) + 2 * ROPE
 
 
-def _decode_case(batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int) -> dict:
+def _decode_case(
+    batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int
+) -> dict:
     cache = _random_cache(batch * context, latent_format)
     layer = cache.layer(0)
     pages_per_seq = context // PAGE_SIZE
@@ -109,12 +125,22 @@ def _decode_case(batch: int, context: int, topk: int, latent_format: str, copy_t
     holder = {}
 
     def index():
-        holder["idx"], _ = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq,
-                                          limits, topk)
+        holder["idx"], _ = dsa.index_topk(
+            q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits, topk
+        )
 
     def attend():
-        return sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
-                                     block_table, token_seq, holder["idx"], 0.1)
+        return sparse_mla.sparse_mla(
+            q_nope,
+            q_rope,
+            layer.latent_nope,
+            layer.latent_scale,
+            layer.latent_rope,
+            block_table,
+            token_seq,
+            holder["idx"],
+            0.1,
+        )
 
     index_ms = _time_ms(index, reps)
     attend_ms = _time_ms(attend, reps)
@@ -126,13 +152,20 @@ def _decode_case(batch: int, context: int, topk: int, latent_format: str, copy_t
     index_flops = 2 * INDEX_HEADS * INDEX_DIM * context * batch
     attend_flops = 2 * batch * HEADS * topk * (RANK + ROPE + RANK)
     dense = _dense_decode_ms(batch, context, reps)
-    del cache
+    torch.cuda.empty_cache()
     return {
-        "batch": batch, "context": context, "latent_format": latent_format,
-        "index_topk_us": index_ms * 1e3, "sparse_mla_us": attend_ms * 1e3, "step_us": step_ms * 1e3,
-        "floor_bytes": floor_bytes, "floor_us": floor_us, "step_over_floor": step_ms * 1e3 / floor_us,
+        "batch": batch,
+        "context": context,
+        "latent_format": latent_format,
+        "index_topk_us": index_ms * 1e3,
+        "sparse_mla_us": attend_ms * 1e3,
+        "step_us": step_ms * 1e3,
+        "floor_bytes": floor_bytes,
+        "floor_us": floor_us,
+        "step_over_floor": step_ms * 1e3 / floor_us,
         "achieved_TBps": floor_bytes / step_ms / 1e9,
-        "index_TBps": key_bytes / index_ms / 1e9, "index_TFLOPs": index_flops / index_ms / 1e9,
+        "index_TBps": key_bytes / index_ms / 1e9,
+        "index_TFLOPs": index_flops / index_ms / 1e9,
         "sparse_mla_TBps": (latent_bytes + batch * HEADS * (RANK + ROPE + RANK) * 2) / attend_ms / 1e9,
         "sparse_mla_TFLOPs": attend_flops / attend_ms / 1e9,
         "dense_sdpa_us": None if dense is None else dense * 1e3,
@@ -141,20 +174,25 @@ def _decode_case(batch: int, context: int, topk: int, latent_format: str, copy_t
 
 
 def _dense_decode_ms(batch: int, context: int, reps: int) -> float | None:
-    """Dense MLA decode through SDPA: 128 heads as 128 query rows over one latent KV head."""
+    """Dense MLA decode through SDPA: 128 heads as 128 query rows over one latent KV head
+    (None when no SDPA backend takes 576/512 dims or the KV would not fit)."""
     kv_bytes = batch * context * (RANK + ROPE) * 2
-    if kv_bytes > 40 * 2 ** 30:
+    if kv_bytes > 40 * 2**30:
         return None
     k = torch.randn(batch, 1, context, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(batch, 1, HEADS, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
     v = k[..., :RANK]
-    ms = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.1), reps)
-    del k, q, v
+    try:
+        ms = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.1), reps)
+    except (RuntimeError, torch.OutOfMemoryError):
+        ms = None
+    torch.cuda.empty_cache()
     return ms
 
 
-def _prefill_case(length: int, topk: int, latent_format: str, reps: int, max_score_bytes: int,
-                  attend_rows: int) -> dict:
+def _prefill_case(
+    length: int, topk: int, latent_format: str, reps: int, max_score_bytes: int, attend_rows: int
+) -> dict:
     cache = _random_cache(length, latent_format)
     layer = cache.layer(0)
     block_table = torch.arange(-(-length // PAGE_SIZE), device="cuda", dtype=torch.int32)[None]
@@ -166,20 +204,48 @@ def _prefill_case(length: int, topk: int, latent_format: str, reps: int, max_sco
     holder = {}
 
     def index():
-        holder["idx"], holder["stats"] = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale,
-                                                        block_table, token_seq, limits, topk,
-                                                        max_score_bytes=max_score_bytes)
+        holder["idx"], holder["stats"] = dsa.index_topk(
+            q8,
+            weights,
+            layer.index_k,
+            layer.index_scale,
+            block_table,
+            token_seq,
+            limits,
+            topk,
+            max_score_bytes=max_score_bytes,
+        )
 
     def attend():
         idx = holder["idx"]
         for r0 in range(0, length, attend_rows):
             r1 = min(length, r0 + attend_rows)
-            sparse_mla.sparse_mla(q_nope[: r1 - r0], q_rope[: r1 - r0], layer.latent_nope, layer.latent_scale,
-                                  layer.latent_rope, block_table, token_seq[r0:r1], idx[r0:r1], 0.1)
+            sparse_mla.sparse_mla(
+                q_nope[: r1 - r0],
+                q_rope[: r1 - r0],
+                layer.latent_nope,
+                layer.latent_scale,
+                layer.latent_rope,
+                block_table,
+                token_seq[r0:r1],
+                idx[r0:r1],
+                0.1,
+            )
 
     index_ms = _time_ms(index, reps)
-    scores_ms = _time_ms(lambda: dsa.index_scores(q8[-4096:], weights[-4096:], layer.index_k, layer.index_scale,
-                                                  block_table, token_seq[-4096:], limits[-4096:], length), reps)
+    scores_ms = _time_ms(
+        lambda: dsa.index_scores(
+            q8[-4096:],
+            weights[-4096:],
+            layer.index_k,
+            layer.index_scale,
+            block_table,
+            token_seq[-4096:],
+            limits[-4096:],
+            length,
+        ),
+        reps,
+    )
     attend_ms = _time_ms(attend, reps)
     total_ms = index_ms + attend_ms
     selected = sum(min(t + 1, topk) for t in range(length))
@@ -189,16 +255,24 @@ def _prefill_case(length: int, topk: int, latent_format: str, reps: int, max_sco
     dense_ms, dense_note = _dense_prefill_ms(length, reps)
     dense_flops = 2 * HEADS * (NOPE + ROPE + VDIM) * length * length / 2
     result = {
-        "tokens": length, "latent_format": latent_format, "index_topk_ms": index_ms,
-        "index_chunks": holder["stats"].chunks, "peak_score_bytes": holder["stats"].peak_score_bytes,
-        "index_scores_last4096_ms": scores_ms, "index_scores_TFLOPs": tail_flops / scores_ms / 1e9,
+        "tokens": length,
+        "latent_format": latent_format,
+        "index_topk_ms": index_ms,
+        "index_chunks": holder["stats"].chunks,
+        "peak_score_bytes": holder["stats"].peak_score_bytes,
+        "index_scores_last4096_ms": scores_ms,
+        "index_scores_TFLOPs": tail_flops / scores_ms / 1e9,
         "index_TFLOPs_with_topk": index_flops / index_ms / 1e9,
-        "sparse_mla_ms": attend_ms, "sparse_mla_TFLOPs": attend_flops / attend_ms / 1e9,
-        "total_ms": total_ms, "dense_sdpa_ms": dense_ms, "dense_sdpa_note": dense_note,
-        "dense_sdpa_TFLOPs": dense_flops / dense_ms / 1e9, "speedup_vs_dense": dense_ms / total_ms,
+        "sparse_mla_ms": attend_ms,
+        "sparse_mla_TFLOPs": attend_flops / attend_ms / 1e9,
+        "total_ms": total_ms,
+        "dense_sdpa_ms": dense_ms,
+        "dense_sdpa_note": dense_note,
+        "dense_sdpa_TFLOPs": dense_flops / dense_ms / 1e9,
+        "speedup_vs_dense": dense_ms / total_ms,
         "sparse_mla_rows_per_launch": attend_rows,
     }
-    del cache, holder
+    torch.cuda.empty_cache()
     return result
 
 
@@ -215,7 +289,7 @@ def _dense_prefill_ms(length: int, reps: int) -> tuple[float, str]:
         v = torch.randn_like(q)
         ms = _time_ms(lambda: sdpa(q, k, v, is_causal=True), reps)
         note = "q,k,v 192 (v padded: no SDPA backend took v 128)"
-    del q, k, v
+    torch.cuda.empty_cache()
     return ms, note
 
 
@@ -228,8 +302,12 @@ def _prefill_forms(length: int, topk: int, rows: int, reps: int) -> dict:
     idx = torch.stack([torch.randperm(length, device="cuda")[:topk] for _ in range(rows)]).int()
     q_nope = torch.randn(rows, HEADS, RANK, device="cuda", dtype=torch.bfloat16)
     q_rope = torch.randn(rows, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)
-    absorbed = _time_ms(lambda: sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, None, layer.latent_rope,
-                                                      block_table, token_seq, idx, 0.1), reps)
+    absorbed = _time_ms(
+        lambda: sparse_mla.sparse_mla(
+            q_nope, q_rope, layer.latent_nope, None, layer.latent_rope, block_table, token_seq, idx, 0.1
+        ),
+        reps,
+    )
     keys = torch.randn(length, HEADS, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
     values = torch.randn(length, HEADS, VDIM, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(rows, HEADS, 1, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
@@ -240,11 +318,15 @@ def _prefill_forms(length: int, topk: int, rows: int, reps: int) -> dict:
         return torch.softmax((q @ k_sel.transpose(-1, -2)).float() * 0.1, -1).to(torch.bfloat16) @ v_sel
 
     per_head_ms = _time_ms(per_head, reps)
-    del cache, keys, values
-    return {"context": length, "rows": rows, "absorbed_triton_us_per_row": absorbed * 1e3 / rows,
-            "per_head_torch_us_per_row": per_head_ms * 1e3 / rows,
-            "absorbed_bytes_per_row": topk * (2 * RANK + 2 * ROPE),
-            "per_head_bytes_per_row": topk * HEADS * (NOPE + ROPE + VDIM) * 2}
+    torch.cuda.empty_cache()
+    return {
+        "context": length,
+        "rows": rows,
+        "absorbed_triton_us_per_row": absorbed * 1e3 / rows,
+        "per_head_torch_us_per_row": per_head_ms * 1e3 / rows,
+        "absorbed_bytes_per_row": topk * (2 * RANK + 2 * ROPE),
+        "per_head_bytes_per_row": topk * HEADS * (NOPE + ROPE + VDIM) * 2,
+    }
 
 
 def _commit() -> str:
@@ -257,35 +339,178 @@ def _commit() -> str:
         return "unknown"
 
 
-def run_dsa_bench(out_dir: Path, *, decode_batches: Sequence[int] = (1, 16, 64),
-                  contexts: Sequence[int] = (8192, 32768, 131072),
-                  prefill_lengths: Sequence[int] = (8192, 32768, 131072), topk: int = 2048,
-                  latent_format: str = "fp8", reps: int = 10, prefill_reps: int = 3,
-                  max_score_bytes: int = 2 << 30, attend_rows: int = 16384) -> dict:
+def run_dsa_bench(
+    out_dir: Path,
+    *,
+    decode_batches: Sequence[int] = (1, 16, 64),
+    contexts: Sequence[int] = (8192, 32768, 131072),
+    prefill_lengths: Sequence[int] = (8192, 32768, 131072),
+    topk: int = 2048,
+    latent_format: str = "fp8",
+    reps: int = 10,
+    prefill_reps: int = 3,
+    max_score_bytes: int = 2 << 30,
+    attend_rows: int = 16384,
+) -> dict:
     """Run the DSA benchmark grid on the current CUDA device; write JSON + Markdown to ``out_dir``."""
     if not torch.cuda.is_available():
-        raise InputError("the DSA benchmark needs a CUDA GPU and none is visible",
-                         hint="run it on the GPU machine, e.g. `adapt bench kernels --dsa` there")
+        raise InputError(
+            "the DSA benchmark needs a CUDA GPU and none is visible",
+            hint="run it on the GPU machine, e.g. `adapt bench kernels --dsa` there",
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(), "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": __import__("triton").__version__,
-        "shapes": {"heads": HEADS, "latent": RANK, "rope": ROPE, "index_heads": INDEX_HEADS,
-                   "index_dim": INDEX_DIM, "topk": topk, "latent_format": latent_format},
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "shapes": {
+            "heads": HEADS,
+            "latent": RANK,
+            "rope": ROPE,
+            "index_heads": INDEX_HEADS,
+            "index_dim": INDEX_DIM,
+            "topk": topk,
+            "latent_format": latent_format,
+        },
         "ceilings": _ceilings(reps),
     }
     copy = result["ceilings"]["copy_TBps"]
-    result["decode"] = [_decode_case(b, s, topk, latent_format, copy, reps)
-                        for s in contexts for b in decode_batches]
+    result.update(decode=[], prefill=[], tile_sweep=_tile_sweep(topk, latent_format, reps))
+    _write(out_dir, result)
+    for s in contexts:
+        for b in decode_batches:
+            result["decode"].append(_decode_case(b, s, topk, latent_format, copy, reps))
+            _write(out_dir, result)
     result["prefill_forms"] = _prefill_forms(min(prefill_lengths), topk, 16, reps)
-    result["prefill"] = [_prefill_case(t, topk, latent_format, prefill_reps, max_score_bytes, attend_rows)
-                         for t in prefill_lengths]
+    for t in prefill_lengths:
+        result["prefill"].append(
+            _prefill_case(t, topk, latent_format, prefill_reps, max_score_bytes, attend_rows)
+        )
+        _write(out_dir, result)
+    return result
+
+
+def _write(out_dir: Path, result: dict) -> None:
+    """Write what has been measured so far (a run cut short still leaves its finished cases)."""
     (out_dir / "dsa_bench.json").write_text(json.dumps(result, indent=2))
     (out_dir / "dsa_bench.md").write_text(render_markdown(result))
-    return result
+
+
+def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
+    """Time kernel tile options at batch 64 x 32K decode and at 4096 prefill rows."""
+    batch, context = 64, 32768
+    cache = _random_cache(batch * context, latent_format)
+    layer = cache.layer(0)
+    pages = context // PAGE_SIZE
+    block_table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
+    token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
+    limits = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    q8, weights, q_nope, q_rope = _queries(batch)
+    rows = []
+    for key_tiles in (2, 8, 32):
+        for warps in (4, 8):
+            ms = _time_ms(
+                lambda kt=key_tiles, w=warps: dsa.index_scores(
+                    q8,
+                    weights,
+                    layer.index_k,
+                    layer.index_scale,
+                    block_table,
+                    token_seq,
+                    limits,
+                    context,
+                    key_tiles=kt,
+                    num_warps=w,
+                ),
+                reps,
+            )
+            rows.append(
+                {
+                    "kernel": "index_scores decode",
+                    "key_tiles": key_tiles,
+                    "num_warps": warps,
+                    "us": ms * 1e3,
+                    "key_TBps": batch * context * (INDEX_DIM + 4) / ms / 1e9,
+                }
+            )
+    idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).int()
+    options = [
+        dict(block_h=64, block_k=32, v_split=2, num_warps=8),
+        dict(block_h=64, block_k=32, v_split=1, num_warps=8),
+        dict(block_h=64, block_k=64, v_split=2, num_warps=8),
+        dict(block_h=32, block_k=32, v_split=1, num_warps=4),
+        dict(block_h=32, block_k=64, v_split=2, num_warps=4),
+        dict(block_h=16, block_k=64, v_split=1, num_warps=4),
+    ]
+    for opt in options:
+        try:
+            ms = _time_ms(
+                lambda o=opt: sparse_mla.sparse_mla(
+                    q_nope,
+                    q_rope,
+                    layer.latent_nope,
+                    layer.latent_scale,
+                    layer.latent_rope,
+                    block_table,
+                    token_seq,
+                    idx,
+                    0.1,
+                    **o,
+                ),
+                reps,
+            )
+        except Exception as err:  # a tile that does not compile (e.g. out of shared memory) is recorded
+            rows.append({"kernel": "sparse_mla decode b64", **opt, "error": str(err)[:200]})
+            continue
+        rows.append(
+            {
+                "kernel": "sparse_mla decode b64",
+                **opt,
+                "us": ms * 1e3,
+                "TFLOPs": 2 * batch * HEADS * topk * (2 * RANK + ROPE) / ms / 1e9,
+            }
+        )
+    torch.cuda.empty_cache()
+    prefill_rows = 4096
+    cache = _random_cache(prefill_rows, latent_format)
+    layer = cache.layer(0)
+    block_table = torch.arange(prefill_rows // PAGE_SIZE, device="cuda", dtype=torch.int32)[None]
+    token_seq = torch.zeros(prefill_rows, device="cuda", dtype=torch.int32)
+    limits = torch.arange(1, prefill_rows + 1, device="cuda", dtype=torch.int32)
+    q8, weights, _, _ = _queries(prefill_rows)
+    flops = 2 * INDEX_HEADS * INDEX_DIM * prefill_rows * (prefill_rows + 1) / 2
+    for per_tile in (16, 64, 128):
+        for warps in (4, 8):
+            ms = _time_ms(
+                lambda p=per_tile, w=warps: dsa.index_scores(
+                    q8,
+                    weights,
+                    layer.index_k,
+                    layer.index_scale,
+                    block_table,
+                    token_seq,
+                    limits,
+                    prefill_rows,
+                    rows_per_tile=p,
+                    num_warps=w,
+                ),
+                reps,
+            )
+            rows.append(
+                {
+                    "kernel": "index_scores prefill 4096",
+                    "rows_per_tile": per_tile,
+                    "num_warps": warps,
+                    "us": ms * 1e3,
+                    "TFLOPs": flops / ms / 1e9,
+                }
+            )
+    torch.cuda.empty_cache()
+    return rows
 
 
 def _fmt(value, digits=1):
@@ -298,10 +523,12 @@ def render_markdown(result: dict) -> str:
     lines = [
         f"# DSA kernels, {result['gpu']}",
         "",
-        f"Date {result['date']}, commit {result['commit']}, torch {result['torch']}, triton {result['triton']}. "
+        f"Date {result['date']}, commit {result['commit']}, torch {result['torch']}, "
+        f"triton {result['triton']}. "
         f"Shapes: {result['shapes']}. Medians of CUDA-event timings, per layer.",
         "",
-        f"Ceilings (same run): copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s, "
+        f"Ceilings (same run): copy {c['copy_TBps']:.2f} TB/s, "
+        f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s, "
         f"fp8 _scaled_mm {c['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s.",
         "",
         "## Decode (one token per sequence)",
@@ -315,25 +542,50 @@ def render_markdown(result: dict) -> str:
             f"| {d['batch']} | {d['context']} | {_fmt(d['index_topk_us'])} | {_fmt(d['sparse_mla_us'])} "
             f"| {_fmt(d['step_us'])} | {_fmt(d['floor_us'])} | {_fmt(d['step_over_floor'], 2)} "
             f"| {_fmt(d['achieved_TBps'], 2)} | {_fmt(d['index_TBps'], 2)} | {_fmt(d['sparse_mla_TFLOPs'])} "
-            f"| {_fmt(d['dense_sdpa_us'])} | {_fmt(d['dense_over_step'], 2)} |")
-    lines += ["", "## Prefill (one sequence, causal)", "",
-              "| tokens | index+top-k ms | chunks | peak score MiB | scores TFLOP/s (last 4096 rows) "
-              "| sparse MLA ms | MLA TFLOP/s | total ms | dense SDPA ms | SDPA TFLOP/s | speedup |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"| {_fmt(d['dense_sdpa_us'])} | {_fmt(d['dense_over_step'], 2)} |"
+        )
+    lines += [
+        "",
+        "## Prefill (one sequence, causal)",
+        "",
+        "| tokens | index+top-k ms | chunks | peak score MiB | scores TFLOP/s (last 4096 rows) "
+        "| sparse MLA ms | MLA TFLOP/s | total ms | dense SDPA ms | SDPA TFLOP/s | speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in result["prefill"]:
         lines.append(
             f"| {p['tokens']} | {_fmt(p['index_topk_ms'])} | {p['index_chunks']} "
             f"| {_fmt(p['peak_score_bytes'] / 2**20, 0)} | {_fmt(p['index_scores_TFLOPs'])} "
             f"| {_fmt(p['sparse_mla_ms'])} | {_fmt(p['sparse_mla_TFLOPs'])} | {_fmt(p['total_ms'])} "
-            f"| {_fmt(p['dense_sdpa_ms'])} | {_fmt(p['dense_sdpa_TFLOPs'])} | {_fmt(p['speedup_vs_dense'], 2)} |")
-    f = result["prefill_forms"]
-    lines += ["", "## Prefill form (per query row, context "
-              f"{f['context']}, {f['rows']} rows)", "",
-              "| form | us per row | bytes gathered per row |", "|---|---|---|",
-              f"| absorbed latent 576/512 (Triton) | {_fmt(f['absorbed_triton_us_per_row'], 2)} "
-              f"| {f['absorbed_bytes_per_row']:,} |",
-              f"| per-head 192/128 (torch gather + matmul) | {_fmt(f['per_head_torch_us_per_row'], 2)} "
-              f"| {f['per_head_bytes_per_row']:,} |", ""]
+            f"| {_fmt(p['dense_sdpa_ms'])} | {_fmt(p['dense_sdpa_TFLOPs'])} "
+            f"| {_fmt(p['speedup_vs_dense'], 2)} |"
+        )
+    lines += ["", "## Tile sweep", "", "| kernel | options | us | rate |", "|---|---|---|---|"]
+    for row in result.get("tile_sweep", []):
+        opts = {k: v for k, v in row.items() if k not in ("kernel", "us", "TFLOPs", "key_TBps", "error")}
+        rate = (
+            f"{row['TFLOPs']:.0f} TFLOP/s"
+            if "TFLOPs" in row
+            else f"{row['key_TBps']:.2f} TB/s"
+            if "key_TBps" in row
+            else row.get("error", "")
+        )
+        lines.append(f"| {row['kernel']} | {opts} | {_fmt(row.get('us'))} | {rate} |")
+    f = result.get("prefill_forms")
+    if f is None:
+        return "\n".join(lines)
+    lines += [
+        "",
+        f"## Prefill form (per query row, context {f['context']}, {f['rows']} rows)",
+        "",
+        "| form | us per row | bytes gathered per row |",
+        "|---|---|---|",
+        f"| absorbed latent 576/512 (Triton) | {_fmt(f['absorbed_triton_us_per_row'], 2)} "
+        f"| {f['absorbed_bytes_per_row']:,} |",
+        f"| per-head 192/128 (torch gather + matmul) | {_fmt(f['per_head_torch_us_per_row'], 2)} "
+        f"| {f['per_head_bytes_per_row']:,} |",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -345,8 +597,9 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="small grid for a smoke run")
     args = parser.parse_args()
     if args.quick:
-        summary = run_dsa_bench(args.out, decode_batches=(1, 4), contexts=(8192,), prefill_lengths=(8192,), reps=3,
-                                prefill_reps=2)
+        summary = run_dsa_bench(
+            args.out, decode_batches=(1, 4), contexts=(8192,), prefill_lengths=(8192,), reps=3, prefill_reps=2
+        )
     else:
         summary = run_dsa_bench(args.out)
     print((args.out / "dsa_bench.md").read_text())

@@ -40,7 +40,9 @@ def describe_model(model: str, progress: Callable[[int, int, str], None] | None 
             "total_with_mtp": counts.total_with_mtp, "active_with_mtp": counts.active_with_mtp,
             "per_component": {c: counts.per_component.get(c, 0) for c in COMPONENTS},
         },
-        "quantization": {c: spec.quant.format_of(c).method for c in COMPONENTS if counts.per_component.get(c)},
+        "quantization": {c: spec.quant.format_of(c).method if c != "mtp" else "as the decoder layers"
+                         for c in COMPONENTS if counts.per_component.get(c)},
+        "estimated_bytes": spec.weight_bytes(),
         "spec": spec.to_dict(),
     }
     if has_weights(model):

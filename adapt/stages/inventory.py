@@ -1185,6 +1185,11 @@ def build_inventory(
             "transformers": trace.transformers_version,
         }
     report.tables["operator gaps"] = [r.row() for r in rows]
+    report.tables["operator variants"] = [
+        {"op": r.op.name, "variant": r.op.detail, "origin": r.op.origin,
+         "modules": ", ".join(sorted(r.op.modules))}
+        for r in rows
+    ]
     report.tables["counts per status"] = [{"status": k, "operators": v} for k, v in counts.items()]
     report.tables["fusion candidates"] = fusion_rows
     report.summary = (

@@ -243,8 +243,9 @@ def test_decode_context_parallel_for_long_contexts(specs, h100):
 
 
 def test_extra_engine_args_reach_the_serve_command():
-    report = run_plan_parallel("qwen3-30b-a3b", "h200", gates=load_gates(), devices=8, context=131_072, batch=1,
-                               rope_factor=4.0)
+    report = run_plan_parallel(
+        "qwen3-30b-a3b", "h200", gates=load_gates(), devices=8, context=131_072, batch=1, rope_factor=4.0
+    )
     extra = report.metrics["extra_engine_args"]
     assert extra["hf_overrides"]["rope_scaling"]["factor"] == 4.0
     assert set(report.metrics["engine_args"]) == ENGINE_KEYS

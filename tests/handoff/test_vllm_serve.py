@@ -1,0 +1,173 @@
+"""vLLM for real: its argument parser on generated commands, and `adapt handoff --launch` end to end.
+
+Needs the serve environment (`make serve-env`, which `make test` runs first). Under CI a missing
+vLLM is a failure, elsewhere these tests skip.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from adapt.cli import app
+from adapt.errors import InputError
+from adapt.handoff.vllm import find_vllm, multi_node_args, serve_command, validate_with_vllm
+from adapt.model.tiny import build_tiny
+from adapt.report import RunDir, StageReport, load_gates
+from adapt.stages.parallel import run_plan_parallel
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def vllm_exe():
+    try:
+        return find_vllm()
+    except InputError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM missing in CI: {exc.line()}")
+        pytest.skip(exc.line())
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    return build_tiny("tiny-qwen3", tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+def plan(devices, nodes):
+    report = run_plan_parallel("deepseek-v3.2", "h200", gates=load_gates(), devices=devices, nodes=nodes,
+                               context=8192, batch=1)
+    return report.metrics["engine_args"]
+
+
+@pytest.mark.timeout(300)
+def test_vllm_parser_accepts_generated_commands(vllm_exe):
+    one_node = plan(8, 1)
+    two_node_dp = multi_node_args(plan(16, 2), 2)
+    two_node_pp = multi_node_args({**one_node, "pipeline_parallel_size": 2}, 2)
+    commands = [serve_command("deepseek-ai/DeepSeek-V3.2", args) for args in (one_node, two_node_dp, two_node_pp)]
+    commands.append(serve_command("/m", {**one_node, "kv_cache_dtype": "fp7"}))
+    results = validate_with_vllm(commands, vllm_exe)
+    for args, result in zip((one_node, two_node_dp, two_node_pp), results[:3], strict=True):
+        assert result["ok"], result
+        parsed = result["engine_args"]
+        assert parsed["model"] == "deepseek-ai/DeepSeek-V3.2"
+        for key, value in args.items():
+            assert parsed[key] == value, key
+    assert results[1]["engine_args"]["data_parallel_backend"] == "ray"
+    assert results[2]["engine_args"]["distributed_executor_backend"] == "ray"
+    assert not results[3]["ok"] and "kv-cache-dtype" in results[3]["error"]
+
+
+def forced_run(tmp_path, engine_args=None):
+    """A run directory holding only a stage-4 report with these engine arguments (hand-off needs --force)."""
+    run = RunDir(tmp_path / "reports", "smoke")
+    if engine_args is not None:
+        run.write(StageReport("parallel", 4, "parallel", metrics={"engine_args": engine_args}))
+    return run
+
+
+def processes_mentioning(text):
+    """Live processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.timeout(900)
+def test_launch_serves_compares_and_tears_down(tmp_path, tiny_qwen3, vllm_exe):
+    run = forced_run(tmp_path)
+    result = CliRunner().invoke(app, ["handoff", str(tiny_qwen3), "--target", "cpu", "--devices", "1",
+                                      "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
+                                      "--launch", "--vllm", str(vllm_exe), "--json"])
+    report = json.loads((run.path / "handoff.json").read_text())
+    smoke = report["metrics"]["smoke"]
+    print(json.dumps({k: smoke.get(k) for k in ("health_s", "requests_s", "transformers_s")}))
+    for name, rows in report["tables"].items():
+        print(name)
+        for row in rows:
+            print(row)
+    assert result.exit_code == 0, result.output
+    assert report["metrics"]["forced"] is True
+    assert smoke["leftover_processes"] == []
+    assert processes_mentioning(str(tiny_qwen3)) == []
+    served = smoke["vllm_vs_transformers"]
+    assert len(served) == 4 and all(c["generated"] == 16 for c in served)
+    assert all(c["top5_overlap"] for c in served)
+    assert len(smoke["vllm_vs_adapt"]) == 4
+    assert not [f for f in report["findings"] if f["severity"] == "error"]
+    assert (run.path / "handoff" / "server.log").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_bad_argument_fails_with_log_tail_and_no_process_left(tmp_path, tiny_qwen3, vllm_exe):
+    forced_run(tmp_path, {"tensor_parallel_size": 1, "no_such_engine_flag": 3})
+    result = CliRunner().invoke(app, ["handoff", str(tiny_qwen3), "--target", "cpu", "--devices", "1",
+                                      "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
+                                      "--launch", "--vllm", str(vllm_exe), "--max-tokens", "2"])
+    assert result.exit_code == 1, result.output
+    assert "last log lines" in result.output
+    assert "no-such-engine-flag" in result.output
+    assert processes_mentioning(str(tiny_qwen3)) == []
+
+
+def test_port_taken_is_bad_input(tmp_path, tiny_qwen3, vllm_exe):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        forced_run(tmp_path, {"tensor_parallel_size": 1})
+        result = CliRunner().invoke(app, ["handoff", str(tiny_qwen3), "--target", "cpu", "--devices", "1",
+                                          "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
+                                          "--launch", "--vllm", str(vllm_exe), "--port", str(port),
+                                          "--max-tokens", "2"])
+    assert result.exit_code == 2, result.output
+    assert "already in use" in result.output
+    assert processes_mentioning(str(tiny_qwen3)) == []
+
+
+def test_missing_model_is_bad_input(tmp_path, vllm_exe):
+    forced_run(tmp_path, {"tensor_parallel_size": 1})
+    result = CliRunner().invoke(app, ["handoff", str(tmp_path / "no-model"), "--target", "cpu", "--devices", "1",
+                                      "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
+                                      "--launch", "--vllm", str(vllm_exe)])
+    assert result.exit_code == 2, result.output
+    assert "not a model directory" in result.output
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_the_server(tmp_path, tiny_qwen3, vllm_exe):
+    run = forced_run(tmp_path, {"tensor_parallel_size": 1})
+    log = run.path / "handoff" / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "adapt.cli", "handoff", str(tiny_qwen3), "--target", "cpu",
+                             "--devices", "1", "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
+                             "--launch", "--vllm", str(vllm_exe)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (log.is_file() and log.stat().st_size > 0) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+        assert log.is_file(), "server never started"
+        assert processes_mentioning(str(tiny_qwen3))
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, output
+    assert processes_mentioning(str(tiny_qwen3)) == []
