@@ -337,6 +337,7 @@ def launch_and_compare(model_dir: str | Path, engine_args: dict[str, Any], *, vl
         free_port,
         has_cuda,
         launch_argv,
+        port_is_free,
         serve_command,
     )
 
@@ -345,6 +346,10 @@ def launch_and_compare(model_dir: str | Path, engine_args: dict[str, Any], *, vl
         raise InputError("not a model directory (no config.json)", file=model_dir,
                          hint="--launch needs the checkpoint on this machine")
     executable = find_vllm(vllm)
+    port = port or free_port()
+    if not port_is_free("127.0.0.1", port):
+        raise InputError(f"port {port} on 127.0.0.1 is already in use", field="--port",
+                         hint="pass a free --port or stop what listens there")
     cuda = has_cuda()
     args, overrides = local_engine_args(engine_args, cuda=cuda, dtype=dtype, max_model_len=max_model_len,
                                         memory_fraction=memory_fraction)
@@ -357,7 +362,7 @@ def launch_and_compare(model_dir: str | Path, engine_args: dict[str, Any], *, vl
     result.metrics["transformers_s"] = round(time.monotonic() - started, 2)
 
     argv = launch_argv(executable, serve_command(str(model_dir.resolve()), args))
-    server = VllmServer(argv, log_path, port=port or free_port(), env=cpu_env())
+    server = VllmServer(argv, log_path, port=port, env=cpu_env())
     result.metrics["serve_argv"] = serve_command(str(model_dir.resolve()), args)
 
     def _terminate(signum, frame):

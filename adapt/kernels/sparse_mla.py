@@ -44,23 +44,23 @@ def _interpreting() -> bool:
 @triton.jit
 def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
                        out_ptr, n_heads, topk, bt_stride, scale_log2,
-                       RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr, QK_CHUNK: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                       GROUP: tl.constexpr, UPCAST: tl.constexpr):
+    """One program: one query row, BLOCK_H heads, RANK / V_SPLIT output columns. q.k is summed
+    over QK_CHUNK-wide slices of the latent so that neither q nor the gathered rows are held
+    whole in registers; the gathered rows' output slice is loaded once more for p @ v."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    v_part = tl.program_id(2)
     VDIM: tl.constexpr = RANK // V_SPLIT
     hmask = heads < n_heads
-    cols = tl.arange(0, RANK)
-    vcols = v_part * VDIM + tl.arange(0, VDIM)
+    vcols = tl.program_id(2) * VDIM + tl.arange(0, VDIM)
+    ccols = tl.arange(0, QK_CHUNK)
     rcols = tl.arange(0, ROPE)
-    q_nope = tl.load(qn_ptr + (row * n_heads + heads[:, None]) * RANK + cols[None, :], mask=hmask[:, None],
-                     other=0.0)
+    q_base = (row * n_heads + heads[:, None]) * RANK
     q_rope = tl.load(qr_ptr + (row * n_heads + heads[:, None]) * ROPE + rcols[None, :], mask=hmask[:, None],
                      other=0.0)
     if UPCAST:
-        q_nope = q_nope.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
     seq = tl.load(seq_ptr + row).to(tl.int64)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -72,29 +72,37 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
         valid = idx >= 0
         page = tl.load(block_table_ptr + seq * bt_stride + idx // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + idx % PAGE
-        kv = tl.load(nope_ptr + slot[:, None] * RANK + cols[None, :], mask=valid[:, None], other=0.0)
-        kv_v = tl.load(nope_ptr + slot[:, None] * RANK + vcols[None, :], mask=valid[:, None], other=0.0)
-        if FP8:
-            sc = tl.load(nscale_ptr + slot[:, None] * (RANK // GROUP) + cols[None, :] // GROUP,
-                         mask=valid[:, None], other=0.0)
-            kv = (kv.to(tl.float32) * sc).to(tl.bfloat16)
-            sc_v = tl.load(nscale_ptr + slot[:, None] * (RANK // GROUP) + vcols[None, :] // GROUP,
-                           mask=valid[:, None], other=0.0)
-            kv_v = (kv_v.to(tl.float32) * sc_v).to(tl.bfloat16)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
         if UPCAST:
-            kv = kv.to(tl.float32)
-            kv_v = kv_v.to(tl.float32)
             k_rope = k_rope.to(tl.float32)
-        s = tl.dot(q_nope, tl.trans(kv)) + tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.dot(q_rope, tl.trans(k_rope))
+        for c in tl.static_range(RANK // QK_CHUNK):
+            q_c = tl.load(qn_ptr + q_base + c * QK_CHUNK + ccols[None, :], mask=hmask[:, None], other=0.0)
+            kv_c = tl.load(nope_ptr + slot[:, None] * RANK + c * QK_CHUNK + ccols[None, :], mask=valid[:, None],
+                           other=0.0)
+            if FP8:
+                sc = tl.load(nscale_ptr + slot * (RANK // GROUP) + (c * QK_CHUNK) // GROUP, mask=valid, other=0.0)
+                kv_c = (kv_c.to(tl.float32) * sc[:, None]).to(tl.bfloat16)
+            if UPCAST:
+                q_c = q_c.to(tl.float32)
+                kv_c = kv_c.to(tl.float32)
+            s += tl.dot(q_c, tl.trans(kv_c))
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        kv_v = tl.load(nope_ptr + slot[:, None] * RANK + vcols[None, :], mask=valid[:, None], other=0.0)
+        if FP8:
+            VG: tl.constexpr = VDIM // GROUP if VDIM >= GROUP else 1
+            VW: tl.constexpr = GROUP if VDIM >= GROUP else VDIM
+            sc_v = tl.load(nscale_ptr + slot[:, None] * (RANK // GROUP) + (tl.program_id(2) * VDIM) // GROUP
+                           + tl.arange(0, VG)[None, :], mask=valid[:, None], other=0.0)
+            kv_v = tl.reshape(tl.reshape(kv_v.to(tl.float32), [BLOCK_K, VG, VW]) * sc_v[:, :, None],
+                              [BLOCK_K, VDIM]).to(tl.bfloat16)
         if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, kv_v)
+            acc = acc * alpha[:, None] + tl.dot(p, kv_v.to(tl.float32))
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv_v)
         m_i = m_new
@@ -107,7 +115,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                latent_scale: torch.Tensor | None, latent_rope: torch.Tensor, block_table: torch.Tensor,
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
-               num_warps: int | None = None) -> torch.Tensor:
+               qk_chunk: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -129,15 +138,19 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
     block_k = block_k or (16 if interpreting else 32)
     v_split = v_split or (1 if interpreting or rank < 512 else 2)
+    qk_chunk = min(rank, qk_chunk or 128)
+    if fp8 and (qk_chunk % group or (rank // v_split) % min(group, rank // v_split)):
+        raise ValueError(f"qk_chunk {qk_chunk} and output slice {rank // v_split} must align with scale group {group}")
     num_warps = num_warps or (4 if interpreting else 8)
+    num_stages = num_stages or (1 if interpreting else 2)
     grid = (n_rows, triton.cdiv(n_heads, block_h), v_split)
     _sparse_mla_kernel[grid](
         q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale if fp8 else latent_nope,
         latent_rope,
         block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(), out,
         n_heads, topk, block_table.stride(0), softmax_scale * math.log2(math.e),
-        RANK=rank, ROPE=rope, V_SPLIT=v_split, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, FP8=fp8,
-        GROUP=group, UPCAST=interpreting, num_warps=num_warps,
+        RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE,
+        FP8=fp8, GROUP=group, UPCAST=interpreting, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -354,6 +354,14 @@ def plan_cost(spec: ModelSpec, target: Target, memory: MemoryPlan, *, nodes: int
 # Solver
 
 
+COST_TIE = 0.05  # relative decode-cost difference below which two plans count as equal
+
+
+def _dimensions(layout) -> int:
+    """How many parallel dimensions a layout uses (TP, PP, DP, DCP above 1)."""
+    return sum(size > 1 for size in (layout.tp, layout.pp, layout.dp, layout.dcp))
+
+
 def plan_parallel(
     spec: ModelSpec,
     target: Target,
@@ -456,10 +464,17 @@ def plan_parallel(
             )
             continue
         plan.cost = plan_cost(spec, target, plan.memory, nodes=nodes, batch=batch)
-    feasible = sorted(
-        (p for p in plans if p.feasible),
-        key=lambda p: (p.cost.decode_step_s, p.cost.prefill_chunk_s, p.layout.pp, p.layout.tp),
-    )
+    feasible = [p for p in plans if p.feasible]
+    best = min((p.cost.decode_step_s for p in feasible), default=0.0)
+
+    def rank(p):
+        # The cost model is a roofline estimate: plans within COST_TIE of the best are equals, and
+        # among equals the simpler layout (fewer parallel dimensions, as published recipes use) wins.
+        tied = p.cost.decode_step_s <= best * (1 + COST_TIE)
+        return (not tied, _dimensions(p.layout) if tied else 0, p.cost.decode_step_s,
+                p.cost.prefill_chunk_s, p.layout.pp, p.layout.tp)
+
+    feasible.sort(key=rank)
     rejected = [p for p in plans if not p.feasible]
     engine_args = _engine_args(feasible[0], options) if feasible else {}
     result = ParallelResult(

@@ -52,10 +52,11 @@ def test_vllm_parser_accepts_generated_commands(vllm_exe):
     one_node = plan(8, 1)
     two_node_dp = multi_node_args(plan(16, 2), 2)
     two_node_pp = multi_node_args({**one_node, "pipeline_parallel_size": 2}, 2)
-    commands = [serve_command("deepseek-ai/DeepSeek-V3.2", args) for args in (one_node, two_node_dp, two_node_pp)]
+    plans = (one_node, two_node_dp, two_node_pp)
+    commands = [serve_command("deepseek-ai/DeepSeek-V3.2", args) for args in plans]
     commands.append(serve_command("/m", {**one_node, "kv_cache_dtype": "fp7"}))
     results = validate_with_vllm(commands, vllm_exe)
-    for args, result in zip((one_node, two_node_dp, two_node_pp), results[:3], strict=True):
+    for args, result in zip(plans, results[:3], strict=True):
         assert result["ok"], result
         parsed = result["engine_args"]
         assert parsed["model"] == "deepseek-ai/DeepSeek-V3.2"
@@ -141,8 +142,8 @@ def test_port_taken_is_bad_input(tmp_path, tiny_qwen3, vllm_exe):
 
 def test_missing_model_is_bad_input(tmp_path, vllm_exe):
     forced_run(tmp_path, {"tensor_parallel_size": 1})
-    result = CliRunner().invoke(app, ["handoff", str(tmp_path / "no-model"), "--target", "cpu", "--devices", "1",
-                                      "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
+    result = CliRunner().invoke(app, ["handoff", str(tmp_path / "no-model"), "--target", "cpu",
+                                      "--devices", "1", "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
                                       "--launch", "--vllm", str(vllm_exe)])
     assert result.exit_code == 2, result.output
     assert "not a model directory" in result.output
@@ -152,9 +153,9 @@ def test_missing_model_is_bad_input(tmp_path, vllm_exe):
 def test_ctrl_c_stops_the_server(tmp_path, tiny_qwen3, vllm_exe):
     run = forced_run(tmp_path, {"tensor_parallel_size": 1})
     log = run.path / "handoff" / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "adapt.cli", "handoff", str(tiny_qwen3), "--target", "cpu",
-                             "--devices", "1", "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
-                             "--launch", "--vllm", str(vllm_exe)],
+    proc = subprocess.Popen([sys.executable, "-m", "adapt.cli", "handoff", str(tiny_qwen3), "--target",
+                             "cpu", "--devices", "1", "--run", "smoke", "--output", str(tmp_path / "reports"),
+                             "--force", "--launch", "--vllm", str(vllm_exe)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240

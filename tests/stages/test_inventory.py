@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from adapt.cli import app
 from adapt.errors import InputError
+from adapt.model.spec import load_spec, spec_from_config
 from adapt.stages.inventory import (
     FUSIONS,
     OP_KINDS,
@@ -25,7 +26,6 @@ from adapt.stages.inventory import (
     trace_model,
     unmet_requirements,
 )
-from adapt.model.spec import load_spec, spec_from_config
 from adapt.targets.target import load_stack, load_target, stack_names
 
 CONFIGS = Path("/work/shared/configs")
@@ -150,8 +150,8 @@ def test_gap_without_plan_fails_the_gate(tmp_path):
 
 def test_gpt_oss_sinks_mxfp4_and_clamped_swiglu(gpt_oss_h200):
     rows = _rows(gpt_oss_h200)
-    for name in ("attention_sliding_window_sinks", "attention_gqa_sinks", "mxfp4_decode", "moe_grouped_gemm_mxfp4",
-                 "swiglu_clamped", "routing_topk_softmax", "rope_yarn"):
+    for name in ("attention_sliding_window_sinks", "attention_gqa_sinks", "mxfp4_decode",
+                 "moe_grouped_gemm_mxfp4", "swiglu_clamped", "routing_topk_softmax", "rope_yarn"):
         assert name in rows, name
         assert rows[name].status == "native"
     assert rows["attention_sliding_window_sinks"].op.layers == set(range(0, 36, 2))
@@ -286,7 +286,8 @@ def test_cli_inventory_writes_reports(tmp_path):
     run = tmp_path / "r1"
     assert {"inventory.json", "inventory.md", "inventory.junit.xml", "inventory.detail.json"} <= {
         p.name for p in run.iterdir()}
-    assert "| op | kind | status | provided by / reason | count | layers |" in (run / "inventory.md").read_text()
+    header = "| op | kind | status | provided by / reason | count | layers |"
+    assert header in (run / "inventory.md").read_text()
     detail = json.loads((run / "inventory.detail.json").read_text())
     assert any(a["op"] == "aten._grouped_mm.default" for a in detail["aten"])
 

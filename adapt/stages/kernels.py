@@ -1,0 +1,827 @@
+"""Stage 3: tolerance tests of every adapt kernel the model needs on the target.
+
+Which kernels: the ModelSpec's semantic operators (``adapt.stages.inventory.ops_from_spec``, no
+trace) are classified against the target's stack table (``inventory.classify``). An operator
+needs a check when the stack provides it through an adapt kernel (status ``adapt_kernel``), or
+when the stack lacks it (``missing``) and adapt has a kernel for it (``ADAPT_KERNEL_FOR_OP``).
+Native and composable operators are listed as not needing a check.
+
+How each kernel is checked: on small shapes scaled down from the spec (head-count ratios, top-k
+against sequences shorter and longer than k, the model's routing rule, activation and
+gate/up layout, widths of a few dozen), the Triton kernel is compared with
+
+- its torch twin (the same quantized operands, fp32 math), and
+- a float64 reference computed here from the dequantized operands,
+
+as ``||out - ref|| / ||ref||`` over the entries both define. A non-finite output never passes.
+Selections (indexer top-k, routed experts) are compared as sets per row: a row agrees when the
+sets are equal, or differ only in entries whose reference score ties the k-th score (within
+the float32 tolerance of the row's largest score). Quantizers are checked against the float64
+values they encode; those thresholds come from the measured quantization error of e4m3 and
+MXFP4 on standard-normal data (see ``gates.yaml``, section ``kernels``).
+
+Tolerances by dtype path (gate keys): ``fp32`` math on exact operands -> max_rel_error_fp32;
+bf16 operands or outputs -> max_rel_error_bf16; e4m3 quantization of activations or cache rows
+-> max_rel_error_fp8; MXFP4 weight encoding -> max_rel_error_mxfp4; top-k rows that disagree ->
+max_topk_mismatch_rows.
+
+On a machine without CUDA the kernels run under the Triton interpreter: ``TRITON_INTERPRET=1``
+is set before the kernel modules are imported (modules imported earlier without it are
+reloaded), and the report says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from adapt.errors import InputError
+from adapt.model.spec import LayerSpec, ModelSpec, load_spec
+from adapt.report import StageReport, fingerprint, load_gates, now_iso
+from adapt.stages.inventory import GapRow, classify, ops_from_spec
+from adapt.targets.target import load_stack, load_target
+
+# Semantic operator -> the adapt kernel that implements it, for stacks that lack the operator.
+ADAPT_KERNEL_FOR_OP = {
+    "dsa_indexer": "adapt.kernels.dsa.index_topk",
+    "attention_mla_sparse": "adapt.kernels.sparse_mla.sparse_mla",
+    "kv_cache_indexer": "adapt.runtime.kv_cache.PagedDSACache",
+    "moe_grouped_gemm_mxfp4": "adapt.kernels.moe_gemm.moe_forward",
+    "mxfp4_decode": "adapt.kernels.mxfp4.dequantize_mxfp4",
+    "moe_permute": "adapt.kernels.routing.permute_by_expert",
+    "routing_softmax_topk": "adapt.kernels.routing.route",
+    "routing_topk_softmax": "adapt.kernels.routing.route",
+    "routing_sigmoid_topk": "adapt.kernels.routing.route",
+    "routing_sigmoid_group_topk": "adapt.kernels.routing.route",
+}
+# Modules holding Triton kernels, in import-dependency order (reloaded in this order).
+KERNEL_MODULES = ("adapt.kernels.mxfp4", "adapt.kernels.routing", "adapt.kernels.dsa",
+                  "adapt.kernels.sparse_mla", "adapt.kernels.moe_gemm", "adapt.kernels.workspace")
+GATE_KEYS = {"fp32": "max_rel_error_fp32", "bf16": "max_rel_error_bf16", "fp8": "max_rel_error_fp8",
+             "mxfp4": "max_rel_error_mxfp4", "topk": "max_topk_mismatch_rows"}
+SEED = 0
+
+
+@dataclass
+class CheckResult:
+    """One tolerance check of one kernel.
+
+    op: semantic operator; kernel: the function checked; check: what was compared
+    dtype_path: "fp32" | "bf16" | "fp8" | "mxfp4" | "topk" (selects the tolerance)
+    twin_error / ref_error: relative L2 error against the torch twin / the float64 reference
+        (for "topk": rows whose selection disagrees); None where that comparison does not apply
+    tolerance: the gate value applied to both; passed: both within it and every output finite
+    """
+
+    op: str
+    kernel: str
+    check: str
+    dtype_path: str
+    twin_error: float | None
+    ref_error: float | None
+    tolerance: float
+    finite: bool = True
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        errors = [e for e in (self.twin_error, self.ref_error) if e is not None]
+        return self.finite and all(math.isfinite(e) and e <= self.tolerance for e in errors)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "op": self.op, "kernel": self.kernel, "check": self.check,
+            "twin rel err": _num(self.twin_error, self.dtype_path),
+            "float64 rel err": _num(self.ref_error, self.dtype_path),
+            "tolerance": self.tolerance, "dtype path": self.dtype_path,
+            "result": ("pass" if self.passed else "FAIL") + (f" ({self.detail})" if self.detail else ""),
+        }
+
+
+def _num(value: float | None, path: str) -> Any:
+    if value is None:
+        return "-"
+    if path == "topk":
+        return int(value)
+    return float(f"{value:.3g}")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Small shapes scaled down from the spec (sizes in elements, counts in tokens)."""
+
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
+    mla_heads: int = 0
+    mla_rank: int = 0
+    mla_rope: int = 0
+    mla_scale: float = 0.0
+    lengths: tuple[int, ...] = ()
+    experts: int = 0
+    top_k: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    hidden: int = 64
+    intermediate: int = 64
+    tokens: int = 24
+
+
+def _pow2_at_least(value: int, floor: int) -> int:
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(1, value)))))
+
+
+def scaled_shapes(spec: ModelSpec) -> Shapes:
+    """Shapes for the checks: the spec's head ratios and top-k semantics at widths of tens.
+
+    Indexer heads / 16 and MLA heads / 32 (DeepSeek-V3.2: 64 -> 4, 128 -> 4), index dim / 4 (a
+    power of two, at least 16), latent rank / 8 (at least 32), rope / 4 (at least 16); top-k
+    index_topk / 64 (at least 8, at most index_topk), checked on one sequence shorter than k and
+    one several times longer. Experts: enough for top-k and the groups (at most the model's),
+    keeping top_k, n_group and topk_group.
+    """
+    values: dict[str, Any] = {}
+    dsa = next((layer.attention for layer in spec.layers if layer.attention.kind == "mla+dsa"), None)
+    if dsa is not None:
+        topk = min(dsa.index_topk, max(8, dsa.index_topk // 64))
+        values.update(
+            index_heads=max(2, dsa.index_n_heads // 16),
+            index_dim=_pow2_at_least(dsa.index_head_dim // 4, 16),
+            index_topk=topk,
+            mla_heads=max(2, dsa.num_heads // 32),
+            mla_rank=_pow2_at_least(dsa.kv_lora_rank // 8, 32),
+            mla_rope=_pow2_at_least(dsa.qk_rope_head_dim // 4, 16),
+            mla_scale=dsa.head_dim ** -0.5,
+            lengths=(max(1, topk // 2 + 3), 3 * topk + 5),
+        )
+    moe = _first_moe(spec)
+    if moe is not None:
+        ffn = moe.ffn
+        experts = min(ffn.num_experts, max(2 * ffn.top_k, 4 * ffn.n_group, 8))
+        experts -= experts % ffn.n_group
+        values.update(experts=experts, top_k=ffn.top_k, n_group=ffn.n_group, topk_group=ffn.topk_group)
+    return Shapes(**values)
+
+
+def _first_moe(spec: ModelSpec) -> LayerSpec | None:
+    return next((layer for layer in spec.layers if layer.ffn.kind == "moe"), None)
+
+
+# ---------------------------------------------------------------- interpreter
+
+
+def use_interpreter_if_no_cuda() -> bool:
+    """Set TRITON_INTERPRET=1 when torch sees no CUDA device; returns whether the interpreter is used.
+
+    Kernel modules imported before without the interpreter are reloaded (in dependency order)
+    so that their ``@triton.jit`` functions become interpreted ones.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    os.environ["TRITON_INTERPRET"] = "1"
+    stale = [name for name in KERNEL_MODULES if name in sys.modules and not _interpreted(sys.modules[name])]
+    if stale:
+        for name in KERNEL_MODULES:
+            if name in sys.modules:
+                importlib.reload(sys.modules[name])
+    return True
+
+
+def _interpreted(module) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    jitted = [v for v in vars(module).values() if isinstance(v, (JITFunction, InterpretedFunction))]
+    return all(isinstance(v, InterpretedFunction) for v in jitted)
+
+
+# ---------------------------------------------------------------- comparisons
+
+
+def rel_error(out, ref, mask=None) -> float:
+    """||out - ref|| / ||ref|| in float64 over ``mask`` (all entries when None); inf when ``out``
+    has a non-finite entry there; 0 when both are zero."""
+    import torch
+
+    a, b = out.double().cpu(), ref.double().cpu()
+    if mask is not None:
+        a, b = a[mask.cpu()], b[mask.cpu()]
+    if not torch.isfinite(a).all():
+        return math.inf
+    norm = float(b.norm())
+    diff = float((a - b).norm())
+    return diff / norm if norm else (0.0 if diff == 0 else math.inf)
+
+
+def topk_mismatch_rows(got, ref_scores, k: int, tie_tol: float) -> int:
+    """Rows whose selected set is not a valid top-k of ``ref_scores``.
+
+    got: int [N, k] selected columns (-1 = none); ref_scores: float64 [N, S], -inf where not
+    visible. A row is valid when it holds min(k, visible) distinct visible columns, -1 in the
+    rest, and every selected score is at least the k-th largest score minus ``tie_tol`` times
+    the row's largest magnitude (ties at the k-th score may go either way).
+    """
+    import torch
+
+    got, ref_scores = got.cpu().long(), ref_scores.cpu().double()
+    bad = 0
+    for row in range(ref_scores.shape[0]):
+        scores = ref_scores[row]
+        visible = int(torch.isfinite(scores).sum())
+        want = min(k, visible)
+        chosen = got[row][got[row] >= 0]
+        if int((got[row] == -1).sum()) != k - want or len(set(chosen.tolist())) != want:
+            bad += 1
+            continue
+        if want == 0:
+            continue
+        if (chosen >= scores.shape[0]).any() or not torch.isfinite(scores[chosen]).all():
+            bad += 1
+            continue
+        kth = scores.topk(want).values[-1]
+        slack = tie_tol * float(scores[torch.isfinite(scores)].abs().max())
+        if bool((scores[chosen] < kth - slack).any()):
+            bad += 1
+    return bad
+
+
+# ---------------------------------------------------------------- checks
+
+
+@dataclass
+class Context:
+    """What every check gets: shapes, spec, device, tolerances (gate key -> value), the fp8 path."""
+
+    spec: ModelSpec
+    shapes: Shapes
+    device: str
+    tolerances: dict[str, float]
+    fp8_compute: bool
+
+    def tol(self, path: str) -> float:
+        return float(self.tolerances[GATE_KEYS[path]])
+
+    def gen(self, offset: int = 0):
+        import torch
+
+        return torch.Generator().manual_seed(SEED + offset)
+
+
+def _randn(ctx: Context, *shape, gen, scale: float = 1.0):
+    import torch
+
+    return (torch.randn(*shape, generator=gen) * scale).to(ctx.device)
+
+
+def _dsa_cache(ctx: Context, latent_format: str, gen):
+    """A one-layer PagedDSACache with the check's sequences written in one prefill step.
+
+    Returns (layer cache, batch, latent fp32 [N, rank], index keys float64 [N, index_dim])."""
+    import torch
+
+    from adapt.kernels import dsa
+    from adapt.runtime.kv_cache import PAGE_SIZE, PagedDSACache
+
+    s = ctx.shapes
+    cache = PagedDSACache(num_pages=sum(-(-n // PAGE_SIZE) for n in s.lengths) + 1, num_layers=1,
+                          kv_lora_rank=s.mla_rank, rope_dim=s.mla_rope, index_head_dim=s.index_dim,
+                          latent_format=latent_format, latent_scale_group=max(16, s.mla_rank // 4),
+                          device=ctx.device)
+    batch = cache.append_tokens([cache.add_sequence() for _ in s.lengths], list(s.lengths))
+    n = batch.num_tokens
+    latent = _randn(ctx, n, s.mla_rank, gen=gen)
+    keys = torch.randn(n, s.index_dim, generator=gen, dtype=torch.float64)
+    k8, kscale = dsa.quantize_fp8_rows(keys.float().to(ctx.device))
+    layer = cache.layer(0)
+    layer.write(batch.slots, latent, _randn(ctx, n, s.mla_rope, gen=gen), k8, kscale)
+    return layer, batch, latent, keys
+
+
+def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
+    """index_scores (Triton, e4m3 operands) and index_topk against twins and float64, prefill rows."""
+    import torch
+
+    from adapt.kernels import dsa
+
+    s = ctx.shapes
+    gen = ctx.gen(1)
+    layer, batch, _, _ = _dsa_cache(ctx, "bf16", gen)
+    n = batch.num_tokens
+    q8, q_scale = dsa.quantize_fp8_rows(_randn(ctx, n, s.index_heads, s.index_dim, gen=gen))
+    weights = dsa.fold_index_weights(_randn(ctx, n, s.index_heads, gen=gen), q_scale, s.index_dim)
+    limits = (batch.positions + 1).int()
+    cols = max(dsa.KEY_BLOCK, -(-max(s.lengths) // dsa.KEY_BLOCK) * dsa.KEY_BLOCK)
+    args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
+    got = dsa.index_scores(*args, cols)
+    twin = dsa.index_scores_torch(*args, cols)
+    # float64: I[t, s] = kscale[s] * sum_h w[t, h] * relu(q8[t, h] . k8[s]) over visible s
+    ref = torch.full((n, cols), -math.inf, dtype=torch.float64)
+    slots_of = batch.block_table.long().cpu()
+    keys = layer.index_k.reshape(-1, s.index_dim).double().cpu()
+    kscale = layer.index_scale.reshape(-1).double().cpu()
+    for row in range(n):
+        limit = int(limits[row])
+        pos = torch.arange(limit)
+        slots = slots_of[int(batch.token_seq[row])][pos // 64] * 64 + pos % 64
+        logits = q8[row].double().cpu() @ keys[slots].T
+        ref[row, :limit] = (logits.clamp_min(0) * weights[row].double().cpu()[:, None]).sum(0) * kscale[slots]
+    visible = torch.isfinite(ref)
+    mask_ok = bool(torch.equal(torch.isfinite(got.cpu()), visible) or not torch.isfinite(got.cpu()[visible]).all())
+    finite = bool(torch.isfinite(got.cpu()[visible]).all()) and not bool(torch.isnan(got).any())
+    same_mask = bool(torch.equal(torch.isfinite(got.cpu()), visible))
+    results = [CheckResult(op, "adapt.kernels.dsa.index_scores", "indexer scores (prefill)", "fp32",
+                           rel_error(got, twin, visible), rel_error(got, ref, visible), ctx.tol("fp32"),
+                           finite=finite and same_mask and mask_ok,
+                           detail="" if same_mask else "-inf mask differs from the causal limits")]
+    k = s.index_topk
+    idx, _ = dsa.index_topk(*args, k)
+    idx_twin, _ = dsa.index_topk_torch(*args, k)
+    tie = ctx.tol("fp32")
+    results.append(CheckResult(
+        op, "adapt.kernels.dsa.index_topk", f"top-{k} sets over {n} rows", "topk",
+        topk_mismatch_rows(idx, twin.double(), k, tie) + topk_mismatch_rows(idx_twin, ref, k, tie),
+        topk_mismatch_rows(idx, ref, k, tie), ctx.tol("topk")))
+    results[-1].twin_error = topk_mismatch_rows(idx, twin.double(), k, tie)
+    return results
+
+
+def check_sparse_mla(ctx: Context, op: str) -> list[CheckResult]:
+    """sparse_mla over the indexer's selection, bf16 and fp8 latent caches, vs twin and float64."""
+    import torch
+
+    from adapt.kernels import sparse_mla
+
+    s = ctx.shapes
+    results = []
+    for offset, latent_format in enumerate(("bf16", "fp8")):
+        gen = ctx.gen(10 + offset)
+        layer, batch, latent, _ = _dsa_cache(ctx, latent_format, gen)
+        n = batch.num_tokens
+        rows = []
+        for pos in batch.positions.tolist():
+            chosen = torch.randperm(pos + 1, generator=gen)[: s.index_topk]
+            padded = torch.cat([chosen, torch.full((s.index_topk - len(chosen),), -1)])
+            rows.append(padded[torch.randperm(s.index_topk, generator=gen)])
+        indices = torch.stack(rows).int().to(ctx.device)
+        q_nope = _randn(ctx, n, s.mla_heads, s.mla_rank, gen=gen).bfloat16()
+        q_rope = _randn(ctx, n, s.mla_heads, s.mla_rope, gen=gen).bfloat16()
+        args = (q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, batch.block_table,
+                batch.token_seq, indices, s.mla_scale)
+        got = sparse_mla.sparse_mla(*args)
+        twin = sparse_mla.sparse_mla_torch(*args)
+        ref = _mla_reference(layer, batch, indices, q_nope, q_rope, s.mla_scale, None)
+        results.append(CheckResult(op, "adapt.kernels.sparse_mla.sparse_mla",
+                                   f"attention over top-{s.index_topk}, {latent_format} latent cache", "bf16",
+                                   rel_error(got, twin), rel_error(got, ref), ctx.tol("bf16"),
+                                   finite=bool(torch.isfinite(got).all())))
+        if latent_format == "fp8":
+            exact = _mla_reference(layer, batch, indices, q_nope, q_rope, s.mla_scale, latent)
+            results.append(CheckResult(op, "adapt.kernels.sparse_mla.sparse_mla",
+                                       "fp8 latent cache vs unquantized latent (float64)", "fp8",
+                                       None, rel_error(got, exact), ctx.tol("fp8"),
+                                       finite=bool(torch.isfinite(got).all())))
+    return results
+
+
+def _mla_reference(layer, batch, indices, q_nope, q_rope, scale, latent):
+    """float64 softmax(q . [nope, rope] * scale) @ nope over each row's selected positions.
+
+    Cache rows are dequantized from the cache, or taken from ``latent`` (fp32 [N, rank], in
+    slot order of ``batch``) for the nope part when given."""
+    import torch
+
+    rank = q_nope.shape[-1]
+    out = torch.zeros(q_nope.shape, dtype=torch.float64)
+    slot_row = {int(slot): i for i, slot in enumerate(batch.slots.tolist())}
+    for row in range(q_nope.shape[0]):
+        idx = indices[row].long().cpu()
+        idx = idx[idx >= 0]
+        if idx.numel() == 0:
+            continue
+        pages = batch.block_table[int(batch.token_seq[row])].long().cpu()[idx // 64]
+        slots = pages * 64 + idx % 64
+        kv = layer.latent_rows(slots.to(q_nope.device)).double().cpu()
+        if latent is not None:
+            kv[:, :rank] = latent.double().cpu()[[slot_row[int(x)] for x in slots]]
+        q = torch.cat([q_nope[row], q_rope[row]], -1).double().cpu()
+        out[row] = torch.softmax(q @ kv.T * scale, -1) @ kv[:, :rank]
+    return out
+
+
+def check_indexer_cache(ctx: Context, op: str) -> list[CheckResult]:
+    """Indexer keys through quantize_fp8_rows (Triton) into the paged cache and back, vs the twin
+    quantizer's round trip and the float64 keys."""
+    import torch
+
+    from adapt.kernels import dsa
+
+    gen = ctx.gen(20)
+    layer, batch, _, keys = _dsa_cache(ctx, "bf16", gen)
+    got = layer.index_key_rows(batch.slots)
+    k8, kscale = dsa.quantize_fp8_rows_torch(keys.float().to(ctx.device))
+    twin = k8.float() * kscale.unsqueeze(-1)
+    return [CheckResult(op, "adapt.runtime.kv_cache.PagedDSACache", "indexer key e4m3 round trip", "fp8",
+                        rel_error(got, twin), rel_error(got, keys), ctx.tol("fp8"),
+                        finite=bool(torch.isfinite(got).all()))]
+
+
+def _router_config(ctx: Context):
+    from adapt.kernels.routing import RouterConfig
+
+    ffn = _first_moe(ctx.spec).ffn
+    s = ctx.shapes
+    return RouterConfig(top_k=s.top_k, scoring=ffn.scoring, n_group=s.n_group, topk_group=s.topk_group,
+                        renormalize=ffn.norm_topk_prob or ctx.spec.model_type == "gpt_oss",
+                        routed_scaling=ffn.routed_scaling)
+
+
+def route_reference(logits, config, bias):
+    """float64 routing: (weights [T, k], ids [T, k], selection scores [T, E] with -inf outside the
+    kept groups)."""
+    import torch
+
+    logits = logits.double().cpu()
+    t, e = logits.shape
+    scores = torch.sigmoid(logits) if config.scoring == "sigmoid" else torch.softmax(logits, -1)
+    choice = scores + bias.double().cpu() if bias is not None else scores.clone()
+    if config.n_group > 1:
+        grouped = choice.view(t, config.n_group, e // config.n_group)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = best.topk(config.topk_group, dim=-1).indices
+        kept = torch.zeros(t, config.n_group, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(e // config.n_group, dim=1), -math.inf)
+    ids = choice.topk(config.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if config.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * config.routed_scaling, ids, choice
+
+
+def _dense(weights, ids, experts: int):
+    """[T, k] weights at ids -> float64 [T, E]."""
+    import torch
+
+    out = torch.zeros(ids.shape[0], experts, dtype=torch.float64)
+    return out.scatter_(1, ids.long().cpu(), weights.double().cpu())
+
+
+def _route_inputs(ctx: Context, gen):
+    ffn = _first_moe(ctx.spec).ffn
+    logits = _randn(ctx, ctx.shapes.tokens, ctx.shapes.experts, gen=gen)
+    bias = _randn(ctx, ctx.shapes.experts, gen=gen, scale=0.1) if ffn.correction_bias else None
+    return logits, bias
+
+
+def check_routing(ctx: Context, op: str) -> list[CheckResult]:
+    """route (Triton) vs route_torch and float64: expert sets per token and the routed weights."""
+    import torch
+
+    from adapt.kernels import routing
+
+    config = _router_config(ctx)
+    logits, bias = _route_inputs(ctx, ctx.gen(30))
+    w, ids = routing.route(logits, config, bias)
+    w_twin, ids_twin = routing.route_torch(logits, config, bias)
+    w_ref, ids_ref, choice = route_reference(logits, config, bias)
+    tie = ctx.tol("fp32")
+    e = ctx.shapes.experts
+    rule = f"{config.scoring} top-{config.top_k} of {e}" + (
+        f", {config.topk_group} of {config.n_group} groups" if config.n_group > 1 else "")
+    return [
+        CheckResult(op, "adapt.kernels.routing.route", f"expert sets ({rule})", "topk",
+                    topk_mismatch_rows(ids, _choice_fp32(logits, config, bias, routing), config.top_k, tie),
+                    topk_mismatch_rows(ids, choice, config.top_k, tie), ctx.tol("topk")),
+        CheckResult(op, "adapt.kernels.routing.route", "routed weights", "fp32",
+                    rel_error(_dense(w, ids, e), _dense(w_twin, ids_twin, e)),
+                    rel_error(_dense(w, ids, e), _dense(w_ref, ids_ref, e)), ctx.tol("fp32"),
+                    finite=bool(torch.isfinite(w).all())),
+    ]
+
+
+def _choice_fp32(logits, config, bias, routing):
+    """The twin's selection scores (fp32), as float64 [T, E] with -inf outside the kept groups."""
+    _, _, choice = route_reference(logits.float(), config, bias)
+    return choice
+
+
+def check_permute(ctx: Context, op: str) -> list[CheckResult]:
+    """permute_by_expert (Triton) vs its twin: the sorted slot order must be identical."""
+    import torch
+
+    from adapt.kernels import routing
+
+    config = _router_config(ctx)
+    logits, bias = _route_inputs(ctx, ctx.gen(40))
+    _, ids = routing.route_torch(logits, config, bias)
+    got = routing.permute_by_expert(ids, ctx.shapes.experts)
+    twin = routing.permute_by_expert_torch(ids, ctx.shapes.experts)
+    flat = ids.reshape(-1).long().cpu()
+    expected = flat.sort(stable=True).values
+    differs = sum(int(not torch.equal(a.cpu(), b.cpu())) for a, b in (
+        (got.sorted_slot, twin.sorted_slot), (got.slot_pos, twin.slot_pos),
+        (got.expert_offsets, twin.expert_offsets)))
+    wrong = int(not torch.equal(flat[got.sorted_slot.long().cpu()], expected))
+    return [CheckResult(op, "adapt.kernels.routing.permute_by_expert", "slot order by expert (stable)", "topk",
+                        differs, wrong, ctx.tol("topk"))]
+
+
+def _mxfp4_layer(ctx: Context, gen):
+    """Random MoE layer (experts as in the spec's layout) quantized with quantize_mxfp4 (Triton).
+
+    Returns (MoEWeights, w1 float64 [E, 2I, H], w2 float64 [E, H, I])."""
+    import torch
+
+    from adapt.kernels import moe_gemm, mxfp4
+
+    s, ffn = ctx.shapes, _first_moe(ctx.spec).ffn
+    w1 = torch.randn(s.experts, 2 * s.intermediate, s.hidden, generator=gen, dtype=torch.float64) * 0.1
+    w2 = torch.randn(s.experts, s.hidden, s.intermediate, generator=gen, dtype=torch.float64) * 0.1
+    b1 = _randn(ctx, s.experts, 2 * s.intermediate, gen=gen, scale=0.1) if ffn.bias else None
+    b2 = _randn(ctx, s.experts, s.hidden, gen=gen, scale=0.1) if ffn.bias else None
+    p1, s1 = mxfp4.quantize_mxfp4(w1.float().to(ctx.device))
+    p2, s2 = mxfp4.quantize_mxfp4(w2.float().to(ctx.device))
+    weights = moe_gemm.MoEWeights(mxfp4.to_gpt_oss_blocks(p1), s1, mxfp4.to_gpt_oss_blocks(p2), s2, b1, b2,
+                                  gate_up_interleaved=ctx.spec.model_type == "gpt_oss")
+    return weights, w1, w2
+
+
+def check_mxfp4_codec(ctx: Context, op: str) -> list[CheckResult]:
+    """quantize_mxfp4 / dequantize_mxfp4 (Triton) vs twins (bit-exact expected) and float64 values."""
+    import torch
+
+    from adapt.kernels import mxfp4
+
+    gen = ctx.gen(50)
+    x = torch.randn(4 * ctx.shapes.hidden, 2 * ctx.shapes.hidden, generator=gen, dtype=torch.float64)
+    packed, scales = mxfp4.quantize_mxfp4(x.float().to(ctx.device))
+    p_twin, s_twin = mxfp4.quantize_mxfp4_torch(x.float().to(ctx.device))
+    decoded = mxfp4.dequantize_mxfp4(packed, scales)
+    twin = mxfp4.dequantize_mxfp4_torch(packed, scales)
+    codes_differ = int((packed != p_twin).sum() + (scales != s_twin).sum())
+    return [
+        CheckResult(op, "adapt.kernels.mxfp4.dequantize_mxfp4", "E2M1 + E8M0 decode", "fp32",
+                    rel_error(decoded, twin), rel_error(decoded, _decode_f64(packed, scales)), ctx.tol("fp32"),
+                    finite=bool(torch.isfinite(decoded).all())),
+        CheckResult(op, "adapt.kernels.mxfp4.quantize_mxfp4", "encode N(0,1) weights", "mxfp4",
+                    None, rel_error(decoded, x), ctx.tol("mxfp4"),
+                    finite=codes_differ == 0,
+                    detail="" if codes_differ == 0 else f"{codes_differ} bytes differ from the twin"),
+    ]
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _decode_f64(packed, scales):
+    """float64 MXFP4 decode from the format definition: code bits (sign, 3-bit magnitude) x 2**(s-127)."""
+    import torch
+
+    p = packed.long().cpu()
+    codes = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
+    magnitude = torch.tensor(E2M1, dtype=torch.float64)[codes & 7]
+    values = torch.where(codes >= 8, -magnitude, magnitude)
+    scale = torch.pow(2.0, scales.double().cpu() - 127).repeat_interleave(32, dim=-1)
+    return values * scale
+
+
+def check_mxfp4_moe(ctx: Context, op: str) -> list[CheckResult]:
+    """moe_forward (routing, permutation, fused MXFP4 grouped GEMMs, combine) vs moe_forward_torch
+    and a float64 layer on the dequantized weights; the bf16 path, and the fp8 path on fp8 targets."""
+    import torch
+
+    from adapt.kernels import moe_gemm, routing
+
+    s, ffn = ctx.shapes, _first_moe(ctx.spec).ffn
+    gen = ctx.gen(60)
+    weights, _, _ = _mxfp4_layer(ctx, gen)
+    hidden = _randn(ctx, s.tokens, s.hidden, gen=gen).bfloat16()
+    gate = _randn(ctx, s.experts, s.hidden, gen=gen, scale=s.hidden ** -0.5)
+    bias = _randn(ctx, s.experts, gen=gen, scale=0.1) if ffn.correction_bias else None
+    config = _router_config(ctx)
+    activation = ffn.activation
+    limit = ffn.swiglu_limit or 7.0
+    kw = dict(correction_bias=bias, activation=activation, limit=limit)
+    ref = _moe_reference(hidden, routing.gate_logits(hidden, gate), weights, config, bias, activation, limit)
+    results = []
+    for compute in ("bf16", "fp8") if ctx.fp8_compute else ("bf16",):
+        got = moe_gemm.moe_forward(hidden, gate, weights, config, compute=compute, **kw)
+        twin = moe_gemm.moe_forward_torch(hidden, gate, weights, config, compute=compute, **kw)
+        results.append(CheckResult(
+            op, "adapt.kernels.moe_gemm.moe_forward",
+            f"MoE layer, {s.experts} experts top-{config.top_k}, {activation}, {compute} compute", compute,
+            rel_error(got, twin), rel_error(got, ref), ctx.tol(compute), finite=bool(torch.isfinite(got).all())))
+    return results
+
+
+def _moe_reference(hidden, logits, weights, config, bias, activation, limit, alpha: float = 1.702):
+    """float64 MoE layer on the exactly decoded MXFP4 weights: [T, H]."""
+    import torch
+
+    w1 = _decode_f64(weights.w1_packed, weights.w1_scales)
+    w2 = _decode_f64(weights.w2_packed, weights.w2_scales)
+    if weights.gate_up_interleaved:
+        wg, wu = w1[:, 0::2], w1[:, 1::2]
+    else:
+        wg, wu = w1.chunk(2, dim=1)
+    b1 = weights.w1_bias.double().cpu() if weights.w1_bias is not None else None
+    if b1 is not None:
+        bg, bu = (b1[:, 0::2], b1[:, 1::2]) if weights.gate_up_interleaved else b1.chunk(2, dim=1)
+    b2 = weights.w2_bias.double().cpu() if weights.w2_bias is not None else None
+    topw, ids, _ = route_reference(logits, config, bias)
+    x = hidden.double().cpu()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = wg[e] @ x[t], wu[e] @ x[t]
+            if b1 is not None:
+                g, u = g + bg[e], u + bu[e]
+            if activation == "swiglu_clamped":
+                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+                h = g * torch.sigmoid(alpha * g) * (u + 1)
+            else:
+                h = torch.nn.functional.silu(g) * u
+            y = w2[e] @ h + (b2[e] if b2 is not None else 0)
+            out[t] += topw[t, j] * y
+    return out
+
+
+CHECKS: dict[str, Callable[[Context, str], list[CheckResult]]] = {
+    "adapt.kernels.dsa.index_topk": check_dsa_indexer,
+    "adapt.kernels.sparse_mla.sparse_mla": check_sparse_mla,
+    "adapt.runtime.kv_cache.PagedDSACache": check_indexer_cache,
+    "adapt.kernels.moe_gemm.moe_forward": check_mxfp4_moe,
+    "adapt.kernels.mxfp4.dequantize_mxfp4": check_mxfp4_codec,
+    "adapt.kernels.routing.route": check_routing,
+    "adapt.kernels.routing.permute_by_expert": check_permute,
+}
+# A whole-layer kernel also runs the checks of the kernels inside it.
+PARTS = {"adapt.kernels.moe_gemm.moe_forward": ("adapt.kernels.routing.route",
+                                                "adapt.kernels.routing.permute_by_expert",
+                                                "adapt.kernels.mxfp4.dequantize_mxfp4")}
+
+
+# ---------------------------------------------------------------- the stage
+
+
+@dataclass
+class Need:
+    """An operator that needs a check: its classification and the adapt kernel that provides it."""
+
+    row: GapRow
+    kernel: str
+
+
+def needed_kernels(spec: ModelSpec, rows: list[GapRow]) -> tuple[list[Need], list[GapRow]]:
+    """Split classified operators into (those needing a kernel check, the others)."""
+    needs, others = [], []
+    for row in rows:
+        if row.status == "adapt_kernel":
+            needs.append(Need(row, row.kernel))
+        elif row.status == "missing" and row.stack_status in ("missing", "absent") \
+                and row.op.name in ADAPT_KERNEL_FOR_OP:
+            needs.append(Need(row, ADAPT_KERNEL_FOR_OP[row.op.name]))
+        else:
+            others.append(row)
+    return needs, others
+
+
+def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: dict | None = None,
+                     device: str | None = None) -> StageReport:
+    """Stage 3 as a gated report (stage "kernels", number 3).
+
+    model: preset, config.json or model directory; target: name or YAML; stack: stack name or
+    YAML (default: the target's default_stack); gates: the full gates dict (default gates.yaml);
+    device: "cpu" or "cuda" (default: cuda when available, else cpu under the Triton interpreter).
+    """
+    started = now_iso()
+    clock = time.perf_counter()
+    gates = gates if gates is not None else load_gates()
+    thresholds = {**load_gates()["kernels"], **gates.get("kernels", {})}
+    spec = load_spec(model)
+    tgt = load_target(target)
+    table = load_stack(stack or tgt.default_stack)
+    report = StageReport(stage="kernels", number=3, title="Kernel tolerance tests", started=started)
+
+    ops, _ = ops_from_spec(spec)
+    needs, others = needed_kernels(spec, [classify(op, table, tgt) for op in ops])
+    for row in others:
+        if row.status in ("native", "composable"):
+            continue
+        report.add("info", "kernels.not_checked",
+                   f"{row.op.name}: {row.status} on {tgt.name} with no adapt kernel to check ({row.provided})")
+    native = [r.op.name for r in others if r.status == "native"]
+    composable = [r.op.name for r in others if r.status == "composable"]
+    if native:
+        report.add("info", "kernels.native", f"not needed: native in {table.name}: {', '.join(native)}")
+    if composable:
+        report.add("info", "kernels.composable",
+                   f"not needed: composable in {table.name} from native operators: {', '.join(composable)}")
+
+    interpreter = False
+    results: list[CheckResult] = []
+    device_name = "-"
+    if needs:
+        import torch
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+            raise InputError(f"cannot run kernel checks on device {device!r}", field="device",
+                             hint="use 'cpu' (Triton interpreter) or 'cuda' on a machine with a GPU")
+        interpreter = use_interpreter_if_no_cuda() if device == "cpu" else False
+        if device == "cpu" and torch.cuda.is_available():
+            raise InputError("Triton kernels run on CUDA tensors when a GPU is present", field="device",
+                             hint="use device 'cuda' here")
+        device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+        ctx = Context(spec, scaled_shapes(spec), device, thresholds, fp8_compute=tgt.supports_dtype("fp8"))
+        results = _run_checks(ctx, needs, report)
+
+    rows_table = [r.row() for r in results]
+    if rows_table:
+        report.tables["kernel checks"] = rows_table
+    for r in results:
+        if not r.passed:
+            what = "non-finite output" if not r.finite and not r.detail else (r.detail or "")
+            errors = ", ".join(f"{name} {value:.3g}" for name, value in
+                               (("twin", r.twin_error), ("float64", r.ref_error)) if value is not None)
+            report.add("error", "kernels.tolerance",
+                       f"{r.op}: {r.kernel} ({r.check}) fails: {errors} vs tolerance {r.tolerance:g}"
+                       + (f"; {what}" if what else ""),
+                       "run the kernel's own tests (pytest tests/kernels) and compare with its torch twin")
+    if interpreter:
+        report.add("info", "kernels.interpreter",
+                   "no CUDA device: the Triton kernels ran under the Triton interpreter (TRITON_INTERPRET=1) "
+                   "on CPU; GPU code generation was not exercised")
+    if not needs:
+        report.add("info", "kernels.none_needed",
+                   f"{spec.name if hasattr(spec, 'name') else model} needs no adapt kernel on {tgt.name} "
+                   f"with stack {table.name}")
+    failed = [r for r in results if not r.passed]
+    by_path: dict[str, float] = {}
+    for r in results:
+        if r.dtype_path == "topk":
+            continue
+        worst = max((e for e in (r.twin_error, r.ref_error) if e is not None), default=0.0)
+        by_path[r.dtype_path] = max(by_path.get(r.dtype_path, 0.0), worst)
+    report.metrics = {
+        "ops_needing_checks": len(needs), "ops_native": len(native), "ops_composable": len(composable),
+        "checks_run": len(results), "checks_failed": len(failed),
+        "max_rel_error_by_path": by_path, "seconds": round(time.perf_counter() - clock, 2),
+        "triton_interpreter": interpreter,
+    }
+    checked = sorted({n.row.op.name for n in needs})
+    report.summary = (f"{len(results)} check(s) of {len(checked)} operator(s) needing adapt kernels "
+                      f"({', '.join(checked) or 'none'}) on {device_name}; {len(failed)} failed.")
+    report.fingerprint = fingerprint(spec_hash=spec.spec_hash(), model=model, target=tgt.name, stack=table.name,
+                                     device=device_name, interpreter=interpreter, seed=SEED,
+                                     shapes=vars(scaled_shapes(spec)), gates=thresholds)
+    report.finished = now_iso()
+    report.decide()
+    return report
+
+
+def _run_checks(ctx: Context, needs: list[Need], report: StageReport) -> list[CheckResult]:
+    """Each needed kernel's checks once (whole-layer kernels bring their parts); a check that
+    raises is a failed check, reported with the exception."""
+    results: list[CheckResult] = []
+    done: set[str] = set()
+    for need in needs:
+        for kernel in (need.kernel, *PARTS.get(need.kernel, ())):
+            if kernel in done:
+                continue
+            done.add(kernel)
+            check = CHECKS.get(kernel)
+            if check is None:
+                report.add("error", "kernels.no_check",
+                           f"{need.row.op.name}: adapt kernel {kernel} has no tolerance check in stage 3",
+                           "add a check to adapt/stages/kernels.py (CHECKS) or mark the op differently in the stack")
+                continue
+            op = need.row.op.name if kernel == need.kernel else _part_op(ctx, kernel, need.row.op.name)
+            try:
+                results.extend(check(ctx, op))
+            except Exception as exc:  # a kernel that crashes fails its gate with the reason
+                report.add("error", "kernels.crashed", f"{op}: {kernel} raised {type(exc).__name__}: {exc}",
+                           "run the kernel's own tests (pytest tests/kernels)")
+    return results
+
+
+def _part_op(ctx: Context, kernel: str, parent_op: str) -> str:
+    """The semantic operator a part of a whole-layer kernel stands for."""
+    from adapt.stages.inventory import _routing_name
+
+    if kernel == "adapt.kernels.routing.route":
+        ffn = _first_moe(ctx.spec).ffn
+        return _routing_name(ffn.scoring, ffn.n_group, ctx.spec.model_type == "gpt_oss")
+    if kernel == "adapt.kernels.routing.permute_by_expert":
+        return "moe_permute"
+    if kernel == "adapt.kernels.mxfp4.dequantize_mxfp4":
+        return "mxfp4_decode"
+    return parent_op

@@ -1,0 +1,142 @@
+"""Stage 0: the preflight checklist (checked here where possible, listed where not)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from adapt.cli import app
+from adapt.stages import preflight
+from adapt.stages.preflight import run_preflight
+from adapt.targets.target import load_target
+
+H200_GPU = [{"name": "NVIDIA H200", "driver_version": "570.124.06", "memory.total": "143771 MiB",
+             "compute_cap": "9.0"}]
+
+
+def _checks(report) -> dict[str, dict]:
+    return {row["check"]: row for row in report.tables["checklist"]}
+
+
+def _target(tmp_path: Path, name: str, **changes) -> str:
+    data = yaml.safe_load(Path(load_target("h200").path).read_text())
+    data.update(name=name, **changes)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_without_gpu_lists_instead_of_failing(tmp_path):
+    report = run_preflight("h200", "deepseek-v3.2", tmp_path, gpus=None)
+    checks = _checks(report)
+    assert report.stage == "preflight" and report.number == 0
+    assert checks["driver"]["status"] == "cannot check here"
+    assert checks["local GPU vs target"]["status"] == "cannot check here"
+    assert checks["memory headroom"]["status"] == "not run"
+    assert checks["fp8 weights"]["status"] == "ok"
+    dsa = checks["sparse attention (DSA)"]
+    assert dsa["status"] == "ok" and "sm90" in dsa["detail"]
+    assert report.verdict == "warn"          # only the missing --eval-data warns
+    assert not [f for f in report.findings if f.severity == "error"]
+
+
+def test_gpu_rows_are_checked_against_the_target():
+    report = run_preflight("h200", None, None, gpus=H200_GPU)
+    checks = _checks(report)
+    assert checks["driver"]["status"] == "ok" and "570.124.06" in checks["driver"]["detail"]
+    assert checks["local GPU vs target"]["status"] == "ok"
+    other = _checks(run_preflight("b200", None, None, gpus=H200_GPU))
+    assert other["local GPU vs target"]["status"] == "warn"
+
+
+def test_fp8_model_on_target_without_fp8_fails(tmp_path):
+    target = _target(tmp_path, "no-fp8", native_dtypes=["fp32", "bf16"])
+    report = run_preflight(target, "deepseek-v3.2", None, gpus=None)
+    assert _checks(report)["fp8 weights"]["status"] == "fail"
+    assert report.verdict == "fail"
+
+
+def test_dsa_needs_sm90(tmp_path):
+    target = _target(tmp_path, "ampere", compute_capability="8.0", native_dtypes=["fp32", "bf16", "fp8"])
+    checks = _checks(run_preflight(target, "deepseek-v3.2", None, gpus=None))
+    assert checks["sparse attention (DSA)"]["status"] == "fail"
+    assert checks["fp8 weights"]["status"] == "fail"   # fp8 compute needs sm89
+
+
+def test_mxfp4_native_only_on_blackwell():
+    hopper = _checks(run_preflight("h200", "gpt-oss-120b", None, gpus=None))["mxfp4 experts"]
+    assert "no native MXFP4 MMA" in hopper["detail"] and "mxfp4_to_fp8" in hopper["detail"]
+    blackwell = _checks(run_preflight("b200", "gpt-oss-120b", None, gpus=None))["mxfp4 experts"]
+    assert "has native MXFP4 MMA" in blackwell["detail"]
+
+
+@pytest.mark.parametrize(("installed", "status"),
+                         [("0.10.2", "fail"), ("0.11.0", "ok"), ("0.12.1.dev4+gabc", "ok")])
+def test_vllm_version_against_model_features(monkeypatch, installed, status):
+    real = preflight._version
+    monkeypatch.setattr(preflight, "_version", lambda pkg: installed if pkg == "vllm" else real(pkg))
+    check = _checks(run_preflight("h200", "deepseek-v3.2", None, gpus=None))["vllm"]
+    assert check["status"] == status
+    if status == "fail":
+        assert "mla+dsa needs vLLM >= 0.11.0" in check["detail"]
+
+
+def _memory_report(run_dir: Path, used_gib: float, verdict: str = "pass") -> None:
+    gib = 2**30
+    metrics = {"device_memory_bytes": int(140 * gib),
+               "terms": {"weights": int((used_gib - 10) * gib), "kv_cache": int(10 * gib),
+                         "headroom": int(5 * gib)}}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "memory.json").write_text(json.dumps({"verdict": verdict, "metrics": metrics}))
+
+
+def test_memory_headroom_from_stage_2(tmp_path):
+    _memory_report(tmp_path / "ok", used_gib=100)     # 40 of 140 GiB free = 28.6%
+    check = _checks(run_preflight("h200", None, tmp_path / "ok", gpus=None))["memory headroom"]
+    assert check["status"] == "ok" and "28.6%" in check["detail"]
+    _memory_report(tmp_path / "tight", used_gib=120)  # 14.3% free < 20%
+    tight = _checks(run_preflight("h200", None, tmp_path / "tight", gpus=None))["memory headroom"]
+    assert tight["status"] == "fail"
+    stricter = {"memory": {"headroom_fraction": 0.3}}
+    assert _checks(run_preflight("h200", None, tmp_path / "ok", gpus=None, gates=stricter))[
+        "memory headroom"]["status"] == "fail"
+
+
+def test_memory_headroom_from_a_real_stage_2_report(tmp_path):
+    from adapt.report import RunDir, load_gates
+    from adapt.stages.memory import run_plan_memory
+
+    run = RunDir(tmp_path, "r")
+    run.write(run_plan_memory("gpt-oss-120b", "h200", gates=load_gates(), devices=1, context=8192, batch=1))
+    check = _checks(run_preflight("h200", "gpt-oss-120b", run.path, gpus=None))["memory headroom"]
+    assert check["status"] in ("ok", "fail") and "GiB free after the plan's terms" in check["detail"]
+
+
+def test_eval_data(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "2+2="}\n')
+    status = lambda path: _checks(run_preflight("h200", None, None, eval_data=path, gpus=None))[  # noqa: E731
+        "evaluation data (stage 5)"]["status"]
+    assert status(tmp_path / "absent") == "fail"
+    assert status(empty) == "fail"
+    assert status(data) == "ok"
+    assert status(None) == "warn"
+
+
+def test_cli_preflight(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("x\n")
+    result = CliRunner().invoke(app, ["preflight", "--target", "h200", "--model", "gpt-oss-120b",
+                                      "--eval-data", str(data), "--output", str(tmp_path), "--run", "p",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stage"] == "preflight"
+    assert (tmp_path / "p" / "preflight.json").is_file()
+    bad = CliRunner().invoke(app, ["preflight", "--target", "no-such-target", "--output", str(tmp_path)])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
