@@ -44,8 +44,9 @@ def _interpreting() -> bool:
 @triton.jit
 def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
                        out_ptr, n_heads, topk, bt_stride, scale_log2,
-                       RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr, QK_CHUNK: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                       RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr,
+                       QK_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PAGE: tl.constexpr, FP8: tl.constexpr,
                        GROUP: tl.constexpr, UPCAST: tl.constexpr):
     """One program: one query row, BLOCK_H heads, RANK / V_SPLIT output columns. q.k is summed
     over QK_CHUNK-wide slices of the latent so that neither q nor the gathered rows are held
@@ -78,10 +79,11 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
         s = tl.dot(q_rope, tl.trans(k_rope))
         for c in tl.static_range(RANK // QK_CHUNK):
             q_c = tl.load(qn_ptr + q_base + c * QK_CHUNK + ccols[None, :], mask=hmask[:, None], other=0.0)
-            kv_c = tl.load(nope_ptr + slot[:, None] * RANK + c * QK_CHUNK + ccols[None, :], mask=valid[:, None],
-                           other=0.0)
+            kv_c = tl.load(nope_ptr + slot[:, None] * RANK + c * QK_CHUNK + ccols[None, :],
+                           mask=valid[:, None], other=0.0)
             if FP8:
-                sc = tl.load(nscale_ptr + slot * (RANK // GROUP) + (c * QK_CHUNK) // GROUP, mask=valid, other=0.0)
+                sc = tl.load(nscale_ptr + slot * (RANK // GROUP) + (c * QK_CHUNK) // GROUP, mask=valid,
+                             other=0.0)
                 kv_c = (kv_c.to(tl.float32) * sc[:, None]).to(tl.bfloat16)
             if UPCAST:
                 q_c = q_c.to(tl.float32)
@@ -138,9 +140,10 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
     block_k = block_k or (16 if interpreting else 32)
     v_split = v_split or (1 if interpreting or rank < 512 else 2)
-    qk_chunk = min(rank, qk_chunk or 128)
-    if fp8 and (qk_chunk % group or (rank // v_split) % min(group, rank // v_split)):
-        raise ValueError(f"qk_chunk {qk_chunk} and output slice {rank // v_split} must align with scale group {group}")
+    qk_chunk = min(rank, qk_chunk or 128, group)
+    if fp8 and (group % qk_chunk or (rank // v_split) % min(group, rank // v_split)):
+        raise ValueError(f"qk_chunk {qk_chunk} and output slice {rank // v_split} must align with the "
+                         f"scale group {group}")
     num_warps = num_warps or (4 if interpreting else 8)
     num_stages = num_stages or (1 if interpreting else 2)
     grid = (n_rows, triton.cdiv(n_heads, block_h), v_split)
@@ -149,8 +152,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
         latent_rope,
         block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(), out,
         n_heads, topk, block_table.stride(0), softmax_scale * math.log2(math.e),
-        RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE,
-        FP8=fp8, GROUP=group, UPCAST=interpreting, num_warps=num_warps, num_stages=num_stages,
+        RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k,
+        PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, UPCAST=interpreting, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

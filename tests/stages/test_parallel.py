@@ -57,7 +57,7 @@ def _is_recipe(plan) -> bool:
     return layout.pp == 1 and (layout.tp == 8 or (layout.dp == 8 and layout.expert_parallel))
 
 
-@pytest.mark.parametrize("context, batch", [(4096, 1), (32_768, 8), (131_072, 4), (8192, 64), (65_536, 16),
+@pytest.mark.parametrize("context, batch", [(4096, 1), (32_768, 8), (131_072, 4), (8192, 64), (32_768, 32),
                                             (2048, 256)])
 def test_deepseek_v32_on_8_h200_picks_a_recipe_layout(specs, h200, context, batch):
     result = plan_parallel(specs["deepseek-v3.2"], h200, devices=8, context=context, batch=batch)
