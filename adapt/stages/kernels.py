@@ -32,9 +32,10 @@ reloaded), and the report says so.
 
 from __future__ import annotations
 
-import importlib
+import json
 import math
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from typing import Any
 
 from adapt.errors import InputError
 from adapt.model.spec import LayerSpec, ModelSpec, load_spec
-from adapt.report import StageReport, fingerprint, load_gates, now_iso
+from adapt.report import EXIT_BAD_INPUT, Finding, StageReport, fingerprint, load_gates, now_iso
 from adapt.stages.inventory import GapRow, classify, ops_from_spec
 from adapt.targets.target import load_stack, load_target
 
@@ -60,9 +61,8 @@ ADAPT_KERNEL_FOR_OP = {
     "routing_sigmoid_topk": "adapt.kernels.routing.route",
     "routing_sigmoid_group_topk": "adapt.kernels.routing.route",
 }
-# Modules holding Triton kernels, in import-dependency order (reloaded in this order).
-KERNEL_MODULES = ("adapt.kernels.mxfp4", "adapt.kernels.routing", "adapt.kernels.dsa",
-                  "adapt.kernels.sparse_mla", "adapt.kernels.moe_gemm", "adapt.kernels.workspace")
+TITLE = "Kernel tolerance tests"
+CHILD_TIMEOUT_S = 600
 GATE_KEYS = {"fp32": "max_rel_error_fp32", "bf16": "max_rel_error_bf16", "fp8": "max_rel_error_fp8",
              "mxfp4": "max_rel_error_mxfp4", "topk": "max_topk_mismatch_rows"}
 SEED = 0
@@ -176,31 +176,55 @@ def _first_moe(spec: ModelSpec) -> LayerSpec | None:
 # ---------------------------------------------------------------- interpreter
 
 
-def use_interpreter_if_no_cuda() -> bool:
-    """Set TRITON_INTERPRET=1 when torch sees no CUDA device; returns whether the interpreter is used.
+def interpreter_state() -> str:
+    """How Triton kernels can run in this process on a machine without CUDA.
 
-    Kernel modules imported before without the interpreter are reloaded (in dependency order)
-    so that their ``@triton.jit`` functions become interpreted ones.
+    "interpreter": TRITON_INTERPRET=1 is set and triton is not imported yet, or was imported
+    with it (set here when needed); "compiled": triton was already imported without it, so its
+    own ``@triton.jit`` helpers cannot be interpreted in this process.
     """
-    import torch
-
-    if torch.cuda.is_available():
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    os.environ["TRITON_INTERPRET"] = "1"
-    stale = [name for name in KERNEL_MODULES if name in sys.modules and not _interpreted(sys.modules[name])]
-    if stale:
-        for name in KERNEL_MODULES:
-            if name in sys.modules:
-                importlib.reload(sys.modules[name])
-    return True
-
-
-def _interpreted(module) -> bool:
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return "interpreter"
+    import triton.language.standard as standard
     from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
 
-    jitted = [v for v in vars(module).values() if isinstance(v, (JITFunction, InterpretedFunction))]
-    return all(isinstance(v, InterpretedFunction) for v in jitted)
+    return "interpreter" if isinstance(standard.sum, InterpretedFunction) else "compiled"
+
+
+def _run_in_interpreter_process(model: str, target: str, stack: str | None, gates: dict) -> StageReport:
+    """Run this stage in a fresh Python with TRITON_INTERPRET=1 (this one imported triton without
+    it) and rebuild its report."""
+    request = json.dumps({"model": model, "target": target, "stack": stack, "gates": gates})
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "adapt.stages.kernels"], input=request, capture_output=True,
+                          text=True, env=env, timeout=CHILD_TIMEOUT_S)
+    if done.returncode == EXIT_BAD_INPUT:
+        data = json.loads(done.stdout)
+        raise InputError(data["message"], file=data.get("file"), field=data.get("field"), hint=data.get("hint"))
+    if done.returncode != 0:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        report = StageReport(stage="kernels", number=3, title=TITLE, started=now_iso())
+        report.add("error", "kernels.crashed", f"the interpreter process exited {done.returncode}: {tail}")
+        report.finished = now_iso()
+        return report
+    data = json.loads(done.stdout)
+    data.pop("schema", None)
+    data["findings"] = [Finding(**f) for f in data["findings"]]
+    return StageReport(**data)
+
+
+def _child_main() -> None:
+    """``python -m adapt.stages.kernels``: read a request (JSON on stdin), print the report's JSON."""
+    request = json.loads(sys.stdin.read())
+    try:
+        report = run_kernel_tests(request["model"], request["target"], stack=request["stack"],
+                                  gates=request["gates"], device="cpu")
+    except InputError as exc:
+        print(json.dumps({"message": exc.message, "file": str(exc.file) if exc.file else None,
+                          "field": exc.field, "hint": exc.hint}))
+        sys.exit(EXIT_BAD_INPUT)
+    print(report.to_json())
 
 
 # ---------------------------------------------------------------- comparisons
@@ -725,14 +749,25 @@ def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: d
     YAML (default: the target's default_stack); gates: the full gates dict (default gates.yaml);
     device: "cpu" or "cuda" (default: cuda when available, else cpu under the Triton interpreter).
     """
+    import torch
+
     started = now_iso()
     clock = time.perf_counter()
     gates = gates if gates is not None else load_gates()
     thresholds = {**load_gates()["kernels"], **gates.get("kernels", {})}
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise InputError(f"cannot run kernel checks on device {device!r}", field="device",
+                         hint="use 'cpu' (Triton interpreter) or 'cuda' on a machine with a GPU")
+    if device == "cpu" and torch.cuda.is_available():
+        raise InputError("with a GPU present the Triton kernels run on it", field="device", hint="use 'cuda'")
+    # Before anything imports triton (classifying adapt_kernel entries imports the kernel modules).
+    if device == "cpu" and interpreter_state() == "compiled":
+        return _run_in_interpreter_process(model, target, stack, gates)
     spec = load_spec(model)
     tgt = load_target(target)
     table = load_stack(stack or tgt.default_stack)
-    report = StageReport(stage="kernels", number=3, title="Kernel tolerance tests", started=started)
+    report = StageReport(stage="kernels", number=3, title=TITLE, started=started)
 
     ops, _ = ops_from_spec(spec)
     needs, others = needed_kernels(spec, [classify(op, table, tgt) for op in ops])
@@ -749,21 +784,10 @@ def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: d
         report.add("info", "kernels.composable",
                    f"not needed: composable in {table.name} from native operators: {', '.join(composable)}")
 
-    interpreter = False
+    interpreter = device == "cpu"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     results: list[CheckResult] = []
-    device_name = "-"
     if needs:
-        import torch
-
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-            raise InputError(f"cannot run kernel checks on device {device!r}", field="device",
-                             hint="use 'cpu' (Triton interpreter) or 'cuda' on a machine with a GPU")
-        interpreter = use_interpreter_if_no_cuda() if device == "cpu" else False
-        if device == "cpu" and torch.cuda.is_available():
-            raise InputError("Triton kernels run on CUDA tensors when a GPU is present", field="device",
-                             hint="use device 'cuda' here")
-        device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
         ctx = Context(spec, scaled_shapes(spec), device, thresholds, fp8_compute=tgt.supports_dtype("fp8"),
                       op_names=tuple(op.name for op in ops))
         results = _run_checks(ctx, needs, report)
@@ -846,3 +870,7 @@ def _part_op(ctx: Context, kernel: str, parent_op: str) -> str:
     if kernel == "adapt.kernels.mxfp4.dequantize_mxfp4":
         return "mxfp4_decode"
     return parent_op
+
+
+if __name__ == "__main__":
+    _child_main()
