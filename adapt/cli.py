@@ -356,6 +356,69 @@ def handoff_command(
     finish(report, as_json, run, extra=files)
 
 
+@app.command("run")
+def run_command(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory or a tiny model (tiny-dsa, tiny-oss, tiny-qwen3).")],
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="Prompt text (repeat for a batch).")] = None,
+    token_ids: Annotated[list[str] | None, typer.Option(
+        "--token-ids", help="Prompt as comma-separated token ids (repeat for a batch).")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
+    layers: Annotated[str | None, typer.Option(
+        "--layers", help="Decoder layers: a count N or a list such as 0,3,60 (default: all).")] = None,
+    kernels: Annotated[str, typer.Option(
+        "--kernels", help="none, all, or a comma list of attention, indexer, moe, norm_rope.")] = "none",
+    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: bfloat16 or float32.")] = "bfloat16",
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate with adapt's runtime (torch reference or adapt kernels per op family), whole or reduced depth."""
+    from adapt.runtime.engine import prepare_triton
+
+    prepare_triton()
+    import torch
+    from rich.progress import Progress
+
+    from adapt.runtime.engine import Engine, encode_prompts, resolve_model_dir
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise InputError(f"expected bfloat16 or float32, got {dtype!r}", field="--dtype")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise InputError(f"device {device!r} is not available here", field="--device", hint="use cpu or cuda")
+    directory = resolve_model_dir(model)
+    prompts, tokenizer = encode_prompts(directory, prompt or [], token_ids or [])
+    engine = Engine.load(directory, layers=layers, kernels=kernels, dtype=dtypes[dtype], device=device,
+                         max_tokens=sum(len(p) + max_new_tokens for p in prompts) + 64)
+    with Progress(console=err_console, disable=as_json) as progress:
+        tasks = {"prefill": progress.add_task("prefill", total=sum(map(len, prompts))),
+                 "decode": progress.add_task("decode", total=max_new_tokens * len(prompts))}
+
+        def tick(phase: str, done: int, total: int, seconds: float) -> None:
+            rate = done / seconds if seconds > 0 else 0.0
+            progress.update(tasks[phase], completed=done, total=total,
+                            description=f"{phase} {done}/{total} tokens, {rate:,.1f} tok/s")
+
+        result = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=tick)
+    rows = [{"prompt_tokens": len(p), "tokens": t, "text": tokenizer.decode(t) if tokenizer else None,
+             "stopped_at_eos": f} for p, t, f in zip(prompts, result.tokens, result.finished, strict=True)]
+    summary = {"model": str(directory), "layers": [layer.index for layer in engine.model.layers],
+               "kernels": engine.model.paths, "kernel_refusals": engine.model.kernel_refusals,
+               "dtype": dtype, "sequences": rows,
+               "prefill": {"tokens": result.timing.prefill_tokens, "seconds": result.timing.prefill_s},
+               "decode": {"tokens": result.timing.decode_tokens, "seconds": result.timing.decode_s}}
+    if as_json:
+        print_json(summary)
+        return
+    for reason_key, reason in summary["kernel_refusals"].items():
+        err_console.print(f"[yellow]{reason_key} runs the torch path:[/yellow] {reason}")
+    for index, row in enumerate(rows):
+        console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens): {row['tokens']}")
+        if row["text"] is not None:
+            console.print(repr(row["text"]), markup=False, highlight=False)
+
+
 def _no_status():
     import contextlib
 

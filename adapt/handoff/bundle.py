@@ -149,6 +149,8 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
                    "the run has no preflight report; the bundle lists no environment checks",
                    hint="run `adapt preflight` in this run directory")
     report.metrics["bundle_files"] = sorted(files)
+    if export_note:
+        report.add("warn", "dequantized-export", export_note)
     report.summary = (f"vLLM bundle for {model} on {devices} x {resolved_target.name}"
                       + (f" over {nodes} nodes" if nodes > 1 else "") + f" in {run.path / BUNDLE_DIR}")
     report.tables["gates"] = [{"stage": s, "verdict": v or "not run"} for s, v in verdicts.items()]
@@ -211,7 +213,18 @@ def run_handoff(model: str, *, target: str, devices: int, nodes: int, run: RunDi
 
     Returns (report, bundle files for ``RunDir.write``, the server's last log lines if it failed).
     """
-    report, files = write_bundle(model, target=target, devices=devices, nodes=nodes, run=run, force=force)
+    from adapt.targets.target import load_target
+
+    export_note = served = None
+    source_dir = Path(model_reference(model))
+    if needs_dequantized_experts(source_dir, load_target(target).compute_capability):
+        check_gates(run, model=model, target=target, devices=devices, nodes=nodes, force=force)
+        served = str(export_dequantized(source_dir, run.path / BUNDLE_DIR / "model-bf16"))
+        export_note = (f"`{served}` is {source_dir} with its MXFP4 experts dequantized to bf16 by "
+                       "transformers (vLLM's CPU MoE cannot run MXFP4 without AMX); it is not the stored "
+                       "checkpoint.")
+    report, files = write_bundle(model, target=target, devices=devices, nodes=nodes, run=run, force=force,
+                                 export_note=export_note, served_model=served)
     argv = report.metrics["serve_command"]
     if validate:
         from adapt.handoff.vllm import validate_with_vllm
@@ -226,7 +239,7 @@ def run_handoff(model: str, *, target: str, devices: int, nodes: int, run: RunDi
     if launch:
         from adapt.handoff.smoke import launch_and_compare
 
-        smoke = launch_and_compare(model_reference(model), report.metrics["engine_args"], vllm=vllm,
+        smoke = launch_and_compare(served or model_reference(model), report.metrics["engine_args"], vllm=vllm,
                                    log_path=run.path / BUNDLE_DIR / "server.log", gates=gates["handoff"],
                                    port=port, max_tokens=max_tokens, dtype=dtype,
                                    memory_fraction=memory_fraction, health_timeout_s=health_timeout_s)
@@ -239,3 +252,46 @@ def run_handoff(model: str, *, target: str, devices: int, nodes: int, run: RunDi
                                                         "log_tail": log_tail}, indent=2, default=str) + "\n"
     report.decide()
     return report, files, log_tail
+
+
+def needs_dequantized_experts(model_dir: Path, target_compute: str) -> bool:
+    """Whether the CPU backend needs this checkpoint re-exported: MXFP4 experts on a ``cpu`` target.
+
+    vLLM's CPU MoE has no MXFP4 path on processors without AMX, so the CPU smoke test serves a
+    copy whose experts are bf16.
+    """
+    config_path = Path(model_dir) / "config.json"
+    if target_compute != "cpu" or not config_path.is_file():
+        return False
+    quant = json.loads(config_path.read_text()).get("quantization_config") or {}
+    return quant.get("quant_method") == "mxfp4"
+
+
+def export_dequantized(model_dir: Path, out_dir: Path) -> Path:
+    """Write ``model_dir`` with MXFP4 experts dequantized to bf16 into ``out_dir`` (transformers layout).
+
+    transformers does the conversion (``Mxfp4Config(dequantize=True)``); its state dict is written
+    as one safetensors file (``save_pretrained`` of a dequantized model leaves the experts out,
+    transformers 5.19), the config without ``quantization_config``; tokenizer and generation
+    files are copied unchanged.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16,
+                                                 quantization_config=Mxfp4Config(dequantize=True))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["dtype"] = "bfloat16"
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "tokenizer.model", "chat_template.jinja"):
+        if (Path(model_dir) / name).is_file():
+            shutil.copy2(Path(model_dir) / name, out_dir / name)
+    return out_dir

@@ -86,7 +86,7 @@ class Comparison:
             "divergence gap (nats)": "-" if self.divergence_gap is None else round(self.divergence_gap, 5),
             "top-5 overlap min": round(self.min_overlap, 3),
             "top-5 overlap mean": round(self.mean_overlap, 3),
-            "max |dlogprob| (nats)": round(self.max_logprob_diff, 5),
+            "max |dlogprob| (nats)": float(f"{self.max_logprob_diff:.3g}"),
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -84,6 +84,7 @@ FP8_GROUP = 128
 # weights
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass
 class MoEWeights:
     """One MoE layer's expert weights in MXFP4 (gpt-oss tensor layout).
@@ -108,8 +109,10 @@ class MoEWeights:
         if e2 != e or n1 % 2 or kb2 * 32 * 2 != n1 or kb1 * 32 != h:
             raise InputError(
                 f"w1 blocks {tuple(self.w1_blocks.shape)} and w2 blocks {tuple(self.w2_blocks.shape)} do not "
-                "form an MoE layer", field="w2_blocks",
-                hint="expect w1 [E, 2I, H/32, 16] and w2 [E, H, I/32, 16]")
+                "form an MoE layer",
+                field="w2_blocks",
+                hint="expect w1 [E, 2I, H/32, 16] and w2 [E, H, I/32, 16]",
+            )
         if tuple(self.w1_scales.shape) != (e, n1, kb1) or tuple(self.w2_scales.shape) != (e, h, kb2):
             raise InputError("MXFP4 scales do not match their blocks", field="w1_scales")
 
@@ -166,8 +169,16 @@ class FP8Weights:
         """Convert every expert (per-row exponent fold, the same rule as the fused fp8 path)."""
         a = mxfp4_to_fp8(weights.w1_packed, weights.w1_scales, group_k=None, validate=validate)
         b = mxfp4_to_fp8(weights.w2_packed, weights.w2_scales, group_k=None, validate=validate)
-        return cls(a.values, a.exponents[..., 0].contiguous(), b.values, b.exponents[..., 0].contiguous(),
-                   weights.w1_bias, weights.w2_bias, weights.gate_up_interleaved, a.lost + b.lost)
+        return cls(
+            a.values,
+            a.exponents[..., 0].contiguous(),
+            b.values,
+            b.exponents[..., 0].contiguous(),
+            weights.w1_bias,
+            weights.w2_bias,
+            weights.gate_up_interleaved,
+            a.lost + b.lost,
+        )
 
     def nbytes(self) -> int:
         ts = [self.w1, self.w1_exp, self.w2, self.w2_exp, self.w1_bias, self.w2_bias]
@@ -177,6 +188,7 @@ class FP8Weights:
 # ----------------------------------------------------------------------------------------------
 # configs and tile maps
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -195,8 +207,9 @@ class GemmConfig:
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
     """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both)."""
     if INTERPRET:
-        c = GemmConfig(block_m=16, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1,
-                       programs_per_sm=1)
+        c = GemmConfig(
+            block_m=16, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1, programs_per_sm=1
+        )
         return c, c
     per_expert = slots / max(1, n_experts)
     bk_small = 256
@@ -244,8 +257,17 @@ def tile_map_torch(expert_offsets: torch.Tensor, block_m: int, max_tiles: int) -
 
 
 @triton.jit
-def _tile_map_kernel(offsets_ptr, expert_ptr, row_ptr, start_ptr, n_experts, max_tiles,
-                     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _tile_map_kernel(
+    offsets_ptr,
+    expert_ptr,
+    row_ptr,
+    start_ptr,
+    n_experts,
+    max_tiles,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """One program: tiles per expert, their exclusive prefix, then expert and row of every tile."""
     e = tl.arange(0, E_PAD)
     em = e < n_experts
@@ -274,14 +296,24 @@ def tile_map(expert_offsets: torch.Tensor, block_m: int, max_tiles: int) -> Tile
     ex = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     row = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     start = torch.empty(e + 1, dtype=torch.int32, device=dev)
-    _tile_map_kernel[(1,)](expert_offsets, ex, row, start, e, max_tiles, BLOCK_M=block_m,
-                           E_PAD=triton.next_power_of_2(e), CHUNK=32)
+    _tile_map_kernel[(1,)](
+        expert_offsets,
+        ex,
+        row,
+        start,
+        e,
+        max_tiles,
+        BLOCK_M=block_m,
+        E_PAD=triton.next_power_of_2(e),
+        CHUNK=32,
+    )
     return TileMap(ex, row, start, block_m, max_tiles)
 
 
 # ----------------------------------------------------------------------------------------------
 # fp8 activation quantisation
 # ----------------------------------------------------------------------------------------------
+
 
 def _pow2_scale_exponent_torch(amax: torch.Tensor) -> torch.Tensor:
     """Smallest e with amax <= 448 * 2**e, from fp32 bits (clamped to [-126, 127])."""
@@ -291,7 +323,7 @@ def _pow2_scale_exponent_torch(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_rows_torch(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of ``quantize_fp8_rows``: x [R, K] -> (e4m3 [R, K], fp32 power-of-two scales [R] or [R, K/group])."""
+    """Twin of ``quantize_fp8_rows``: x [R, K] -> (e4m3 [R, K], fp32 pow2 scales [R] or [R, K/group])."""
     r, k = x.shape
     g = k if group is None else group
     xf = x.float().reshape(r, k // g, g)
@@ -302,8 +334,20 @@ def quantize_fp8_rows_torch(x: torch.Tensor, group: int | None = None) -> tuple[
 
 
 @triton.jit
-def _quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, range_ptr, lo_idx, hi_idx, n_rows, k, stride_s,
-                              USE_RANGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quantize_fp8_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    range_ptr,
+    lo_idx,
+    hi_idx,
+    n_rows,
+    k,
+    stride_s,
+    USE_RANGE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Persistent over rows in [range[lo_idx], range[hi_idx]) (USE_RANGE) or [0, n_rows)."""
     lo = 0
     hi = n_rows
@@ -337,9 +381,12 @@ def _num_sms(device: torch.device) -> int:
     return 2
 
 
-def quantize_fp8_rows(x: torch.Tensor, group: int | None = None,
-                      row_range: tuple[torch.Tensor, int, int] | None = None,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(
+    x: torch.Tensor,
+    group: int | None = None,
+    row_range: tuple[torch.Tensor, int, int] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16/fp32 [R, K] -> (e4m3 [R, K], fp32 power-of-two scales [R] (group None) or [R, K/group]).
 
     Scale 2**e with the smallest e such that amax <= 448 * 2**e, so x * 2**-e is exact before the
@@ -358,9 +405,20 @@ def quantize_fp8_rows(x: torch.Tensor, group: int | None = None,
     rng, i, j = row_range if row_range is not None else (x, 0, 0)
     if r:
         grid = (max(1, min(r, _num_sms(x.device) * 8)),)
-        _quantize_fp8_rows_kernel[grid](x, q, s, rng, i, j, r, k, 1 if group is None else k // g,
-                                        USE_RANGE=row_range is not None, GROUP=g,
-                                        BLOCK_K=min(1024, triton.next_power_of_2(g)))
+        _quantize_fp8_rows_kernel[grid](
+            x,
+            q,
+            s,
+            rng,
+            i,
+            j,
+            r,
+            k,
+            1 if group is None else k // g,
+            USE_RANGE=row_range is not None,
+            GROUP=g,
+            BLOCK_K=min(1024, triton.next_power_of_2(g)),
+        )
     return q, s
 
 
@@ -368,9 +426,21 @@ def quantize_fp8_rows(x: torch.Tensor, group: int | None = None,
 # the grouped GEMM
 # ----------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _load_w_tile(w_ptr, sc_ptr, wrow, n_ok, k0, k, g_row,
-                 W_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+def _load_w_tile(
+    w_ptr,
+    sc_ptr,
+    wrow,
+    n_ok,
+    k0,
+    k,
+    g_row,
+    W_MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     """One weight tile [BLOCK_N, BLOCK_K] in the MMA's operand type.
 
     W_MODE 0: MXFP4 -> bf16 (fp32 under the interpreter); 1: MXFP4 -> e4m3 folded relative to g_row;
@@ -378,14 +448,22 @@ def _load_w_tile(w_ptr, sc_ptr, wrow, n_ok, k0, k, g_row,
     """
     if W_MODE == 2:
         kk = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w_ptr + wrow[:, None] * k + kk[None, :], mask=n_ok[:, None] & (kk < k)[None, :], other=0.0)
+        return tl.load(
+            w_ptr + wrow[:, None] * k + kk[None, :], mask=n_ok[:, None] & (kk < k)[None, :], other=0.0
+        )
     else:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        p = tl.load(w_ptr + wrow[:, None] * (k // 2) + kb[None, :],
-                    mask=n_ok[:, None] & (kb < k // 2)[None, :], other=0)
-        s = tl.load(sc_ptr + wrow[:, None] * (k // 32) + ks[None, :],
-                    mask=n_ok[:, None] & (ks < k // 32)[None, :], other=127)
+        p = tl.load(
+            w_ptr + wrow[:, None] * (k // 2) + kb[None, :],
+            mask=n_ok[:, None] & (kb < k // 2)[None, :],
+            other=0,
+        )
+        s = tl.load(
+            sc_ptr + wrow[:, None] * (k // 32) + ks[None, :],
+            mask=n_ok[:, None] & (ks < k // 32)[None, :],
+            other=127,
+        )
         if W_MODE == 0:
             return decode_mxfp4_tile(p, s, BLOCK_N, BLOCK_K, not DOT_F32)
         else:
@@ -401,24 +479,54 @@ def _row_exponent(sc_ptr, wrow, n_ok, k, W_MODE: tl.constexpr, BLOCK_N: tl.const
         gmax = tl.full((BLOCK_N,), -127, tl.int32)
         for c0 in range(0, k // 32, 64):
             cb = c0 + tl.arange(0, 64)
-            s = tl.load(sc_ptr + wrow[:, None] * (k // 32) + cb[None, :],
-                        mask=n_ok[:, None] & (cb < k // 32)[None, :], other=0)
+            s = tl.load(
+                sc_ptr + wrow[:, None] * (k // 32) + cb[None, :],
+                mask=n_ok[:, None] & (cb < k // 32)[None, :],
+                other=0,
+            )
             gmax = tl.maximum(gmax, tl.max(s.to(tl.int32), axis=1) - 127)
         return gmax - 6
 
 
 @triton.jit
 def _moe_gemm_kernel(
-    x_ptr, xs_ptr, stride_x, stride_xs,
-    w_ptr, sc_ptr, stride_we, stride_se,
-    bias_ptr, stride_be,
-    out_ptr, stride_o,
-    sorted_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, tile_start_ptr,
-    e_lo, e_hi, slot_base,
-    n_out, k, gate_mult, up_off, alpha, limit,
-    TOPK: tl.constexpr, GATHER: tl.constexpr, W_MODE: tl.constexpr, ACT_FP8: tl.constexpr,
-    ACT_GROUP: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr,
+    xs_ptr,
+    stride_x,
+    stride_xs,
+    w_ptr,
+    sc_ptr,
+    stride_we,
+    stride_se,
+    bias_ptr,
+    stride_be,
+    out_ptr,
+    stride_o,
+    sorted_slot_ptr,
+    offsets_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    tile_start_ptr,
+    e_lo,
+    e_hi,
+    slot_base,
+    n_out,
+    k,
+    gate_mult,
+    up_off,
+    alpha,
+    limit,
+    TOPK: tl.constexpr,
+    GATHER: tl.constexpr,
+    W_MODE: tl.constexpr,
+    ACT_FP8: tl.constexpr,
+    ACT_GROUP: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     """Grouped GEMM over expert-sorted slots, computed transposed: acc[n, m] = W[e, n, :] . x[m, :].
@@ -472,8 +580,11 @@ def _moe_gemm_kernel(
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + tok[:, None] * stride_x + kk[None, :], mask=row_ok[:, None] & (kk < k)[None, :],
-                        other=0.0)
+            x = tl.load(
+                x_ptr + tok[:, None] * stride_x + kk[None, :],
+                mask=row_ok[:, None] & (kk < k)[None, :],
+                other=0.0,
+            )
             if DOT_F32:
                 x = x.to(tl.float32)
             xt = tl.trans(x)
@@ -497,10 +608,13 @@ def _moe_gemm_kernel(
             acc_g = acc_g * xs_tok[None, :]
             acc_u = acc_u * xs_tok[None, :]
         if HAS_BIAS:
-            acc_g += tl.load(bias_ptr + e.to(tl.int64) * stride_be + rg, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            acc_g += tl.load(bias_ptr + e.to(tl.int64) * stride_be + rg, mask=n_ok, other=0.0).to(tl.float32)[
+                :, None
+            ]
             if ACTIVATION != 0:
-                acc_u += tl.load(bias_ptr + e.to(tl.int64) * stride_be + ru, mask=n_ok,
-                                 other=0.0).to(tl.float32)[:, None]
+                acc_u += tl.load(bias_ptr + e.to(tl.int64) * stride_be + ru, mask=n_ok, other=0.0).to(
+                    tl.float32
+                )[:, None]
         if ACTIVATION == 0:
             res = acc_g
         elif ACTIVATION == 1:
@@ -527,18 +641,33 @@ class _WeightOperand:
 
 
 def _mxfp4_operand(packed: torch.Tensor, scales: torch.Tensor, bias, fp8: bool) -> _WeightOperand:
-    return _WeightOperand(packed, scales, packed.stride(0), scales.stride(0), bias, 1 if fp8 else 0,
-                          packed.shape[-1] * 2)
+    return _WeightOperand(
+        packed, scales, packed.stride(0), scales.stride(0), bias, 1 if fp8 else 0, packed.shape[-1] * 2
+    )
 
 
 def _fp8_operand(w: torch.Tensor, exps: torch.Tensor, bias) -> _WeightOperand:
     return _WeightOperand(w, exps, w.stride(0), exps.stride(0), bias, 2, w.shape[-1])
 
 
-def moe_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, op: _WeightOperand, perm: Permutation,
-             tiles: TileMap, out: torch.Tensor, *, top_k: int, gather: bool, activation: int,
-             interleaved: bool, alpha: float, limit: float, cfg: GemmConfig,
-             experts: tuple[int, int] | None = None, slot_base: int = 0) -> torch.Tensor:
+def moe_gemm(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    op: _WeightOperand,
+    perm: Permutation,
+    tiles: TileMap,
+    out: torch.Tensor,
+    *,
+    top_k: int,
+    gather: bool,
+    activation: int,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    cfg: GemmConfig,
+    experts: tuple[int, int] | None = None,
+    slot_base: int = 0,
+) -> torch.Tensor:
     """One grouped GEMM launch (see ``_moe_gemm_kernel``). out bf16 [S, n_out], sorted order.
 
     x: [T, K] (gather) or [S, K] sorted; x_scale fp32 [rows] or [rows, K/128] for e4m3 x.
@@ -557,26 +686,63 @@ def moe_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, op: _WeightOperand, 
     act_fp8 = x.dtype == torch.float8_e4m3fn
     act_group = act_fp8 and x_scale is not None and x_scale.dim() == 2
     if act_group and cfg.block_k != FP8_GROUP:
-        cfg = GemmConfig(cfg.block_m, cfg.block_n, FP8_GROUP, cfg.group_m, cfg.num_warps, cfg.num_stages,
-                         cfg.programs_per_sm)
-    n_work = min(tiles.max_tiles, max_m_tiles(out.shape[0], e_hi - e_lo, cfg.block_m)) * triton.cdiv(n_out, cfg.block_n)
+        cfg = GemmConfig(
+            cfg.block_m,
+            cfg.block_n,
+            FP8_GROUP,
+            cfg.group_m,
+            cfg.num_warps,
+            cfg.num_stages,
+            cfg.programs_per_sm,
+        )
+    n_work = min(tiles.max_tiles, max_m_tiles(out.shape[0], e_hi - e_lo, cfg.block_m)) * triton.cdiv(
+        n_out, cfg.block_n
+    )
     grid = (max(1, min(n_work, _num_sms(x.device) * cfg.programs_per_sm)),)
     xs = x_scale if x_scale is not None else x
-    stride_xs = (x_scale.stride(0) if x_scale is not None else 0)
+    stride_xs = x_scale.stride(0) if x_scale is not None else 0
     bias = op.bias if op.bias is not None else xs
     _moe_gemm_kernel[grid](
-        x, xs, x.stride(0), stride_xs,
-        op.w, op.sc, op.stride_we, op.stride_se,
-        bias, bias.stride(0) if op.bias is not None else 0,
-        out, out.stride(0),
-        perm.sorted_slot, perm.expert_offsets, tiles.tile_expert, tiles.tile_row, tiles.tile_start,
-        e_lo, e_hi, slot_base,
-        n_out, op.k, gate_mult, up_off, float(alpha), float(limit),
-        TOPK=top_k, GATHER=gather, W_MODE=op.mode, ACT_FP8=act_fp8, ACT_GROUP=act_group,
-        ACTIVATION=activation, HAS_BIAS=op.bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        x,
+        xs,
+        x.stride(0),
+        stride_xs,
+        op.w,
+        op.sc,
+        op.stride_we,
+        op.stride_se,
+        bias,
+        bias.stride(0) if op.bias is not None else 0,
+        out,
+        out.stride(0),
+        perm.sorted_slot,
+        perm.expert_offsets,
+        tiles.tile_expert,
+        tiles.tile_row,
+        tiles.tile_start,
+        e_lo,
+        e_hi,
+        slot_base,
+        n_out,
+        op.k,
+        gate_mult,
+        up_off,
+        float(alpha),
+        float(limit),
+        TOPK=top_k,
+        GATHER=gather,
+        W_MODE=op.mode,
+        ACT_FP8=act_fp8,
+        ACT_GROUP=act_group,
+        ACTIVATION=activation,
+        HAS_BIAS=op.bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
         DOT_F32=INTERPRET and op.mode == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
@@ -585,27 +751,49 @@ def moe_gemm(x: torch.Tensor, x_scale: torch.Tensor | None, op: _WeightOperand, 
 # the expert MLP and the layer
 # ----------------------------------------------------------------------------------------------
 
+
 def _check_inputs(hidden: torch.Tensor, weights: MoEWeights, activation: str, compute: str, act_quant: str):
     if hidden.dim() != 2 or hidden.shape[1] != weights.hidden:
-        raise InputError(f"hidden {tuple(hidden.shape)} does not match the experts' hidden size {weights.hidden}",
-                         field="hidden")
+        raise InputError(
+            f"hidden {tuple(hidden.shape)} does not match the experts' hidden size {weights.hidden}",
+            field="hidden",
+        )
     if activation not in ACTIVATIONS:
-        raise InputError(f"unknown activation {activation!r}", field="activation",
-                         hint=f"use one of {sorted(ACTIVATIONS)}")
+        raise InputError(
+            f"unknown activation {activation!r}", field="activation", hint=f"use one of {sorted(ACTIVATIONS)}"
+        )
     if compute not in ("bf16", "fp8"):
         raise InputError(f"unknown compute path {compute!r}", field="compute", hint="use 'bf16' or 'fp8'")
     if act_quant not in ("token", "group128"):
-        raise InputError(f"unknown activation quantisation {act_quant!r}", field="act_quant",
-                         hint="use 'token' or 'group128'")
+        raise InputError(
+            f"unknown activation quantisation {act_quant!r}",
+            field="act_quant",
+            hint="use 'token' or 'group128'",
+        )
     if act_quant == "group128" and (weights.hidden % FP8_GROUP or weights.intermediate % FP8_GROUP):
-        raise InputError(f"act_quant='group128' needs hidden and intermediate divisible by {FP8_GROUP}, got "
-                         f"{weights.hidden} and {weights.intermediate}", field="act_quant", hint="use 'token'")
+        raise InputError(
+            f"act_quant='group128' needs hidden and intermediate divisible by {FP8_GROUP}, got "
+            f"{weights.hidden} and {weights.intermediate}",
+            field="act_quant",
+            hint="use 'token'",
+        )
 
 
-def expert_mlp(hidden: torch.Tensor, perm: Permutation, weights: MoEWeights, *, top_k: int,
-               activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, compute: str = "bf16",
-               act_quant: str = "token", fp8_weights: FP8Weights | None = None, workspace=None,
-               config: tuple[GemmConfig, GemmConfig] | None = None) -> torch.Tensor:
+def expert_mlp(
+    hidden: torch.Tensor,
+    perm: Permutation,
+    weights: MoEWeights,
+    *,
+    top_k: int,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    compute: str = "bf16",
+    act_quant: str = "token",
+    fp8_weights: FP8Weights | None = None,
+    workspace=None,
+    config: tuple[GemmConfig, GemmConfig] | None = None,
+) -> torch.Tensor:
     """GEMM1 + SwiGLU + GEMM2 over expert-sorted slots: hidden bf16 [T, H] -> y bf16 [T*k, H] (sorted).
 
     FLOPs 6 * S * H * I; bytes: see the module docstring.
@@ -627,16 +815,41 @@ def expert_mlp(hidden: torch.Tensor, perm: Permutation, weights: MoEWeights, *, 
     if not use_fp8:
         op1 = _mxfp4_operand(weights.w1_packed, weights.w1_scales, weights.w1_bias, fp8=False)
         op2 = _mxfp4_operand(weights.w2_packed, weights.w2_scales, weights.w2_bias, fp8=False)
-        moe_gemm(hidden, None, op1, perm, tiles, hbuf, gather=True, activation=act,
-                 interleaved=weights.gate_up_interleaved, cfg=c1, **common)
-        moe_gemm(hbuf, None, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
+        moe_gemm(
+            hidden,
+            None,
+            op1,
+            perm,
+            tiles,
+            hbuf,
+            gather=True,
+            activation=act,
+            interleaved=weights.gate_up_interleaved,
+            cfg=c1,
+            **common,
+        )
+        moe_gemm(
+            hbuf, None, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common
+        )
         return y
     xq, xs = quantize_fp8_rows(hidden, group)
     hq = torch.empty(s, inter, dtype=torch.float8_e4m3fn, device=dev)
     hs = torch.empty((s,) if group is None else (s, inter // group), dtype=torch.float32, device=dev)
     if workspace is not None:
-        workspace.run_layer(weights, perm, tiles, xq, xs, hbuf, (hq, hs), y, group=group, activation=act,
-                            configs=(c1, c2), **common)
+        workspace.run_layer(
+            weights,
+            perm,
+            tiles,
+            xq,
+            xs,
+            hbuf,
+            (hq, hs),
+            y,
+            group=group,
+            activation=act,
+            configs=(c1, c2),
+            **common,
+        )
         return y
     if fp8_weights is not None:
         op1 = _fp8_operand(fp8_weights.w1, fp8_weights.w1_exp, fp8_weights.w1_bias)
@@ -644,8 +857,19 @@ def expert_mlp(hidden: torch.Tensor, perm: Permutation, weights: MoEWeights, *, 
     else:
         op1 = _mxfp4_operand(weights.w1_packed, weights.w1_scales, weights.w1_bias, fp8=True)
         op2 = _mxfp4_operand(weights.w2_packed, weights.w2_scales, weights.w2_bias, fp8=True)
-    moe_gemm(xq, xs, op1, perm, tiles, hbuf, gather=True, activation=act,
-             interleaved=weights.gate_up_interleaved, cfg=c1, **common)
+    moe_gemm(
+        xq,
+        xs,
+        op1,
+        perm,
+        tiles,
+        hbuf,
+        gather=True,
+        activation=act,
+        interleaved=weights.gate_up_interleaved,
+        cfg=c1,
+        **common,
+    )
     quantize_fp8_rows(hbuf, group, out=(hq, hs))
     moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
     return y
@@ -666,11 +890,23 @@ def _shared_forward(hidden: torch.Tensor, shared: MoEWeights, mlp, **kw) -> torc
     return comb(y, ones, perm.slot_pos)
 
 
-def moe_forward(hidden: torch.Tensor, gate_weight: torch.Tensor, weights: MoEWeights, router: RouterConfig, *,
-                correction_bias: torch.Tensor | None = None, shared: MoEWeights | None = None,
-                activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, compute: str = "bf16",
-                act_quant: str = "token", fp8_weights: FP8Weights | None = None, workspace=None,
-                config: tuple[GemmConfig, GemmConfig] | None = None) -> torch.Tensor:
+def moe_forward(
+    hidden: torch.Tensor,
+    gate_weight: torch.Tensor,
+    weights: MoEWeights,
+    router: RouterConfig,
+    *,
+    correction_bias: torch.Tensor | None = None,
+    shared: MoEWeights | None = None,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    compute: str = "bf16",
+    act_quant: str = "token",
+    fp8_weights: FP8Weights | None = None,
+    workspace=None,
+    config: tuple[GemmConfig, GemmConfig] | None = None,
+) -> torch.Tensor:
     """One MoE layer (see the module docstring): hidden bf16 [T, H] -> bf16 [T, H].
 
     Shared experts run the fused MXFP4 path of ``compute`` (never the workspace).
@@ -681,8 +917,16 @@ def moe_forward(hidden: torch.Tensor, gate_weight: torch.Tensor, weights: MoEWei
     topw, ids = route(logits, router, correction_bias)
     perm = permute_by_expert(ids, weights.n_experts)
     kw = dict(activation=activation, alpha=alpha, limit=limit, compute=compute, act_quant=act_quant)
-    y = expert_mlp(hidden, perm, weights, top_k=router.top_k, fp8_weights=fp8_weights, workspace=workspace,
-                   config=config, **kw)
+    y = expert_mlp(
+        hidden,
+        perm,
+        weights,
+        top_k=router.top_k,
+        fp8_weights=fp8_weights,
+        workspace=workspace,
+        config=config,
+        **kw,
+    )
     sh = _shared_forward(hidden, shared, expert_mlp, **kw) if shared is not None else None
     return combine(y, topw, perm.slot_pos, sh)
 
@@ -691,7 +935,10 @@ def moe_forward(hidden: torch.Tensor, gate_weight: torch.Tensor, weights: MoEWei
 # torch twins
 # ----------------------------------------------------------------------------------------------
 
-def swiglu_torch(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+
+def swiglu_torch(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float
+) -> torch.Tensor:
     """fp32 SwiGLU: plain silu(gate) * up, or gpt-oss's clamped form."""
     if activation == "swiglu":
         return torch.nn.functional.silu(gate) * up
@@ -714,10 +961,21 @@ def _fp8_row_weights_torch(packed, scales) -> torch.Tensor:
     return f.values.float() * torch.pow(2.0, f.exponents.float())
 
 
-def expert_mlp_torch(hidden: torch.Tensor, perm: Permutation, weights: MoEWeights, *, top_k: int,
-                     activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, compute: str = "bf16",
-                     act_quant: str = "token", fp8_weights: FP8Weights | None = None, workspace=None,
-                     config=None) -> torch.Tensor:
+def expert_mlp_torch(
+    hidden: torch.Tensor,
+    perm: Permutation,
+    weights: MoEWeights,
+    *,
+    top_k: int,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    compute: str = "bf16",
+    act_quant: str = "token",
+    fp8_weights: FP8Weights | None = None,
+    workspace=None,
+    config=None,
+) -> torch.Tensor:
     """Twin of ``expert_mlp``: per-expert fp32 loops on the same quantised operands -> bf16 [S, H]."""
     use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
     if use_fp8:
@@ -733,7 +991,7 @@ def expert_mlp_torch(hidden: torch.Tensor, perm: Permutation, weights: MoEWeight
         bg, bu = bg[..., 0], bu[..., 0]
     group = FP8_GROUP if act_quant == "group128" else None
     s = hidden.shape[0] * top_k
-    x = hidden.float()[perm.sorted_slot.long() // top_k]                   # [S, H] sorted
+    x = hidden.float()[perm.sorted_slot.long() // top_k]  # [S, H] sorted
     if use_fp8:
         xq, xs = quantize_fp8_rows_torch(hidden, group)
         x = _dequant_rows(xq, xs)[perm.sorted_slot.long() // top_k]
@@ -771,19 +1029,32 @@ def _dequant_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(r, s.shape[1], -1) * s.unsqueeze(-1)).reshape(r, k)
 
 
-def moe_forward_torch(hidden: torch.Tensor, gate_weight: torch.Tensor, weights: MoEWeights, router: RouterConfig, *,
-                      correction_bias: torch.Tensor | None = None, shared: MoEWeights | None = None,
-                      activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, compute: str = "bf16",
-                      act_quant: str = "token", fp8_weights: FP8Weights | None = None, workspace=None,
-                      config=None) -> torch.Tensor:
+def moe_forward_torch(
+    hidden: torch.Tensor,
+    gate_weight: torch.Tensor,
+    weights: MoEWeights,
+    router: RouterConfig,
+    *,
+    correction_bias: torch.Tensor | None = None,
+    shared: MoEWeights | None = None,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    compute: str = "bf16",
+    act_quant: str = "token",
+    fp8_weights: FP8Weights | None = None,
+    workspace=None,
+    config=None,
+) -> torch.Tensor:
     """Twin of ``moe_forward`` (same signature and result up to accumulation order)."""
     _check_inputs(hidden, weights, activation, compute, act_quant)
     logits = gate_logits(hidden, gate_weight)
     topw, ids = route_torch(logits, router, correction_bias)
     perm = permute_by_expert_torch(ids, weights.n_experts)
     kw = dict(activation=activation, alpha=alpha, limit=limit, compute=compute, act_quant=act_quant)
-    y = expert_mlp_torch(hidden, perm, weights, top_k=router.top_k, fp8_weights=fp8_weights,
-                         workspace=workspace, **kw)
+    y = expert_mlp_torch(
+        hidden, perm, weights, top_k=router.top_k, fp8_weights=fp8_weights, workspace=workspace, **kw
+    )
     sh = _shared_forward(hidden, shared, expert_mlp_torch, **kw) if shared is not None else None
     return combine_torch(y, topw, perm.slot_pos, sh)
 

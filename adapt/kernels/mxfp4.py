@@ -106,8 +106,9 @@ def _check_mx_shapes(packed: torch.Tensor, scales: torch.Tensor) -> int:
 def from_gpt_oss_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """gpt-oss ``*_blocks`` uint8 ``[E, N, K/32, 16]`` -> packed ``[E, N, K/2]`` (a view)."""
     if blocks.dim() < 2 or blocks.shape[-1] != MX_BLOCK // 2:
-        raise InputError(f"gpt-oss blocks must end in 16 bytes per 32-block, got {tuple(blocks.shape)}",
-                         field="blocks")
+        raise InputError(
+            f"gpt-oss blocks must end in 16 bytes per 32-block, got {tuple(blocks.shape)}", field="blocks"
+        )
     return blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1])
 
 
@@ -120,6 +121,7 @@ def to_gpt_oss_blocks(packed: torch.Tensor) -> torch.Tensor:
 # torch twins
 # ----------------------------------------------------------------------------------------------
 
+
 def _floor_log2_bits(a: torch.Tensor) -> torch.Tensor:
     """floor(log2(a)) of fp32 ``a`` >= 0 read from its exponent bits (-127 for 0 and denormals)."""
     return ((a.view(torch.int32) >> 23) & 0xFF) - 127
@@ -128,8 +130,15 @@ def _floor_log2_bits(a: torch.Tensor) -> torch.Tensor:
 def _e2m1_code(y: torch.Tensor) -> torch.Tensor:
     """Round |y| to nearest even on the E2M1 grid (saturating at 6) -> 3-bit magnitude code."""
     a = y.abs()
-    code = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
-            + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
+    code = (
+        (a > 0.25).int()
+        + (a >= 0.75).int()
+        + (a > 1.25).int()
+        + (a >= 1.75).int()
+        + (a > 2.5).int()
+        + (a >= 3.5).int()
+        + (a > 5.0).int()
+    )
     return code | ((y < 0).int() << 3)
 
 
@@ -164,8 +173,9 @@ def _scale_values(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales == E8M0_NAN, torch.full_like(v, float("nan")), v)
 
 
-def dequantize_mxfp4_torch(packed: torch.Tensor, scales: torch.Tensor,
-                           dtype: torch.dtype = torch.float32, validate: bool = True) -> torch.Tensor:
+def dequantize_mxfp4_torch(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, validate: bool = True
+) -> torch.Tensor:
     """packed ``[..., K/2]`` + scales ``[..., K/32]`` -> ``dtype`` ``[..., K]``."""
     k = _check_mx_shapes(packed, scales)
     if validate:
@@ -182,8 +192,9 @@ def _check_group(k: int, group_k: int | None) -> int:
     return g
 
 
-def mxfp4_to_fp8_torch(packed: torch.Tensor, scales: torch.Tensor, group_k: int | None = 128,
-                       validate: bool = True) -> Fp8Groups:
+def mxfp4_to_fp8_torch(
+    packed: torch.Tensor, scales: torch.Tensor, group_k: int | None = 128, validate: bool = True
+) -> Fp8Groups:
     """Twin of ``mxfp4_to_fp8``: fold block exponents into e4m3 relative to a group exponent.
 
     group_k: elements per group along K (a multiple of 32 dividing K), or None for the whole row.
@@ -193,9 +204,9 @@ def mxfp4_to_fp8_torch(packed: torch.Tensor, scales: torch.Tensor, group_k: int 
     if validate:
         check_scales(scales)
     lead = packed.shape[:-1]
-    e_blk = scales.int() - E8M0_BIAS                                   # [..., K/32]
+    e_blk = scales.int() - E8M0_BIAS  # [..., K/32]
     e_grp = e_blk.reshape(*lead, k // g, g // MX_BLOCK).amax(dim=-1) - FP8_FOLD_HEADROOM
-    d = e_blk - e_grp.repeat_interleave(g // MX_BLOCK, dim=-1)         # [..., K/32], <= 6
+    d = e_blk - e_grp.repeat_interleave(g // MX_BLOCK, dim=-1)  # [..., K/32], <= 6
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     codes = _unpack_codes(packed)
     c = lut[codes].reshape(*lead, k // MX_BLOCK, MX_BLOCK)
@@ -208,6 +219,7 @@ def mxfp4_to_fp8_torch(packed: torch.Tensor, scales: torch.Tensor, group_k: int 
 # ----------------------------------------------------------------------------------------------
 # Triton building blocks (used by moe_gemm too)
 # ----------------------------------------------------------------------------------------------
+
 
 @triton.jit
 def pow2_f32(e):
@@ -307,7 +319,7 @@ def decode_mxfp4_tile_fp8(packed, scales, g_row, BLOCK_R: tl.constexpr, BLOCK_K:
     Each element becomes e4m3(code * 2**(e_block - g_row)) with round-to-nearest-even, computed
     as an exact fp16 value times two powers of two, then one fp16 -> e4m3 conversion.
     """
-    d = scales.to(tl.int32) - 127 - g_row[:, None]                      # [R, K/32], <= 6
+    d = scales.to(tl.int32) - 127 - g_row[:, None]  # [R, K/32], <= 6
     step = tl.reshape(pow2_f32(tl.maximum(d, -40)).to(tl.float16), (BLOCK_R, BLOCK_K // 32, 1))
     lo = tl.reshape(packed & 0xF, (BLOCK_R, BLOCK_K // 32, 16))
     hi = tl.reshape(packed >> 4, (BLOCK_R, BLOCK_K // 32, 16))
@@ -320,9 +332,15 @@ def decode_mxfp4_tile_fp8(packed, scales, g_row, BLOCK_R: tl.constexpr, BLOCK_K:
 def e2m1_code_of(y):
     """fp32 ``y`` (already divided by the block scale) -> 4-bit E2M1 code, RNE, saturating."""
     a = tl.abs(y)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
+    code = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
     return code | ((y < 0).to(tl.int32) << 3)
 
 
@@ -330,17 +348,21 @@ def e2m1_code_of(y):
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _quantize_mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, n_rows, n_blocks,
-                           BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+def _quantize_mxfp4_kernel(
+    x_ptr, packed_ptr, scales_ptr, n_rows, n_blocks, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr
+):
     """One program: BLOCK_R rows x BLOCK_B 32-blocks. x fp32/bf16 [rows, K] contiguous."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     ok = (r < n_rows)[:, None, None] & (b < n_blocks)[None, :, None]
     j = tl.arange(0, 32)
     k = b[None, :, None] * 32 + j[None, None, :]
-    x = tl.load(x_ptr + r[:, None, None].to(tl.int64) * (n_blocks * 32) + k, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=2)                                          # [R, B]
+    x = tl.load(x_ptr + r[:, None, None].to(tl.int64) * (n_blocks * 32) + k, mask=ok, other=0.0).to(
+        tl.float32
+    )
+    amax = tl.max(tl.abs(x), axis=2)  # [R, B]
     e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 2
     e = tl.minimum(tl.maximum(e, -127), 127)
     has_nan = tl.max((x != x).to(tl.int32), axis=2)
@@ -348,15 +370,24 @@ def _quantize_mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, n_rows, n_blocks,
     s = tl.where(finite, e + 127, 255)
     y = x * pow2_f32(-e)[:, :, None]
     y = tl.where(finite[:, :, None], y, 0.0)
-    code = e2m1_code_of(y)                                                    # [R, B, 32]
+    code = e2m1_code_of(y)  # [R, B, 32]
     pair = tl.reshape(code, (BLOCK_R, BLOCK_B, 16, 2))
     lo, hi = tl.split(pair)
     byte = (lo | (hi << 4)).to(tl.uint8)
     jb = tl.arange(0, 16)
-    tl.store(packed_ptr + r[:, None, None].to(tl.int64) * (n_blocks * 16) + b[None, :, None] * 16
-             + jb[None, None, :], byte, mask=ok)
-    tl.store(scales_ptr + r[:, None].to(tl.int64) * n_blocks + b[None, :], s.to(tl.uint8),
-             mask=(r < n_rows)[:, None] & (b < n_blocks)[None, :])
+    tl.store(
+        packed_ptr
+        + r[:, None, None].to(tl.int64) * (n_blocks * 16)
+        + b[None, :, None] * 16
+        + jb[None, None, :],
+        byte,
+        mask=ok,
+    )
+    tl.store(
+        scales_ptr + r[:, None].to(tl.int64) * n_blocks + b[None, :],
+        s.to(tl.uint8),
+        mask=(r < n_rows)[:, None] & (b < n_blocks)[None, :],
+    )
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,30 +402,49 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(rows, nb, dtype=torch.uint8, device=x.device)
     br, bb = 16, 8
     _quantize_mxfp4_kernel[(triton.cdiv(rows, br), triton.cdiv(nb, bb))](
-        x2, packed, scales, rows, nb, BLOCK_R=br, BLOCK_B=bb)
+        x2, packed, scales, rows, nb, BLOCK_R=br, BLOCK_B=bb
+    )
     return packed.reshape(*lead, k // 2), scales.reshape(*lead, nb)
 
 
 @triton.jit
-def _dequantize_mxfp4_kernel(packed_ptr, scales_ptr, out_ptr, n_rows, k,
-                             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TO_BF16: tl.constexpr):
+def _dequantize_mxfp4_kernel(
+    packed_ptr,
+    scales_ptr,
+    out_ptr,
+    n_rows,
+    k,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TO_BF16: tl.constexpr,
+):
     """One program: BLOCK_R rows x BLOCK_K elements; out [rows, K] (bf16 or fp32)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     ks = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     rm = (r < n_rows)[:, None]
-    p = tl.load(packed_ptr + r[:, None].to(tl.int64) * (k // 2) + kb[None, :],
-                mask=rm & (kb < k // 2)[None, :], other=0)
-    s = tl.load(scales_ptr + r[:, None].to(tl.int64) * (k // 32) + ks[None, :],
-                mask=rm & (ks < k // 32)[None, :], other=127)
+    p = tl.load(
+        packed_ptr + r[:, None].to(tl.int64) * (k // 2) + kb[None, :],
+        mask=rm & (kb < k // 2)[None, :],
+        other=0,
+    )
+    s = tl.load(
+        scales_ptr + r[:, None].to(tl.int64) * (k // 32) + ks[None, :],
+        mask=rm & (ks < k // 32)[None, :],
+        other=127,
+    )
     v = decode_mxfp4_tile(p, s, BLOCK_R, BLOCK_K, TO_BF16)
     kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + r[:, None].to(tl.int64) * k + kk[None, :], v.to(out_ptr.dtype.element_ty),
-             mask=rm & (kk < k)[None, :])
+    tl.store(
+        out_ptr + r[:, None].to(tl.int64) * k + kk[None, :],
+        v.to(out_ptr.dtype.element_ty),
+        mask=rm & (kk < k)[None, :],
+    )
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor,
-                     dtype: torch.dtype = torch.float32, validate: bool = True) -> torch.Tensor:
+def dequantize_mxfp4(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, validate: bool = True
+) -> torch.Tensor:
     """packed ``[..., K/2]`` + scales ``[..., K/32]`` -> ``dtype`` (bf16 or fp32) ``[..., K]``. Triton."""
     k = _check_mx_shapes(packed, scales)
     if validate:
@@ -407,13 +457,22 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor,
     out = torch.empty(p2.shape[0], k, dtype=dtype, device=packed.device)
     br, bk = 16, 128
     _dequantize_mxfp4_kernel[(triton.cdiv(p2.shape[0], br), triton.cdiv(k, bk))](
-        p2, s2, out, p2.shape[0], k, BLOCK_R=br, BLOCK_K=bk, TO_BF16=not INTERPRET)
+        p2, s2, out, p2.shape[0], k, BLOCK_R=br, BLOCK_K=bk, TO_BF16=not INTERPRET
+    )
     return out.reshape(*lead, k)
 
 
 @triton.jit
-def group_fold_exponent(scales_ptr, row_off, n_blocks, rmask, blk0, GROUP_BLOCKS: tl.constexpr,
-                        BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+def group_fold_exponent(
+    scales_ptr,
+    row_off,
+    n_blocks,
+    rmask,
+    blk0,
+    GROUP_BLOCKS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Group exponent g = max(e_block) - 6 over GROUP_BLOCKS scales starting at ``blk0``.
 
     scales_ptr + row_off[:, None] + block: uint8 E8M0; returns int32 [BLOCK_R].
@@ -437,24 +496,37 @@ def fold_loss(p, s, g, v, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     step = tl.reshape(pow2_f32(tl.maximum(d, -126)), (BLOCK_R, BLOCK_K // 32, 1))
     lo = tl.reshape(p & 0xF, (BLOCK_R, BLOCK_K // 32, 16))
     hi = tl.reshape(p >> 4, (BLOCK_R, BLOCK_K // 32, 16))
-    exact = tl.reshape(tl.join(e2m1_to_f16(lo).to(tl.float32) * step,
-                               e2m1_to_f16(hi).to(tl.float32) * step), (BLOCK_R, BLOCK_K))
+    exact = tl.reshape(
+        tl.join(e2m1_to_f16(lo).to(tl.float32) * step, e2m1_to_f16(hi).to(tl.float32) * step),
+        (BLOCK_R, BLOCK_K),
+    )
     nonzero = tl.reshape(tl.join((lo & 7).to(tl.int32), (hi & 7).to(tl.int32)), (BLOCK_R, BLOCK_K)) != 0
     bad = ((v.to(tl.float32) != exact) | (exact == 0.0)) & nonzero
     return tl.sum(bad.to(tl.int32), axis=1)
 
 
 @triton.jit
-def _mxfp4_to_fp8_kernel(packed_ptr, scales_ptr, out_ptr, exp_ptr, lost_ptr, n_rows, k,
-                         GROUP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                         CHUNK: tl.constexpr):
+def _mxfp4_to_fp8_kernel(
+    packed_ptr,
+    scales_ptr,
+    out_ptr,
+    exp_ptr,
+    lost_ptr,
+    n_rows,
+    k,
+    GROUP_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """One program: BLOCK_R rows x one group of GROUP_K elements, in BLOCK_K steps."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     grp = tl.program_id(1)
     rm = r < n_rows
     rr = r.to(tl.int64)
-    g = group_fold_exponent(scales_ptr, rr * (k // 32), k // 32, rm, grp * (GROUP_K // 32),
-                            GROUP_K // 32, BLOCK_R, CHUNK)
+    g = group_fold_exponent(
+        scales_ptr, rr * (k // 32), k // 32, rm, grp * (GROUP_K // 32), GROUP_K // 32, BLOCK_R, CHUNK
+    )
     tl.store(exp_ptr + rr * (k // GROUP_K) + grp, g, mask=rm)
     lost = tl.zeros((BLOCK_R,), tl.int32)
     for k0 in range(0, GROUP_K, BLOCK_K):
@@ -469,8 +541,9 @@ def _mxfp4_to_fp8_kernel(packed_ptr, scales_ptr, out_ptr, exp_ptr, lost_ptr, n_r
     tl.atomic_add(lost_ptr, tl.sum(tl.where(rm, lost, 0), axis=0).to(tl.int64))
 
 
-def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, group_k: int | None = 128,
-                 validate: bool = True) -> Fp8Groups:
+def mxfp4_to_fp8(
+    packed: torch.Tensor, scales: torch.Tensor, group_k: int | None = 128, validate: bool = True
+) -> Fp8Groups:
     """MXFP4 ``[..., K]`` -> e4m3 values + power-of-two exponents per (row, group_k). Triton.
 
     group_k: elements per group along K (multiple of 32 dividing K), None for the whole row.
@@ -489,5 +562,6 @@ def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, group_k: int | None
     bk = 32 if g % 64 else (64 if g % 128 else 128)
     br = 16
     _mxfp4_to_fp8_kernel[(triton.cdiv(rows, br), k // g)](
-        p2, s2, out, exps, lost, rows, k, GROUP_K=g, BLOCK_R=br, BLOCK_K=bk, CHUNK=32)
+        p2, s2, out, exps, lost, rows, k, GROUP_K=g, BLOCK_R=br, BLOCK_K=bk, CHUNK=32
+    )
     return Fp8Groups(out.reshape(*lead, k), exps.reshape(*lead, k // g), lost)

@@ -55,13 +55,16 @@ class RouterConfig:
     def validate(self, n_experts: int) -> None:
         """Raise ``InputError`` when the config does not fit ``n_experts`` experts."""
         if self.scoring not in ("softmax", "sigmoid"):
-            raise InputError(f"unknown router scoring {self.scoring!r}", field="scoring",
-                             hint="use 'softmax' or 'sigmoid'")
+            raise InputError(
+                f"unknown router scoring {self.scoring!r}", field="scoring", hint="use 'softmax' or 'sigmoid'"
+            )
         if not 1 <= self.top_k <= n_experts:
             raise InputError(f"top_k={self.top_k} must be in [1, {n_experts}]", field="top_k")
         if self.n_group < 1 or n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
-            raise InputError(f"n_group={self.n_group}, topk_group={self.topk_group} do not fit "
-                             f"{n_experts} experts", field="n_group")
+            raise InputError(
+                f"n_group={self.n_group}, topk_group={self.topk_group} do not fit {n_experts} experts",
+                field="n_group",
+            )
         if self.n_group > 1 and self.top_k > self.topk_group * (n_experts // self.n_group):
             raise InputError("top_k exceeds the experts in the kept groups", field="top_k")
 
@@ -94,8 +97,10 @@ def gate_logits(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor
 # route
 # ----------------------------------------------------------------------------------------------
 
-def route_torch(logits: torch.Tensor, config: RouterConfig,
-                correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+
+def route_torch(
+    logits: torch.Tensor, config: RouterConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``route``: logits fp32 [T, E] -> (weights fp32 [T, k], ids int32 [T, k])."""
     t, e = logits.shape
     config.validate(e)
@@ -118,10 +123,22 @@ def route_torch(logits: torch.Tensor, config: RouterConfig,
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, n_experts, routed_scaling,
-                  E_PAD: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SIGMOID: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  RENORM: tl.constexpr):
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    n_experts,
+    routed_scaling,
+    E_PAD: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    RENORM: tl.constexpr,
+):
     """One program per token: scores, group mask, iterative top-k (first index wins ties)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
@@ -168,31 +185,46 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, n_experts, routed_scalin
     tl.store(ids_ptr + t * TOPK + kk, ids, mask=kk < TOPK)
 
 
-def route(logits: torch.Tensor, config: RouterConfig,
-          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, config: RouterConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing in fp32 (see module docstring). logits [T, E] -> (weights [T, k], ids [T, k])."""
     t, e = logits.shape
     config.validate(e)
     k = config.top_k
     e_pad = triton.next_power_of_2(e)
     if config.n_group > 1 and e_pad != e:
-        raise InputError(f"group-limited routing needs a power-of-two expert count, got {e}",
-                         field="n_routed_experts")
+        raise InputError(
+            f"group-limited routing needs a power-of-two expert count, got {e}", field="n_routed_experts"
+        )
     logits = logits.float().contiguous()
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
     bias = correction_bias.float().contiguous() if correction_bias is not None else logits
     if t:
-        _route_kernel[(t,)](logits, bias, weights, ids, e, float(config.routed_scaling), E_PAD=e_pad, TOPK=k,
-                            TOPK_PAD=triton.next_power_of_2(k), SIGMOID=config.scoring == "sigmoid",
-                            HAS_BIAS=correction_bias is not None, N_GROUP=config.n_group,
-                            TOPK_GROUP=config.topk_group, RENORM=config.renormalize)
+        _route_kernel[(t,)](
+            logits,
+            bias,
+            weights,
+            ids,
+            e,
+            float(config.routed_scaling),
+            E_PAD=e_pad,
+            TOPK=k,
+            TOPK_PAD=triton.next_power_of_2(k),
+            SIGMOID=config.scoring == "sigmoid",
+            HAS_BIAS=correction_bias is not None,
+            N_GROUP=config.n_group,
+            TOPK_GROUP=config.topk_group,
+            RENORM=config.renormalize,
+        )
     return weights, ids
 
 
 # ----------------------------------------------------------------------------------------------
 # permutation
 # ----------------------------------------------------------------------------------------------
+
 
 def permute_by_expert_torch(ids: torch.Tensor, n_experts: int) -> Permutation:
     """Twin of ``permute_by_expert``: stable sort of slots by expert id."""
@@ -219,16 +251,20 @@ def _chunk_histogram_kernel(ids_ptr, counts_ptr, n, n_experts, BLOCK: tl.constex
 
 
 @triton.jit
-def _chunk_scan_kernel(counts_ptr, base_ptr, offsets_ptr, n_chunks, n_experts,
-                       ROWS: tl.constexpr, E_PAD: tl.constexpr):
+def _chunk_scan_kernel(
+    counts_ptr, base_ptr, offsets_ptr, n_chunks, n_experts, ROWS: tl.constexpr, E_PAD: tl.constexpr
+):
     """base[c, e] = offsets[e] + slots of expert e in chunks before c; offsets = exclusive cumsum."""
     e = tl.arange(0, E_PAD)
     em = e < n_experts
     total = tl.zeros((E_PAD,), tl.int32)
     for c0 in range(0, n_chunks, ROWS):
         r = c0 + tl.arange(0, ROWS)
-        cnt = tl.load(counts_ptr + r[:, None] * n_experts + e[None, :], mask=(r < n_chunks)[:, None] & em[None, :],
-                      other=0)
+        cnt = tl.load(
+            counts_ptr + r[:, None] * n_experts + e[None, :],
+            mask=(r < n_chunks)[:, None] & em[None, :],
+            other=0,
+        )
         total += tl.sum(cnt, axis=0)
     start = tl.cumsum(total, axis=0) - total
     tl.store(offsets_ptr + e, start, mask=em)
@@ -238,8 +274,11 @@ def _chunk_scan_kernel(counts_ptr, base_ptr, offsets_ptr, n_chunks, n_experts,
         r = c0 + tl.arange(0, ROWS)
         m = (r < n_chunks)[:, None] & em[None, :]
         cnt = tl.load(counts_ptr + r[:, None] * n_experts + e[None, :], mask=m, other=0)
-        tl.store(base_ptr + r[:, None] * n_experts + e[None, :], run[None, :] + tl.cumsum(cnt, axis=0) - cnt,
-                 mask=m)
+        tl.store(
+            base_ptr + r[:, None] * n_experts + e[None, :],
+            run[None, :] + tl.cumsum(cnt, axis=0) - cnt,
+            mask=m,
+        )
         run += tl.sum(cnt, axis=0)
 
 
@@ -285,8 +324,10 @@ def permute_by_expert(ids: torch.Tensor, n_experts: int) -> Permutation:
 # combine
 # ----------------------------------------------------------------------------------------------
 
-def combine_torch(y: torch.Tensor, weights: torch.Tensor, slot_pos: torch.Tensor,
-                  shared: torch.Tensor | None = None) -> torch.Tensor:
+
+def combine_torch(
+    y: torch.Tensor, weights: torch.Tensor, slot_pos: torch.Tensor, shared: torch.Tensor | None = None
+) -> torch.Tensor:
     """Twin of ``combine``: y [T*k, H] (sorted) -> bf16 [T, H]."""
     t, k = weights.shape
     g = y.float()[slot_pos.long()].reshape(t, k, -1)
@@ -297,8 +338,17 @@ def combine_torch(y: torch.Tensor, weights: torch.Tensor, slot_pos: torch.Tensor
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, pos_ptr, shared_ptr, out_ptr, h,
-                    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(
+    y_ptr,
+    w_ptr,
+    pos_ptr,
+    shared_ptr,
+    out_ptr,
+    h,
+    TOPK: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """One program: one token x BLOCK_H columns."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -313,8 +363,9 @@ def _combine_kernel(y_ptr, w_ptr, pos_ptr, shared_ptr, out_ptr, h,
     tl.store(out_ptr + t * h + c, to_bf16(acc), mask=cm)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, slot_pos: torch.Tensor,
-            shared: torch.Tensor | None = None) -> torch.Tensor:
+def combine(
+    y: torch.Tensor, weights: torch.Tensor, slot_pos: torch.Tensor, shared: torch.Tensor | None = None
+) -> torch.Tensor:
     """Weighted sum of each token's k expert outputs back in token order -> bf16 [T, H]."""
     t, k = weights.shape
     h = y.shape[-1]
@@ -322,6 +373,14 @@ def combine(y: torch.Tensor, weights: torch.Tensor, slot_pos: torch.Tensor,
     if t:
         bh = min(1024, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, bh))](
-            y, weights.float().contiguous(), slot_pos, shared if shared is not None else y, out, h,
-            TOPK=k, HAS_SHARED=shared is not None, BLOCK_H=bh)
+            y,
+            weights.float().contiguous(),
+            slot_pos,
+            shared if shared is not None else y,
+            out,
+            h,
+            TOPK=k,
+            HAS_SHARED=shared is not None,
+            BLOCK_H=bh,
+        )
     return out

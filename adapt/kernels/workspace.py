@@ -33,9 +33,21 @@ def workspace_bytes(chunk_experts: int, hidden: int, intermediate: int) -> int:
 
 
 @triton.jit
-def _convert_experts_kernel(packed_ptr, scales_ptr, out_ptr, exp_ptr, lost_ptr, offsets_ptr,
-                            e_lo, slot_base, n_rows, k,
-                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_LOSS: tl.constexpr):
+def _convert_experts_kernel(
+    packed_ptr,
+    scales_ptr,
+    out_ptr,
+    exp_ptr,
+    lost_ptr,
+    offsets_ptr,
+    e_lo,
+    slot_base,
+    n_rows,
+    k,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COUNT_LOSS: tl.constexpr,
+):
     """Program (i, rb): expert e_lo + i, rows rb*BLOCK_R.. -> slot slot_base + i (skipped when idle).
 
     packed uint8 [E, N, K/2], scales uint8 [E, N, K/32] -> out e4m3 [slots, N, K], exp int32 [slots, N].
@@ -50,8 +62,11 @@ def _convert_experts_kernel(packed_ptr, scales_ptr, out_ptr, exp_ptr, lost_ptr, 
         gmax = tl.full((BLOCK_R,), -127, tl.int32)
         for c0 in range(0, k // 32, 64):
             cb = c0 + tl.arange(0, 64)
-            s = tl.load(scales_ptr + src[:, None] * (k // 32) + cb[None, :], mask=rm[:, None] & (cb < k // 32)[None, :],
-                        other=0)
+            s = tl.load(
+                scales_ptr + src[:, None] * (k // 32) + cb[None, :],
+                mask=rm[:, None] & (cb < k // 32)[None, :],
+                other=0,
+            )
             gmax = tl.maximum(gmax, tl.max(s.to(tl.int32), axis=1) - 127)
         g = gmax - 6
         tl.store(exp_ptr + dst, g, mask=rm)
@@ -61,8 +76,11 @@ def _convert_experts_kernel(packed_ptr, scales_ptr, out_ptr, exp_ptr, lost_ptr, 
             ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             km = (kb < k // 2)[None, :]
             p = tl.load(packed_ptr + src[:, None] * (k // 2) + kb[None, :], mask=rm[:, None] & km, other=0)
-            s = tl.load(scales_ptr + src[:, None] * (k // 32) + ks[None, :],
-                        mask=rm[:, None] & (ks < k // 32)[None, :], other=127)
+            s = tl.load(
+                scales_ptr + src[:, None] * (k // 32) + ks[None, :],
+                mask=rm[:, None] & (ks < k // 32)[None, :],
+                other=127,
+            )
             v = decode_mxfp4_tile_fp8(p, s, g, BLOCK_R, BLOCK_K)
             kk = k0 + tl.arange(0, BLOCK_K)
             tl.store(out_ptr + dst[:, None] * k + kk[None, :], v, mask=rm[:, None] & (kk < k)[None, :])
@@ -72,24 +90,51 @@ def _convert_experts_kernel(packed_ptr, scales_ptr, out_ptr, exp_ptr, lost_ptr, 
             tl.atomic_add(lost_ptr, tl.sum(tl.where(rm, lost, 0), axis=0).to(tl.int64))
 
 
-def convert_experts(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, exps: torch.Tensor,
-                    lost: torch.Tensor, expert_offsets: torch.Tensor, experts: tuple[int, int], slot_base: int,
-                    count_loss: bool = True) -> None:
+def convert_experts(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    exps: torch.Tensor,
+    lost: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    experts: tuple[int, int],
+    slot_base: int,
+    count_loss: bool = True,
+) -> None:
     """Convert experts [lo, hi) that own tokens into slots slot_base + (e - lo) of ``out``/``exps``."""
     lo, hi = experts
     n, k = packed.shape[1], packed.shape[2] * 2
     br = 16
     bk = 128 if k % 128 == 0 else 32
     _convert_experts_kernel[(hi - lo, triton.cdiv(n, br))](
-        packed, scales, out, exps, lost, expert_offsets, lo, slot_base, n, k,
-        BLOCK_R=br, BLOCK_K=bk, COUNT_LOSS=count_loss, num_warps=4)
+        packed,
+        scales,
+        out,
+        exps,
+        lost,
+        expert_offsets,
+        lo,
+        slot_base,
+        n,
+        k,
+        BLOCK_R=br,
+        BLOCK_K=bk,
+        COUNT_LOSS=count_loss,
+        num_warps=4,
+    )
 
 
 class FP8Workspace:
     """Two chunks of e4m3 expert slots shared by all layers (see the module docstring)."""
 
-    def __init__(self, chunk_experts: int, hidden: int, intermediate: int, device: str | torch.device,
-                 count_loss: bool = True):
+    def __init__(
+        self,
+        chunk_experts: int,
+        hidden: int,
+        intermediate: int,
+        device: str | torch.device,
+        count_loss: bool = True,
+    ):
         if chunk_experts < 1:
             raise InputError(f"chunk_experts must be >= 1, got {chunk_experts}", field="chunk_experts")
         self.chunk_experts = chunk_experts
@@ -111,13 +156,32 @@ class FP8Workspace:
 
     def _convert(self, weights, perm, chunk: tuple[int, int], buf: int) -> None:
         base = buf * self.chunk_experts
-        convert_experts(weights.w1_packed, weights.w1_scales, self.w1, self.w1_exp, self.lost, perm.expert_offsets,
-                        chunk, base, self.count_loss)
-        convert_experts(weights.w2_packed, weights.w2_scales, self.w2, self.w2_exp, self.lost, perm.expert_offsets,
-                        chunk, base, self.count_loss)
+        convert_experts(
+            weights.w1_packed,
+            weights.w1_scales,
+            self.w1,
+            self.w1_exp,
+            self.lost,
+            perm.expert_offsets,
+            chunk,
+            base,
+            self.count_loss,
+        )
+        convert_experts(
+            weights.w2_packed,
+            weights.w2_scales,
+            self.w2,
+            self.w2_exp,
+            self.lost,
+            perm.expert_offsets,
+            chunk,
+            base,
+            self.count_loss,
+        )
 
-    def run_layer(self, weights, perm, tiles, xq, xs, hbuf, hq_hs, y, *, group, activation, configs, top_k,
-                  alpha, limit) -> None:
+    def run_layer(
+        self, weights, perm, tiles, xq, xs, hbuf, hq_hs, y, *, group, activation, configs, top_k, alpha, limit
+    ) -> None:
         """GEMM1 + SwiGLU + GEMM2 of one layer, chunk by chunk through the workspace (fp8 MMA).
 
         xq/xs: quantised hidden [T, H]; hbuf bf16 [S, I]; hq_hs: (e4m3 [S, I], scales); y bf16 [S, H].
@@ -125,8 +189,11 @@ class FP8Workspace:
         from adapt.kernels.moe_gemm import _fp8_operand, moe_gemm, quantize_fp8_rows
 
         if (weights.hidden, weights.intermediate) != (self.hidden, self.intermediate):
-            raise InputError(f"workspace is for hidden {self.hidden} x {self.intermediate}, layer is "
-                             f"{weights.hidden} x {weights.intermediate}", field="workspace")
+            raise InputError(
+                f"workspace is for hidden {self.hidden} x {self.intermediate}, layer is "
+                f"{weights.hidden} x {weights.intermediate}",
+                field="workspace",
+            )
         c1, c2 = configs
         e = weights.n_experts
         chunks = [(lo, min(e, lo + self.chunk_experts)) for lo in range(0, e, self.chunk_experts)]
@@ -157,10 +224,23 @@ class FP8Workspace:
             op1 = _fp8_operand(self.w1, self.w1_exp, weights.w1_bias)
             op2 = _fp8_operand(self.w2, self.w2_exp, weights.w2_bias)
             common = dict(top_k=top_k, alpha=alpha, limit=limit, experts=chunk, slot_base=base)
-            moe_gemm(xq, xs, op1, perm, tiles, hbuf, gather=True, activation=activation,
-                     interleaved=weights.gate_up_interleaved, cfg=c1, **common)
+            moe_gemm(
+                xq,
+                xs,
+                op1,
+                perm,
+                tiles,
+                hbuf,
+                gather=True,
+                activation=activation,
+                interleaved=weights.gate_up_interleaved,
+                cfg=c1,
+                **common,
+            )
             quantize_fp8_rows(hbuf, group, row_range=(perm.expert_offsets, chunk[0], chunk[1]), out=(hq, hs))
-            moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
+            moe_gemm(
+                hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common
+            )
             if self._side is not None:
                 done.append(torch.cuda.Event())
                 done[-1].record(main)

@@ -76,6 +76,13 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: bool, kernel: bool) -> torch.Tensor:
+    """``rope_pairs`` (pairs) or ``rope_halves``; ``kernel`` runs ``rope_triton`` instead."""
+    if kernel:
+        return rope_triton(x, cos, sin, pairs=pairs)
+    return rope_pairs(x, cos, sin) if pairs else rope_halves(x, cos, sin)
+
+
 # ----------------------------------------------------------------------------------------------
 # paged cache
 # ----------------------------------------------------------------------------------------------
@@ -211,8 +218,9 @@ class GQAAttention:
     """Grouped-query attention over the paged cache (pools 'k', 'v': [KV, D])."""
 
     def __init__(self, weights: GQAWeights, *, heads: int, kv_heads: int, head_dim: int, norm_eps: float,
-                 window: int | None, path: str = "torch"):
+                 window: int | None, path: str = "torch", norm_rope_kernel: bool = False):
         self.w = weights
+        self.norm_rope_kernel = norm_rope_kernel
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.norm_eps = norm_eps
         self.window = window
@@ -229,10 +237,12 @@ class GQAAttention:
         q = apply_linear(x, self.w.q).view(n, self.heads, self.head_dim)
         k = apply_linear(x, self.w.k).view(n, self.kv_heads, self.head_dim)
         v = apply_linear(x, self.w.v).view(n, self.kv_heads, self.head_dim)
+        fused = self.norm_rope_kernel
         if self.w.q_norm is not None:
-            q = rms_norm(q, self.w.q_norm, self.norm_eps)
-            k = rms_norm(k, self.w.k_norm, self.norm_eps)
-        q, k = rope_halves(q, cos, sin), rope_halves(k, cos, sin)
+            q = rms_norm(q, self.w.q_norm, self.norm_eps, kernel=fused)
+            k = rms_norm(k, self.w.k_norm, self.norm_eps, kernel=fused)
+        q = apply_rope(q, cos, sin, pairs=False, kernel=fused)
+        k = apply_rope(k, cos, sin, pairs=False, kernel=fused)
         write_rows(pools["k"], batch.slots, k)
         write_rows(pools["v"], batch.slots, v)
         if self.path == "kernel":
@@ -310,8 +320,9 @@ class MLAAttention:
     """
 
     def __init__(self, weights: MLAWeights, shape: MLAShape, *, attention_path: str = "torch",
-                 indexer_path: str = "torch"):
+                 indexer_path: str = "torch", norm_rope_kernel: bool = False):
         self.w = weights
+        self.norm_rope_kernel = norm_rope_kernel
         self.s = shape
         self.attention_path = attention_path
         self.indexer_path = indexer_path
@@ -333,14 +344,14 @@ class MLAAttention:
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DSABatch,
                 pools: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [N, hidden] new tokens -> [N, hidden]; writes their latent (and indexer key) into ``pools``."""
-        s, n = self.s, x.shape[0]
-        q_resid = rms_norm(apply_linear(x, self.w.q_a), self.w.q_a_norm, 1e-6)
+        s, n, fused = self.s, x.shape[0], self.norm_rope_kernel
+        q_resid = rms_norm(apply_linear(x, self.w.q_a), self.w.q_a_norm, 1e-6, kernel=fused)
         q = apply_linear(q_resid, self.w.q_b).view(n, s.heads, s.qk_nope + s.qk_rope)
         q_nope, q_rope = q.split([s.qk_nope, s.qk_rope], dim=-1)
-        q_rope = rope_pairs(q_rope, cos, sin)
+        q_rope = apply_rope(q_rope, cos, sin, pairs=True, kernel=fused)
         latent, k_rope = apply_linear(x, self.w.kv_a).split([s.kv_lora, s.qk_rope], dim=-1)
-        latent = rms_norm(latent, self.w.kv_a_norm, 1e-6)
-        k_rope = rope_pairs(k_rope, cos, sin)
+        latent = rms_norm(latent, self.w.kv_a_norm, 1e-6, kernel=fused)
+        k_rope = apply_rope(k_rope, cos, sin, pairs=True, kernel=fused)
         write_rows(pools["latent"], batch.slots, latent)
         write_rows(pools["rope"], batch.slots, k_rope)
         indices = self._select(x, q_resid, cos, sin, batch, pools) if self.has_indexer else None
@@ -356,10 +367,13 @@ class MLAAttention:
     def _index_qk(self, x, q_resid, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         s, n = self.s, x.shape[0]
         q = apply_linear(q_resid, self.w.index_wq_b).view(n, s.index_heads, s.index_dim)
-        q = torch.cat([rope_halves(q[..., : s.qk_rope], cos, sin), q[..., s.qk_rope:]], dim=-1)
+        fused = self.norm_rope_kernel
+        q = torch.cat([apply_rope(q[..., : s.qk_rope], cos, sin, pairs=False, kernel=fused), q[..., s.qk_rope:]],
+                      dim=-1)
         k = F.layer_norm(apply_linear(x, self.w.index_wk), (s.index_dim,), self.w.index_k_norm_weight.to(x.dtype),
                          self.w.index_k_norm_bias.to(x.dtype), 1e-6)
-        k = torch.cat([rope_halves(k[..., : s.qk_rope], cos, sin), k[..., s.qk_rope:]], dim=-1)
+        k = torch.cat([apply_rope(k[..., : s.qk_rope], cos, sin, pairs=False, kernel=fused), k[..., s.qk_rope:]],
+                      dim=-1)
         return q, k
 
     def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
@@ -453,7 +467,7 @@ def _dense_indices(batch: DSABatch) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# GQA kernel
+# kernels: paged GQA attention, RMSNorm, RoPE (Triton; interpreter on CPU)
 # ----------------------------------------------------------------------------------------------
 
 def _interpreting() -> bool:
@@ -464,12 +478,58 @@ def paged_gqa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                         scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """Causal GQA over the paged cache with an optional sliding window and sinks (Triton).
 
-    q: [N, H, D] (N new tokens of ``batch``); k_pool, v_pool: [pages, 64, KV, D]; sinks: [H] or
-    None. Returns fp32 [N, H, D]. One program per (query row, kv head) walks the row's visible
-    keys in blocks of 64 (one page) with an online softmax; the sink joins as one extra logit.
-    FLOPs: 4 * H * D per (query, visible key); bytes: 2 * KV * D * itemsize per visible key and row.
+    q: [N, H, D] (the N new tokens of ``batch``); k_pool, v_pool: [pages, 64, KV, D] (fp32, bf16);
+    sinks: [H] or None; window: keys with position > query position - window are visible.
+    Returns fp32 [N, H, D]. One program per (query row, kv head) walks the row's visible keys in
+    blocks of 64 with an online softmax (base 2); the sink enters as the softmax's initial state
+    (running max = sink, sum = 1). FLOPs: 4 * D per (query head, visible key); bytes:
+    2 * D * itemsize per (kv head, visible key) and query row.
     """
-    from adapt.runtime import gqa_kernel
+    from adapt.runtime import attention_kernels as kernels
 
-    return gqa_kernel.paged_gqa(q, k_pool, v_pool, batch, scale, window, sinks, math.log2(math.e),
-                                _interpreting())
+    n, heads, dim = q.shape
+    kv_heads = k_pool.shape[2]
+    out = torch.empty(n, heads, dim, dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out
+    group = heads // kv_heads
+    interpreting = _interpreting()
+    block_h = max(16, 1 << (group - 1).bit_length())
+    sink = (sinks if sinks is not None else torch.zeros(heads, device=q.device)).float().contiguous()
+    kernels.paged_gqa_kernel[(n, kv_heads)](
+        q.contiguous(), k_pool, v_pool, sink, batch.block_table, batch.token_seq.to(torch.int32).contiguous(),
+        batch.positions.contiguous(), out, batch.block_table.stride(0), heads,
+        scale * math.log2(math.e), window or 0,
+        GROUP=group, KV_HEADS=kv_heads, DIM=dim, BLOCK_H=block_h, BLOCK_N=PAGE_SIZE, PAGE=PAGE_SIZE,
+        HAS_SINK=sinks is not None, HAS_WINDOW=window is not None,
+        UPCAST=interpreting or q.dtype == torch.float32, num_warps=4,
+    )
+    return out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False) -> torch.Tensor:
+    """Triton twin of ``rms_norm`` (same rounding order): x [..., D] -> [..., D] in x's dtype."""
+    from adapt.runtime import attention_kernels as kernels
+
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    dim = rows.shape[1]
+    if rows.shape[0]:
+        kernels.rms_norm_kernel[(rows.shape[0],)](
+            rows, weight.contiguous(), out, dim, eps, BLOCK=1 << (dim - 1).bit_length(),
+            SCALE_IN_FP32=scale_in_fp32, ROUND_BF16=x.dtype == torch.bfloat16)
+    return out.view(x.shape)
+
+
+def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: bool) -> torch.Tensor:
+    """Triton twin of ``rope_pairs`` (pairs) / ``rope_halves``: x [N, ..., D], cos/sin [N, D/2]."""
+    from adapt.runtime import attention_kernels as kernels
+
+    n, dim = x.shape[0], x.shape[-1]
+    rows = x.reshape(n, -1, dim).contiguous()
+    out = torch.empty_like(rows)
+    if rows.numel():
+        kernels.rope_kernel[(n, rows.shape[1])](
+            rows, cos.float().contiguous(), sin.float().contiguous(), out, rows.shape[1], HALF=dim // 2,
+            BLOCK=1 << (dim // 2 - 1).bit_length(), PAIRS=pairs)
+    return out.view(x.shape)

@@ -99,7 +99,7 @@ class StepTiming:
 
 @dataclass
 class Generation:
-    """tokens: generated ids per sequence (prompt excluded); finished: stopped at an EOS id."""
+    """tokens: generated ids per sequence (prompt excluded); finished: stopped at a stop id."""
 
     tokens: list[list[int]]
     finished: list[bool]
@@ -193,12 +193,13 @@ class Engine:
         return list(logits)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                 seed: int = 0, stop_at_eos: bool = True, progress: ProgressFn | None = None) -> Generation:
+                 seed: int = 0, stop_ids: Iterable[int] | None = None, progress: ProgressFn | None = None
+                 ) -> Generation:
         """Prefill every prompt in one step, then decode all live sequences together.
 
         temperature 0 is greedy (argmax); otherwise tokens are drawn from softmax(logits / T) with a
-        generator seeded by ``seed``. A sequence stops after ``max_new_tokens`` or, with
-        ``stop_at_eos``, after emitting one of the config's EOS ids.
+        generator seeded by ``seed``. A sequence stops after ``max_new_tokens`` or after emitting one
+        of ``stop_ids`` (None: the config's EOS ids; empty: never).
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InputError("every prompt needs at least one token", field="prompt")
@@ -209,7 +210,7 @@ class Engine:
         out: list[list[int]] = [[] for _ in prompts]
         finished = [False] * len(prompts)
         timing = StepTiming()
-        eos = set(self.config.eos_ids) if stop_at_eos else set()
+        eos = set(self.config.eos_ids if stop_ids is None else stop_ids)
         try:
             t0 = time.perf_counter()
             logits = self.step(ids, prompts)
@@ -244,3 +245,41 @@ class Engine:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A tiny model name (built on first use) or a checkpoint directory holding config.json."""
+    from adapt.model.tiny import TINY_MODELS, tiny_path
+
+    if model in TINY_MODELS:
+        return tiny_path(model)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise InputError("not a checkpoint directory (no config.json)", file=model,
+                         hint=f"pass a model directory with safetensors weights, or one of {', '.join(TINY_MODELS)}")
+    return path
+
+
+def encode_prompts(directory: Path, prompts: Sequence[str], token_ids: Sequence[str]) -> tuple[list[list[int]], object]:
+    """Prompts as token ids: text through the directory's tokenizer, or comma lists of ids.
+
+    Returns (token lists, tokenizer or None).
+    """
+    tokenizer = None
+    encoded = []
+    if prompts:
+        if not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
+            raise InputError("the model directory has no tokenizer", file=directory,
+                             hint="pass --token-ids 1,2,3 instead of --prompt")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        encoded += [tokenizer(text, add_special_tokens=False).input_ids for text in prompts]
+    for text in token_ids:
+        try:
+            encoded.append([int(part) for part in text.split(",") if part.strip()])
+        except ValueError:
+            raise InputError(f"expected comma-separated token ids, got {text!r}", field="--token-ids") from None
+    if not encoded or any(not ids for ids in encoded):
+        raise InputError("nothing to run: give --prompt TEXT or --token-ids IDS (non-empty)", field="--prompt")
+    return encoded, tokenizer

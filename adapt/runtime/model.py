@@ -298,7 +298,8 @@ class DecoderModel:
                 k_norm=store.optional(p + "self_attn.k_norm.weight"),
                 sinks=store.optional(p + "self_attn.sinks"))
             attention = GQAAttention(weights, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                                     norm_eps=c.rms_eps, window=kind.window, path=self.paths["attention"])
+                                     norm_eps=c.rms_eps, window=kind.window, path=self.paths["attention"],
+                                     norm_rope_kernel=self.paths["norm_rope"] == "kernel")
         else:
             a = p + "self_attn."
             dsa = kind.attention == "mla+dsa"
@@ -316,7 +317,8 @@ class DecoderModel:
                              kv_lora=c.kv_lora, scale=c.mla_scale, index_heads=c.index_heads,
                              index_dim=c.index_dim, index_topk=c.index_topk)
             attention = MLAAttention(weights, shape, attention_path=self.paths["attention"],
-                                     indexer_path=self.paths["indexer"])
+                                     indexer_path=self.paths["indexer"],
+                                     norm_rope_kernel=self.paths["norm_rope"] == "kernel")
         if kind.ffn == "dense":
             ffn = DenseMLP(store.linear(p + "mlp.gate_proj"), store.linear(p + "mlp.up_proj"),
                            store.linear(p + "mlp.down_proj"))

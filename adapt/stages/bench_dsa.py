@@ -113,7 +113,7 @@ def _latent_row_bytes(latent_format: str) -> int:
 
 
 def _decode_case(
-    batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int
+    batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int, tiles: dict
 ) -> dict:
     cache = _random_cache(batch * context, latent_format)
     layer = cache.layer(0)
@@ -126,7 +126,15 @@ def _decode_case(
 
     def index():
         holder["idx"], _ = dsa.index_topk(
-            q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits, topk
+            q8,
+            weights,
+            layer.index_k,
+            layer.index_scale,
+            block_table,
+            token_seq,
+            limits,
+            topk,
+            **tiles["decode_index"],
         )
 
     def attend():
@@ -140,6 +148,7 @@ def _decode_case(
             token_seq,
             holder["idx"],
             0.1,
+            **tiles["mla"],
         )
 
     index_ms = _time_ms(index, reps)
@@ -191,7 +200,7 @@ def _dense_decode_ms(batch: int, context: int, reps: int) -> float | None:
 
 
 def _prefill_case(
-    length: int, topk: int, latent_format: str, reps: int, max_score_bytes: int, attend_rows: int
+    length: int, topk: int, latent_format: str, reps: int, max_score_bytes: int, attend_rows: int, tiles: dict
 ) -> dict:
     cache = _random_cache(length, latent_format)
     layer = cache.layer(0)
@@ -214,6 +223,7 @@ def _prefill_case(
             limits,
             topk,
             max_score_bytes=max_score_bytes,
+            **tiles["prefill_index"],
         )
 
     def attend():
@@ -230,6 +240,7 @@ def _prefill_case(
                 token_seq[r0:r1],
                 idx[r0:r1],
                 0.1,
+                **tiles["mla"],
             )
 
     index_ms = _time_ms(index, reps)
@@ -293,7 +304,7 @@ def _dense_prefill_ms(length: int, reps: int) -> tuple[float, str]:
     return ms, note
 
 
-def _prefill_forms(length: int, topk: int, rows: int, reps: int) -> dict:
+def _prefill_forms(length: int, topk: int, rows: int, reps: int, tiles: dict) -> dict:
     """Per query row: absorbed latent kernel vs the per-head 192/128 form (torch gather + matmul)."""
     cache = _random_cache(length, "bf16")
     layer = cache.layer(0)
@@ -304,7 +315,16 @@ def _prefill_forms(length: int, topk: int, rows: int, reps: int) -> dict:
     q_rope = torch.randn(rows, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)
     absorbed = _time_ms(
         lambda: sparse_mla.sparse_mla(
-            q_nope, q_rope, layer.latent_nope, None, layer.latent_rope, block_table, token_seq, idx, 0.1
+            q_nope,
+            q_rope,
+            layer.latent_nope,
+            None,
+            layer.latent_rope,
+            block_table,
+            token_seq,
+            idx,
+            0.1,
+            **tiles["mla"],
         ),
         reps,
     )
@@ -379,19 +399,42 @@ def run_dsa_bench(
         "ceilings": _ceilings(reps),
     }
     copy = result["ceilings"]["copy_TBps"]
-    result.update(decode=[], prefill=[], tile_sweep=_tile_sweep(topk, latent_format, reps))
+    sweep = _tile_sweep(topk, latent_format, reps)
+    tiles = _fastest_tiles(sweep)
+    result.update(decode=[], prefill=[], tile_sweep=sweep, tiles_used=tiles)
     _write(out_dir, result)
     for s in contexts:
         for b in decode_batches:
-            result["decode"].append(_decode_case(b, s, topk, latent_format, copy, reps))
+            result["decode"].append(_decode_case(b, s, topk, latent_format, copy, reps, tiles))
             _write(out_dir, result)
-    result["prefill_forms"] = _prefill_forms(min(prefill_lengths), topk, 16, reps)
+    result["prefill_forms"] = _prefill_forms(min(prefill_lengths), topk, 16, reps, tiles)
     for t in prefill_lengths:
         result["prefill"].append(
-            _prefill_case(t, topk, latent_format, prefill_reps, max_score_bytes, attend_rows)
+            _prefill_case(t, topk, latent_format, prefill_reps, max_score_bytes, attend_rows, tiles)
         )
         _write(out_dir, result)
     return result
+
+
+def _fastest_tiles(sweep: list[dict]) -> dict:
+    """The fastest measured options of each kernel in the sweep (what the grid then runs)."""
+    keep = {
+        "index_scores decode": ("key_tiles", "num_warps"),
+        "index_scores prefill 4096": ("rows_per_tile", "num_warps"),
+        "sparse_mla decode b64": ("block_h", "block_k", "v_split", "num_warps", "num_stages"),
+    }
+    names = {
+        "index_scores decode": "decode_index",
+        "index_scores prefill 4096": "prefill_index",
+        "sparse_mla decode b64": "mla",
+    }
+    tiles = {"decode_index": {}, "prefill_index": {}, "mla": {}}
+    for kernel, fields in keep.items():
+        timed = [row for row in sweep if row["kernel"] == kernel and "us" in row]
+        if timed:
+            best = min(timed, key=lambda row: row["us"])
+            tiles[names[kernel]] = {f: best[f] for f in fields}
+    return tiles
 
 
 def _write(out_dir: Path, result: dict) -> None:
@@ -439,12 +482,12 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
             )
     idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).int()
     options = [
-        dict(block_h=64, block_k=32, v_split=2, num_warps=8),
-        dict(block_h=64, block_k=32, v_split=1, num_warps=8),
-        dict(block_h=64, block_k=64, v_split=2, num_warps=8),
-        dict(block_h=32, block_k=32, v_split=1, num_warps=4),
-        dict(block_h=32, block_k=64, v_split=2, num_warps=4),
-        dict(block_h=16, block_k=64, v_split=1, num_warps=4),
+        dict(block_h=64, block_k=32, v_split=2, num_warps=8, num_stages=2),
+        dict(block_h=64, block_k=32, v_split=4, num_warps=4, num_stages=2),
+        dict(block_h=64, block_k=64, v_split=2, num_warps=8, num_stages=1),
+        dict(block_h=64, block_k=32, v_split=1, num_warps=8, num_stages=1),
+        dict(block_h=32, block_k=32, v_split=2, num_warps=4, num_stages=2),
+        dict(block_h=128, block_k=32, v_split=4, num_warps=8, num_stages=2),
     ]
     for opt in options:
         try:

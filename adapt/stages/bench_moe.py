@@ -32,14 +32,38 @@ SHAPES = {
     # DeepSeek-V3 config.json: n_routed_experts 256, num_experts_per_tok 8, hidden_size 7168,
     # moe_intermediate_size 2048, n_group 8, topk_group 4, routed_scaling_factor 2.5,
     # n_shared_experts 1, 58 MoE layers (61 layers, first_k_dense_replace 3)
-    "deepseek-v3": dict(experts=256, top_k=8, hidden=7168, intermediate=2048, scoring="sigmoid", n_group=8,
-                        topk_group=4, routed_scaling=2.5, shared=1, activation="swiglu", interleaved=False,
-                        bias=False, moe_layers=58),
+    "deepseek-v3": dict(
+        experts=256,
+        top_k=8,
+        hidden=7168,
+        intermediate=2048,
+        scoring="sigmoid",
+        n_group=8,
+        topk_group=4,
+        routed_scaling=2.5,
+        shared=1,
+        activation="swiglu",
+        interleaved=False,
+        bias=False,
+        moe_layers=58,
+    ),
     # gpt-oss-120b config.json: num_local_experts 128, experts_per_token 4, hidden_size 2880,
     # intermediate_size 2880, swiglu_limit 7.0, 36 layers (all MoE), expert biases, interleaved gate/up
-    "gpt-oss-120b": dict(experts=128, top_k=4, hidden=2880, intermediate=2880, scoring="softmax", n_group=1,
-                         topk_group=1, routed_scaling=1.0, shared=0, activation="swiglu_clamped",
-                         interleaved=True, bias=True, moe_layers=36),
+    "gpt-oss-120b": dict(
+        experts=128,
+        top_k=4,
+        hidden=2880,
+        intermediate=2880,
+        scoring="softmax",
+        n_group=1,
+        topk_group=1,
+        routed_scaling=1.0,
+        shared=0,
+        activation="swiglu_clamped",
+        interleaved=True,
+        bias=True,
+        moe_layers=36,
+    ),
 }
 DEFAULT_TOKENS = [1, 16, 64, 256, 1024, 4096, 16384]
 WORKSPACE_CHUNK = 32
@@ -49,8 +73,9 @@ WORKSPACE_CHUNK = 32
 def _git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "adapt/kernels"], capture_output=True, text=True,
-                               timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "adapt/kernels"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return "uncommitted"
     if out.returncode != 0:
@@ -97,11 +122,15 @@ def measure_ceilings() -> dict:
     t_bf16 = graph_time_us(lambda: x @ y, reps=10)
     xf, yf = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
-    t_fp8 = graph_time_us(lambda: torch._scaled_mm(xf, yf.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                          reps=10)
-    flops = 2 * m ** 3
-    return {"copy_tbps": 2 * n / t_copy / 1e6, "bf16_matmul_tflops": flops / t_bf16 / 1e6,
-            "fp8_matmul_tflops": flops / t_fp8 / 1e6}
+    t_fp8 = graph_time_us(
+        lambda: torch._scaled_mm(xf, yf.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps=10
+    )
+    flops = 2 * m**3
+    return {
+        "copy_tbps": 2 * n / t_copy / 1e6,
+        "bf16_matmul_tflops": flops / t_bf16 / 1e6,
+        "fp8_matmul_tflops": flops / t_fp8 / 1e6,
+    }
 
 
 def _random_layer(shape: dict, device: str):
@@ -144,6 +173,7 @@ def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1
         g, u = (h1[:, 0::2], h1[:, 1::2]) if interleaved else (h1[:, :i], h1[:, i:])
         h = swiglu_torch(g.float(), u.float(), activation, alpha, limit).to(torch.bfloat16)
         return torch._grouped_mm(h, w2t, offs=offs)
+
     return run
 
 
@@ -159,8 +189,14 @@ def _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router
         "fp8": lambda: expert_mlp(x, perm, routed, compute="fp8", **kw),
         "fp8_offline": lambda: expert_mlp(x, perm, routed, fp8_weights=offline, **kw),
         "fp8_ws": lambda: expert_mlp(x, perm, routed, workspace=ws, **kw),
-        "torch_grouped_bf16": _torch_grouped(lambda: x[perm.sorted_slot.long() // k], w1t, w2t,
-                                             perm.expert_offsets[1:], act, shape["interleaved"]),
+        "torch_grouped_bf16": _torch_grouped(
+            lambda: x[perm.sorted_slot.long() // k],
+            w1t,
+            w2t,
+            perm.expert_offsets[1:],
+            act,
+            shape["interleaved"],
+        ),
         "layer_bf16": lambda: moe_forward(x, gate, routed, router, compute="bf16", **lw),
         "layer_fp8": lambda: moe_forward(x, gate, routed, router, compute="fp8", **lw),
     }
@@ -183,8 +219,13 @@ def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[
     w2t = dequantize_mxfp4(routed.w2_packed, routed.w2_scales, torch.bfloat16, validate=False).transpose(1, 2)
     gate = torch.randn(e, h, device=dev) * 0.02
     bias = torch.randn(e, device=dev) * 0.01 if shape["scoring"] == "sigmoid" else None
-    router = RouterConfig(top_k=k, scoring=shape["scoring"], n_group=shape["n_group"],
-                          topk_group=shape["topk_group"], routed_scaling=shape["routed_scaling"])
+    router = RouterConfig(
+        top_k=k,
+        scoring=shape["scoring"],
+        n_group=shape["n_group"],
+        topk_group=shape["topk_group"],
+        routed_scaling=shape["routed_scaling"],
+    )
     expert_bytes = mxfp4_expert_bytes(h, inter)
     rows = []
     for t in tokens:
@@ -208,32 +249,55 @@ def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[
                 rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
                 print(f"{name} T={t} {vname}: FAILED {str(exc)[:200]}", flush=True)
                 continue
-            row = {"shape": name, "tokens": t, "variant": vname, "time_us": us, "active_experts": active,
-                   "weight_tbps": wbytes / us / 1e6, "tflops": flops / us / 1e6, "byte_floor_us": floor_us,
-                   "x_floor": us / floor_us, "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
-                   "rel_diff_vs_bf16": err}
+            row = {
+                "shape": name,
+                "tokens": t,
+                "variant": vname,
+                "time_us": us,
+                "active_experts": active,
+                "weight_tbps": wbytes / us / 1e6,
+                "tflops": flops / us / 1e6,
+                "byte_floor_us": floor_us,
+                "x_floor": us / floor_us,
+                "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
+                "rel_diff_vs_bf16": err,
+            }
             rows.append(row)
-            print(f"{name:13s} T={t:6d} {vname:19s} {us:10.1f} us  {row['weight_tbps']:5.2f} TB/s "
-                  f"({row['copy_fraction']:.2f} of copy)  {row['tflops']:7.1f} TFLOP/s  x{row['x_floor']:.2f} floor"
-                  + (f"  diff {err:.2e}" if err is not None else ""), flush=True)
+            print(
+                f"{name:13s} T={t:6d} {vname:19s} {us:10.1f} us  {row['weight_tbps']:5.2f} TB/s "
+                f"({row['copy_fraction']:.2f} of copy)  {row['tflops']:7.1f} TFLOP/s  "
+                f"x{row['x_floor']:.2f} floor"
+                + (f"  diff {err:.2e}" if err is not None else ""),
+                flush=True,
+            )
     torch.cuda.synchronize()
     mem = {
-        "shape": name, "mxfp4_expert_bytes": routed.nbytes(), "fp8_offline_bytes": offline.nbytes(),
-        "workspace_bytes": ws.nbytes, "workspace_chunk_experts": WORKSPACE_CHUNK,
-        "fold_lost_elements_offline": int(offline.lost.item()), "fold_lost_elements_ws": int(ws.lost.item()),
+        "shape": name,
+        "mxfp4_expert_bytes": routed.nbytes(),
+        "fp8_offline_bytes": offline.nbytes(),
+        "workspace_bytes": ws.nbytes,
+        "workspace_chunk_experts": WORKSPACE_CHUNK,
+        "fold_lost_elements_offline": int(offline.lost.item()),
+        "fold_lost_elements_ws": int(ws.lost.item()),
         "moe_layers": shape["moe_layers"],
     }
-    mem["layer_ratio_online_vs_offline"] = (mem["mxfp4_expert_bytes"] + mem["workspace_bytes"]) / mem["fp8_offline_bytes"]
+    mem["layer_ratio_online_vs_offline"] = (mem["mxfp4_expert_bytes"] + mem["workspace_bytes"]) / mem[
+        "fp8_offline_bytes"
+    ]
     n_l = shape["moe_layers"]
-    mem["model_ratio_online_vs_offline"] = ((n_l * mem["mxfp4_expert_bytes"] + mem["workspace_bytes"])
-                                            / (n_l * mem["fp8_offline_bytes"]))
+    mem["model_ratio_online_vs_offline"] = (n_l * mem["mxfp4_expert_bytes"] + mem["workspace_bytes"]) / (
+        n_l * mem["fp8_offline_bytes"]
+    )
     # peak device memory of one layer's online and offline fp8 path at the largest T, beyond the weights
     t = max(tokens)
     x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
     _, ids = _uniform_routing(t, e, k, dev)
     perm = permute_by_expert(ids, e)
-    for label, kwargs in (("online_ws", {"workspace": ws}), ("offline", {"fp8_weights": offline}),
-                          ("online_fused", {"compute": "fp8"})):
+    for label, kwargs in (
+        ("online_ws", {"workspace": ws}),
+        ("offline", {"fp8_weights": offline}),
+        ("online_fused", {"compute": "fp8"}),
+    ):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -246,31 +310,53 @@ def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[
 
 def _markdown(result: dict) -> str:
     c = result["ceilings"]
-    lines = ["# MoE kernel benchmark\n", f"- date: {result['date']}", f"- commit: {result['commit']}",
-             f"- GPU: {result['gpu']}, torch {result['torch']}, triton {result['triton']}",
-             f"- ceilings (same run): copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} "
-             f"TFLOP/s, fp8 _scaled_mm {c['fp8_matmul_tflops']:.0f} TFLOP/s (8192^3)", "",
-             "Times are medians of CUDA-graph replays (us). TB/s on MXFP4 bytes of the active experts; "
-             "TFLOP/s on 6*T*k*H*I; x floor = time / (MXFP4 bytes / copy bandwidth).", "",
-             "| shape | T | variant | time us | TB/s | of copy | TFLOP/s | x floor | vs torch grouped |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    base = {(r["shape"], r["tokens"]): r["time_us"] for r in result["rows"]
-            if r.get("variant") == "torch_grouped_bf16" and "time_us" in r}
+    lines = [
+        "# MoE kernel benchmark\n",
+        f"- date: {result['date']}",
+        f"- commit: {result['commit']}",
+        f"- GPU: {result['gpu']}, torch {result['torch']}, triton {result['triton']}",
+        f"- ceilings (same run): copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} "
+        f"TFLOP/s, fp8 _scaled_mm {c['fp8_matmul_tflops']:.0f} TFLOP/s (8192^3)",
+        "",
+        "Times are medians of CUDA-graph replays (us). TB/s on MXFP4 bytes of the active experts; "
+        "TFLOP/s on 6*T*k*H*I; x floor = time / (MXFP4 bytes / copy bandwidth).",
+        "",
+        "| shape | T | variant | time us | TB/s | of copy | TFLOP/s | x floor | vs torch grouped |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {
+        (r["shape"], r["tokens"]): r["time_us"]
+        for r in result["rows"]
+        if r.get("variant") == "torch_grouped_bf16" and "time_us" in r
+    }
     for r in result["rows"]:
         if "time_us" not in r:
-            lines.append(f"| {r['shape']} | {r['tokens']} | {r['variant']} | failed: {r['error'][:80]} | | | | | |")
+            lines.append(
+                f"| {r['shape']} | {r['tokens']} | {r['variant']} | failed: {r['error'][:80]} | | | | | |"
+            )
             continue
         b = base.get((r["shape"], r["tokens"]))
         speed = f"{b / r['time_us']:.2f}x" if b else ""
-        lines.append(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['time_us']:.1f} | {r['weight_tbps']:.2f} | "
-                     f"{r['copy_fraction']:.2f} | {r['tflops']:.1f} | {r['x_floor']:.2f} | {speed} |")
-    lines += ["", "## Expert memory", "", "| shape | MXFP4 GB | FP8 offline GB | workspace GB | layer ratio | "
-              "model ratio (all MoE layers, one workspace) | lost elements (fold) |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['time_us']:.1f} | "
+            f"{r['weight_tbps']:.2f} | "
+            f"{r['copy_fraction']:.2f} | {r['tflops']:.1f} | {r['x_floor']:.2f} | {speed} |"
+        )
+    lines += [
+        "",
+        "## Expert memory",
+        "",
+        "| shape | MXFP4 GB | FP8 offline GB | workspace GB | layer ratio | "
+        "model ratio (all MoE layers, one workspace) | lost elements (fold) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for m in result["memory"]:
-        lines.append(f"| {m['shape']} | {m['mxfp4_expert_bytes'] / 1e9:.2f} | {m['fp8_offline_bytes'] / 1e9:.2f} | "
-                     f"{m['workspace_bytes'] / 1e9:.2f} | {m['layer_ratio_online_vs_offline']:.3f} | "
-                     f"{m['model_ratio_online_vs_offline']:.3f} ({m['moe_layers']} layers) | "
-                     f"{m['fold_lost_elements_offline']} |")
+        lines.append(
+            f"| {m['shape']} | {m['mxfp4_expert_bytes'] / 1e9:.2f} | {m['fp8_offline_bytes'] / 1e9:.2f} | "
+            f"{m['workspace_bytes'] / 1e9:.2f} | {m['layer_ratio_online_vs_offline']:.3f} | "
+            f"{m['model_ratio_online_vs_offline']:.3f} ({m['moe_layers']} layers) | "
+            f"{m['fold_lost_elements_offline']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -284,7 +370,9 @@ def run_moe_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[s
     shapes = shapes or list(SHAPES)
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
-        raise InputError(f"unknown MoE shape(s) {unknown}", field="shapes", hint=f"choose from {sorted(SHAPES)}")
+        raise InputError(
+            f"unknown MoE shape(s) {unknown}", field="shapes", hint=f"choose from {sorted(SHAPES)}"
+        )
     ceil = measure_ceilings()
     print(json.dumps(ceil), flush=True)
     rows, mems = [], []
@@ -292,9 +380,16 @@ def run_moe_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[s
         r, m = _bench_shape(s, SHAPES[s], tokens, ceil)
         rows += r
         mems.append(m)
-    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": _git_commit(),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "ceilings": ceil, "rows": rows, "memory": mems}
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "ceilings": ceil,
+        "rows": rows,
+        "memory": mems,
+    }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "moe_bench.json").write_text(json.dumps(result, indent=1))

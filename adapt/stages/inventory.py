@@ -623,9 +623,13 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
             scoring = "sigmoid" if "aten.sigmoid.default" in own else "softmax"
             topks = [i for i, op in enumerate(seq) if op == "aten.topk.default"]
             softmaxes = [i for i, op in enumerate(seq) if op == "aten._softmax.default"]
-            groups = sum(1 for op in seq if op == "aten.topk.default") // max(1, calls) >= 3
+            # the module's group count decides; GLM runs the group code path with one group. Without
+            # the attribute, three top-k calls per routing (groups, best groups, experts) mean groups.
+            n_group = facts.attrs.get("n_group", facts.attrs.get("num_group"))
+            if not isinstance(n_group, int):
+                n_group = 2 if len(topks) // max(1, calls) >= 3 else 1
             after = bool(topks and softmaxes and softmaxes[0] > topks[0])
-            name = _routing_name(scoring, 2 if groups else 1, after)
+            name = _routing_name(scoring, n_group, after)
             add(name, _routing_detail(ffn) if ffn else scoring)
         elif "Experts" in cls:
             ffn = next(
@@ -1157,6 +1161,9 @@ def build_inventory(
             }
         )
     _gate(report, rows, int(thresholds.get("max_missing", 0)))
+    if any("[" in r.provided for r in rows):
+        report.add("info", "inventory.sources",
+                   f"bracketed tags such as [fp8-doc] cite the sources listed at the top of {table.path}")
 
     counts = {
         status: sum(1 for r in rows if r.status == status)

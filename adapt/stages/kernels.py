@@ -63,6 +63,7 @@ ADAPT_KERNEL_FOR_OP = {
 }
 TITLE = "Kernel tolerance tests"
 CHILD_TIMEOUT_S = 600
+MLA_QUERY_ROWS = 10
 GATE_KEYS = {"fp32": "max_rel_error_fp32", "bf16": "max_rel_error_bf16", "fp8": "max_rel_error_fp8",
              "mxfp4": "max_rel_error_mxfp4", "topk": "max_topk_mismatch_rows"}
 SEED = 0
@@ -142,14 +143,14 @@ def scaled_shapes(spec: ModelSpec) -> Shapes:
 
     Indexer heads / 16 and MLA heads / 32 (DeepSeek-V3.2: 64 -> 4, 128 -> 4), index dim / 4 (a
     power of two, at least 16), latent rank / 8 (at least 32), rope / 4 (at least 16); top-k
-    index_topk / 64 (at least 8, at most index_topk), checked on one sequence shorter than k and
+    index_topk / 128 (at least 8, at most index_topk), checked on one sequence shorter than k and
     one several times longer. Experts: enough for top-k and the groups (at most the model's),
     keeping top_k, n_group and topk_group.
     """
     values: dict[str, Any] = {}
     dsa = next((layer.attention for layer in spec.layers if layer.attention.kind == "mla+dsa"), None)
     if dsa is not None:
-        topk = min(dsa.index_topk, max(8, dsa.index_topk // 64))
+        topk = min(dsa.index_topk, max(8, dsa.index_topk // 128))
         values.update(
             index_heads=max(2, dsa.index_n_heads // 16),
             index_dim=_pow2_at_least(dsa.index_head_dim // 4, 16),
@@ -201,7 +202,8 @@ def _run_in_interpreter_process(model: str, target: str, stack: str | None, gate
                           text=True, env=env, timeout=CHILD_TIMEOUT_S)
     if done.returncode == EXIT_BAD_INPUT:
         data = json.loads(done.stdout)
-        raise InputError(data["message"], file=data.get("file"), field=data.get("field"), hint=data.get("hint"))
+        raise InputError(data["message"], file=data.get("file"), field=data.get("field"),
+                         hint=data.get("hint"))
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
         report = StageReport(stage="kernels", number=3, title=TITLE, started=now_iso())
@@ -341,68 +343,93 @@ def _randn(ctx: Context, *shape, gen, scale: float = 1.0):
 def _dsa_cache(ctx: Context, latent_format: str, gen):
     """A one-layer PagedDSACache with the check's sequences written in one prefill step.
 
-    Returns (layer cache, batch, latent fp32 [N, rank], index keys float64 [N, index_dim])."""
-    import torch
-
-    from adapt.kernels import dsa
+    Returns (cache, batch, latent fp32 [N, rank], index keys float64 [N, index_dim]); one spare
+    page per sequence is left for decode steps."""
     from adapt.runtime.kv_cache import PAGE_SIZE, PagedDSACache
 
     s = ctx.shapes
-    cache = PagedDSACache(num_pages=sum(-(-n // PAGE_SIZE) for n in s.lengths) + 1, num_layers=1,
+    cache = PagedDSACache(num_pages=sum(-(-n // PAGE_SIZE) + 1 for n in s.lengths), num_layers=1,
                           kv_lora_rank=s.mla_rank, rope_dim=s.mla_rope, index_head_dim=s.index_dim,
                           latent_format=latent_format, latent_scale_group=max(16, s.mla_rank // 4),
                           device=ctx.device)
     batch = cache.append_tokens([cache.add_sequence() for _ in s.lengths], list(s.lengths))
-    n = batch.num_tokens
+    latent, keys = _write_tokens(ctx, cache, batch, gen)
+    return cache, batch, latent, keys
+
+
+def _write_tokens(ctx: Context, cache, batch, gen):
+    """Random latent, rope and indexer keys (through quantize_fp8_rows, Triton) at the batch's slots.
+
+    Returns (latent fp32 [N, rank], index keys float64 [N, index_dim])."""
+    import torch
+
+    from adapt.kernels import dsa
+
+    s, n = ctx.shapes, batch.num_tokens
     latent = _randn(ctx, n, s.mla_rank, gen=gen)
     keys = torch.randn(n, s.index_dim, generator=gen, dtype=torch.float64)
     k8, kscale = dsa.quantize_fp8_rows(keys.float().to(ctx.device))
-    layer = cache.layer(0)
-    layer.write(batch.slots, latent, _randn(ctx, n, s.mla_rope, gen=gen), k8, kscale)
-    return layer, batch, latent, keys
+    cache.layer(0).write(batch.slots, latent, _randn(ctx, n, s.mla_rope, gen=gen), k8, kscale)
+    return latent, keys
+
+
+def _index_reference(layer, batch, q8, weights, limits, cols: int):
+    """float64 indexer scores [N, cols]: kscale[s] * sum_h w[t, h] * relu(q8[t, h] . k8[s]) for
+    s < limits[t], -inf elsewhere."""
+    import torch
+
+    n, dim = q8.shape[0], q8.shape[-1]
+    ref = torch.full((n, cols), -math.inf, dtype=torch.float64)
+    tables = batch.block_table.long().cpu()
+    keys = layer.index_k.reshape(-1, dim).double().cpu()
+    kscale = layer.index_scale.reshape(-1).double().cpu()
+    for row in range(n):
+        pos = torch.arange(int(limits[row]))
+        slots = tables[int(batch.token_seq[row])][pos // 64] * 64 + pos % 64
+        logits = q8[row].double().cpu() @ keys[slots].T
+        head_sum = (logits.clamp_min(0) * weights[row].double().cpu()[:, None]).sum(0)
+        ref[row, : len(pos)] = head_sum * kscale[slots]
+    return ref
 
 
 def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
-    """index_scores (Triton, e4m3 operands) and index_topk against twins and float64, prefill rows."""
+    """index_scores (Triton, e4m3 operands) and index_topk against twins and float64, for the
+    prefill rows (64-row query tiles) and one decode step (one row per sequence)."""
     import torch
 
     from adapt.kernels import dsa
 
     s = ctx.shapes
     gen = ctx.gen(1)
-    layer, batch, _, _ = _dsa_cache(ctx, "bf16", gen)
-    n = batch.num_tokens
-    q8, q_scale = dsa.quantize_fp8_rows(_randn(ctx, n, s.index_heads, s.index_dim, gen=gen))
-    weights = dsa.fold_index_weights(_randn(ctx, n, s.index_heads, gen=gen), q_scale, s.index_dim)
-    limits = (batch.positions + 1).int()
-    cols = max(dsa.KEY_BLOCK, -(-max(s.lengths) // dsa.KEY_BLOCK) * dsa.KEY_BLOCK)
-    args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
-    got = dsa.index_scores(*args, cols)
-    twin = dsa.index_scores_torch(*args, cols)
-    # float64: I[t, s] = kscale[s] * sum_h w[t, h] * relu(q8[t, h] . k8[s]) over visible s
-    ref = torch.full((n, cols), -math.inf, dtype=torch.float64)
-    slots_of = batch.block_table.long().cpu()
-    keys = layer.index_k.reshape(-1, s.index_dim).double().cpu()
-    kscale = layer.index_scale.reshape(-1).double().cpu()
-    for row in range(n):
-        limit = int(limits[row])
-        pos = torch.arange(limit)
-        slots = slots_of[int(batch.token_seq[row])][pos // 64] * 64 + pos % 64
-        logits = q8[row].double().cpu() @ keys[slots].T
-        ref[row, :limit] = (logits.clamp_min(0) * weights[row].double().cpu()[:, None]).sum(0) * kscale[slots]
-    visible = torch.isfinite(ref)
-    same_mask = bool(torch.equal(torch.isfinite(got.cpu()), visible))
-    results = [CheckResult(op, "adapt.kernels.dsa.index_scores", "indexer scores (prefill)", "fp32",
-                           rel_error(got, twin, visible), rel_error(got, ref, visible), ctx.tol("fp32"),
-                           finite=same_mask and not bool(torch.isnan(got).any()),
-                           detail="" if same_mask else "-inf entries differ from the causal limits")]
-    k = s.index_topk
-    idx, _ = dsa.index_topk(*args, k)
-    idx_twin, _ = dsa.index_topk_torch(*args, k)
-    tie = ctx.tol("fp32")
-    results.append(CheckResult(
-        op, "adapt.kernels.dsa.index_topk", f"top-{k} sets over {n} rows", "topk",
-        set_disagreement_rows(idx, idx_twin, ref, k, tie), topk_mismatch_rows(idx, ref, k, tie), ctx.tol("topk")))
+    cache, batch, _, _ = _dsa_cache(ctx, "bf16", gen)
+    decode = cache.append_tokens(list(range(len(s.lengths))), [1] * len(s.lengths))
+    _write_tokens(ctx, cache, decode, gen)
+    layer = cache.layer(0)
+    results = []
+    for phase, step in (("prefill", batch), ("decode", decode)):
+        n = step.num_tokens
+        q8, q_scale = dsa.quantize_fp8_rows(_randn(ctx, n, s.index_heads, s.index_dim, gen=gen))
+        weights = dsa.fold_index_weights(_randn(ctx, n, s.index_heads, gen=gen), q_scale, s.index_dim)
+        limits = (step.positions + 1).int()
+        cols = -(-(max(s.lengths) + 1) // dsa.KEY_BLOCK) * dsa.KEY_BLOCK
+        args = (q8, weights, layer.index_k, layer.index_scale, step.block_table, step.token_seq, limits)
+        got = dsa.index_scores(*args, cols)
+        twin = dsa.index_scores_torch(*args, cols)
+        ref = _index_reference(layer, step, q8, weights, limits, cols)
+        visible = torch.isfinite(ref)
+        same_mask = bool(torch.equal(torch.isfinite(got.cpu()), visible))
+        results.append(CheckResult(op, "adapt.kernels.dsa.index_scores",
+                                   f"indexer scores ({phase}, {n} rows)", "fp32",
+                                   rel_error(got, twin, visible), rel_error(got, ref, visible),
+                                   ctx.tol("fp32"), finite=same_mask and not bool(torch.isnan(got).any()),
+                                   detail="" if same_mask else "-inf entries differ from the causal limits"))
+        k = s.index_topk
+        idx, _ = dsa.index_topk(*args, k)
+        idx_twin, _ = dsa.index_topk_torch(*args, k)
+        tie = ctx.tol("fp32")
+        results.append(CheckResult(op, "adapt.kernels.dsa.index_topk", f"top-{k} sets ({phase}, {n} rows)",
+                                   "topk", set_disagreement_rows(idx, idx_twin, ref, k, tie),
+                                   topk_mismatch_rows(idx, ref, k, tie), ctx.tol("topk")))
     return results
 
 
@@ -416,27 +443,33 @@ def check_sparse_mla(ctx: Context, op: str) -> list[CheckResult]:
     results = []
     for offset, latent_format in enumerate(("bf16", "fp8")):
         gen = ctx.gen(10 + offset)
-        layer, batch, latent, _ = _dsa_cache(ctx, latent_format, gen)
+        cache, batch, latent, _ = _dsa_cache(ctx, latent_format, gen)
+        layer = cache.layer(0)
         n = batch.num_tokens
         rows = []
         for pos in batch.positions.tolist():
             chosen = torch.randperm(pos + 1, generator=gen)[: s.index_topk]
             padded = torch.cat([chosen, torch.full((s.index_topk - len(chosen),), -1)])
             rows.append(padded[torch.randperm(s.index_topk, generator=gen)])
-        indices = torch.stack(rows).int().to(ctx.device)
-        q_nope = _randn(ctx, n, s.mla_heads, s.mla_rank, gen=gen).bfloat16()
-        q_rope = _randn(ctx, n, s.mla_heads, s.mla_rope, gen=gen).bfloat16()
+        # A spread of query rows (each sequence's first and last included) keeps the interpreter quick.
+        picked = torch.linspace(0, n - 1, MLA_QUERY_ROWS).round().long().unique()
+        starts = batch.query_starts[1:-1].cpu()
+        picked = torch.cat([picked, starts, starts - 1]).unique()
+        indices = torch.stack(rows)[picked].int().to(ctx.device)
+        q_nope = _randn(ctx, len(picked), s.mla_heads, s.mla_rank, gen=gen).bfloat16()
+        q_rope = _randn(ctx, len(picked), s.mla_heads, s.mla_rope, gen=gen).bfloat16()
+        token_seq = batch.token_seq[picked.to(ctx.device)]
         args = (q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, batch.block_table,
-                batch.token_seq, indices, s.mla_scale)
+                token_seq, indices, s.mla_scale)
         got = sparse_mla.sparse_mla(*args)
         twin = sparse_mla.sparse_mla_torch(*args)
-        ref = _mla_reference(layer, batch, indices, q_nope, q_rope, s.mla_scale, None)
+        ref = _mla_reference(layer, batch, token_seq, indices, q_nope, q_rope, s.mla_scale, None)
         results.append(CheckResult(op, "adapt.kernels.sparse_mla.sparse_mla",
                                    f"attention over top-{s.index_topk}, {latent_format} latent cache", "bf16",
                                    rel_error(got, twin), rel_error(got, ref), ctx.tol("bf16"),
                                    finite=bool(torch.isfinite(got).all())))
         if latent_format == "fp8":
-            exact = _mla_reference(layer, batch, indices, q_nope, q_rope, s.mla_scale, latent)
+            exact = _mla_reference(layer, batch, token_seq, indices, q_nope, q_rope, s.mla_scale, latent)
             results.append(CheckResult(op, "adapt.kernels.sparse_mla.sparse_mla",
                                        "fp8 latent cache vs unquantized latent (float64)", "fp8",
                                        None, rel_error(got, exact), ctx.tol("fp8"),
@@ -444,9 +477,10 @@ def check_sparse_mla(ctx: Context, op: str) -> list[CheckResult]:
     return results
 
 
-def _mla_reference(layer, batch, indices, q_nope, q_rope, scale, latent):
+def _mla_reference(layer, batch, token_seq, indices, q_nope, q_rope, scale, latent):
     """float64 softmax(q . [nope, rope] * scale) @ nope over each row's selected positions.
 
+    token_seq: int32 [N] sequence of each query row; indices: int32 [N, k] positions (-1 none).
     Cache rows are dequantized from the cache, or taken from ``latent`` (fp32 [N, rank], in
     slot order of ``batch``) for the nope part when given."""
     import torch
@@ -459,7 +493,7 @@ def _mla_reference(layer, batch, indices, q_nope, q_rope, scale, latent):
         idx = idx[idx >= 0]
         if idx.numel() == 0:
             continue
-        pages = batch.block_table[int(batch.token_seq[row])].long().cpu()[idx // 64]
+        pages = batch.block_table[int(token_seq[row])].long().cpu()[idx // 64]
         slots = pages * 64 + idx % 64
         kv = layer.latent_rows(slots.to(q_nope.device)).double().cpu()
         if latent is not None:
@@ -477,8 +511,8 @@ def check_indexer_cache(ctx: Context, op: str) -> list[CheckResult]:
     from adapt.kernels import dsa
 
     gen = ctx.gen(20)
-    layer, batch, _, keys = _dsa_cache(ctx, "bf16", gen)
-    got = layer.index_key_rows(batch.slots)
+    cache, batch, _, keys = _dsa_cache(ctx, "bf16", gen)
+    got = cache.layer(0).index_key_rows(batch.slots)
     k8, kscale = dsa.quantize_fp8_rows_torch(keys.float().to(ctx.device))
     twin = k8.float() * kscale.unsqueeze(-1)
     return [CheckResult(op, "adapt.runtime.kv_cache.PagedDSACache", "indexer key e4m3 round trip", "fp8",
@@ -576,8 +610,8 @@ def check_permute(ctx: Context, op: str) -> list[CheckResult]:
         (got.sorted_slot, twin.sorted_slot), (got.slot_pos, twin.slot_pos),
         (got.expert_offsets, twin.expert_offsets)))
     wrong = int(not torch.equal(flat[got.sorted_slot.long().cpu()], expected))
-    return [CheckResult(op, "adapt.kernels.routing.permute_by_expert", "slot order by expert (stable)", "topk",
-                        differs, wrong, ctx.tol("topk"))]
+    return [CheckResult(op, "adapt.kernels.routing.permute_by_expert", "slot order by expert (stable)",
+                        "topk", differs, wrong, ctx.tol("topk"))]
 
 
 def _mxfp4_layer(ctx: Context, gen):
@@ -615,7 +649,8 @@ def check_mxfp4_codec(ctx: Context, op: str) -> list[CheckResult]:
     codes_differ = int((packed != p_twin).sum() + (scales != s_twin).sum())
     return [
         CheckResult(op, "adapt.kernels.mxfp4.dequantize_mxfp4", "E2M1 + E8M0 decode", "fp32",
-                    rel_error(decoded, twin), rel_error(decoded, _decode_f64(packed, scales)), ctx.tol("fp32"),
+                    rel_error(decoded, twin), rel_error(decoded, _decode_f64(packed, scales)),
+                    ctx.tol("fp32"),
                     finite=bool(torch.isfinite(decoded).all())),
         CheckResult(op, "adapt.kernels.mxfp4.quantize_mxfp4", "encode N(0,1) weights", "mxfp4",
                     None, rel_error(decoded, x), ctx.tol("mxfp4"),
@@ -664,7 +699,8 @@ def check_mxfp4_moe(ctx: Context, op: str) -> list[CheckResult]:
         results.append(CheckResult(
             op, "adapt.kernels.moe_gemm.moe_forward",
             f"MoE layer, {s.experts} experts top-{config.top_k}, {activation}, {compute} compute", compute,
-            rel_error(got, twin), rel_error(got, ref), ctx.tol(compute), finite=bool(torch.isfinite(got).all())))
+            rel_error(got, twin), rel_error(got, ref), ctx.tol(compute),
+            finite=bool(torch.isfinite(got).all())))
     return results
 
 
@@ -775,7 +811,7 @@ def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: d
         if row.status in ("native", "composable"):
             continue
         report.add("info", "kernels.not_checked",
-                   f"{row.op.name}: {row.status} on {tgt.name} with no adapt kernel to check ({row.provided})")
+                   f"{row.op.name}: {row.status} on {tgt.name}, no adapt kernel to check ({row.provided})")
     native = [r.op.name for r in others if r.status == "native"]
     composable = [r.op.name for r in others if r.status == "composable"]
     if native:
@@ -784,7 +820,7 @@ def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: d
         report.add("info", "kernels.composable",
                    f"not needed: composable in {table.name} from native operators: {', '.join(composable)}")
 
-    interpreter = device == "cpu"
+    interpreter = device == "cpu" and bool(needs)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     results: list[CheckResult] = []
     if needs:
@@ -827,9 +863,11 @@ def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: d
     }
     checked = sorted({n.row.op.name for n in needs})
     report.summary = (f"{len(results)} check(s) of {len(checked)} operator(s) needing adapt kernels "
-                      f"({', '.join(checked) or 'none'}) on {device_name}; {len(failed)} failed.")
-    report.fingerprint = fingerprint(spec_hash=spec.spec_hash(), model=model, target=tgt.name, stack=table.name,
-                                     device=device_name, interpreter=interpreter, seed=SEED,
+                      f"({', '.join(checked)}) on {device_name}; {len(failed)} failed." if needs else
+                      f"No operator needs an adapt kernel on {tgt.name} with stack {table.name}.")
+    report.fingerprint = fingerprint(spec_hash=spec.spec_hash(), model=model, target=tgt.name,
+                                     stack=table.name, device=device_name if needs else None,
+                                     interpreter=interpreter, seed=SEED,
                                      shapes=vars(scaled_shapes(spec)), gates=thresholds)
     report.finished = now_iso()
     report.decide()
@@ -850,7 +888,7 @@ def _run_checks(ctx: Context, needs: list[Need], report: StageReport) -> list[Ch
             if check is None:
                 report.add("error", "kernels.no_check",
                            f"{need.row.op.name}: adapt kernel {kernel} has no tolerance check in stage 3",
-                           "add a check to adapt/stages/kernels.py (CHECKS) or mark the op differently in the stack")
+                           "add a check to CHECKS in adapt/stages/kernels.py, or change the stack entry")
                 continue
             op = need.row.op.name if kernel == need.kernel else _part_op(ctx, kernel, need.row.op.name)
             try:

@@ -142,9 +142,10 @@ def test_port_taken_is_bad_input(tmp_path, tiny_qwen3, vllm_exe):
 
 def test_missing_model_is_bad_input(tmp_path, vllm_exe):
     forced_run(tmp_path, {"tensor_parallel_size": 1})
+    reports = str(tmp_path / "reports")
     result = CliRunner().invoke(app, ["handoff", str(tmp_path / "no-model"), "--target", "cpu",
-                                      "--devices", "1", "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
-                                      "--launch", "--vllm", str(vllm_exe)])
+                                      "--devices", "1", "--run", "smoke", "--output", reports,
+                                      "--force", "--launch", "--vllm", str(vllm_exe)])
     assert result.exit_code == 2, result.output
     assert "not a model directory" in result.output
 

@@ -41,8 +41,24 @@ def filled_cache(lengths, *, heads, dim, device, decode=False, seed=0):
     return layer, batch, q8, weights
 
 
-def assert_same_topk(got, want, scores, k):
-    """Same selected sets, except ties at the k-th score; -1 exactly where a row sees < k keys."""
+def score_tol(device, scores):
+    """Twin vs kernel: exact on CPU; Hopper FP8 MMA accumulates below fp32 precision."""
+    finite = scores[torch.isfinite(scores)]
+    return 0.0 if device == "cpu" else 2e-3 * float(finite.abs().max())
+
+
+def assert_close_scores(got, want, device):
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    if device == "cpu":
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-2, atol=score_tol(device, want))
+
+
+def assert_same_topk(got, want, scores, k, tol=0.0):
+    """Same selected sets, except ties at the k-th score (within ``tol``); -1 exactly where a row
+    sees fewer than k keys."""
     for row in range(scores.shape[0]):
         visible = int(torch.isfinite(scores[row]).sum())
         g, w = got[row], want[row]
@@ -52,7 +68,7 @@ def assert_same_topk(got, want, scores, k):
         assert len(g) == min(k, visible)
         if g != w:
             kth = scores[row].topk(min(k, visible)).values[-1]
-            assert all(scores[row, i] == kth for i in g ^ w), f"row {row}: {sorted(g ^ w)} are not ties"
+            assert all(abs(scores[row, i] - kth) <= tol for i in g ^ w), f"row {row}: {g ^ w} not ties"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -76,10 +92,8 @@ def test_prefill_scores_match_twin(device, lengths):
                            limits, cols)
     want = dsa.index_scores_torch(q8, weights, layer.index_k, layer.index_scale, batch.block_table,
                                   batch.token_seq, limits, cols)
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), finite)
-    assert finite.sum(1).tolist() == limits.tolist()
-    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(want).sum(1).tolist() == limits.tolist()
+    assert_close_scores(got, want, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -90,12 +104,10 @@ def test_decode_scores_and_topk_match_twin(device):
     args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
     got = dsa.index_scores(*args, 192)
     want = dsa.index_scores_torch(*args, 192)
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), finite)
-    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    assert_close_scores(got, want, device)
     idx, _ = dsa.index_topk(*args, 32)
     ref, _ = dsa.index_topk_torch(*args, 32)
-    assert_same_topk(idx.cpu(), ref.cpu(), want.cpu(), 32)
+    assert_same_topk(idx.cpu(), ref.cpu(), want.cpu(), 32, score_tol(device, want))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -108,8 +120,8 @@ def test_topk_chunks_stay_under_the_memory_bound(device):
     whole, whole_stats = dsa.index_topk_torch(*args, 24)
     assert stats.chunks >= 100 // 16 and stats.peak_score_bytes <= bound
     assert whole_stats.chunks == 1
-    scores = dsa.index_scores_torch(*args, 128).cpu()
-    assert_same_topk(idx.cpu(), whole.cpu(), scores, 24)
+    scores = dsa.index_scores_torch(*args, 128)
+    assert_same_topk(idx.cpu(), whole.cpu(), scores.cpu(), 24, score_tol(device, scores))
     assert (idx.cpu() <= batch.positions.cpu()[:, None]).all()
 
 
@@ -122,10 +134,8 @@ def test_deepseek_v32_shapes_on_gpu():
     args = (layer.index_k, layer.index_scale, batch.block_table)
     got = dsa.index_scores(q8, weights, *args, batch.token_seq, limits, 3072)[rows]
     want = dsa.index_scores_torch(q8[rows], weights[rows], *args, batch.token_seq[rows], limits[rows], 3072)
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), finite)
-    torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+    assert_close_scores(got, want, "cuda")
     idx, stats = dsa.index_topk(q8, weights, *args, batch.token_seq, limits, 2048, max_score_bytes=1 << 24)
     assert stats.peak_score_bytes <= 1 << 24 and stats.chunks > 1
     ref, _ = dsa.index_topk_torch(q8[rows], weights[rows], *args, batch.token_seq[rows], limits[rows], 2048)
-    assert_same_topk(idx[rows].cpu(), ref.cpu(), want.cpu(), 2048)
+    assert_same_topk(idx[rows].cpu(), ref.cpu(), want.cpu(), 2048, score_tol("cuda", want))

@@ -49,7 +49,9 @@ def ref_expert_mlp_f64(x, ids, weights, activation="swiglu", alpha=1.702, limit=
             xv = x[tt].double()
             gate, up = wg[e] @ xv, wu[e] @ xv
             if weights.w1_bias is not None:
-                bg, bu = mg._split_gate_up(weights.w1_bias.double().unsqueeze(-1), weights.gate_up_interleaved)
+                bg, bu = mg._split_gate_up(
+                    weights.w1_bias.double().unsqueeze(-1), weights.gate_up_interleaved
+                )
                 gate, up = gate + bg[e, :, 0], up + bu[e, :, 0]
             hv = mg.swiglu_torch(gate, up, activation, alpha, limit)
             o = w2[e] @ hv
@@ -94,8 +96,8 @@ def test_route_matches_twin(cfg, e, with_bias):
 def test_group_limited_routing_keeps_groups():
     cfg = rt.RouterConfig(top_k=4, scoring="sigmoid", n_group=4, topk_group=1)
     logits = torch.full((1, 16), -5.0, device=DEV)
-    logits[0, 4:8] = torch.tensor([1.0, 2.0, 3.0, 4.0], device=DEV)   # group 1 holds the best pair
-    logits[0, 0] = 10.0                                                # group 0: one great, one bad
+    logits[0, 4:8] = torch.tensor([1.0, 2.0, 3.0, 4.0], device=DEV)  # group 1 holds the best pair
+    logits[0, 0] = 10.0  # group 0: one great, one bad
     _, ids = rt.route(logits, cfg)
     assert sorted(ids[0].tolist()) == [4, 5, 6, 7]
 
@@ -112,7 +114,7 @@ def test_permutation_matches_twin(t, k, e, skew):
     g = _gen(2)
     ids = torch.stack([torch.randperm(e, generator=g, device=DEV)[:k] for _ in range(t)]).int()
     if skew:
-        ids[:] = 3                                                 # all tokens on one expert, others empty
+        ids[:] = 3  # all tokens on one expert, others empty
     p, pt = rt.permute_by_expert(ids, e), rt.permute_by_expert_torch(ids, e)
     assert torch.equal(p.sorted_slot, pt.sorted_slot)
     assert torch.equal(p.slot_pos, pt.slot_pos)
@@ -168,16 +170,18 @@ def _check_mlp(x, ids, weights, *, activation="swiglu", compute="bf16", **kw):
 @pytest.mark.parametrize("compute", ["bf16", "fp8"])
 def test_expert_mlp_odd_sizes_and_empty_experts(compute):
     g = _gen(4)
-    w = make_layer(6, 96, 32, seed=4)                               # H = 96, I = 32: odd tiles
+    w = make_layer(6, 96, 32, seed=4)  # H = 96, I = 32: odd tiles
     x = torch.randn(7, 96, generator=g, device=DEV).bfloat16()
-    ids = torch.tensor([[0, 2], [2, 5], [0, 5], [2, 0], [5, 2], [0, 2], [5, 0]], dtype=torch.int32, device=DEV)
-    _check_mlp(x, ids, w, compute=compute)                          # experts 1, 3, 4 own no tokens
+    ids = torch.tensor(
+        [[0, 2], [2, 5], [0, 5], [2, 0], [5, 2], [0, 2], [5, 0]], dtype=torch.int32, device=DEV
+    )
+    _check_mlp(x, ids, w, compute=compute)  # experts 1, 3, 4 own no tokens
 
 
 def test_expert_mlp_gpt_oss_clamped_bias_interleaved():
     g = _gen(5)
     w = make_layer(4, 64, 32, bias=True, interleaved=True, seed=5)
-    x = (torch.randn(9, 64, generator=g, device=DEV) * 3).bfloat16()   # large enough to hit the clamp
+    x = (torch.randn(9, 64, generator=g, device=DEV) * 3).bfloat16()  # large enough to hit the clamp
     ids = torch.randint(0, 4, (9, 1), generator=g, device=DEV).int()
     _check_mlp(x, ids, w, activation="swiglu_clamped", compute="bf16")
     _check_mlp(x, ids, w, activation="swiglu_clamped", compute="fp8")
@@ -208,11 +212,11 @@ def test_offline_and_workspace_paths():
     fused = mg.expert_mlp(x, perm, w, top_k=2, compute="fp8")
     off = mg.FP8Weights.from_mxfp4(w)
     assert off.lost.item() == 0
-    ws = FP8Workspace(2, 64, 32, DEV)                               # 3 chunks of 2 experts, two buffers
+    ws = FP8Workspace(2, 64, 32, DEV)  # 3 chunks of 2 experts, two buffers
     assert ws.nbytes == workspace_bytes(2, 64, 32)
     for kw in ({"fp8_weights": off}, {"workspace": ws}):
         y = mg.expert_mlp(x, perm, w, top_k=2, **kw)
-        assert torch.equal(y, fused)                                # same e4m3 operands, same kernel math
+        assert torch.equal(y, fused)  # same e4m3 operands, same kernel math
     assert ws.lost.item() == 0
 
 
@@ -232,7 +236,7 @@ def test_fp8_row_quant_matches_twin():
         q, s = mg.quantize_fp8_rows(x, group)
         q_t, s_t = mg.quantize_fp8_rows_torch(x, group)
         assert torch.equal(q.float(), q_t.float()) and torch.equal(s, s_t)
-        assert (q.float().abs().amax() <= 448)
+        assert q.float().abs().amax() <= 448
 
 
 def test_moe_forward_deepseek_routing_shared_matches_twin():
@@ -256,8 +260,12 @@ def test_nan_scale_and_bad_inputs_rejected():
     with pytest.raises(InputError, match="0xFF"):
         w.validate()
     with pytest.raises(InputError):
-        mg.moe_forward(torch.zeros(2, 32, device=DEV).bfloat16(), torch.zeros(2, 32, device=DEV), w,
-                       rt.RouterConfig(top_k=1))
+        mg.moe_forward(
+            torch.zeros(2, 32, device=DEV).bfloat16(),
+            torch.zeros(2, 32, device=DEV),
+            w,
+            rt.RouterConfig(top_k=1),
+        )
     with pytest.raises(InputError):
         mg.MoEWeights(w.w1_blocks, w.w1_scales, w.w1_blocks, w.w1_scales)
 
@@ -295,7 +303,7 @@ def test_expert_mlp_real_shapes_gpu(name, t):
 
 @pytest.mark.gpu
 def test_moe_forward_real_deepseek_gpu():
-    e, h, i, t = 32, 7168, 2048, 64                                # real H and I; 32 experts keep the twin small
+    e, h, i, t = 32, 7168, 2048, 64  # real H and I; 32 experts keep the twin small
     w = make_layer(e, h, i, seed=15)
     sh = make_layer(1, h, i, seed=16)
     g = _gen(17)

@@ -57,13 +57,13 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("latent_format", ["bf16", "fp8"])
-def test_sparse_mla_matches_twin_and_reference(device, latent_format):
+@pytest.mark.parametrize("latent_format,tiles", [("bf16", {}), ("fp8", {}), ("fp8", {"v_split": 2})])
+def test_sparse_mla_matches_twin_and_reference(device, latent_format, tiles):
     layer, batch, indices, q_nope, q_rope = setup((9, 40), heads=3, rank=32, rope=16, topk=24,
                                                   latent_format=latent_format, device=device)
     args = (q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, batch.block_table,
             batch.token_seq, indices, 0.15)
-    got = sparse_mla(*args)
+    got = sparse_mla(*args, **tiles)
     twin = sparse_mla_torch(*args)
     want = reference(layer, batch, indices, q_nope, q_rope, 0.15)
     assert torch.isfinite(got).all()
@@ -91,7 +91,7 @@ def test_rows_without_positions_are_zero_and_masked_slots_unread(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("latent_format", ["bf16", "fp8"])
-@pytest.mark.parametrize("tiles", [{}, {"v_split": 1, "block_h": 64}, {"block_h": 32, "block_k": 64}])
+@pytest.mark.parametrize("tiles", [{}, {"v_split": 4, "block_h": 64}, {"block_h": 32, "num_warps": 4}])
 def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
     """128 heads, latent 512 + 64, top-2048 over 5000 cached tokens, against float64."""
     layer, batch, indices, q_nope, q_rope = setup((4000, 1000), heads=128, rank=512, rope=64, topk=2048,

@@ -42,7 +42,7 @@ def engines():
 
 @torch.no_grad()
 def _hf_logits(model, prompt):
-    return model(torch.tensor([prompt])).logits[0].float()
+    return model(torch.tensor([prompt]), use_cache=False).logits[0].float()
 
 
 @torch.no_grad()
@@ -73,19 +73,25 @@ def test_batched_prefill_logits_match_transformers_in_fp32(engines, hf_models, n
 @pytest.mark.parametrize("name", MODELS)
 def test_32_greedy_tokens_match_transformers(engines, hf_models, name):
     prompts = _prompts((30, 9), seed=1)  # 30 + 32 tokens crosses the first 64-token page
-    result = engines[name].generate(prompts, 32, stop_at_eos=False)
+    result = engines[name].generate(prompts, 32, stop_ids=())
     for prompt, tokens in zip(prompts, result.tokens, strict=True):
         assert tokens == _hf_greedy(hf_models[name], prompt, 32)
     assert result.timing.decode_tokens == 64 and result.timing.prefill_tokens == 39
 
 
 @pytest.mark.parametrize("name", ["tiny-dsa", "tiny-oss"])
-def test_bf16_compute_stays_within_bf16_tolerance(hf_models, name):
+def test_bf16_compute_is_as_accurate_as_transformers_bf16(hf_models, name):
+    from transformers import AutoModelForCausalLM
+
     engine = Engine.load(tiny_path(name), dtype=torch.bfloat16, max_tokens=256)
     prompt = _prompts((40,), seed=2)[0]
     ours = engine.step(engine.start(1), [prompt], all_logits=True)[0]
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(tiny_path(name), dtype=torch.bfloat16, attn_implementation="eager",
+                                                   experts_implementation="eager").eval()
     ref = _hf_logits(hf_models[name], prompt)
-    assert _rel(ours, ref) < 3e-2  # three layers of bf16 rounding against an fp32 reference
+    theirs = _hf_logits(hf_bf16, prompt)
+    # both bf16 paths are measured against the fp32 reference; ours may not be worse than theirs
+    assert _rel(ours, ref) < max(1.5 * _rel(theirs, ref), 1e-2)
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
@@ -155,30 +161,28 @@ def test_reduced_depth_matches_transformers_on_the_same_layers(hf_models):
 
 def test_temperature_sampling_is_seeded(engines):
     engine, prompts = engines["tiny-qwen3"], _prompts((12, 5), seed=6)
-    a = engine.generate(prompts, 10, temperature=1.0, seed=7, stop_at_eos=False).tokens
-    b = engine.generate(prompts, 10, temperature=1.0, seed=7, stop_at_eos=False).tokens
-    c = engine.generate(prompts, 10, temperature=1.0, seed=8, stop_at_eos=False).tokens
-    greedy = engine.generate(prompts, 10, stop_at_eos=False).tokens
+    a = engine.generate(prompts, 10, temperature=1.0, seed=7, stop_ids=()).tokens
+    b = engine.generate(prompts, 10, temperature=1.0, seed=7, stop_ids=()).tokens
+    c = engine.generate(prompts, 10, temperature=1.0, seed=8, stop_ids=()).tokens
+    greedy = engine.generate(prompts, 10, stop_ids=()).tokens
     assert a == b and a != c and a != greedy
     assert all(0 <= t < 512 for seq in a for t in seq)
 
 
-def test_generation_stops_at_eos(engines):
+def test_generation_stops_at_a_stop_id(engines):
     engine = engines["tiny-qwen3"]
     prompt = _prompts((8,), seed=9)[0]
-    first = engine.generate([prompt], 1, stop_at_eos=False).tokens[0][0]
-    engine.config.eos_ids, saved = (first,), engine.config.eos_ids
-    try:
-        result = engine.generate([prompt, prompt[:5]], 6)
-    finally:
-        engine.config.eos_ids = saved
+    first = engine.generate([prompt], 1, stop_ids=()).tokens[0][0]
+    result = engine.generate([prompt, prompt[:5]], 6, stop_ids=[first])
     assert result.tokens[0] == [first] and result.finished[0]
+    assert result.finished[1] == (first in result.tokens[1])
+    assert len(result.tokens[1]) == 6 or result.tokens[1][-1] == first
 
 
 def test_cache_pages_are_returned_and_a_full_cache_refuses_the_step():
     engine = Engine.load(tiny_path("tiny-qwen3"), dtype=torch.float32, max_tokens=128)  # 2 pages
     free = engine.cache.free_pages
-    engine.generate(_prompts((70,)), 3, stop_at_eos=False)
+    engine.generate(_prompts((70,)), 3, stop_ids=())
     assert engine.cache.free_pages == free
     seq = engine.start(1)
     with pytest.raises(OutOfPagesError):

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from adapt.cli import app
 from adapt.errors import InputError
-from adapt.model.spec import load_spec, spec_from_config
+from adapt.model.spec import PRESETS_DIR, load_spec, spec_from_config
 from adapt.stages.inventory import (
     FUSIONS,
     OP_KINDS,
@@ -28,11 +28,10 @@ from adapt.stages.inventory import (
 )
 from adapt.targets.target import load_stack, load_target, stack_names
 
-CONFIGS = Path("/work/shared/configs")
-if not CONFIGS.is_dir():
-    CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
-DSV32 = str(CONFIGS / "DeepSeek-V3.2")
-GPT_OSS = str(CONFIGS / "gpt-oss-120b")
+# presets: the public config.json files of deepseek-ai/DeepSeek-V3.2 and openai/gpt-oss-120b
+DSV32 = "deepseek-v3.2"
+GPT_OSS = "gpt-oss-120b"
+DSV32_CONFIG = PRESETS_DIR / "deepseek-v3.2.json"
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +190,7 @@ def test_adapt_kernel_that_does_not_import_is_missing(tmp_path):
 
 
 def test_config_transformers_cannot_build_falls_back_to_spec(tmp_path):
-    config = json.loads((Path(DSV32) / "config.json").read_text())
+    config = json.loads(DSV32_CONFIG.read_text())
     config["model_type"] = "kimi_k2"   # ModelSpec parses it; transformers has no such model_type
     for key in ("index_n_heads", "index_head_dim", "index_topk"):
         config.pop(key)
@@ -235,7 +234,7 @@ def test_module_failing_on_meta_is_named(monkeypatch):
 
 
 def test_representative_layers_count_like_all_layers():
-    config = json.loads((Path(DSV32) / "config.json").read_text())
+    config = json.loads(DSV32_CONFIG.read_text())
     config["num_hidden_layers"] = 5
     spec = spec_from_config(config, "dsv32-5-layers")
     few = {op.name: op.count for op in lift_trace(trace_model(spec.config), spec)[0]}
@@ -297,3 +296,21 @@ def test_cli_inventory_bad_stack_is_input_error(tmp_path):
                                       "--output", str(tmp_path)])
     assert result.exit_code == 2
     assert "unknown stack 'no-such-stack'" in result.output and "Traceback" not in result.output
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+
+
+def test_glm_one_group_sigmoid_routing_and_partial_rope():
+    inventory = build_inventory(str(FIXTURES / "glm-4.5-air.json"), "h200")
+    rows = _rows(inventory)
+    assert "routing_sigmoid_topk" in rows and "routing_sigmoid_group_topk" not in rows
+    assert "partial: 64 of 128 dims" in rows["rope_plain"].op.detail
+    assert not [f for f in inventory.report.findings if f.code == "inventory.not_traced"]
+
+
+def test_real_kimi_k2_config_gets_the_spec_inventory():
+    inventory = build_inventory(str(FIXTURES / "kimi-k2-instruct.aiconfigurator.json"), "h200")
+    assert inventory.report.metrics["origin"] == "spec"
+    assert any(f.code == "inventory.spec_only" for f in inventory.report.findings)
+    assert {"attention_mla", "routing_sigmoid_topk", "moe_grouped_gemm_bf16"} <= set(_rows(inventory))

