@@ -425,6 +425,37 @@ def _no_status():
     return contextlib.nullcontext()
 
 
+@bench_app.command("kernels")
+def bench_kernels(
+    moe: Annotated[bool, typer.Option("--moe", help="MXFP4 MoE expert kernels (DeepSeek-V3 and gpt-oss shapes).")] = False,
+    dsa: Annotated[bool, typer.Option("--dsa", help="DeepSeek Sparse Attention (indexer, top-k, sparse MLA).")] = False,
+    tokens: Annotated[list[int] | None, typer.Option("--tokens", help="MoE token counts (repeatable).")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the results.")] = Path("benchmarks"),
+    as_json: JsonOpt = False,
+) -> None:
+    """Time adapt's kernels on this GPU beside same-run ceilings and torch baselines (needs CUDA)."""
+    import torch
+
+    if not (moe or dsa):
+        raise InputError("choose what to benchmark", field="--moe/--dsa", hint="pass --moe, --dsa or both")
+    if not torch.cuda.is_available():
+        raise InputError("kernel benchmarks need a CUDA GPU; none is visible here",
+                         hint="run `make bench-gpu` on the target machine")
+    results = {}
+    if moe:
+        from adapt.stages.bench_moe import run_moe_bench
+
+        results["moe"] = run_moe_bench(output / "moe", tokens or None)
+    if dsa:
+        from adapt.stages.bench_dsa import run_dsa_bench
+
+        results["dsa"] = run_dsa_bench(output / "dsa")
+    if as_json:
+        print_json(results)
+    else:
+        console.print(f"results written under {output}")
+
+
 def main() -> None:
     """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage)."""
     try:

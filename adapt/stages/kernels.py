@@ -896,12 +896,18 @@ def _run_checks(ctx: Context, needs: list[Need], report: StageReport) -> list[Ch
                            f"{need.row.op.name}: adapt kernel {kernel} has no tolerance check in stage 3",
                            "add a check to CHECKS in adapt/stages/kernels.py, or change the stack entry")
                 continue
-            op = need.row.op.name if kernel == need.kernel else _part_op(ctx, kernel, need.row.op.name)
+            part = kernel != need.kernel
+            op = _part_op(ctx, kernel, need.row.op.name) if part else need.row.op.name
             try:
-                results.extend(check(ctx, op))
+                found = check(ctx, op)
             except Exception as exc:  # a kernel that crashes fails its gate with the reason
                 report.add("error", "kernels.crashed", f"{op}: {kernel} raised {type(exc).__name__}: {exc}",
                            "run the kernel's own tests (pytest tests/kernels)")
+                continue
+            for result in found:
+                if part:
+                    result.check += f" (inside {need.kernel.rsplit('.', 1)[-1]})"
+            results.extend(found)
     return results
 
 
