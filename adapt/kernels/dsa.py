@@ -17,10 +17,12 @@ sequence, -1 where a row has fewer visible keys than k.
 
 What is Triton and what is torch here:
 - ``quantize_fp8_rows``: Triton (torch twin ``quantize_fp8_rows_torch``).
-- ``index_scores``: Triton FP8 scoring kernel over the paged cache; key tiles of 128
-  positions stay in registers while the program walks the query rows of its tile (prefill
-  tiles hold up to 64 consecutive query rows of one sequence, decode tiles one), so each key
-  tile is read from memory once per 64 queries, not once per query. Torch twin
+- ``index_scores``: Triton FP8 scoring kernel over the paged cache. A program holds a query
+  tile (decode: one row, its [H, D] query kept in registers; prefill: up to
+  ``PREFILL_ROWS_PER_TILE`` consecutive rows of one sequence) and streams a contiguous range
+  of 128-key tiles through a software pipeline (several tiles in flight); each key tile is
+  read once per query tile. The context is split across programs so that about 1024 run
+  (batch 64 decode at 128K: 64 sequences x 16 splits of 64 tiles). Torch twin
   ``index_scores_torch``.
 - ``index_topk``: calls ``index_scores`` on bounded chunks of query rows and selects with
   ``torch.topk`` (torch, not Triton). The [T, S] score matrix is never materialised: a chunk
@@ -29,8 +31,8 @@ What is Triton and what is torch here:
 
 Work per call, for N query rows against the keys each sees (S_t keys for row t):
 FLOPs = 2 * H * D * sum_t S_t (prefill: about H * D * T**2; decode: 2 * H * D * S per
-sequence). Bytes (HBM): keys (D + 4) B per cached token per sequence (read once per tile of
-64 queries), queries N * H * (D + 4) B, scores 4 B per (row, visible key) written and read
+sequence). Bytes (HBM): keys (D + 4) B per cached token per sequence (read once per query
+tile), queries N * H * (D + 4) B, scores 4 B per (row, visible key) written and read
 back by top-k, indices 4 * topk B per row.
 """
 
@@ -45,8 +47,9 @@ import triton.language as tl
 
 from adapt.runtime.kv_cache import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 
-PREFILL_ROWS_PER_TILE = 64
+PREFILL_ROWS_PER_TILE = 16
 KEY_BLOCK = 128
+DEFAULT_PROGRAMS = 1024
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
 
 
@@ -116,45 +119,65 @@ def fold_index_weights(weights: torch.Tensor, q_scale: torch.Tensor, head_dim: i
 
 @triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
-                         row_base, n_heads, bt_stride, out_stride, out_cols,
+                         n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                         KEY_TILES: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+                         ROWS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """One program: one query tile (up to ROWS consecutive rows of one sequence) against
+    ``tiles_per_split`` consecutive BLOCK_S-key tiles (split ``program_id(1)`` of the
+    context). Key tiles stream through a NUM_STAGES-deep software pipeline; each is read
+    once and scored against every row of the query tile. With ROWS == 1 (decode) the query
+    [H, D] and its weights stay in registers for the whole scan."""
     tile = tl.program_id(0)
     row0 = tl.load(tiles_ptr + tile * 3)
     n_rows = tl.load(tiles_ptr + tile * 3 + 1)
     seq = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
     tile_limit = tl.load(limit_ptr + row0 + n_rows - 1)
     heads = tl.arange(0, BLOCK_H)
+    hmask = heads < n_heads
     dims = tl.arange(0, HEAD_DIM)
-    for kt in range(KEY_TILES):
-        pos = (tl.program_id(1) * KEY_TILES + kt) * BLOCK_S + tl.arange(0, BLOCK_S)
-        out_mask = pos < out_cols
-        if (tl.program_id(1) * KEY_TILES + kt) * BLOCK_S < tile_limit:
-            key_mask = pos < tile_limit
-            page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
-            slot = page.to(tl.int64) * PAGE + pos % PAGE
-            keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None],
-                           other=0.0)
-            kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
-            if UPCAST:
-                keys = keys.to(tl.float32)
-            for r in range(0, n_rows):
-                row = (row0 + r).to(tl.int64)
-                q_t = tl.load(q_ptr + row * n_heads * HEAD_DIM + heads[None, :] * HEAD_DIM + dims[:, None],
-                              mask=heads[None, :] < n_heads, other=0.0)
+    offs = tl.arange(0, BLOCK_S)
+    first = tl.program_id(1) * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(out_cols, BLOCK_S))
+    live = tl.minimum(last, tl.cdiv(tile_limit, BLOCK_S))
+    if ROWS == 1:
+        q_one = tl.load(q_ptr + (row0.to(tl.int64) * n_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
+                        mask=hmask[:, None], other=0.0)
+        if UPCAST:
+            q_one = q_one.to(tl.float32)
+        w_one = tl.load(w_ptr + row0.to(tl.int64) * n_heads + heads, mask=hmask, other=0.0)
+    for kt in tl.range(first, live, num_stages=NUM_STAGES):
+        pos = kt * BLOCK_S + offs
+        key_mask = pos < tile_limit
+        page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None], other=0.0)
+        kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+        if UPCAST:
+            keys = keys.to(tl.float32)
+        for r in tl.static_range(ROWS):
+            row = (row0 + r).to(tl.int64)
+            row_ok = r < n_rows
+            if ROWS == 1:
+                q_r = q_one
+                w_r = w_one
+            else:
+                q_r = tl.load(q_ptr + (row * n_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
+                              mask=hmask[:, None] & row_ok, other=0.0)
                 if UPCAST:
-                    q_t = q_t.to(tl.float32)
-                w = tl.load(w_ptr + row * n_heads + heads, mask=heads < n_heads, other=0.0)
-                logits = tl.dot(keys, q_t)
-                score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * kscale
-                limit = tl.load(limit_ptr + row)
-                score = tl.where(pos < limit, score, float("-inf"))
-                tl.store(out_ptr + (row - row_base) * out_stride + pos, score, mask=out_mask)
-        else:
-            for r in range(0, n_rows):
-                row = (row0 + r).to(tl.int64)
-                tl.store(out_ptr + (row - row_base) * out_stride + pos,
-                         tl.full([BLOCK_S], float("-inf"), tl.float32), mask=out_mask)
+                    q_r = q_r.to(tl.float32)
+                w_r = tl.load(w_ptr + row * n_heads + heads, mask=hmask & row_ok, other=0.0)
+            logits = tl.dot(keys, tl.trans(q_r))
+            score = tl.sum(tl.maximum(logits, 0.0) * w_r[None, :], axis=1) * kscale
+            limit = tl.load(limit_ptr + row, mask=row_ok, other=0)
+            score = tl.where(pos < limit, score, float("-inf"))
+            tl.store(out_ptr + row * out_stride + pos, score, mask=row_ok & (pos < out_cols))
+    for kt in range(tl.maximum(first, live), last):
+        pos = kt * BLOCK_S + offs
+        for r in tl.static_range(ROWS):
+            row = (row0 + r).to(tl.int64)
+            tl.store(out_ptr + row * out_stride + pos, tl.full([BLOCK_S], float("-inf"), tl.float32),
+                     mask=(r < n_rows) & (pos < out_cols))
 
 
 def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
@@ -172,8 +195,9 @@ def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
 
 def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
                  block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
-                 num_cols: int, *, rows_per_tile: int | None = None, key_tiles: int | None = None,
-                 num_warps: int | None = None) -> torch.Tensor:
+                 num_cols: int, *, rows_per_tile: int | None = None, key_block: int | None = None,
+                 num_stages: int | None = None, num_warps: int | None = None,
+                 programs: int | None = None) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -181,12 +205,15 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     block_table: int32 [B, max_pages]; token_seq: int32 [N] sequence of each row (rows of one
     sequence consecutive, positions ascending); limits: int32 [N] keys row t may see
     (position + 1 when causal). Returns fp32 [N, num_cols]: I[t, s] for s < limits[t],
-    -inf elsewhere. FLOPs 2 * H * D * sum(limits); bytes N * num_cols * 4 written.
+    -inf elsewhere. FLOPs 2 * H * D * sum(limits); bytes: keys (D + 4) B per visible key per
+    query tile, N * num_cols * 4 written.
     Hopper's FP8 MMA accumulates with less than fp32 precision: scores differ from the fp32
     twin by about 1e-3 relative there (exactly equal under the interpreter).
-    Tiling: ``rows_per_tile`` query rows share each key tile (default 64, 1 when every row is
-    its own sequence, as in decode); ``key_tiles`` 128-key tiles per program (default 8 in
-    decode, 1 in prefill); ``num_warps`` per program (default 8).
+    Tiling: ``rows_per_tile`` query rows share each key tile (default
+    ``PREFILL_ROWS_PER_TILE``; 1 when every row is its own sequence, as in decode);
+    ``key_block`` keys per tile (default 128); ``num_stages`` key tiles in flight (default 3);
+    the context is split so that about ``programs`` programs run (default 1024, enough to fill
+    132 SMs several times); ``num_warps`` per program (default 4).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -195,15 +222,19 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     decode = rows_per_tile == 1 or (rows_per_tile is None and bool((token_seq[1:] != token_seq[:-1]).all()))
     per_tile = 1 if decode else (rows_per_tile or PREFILL_ROWS_PER_TILE)
     tiles = _query_tiles(token_seq, per_tile)
-    key_tiles = key_tiles or (8 if decode else 1)
-    block_h = max(16, triton.next_power_of_2(n_heads))
-    grid = (tiles.shape[0], triton.cdiv(num_cols, KEY_BLOCK * key_tiles))
+    if not decode:
+        tiles = tiles.flip(0).contiguous()  # causal: the longest rows start first, not last
+    block_s = key_block or KEY_BLOCK
+    key_tiles = triton.cdiv(num_cols, block_s)
+    splits = min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS, tiles.shape[0])))
+    tiles_per_split = triton.cdiv(key_tiles, splits)
+    grid = (tiles.shape[0], triton.cdiv(key_tiles, tiles_per_split))
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
         limits.to(torch.int32).contiguous(), tiles, out,
-        0, n_heads, block_table.stride(0), out.stride(0), num_cols,
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=KEY_BLOCK, KEY_TILES=key_tiles, PAGE=PAGE_SIZE,
-        UPCAST=_interpreting(), num_warps=num_warps or 8,
+        n_heads, block_table.stride(0), out.stride(0), num_cols, tiles_per_split,
+        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s, ROWS=per_tile,
+        PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), num_warps=num_warps or 4,
     )
     return out
 

@@ -193,7 +193,11 @@ class FP8Weights:
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile shape of one grouped GEMM: tokens per tile (block_m), weight rows per tile (block_n;
-    gate and up rows each for GEMM1), K per step, L2 grouping, warps, pipeline depth, programs per SM."""
+    gate and up rows each for GEMM1), K per step, L2 grouping, warps, pipeline depth, programs per SM
+    (0: one program per work item, so kernels on other streams can take SMs as programs retire),
+    and the MMA orientation: swap_ab True puts weight rows in the MMA's M (small T), False puts
+    tokens in M and the weight tile in the B operand (large T: the decoded tile goes through shared
+    memory the way wgmma wants it)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -202,10 +206,15 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 4
+    swap_ab: bool = True
 
 
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
-    """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both)."""
+    """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both).
+
+    compute: "bf16" (MXFP4 decoded to bf16), "fp8" (MXFP4 decoded to e4m3 in the GEMM) or
+    "fp8_stored" (e4m3 weights read from memory: offline copy or workspace).
+    """
     if INTERPRET:
         c = GemmConfig(
             block_m=16, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1, programs_per_sm=1
@@ -217,10 +226,25 @@ def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, 
         return (GemmConfig(16, 32, bk_small, 4, 4, 4, 4), GemmConfig(16, 64, bk_small, 4, 4, 4, 4))
     if per_expert <= 48:
         return (GemmConfig(32, 32, bk_small, 4, 4, 4, 4), GemmConfig(32, 64, bk_small, 4, 4, 4, 4))
+    if compute == "bf16":
+        if per_expert <= 160:
+            return (GemmConfig(64, 64, 128, 4, 4, 3, 2), GemmConfig(64, 128, 128, 4, 8, 3, 2))
+        return (GemmConfig(128, 64, 64, 8, 8, 3, 1), GemmConfig(128, 128, 64, 8, 8, 3, 1))
+    # fp8 MMA with 64+ tokens per expert: tokens in M, weight tile as the B operand
     if per_expert <= 160:
-        return (GemmConfig(64, 64, 128, 4, 4, 3, 2), GemmConfig(64, 128, 128, 4, 8, 3, 2))
-    bk = 128 if compute != "bf16" else 64
-    return (GemmConfig(128, 64, bk, 8, 8, 3, 1), GemmConfig(128, 128, bk, 8, 8, 3, 1))
+        return (
+            GemmConfig(64, 64, 128, 4, 4, 3, 2, swap_ab=False),
+            GemmConfig(64, 128, 128, 4, 4, 3, 2, swap_ab=False),
+        )
+    if compute == "fp8_stored":
+        return (
+            GemmConfig(128, 128, 128, 8, 8, 3, 1, swap_ab=False),
+            GemmConfig(128, 256, 128, 8, 8, 3, 1, swap_ab=False),
+        )
+    return (
+        GemmConfig(128, 64, 128, 8, 8, 3, 1, swap_ab=False),
+        GemmConfig(128, 128, 128, 8, 8, 3, 1, swap_ab=False),
+    )
 
 
 @dataclass
@@ -528,8 +552,12 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
-    """Grouped GEMM over expert-sorted slots, computed transposed: acc[n, m] = W[e, n, :] . x[m, :].
+    """Grouped GEMM over expert-sorted slots: acc[n, m] = W[e, n, :] . x[m, :].
+
+    SWAP: the MMA computes W x^T (weight rows in M); otherwise x W^T (tokens in M, the weight
+    tile as B operand), transposed once before the epilogue.
 
     x: bf16 [rows, K] (or e4m3 with scales xs) gathered by token (GATHER: row = sorted_slot // TOPK)
     or read in sorted order; W: see _load_w_tile; out bf16 [S, n_out] in sorted order.
@@ -576,8 +604,12 @@ def _moe_gemm_kernel(
             g_g = _row_exponent(sbase, rg, n_ok, k, W_MODE, BLOCK_N)
             if ACTIVATION != 0:
                 g_u = _row_exponent(sbase, ru, n_ok, k, W_MODE, BLOCK_N)
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        if SWAP:
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(
@@ -587,19 +619,35 @@ def _moe_gemm_kernel(
             )
             if DOT_F32:
                 x = x.to(tl.float32)
-            xt = tl.trans(x)
             wg = _load_w_tile(wbase, sbase, rg, n_ok, k0, k, g_g, W_MODE, BLOCK_N, BLOCK_K, DOT_F32)
             if ACT_GROUP:
                 xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=row_ok, other=0.0)
-                acc_g += tl.dot(wg, xt) * xs[None, :]
+            if SWAP:
+                xt = tl.trans(x)
+                if ACT_GROUP:
+                    acc_g += tl.dot(wg, xt) * xs[None, :]
+                else:
+                    acc_g = tl.dot(wg, xt, acc_g)
             else:
-                acc_g = tl.dot(wg, xt, acc_g)
+                if ACT_GROUP:
+                    acc_g += tl.dot(x, tl.trans(wg)) * xs[:, None]
+                else:
+                    acc_g = tl.dot(x, tl.trans(wg), acc_g)
             if ACTIVATION != 0:
                 wu = _load_w_tile(wbase, sbase, ru, n_ok, k0, k, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32)
-                if ACT_GROUP:
-                    acc_u += tl.dot(wu, xt) * xs[None, :]
+                if SWAP:
+                    if ACT_GROUP:
+                        acc_u += tl.dot(wu, xt) * xs[None, :]
+                    else:
+                        acc_u = tl.dot(wu, xt, acc_u)
                 else:
-                    acc_u = tl.dot(wu, xt, acc_u)
+                    if ACT_GROUP:
+                        acc_u += tl.dot(x, tl.trans(wu)) * xs[:, None]
+                    else:
+                        acc_u = tl.dot(x, tl.trans(wu), acc_u)
+        if not SWAP:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
         if W_MODE != 0:
             acc_g = acc_g * pow2_f32(g_g)[:, None]
             acc_u = acc_u * pow2_f32(g_u)[:, None]
@@ -694,11 +742,14 @@ def moe_gemm(
             cfg.num_warps,
             cfg.num_stages,
             cfg.programs_per_sm,
+            cfg.swap_ab,
         )
     n_work = min(tiles.max_tiles, max_m_tiles(out.shape[0], e_hi - e_lo, cfg.block_m)) * triton.cdiv(
         n_out, cfg.block_n
     )
-    grid = (max(1, min(n_work, _num_sms(x.device) * cfg.programs_per_sm)),)
+    if cfg.programs_per_sm > 0:
+        n_work = min(n_work, _num_sms(x.device) * cfg.programs_per_sm)
+    grid = (max(1, n_work),)
     xs = x_scale if x_scale is not None else x
     stride_xs = x_scale.stride(0) if x_scale is not None else 0
     bias = op.bias if op.bias is not None else xs
@@ -741,6 +792,7 @@ def moe_gemm(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         DOT_F32=INTERPRET and op.mode == 0,
+        SWAP=cfg.swap_ab,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -802,7 +854,9 @@ def expert_mlp(
     s = hidden.shape[0] * top_k
     act = ACTIVATIONS[activation]
     use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
-    c1, c2 = config if config is not None else pick_configs(s, e, "fp8" if use_fp8 else "bf16")
+    stored = fp8_weights is not None or workspace is not None
+    kind = "fp8_stored" if stored else ("fp8" if use_fp8 else "bf16")
+    c1, c2 = config if config is not None else pick_configs(s, e, kind)
     if c1.block_m != c2.block_m:
         raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
     mt = max_m_tiles(s, e, c1.block_m)

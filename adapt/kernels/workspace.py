@@ -9,14 +9,23 @@ Its size follows the experts computed at once (2 * chunk_experts), never the exp
     ws = FP8Workspace(chunk_experts=16, hidden=7168, intermediate=2048, device="cuda")
     y = expert_mlp(hidden, perm, weights, top_k=8, workspace=ws)   # or moe_forward(..., workspace=ws)
     ws.nbytes            # bytes held
-    ws.lost              # int64 [1] on the device: elements that lost bits, all conversions so far
+    ws.record_fold_loss(weights)   # once, at load time: count elements the e4m3 fold cannot hold
+    ws.lost              # int64 [1] on the device: elements that lost bits (recorded layers)
+
+The per-step conversion does no loss counting (``count_loss=False``, the default): the fold of a
+layer is fixed by its weights, so its loss is counted once by ``record_fold_loss``.
+The GEMMs of the workspace path run one program per work item (no persistent grid), so the
+side-stream conversion of the next chunk takes SMs as GEMM programs retire.
 
 Buffers: w1 e4m3 [2C, 2I, H], w1_exp int32 [2C, 2I], w2 e4m3 [2C, H, I], w2_exp int32 [2C, H].
 Conversion kernel bytes per active expert: reads 3*H*I*17/32 (+ the scales once more for the row
-exponent), writes 3*H*I + 4*(2I + H).
+exponent), writes 3*H*I + 4*(2I + H). One program converts BLOCK_R whole rows of one expert,
+BLOCK_K elements (BLOCK_K/2 packed bytes per row) per step.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -44,6 +53,8 @@ def _convert_experts_kernel(
     slot_base,
     n_rows,
     k,
+    k_bytes,
+    k_scales,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COUNT_LOSS: tl.constexpr,
@@ -51,6 +62,8 @@ def _convert_experts_kernel(
     """Program (i, rb): expert e_lo + i, rows rb*BLOCK_R.. -> slot slot_base + i (skipped when idle).
 
     packed uint8 [E, N, K/2], scales uint8 [E, N, K/32] -> out e4m3 [slots, N, K], exp int32 [slots, N].
+    k_bytes = K/2 and k_scales = K/32 are passed as integers so their divisibility (16-byte rows)
+    is known to the compiler and packed rows load 16 bytes per thread.
     """
     i = tl.program_id(0)
     e = e_lo + i
@@ -60,11 +73,11 @@ def _convert_experts_kernel(
         src = e.to(tl.int64) * n_rows + r
         dst = (slot_base + i).to(tl.int64) * n_rows + r
         gmax = tl.full((BLOCK_R,), -127, tl.int32)
-        for c0 in range(0, k // 32, 64):
+        for c0 in range(0, k_scales, 64):
             cb = c0 + tl.arange(0, 64)
             s = tl.load(
-                scales_ptr + src[:, None] * (k // 32) + cb[None, :],
-                mask=rm[:, None] & (cb < k // 32)[None, :],
+                scales_ptr + src[:, None] * k_scales + cb[None, :],
+                mask=rm[:, None] & (cb < k_scales)[None, :],
                 other=0,
             )
             gmax = tl.maximum(gmax, tl.max(s.to(tl.int32), axis=1) - 127)
@@ -74,11 +87,11 @@ def _convert_experts_kernel(
         for k0 in range(0, k, BLOCK_K):
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            km = (kb < k // 2)[None, :]
-            p = tl.load(packed_ptr + src[:, None] * (k // 2) + kb[None, :], mask=rm[:, None] & km, other=0)
+            km = (kb < k_bytes)[None, :]
+            p = tl.load(packed_ptr + src[:, None] * k_bytes + kb[None, :], mask=rm[:, None] & km, other=0)
             s = tl.load(
-                scales_ptr + src[:, None] * (k // 32) + ks[None, :],
-                mask=rm[:, None] & (ks < k // 32)[None, :],
+                scales_ptr + src[:, None] * k_scales + ks[None, :],
+                mask=rm[:, None] & (ks < k_scales)[None, :],
                 other=127,
             )
             v = decode_mxfp4_tile_fp8(p, s, g, BLOCK_R, BLOCK_K)
@@ -104,8 +117,8 @@ def convert_experts(
     """Convert experts [lo, hi) that own tokens into slots slot_base + (e - lo) of ``out``/``exps``."""
     lo, hi = experts
     n, k = packed.shape[1], packed.shape[2] * 2
-    br = 16
-    bk = 128 if k % 128 == 0 else 32
+    bk = max(32, min(512, triton.next_power_of_2(k)))  # a partial last step is masked
+    br = 8 if bk >= 512 else 16
     _convert_experts_kernel[(hi - lo, triton.cdiv(n, br))](
         packed,
         scales,
@@ -117,10 +130,12 @@ def convert_experts(
         slot_base,
         n,
         k,
+        k // 2,
+        k // 32,
         BLOCK_R=br,
         BLOCK_K=bk,
         COUNT_LOSS=count_loss,
-        num_warps=4,
+        num_warps=4 if bk >= 512 else 2,
     )
 
 
@@ -133,7 +148,7 @@ class FP8Workspace:
         hidden: int,
         intermediate: int,
         device: str | torch.device,
-        count_loss: bool = True,
+        count_loss: bool = False,
     ):
         if chunk_experts < 1:
             raise InputError(f"chunk_experts must be >= 1, got {chunk_experts}", field="chunk_experts")
@@ -153,6 +168,24 @@ class FP8Workspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w1, self.w1_exp, self.w2, self.w2_exp))
+
+    def record_fold_loss(self, weights) -> int:
+        """Count (once, at load time) the elements of ``weights`` whose e4m3 fold is not exact.
+
+        Converts every expert chunk by chunk with loss counting into the workspace buffers and adds
+        the count to ``self.lost``; returns this layer's count. Synchronises with the device.
+        """
+        e = weights.n_experts
+        every = torch.tensor([0] + [1] * e, dtype=torch.int32, device=self.w1.device).cumsum(0).int()
+        before = int(self.lost.item())
+        for lo in range(0, e, self.chunk_experts):
+            chunk = (lo, min(e, lo + self.chunk_experts))
+            for packed, scales, out, exps in (
+                (weights.w1_packed, weights.w1_scales, self.w1, self.w1_exp),
+                (weights.w2_packed, weights.w2_scales, self.w2, self.w2_exp),
+            ):
+                convert_experts(packed, scales, out, exps, self.lost, every, chunk, 0, count_loss=True)
+        return int(self.lost.item()) - before
 
     def _convert(self, weights, perm, chunk: tuple[int, int], buf: int) -> None:
         base = buf * self.chunk_experts
@@ -194,7 +227,7 @@ class FP8Workspace:
                 f"{weights.hidden} x {weights.intermediate}",
                 field="workspace",
             )
-        c1, c2 = configs
+        c1, c2 = (dataclasses.replace(c, programs_per_sm=0) for c in configs)
         e = weights.n_experts
         chunks = [(lo, min(e, lo + self.chunk_experts)) for lo in range(0, e, self.chunk_experts)]
         hq, hs = hq_hs

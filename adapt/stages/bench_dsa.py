@@ -152,6 +152,20 @@ def _decode_case(
         )
 
     index_ms = _time_ms(index, reps)
+    scores_ms = _time_ms(
+        lambda: dsa.index_scores(
+            q8,
+            weights,
+            layer.index_k,
+            layer.index_scale,
+            block_table,
+            token_seq,
+            limits,
+            context,
+            **tiles["decode_index"],
+        ),
+        reps,
+    )
     attend_ms = _time_ms(attend, reps)
     step_ms = _time_ms(lambda: (index(), attend()), reps)
     key_bytes = batch * context * (INDEX_DIM + 4)
@@ -167,6 +181,8 @@ def _decode_case(
         "context": context,
         "latent_format": latent_format,
         "index_topk_us": index_ms * 1e3,
+        "index_scores_us": scores_ms * 1e3,
+        "topk_us": (index_ms - scores_ms) * 1e3,
         "sparse_mla_us": attend_ms * 1e3,
         "step_us": step_ms * 1e3,
         "floor_bytes": floor_bytes,
@@ -174,6 +190,7 @@ def _decode_case(
         "step_over_floor": step_ms * 1e3 / floor_us,
         "achieved_TBps": floor_bytes / step_ms / 1e9,
         "index_TBps": key_bytes / index_ms / 1e9,
+        "index_scores_TBps": (key_bytes + batch * context * 4) / scores_ms / 1e9,
         "index_TFLOPs": index_flops / index_ms / 1e9,
         "sparse_mla_TBps": (latent_bytes + batch * HEADS * (RANK + ROPE + RANK) * 2) / attend_ms / 1e9,
         "sparse_mla_TFLOPs": attend_flops / attend_ms / 1e9,
@@ -243,7 +260,25 @@ def _prefill_case(
                 **tiles["mla"],
             )
 
+    rows_per_chunk = max(1, max_score_bytes // (4 * length))
+
+    def scores_only():
+        for r0 in range(0, length, rows_per_chunk):
+            r1 = min(length, r0 + rows_per_chunk)
+            dsa.index_scores(
+                q8[r0:r1],
+                weights[r0:r1],
+                layer.index_k,
+                layer.index_scale,
+                block_table,
+                token_seq[r0:r1],
+                limits[r0:r1],
+                -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK,
+                **tiles["prefill_index"],
+            )
+
     index_ms = _time_ms(index, reps)
+    all_scores_ms = _time_ms(scores_only, reps)
     scores_ms = _time_ms(
         lambda: dsa.index_scores(
             q8[-4096:],
@@ -254,6 +289,7 @@ def _prefill_case(
             token_seq[-4096:],
             limits[-4096:],
             length,
+            **tiles["prefill_index"],
         ),
         reps,
     )
@@ -271,6 +307,9 @@ def _prefill_case(
         "index_topk_ms": index_ms,
         "index_chunks": holder["stats"].chunks,
         "peak_score_bytes": holder["stats"].peak_score_bytes,
+        "index_scores_ms": all_scores_ms,
+        "topk_ms": index_ms - all_scores_ms,
+        "index_scores_all_TFLOPs": index_flops / all_scores_ms / 1e9,
         "index_scores_last4096_ms": scores_ms,
         "index_scores_TFLOPs": tail_flops / scores_ms / 1e9,
         "index_TFLOPs_with_topk": index_flops / index_ms / 1e9,
@@ -419,8 +458,8 @@ def run_dsa_bench(
 def _fastest_tiles(sweep: list[dict]) -> dict:
     """The fastest measured options of each kernel in the sweep (what the grid then runs)."""
     keep = {
-        "index_scores decode": ("key_tiles", "num_warps"),
-        "index_scores prefill 4096": ("rows_per_tile", "num_warps"),
+        "index_scores decode": ("key_block", "num_stages", "num_warps", "programs"),
+        "index_scores prefill 4096": ("rows_per_tile", "num_stages", "num_warps"),
         "sparse_mla decode b64": ("block_h", "block_k", "v_split", "num_warps", "num_stages"),
     }
     names = {
@@ -444,8 +483,8 @@ def _write(out_dir: Path, result: dict) -> None:
 
 
 def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
-    """Time kernel tile options at batch 64 x 32K decode and at 4096 prefill rows."""
-    batch, context = 64, 32768
+    """Time kernel tile options at batch 64 x 128K decode and at the last 4096 rows of a 32K prefill."""
+    batch, context = 64, 131072
     cache = _random_cache(batch * context, latent_format)
     layer = cache.layer(0)
     pages = context // PAGE_SIZE
@@ -454,10 +493,17 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
     limits = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     q8, weights, q_nope, q_rope = _queries(batch)
     rows = []
-    for key_tiles in (2, 8, 32):
-        for warps in (4, 8):
+    decode_options = [
+        dict(key_block=128, num_stages=3, num_warps=4, programs=1024),
+        dict(key_block=128, num_stages=4, num_warps=4, programs=2048),
+        dict(key_block=64, num_stages=4, num_warps=4, programs=2048),
+        dict(key_block=128, num_stages=2, num_warps=8, programs=1024),
+        dict(key_block=128, num_stages=1, num_warps=4, programs=1024),
+    ]
+    for opt in decode_options:
+        try:
             ms = _time_ms(
-                lambda kt=key_tiles, w=warps: dsa.index_scores(
+                lambda o=opt: dsa.index_scores(
                     q8,
                     weights,
                     layer.index_k,
@@ -466,27 +512,28 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
                     token_seq,
                     limits,
                     context,
-                    key_tiles=kt,
-                    num_warps=w,
+                    **o,
                 ),
                 reps,
             )
-            rows.append(
-                {
-                    "kernel": "index_scores decode",
-                    "key_tiles": key_tiles,
-                    "num_warps": warps,
-                    "us": ms * 1e3,
-                    "key_TBps": batch * context * (INDEX_DIM + 4) / ms / 1e9,
-                }
-            )
+        except Exception as err:  # a tile that does not compile is recorded, the others still run
+            rows.append({"kernel": "index_scores decode", **opt, "error": str(err)[:200]})
+            continue
+        rows.append(
+            {
+                "kernel": "index_scores decode",
+                **opt,
+                "us": ms * 1e3,
+                "key_TBps": batch * context * (INDEX_DIM + 4) / ms / 1e9,
+            }
+        )
     idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).int()
     options = [
         dict(block_h=64, block_k=32, v_split=2, num_warps=8, num_stages=2),
         dict(block_h=64, block_k=32, v_split=4, num_warps=4, num_stages=2),
         dict(block_h=64, block_k=64, v_split=2, num_warps=8, num_stages=1),
-        dict(block_h=64, block_k=32, v_split=1, num_warps=8, num_stages=1),
-        dict(block_h=32, block_k=32, v_split=2, num_warps=4, num_stages=2),
+        dict(block_h=64, block_k=64, v_split=2, num_warps=8, num_stages=2),
+        dict(block_h=64, block_k=32, v_split=2, num_warps=8, num_stages=3),
         dict(block_h=128, block_k=32, v_split=4, num_warps=8, num_stages=2),
     ]
     for opt in options:
@@ -518,18 +565,28 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
             }
         )
     torch.cuda.empty_cache()
-    prefill_rows = 4096
-    cache = _random_cache(prefill_rows, latent_format)
+    del cache, layer
+    torch.cuda.empty_cache()
+    prefill_rows, prefill_context = 4096, 32768
+    cache = _random_cache(prefill_context, latent_format)
     layer = cache.layer(0)
-    block_table = torch.arange(prefill_rows // PAGE_SIZE, device="cuda", dtype=torch.int32)[None]
+    block_table = torch.arange(prefill_context // PAGE_SIZE, device="cuda", dtype=torch.int32)[None]
     token_seq = torch.zeros(prefill_rows, device="cuda", dtype=torch.int32)
-    limits = torch.arange(1, prefill_rows + 1, device="cuda", dtype=torch.int32)
+    limits = torch.arange(
+        prefill_context - prefill_rows + 1, prefill_context + 1, device="cuda", dtype=torch.int32
+    )
     q8, weights, _, _ = _queries(prefill_rows)
-    flops = 2 * INDEX_HEADS * INDEX_DIM * prefill_rows * (prefill_rows + 1) / 2
-    for per_tile in (16, 64, 128):
-        for warps in (4, 8):
+    flops = 2 * INDEX_HEADS * INDEX_DIM * float(limits.double().sum())
+    prefill_options = [
+        dict(rows_per_tile=8, num_stages=3, num_warps=4),
+        dict(rows_per_tile=16, num_stages=3, num_warps=4),
+        dict(rows_per_tile=32, num_stages=2, num_warps=4),
+        dict(rows_per_tile=16, num_stages=2, num_warps=8),
+    ]
+    for opt in prefill_options:
+        try:
             ms = _time_ms(
-                lambda p=per_tile, w=warps: dsa.index_scores(
+                lambda o=opt: dsa.index_scores(
                     q8,
                     weights,
                     layer.index_k,
@@ -537,23 +594,43 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
                     block_table,
                     token_seq,
                     limits,
-                    prefill_rows,
-                    rows_per_tile=p,
-                    num_warps=w,
+                    prefill_context,
+                    **o,
                 ),
                 reps,
             )
-            rows.append(
-                {
-                    "kernel": "index_scores prefill 4096",
-                    "rows_per_tile": per_tile,
-                    "num_warps": warps,
-                    "us": ms * 1e3,
-                    "TFLOPs": flops / ms / 1e9,
-                }
-            )
+        except Exception as err:  # a tile that does not compile is recorded, the others still run
+            rows.append({"kernel": "index_scores prefill 4096", **opt, "error": str(err)[:200]})
+            continue
+        rows.append(
+            {"kernel": "index_scores prefill 4096", **opt, "us": ms * 1e3, "TFLOPs": flops / ms / 1e9}
+        )
     torch.cuda.empty_cache()
     return rows
+
+
+def compact_summary(result: dict) -> str:
+    """A few lines for a terminal: ceilings, each decode and prefill case with its split."""
+    c = result["ceilings"]
+    lines = [
+        f"DSA {result['gpu']} {result['date']} commit {result['commit']}: copy {c['copy_TBps']:.2f} TB/s, "
+        f"bf16 {c['bf16_matmul_TFLOPs']:.0f}, fp8 {c['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s; "
+        f"tiles {result['tiles_used']}",
+        "decode  B x S: scores/topk/mla/step us | floor us | step/floor | dense us",
+    ]
+    for d in result["decode"]:
+        lines.append(
+            f"  {d['batch']:>3} x {d['context']:>6}: {d['index_scores_us']:.0f}/{d['topk_us']:.0f}/"
+            f"{d['sparse_mla_us']:.0f}/{d['step_us']:.0f} | {d['floor_us']:.0f} | {d['step_over_floor']:.2f} "
+            f"| {_fmt(d['dense_sdpa_us'], 0)}"
+        )
+    lines.append("prefill T: scores/topk/mla/total ms | dense ms | speedup")
+    for p in result["prefill"]:
+        lines.append(
+            f"  {p['tokens']:>6}: {p['index_scores_ms']:.1f}/{p['topk_ms']:.1f}/{p['sparse_mla_ms']:.1f}/"
+            f"{p['total_ms']:.1f} | {p['dense_sdpa_ms']:.1f} | {p['speedup_vs_dense']:.2f}x"
+        )
+    return "\n".join(lines)
 
 
 def _fmt(value, digits=1):
@@ -576,29 +653,33 @@ def render_markdown(result: dict) -> str:
         "",
         "## Decode (one token per sequence)",
         "",
-        "| batch | context | index+top-k us | sparse MLA us | step us | floor us | step/floor | TB/s "
-        "| index TB/s | MLA TFLOP/s | dense SDPA us | dense/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | context | scores us | top-k us | index+top-k us | sparse MLA us | step us | floor us "
+        "| step/floor | TB/s | scores TB/s | MLA TFLOP/s | dense SDPA us | dense/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in result["decode"]:
         lines.append(
-            f"| {d['batch']} | {d['context']} | {_fmt(d['index_topk_us'])} | {_fmt(d['sparse_mla_us'])} "
+            f"| {d['batch']} | {d['context']} | {_fmt(d['index_scores_us'])} | {_fmt(d['topk_us'])} "
+            f"| {_fmt(d['index_topk_us'])} | {_fmt(d['sparse_mla_us'])} "
             f"| {_fmt(d['step_us'])} | {_fmt(d['floor_us'])} | {_fmt(d['step_over_floor'], 2)} "
-            f"| {_fmt(d['achieved_TBps'], 2)} | {_fmt(d['index_TBps'], 2)} | {_fmt(d['sparse_mla_TFLOPs'])} "
+            f"| {_fmt(d['achieved_TBps'], 2)} | {_fmt(d['index_scores_TBps'], 2)} "
+            f"| {_fmt(d['sparse_mla_TFLOPs'])} "
             f"| {_fmt(d['dense_sdpa_us'])} | {_fmt(d['dense_over_step'], 2)} |"
         )
     lines += [
         "",
         "## Prefill (one sequence, causal)",
         "",
-        "| tokens | index+top-k ms | chunks | peak score MiB | scores TFLOP/s (last 4096 rows) "
+        "| tokens | scores ms | top-k ms | index+top-k ms | chunks | peak score MiB | scores TFLOP/s "
         "| sparse MLA ms | MLA TFLOP/s | total ms | dense SDPA ms | SDPA TFLOP/s | speedup |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["prefill"]:
         lines.append(
-            f"| {p['tokens']} | {_fmt(p['index_topk_ms'])} | {p['index_chunks']} "
-            f"| {_fmt(p['peak_score_bytes'] / 2**20, 0)} | {_fmt(p['index_scores_TFLOPs'])} "
+            f"| {p['tokens']} | {_fmt(p['index_scores_ms'])} | {_fmt(p['topk_ms'])} "
+            f"| {_fmt(p['index_topk_ms'])} "
+            f"| {p['index_chunks']} "
+            f"| {_fmt(p['peak_score_bytes'] / 2**20, 0)} | {_fmt(p['index_scores_all_TFLOPs'])} "
             f"| {_fmt(p['sparse_mla_ms'])} | {_fmt(p['sparse_mla_TFLOPs'])} | {_fmt(p['total_ms'])} "
             f"| {_fmt(p['dense_sdpa_ms'])} | {_fmt(p['dense_sdpa_TFLOPs'])} "
             f"| {_fmt(p['speedup_vs_dense'], 2)} |"
@@ -646,3 +727,4 @@ if __name__ == "__main__":
     else:
         summary = run_dsa_bench(args.out)
     print((args.out / "dsa_bench.md").read_text())
+    print(compact_summary(summary))

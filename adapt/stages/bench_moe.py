@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from adapt.errors import InputError
 
@@ -71,6 +75,9 @@ WORKSPACE_CHUNK = 32
 
 
 def _git_commit() -> str:
+    """ADAPT_COMMIT from the environment (the device copy has no .git), else ``git rev-parse``."""
+    if os.environ.get("ADAPT_COMMIT"):
+        return os.environ["ADAPT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(
@@ -110,12 +117,42 @@ def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def measure_ceilings() -> dict:
-    """Copy bandwidth (TB/s, read + write), bf16 and fp8 matmul (TFLOP/s) at 8192^3, random data."""
-    n = 1 << 30
-    a = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """dst[i] = src[i]: one program per BLOCK elements, contiguous (16-byte accesses per thread)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=m, eviction_policy="evict_first"), mask=m)
+
+
+def measure_copy(gib: int = 4, reps: int = 30) -> dict:
+    """Device copy bandwidth, TB/s of bytes read + written, on ``gib`` GiB bf16 buffers (random
+    data): torch ``copy_`` and a Triton copy with 16-byte accesses, each the median of ``reps``."""
+    n = gib * (1 << 30) // 2
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    t_copy = graph_time_us(lambda: b.copy_(a))
+    ai, bi = a.view(torch.int32), b.view(torch.int32)
+    block = 4096
+    out = {"copy_bytes_each_way": 2 * n}
+    out["copy_torch_tbps"] = 4 * n / graph_time_us(lambda: b.copy_(a), reps=reps) / 1e6
+    for warps in (4, 8):
+        t = graph_time_us(
+            lambda w=warps: _copy_kernel[(triton.cdiv(ai.numel(), block),)](
+                ai, bi, ai.numel(), BLOCK=block, num_warps=w
+            ),
+            reps=reps,
+        )
+        out[f"copy_triton_w{warps}_tbps"] = 4 * n / t / 1e6
+    if not torch.equal(a[: 1 << 20], b[: 1 << 20]):
+        raise RuntimeError("copy kernel wrote wrong data")
+    out["copy_tbps"] = max(v for key, v in out.items() if key.endswith("_tbps"))
+    return out
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (TB/s, read + write; the best of torch copy_ and a Triton copy on 4 GiB),
+    bf16 and fp8 matmul (TFLOP/s) at 8192^3, random data."""
+    copy = measure_copy()
     m = 8192
     x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
@@ -127,7 +164,7 @@ def measure_ceilings() -> dict:
     )
     flops = 2 * m**3
     return {
-        "copy_tbps": 2 * n / t_copy / 1e6,
+        **copy,
         "bf16_matmul_tflops": flops / t_bf16 / 1e6,
         "fp8_matmul_tflops": flops / t_fp8 / 1e6,
     }
@@ -177,6 +214,10 @@ def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1
     return run
 
 
+LAYER_MAX_TOKENS = 1024
+"""The whole-layer variants are timed up to this T (above it the expert GEMMs dominate)."""
+
+
 def _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape) -> dict:
     """The timed callables of one (shape, T) point."""
     from adapt.kernels.moe_gemm import expert_mlp, moe_forward
@@ -184,7 +225,7 @@ def _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router
     k, act = shape["top_k"], shape["activation"]
     kw = dict(top_k=k, activation=act)
     lw = dict(correction_bias=bias, shared=shared, activation=act)
-    return {
+    variants = {
         "bf16": lambda: expert_mlp(x, perm, routed, compute="bf16", **kw),
         "fp8": lambda: expert_mlp(x, perm, routed, compute="fp8", **kw),
         "fp8_offline": lambda: expert_mlp(x, perm, routed, fp8_weights=offline, **kw),
@@ -197,12 +238,73 @@ def _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router
             act,
             shape["interleaved"],
         ),
-        "layer_bf16": lambda: moe_forward(x, gate, routed, router, compute="bf16", **lw),
-        "layer_fp8": lambda: moe_forward(x, gate, routed, router, compute="fp8", **lw),
     }
+    if x.shape[0] <= LAYER_MAX_TOKENS:
+        variants["layer_bf16"] = lambda: moe_forward(x, gate, routed, router, compute="bf16", **lw)
+        variants["layer_fp8"] = lambda: moe_forward(x, gate, routed, router, compute="fp8", **lw)
+    return variants
 
 
-def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[dict]:
+SWEEP_CONFIGS = {
+    # name: (compute kind, GEMM1 config, GEMM2 config) as GemmConfig fields
+    "stored_128x128x128_s3": (
+        "stored",
+        (128, 128, 128, 8, 8, 3, 1, False),
+        (128, 256, 128, 8, 8, 3, 1, False),
+    ),
+    "stored_128x128x128_s4": (
+        "stored",
+        (128, 128, 128, 8, 8, 4, 1, False),
+        (128, 128, 128, 8, 8, 4, 1, False),
+    ),
+    "stored_128x64x128_s4": ("stored", (128, 64, 128, 8, 8, 4, 1, False), (128, 128, 128, 8, 8, 4, 1, False)),
+    "stored_128x128x64_s4_nonpersistent": (
+        "stored",
+        (128, 128, 64, 8, 8, 4, 0, False),
+        (128, 256, 64, 8, 8, 4, 0, False),
+    ),
+    "stored_swap_128x64x128": ("stored", (128, 64, 128, 8, 8, 3, 1, True), (128, 128, 128, 8, 8, 3, 1, True)),
+    "fused_128x64x128": ("fused", (128, 64, 128, 8, 8, 3, 1, False), (128, 128, 128, 8, 8, 3, 1, False)),
+    "fused_128x32x128": ("fused", (128, 32, 128, 8, 4, 3, 1, False), (128, 64, 128, 8, 4, 3, 1, False)),
+}
+"""Configs timed at the sweep point (largest T of the first shape) for the e4m3-stored and fused fp8 GEMMs."""
+
+
+def _sweep(x, perm, routed, offline, shape, flops, deadline) -> list[dict]:
+    from adapt.kernels.moe_gemm import GemmConfig, expert_mlp
+
+    rows = []
+    for name, (kind, a, b) in SWEEP_CONFIGS.items():
+        if time.monotonic() > deadline:
+            break
+        cfg = (GemmConfig(*a), GemmConfig(*b))
+        extra = {"fp8_weights": offline} if kind == "stored" else {"compute": "fp8"}
+        fn = lambda cfg=cfg, extra=extra: expert_mlp(  # noqa: E731
+            x, perm, routed, top_k=shape["top_k"], activation=shape["activation"], config=cfg, **extra
+        )
+        try:
+            us = graph_time_us(fn, reps=5)
+        except (RuntimeError, ValueError) as exc:
+            rows.append({"config": name, "error": str(exc)[:300]})
+            print(f"sweep {name}: FAILED {str(exc)[:200]}", flush=True)
+            continue
+        rows.append({"config": name, "kind": kind, "time_us": us, "tflops": flops / us / 1e6})
+        print(f"sweep T={x.shape[0]} {name:36s} {us:10.1f} us {flops / us / 1e6:7.1f} TFLOP/s", flush=True)
+    return rows
+
+
+def _bench_shape(
+    name: str,
+    shape: dict,
+    tokens: list[int],
+    ceil: dict,
+    rows: list,
+    deadline: float,
+    save,
+    sweep: list | None,
+) -> dict:
+    """Time every variant of one shape, appending to ``rows`` (``save()`` after each T); runs the
+    config sweep at the largest T when ``sweep`` is a list; stops timing once ``deadline`` passes."""
     from adapt.kernels.moe_gemm import FP8Weights, expert_mlp, mxfp4_expert_bytes
     from adapt.kernels.mxfp4 import dequantize_mxfp4
     from adapt.kernels.routing import RouterConfig, permute_by_expert
@@ -215,6 +317,7 @@ def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[
     act = shape["activation"]
     offline = FP8Weights.from_mxfp4(routed, validate=False)
     ws = FP8Workspace(WORKSPACE_CHUNK, h, inter, dev)
+    ws_lost = ws.record_fold_loss(routed)
     w1t = dequantize_mxfp4(routed.w1_packed, routed.w1_scales, torch.bfloat16, validate=False).transpose(1, 2)
     w2t = dequantize_mxfp4(routed.w2_packed, routed.w2_scales, torch.bfloat16, validate=False).transpose(1, 2)
     gate = torch.randn(e, h, device=dev) * 0.02
@@ -227,8 +330,11 @@ def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[
         routed_scaling=shape["routed_scaling"],
     )
     expert_bytes = mxfp4_expert_bytes(h, inter)
-    rows = []
     for t in tokens:
+        if time.monotonic() > deadline:
+            print(f"{name} T={t}: skipped (time budget)", flush=True)
+            rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
+            continue
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
         _, ids = _uniform_routing(t, e, k, dev)
         perm = permute_by_expert(ids, e)
@@ -238,6 +344,8 @@ def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[
         floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
         variants = _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape)
         ref = variants["bf16"]().float()
+        if sweep is not None and t == max(tokens):
+            sweep += _sweep(x, perm, routed, offline, shape, flops, deadline)
         for vname, fn in variants.items():
             try:
                 err = None
@@ -266,10 +374,10 @@ def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[
             print(
                 f"{name:13s} T={t:6d} {vname:19s} {us:10.1f} us  {row['weight_tbps']:5.2f} TB/s "
                 f"({row['copy_fraction']:.2f} of copy)  {row['tflops']:7.1f} TFLOP/s  "
-                f"x{row['x_floor']:.2f} floor"
-                + (f"  diff {err:.2e}" if err is not None else ""),
+                f"x{row['x_floor']:.2f} floor" + (f"  diff {err:.2e}" if err is not None else ""),
                 flush=True,
             )
+        save()
     torch.cuda.synchronize()
     mem = {
         "shape": name,
@@ -278,7 +386,7 @@ def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[
         "workspace_bytes": ws.nbytes,
         "workspace_chunk_experts": WORKSPACE_CHUNK,
         "fold_lost_elements_offline": int(offline.lost.item()),
-        "fold_lost_elements_ws": int(ws.lost.item()),
+        "fold_lost_elements_ws": ws_lost,
         "moe_layers": shape["moe_layers"],
     }
     mem["layer_ratio_online_vs_offline"] = (mem["mxfp4_expert_bytes"] + mem["workspace_bytes"]) / mem[
@@ -305,7 +413,7 @@ def _bench_shape(name: str, shape: dict, tokens: list[int], ceil: dict) -> list[
         torch.cuda.synchronize()
         mem[f"peak_activation_bytes_{label}"] = torch.cuda.max_memory_allocated() - base
     print(json.dumps(mem), flush=True)
-    return rows, mem
+    return mem
 
 
 def _markdown(result: dict) -> str:
@@ -315,8 +423,12 @@ def _markdown(result: dict) -> str:
         f"- date: {result['date']}",
         f"- commit: {result['commit']}",
         f"- GPU: {result['gpu']}, torch {result['torch']}, triton {result['triton']}",
-        f"- ceilings (same run): copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} "
-        f"TFLOP/s, fp8 _scaled_mm {c['fp8_matmul_tflops']:.0f} TFLOP/s (8192^3)",
+        f"- ceilings (same run): copy {c['copy_tbps']:.2f} TB/s "
+        f"(best of: torch copy_ {c['copy_torch_tbps']:.2f}, "
+        f"Triton copy 4 warps {c['copy_triton_w4_tbps']:.2f}, 8 warps {c['copy_triton_w8_tbps']:.2f}; "
+        f"{c['copy_bytes_each_way'] / 2**30:.0f} GiB each way, read + write counted), bf16 matmul "
+        f"{c['bf16_matmul_tflops']:.0f} TFLOP/s, "
+        f"fp8 _scaled_mm {c['fp8_matmul_tflops']:.0f} TFLOP/s (8192^3)",
         "",
         "Times are medians of CUDA-graph replays (us). TB/s on MXFP4 bytes of the active experts; "
         "TFLOP/s on 6*T*k*H*I; x floor = time / (MXFP4 bytes / copy bandwidth).",
@@ -357,13 +469,34 @@ def _markdown(result: dict) -> str:
             f"{m['model_ratio_online_vs_offline']:.3f} ({m['moe_layers']} layers) | "
             f"{m['fold_lost_elements_offline']} |"
         )
+    if result.get("sweep"):
+        lines += [
+            "",
+            "## Config sweep (largest T, first shape)",
+            "",
+            "| config | time us | TFLOP/s |",
+            "|---|---|---|",
+        ]
+        for r in result["sweep"]:
+            if "time_us" in r:
+                lines.append(f"| {r['config']} | {r['time_us']:.1f} | {r['tflops']:.1f} |")
+            else:
+                lines.append(f"| {r['config']} | failed: {r['error'][:80]} | |")
     return "\n".join(lines) + "\n"
 
 
-def run_moe_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[str] | None = None) -> dict:
-    """Run the MoE benchmark on the current CUDA device; write moe_bench.json / .md to out_dir."""
-    import triton
-
+def run_moe_bench(
+    out_dir: Path,
+    tokens: list[int] | None = None,
+    shapes: list[str] | None = None,
+    budget_s: float = 1e9,
+    sweep: bool = True,
+) -> dict:
+    """Run the MoE benchmark on the current CUDA device; write moe_bench.json / .md to out_dir
+    (rewritten after every T, so a run cut short keeps what it measured). budget_s: seconds after
+    which remaining points are recorded as skipped. sweep: time SWEEP_CONFIGS at the largest T of
+    the first shape."""
+    start = time.monotonic()
     if not torch.cuda.is_available():
         raise InputError("the MoE benchmark needs a CUDA GPU", hint="run it on the target machine")
     tokens = tokens or DEFAULT_TOKENS
@@ -375,11 +508,7 @@ def run_moe_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[s
         )
     ceil = measure_ceilings()
     print(json.dumps(ceil), flush=True)
-    rows, mems = [], []
-    for s in shapes:
-        r, m = _bench_shape(s, SHAPES[s], tokens, ceil)
-        rows += r
-        mems.append(m)
+    rows, mems, sweep_rows = [], [], []
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": _git_commit(),
@@ -389,11 +518,23 @@ def run_moe_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[s
         "ceilings": ceil,
         "rows": rows,
         "memory": mems,
+        "sweep": sweep_rows,
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "moe_bench.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "moe_bench.md").write_text(_markdown(result))
+
+    def save():
+        (out_dir / "moe_bench.json").write_text(json.dumps(result, indent=1))
+        (out_dir / "moe_bench.md").write_text(_markdown(result))
+
+    deadline = start + budget_s
+    for i, s in enumerate(shapes):
+        mems.append(
+            _bench_shape(
+                s, SHAPES[s], tokens, ceil, rows, deadline, save, sweep_rows if sweep and i == 0 else None
+            )
+        )
+        save()
     return result
 
 
@@ -404,5 +545,7 @@ if __name__ == "__main__":
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--tokens", type=int, nargs="*", default=None)
     ap.add_argument("--shapes", nargs="*", default=None)
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
-    run_moe_bench(args.out_dir, args.tokens, args.shapes)
+    run_moe_bench(args.out_dir, args.tokens, args.shapes, args.budget_s, not args.no_sweep)

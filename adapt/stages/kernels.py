@@ -27,8 +27,9 @@ activations or cache rows -> max_rel_error_fp8; MXFP4 weight encoding -> max_rel
 top-k rows that disagree -> max_topk_mismatch_rows.
 
 On a machine without CUDA the kernels run under the Triton interpreter: ``TRITON_INTERPRET=1``
-is set before the kernel modules are imported (modules imported earlier without it are
-reloaded), and the report says so.
+is set before triton is first imported, and the report says so. Triton decides at import time;
+when this process imported it earlier without the flag (the CLI's stage 1 imports the kernel
+modules), the checks run in a fresh ``python -m adapt.stages.kernels`` with the flag set.
 """
 
 from __future__ import annotations

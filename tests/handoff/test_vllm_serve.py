@@ -89,28 +89,37 @@ def processes_mentioning(text):
 
 
 @pytest.mark.timeout(900)
-def test_launch_serves_compares_and_tears_down(tmp_path, tiny_qwen3, vllm_exe):
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-oss"])
+def test_launch_serves_compares_and_tears_down(tmp_path, name, vllm_exe):
+    model = build_tiny(name, tmp_path / name)
     run = forced_run(tmp_path)
-    result = CliRunner().invoke(app, ["handoff", str(tiny_qwen3), "--target", "cpu", "--devices", "1",
+    result = CliRunner().invoke(app, ["handoff", str(model), "--target", "cpu", "--devices", "1",
                                       "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
                                       "--launch", "--vllm", str(vllm_exe), "--json"])
     report = json.loads((run.path / "handoff.json").read_text())
     smoke = report["metrics"]["smoke"]
     print(json.dumps({k: smoke.get(k) for k in ("health_s", "requests_s", "transformers_s")}))
-    for name, rows in report["tables"].items():
-        print(name)
+    for title, rows in report["tables"].items():
+        print(title)
         for row in rows:
             print(row)
     assert result.exit_code == 0, result.output
     assert report["metrics"]["forced"] is True
     assert smoke["leftover_processes"] == []
-    assert processes_mentioning(str(tiny_qwen3)) == []
+    assert processes_mentioning(str(model)) == []
+    assert processes_mentioning(str(run.path)) == []
     served = smoke["vllm_vs_transformers"]
     assert len(served) == 4 and all(c["generated"] == 16 for c in served)
     assert all(c["top5_overlap"] for c in served)
     assert len(smoke["vllm_vs_adapt"]) == 4
     assert not [f for f in report["findings"] if f["severity"] == "error"]
     assert (run.path / "handoff" / "server.log").stat().st_size > 0
+    exported = [f for f in report["findings"] if f["code"] == "dequantized-export"]
+    if name == "tiny-oss":   # stored MXFP4: the CPU backend serves a bf16 export, and the bundle says so
+        assert exported and "model-bf16" in smoke["serve_argv"][2]
+        assert "dequantized to bf16" in (run.path / "handoff" / "README.md").read_text()
+    else:
+        assert not exported and smoke["serve_argv"][2] == str(model.resolve())
 
 
 @pytest.mark.timeout(300)

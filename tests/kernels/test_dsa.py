@@ -82,14 +82,20 @@ def test_quantize_fp8_rows_matches_twin(device, shape):
     assert ((got.float() * got_scale.unsqueeze(-1) - x).abs() <= x.abs().amax(-1, keepdim=True) / 16).all()
 
 
+# One program per key tile (default split), and few programs each streaming many key tiles
+# of 64 keys through the pipeline, with query tiles cut mid-sequence.
+TILE_OPTIONS = [{}, {"programs": 1, "key_block": 64, "rows_per_tile": 4, "num_stages": 2}]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("lengths", [(3, 64, 65), (130,)])
-def test_prefill_scores_match_twin(device, lengths):
+@pytest.mark.parametrize("lengths,tiles", [((3, 64, 65), TILE_OPTIONS[0]), ((130,), TILE_OPTIONS[0]),
+                                           ((3, 64, 65), TILE_OPTIONS[1])])
+def test_prefill_scores_match_twin(device, lengths, tiles):
     layer, batch, q8, weights = filled_cache(lengths, heads=3, dim=32, device=device)
     limits = (batch.positions + 1).int()
     cols = 256
     got = dsa.index_scores(q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq,
-                           limits, cols)
+                           limits, cols, **tiles)
     want = dsa.index_scores_torch(q8, weights, layer.index_k, layer.index_scale, batch.block_table,
                                   batch.token_seq, limits, cols)
     assert torch.isfinite(want).sum(1).tolist() == limits.tolist()
@@ -97,15 +103,16 @@ def test_prefill_scores_match_twin(device, lengths):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_scores_and_topk_match_twin(device):
+@pytest.mark.parametrize("tiles", [TILE_OPTIONS[0], {"programs": 4, "key_block": 64}])
+def test_decode_scores_and_topk_match_twin(device, tiles):
     layer, batch, q8, weights = filled_cache((10, 64, 65, 129), heads=4, dim=32, device=device, decode=True)
     limits = (batch.positions + 1).int()
     assert limits.tolist() == [10, 64, 65, 129]
     args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
-    got = dsa.index_scores(*args, 192)
+    got = dsa.index_scores(*args, 192, **tiles)
     want = dsa.index_scores_torch(*args, 192)
     assert_close_scores(got, want, device)
-    idx, _ = dsa.index_topk(*args, 32)
+    idx, _ = dsa.index_topk(*args, 32, **tiles)
     ref, _ = dsa.index_topk_torch(*args, 32)
     assert_same_topk(idx.cpu(), ref.cpu(), want.cpu(), 32, score_tol(device, want))
 

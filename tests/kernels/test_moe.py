@@ -217,7 +217,48 @@ def test_offline_and_workspace_paths():
     for kw in ({"fp8_weights": off}, {"workspace": ws}):
         y = mg.expert_mlp(x, perm, w, top_k=2, **kw)
         assert torch.equal(y, fused)  # same e4m3 operands, same kernel math
-    assert ws.lost.item() == 0
+    assert ws.lost.item() == 0  # the hot path counts nothing
+    assert ws.record_fold_loss(w) == 0 and ws.lost.item() == 0
+
+
+def test_workspace_records_fold_loss_once():
+    # one block per row 2**20 times larger than the rest: the small blocks fall out of e4m3's range
+    g = _gen(18)
+    e, h, i = 3, 64, 32
+    w = make_layer(e, h, i, seed=18)
+    s1 = w.w1_scales.clone()
+    s1[:, :, 0] = 127 + 10
+    s1[:, :, 1] = 127 - 12
+    lossy = mg.MoEWeights(w.w1_blocks, s1, w.w2_blocks, w.w2_scales)
+    ws = FP8Workspace(2, h, i, DEV)
+    want = mx.mxfp4_to_fp8_torch(lossy.w1_packed, s1, group_k=None).lost.item()
+    assert want > 0
+    assert ws.record_fold_loss(lossy) == want
+    assert ws.lost.item() == want
+    x = torch.randn(4, h, generator=g, device=DEV).bfloat16()
+    perm = rt.permute_by_expert(torch.randint(0, e, (4, 1), generator=g, device=DEV).int(), e)
+    mg.expert_mlp(x, perm, lossy, top_k=1, workspace=ws)
+    assert ws.lost.item() == want  # running a layer adds nothing
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_offline", "fp8_group128"])
+def test_token_major_orientation_matches_swapped(kind):
+    # swap_ab=False (tokens in the MMA's M, large-T configs) against the swapped kernel
+    g = _gen(19)
+    w = make_layer(2, 128, 128, bias=True, seed=19)
+    x = torch.randn(9, 128, generator=g, device=DEV).bfloat16()
+    ids = torch.randint(0, 2, (9, 1), generator=g, device=DEV).int()
+    perm = rt.permute_by_expert(ids, 2)
+    kw = {"compute": "fp8" if kind != "bf16" else "bf16"}
+    if kind == "fp8_offline":
+        kw = {"fp8_weights": mg.FP8Weights.from_mxfp4(w)}
+    if kind == "fp8_group128":
+        kw["act_quant"] = "group128"
+    base = mg.GemmConfig(16, 32, 64, 2, 4, 1, 1)
+    token_major = mg.GemmConfig(16, 32, 64, 2, 4, 1, 0, swap_ab=False)
+    a = mg.expert_mlp(x, perm, w, top_k=1, config=(base, base), **kw)
+    b = mg.expert_mlp(x, perm, w, top_k=1, config=(token_major, token_major), **kw)
+    assert rel(b, a) < 1e-2
 
 
 def test_group128_activation_quant():
@@ -282,7 +323,7 @@ GPU_SHAPES = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
-@pytest.mark.parametrize("t", [1, 45, 600])
+@pytest.mark.parametrize("t", [1, 45, 600, 1400])
 def test_expert_mlp_real_shapes_gpu(name, t):
     s = GPU_SHAPES[name]
     w = make_layer(s["e"], s["h"], s["i"], bias=s["bias"], interleaved=s["interleaved"], seed=13)
@@ -296,9 +337,16 @@ def test_expert_mlp_real_shapes_gpu(name, t):
         assert rel(y, y_t.float()) < TOL[compute], compute
     ws = FP8Workspace(8, s["h"], s["i"], DEV)
     off = mg.FP8Weights.from_mxfp4(w)
-    fused = mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], compute="fp8")
-    assert torch.equal(mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], workspace=ws), fused)
-    assert torch.equal(mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], fp8_weights=off), fused)
+    cfg = mg.pick_configs(t * s["k"], s["e"], "fp8_stored")
+    kw = dict(top_k=s["k"], activation=s["act"], config=cfg)
+    fused = mg.expert_mlp(x, perm, w, compute="fp8", **kw)
+    assert torch.equal(mg.expert_mlp(x, perm, w, workspace=ws, **kw), fused)
+    assert torch.equal(mg.expert_mlp(x, perm, w, fp8_weights=off, **kw), fused)
+    y_t = mg.expert_mlp_torch(x, perm, w, top_k=s["k"], activation=s["act"], compute="fp8")
+    assert (
+        rel(mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], fp8_weights=off), y_t.float())
+        < TOL["fp8"]
+    )
 
 
 @pytest.mark.gpu
