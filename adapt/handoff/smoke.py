@@ -83,7 +83,8 @@ class Comparison:
             "prompt tokens": self.prompt_tokens,
             "generated": self.generated,
             "first divergence": "-" if self.first_divergence is None else self.first_divergence,
-            "divergence gap (nats)": "-" if self.divergence_gap is None else round(self.divergence_gap, 5),
+            "divergence gap (nats)": ("-" if self.divergence_gap is None else "outside top-5"
+                                      if self.divergence_gap == math.inf else round(self.divergence_gap, 5)),
             "top-5 overlap min": round(self.min_overlap, 3),
             "top-5 overlap mean": round(self.mean_overlap, 3),
             "max |dlogprob| (nats)": float(f"{self.max_logprob_diff:.3g}"),
@@ -91,6 +92,8 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        if self.divergence_gap == math.inf:   # JSON has no infinity
+            data["divergence_gap"] = "outside reference top-5"
         data["min_overlap"] = self.min_overlap
         data["mean_overlap"] = self.mean_overlap
         return data

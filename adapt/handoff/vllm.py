@@ -1,8 +1,8 @@
 """vLLM hand-off: engine arguments -> ``vllm serve`` argv, Ray multi-node steps, launch and teardown.
 
-Everything above the "Launch" section is pure string work and imports without vLLM installed.
-vLLM's own argument parser is reached only through a subprocess in the environment that has
-vLLM (``validate_with_vllm``), so adapt never imports vLLM itself.
+The module imports without vLLM installed (stdlib only). vLLM's own argument parser and the
+server are reached through subprocesses in the environment that has vLLM (``validate_with_vllm``,
+``VllmServer``), so adapt never imports vLLM itself.
 
 Flag spelling: vLLM derives every ``vllm serve`` flag from an ``EngineArgs`` field name by
 replacing ``_`` with ``-`` (``tensor_parallel_size`` -> ``--tensor-parallel-size``); booleans

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from adapt.runtime.kv_cache import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 
-PREFILL_ROWS_PER_TILE = 16
+PREFILL_ROWS_PER_TILE = 8
 KEY_BLOCK = 128
 DEFAULT_PROGRAMS = 1024
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
@@ -182,9 +182,12 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
 
 def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
     """int32 [tiles, 3] of (first row, rows, sequence): runs of consecutive rows of one
-    sequence, cut every ``rows_per_tile`` rows."""
+    sequence, cut every ``rows_per_tile`` rows. One row per tile is built without a host sync."""
     n = token_seq.shape[0]
     rows = torch.arange(n, device=token_seq.device)
+    if rows_per_tile == 1:
+        tiles = torch.stack([rows, torch.ones_like(rows), token_seq.long()], dim=1)
+        return tiles.to(torch.int32).contiguous()
     new_run = torch.ones(n, dtype=torch.bool, device=token_seq.device)
     new_run[1:] = token_seq[1:] != token_seq[:-1]
     run_start = torch.cummax(torch.where(new_run, rows, 0), dim=0).values
@@ -279,18 +282,22 @@ def _select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def _index_topk_chunked(score_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
-                        topk, max_score_bytes, tile_options):
+                        topk, max_score_bytes, max_keys, tile_options):
     n_rows = q_fp8.shape[0]
     out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
     if n_rows == 0:
         return out, IndexStats(chunks=0, peak_score_bytes=0)
-    widest = max(KEY_BLOCK, -(-int(limits.max()) // KEY_BLOCK) * KEY_BLOCK)
+
+    def round_up(keys: int) -> int:
+        return max(KEY_BLOCK, -(-keys // KEY_BLOCK) * KEY_BLOCK)
+
+    widest = round_up(max_keys if max_keys is not None else int(limits.max()))
     rows_per_chunk = max(1, max_score_bytes // (4 * widest))
     peak = 0
     chunks = 0
     for start in range(0, n_rows, rows_per_chunk):
         end = min(n_rows, start + rows_per_chunk)
-        cols = max(KEY_BLOCK, -(-int(limits[start:end].max()) // KEY_BLOCK) * KEY_BLOCK)
+        cols = widest if max_keys is not None else round_up(int(limits[start:end].max()))
         scores = score_fn(q_fp8[start:end], weights[start:end], index_k, index_scale, block_table,
                           token_seq[start:end], limits[start:end], cols, **tile_options)
         peak = max(peak, scores.numel() * 4)
@@ -302,7 +309,7 @@ def _index_topk_chunked(score_fn, q_fp8, weights, index_k, index_scale, block_ta
 
 def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
                block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor, topk: int, *,
-               max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES,
+               max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, max_keys: int | None = None,
                **tile_options) -> tuple[torch.Tensor, IndexStats]:
     """Top-``topk`` key positions per query row: Triton scoring on bounded chunks + torch.topk.
 
@@ -310,15 +317,18 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
     sees fewer than ``topk`` keys; stats). Rows are chunked so that each chunk's score buffer
     (rows x visible keys of the widest row, fp32) stays under ``max_score_bytes``; a chunk
     holds at least one row (4 * S bytes for S keys). Order within a row is unspecified.
+    ``max_keys`` (an upper bound on ``limits``) sizes every chunk's score buffer without reading
+    ``limits`` back to the host; with it and ``rows_per_tile=1`` a decode step makes no host sync
+    (CUDA-graph capturable).
     """
     return _index_topk_chunked(index_scores, q_fp8, weights, index_k, index_scale, block_table, token_seq,
-                               limits, topk, max_score_bytes, tile_options)
+                               limits, topk, max_score_bytes, max_keys, tile_options)
 
 
 def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
                      index_scale: torch.Tensor, block_table: torch.Tensor, token_seq: torch.Tensor,
                      limits: torch.Tensor, topk: int, *, max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES,
-                     **tile_options) -> tuple[torch.Tensor, IndexStats]:
+                     max_keys: int | None = None, **tile_options) -> tuple[torch.Tensor, IndexStats]:
     """Torch twin of ``index_topk``."""
     return _index_topk_chunked(index_scores_torch, q_fp8, weights, index_k, index_scale, block_table,
-                               token_seq, limits, topk, max_score_bytes, tile_options)
+                               token_seq, limits, topk, max_score_bytes, max_keys, tile_options)

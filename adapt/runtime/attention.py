@@ -478,12 +478,16 @@ def paged_gqa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                         scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """Causal GQA over the paged cache with an optional sliding window and sinks (Triton).
 
-    q: [N, H, D] (the N new tokens of ``batch``); k_pool, v_pool: [pages, 64, KV, D] (fp32, bf16);
-    sinks: [H] or None; window: keys with position > query position - window are visible.
-    Returns fp32 [N, H, D]. One program per (query row, kv head) walks the row's visible keys in
-    blocks of 64 with an online softmax (base 2); the sink enters as the softmax's initial state
-    (running max = sink, sum = 1). FLOPs: 4 * D per (query head, visible key); bytes:
-    2 * D * itemsize per (kv head, visible key) and query row.
+    q: [N, H, D] (the N new tokens of ``batch``, D a power of two >= 16); k_pool, v_pool:
+    [pages, 64, KV, D] (fp32 or bf16); sinks: [H] or None; window: keys with position > query
+    position - window are visible. Returns fp32 [N, H, D].
+
+    A program takes up to BLOCK_M consecutive query rows of one sequence times the H/KV query
+    heads of one kv head (BLOCK_M * pow2(H/KV) rows of the score tile, at least 16), walks the
+    keys the tile can see in blocks of 64 with an online softmax (base 2), and starts each row's
+    softmax at its sink (running max = sink, sum = 1) when there are sinks. FLOPs:
+    4 * D per (query head, visible key); bytes: 2 * D * itemsize per (kv head, key in the tile's
+    span) and tile.
     """
     from adapt.runtime import attention_kernels as kernels
 
@@ -493,43 +497,56 @@ def paged_gqa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     if n == 0:
         return out
     group = heads // kv_heads
-    interpreting = _interpreting()
-    block_h = max(16, 1 << (group - 1).bit_length())
-    sink = (sinks if sinks is not None else torch.zeros(heads, device=q.device)).float().contiguous()
-    kernels.paged_gqa_kernel[(n, kv_heads)](
+    group_pad = 1 << (group - 1).bit_length()
+    block_m = max(1, max(16, min(128, 16 * group_pad)) // group_pad)
+    starts, counts = [], []
+    bounds = batch.query_starts.tolist()
+    for b in range(len(bounds) - 1):
+        for first in range(bounds[b], bounds[b + 1], block_m):
+            starts.append(first)
+            counts.append(min(block_m, bounds[b + 1] - first))
+    device = q.device
+    sink = (sinks if sinks is not None else torch.zeros(heads, device=device)).float().contiguous()
+    kernels.paged_gqa_kernel[(len(starts), kv_heads)](
         q.contiguous(), k_pool, v_pool, sink, batch.block_table, batch.token_seq.to(torch.int32).contiguous(),
-        batch.positions.contiguous(), out, batch.block_table.stride(0), heads,
+        batch.positions.contiguous(), torch.tensor(starts, dtype=torch.int32, device=device),
+        torch.tensor(counts, dtype=torch.int32, device=device), out, batch.block_table.stride(0), heads,
         scale * math.log2(math.e), window or 0,
-        GROUP=group, KV_HEADS=kv_heads, DIM=dim, BLOCK_H=block_h, BLOCK_N=PAGE_SIZE, PAGE=PAGE_SIZE,
-        HAS_SINK=sinks is not None, HAS_WINDOW=window is not None,
-        UPCAST=interpreting or q.dtype == torch.float32, num_warps=4,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, KV_HEADS=kv_heads, DIM=dim, BLOCK_N=PAGE_SIZE,
+        PAGE=PAGE_SIZE, HAS_SINK=sinks is not None, HAS_WINDOW=window is not None,
+        UPCAST=_interpreting() or q.dtype == torch.float32, num_warps=4,
     )
     return out
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False) -> torch.Tensor:
-    """Triton twin of ``rms_norm`` (same rounding order): x [..., D] -> [..., D] in x's dtype."""
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                    scale_in_fp32: bool = False) -> torch.Tensor:
+    """Triton twin of ``rms_norm`` (same rounding order): x [..., D] -> [..., D] in x's dtype.
+    16 rows a program; reads and writes D * itemsize bytes per row."""
     from adapt.runtime import attention_kernels as kernels
 
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(rows)
-    dim = rows.shape[1]
-    if rows.shape[0]:
-        kernels.rms_norm_kernel[(rows.shape[0],)](
-            rows, weight.contiguous(), out, dim, eps, BLOCK=1 << (dim - 1).bit_length(),
+    n, dim = rows.shape
+    if n:
+        kernels.rms_norm_kernel[(-(-n // 16),)](
+            rows, weight.contiguous(), out, n, dim, eps, ROWS=16, BLOCK=1 << (dim - 1).bit_length(),
             SCALE_IN_FP32=scale_in_fp32, ROUND_BF16=x.dtype == torch.bfloat16)
     return out.view(x.shape)
 
 
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: bool) -> torch.Tensor:
-    """Triton twin of ``rope_pairs`` (pairs) / ``rope_halves``: x [N, ..., D], cos/sin [N, D/2]."""
+    """Triton twin of ``rope_pairs`` (pairs) / ``rope_halves``: x [N, ..., D], cos/sin fp32-able [N, D/2].
+    One program per token (all its heads); math in fp32, one rounding to x's dtype."""
     from adapt.runtime import attention_kernels as kernels
 
     n, dim = x.shape[0], x.shape[-1]
     rows = x.reshape(n, -1, dim).contiguous()
     out = torch.empty_like(rows)
     if rows.numel():
-        kernels.rope_kernel[(n, rows.shape[1])](
-            rows, cos.float().contiguous(), sin.float().contiguous(), out, rows.shape[1], HALF=dim // 2,
-            BLOCK=1 << (dim // 2 - 1).bit_length(), PAIRS=pairs)
+        per_token = rows.shape[1]
+        kernels.rope_kernel[(n,)](
+            rows, cos.float().contiguous(), sin.float().contiguous(), out, per_token, HALF=dim // 2,
+            ROWS=1 << (per_token - 1).bit_length(), BLOCK=1 << (dim // 2 - 1).bit_length(), PAIRS=pairs,
+            ROUND_BF16=x.dtype == torch.bfloat16)
     return out.view(x.shape)

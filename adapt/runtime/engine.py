@@ -125,12 +125,14 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, *, layers: str | int | Sequence[int] | None = None,
              kernels: str | dict[str, str] | None = "none", dtype: torch.dtype = torch.bfloat16,
-             device: str | torch.device = "cpu", max_tokens: int = 4096, workspace=None) -> Engine:
+             device: str | torch.device = "cpu", max_tokens: int = 4096, moe_workspace: int = 0) -> Engine:
         """Read config.json and the tensors of the chosen layers from ``path``.
 
         layers: None (all), a count, or indices ('0,3,60'); kernels: see ``parse_kernels``;
         dtype: compute dtype (float32 for reference comparisons, bfloat16 to run);
-        workspace: an FP8 expert workspace for the MoE kernel (online MXFP4 -> FP8), or None.
+        moe_workspace: with the MoE kernel, experts per chunk of the shared FP8 workspace (online
+        MXFP4 -> e4m3 conversion of the active experts only, fp8 GEMMs); 0 decodes MXFP4 to bf16
+        inside the GEMM instead.
         """
         from adapt.runtime.weights import WeightStore
 
@@ -140,6 +142,12 @@ class Engine:
         config = ArchConfig.from_dir(path)
         layer_ids = parse_layers(layers, config.num_layers)
         store = WeightStore(path, layers=None if layers is None else layer_ids, device=device)
+        workspace = None
+        if moe_workspace and paths["moe"] == "kernel" and config.experts:
+            from adapt.kernels.workspace import FP8Workspace
+
+            workspace = FP8Workspace(min(moe_workspace, config.experts), config.hidden, config.expert_intermediate,
+                                     device=device)
         model = DecoderModel(config, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace)
         engine = cls(model, max_tokens=max_tokens)
         engine.bytes_read = store.bytes_read

@@ -2,7 +2,7 @@
 
 ``WeightStore`` opens a model directory through ``adapt.model.checkpoint.Checkpoint`` (headers
 only), optionally narrowed to some decoder layers (``select``), and reads one tensor at a time
-with ``safetensors.safe_open``. Formats stay as stored:
+from its byte span in the shard. Formats stay as stored:
 
 - dense projections: ``Linear`` holds the stored tensor (bf16 / fp32), or e4m3 with its
   ``weight_scale_inv`` block scales (fp8 block checkpoints, 128 x 128 blocks); ``apply_linear``
@@ -29,6 +29,11 @@ from adapt.errors import InputError
 from adapt.model.checkpoint import Checkpoint
 
 FP8_BLOCK = 128
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+}
 
 
 @dataclass
@@ -138,25 +143,33 @@ class WeightStore:
         self.checkpoint = checkpoint
         self.device = torch.device(device)
         self.bytes_read = 0
-        self._handles: dict[str, object] = {}
 
     def has(self, name: str) -> bool:
         return name in self.checkpoint.tensors
 
     def get(self, name: str) -> torch.Tensor:
-        """Read tensor ``name`` as stored (dtype and shape), on the store's device."""
-        from safetensors import safe_open
+        """Read tensor ``name`` as stored (dtype and shape), on the store's device.
 
+        The bytes are read straight into the tensor's memory (no memory map, so the page cache
+        of a huge shard never counts toward this process's resident memory).
+        """
         info = self.checkpoint.tensors.get(name)
         if info is None:
             raise InputError(f"tensor '{name}' is missing from the checkpoint", file=self.directory,
                              hint="is the directory complete, and does config.json describe it?")
-        handle = self._handles.get(info.shard)
-        if handle is None:
-            handle = safe_open(str(self.directory / info.shard), framework="pt", device="cpu")
-            self._handles[info.shard] = handle
-        tensor = handle.get_tensor(name)
-        self.bytes_read += tensor.numel() * tensor.element_size()
+        dtype = SAFETENSORS_DTYPES.get(info.dtype)
+        if dtype is None:
+            raise InputError(f"tensor '{name}' has dtype {info.dtype}, which the runtime cannot hold",
+                             file=self.directory / info.shard)
+        tensor = torch.empty(info.shape, dtype=dtype)
+        view = tensor.reshape(-1).view(torch.uint8).numpy()
+        with open(self.directory / info.shard, "rb") as handle:
+            handle.seek(info.file_start)
+            got = handle.readinto(view)
+        if got != info.nbytes or view.nbytes != info.nbytes:
+            raise InputError(f"tensor '{name}': read {got} of {info.nbytes} bytes", file=self.directory / info.shard,
+                             hint="the shard is truncated")
+        self.bytes_read += info.nbytes
         return tensor.to(self.device)
 
     def optional(self, name: str) -> torch.Tensor | None:

@@ -115,6 +115,8 @@ def test_decode_scores_and_topk_match_twin(device, tiles):
     idx, _ = dsa.index_topk(*args, 32, **tiles)
     ref, _ = dsa.index_topk_torch(*args, 32)
     assert_same_topk(idx.cpu(), ref.cpu(), want.cpu(), 32, score_tol(device, want))
+    synced_free, _ = dsa.index_topk(*args, 32, max_keys=192, rows_per_tile=1, **tiles)
+    assert_same_topk(synced_free.cpu(), ref.cpu(), want.cpu(), 32, score_tol(device, want))
 
 
 @pytest.mark.parametrize("device", DEVICES)

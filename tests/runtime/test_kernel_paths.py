@@ -1,0 +1,189 @@
+"""The runtime's kernel paths: each Triton kernel against its torch twin, then each op family in the
+engine against the torch reference path (CPU: Triton interpreter; GPU variants marked ``gpu``)."""
+
+import pytest
+import torch
+
+from adapt.model.tiny import tiny_path
+from adapt.runtime.attention import (
+    GQAAttention,
+    GQAWeights,
+    PagedKVCache,
+    paged_gqa_attention,
+    rms_norm,
+    rms_norm_triton,
+    rope_halves,
+    rope_pairs,
+    rope_triton,
+    write_rows,
+)
+from adapt.runtime.engine import Engine
+from adapt.runtime.weights import Linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _filled_cache(lengths, heads, kv_heads, dim, dtype, seed=0):
+    """A paged cache holding random k/v for sequences of ``lengths``, and queries for the last
+    ``min(len, 5)`` tokens of each (a mixed prefill/decode step)."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = {"k": ((kv_heads, dim), dtype), "v": ((kv_heads, dim), dtype)}
+    cache = PagedKVCache(16, {0: layout}, DEVICE)
+    seqs = [cache.add_sequence() for _ in lengths]
+    history = [n - min(n, 5) for n in lengths]
+    if any(history):
+        batch = cache.append_tokens([s for s, h in zip(seqs, history, strict=True) if h],
+                                    [h for h in history if h])
+        rows = batch.num_tokens
+        write_rows(cache.pools[0]["k"], batch.slots, torch.randn(rows, kv_heads, dim, generator=gen).to(DEVICE))
+        write_rows(cache.pools[0]["v"], batch.slots, torch.randn(rows, kv_heads, dim, generator=gen).to(DEVICE))
+    batch = cache.append_tokens(seqs, [n - h for n, h in zip(lengths, history, strict=True)])
+    rows = batch.num_tokens
+    write_rows(cache.pools[0]["k"], batch.slots, torch.randn(rows, kv_heads, dim, generator=gen).to(DEVICE))
+    write_rows(cache.pools[0]["v"], batch.slots, torch.randn(rows, kv_heads, dim, generator=gen).to(DEVICE))
+    q = torch.randn(rows, heads, dim, generator=gen).to(DEVICE, dtype)
+    return cache, batch, q
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 2)])
+@pytest.mark.parametrize("window,sinks", [(None, False), (16, True), (7, False), (None, True)])
+def test_paged_gqa_kernel_matches_torch_twin(heads, kv_heads, window, sinks):
+    cache, batch, q = _filled_cache([70, 3, 33], heads, kv_heads, 32, torch.float32)
+    sink = torch.randn(heads, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 2 if sinks else None
+    unused = Linear(torch.zeros(1, 1))
+    layer = GQAAttention(GQAWeights(unused, unused, unused, unused, sinks=sink), heads=heads, kv_heads=kv_heads,
+                         head_dim=32, norm_eps=1e-6, window=window)
+    ref = layer._attend_torch(q, batch, cache.pools[0])
+    out = paged_gqa_attention(q, cache.pools[0]["k"], cache.pools[0]["v"], batch, layer.scale, window, sink)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_paged_gqa_kernel_in_bf16_stays_within_bf16_tolerance():
+    cache, batch, q = _filled_cache([66, 12], 8, 2, 64, torch.bfloat16)
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    unused = Linear(torch.zeros(1, 1))
+    layer = GQAAttention(GQAWeights(unused, unused, unused, unused, sinks=sink), heads=8, kv_heads=2, head_dim=64,
+                         norm_eps=1e-6, window=16)
+    ref = layer._attend_torch(q.float(), batch, {k: v.float() for k, v in cache.pools[0].items()})
+    out = paged_gqa_attention(q, cache.pools[0]["k"], cache.pools[0]["v"], batch, layer.scale, 16, sink)
+    assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_in_fp32", [False, True])
+def test_rms_norm_kernel_matches_torch_twin(dtype, scale_in_fp32):
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 96, generator=gen) * 3).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, torch.bfloat16)
+    ref = rms_norm(x, w, 1e-6, scale_in_fp32=scale_in_fp32)
+    out = rms_norm_triton(x, w, 1e-6, scale_in_fp32=scale_in_fp32)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        assert _rel(out, ref) < 1e-6
+    else:  # same rounding order: at most one bf16 ulp apart
+        assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-30).all()
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_rope_kernel_matches_torch_twin(pairs):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 3, 16, generator=gen).to(DEVICE)
+    angles = torch.rand(9, 8, generator=gen).to(DEVICE) * 6
+    cos, sin = angles.cos(), angles.sin()
+    ref = (rope_pairs if pairs else rope_halves)(x, cos, sin)
+    assert _rel(rope_triton(x, cos, sin, pairs=pairs), ref) < 1e-6
+
+
+def _run(name, kernels, prompts, decode_steps, **load):
+    """Prefill + greedy decode steps; returns (capture, generated tokens)."""
+    engine = Engine.load(tiny_path(name), dtype=torch.float32, kernels=kernels, device=DEVICE, max_tokens=512,
+                         **load)
+    with engine.capture(hidden_states=True, router=True, dsa_indices=True) as cap:
+        result = engine.generate(prompts, decode_steps + 1, stop_ids=())
+    return cap, result.tokens, engine
+
+
+def _prompts(lengths):
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _layer_errors(ref_cap, ker_cap):
+    return {layer: max(_rel(k, r) for r, k in zip(outs, ker_cap.hidden_states[layer], strict=True))
+            for layer, outs in ref_cap.hidden_states.items()}
+
+
+@pytest.mark.parametrize("name,kernels,tolerance", [
+    ("tiny-oss", "attention,norm_rope", 1e-5),    # fp32 kernels: fp32 tolerance
+    ("tiny-qwen3", "attention,norm_rope", 1e-5),
+    ("tiny-dsa", "norm_rope", 1e-5),
+    ("tiny-dsa", "attention", 3e-2),             # sparse MLA reads the bf16 latent cache: bf16 tolerance
+])
+def test_op_family_kernels_track_the_reference(name, kernels, tolerance):
+    prompts = _prompts((22, 6))
+    ref_cap, ref_tokens, _ = _run(name, "none", prompts, 4)
+    ker_cap, ker_tokens, engine = _run(name, kernels, prompts, 4)
+    assert all(engine.model.paths[f] == "kernel" for f in kernels.split(","))
+    assert max(_layer_errors(ref_cap, ker_cap).values()) < tolerance
+    assert ker_tokens == ref_tokens
+
+
+def test_fp8_indexer_kernel_keeps_most_of_the_reference_selection():
+    prompts = _prompts((40,))
+    ref_cap, ref_tokens, _ = _run("tiny-dsa", "none", prompts, 2)
+    ker_cap, ker_tokens, _ = _run("tiny-dsa", "indexer", prompts, 2)
+    overlaps = []
+    for layer, steps in ref_cap.dsa_indices.items():
+        for ref, ker in zip(steps, ker_cap.dsa_indices[layer], strict=True):
+            for a, b in zip(ref.tolist(), ker.tolist(), strict=True):
+                a, b = {i for i in a if i >= 0}, {i for i in b if i >= 0}
+                assert len(a) == len(b)
+                overlaps.append(len(a & b) / len(a))
+    assert sum(overlaps) / len(overlaps) > 0.9  # FP8 scores reorder only near-ties
+    assert ker_tokens == ref_tokens
+
+
+@pytest.mark.parametrize("workspace", [0, 4])
+def test_mxfp4_moe_kernel_tracks_the_reference(workspace):
+    prompts = _prompts((12, 5))
+    ref_cap, ref_tokens, _ = _run("tiny-oss", "none", prompts, 1)
+    ker_cap, ker_tokens, engine = _run("tiny-oss", "moe", prompts, 1, moe_workspace=workspace)
+    assert not engine.model.kernel_refusals
+    if workspace:
+        assert engine.model.layers[0].ffn.workspace.w1.shape[0] == 2 * workspace  # two chunks, not all experts
+    for layer, steps in ref_cap.router.items():
+        for (ref_ids, _), (ker_ids, _) in zip(steps, ker_cap.router[layer], strict=True):
+            agree = (ref_ids.sort(-1).values == ker_ids.long().sort(-1).values).all(-1).float().mean()
+            assert agree >= 0.9
+    # bf16 activations (and e4m3 weights with the workspace) inside the kernel
+    assert max(_layer_errors(ref_cap, ker_cap).values()) < (5e-2 if workspace else 2e-2)
+    assert ker_tokens == ref_tokens
+
+
+def test_moe_kernel_refuses_experts_that_are_not_mxfp4():
+    engine = Engine.load(tiny_path("tiny-dsa"), dtype=torch.float32, kernels="moe", device=DEVICE, max_tokens=128)
+    refusals = engine.model.kernel_refusals
+    assert set(refusals) == {"L1.moe", "L2.moe"} and "not stored MXFP4" in refusals["L1.moe"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-dsa", "tiny-oss", "tiny-qwen3"])
+def test_all_kernels_greedy_32_tokens_match_transformers_on_gpu(name):
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts((30, 9))
+    _, tokens, _ = _run(name, "all", prompts, 31)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path(name), dtype=torch.float32, attn_implementation="eager",
+                                                 experts_implementation="eager").float().eval()
+    for prompt, ours in zip(prompts, tokens, strict=True):
+        with torch.no_grad():
+            out = model(torch.tensor([prompt]), use_cache=True)
+            cache, ref = out.past_key_values, []
+            for _ in range(32):
+                ref.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[ref[-1]]]), past_key_values=cache, use_cache=True)
+        assert ours == ref
