@@ -123,6 +123,10 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     report.metrics.update({"engine_args": args, "serve_command": argv, "ray_steps": steps, "nodes": nodes,
                            "devices": devices, "forced": bool(force and overridden),
                            "overridden_gates": overridden, "engine_args_source": source})
+    if not Path(model_path).is_dir():
+        report.add("info", "model-name",
+                   f"'{model_path}' is not a directory here: the serve command names it as given",
+                   hint="replace it with the checkpoint directory or hub id on the serving machine")
     if overridden:
         report.add("warn", "forced",
                    "hand-off forced past gates that had not passed: " + "; ".join(overridden))
@@ -250,8 +254,33 @@ def run_handoff(model: str, *, target: str, devices: int, nodes: int, run: RunDi
         log_tail = smoke.log_tail
         files[f"{BUNDLE_DIR}/smoke.json"] = json.dumps({"metrics": smoke.metrics, "findings": smoke.findings,
                                                         "log_tail": log_tail}, indent=2, default=str) + "\n"
+    files[f"{BUNDLE_DIR}/README.md"] += _checks_section(report, validate, launch)
     report.decide()
     return report, files, log_tail
+
+
+def _checks_section(report: StageReport, validate: bool, launch: bool) -> str:
+    """README lines for what this hand-off checked with vLLM itself."""
+    lines = ["", "## vLLM checks in this hand-off", ""]
+    if validate:
+        lines.append(f"- vLLM's argument parser on serve.sh: {report.metrics['vllm_parser']}")
+    if launch:
+        smoke = report.metrics.get("smoke", {})
+        rows = smoke.get("vllm_vs_transformers")
+        if rows:
+            diverged = [r["prompt"] for r in rows if r["first_divergence"] is not None]
+            lines.append(f"- served here and compared with transformers over {len(rows)} prompts x "
+                         f"{smoke['max_tokens']} greedy tokens ({smoke['dtype']}): "
+                         + (f"diverged on {len(diverged)}" if diverged else "every token identical")
+                         + f"; min top-5 overlap {min(r['min_overlap'] for r in rows):.2f}"
+                         + "; max chosen-token |dlogprob| "
+                         + f"{max(r['max_logprob_diff'] for r in rows):.3g} nats")
+            lines.append(f"- launch overrides for this machine: {smoke.get('launch_overrides')}")
+        else:
+            lines.append("- launch attempted; the server did not answer (see smoke.json and server.log)")
+    if not (validate or launch):
+        lines.append("- none (run `adapt handoff ... --validate` or `--launch`)")
+    return "\n".join(lines) + "\n"
 
 
 def needs_dequantized_experts(model_dir: Path, target_compute: str) -> bool:

@@ -328,6 +328,47 @@ def decode_mxfp4_tile_fp8(packed, scales, g_row, BLOCK_R: tl.constexpr, BLOCK_K:
     return tl.reshape(tl.join(vlo, vhi), (BLOCK_R, BLOCK_K))
 
 
+FOLD_WORD_MIN_SHIFT = -5
+"""Smallest fold shift ``d = e_block - g`` the word decode handles: below it 0.5 * 2**d is an e4m3
+denormal, and tiles holding such blocks take the per-byte decode instead."""
+
+
+@triton.jit
+def _e2m1_bytes_to_e4m3(c, bias8):
+    """Four E2M1 codes, one per byte of uint32 ``c`` (low 4 bits), -> four e4m3 bytes of code * 2**d.
+
+    bias8 = ((d + 6) << 3) in every byte (d in [-5, 6]). Magnitude code m = e1e0m0: for m >= 2 the
+    e4m3 byte is (m << 2) + ((d + 6) << 3) (exponent field e + d + 6, mantissa bit moved to bit 2);
+    m = 1 (0.5) is (d + 6) << 3; m = 0 stays 0. No byte carries into the next (max 0x7C).
+    """
+    m = c & 0x07070707
+    sgn = (c & 0x08080808) << 4
+    ge2 = (m + 0x06060606) & 0x08080808  # bit 3 set where m >= 2
+    keep = ge2 - (ge2 >> 3)  # 0x07 where m >= 2
+    nz = (m + 0x07070707) & 0x08080808  # bit 3 set where m != 0
+    return (((m & keep) << 2) + (bias8 & (nz * 0x0F))) | sgn
+
+
+@triton.jit
+def e2m1_words_to_e4m3(w, bias8):
+    """Eight E2M1 codes per uint32 word -> their e4m3 bytes as two uint32 words (integer ops only).
+
+    w: uint32, byte j holds element 2j (low nibble) and 2j+1 (high nibble). bias8: uint32,
+    ``((d + 6) << 3) * 0x01010101`` for the word's fold shift d in [FOLD_WORD_MIN_SHIFT, 6],
+    broadcastable to w. Returns (lo, hi): e4m3(code * 2**d) of elements 0-3 and 4-7, byte i of a
+    word holding element i (little-endian), exact (every value is an e4m3 normal or zero).
+    """
+    ev = _e2m1_bytes_to_e4m3(w & 0x0F0F0F0F, bias8)
+    od = _e2m1_bytes_to_e4m3((w >> 4) & 0x0F0F0F0F, bias8)
+    a = ev & 0xFFFF
+    b = od & 0xFFFF
+    lo = ((a | (a << 8)) & 0x00FF00FF) | (((b | (b << 8)) & 0x00FF00FF) << 8)
+    a = ev >> 16
+    b = od >> 16
+    hi = ((a | (a << 8)) & 0x00FF00FF) | (((b | (b << 8)) & 0x00FF00FF) << 8)
+    return lo, hi
+
+
 @triton.jit
 def e2m1_code_of(y):
     """fp32 ``y`` (already divided by the block scale) -> 4-bit E2M1 code, RNE, saturating."""

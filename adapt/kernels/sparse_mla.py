@@ -42,20 +42,50 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _dequant_cols(kv, scale_ptr, slot, valid, col0, RANK: tl.constexpr, WIDTH: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """bf16 [BLOCK_K, WIDTH] from e4m3 columns col0.. of the gathered rows times their per-GROUP scales."""
+    if WIDTH >= GROUP:
+        NG: tl.constexpr = WIDTH // GROUP
+        sc = tl.load(scale_ptr + slot[:, None] * (RANK // GROUP) + col0 // GROUP + tl.arange(0, NG)[None, :],
+                     mask=valid[:, None], other=0.0)
+        out = tl.reshape(tl.reshape(kv.to(tl.float32), [BLOCK_K, NG, GROUP]) * sc[:, :, None],
+                         [BLOCK_K, WIDTH])
+    else:
+        sc = tl.load(scale_ptr + slot * (RANK // GROUP) + col0 // GROUP, mask=valid, other=0.0)
+        out = kv.to(tl.float32) * sc[:, None]
+    return out.to(tl.bfloat16)
+
+
+@triton.jit
 def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
-                       out_ptr, n_heads, topk, bt_stride, scale_log2,
+                       out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                        RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr,
                        QK_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PAGE: tl.constexpr, FP8: tl.constexpr,
-                       GROUP: tl.constexpr, UPCAST: tl.constexpr):
-    """One program: one query row, BLOCK_H heads, RANK / V_SPLIT output columns. q.k is summed
-    over QK_CHUNK-wide slices of the latent so that neither q nor the gathered rows are held
-    whole in registers; the gathered rows' output slice is loaded once more for p @ v."""
+                       PAGE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    """One program: one query row, BLOCK_H heads (the MMA M dimension: all heads of a row share
+    its gathered latent rows), RANK / V_SPLIT output columns, and one slice of the row's
+    selected positions (``program_id(2) // V_SPLIT``; the whole list when SPLIT is false).
+
+    Two loop forms:
+    - fused (QK_CHUNK == RANK and V_SPLIT == 1): q [BLOCK_H, RANK] is loaded once; each gathered
+      latent tile [BLOCK_K, RANK] is dequantized once and used for both q.k and p @ v.
+    - sliced: q.k is summed over QK_CHUNK-wide slices (q slices re-read from cache each tile) and
+      the tile's output slice is gathered once more for p @ v (less shared memory per stage).
+
+    SPLIT: writes the slice's normalised partial output (fp32 [rows, splits, H, RANK]) and its
+    log2-sum-exp (fp32 [rows, splits, H], -inf when the slice has no valid position) for
+    ``_combine_kernel``; otherwise the final bf16 output [rows, H, RANK].
+    """
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    vpart = tl.program_id(2) % V_SPLIT
+    split = tl.program_id(2) // V_SPLIT
     VDIM: tl.constexpr = RANK // V_SPLIT
+    FUSED: tl.constexpr = (QK_CHUNK == RANK) and (V_SPLIT == 1)
     hmask = heads < n_heads
-    vcols = tl.program_id(2) * VDIM + tl.arange(0, VDIM)
+    vcols = vpart * VDIM + tl.arange(0, VDIM)
     ccols = tl.arange(0, QK_CHUNK)
     rcols = tl.arange(0, ROPE)
     q_base = (row * n_heads + heads[:, None]) * RANK
@@ -63,13 +93,19 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
                      other=0.0)
     if UPCAST:
         q_rope = q_rope.to(tl.float32)
+    if QK_CHUNK == RANK:
+        q_all = tl.load(qn_ptr + q_base + ccols[None, :], mask=hmask[:, None], other=0.0)
+        if UPCAST:
+            q_all = q_all.to(tl.float32)
     seq = tl.load(seq_ptr + row).to(tl.int64)
+    first = split * positions_per_split
+    last = tl.minimum(first + positions_per_split, topk)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, VDIM], tl.float32)
-    for k0 in range(0, topk, BLOCK_K):
+    for k0 in range(first, last, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + row * topk + kk, mask=kk < topk, other=-1)
+        idx = tl.load(idx_ptr + row * topk + kk, mask=kk < last, other=-1)
         valid = idx >= 0
         page = tl.load(block_table_ptr + seq * bt_stride + idx // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + idx % PAGE
@@ -77,47 +113,102 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
         if UPCAST:
             k_rope = k_rope.to(tl.float32)
         s = tl.dot(q_rope, tl.trans(k_rope))
-        for c in tl.static_range(RANK // QK_CHUNK):
-            q_c = tl.load(qn_ptr + q_base + c * QK_CHUNK + ccols[None, :], mask=hmask[:, None], other=0.0)
-            kv_c = tl.load(nope_ptr + slot[:, None] * RANK + c * QK_CHUNK + ccols[None, :],
-                           mask=valid[:, None], other=0.0)
+        if FUSED:
+            kv = tl.load(nope_ptr + slot[:, None] * RANK + ccols[None, :], mask=valid[:, None], other=0.0)
             if FP8:
-                sc = tl.load(nscale_ptr + slot * (RANK // GROUP) + (c * QK_CHUNK) // GROUP, mask=valid,
-                             other=0.0)
-                kv_c = (kv_c.to(tl.float32) * sc[:, None]).to(tl.bfloat16)
+                kv = _dequant_cols(kv, nscale_ptr, slot, valid, 0, RANK, RANK, GROUP, BLOCK_K)
             if UPCAST:
-                q_c = q_c.to(tl.float32)
-                kv_c = kv_c.to(tl.float32)
-            s += tl.dot(q_c, tl.trans(kv_c))
+                kv = kv.to(tl.float32)
+            s += tl.dot(q_all, tl.trans(kv))
+        else:
+            for c in tl.static_range(RANK // QK_CHUNK):
+                if QK_CHUNK == RANK:
+                    q_c = q_all
+                else:
+                    q_c = tl.load(qn_ptr + q_base + c * QK_CHUNK + ccols[None, :], mask=hmask[:, None],
+                                  other=0.0)
+                    if UPCAST:
+                        q_c = q_c.to(tl.float32)
+                kv_c = tl.load(nope_ptr + slot[:, None] * RANK + c * QK_CHUNK + ccols[None, :],
+                               mask=valid[:, None], other=0.0)
+                if FP8:
+                    kv_c = _dequant_cols(kv_c, nscale_ptr, slot, valid, c * QK_CHUNK, RANK, QK_CHUNK, GROUP,
+                                         BLOCK_K)
+                if UPCAST:
+                    kv_c = kv_c.to(tl.float32)
+                s += tl.dot(q_c, tl.trans(kv_c))
+            kv = tl.load(nope_ptr + slot[:, None] * RANK + vcols[None, :], mask=valid[:, None], other=0.0)
+            if FP8:
+                kv = _dequant_cols(kv, nscale_ptr, slot, valid, vpart * VDIM, RANK, VDIM, GROUP, BLOCK_K)
+            if UPCAST:
+                kv = kv.to(tl.float32)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        kv_v = tl.load(nope_ptr + slot[:, None] * RANK + vcols[None, :], mask=valid[:, None], other=0.0)
-        if FP8:
-            VG: tl.constexpr = VDIM // GROUP if VDIM >= GROUP else 1
-            VW: tl.constexpr = GROUP if VDIM >= GROUP else VDIM
-            sc_v = tl.load(nscale_ptr + slot[:, None] * (RANK // GROUP) + (tl.program_id(2) * VDIM) // GROUP
-                           + tl.arange(0, VG)[None, :], mask=valid[:, None], other=0.0)
-            kv_v = tl.reshape(tl.reshape(kv_v.to(tl.float32), [BLOCK_K, VG, VW]) * sc_v[:, :, None],
-                              [BLOCK_K, VDIM]).to(tl.bfloat16)
         if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, kv_v.to(tl.float32))
+            acc = acc * alpha[:, None] + tl.dot(p, kv)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv_v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + vcols[None, :], out.to(tl.bfloat16),
+    if SPLIT:
+        n_splits = tl.num_programs(2) // V_SPLIT
+        part = (row * n_splits + split) * n_heads + heads
+        tl.store(out_ptr + part[:, None] * RANK + vcols[None, :], out, mask=hmask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=hmask & (vpart == 0))
+    else:
+        tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + vcols[None, :], out.to(tl.bfloat16),
+                 mask=hmask[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One program: one row, BLOCK_H heads. Merges the n_splits partial outputs by their
+    log2-sum-exp weights: out = sum_s 2**lse_s * o_s / sum_s 2**lse_s (0 when no slice saw a
+    valid position). Bytes: reads n_splits * BLOCK_H * (RANK + 1) * 4, writes BLOCK_H * RANK * 2."""
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < n_heads
+    cols = tl.arange(0, RANK)
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK], tl.float32)
+    for s in range(0, n_splits):
+        part = (row * n_splits + s) * n_heads + heads
+        lse = tl.load(lse_ptr + part, mask=hmask, other=float("-inf"))
+        o = tl.load(part_ptr + part[:, None] * RANK + cols[None, :], mask=hmask[:, None], other=0.0)
+        m_new = tl.maximum(m_run, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        l_run = l_run * alpha + w
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + cols[None, :], out.to(tl.bfloat16),
              mask=hmask[:, None])
+
+
+def _default_splits(device: torch.device, programs: int, topk: int, block_k: int) -> int:
+    """Position slices per row so that about two programs per SM run (one when the rows x head
+    blocks x output slices already fill the GPU), each slice at least two BLOCK_K tiles."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), topk // (2 * block_k)))
 
 
 def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,
                latent_scale: torch.Tensor | None, latent_rope: torch.Tensor, block_table: torch.Tensor,
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
-               qk_chunk: int | None = None, num_warps: int | None = None,
+               qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
@@ -126,7 +217,23 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     e4m3, else None; latent_rope: bf16 [pages, 64, Dr]; block_table: int32 [B, max_pages];
     token_seq: int32 [N]; indices: int32 [N, K] positions in the row's sequence, -1 = none;
     softmax_scale: multiplies q.k. Returns bf16 [N, H, R], the latent attention output.
-    The tile options default to a choice measured on an H200 (see ``benchmarks/dsa``).
+
+    Grid: (N, H / block_h, v_split * splits). ``block_h`` heads form the MMA M dimension (they
+    share the row's gathered latent tile); ``block_k`` positions per tile; ``v_split`` output
+    column slices (1 with ``qk_chunk == R`` is the fused form: q loaded once, each latent tile
+    dequantized once for q.k and p @ v); ``splits`` slices of the K positions per row
+    (flash-decoding: each slice writes a partial output + log-sum-exp, ``_combine_kernel``
+    merges them; default: enough slices for about two programs per SM when N is small, e.g.
+    batch-1 decode, and 1 when N x heads already fills the GPU). Extra bytes with splits > 1:
+    N * splits * H * (R + 1) * 4 written and read back.
+
+    Shared memory per program (estimates for R 512, Dr 64, e4m3 latent; H200 limit 227 KB):
+    sliced form, block_h 64, block_k 64, v_split 2, qk_chunk 128, 1 stage: q slice 16 KB +
+    latent slice 8 KB (+16 KB bf16) + output slice 16 KB (+32 KB bf16) + rope 8 KB + p 8 KB
+    ~ 104 KB (measured to compile and run on the H200, run 2); fused form, block_h 64,
+    block_k 32, 2 stages: q 72 KB (once) + 2 x (latent 16 KB + rope 4 KB) + bf16 tile 32 KB
+    (x2 if q.k and p @ v use different layouts) + p 4 KB ~ 180 KB.
+    The defaults are the fastest tile measured on an H200 at batch 64 (see ``benchmarks/dsa``).
     """
     n_rows, n_heads, rank = q_nope.shape
     rope = q_rope.shape[-1]
@@ -138,23 +245,43 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     group = rank // latent_scale.shape[-1] if fp8 else rank
     interpreting = _interpreting()
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
-    block_k = block_k or (16 if interpreting else 32)
+    block_k = block_k or (16 if interpreting else 64)
     v_split = v_split or (1 if interpreting or rank < 512 else 2)
-    qk_chunk = min(rank, qk_chunk or 128, group)
-    if fp8 and (group % qk_chunk or (rank // v_split) % min(group, rank // v_split)):
-        raise ValueError(f"qk_chunk {qk_chunk} and output slice {rank // v_split} must align with the "
-                         f"scale group {group}")
+    qk_chunk = min(rank, qk_chunk or 128)
+    vdim = rank // v_split
+    if rank % qk_chunk or rank % v_split:
+        raise ValueError(f"qk_chunk {qk_chunk} and v_split {v_split} must divide the latent rank {rank}")
+    if fp8:
+        for width in (qk_chunk, vdim):
+            groups = width // group
+            if (width % group if width >= group else group % width) or (groups & (groups - 1)):
+                raise ValueError(f"latent slice {width} must align with the scale group {group} "
+                                 f"(a power-of-two multiple or a divisor of it)")
     num_warps = num_warps or (4 if interpreting else 8)
-    num_stages = num_stages or (1 if interpreting else 2)
-    grid = (n_rows, triton.cdiv(n_heads, block_h), v_split)
-    _sparse_mla_kernel[grid](
-        q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale if fp8 else latent_nope,
-        latent_rope,
-        block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(), out,
-        n_heads, topk, block_table.stride(0), softmax_scale * math.log2(math.e),
+    num_stages = num_stages or 1
+    head_blocks = triton.cdiv(n_heads, block_h)
+    splits = splits or _default_splits(q_nope.device, n_rows * head_blocks * v_split, topk, block_k)
+    positions_per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
+    splits = triton.cdiv(topk, positions_per_split)
+    if splits > 1:
+        partial = torch.empty(n_rows, splits, n_heads, rank, dtype=torch.float32, device=q_nope.device)
+        lse = torch.empty(n_rows, splits, n_heads, dtype=torch.float32, device=q_nope.device)
+    else:
+        partial, lse = out, out
+    latent_scale_arg = latent_scale if fp8 else latent_nope
+    _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
+        q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale_arg, latent_rope,
+        block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
+        partial, lse,
+        n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
         RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k,
-        PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, UPCAST=interpreting, num_warps=num_warps, num_stages=num_stages,
+        PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, SPLIT=splits > 1, UPCAST=interpreting, num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if splits > 1:
+        combine_h = min(triton.next_power_of_2(n_heads), max(1, 8192 // triton.next_power_of_2(rank)))
+        _combine_kernel[(n_rows, triton.cdiv(n_heads, combine_h))](
+            partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, num_warps=4)
     return out
 
 

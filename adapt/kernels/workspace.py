@@ -20,7 +20,8 @@ side-stream conversion of the next chunk takes SMs as GEMM programs retire.
 Buffers: w1 e4m3 [2C, 2I, H], w1_exp int32 [2C, 2I], w2 e4m3 [2C, H, I], w2_exp int32 [2C, H].
 Conversion kernel bytes per active expert: reads 3*H*I*17/32 (+ the scales once more for the row
 exponent), writes 3*H*I + 4*(2I + H). One program converts BLOCK_R whole rows of one expert,
-BLOCK_K elements (BLOCK_K/2 packed bytes per row) per step.
+BLOCK_B 32-blocks per step; each 32-block (16 packed bytes) is four 32-bit words decoded with
+integer ops, 8 codes per lane, into 32 e4m3 bytes (``mxfp4.e2m1_words_to_e4m3``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
-from adapt.kernels.mxfp4 import decode_mxfp4_tile_fp8, fold_loss
+from adapt.kernels.mxfp4 import FOLD_WORD_MIN_SHIFT, decode_mxfp4_tile_fp8, e2m1_words_to_e4m3, fold_loss
 
 
 def workspace_bytes(chunk_experts: int, hidden: int, intermediate: int) -> int:
@@ -57,9 +58,9 @@ def _convert_experts_kernel(
     k_scales,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    COUNT_LOSS: tl.constexpr,
 ):
-    """Program (i, rb): expert e_lo + i, rows rb*BLOCK_R.. -> slot slot_base + i (skipped when idle).
+    """Program (i, rb): expert e_lo + i, rows rb*BLOCK_R.. -> slot slot_base + i (skipped when idle),
+    one code per lane, counting the elements the fold cannot hold (load time, ``record_fold_loss``).
 
     packed uint8 [E, N, K/2], scales uint8 [E, N, K/32] -> out e4m3 [slots, N, K], exp int32 [slots, N].
     k_bytes = K/2 and k_scales = K/32 are passed as integers so their divisibility (16-byte rows)
@@ -97,10 +98,78 @@ def _convert_experts_kernel(
             v = decode_mxfp4_tile_fp8(p, s, g, BLOCK_R, BLOCK_K)
             kk = k0 + tl.arange(0, BLOCK_K)
             tl.store(out_ptr + dst[:, None] * k + kk[None, :], v, mask=rm[:, None] & (kk < k)[None, :])
-            if COUNT_LOSS:
-                lost += fold_loss(p, s, g, v, BLOCK_R, BLOCK_K)
-        if COUNT_LOSS:
-            tl.atomic_add(lost_ptr, tl.sum(tl.where(rm, lost, 0), axis=0).to(tl.int64))
+            lost += fold_loss(p, s, g, v, BLOCK_R, BLOCK_K)
+        tl.atomic_add(lost_ptr, tl.sum(tl.where(rm, lost, 0), axis=0).to(tl.int64))
+
+
+@triton.jit
+def _convert_experts_words_kernel(
+    words_ptr,
+    packed_ptr,
+    scales_ptr,
+    out64_ptr,
+    out_ptr,
+    exp_ptr,
+    offsets_ptr,
+    e_lo,
+    slot_base,
+    n_rows,
+    k,
+    k_words,
+    k_scales,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    MIN_SHIFT: tl.constexpr,
+):
+    """The conversion hot path, 8 codes per 32-bit lane; program (i, rb) as ``_convert_experts_kernel``.
+
+    words int32 [E, N, K/8] (the packed bytes as words; one 32-block = 4 words = one 16-byte load),
+    packed uint8 [E, N, K/2] (same memory), scales uint8 [E, N, K/32] -> out64 int64 [slots, N, K/8]
+    (8 e4m3 bytes per word; out_ptr is the same memory as e4m3), exp int32 [slots, N]. A step of
+    BLOCK_R rows x BLOCK_B 32-blocks whose fold shifts are all >= MIN_SHIFT is decoded with integer
+    ops on words (``e2m1_words_to_e4m3``); any other step takes the per-byte decode (exact rounding).
+    """
+    i = tl.program_id(0)
+    e = e_lo + i
+    if tl.load(offsets_ptr + e + 1) > tl.load(offsets_ptr + e):
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rm = r < n_rows
+        src = e.to(tl.int64) * n_rows + r
+        dst = (slot_base + i).to(tl.int64) * n_rows + r
+        gmax = tl.full((BLOCK_R,), -127, tl.int32)
+        for c0 in range(0, k_scales, 64):
+            cb = c0 + tl.arange(0, 64)
+            s = tl.load(
+                scales_ptr + src[:, None] * k_scales + cb[None, :],
+                mask=rm[:, None] & (cb < k_scales)[None, :],
+                other=0,
+            )
+            gmax = tl.maximum(gmax, tl.max(s.to(tl.int32), axis=1) - 127)
+        g = gmax - 6
+        tl.store(exp_ptr + dst, g, mask=rm)
+        j = tl.arange(0, 4)
+        for b0 in range(0, k_scales, BLOCK_B):
+            cb = b0 + tl.arange(0, BLOCK_B)
+            bm = rm[:, None] & (cb < k_scales)[None, :]  # [R, B]
+            s = tl.load(scales_ptr + src[:, None] * k_scales + cb[None, :], mask=bm, other=0)
+            d = tl.where(bm, s.to(tl.int32) - 127 - g[:, None], 0)  # [R, B], <= 6
+            if tl.min(tl.min(d, axis=1), axis=0) >= MIN_SHIFT:
+                wi = cb[None, :, None] * 4 + j[None, None, :]  # [1, B, 4] word index in the row
+                wm = bm[:, :, None]
+                w = tl.load(words_ptr + src[:, None, None] * k_words + wi, mask=wm, other=0)
+                bias8 = ((d + 6) << 3).to(tl.uint32) * 0x01010101
+                lo, hi = e2m1_words_to_e4m3(w.to(tl.uint32, bitcast=True), bias8[:, :, None])
+                out = lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)
+                tl.store(
+                    out64_ptr + dst[:, None, None] * k_words + wi, out.to(tl.int64, bitcast=True), mask=wm
+                )
+            else:
+                kb = b0 * 16 + tl.arange(0, BLOCK_B * 16)
+                km = rm[:, None] & (kb < k_scales * 16)[None, :]
+                p = tl.load(packed_ptr + src[:, None] * (k_scales * 16) + kb[None, :], mask=km, other=0)
+                v = decode_mxfp4_tile_fp8(p, tl.where(bm, s, 127), g, BLOCK_R, BLOCK_B * 32)
+                kk = b0 * 32 + tl.arange(0, BLOCK_B * 32)
+                tl.store(out_ptr + dst[:, None] * k + kk[None, :], v, mask=rm[:, None] & (kk < k)[None, :])
 
 
 def convert_experts(
@@ -114,28 +183,55 @@ def convert_experts(
     slot_base: int,
     count_loss: bool = True,
 ) -> None:
-    """Convert experts [lo, hi) that own tokens into slots slot_base + (e - lo) of ``out``/``exps``."""
+    """Convert experts [lo, hi) that own tokens into slots slot_base + (e - lo) of ``out``/``exps``.
+
+    packed uint8 [E, N, K/2], scales uint8 [E, N, K/32]; out e4m3 [slots, N, K], exps int32 [slots, N].
+    count_loss: take the one-code-per-lane kernel that also adds the fold's lost elements to ``lost``
+    (load time); otherwise the word kernel (8 codes per 32-bit lane, no counting: the hot path).
+    """
     lo, hi = experts
     n, k = packed.shape[1], packed.shape[2] * 2
-    bk = max(32, min(512, triton.next_power_of_2(k)))  # a partial last step is masked
-    br = 8 if bk >= 512 else 16
-    _convert_experts_kernel[(hi - lo, triton.cdiv(n, br))](
+    if count_loss:
+        bk = max(32, min(512, triton.next_power_of_2(k)))  # a partial last step is masked
+        br = 8 if bk >= 512 else 16
+        _convert_experts_kernel[(hi - lo, triton.cdiv(n, br))](
+            packed,
+            scales,
+            out,
+            exps,
+            lost,
+            expert_offsets,
+            lo,
+            slot_base,
+            n,
+            k,
+            k // 2,
+            k // 32,
+            BLOCK_R=br,
+            BLOCK_K=bk,
+            num_warps=4 if bk >= 512 else 2,
+        )
+        return
+    bb = max(1, min(16, triton.next_power_of_2(k // 32)))  # 32-blocks per step (16: 512 elements)
+    br = 8
+    _convert_experts_words_kernel[(hi - lo, triton.cdiv(n, br))](
+        packed.view(torch.int32),
         packed,
         scales,
+        out.view(torch.int64),
         out,
         exps,
-        lost,
         expert_offsets,
         lo,
         slot_base,
         n,
         k,
-        k // 2,
+        k // 8,
         k // 32,
         BLOCK_R=br,
-        BLOCK_K=bk,
-        COUNT_LOSS=count_loss,
-        num_warps=4 if bk >= 512 else 2,
+        BLOCK_B=bb,
+        MIN_SHIFT=FOLD_WORD_MIN_SHIFT,
+        num_warps=4,
     )
 
 

@@ -491,7 +491,7 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
     keep = {
         "index_scores decode": ("key_block", "num_stages", "num_warps", "programs"),
         "index_scores prefill 4096": ("rows_per_tile", "num_stages", "num_warps"),
-        "sparse_mla decode b64": ("block_h", "block_k", "v_split", "num_warps", "num_stages"),
+        "sparse_mla decode b64": ("block_h", "block_k", "v_split", "qk_chunk", "num_warps", "num_stages"),
     }
     names = {
         "index_scores decode": "decode_index",
@@ -503,8 +503,113 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
         timed = [row for row in sweep if row["kernel"] == kernel and "us" in row]
         if timed:
             best = min(timed, key=lambda row: row["us"])
-            tiles[names[kernel]] = {f: best[f] for f in fields}
+            tiles[names[kernel]] = {f: best[f] for f in fields if f in best}
     return tiles
+
+
+# Sparse MLA tiles timed at batch 64 x 128K decode (position splits left to the kernel's default:
+# 1 when rows x head blocks x v_split fill the 132 SMs, more otherwise). Shared memory per program
+# (e4m3 latent, R 512; H200 limit 227 KB; estimates, see ``sparse_mla``): sliced block_k 64 1 stage
+# ~104 KB, block_k 32 2 stages ~110 KB; fused block_k 32 1 stage ~160 KB, 2 stages ~180 KB.
+MLA_SWEEP = (
+    dict(block_h=64, block_k=64, v_split=2, num_warps=8, num_stages=1),  # run 2's fastest (593 us events)
+    dict(block_h=64, block_k=32, v_split=1, qk_chunk=512, num_warps=8, num_stages=1),  # fused
+    dict(block_h=64, block_k=32, v_split=1, qk_chunk=512, num_warps=8, num_stages=2),  # fused
+    dict(block_h=128, block_k=32, v_split=4, num_warps=8, num_stages=2),  # run 2: 596 us events
+)
+
+# Index tiles measured fastest on the H200 in run 2 (benchmarks/dsa/2026-11-29-run2-grid.json);
+# the acceptance mode uses them instead of re-sweeping.
+RUN2_INDEX_TILES = {
+    "decode_index": dict(key_block=128, num_stages=4, num_warps=4, programs=2048),
+    "prefill_index": dict(rows_per_tile=4, num_stages=3, num_warps=4),
+}
+
+
+def _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, options, reps) -> list[dict]:
+    """Graph-timed sparse MLA decode over ``idx`` for each tile option (a tile that does not
+    compile, e.g. out of shared memory, is recorded with its error)."""
+    batch, topk = idx.shape
+    rows = []
+    for opt in options:
+        try:
+            ms = _time_graph_ms(
+                lambda o=opt: sparse_mla.sparse_mla(
+                    q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, block_table,
+                    token_seq, idx, 0.1, **o,
+                ),
+                reps,
+            )
+        except Exception as err:  # a tile that does not compile is recorded, the others still run
+            rows.append({"kernel": "sparse_mla decode b64", **opt, "error": str(err)[:200]})
+            continue
+        rows.append(
+            {
+                "kernel": "sparse_mla decode b64",
+                **opt,
+                "us": ms * 1e3,
+                "TFLOPs": 2 * batch * HEADS * topk * (2 * RANK + ROPE) / ms / 1e9,
+            }
+        )
+    return rows
+
+
+def run_dsa_acceptance(
+    out_dir: Path, *, topk: int = 2048, latent_format: str = "fp8", reps: int = 10
+) -> dict:
+    """The acceptance subset: same-run ceilings (torch and Triton 16-byte copy), a sparse MLA tile
+    sweep at batch 64 x 128K, decode at batch 1 and 64 x 128K, prefill 128K (indexer + top-k +
+    sparse MLA and dense causal SDPA). Writes ``dsa_bench.json`` / ``.md`` into ``out_dir``."""
+    if not torch.cuda.is_available():
+        raise InputError(
+            "the DSA benchmark needs a CUDA GPU and none is visible",
+            hint="run it on the GPU machine, e.g. `adapt bench kernels --dsa` there",
+        )
+    from adapt.stages.bench_moe import measure_copy
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    ceilings = _ceilings(reps)
+    copy = measure_copy(gib=2, reps=reps)
+    ceilings["copy_torch_small_TBps"] = ceilings["copy_TBps"]
+    ceilings.update({k: v for k, v in copy.items() if k.endswith("_tbps")})
+    ceilings["copy_TBps"] = max(ceilings["copy_TBps"], copy["copy_tbps"])
+    result = {
+        "mode": "acceptance",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "shapes": {"heads": HEADS, "latent": RANK, "rope": ROPE, "index_heads": INDEX_HEADS,
+                   "index_dim": INDEX_DIM, "topk": topk, "latent_format": latent_format},
+        "ceilings": ceilings,
+        "decode": [],
+        "prefill": [],
+    }
+    batch, context = 64, 131072
+    cache = _random_cache(batch * context, latent_format)
+    layer = cache.layer(0)
+    pages = context // PAGE_SIZE
+    block_table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
+    token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
+    _, _, q_nope, q_rope = _queries(batch)
+    idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).int()
+    sweep = _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, MLA_SWEEP, reps)
+    del cache, layer
+    torch.cuda.empty_cache()
+    tiles = {**RUN2_INDEX_TILES, **{"mla": _fastest_tiles(sweep)["mla"]}}
+    result.update(tile_sweep=sweep, tiles_used=tiles)
+    _write(out_dir, result)
+    for b in (1, batch):
+        result["decode"].append(
+            _decode_case(b, context, topk, latent_format, ceilings["copy_TBps"], reps, tiles)
+        )
+        _write(out_dir, result)
+    result["prefill"].append(_prefill_case(context, topk, latent_format, 2, 2 << 30, 16384, tiles))
+    _write(out_dir, result)
+    return result
 
 
 def _write(out_dir: Path, result: dict) -> None:
@@ -560,42 +665,8 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
             }
         )
     idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).int()
-    options = [
-        dict(block_h=64, block_k=32, v_split=2, num_warps=8, num_stages=2),
-        dict(block_h=64, block_k=32, v_split=4, num_warps=4, num_stages=2),
-        dict(block_h=64, block_k=64, v_split=2, num_warps=8, num_stages=1),
-        dict(block_h=64, block_k=64, v_split=2, num_warps=8, num_stages=2),
-        dict(block_h=64, block_k=32, v_split=2, num_warps=8, num_stages=3),
-        dict(block_h=128, block_k=32, v_split=4, num_warps=8, num_stages=2),
-    ]
-    for opt in options:
-        try:
-            ms = _time_ms(
-                lambda o=opt: sparse_mla.sparse_mla(
-                    q_nope,
-                    q_rope,
-                    layer.latent_nope,
-                    layer.latent_scale,
-                    layer.latent_rope,
-                    block_table,
-                    token_seq,
-                    idx,
-                    0.1,
-                    **o,
-                ),
-                reps,
-            )
-        except Exception as err:  # a tile that does not compile (e.g. out of shared memory) is recorded
-            rows.append({"kernel": "sparse_mla decode b64", **opt, "error": str(err)[:200]})
-            continue
-        rows.append(
-            {
-                "kernel": "sparse_mla decode b64",
-                **opt,
-                "us": ms * 1e3,
-                "TFLOPs": 2 * batch * HEADS * topk * (2 * RANK + ROPE) / ms / 1e9,
-            }
-        )
+    options = MLA_SWEEP
+    rows += _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, options, reps)
     torch.cuda.empty_cache()
     del cache, layer
     torch.cuda.empty_cache()
@@ -751,8 +822,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="DSA kernel benchmark (one CUDA GPU)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="small grid for a smoke run")
+    parser.add_argument("--acceptance", action="store_true",
+                        help="decode 1 and 64 x 128K, prefill 128K, same-run ceilings only (under 2 minutes)")
     args = parser.parse_args()
-    if args.quick:
+    if args.acceptance:
+        summary = run_dsa_acceptance(args.out)
+    elif args.quick:
         summary = run_dsa_bench(
             args.out, decode_batches=(1, 4), contexts=(8192,), prefill_lengths=(8192,), reps=3, prefill_reps=2
         )

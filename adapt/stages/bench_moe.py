@@ -218,8 +218,8 @@ LAYER_MAX_TOKENS = 1024
 """The whole-layer variants are timed up to this T (above it the expert GEMMs dominate)."""
 
 
-def _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape) -> dict:
-    """The timed callables of one (shape, T) point."""
+def _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape, layer=True) -> dict:
+    """The timed callables of one (shape, T) point (``layer``: also the whole-layer variants)."""
     from adapt.kernels.moe_gemm import expert_mlp, moe_forward
 
     k, act = shape["top_k"], shape["activation"]
@@ -239,7 +239,7 @@ def _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router
             shape["interleaved"],
         ),
     }
-    if x.shape[0] <= LAYER_MAX_TOKENS:
+    if layer and x.shape[0] <= LAYER_MAX_TOKENS:
         variants["layer_bf16"] = lambda: moe_forward(x, gate, routed, router, compute="bf16", **lw)
         variants["layer_fp8"] = lambda: moe_forward(x, gate, routed, router, compute="fp8", **lw)
     return variants
@@ -302,9 +302,11 @@ def _bench_shape(
     deadline: float,
     save,
     sweep: list | None,
+    layer: bool = True,
 ) -> dict:
     """Time every variant of one shape, appending to ``rows`` (``save()`` after each T); runs the
-    config sweep at the largest T when ``sweep`` is a list; stops timing once ``deadline`` passes."""
+    config sweep at the largest T when ``sweep`` is a list; stops timing once ``deadline`` passes.
+    layer: also time the whole-layer variants (``moe_forward``)."""
     from adapt.kernels.moe_gemm import FP8Weights, expert_mlp, mxfp4_expert_bytes
     from adapt.kernels.mxfp4 import dequantize_mxfp4
     from adapt.kernels.routing import RouterConfig, permute_by_expert
@@ -342,7 +344,7 @@ def _bench_shape(
         flops = 6 * t * k * h * inter
         wbytes = active * expert_bytes
         floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
-        variants = _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape)
+        variants = _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape, layer)
         ref = variants["bf16"]().float()
         if sweep is not None and t == max(tokens):
             sweep += _sweep(x, perm, routed, offline, shape, flops, deadline)
@@ -412,8 +414,104 @@ def _bench_shape(
         expert_mlp(x, perm, routed, top_k=k, activation=act, **kwargs)
         torch.cuda.synchronize()
         mem[f"peak_activation_bytes_{label}"] = torch.cuda.max_memory_allocated() - base
+    mem["conversion"] = _conversion_rates(routed, ws)
     print(json.dumps(mem), flush=True)
     return mem
+
+
+def _conversion_rates(routed, ws) -> dict:
+    """Workspace conversion alone: one chunk of experts (all active) MXFP4 -> e4m3 into the
+    workspace, TB/s of bytes read (codes + scales twice) + written (e4m3 + row exponents), for the
+    hot-path word kernel and the load-time counting kernel."""
+    from adapt.kernels.workspace import convert_experts
+
+    c = ws.chunk_experts
+    every = torch.arange(routed.n_experts + 1, dtype=torch.int32, device=ws.w1.device)
+    h, i = routed.hidden, routed.intermediate
+    moved = c * (3 * h * i * 17 // 32 + 3 * h * i // 16 + 3 * h * i + 4 * (2 * i + h))
+    out = {"experts": c, "bytes": moved}
+    for label, count in (("words", False), ("counting", True)):
+
+        def conv(count=count):
+            for packed, scales, dst, exps in (
+                (routed.w1_packed, routed.w1_scales, ws.w1, ws.w1_exp),
+                (routed.w2_packed, routed.w2_scales, ws.w2, ws.w2_exp),
+            ):
+                convert_experts(packed, scales, dst, exps, ws.lost, every, (0, c), 0, count_loss=count)
+
+        us = graph_time_us(conv, reps=10)
+        out[f"{label}_us"] = us
+        out[f"{label}_tbps"] = moved / us / 1e6
+    return out
+
+
+QUICK = dict(shapes=["deepseek-v3"], tokens=[1, 64, 16384])
+"""``--quick-acceptance``: the points the issue's acceptance lines name."""
+
+
+def acceptance(result: dict) -> list[dict]:
+    """The acceptance lines of issue 4 evaluated on the measured rows (DeepSeek-V3)."""
+    t = {
+        (r["tokens"], r["variant"]): r
+        for r in result["rows"]
+        if r.get("shape") == "deepseek-v3" and "time_us" in r
+    }
+    fused = ("bf16", "fp8")
+
+    def best(tok, names, key, low):
+        vals = [(t[(tok, n)][key], n) for n in names if (tok, n) in t]
+        return (min if low else max)(vals) if vals else (None, None)
+
+    out = []
+    frac, name = best(64, fused, "copy_fraction", False)
+    out.append(
+        {
+            "criterion": "T=64 fused MXFP4 >= 0.85 of copy on MXFP4 bytes",
+            "value": frac,
+            "path": name,
+            "met": frac is not None and frac >= 0.85,
+        }
+    )
+    xf, name = best(1, fused, "x_floor", True)
+    out.append(
+        {
+            "criterion": "T=1 fused within 1.6x of the byte floor",
+            "value": xf,
+            "path": name,
+            "met": xf is not None and xf <= 1.6,
+        }
+    )
+    off, base, ws = (t.get((16384, n)) for n in ("fp8_offline", "torch_grouped_bf16", "fp8_ws"))
+    if off:
+        out.append(
+            {
+                "criterion": "T=16384 fp8 >= 800 TFLOP/s",
+                "value": off["tflops"],
+                "path": "fp8_offline",
+                "met": off["tflops"] >= 800,
+            }
+        )
+    if off and base:
+        sp = base["time_us"] / off["time_us"]
+        out.append(
+            {
+                "criterion": "T=16384 >= 1.5x torch grouped bf16",
+                "value": sp,
+                "path": "fp8_offline",
+                "met": sp >= 1.5,
+            }
+        )
+    if off and ws:
+        r = ws["time_us"] / off["time_us"]
+        out.append(
+            {
+                "criterion": "T=16384 online within 5% of offline",
+                "value": r,
+                "path": "fp8_ws",
+                "met": r <= 1.05,
+            }
+        )
+    return out
 
 
 def _markdown(result: dict) -> str:
@@ -469,6 +567,32 @@ def _markdown(result: dict) -> str:
             f"{m['model_ratio_online_vs_offline']:.3f} ({m['moe_layers']} layers) | "
             f"{m['fold_lost_elements_offline']} |"
         )
+    conv = [m for m in result["memory"] if "conversion" in m]
+    if conv:
+        lines += [
+            "",
+            "## Workspace conversion alone (one chunk, all experts active)",
+            "",
+            "| shape | experts | word kernel us | TB/s | counting kernel us | TB/s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for m in conv:
+            c = m["conversion"]
+            lines.append(
+                f"| {m['shape']} | {c['experts']} | {c['words_us']:.1f} | {c['words_tbps']:.2f} | "
+                f"{c['counting_us']:.1f} | {c['counting_tbps']:.2f} |"
+            )
+    if result.get("acceptance"):
+        lines += [
+            "",
+            "## Acceptance (this run)",
+            "",
+            "| criterion | value | path | met |",
+            "|---|---|---|---|",
+        ]
+        for a in result["acceptance"]:
+            v = "" if a["value"] is None else f"{a['value']:.3f}"
+            lines.append(f"| {a['criterion']} | {v} | {a['path']} | {a['met']} |")
     if result.get("sweep"):
         lines += [
             "",
@@ -491,12 +615,16 @@ def run_moe_bench(
     shapes: list[str] | None = None,
     budget_s: float = 1e9,
     sweep: bool = True,
+    quick: bool = False,
 ) -> dict:
     """Run the MoE benchmark on the current CUDA device; write moe_bench.json / .md to out_dir
     (rewritten after every T, so a run cut short keeps what it measured). budget_s: seconds after
     which remaining points are recorded as skipped. sweep: time SWEEP_CONFIGS at the largest T of
-    the first shape."""
+    the first shape. quick: only the acceptance points (``QUICK``; no sweep, no whole-layer
+    variants) and an ``acceptance`` list in the result."""
     start = time.monotonic()
+    if quick:
+        tokens, shapes, sweep = QUICK["tokens"], QUICK["shapes"], False
     if not torch.cuda.is_available():
         raise InputError("the MoE benchmark needs a CUDA GPU", hint="run it on the target machine")
     tokens = tokens or DEFAULT_TOKENS
@@ -525,13 +653,23 @@ def run_moe_bench(
 
     def save():
         (out_dir / "moe_bench.json").write_text(json.dumps(result, indent=1))
+        if quick:
+            result["acceptance"] = acceptance(result)
         (out_dir / "moe_bench.md").write_text(_markdown(result))
 
     deadline = start + budget_s
     for i, s in enumerate(shapes):
         mems.append(
             _bench_shape(
-                s, SHAPES[s], tokens, ceil, rows, deadline, save, sweep_rows if sweep and i == 0 else None
+                s,
+                SHAPES[s],
+                tokens,
+                ceil,
+                rows,
+                deadline,
+                save,
+                sweep_rows if sweep and i == 0 else None,
+                layer=not quick,
             )
         )
         save()
@@ -547,5 +685,14 @@ if __name__ == "__main__":
     ap.add_argument("--shapes", nargs="*", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument(
+        "--quick-acceptance",
+        action="store_true",
+        help="DeepSeek-V3 at T in 1, 64, 16384 only (the acceptance lines)",
+    )
     args = ap.parse_args()
-    run_moe_bench(args.out_dir, args.tokens, args.shapes, args.budget_s, not args.no_sweep)
+    res = run_moe_bench(
+        args.out_dir, args.tokens, args.shapes, args.budget_s, not args.no_sweep, args.quick_acceptance
+    )
+    for line in res.get("acceptance", []):
+        print(json.dumps(line), flush=True)

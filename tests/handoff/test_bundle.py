@@ -122,3 +122,15 @@ def test_cli_writes_bundle_after_gates(tmp_path):
     data = json.loads(result.output[result.output.index("{"):])
     assert data["stage"] == "handoff"
     assert (run.path / "handoff" / "README.md").is_file()
+
+
+def test_preflight_checks_travel_with_the_bundle(tmp_path):
+    run = passed_run(tmp_path)
+    preflight = StageReport("preflight", 0, "preflight")
+    preflight.add("warn", "driver", "driver older than recommended")
+    run.write(preflight)
+    report, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    checks = json.loads(files["handoff/preflight.json"])
+    assert checks["verdict"] == "warn" and checks["findings"][0]["code"] == "driver"
+    assert "preflight verdict: warn" in files["handoff/README.md"]
+    assert not any(f.code == "no-preflight" for f in report.findings)

@@ -114,6 +114,8 @@ def test_launch_serves_compares_and_tears_down(tmp_path, name, vllm_exe):
     assert len(smoke["vllm_vs_adapt"]) == 4
     assert not [f for f in report["findings"] if f["severity"] == "error"]
     assert (run.path / "handoff" / "server.log").stat().st_size > 0
+    assert "served here and compared with transformers over 4 prompts" in \
+        (run.path / "handoff" / "README.md").read_text()
     exported = [f for f in report["findings"] if f["code"] == "dequantized-export"]
     if name == "tiny-oss":   # stored MXFP4: the CPU backend serves a bf16 export, and the bundle says so
         assert exported and "model-bf16" in smoke["serve_argv"][2]

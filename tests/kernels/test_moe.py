@@ -241,6 +241,36 @@ def test_workspace_records_fold_loss_once():
     assert ws.lost.item() == want  # running a layer adds nothing
 
 
+def test_workspace_word_conversion_exhaustive():
+    # every byte value (all 16 x 16 code pairs) at every fold shift d = e_block - g in [-12, 6]:
+    # rows with d >= -5 take the word decode (8 codes per lane), the others the per-byte decode
+    from adapt.kernels.workspace import convert_experts
+
+    shifts = list(range(-12, 7))
+    k = 1024  # 32 blocks: block 0 at d = 6 sets g, blocks 1..31 at d; 512 bytes = arange(256) twice
+    rows = []
+    scales = []
+    for d in shifts:
+        for top in (140, 20):  # two row exponents (g = 7 and g = -113)
+            rows.append(torch.arange(512) % 256)
+            scales.append(torch.tensor([top] + [top + d - 6] * 31))
+    n = len(rows)
+    packed = torch.stack(rows).to(torch.uint8).reshape(1, n, k // 2).to(DEV)
+    sc = torch.stack(scales).to(torch.uint8).reshape(1, n, k // 32).to(DEV)
+    out = torch.empty(1, n, k, dtype=torch.float8_e4m3fn, device=DEV)
+    exps = torch.empty(1, n, dtype=torch.int32, device=DEV)
+    lost = torch.zeros(1, dtype=torch.int64, device=DEV)
+    offsets = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    convert_experts(packed, sc, out, exps, lost, offsets, (0, 1), 0, count_loss=False)
+    ref = mx.mxfp4_to_fp8_torch(packed, sc, group_k=None)
+    assert torch.equal(out.float(), ref.values.float())
+    # the word decode is bit-exact, -0 included (rows 16.. hold d >= -5 in whole 8-row tiles; the
+    # per-byte decode may write +0 for -0 under the interpreter's soft rounding)
+    assert torch.equal(out.view(torch.uint8)[0, 16:], ref.values.view(torch.uint8)[0, 16:])
+    assert torch.equal(exps, ref.exponents[..., 0])
+    assert lost.item() == 0  # the hot path counts nothing
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8_offline", "fp8_group128"])
 def test_token_major_orientation_matches_swapped(kind):
     # swap_ab=False (tokens in the MMA's M, large-T configs) against the swapped kernel

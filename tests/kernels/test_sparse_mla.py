@@ -57,7 +57,13 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("latent_format,tiles", [("bf16", {}), ("fp8", {}), ("fp8", {"v_split": 2})])
+@pytest.mark.parametrize("latent_format,tiles", [
+    ("bf16", {}),                                      # fused form: one q.k over the whole latent
+    ("fp8", {}),
+    ("fp8", {"v_split": 2}),                           # sliced output, q held once
+    ("fp8", {"qk_chunk": 16, "splits": 3}),            # q.k summed over slices; 3 position slices
+    ("bf16", {"splits": 4, "block_h": 16}),            # flash-decoding combine, fused form
+])
 def test_sparse_mla_matches_twin_and_reference(device, latent_format, tiles):
     layer, batch, indices, q_nope, q_rope = setup((9, 40), heads=3, rank=32, rope=16, topk=24,
                                                   latent_format=latent_format, device=device)
@@ -72,8 +78,11 @@ def test_sparse_mla_matches_twin_and_reference(device, latent_format, tiles):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rows_without_positions_are_zero_and_masked_slots_unread(device):
-    layer, batch, indices, q_nope, q_rope = setup((20,), heads=2, rank=32, rope=16, topk=16,
+@pytest.mark.parametrize("splits", [1, 2])
+def test_rows_without_positions_are_zero_and_masked_slots_unread(device, splits):
+    """Row 3 selects nothing (0 in every position slice); row 5's 6 positions among 32 leave
+    empty slices and -1 entries whose cache rows (NaN here) must never be read."""
+    layer, batch, indices, q_nope, q_rope = setup((20,), heads=2, rank=32, rope=16, topk=32,
                                                   latent_format="bf16", device=device)
     indices[3] = -1
     poisoned = layer.latent_nope.clone()
@@ -81,7 +90,7 @@ def test_rows_without_positions_are_zero_and_masked_slots_unread(device):
     unused = sorted(set(range(20)) - set(indices[5].tolist()))
     layer.latent_nope.view(-1, 32)[batch.slots[unused]] = float("nan")
     got = sparse_mla(q_nope, q_rope, layer.latent_nope, None, layer.latent_rope, batch.block_table,
-                     batch.token_seq, indices, 0.2)
+                     batch.token_seq, indices, 0.2, splits=splits, block_k=16)
     assert torch.equal(got[3].float().cpu(), torch.zeros(2, 32))
     assert torch.isfinite(got[5]).all()
     layer.latent_nope.copy_(poisoned)
@@ -91,7 +100,11 @@ def test_rows_without_positions_are_zero_and_masked_slots_unread(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("latent_format", ["bf16", "fp8"])
-@pytest.mark.parametrize("tiles", [{}, {"v_split": 4, "block_h": 64}, {"block_h": 32, "num_warps": 4}])
+@pytest.mark.parametrize("tiles", [
+    {}, {"v_split": 4, "block_h": 64}, {"block_h": 32, "num_warps": 4}, {"splits": 16},
+    {"v_split": 1, "qk_chunk": 512, "block_k": 32, "num_stages": 2},
+    {"v_split": 1, "qk_chunk": 512, "block_k": 32, "splits": 8},
+])
 def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
     """128 heads, latent 512 + 64, top-2048 over 5000 cached tokens, against float64."""
     layer, batch, indices, q_nope, q_rope = setup((4000, 1000), heads=128, rank=512, rope=64, topk=2048,

@@ -112,16 +112,32 @@ def _prompts(lengths):
     return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _layer_errors(ref_cap, ker_cap):
-    return {layer: max(_rel(k, r) for r, k in zip(outs, ker_cap.hidden_states[layer], strict=True))
-            for layer, outs in ref_cap.hidden_states.items()}
+def _layer_errors(ref_cap, ker_cap, min_agreeing=0.8):
+    """Per layer, the max over steps of ||kernel - ref|| / ||ref|| on the token rows whose router
+    choices agreed in every MoE layer up to and including it (a flipped top-k is a routing
+    difference, counted as such, not a value error); asserts that most rows agree."""
+    layers = sorted(ref_cap.hidden_states)
+    errors = dict.fromkeys(layers, 0.0)
+    for step in range(len(ref_cap.hidden_states[layers[0]])):
+        agree = None
+        for layer in layers:
+            if layer in ref_cap.router:
+                ref_ids = ref_cap.router[layer][step][0].sort(-1).values
+                ker_ids = ker_cap.router[layer][step][0].long().sort(-1).values
+                same = (ref_ids == ker_ids).all(-1)
+                agree = same if agree is None else agree & same
+            ref, ker = ref_cap.hidden_states[layer][step], ker_cap.hidden_states[layer][step]
+            rows = torch.ones(ref.shape[0], dtype=torch.bool) if agree is None else agree.cpu()
+            assert rows.float().mean() >= min_agreeing
+            errors[layer] = max(errors[layer], _rel(ker[rows.to(ker.device)], ref[rows.to(ref.device)]))
+    return errors
 
 
 @pytest.mark.parametrize("name,kernels,tolerance", [
     ("tiny-oss", "attention,norm_rope", 1e-5),    # fp32 kernels: fp32 tolerance
     ("tiny-qwen3", "attention,norm_rope", 1e-5),
     ("tiny-dsa", "norm_rope", 1e-5),
-    ("tiny-dsa", "attention", 3e-2),             # sparse MLA reads the bf16 latent cache: bf16 tolerance
+    ("tiny-dsa", "attention", 2e-2),             # sparse MLA reads the bf16 latent cache: bf16 tolerance
 ])
 def test_op_family_kernels_track_the_reference(name, kernels, tolerance):
     prompts = _prompts((22, 6))
@@ -155,12 +171,8 @@ def test_mxfp4_moe_kernel_tracks_the_reference(workspace):
     assert not engine.model.kernel_refusals
     if workspace:
         assert engine.model.layers[0].ffn.workspace.w1.shape[0] == 2 * workspace  # two chunks, not all experts
-    for layer, steps in ref_cap.router.items():
-        for (ref_ids, _), (ker_ids, _) in zip(steps, ker_cap.router[layer], strict=True):
-            agree = (ref_ids.sort(-1).values == ker_ids.long().sort(-1).values).all(-1).float().mean()
-            assert agree >= 0.9
     # bf16 activations (and e4m3 weights with the workspace) inside the kernel
-    assert max(_layer_errors(ref_cap, ker_cap).values()) < (5e-2 if workspace else 2e-2)
+    assert max(_layer_errors(ref_cap, ker_cap, min_agreeing=0.9).values()) < (5e-2 if workspace else 2e-2)
     assert ker_tokens == ref_tokens
 
 
