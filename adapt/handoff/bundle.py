@@ -23,7 +23,7 @@ from adapt.errors import InputError
 from adapt.handoff.vllm import multi_node_args, ray_steps, serve_command
 from adapt.report import RunDir, StageReport, fingerprint, markdown_table
 
-STAGE_NUMBER = 7
+STAGE_NUMBER = 0  # the schema numbers gate stages 1-6; 0 marks reports outside that sequence
 REQUIRED_STAGES = ("inventory", "memory", "kernels", "parallel")
 LATER_STAGES = ("precision", "bench")
 BUNDLE_DIR = "handoff"
