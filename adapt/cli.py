@@ -456,6 +456,29 @@ def bench_kernels(
         console.print(f"results written under {output}")
 
 
+@app.command()
+def demo(
+    output: OutputOpt = Path("reports"),
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Tokens to generate.")] = 8,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run the pipeline on the embedded tiny DeepSeek-V3.2 model (tiny-dsa) into <output>/demo/."""
+    from adapt.stages.demo import run_demo
+
+    say = (lambda text: None) if as_json else (lambda text: console.print(f"[cyan]demo:[/cyan] {text}"))
+    summary = run_demo(output, say, on_report=(lambda r: None) if as_json else render_report, tokens=tokens)
+    if as_json:
+        print_json(summary)
+    else:
+        for label, generation in summary.get("generations", {}).items():
+            console.print(f"{label}: {generation['tokens']} {generation['text']!r}", markup=False, highlight=False)
+        if "generations" in summary:
+            agree = "agree" if summary["runtime_paths_agree"] else "DIFFER"
+            console.print(f"reference and kernel paths {agree}; reports in {summary['run']}")
+    failed = any(v == "fail" for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
+    raise typer.Exit(1 if failed else 0)
+
+
 def main() -> None:
     """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage)."""
     import os

@@ -22,6 +22,11 @@ Work per query row: FLOPs 2 * H * K * (R + Dr + R) for K valid positions; bytes 
 (R * elt + 2 * Dr [+ 4 * R / group for fp8]) gathered (shared by all heads; read once per
 head block of ``BLOCK_H`` heads), plus q (H * (R + Dr) * 2 B) and o (H * R * 2 B).
 
+Decode at small batch is latency-bound if one program walks all top-k positions of a row
+(batch 1 x 128 heads = 4 programs on 132 SMs); ``sparse_mla`` then splits each row's
+positions into slices (flash-decoding): every program attends over one slice and writes a
+normalised partial output with its log-sum-exp, and ``_combine_kernel`` merges the slices.
+
 ``sparse_mla`` is Triton; ``sparse_mla_torch`` is its twin (fp32 math on dequantized rows).
 """
 
@@ -45,7 +50,7 @@ def _interpreting() -> bool:
 def _dequant_cols(kv, scale_ptr, slot, valid, col0, RANK: tl.constexpr, WIDTH: tl.constexpr,
                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """bf16 [BLOCK_K, WIDTH] from e4m3 columns col0.. of the gathered rows times their per-GROUP scales."""
-    if WIDTH >= GROUP:
+    if WIDTH > GROUP:
         NG: tl.constexpr = WIDTH // GROUP
         sc = tl.load(scale_ptr + slot[:, None] * (RANK // GROUP) + col0 // GROUP + tl.arange(0, NG)[None, :],
                      mask=valid[:, None], other=0.0)
@@ -195,13 +200,14 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.cons
 
 def _default_splits(device: torch.device, programs: int, topk: int, block_k: int) -> int:
     """Position slices per row so that about two programs per SM run (one when the rows x head
-    blocks x output slices already fill the GPU), each slice at least two BLOCK_K tiles."""
+    blocks x output slices already fill the GPU), each slice at least one BLOCK_K tile (batch-1
+    decode, 128 heads, top-2048: 4 programs x 32 slices of 64 positions = 128 programs)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), topk // (2 * block_k)))
+    return max(1, min(triton.cdiv(2 * sms, programs), topk // block_k))
 
 
 def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,
@@ -227,12 +233,12 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     batch-1 decode, and 1 when N x heads already fills the GPU). Extra bytes with splits > 1:
     N * splits * H * (R + 1) * 4 written and read back.
 
-    Shared memory per program (estimates for R 512, Dr 64, e4m3 latent; H200 limit 227 KB):
-    sliced form, block_h 64, block_k 64, v_split 2, qk_chunk 128, 1 stage: q slice 16 KB +
-    latent slice 8 KB (+16 KB bf16) + output slice 16 KB (+32 KB bf16) + rope 8 KB + p 8 KB
-    ~ 104 KB (measured to compile and run on the H200, run 2); fused form, block_h 64,
-    block_k 32, 2 stages: q 72 KB (once) + 2 x (latent 16 KB + rope 4 KB) + bf16 tile 32 KB
-    (x2 if q.k and p @ v use different layouts) + p 4 KB ~ 180 KB.
+    Shared memory per program, e4m3 latent, R 512, Dr 64 (H200 limit 227 KB), as Triton 3.6
+    reports it for sm_90 (ahead-of-time compile of this kernel): block_h 64, block_k 64, v_split
+    2, qk_chunk 128, 1 stage: 104 KB; block_h 128, block_k 32, v_split 4, 2 stages: 153 KB;
+    fused (v_split 1, qk_chunk 512), block_h 64, block_k 32, 1 or 2 stages: 105 KB, 128 KB with
+    splits > 1. Every one of these tiles uses 255 registers per thread and spills (0.1-3 KB of
+    stack per thread); the fewest spills: qk_chunk 512, v_split 2, block_k 32, 2 stages, split.
     The defaults are the fastest tile measured on an H200 at batch 64 (see ``benchmarks/dsa``).
     """
     n_rows, n_heads, rank = q_nope.shape

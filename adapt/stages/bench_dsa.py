@@ -16,6 +16,9 @@ Per layer, on random (never zero) data, medians of CUDA-event timings:
   gather + matmul), per query row, at the smallest prefill length.
 
 Writes ``dsa_bench.json`` and ``dsa_bench.md`` into ``out_dir`` and returns the dict.
+``--acceptance`` (``run_dsa_acceptance``) runs only the acceptance cases: decode batch 1 and
+64 x 128K, prefill 128K, a small sparse MLA tile sweep, and the same-run copy ceiling (torch
+and the Triton 16-byte copy of ``bench_moe``).
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ def _decode_case(
             token_seq,
             holder["idx"],
             0.1,
-            **tiles["mla"],
+            **_mla_tiles(tiles, batch),
         )
 
     index_ms = _time_graph_ms(index, reps)
@@ -218,6 +221,13 @@ def _decode_case(
         "dense_sdpa_us": None if dense is None else dense * 1e3,
         "dense_over_step": None if dense is None else dense / step_ms,
     }
+
+
+def _mla_tiles(tiles: dict, rows: int) -> dict:
+    """The swept sparse MLA tiles for ``rows`` query rows: a position-split count is kept only at
+    the sweep's batch (elsewhere the kernel picks it: more slices at batch 1, and none in prefill,
+    whose partial-output workspace would be rows x splits x 128 x 512 x 4 B)."""
+    return {k: v for k, v in tiles["mla"].items() if k != "splits" or rows == SWEEP_BATCH}
 
 
 def _dense_decode_ms(batch: int, context: int, reps: int) -> float | None:
@@ -278,7 +288,7 @@ def _prefill_case(
                 token_seq[r0:r1],
                 idx[r0:r1],
                 0.1,
-                **tiles["mla"],
+                **_mla_tiles(tiles, attend_rows),
             )
 
     rows_per_chunk = max(1, max_score_bytes // (4 * length))
@@ -491,7 +501,8 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
     keep = {
         "index_scores decode": ("key_block", "num_stages", "num_warps", "programs"),
         "index_scores prefill 4096": ("rows_per_tile", "num_stages", "num_warps"),
-        "sparse_mla decode b64": ("block_h", "block_k", "v_split", "qk_chunk", "num_warps", "num_stages"),
+        "sparse_mla decode b64": ("block_h", "block_k", "v_split", "qk_chunk", "num_warps", "num_stages",
+                                  "splits"),
     }
     names = {
         "index_scores decode": "decode_index",
@@ -507,16 +518,18 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
     return tiles
 
 
-# Sparse MLA tiles timed at batch 64 x 128K decode (position splits left to the kernel's default:
-# 1 when rows x head blocks x v_split fill the 132 SMs, more otherwise). Shared memory per program
-# (e4m3 latent, R 512; H200 limit 227 KB; estimates, see ``sparse_mla``): sliced block_k 64 1 stage
-# ~104 KB, block_k 32 2 stages ~110 KB; fused block_k 32 1 stage ~160 KB, 2 stages ~180 KB.
+# Sparse MLA tiles timed at batch 64 x 128K decode (position splits, except where a tile names
+# them, left to the kernel: 1 when rows x head blocks x v_split fill the 132 SMs, more otherwise).
+# Shared memory per program as Triton reports it for sm_90 (e4m3 latent, R 512; H200 limit
+# 227 KB): 104 KB, 105 KB (128 KB when split), 105 KB.
 MLA_SWEEP = (
     dict(block_h=64, block_k=64, v_split=2, num_warps=8, num_stages=1),  # run 2's fastest (593 us events)
-    dict(block_h=64, block_k=32, v_split=1, qk_chunk=512, num_warps=8, num_stages=1),  # fused
     dict(block_h=64, block_k=32, v_split=1, qk_chunk=512, num_warps=8, num_stages=2),  # fused
-    dict(block_h=128, block_k=32, v_split=4, num_warps=8, num_stages=2),  # run 2: 596 us events
+    # q loaded once, one q.k dot over the whole latent, output in 2 slices, partials through the
+    # split path (its fp32 epilogue compiled with the fewest register spills, sm_90 AOT: 16 B stack).
+    dict(block_h=64, block_k=32, v_split=2, qk_chunk=512, num_warps=8, num_stages=2, splits=2),
 )
+SWEEP_BATCH = 64
 
 # Index tiles measured fastest on the H200 in run 2 (benchmarks/dsa/2026-11-29-run2-grid.json);
 # the acceptance mode uses them instead of re-sweeping.

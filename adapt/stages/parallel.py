@@ -305,7 +305,7 @@ def plan_cost(spec: ModelSpec, target: Target, memory: MemoryPlan, *, nodes: int
             ep_s = moe_layers_per_stage * _collective_time(ep_bytes * dp, dp, bw, lat)
         pp_bytes = tokens * hidden * 2
         bw, lat, pp_link = link("pipeline")
-        pp_s = (pp - 1) * (lat + pp_bytes / bw)
+        pp_s = (pp - 1) * (lat + pp_bytes / bw) if pp > 1 else 0.0
         # DCP: every layer merges the partial attention outputs of the dcp ranks (bf16 values)
         dcp_s = layers_per_stage * _collective_time(
             tokens * spec.layers[0].attention.num_heads // tp * spec.layers[0].attention.v_head_dim * 2,

@@ -104,6 +104,7 @@ def test_rows_without_positions_are_zero_and_masked_slots_unread(device, splits)
     {}, {"v_split": 4, "block_h": 64}, {"block_h": 32, "num_warps": 4}, {"splits": 16},
     {"v_split": 1, "qk_chunk": 512, "block_k": 32, "num_stages": 2},
     {"v_split": 1, "qk_chunk": 512, "block_k": 32, "splits": 8},
+    {"v_split": 2, "qk_chunk": 512, "block_k": 32, "num_stages": 2, "splits": 2},
 ])
 def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
     """128 heads, latent 512 + 64, top-2048 over 5000 cached tokens, against float64."""
