@@ -22,7 +22,9 @@ from adapt.model.spec import (
     spec_from_config,
 )
 
-SHARED_CONFIGS = Path("/work/shared/configs")
+# shared/configs beside the checkout (CI lays a copy there), else the workplace's copy
+SHARED_CONFIGS = next((p for p in (Path(__file__).resolve().parents[3] / "shared" / "configs",
+                                   Path("/work/shared/configs")) if p.is_dir()), Path("/work/shared/configs"))
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 
 
@@ -418,7 +420,7 @@ def test_to_dict_is_json():
 
 
 def test_load_spec_from_directory_file_and_preset(tmp_path):
-    (tmp_path / "config.json").write_text((SHARED_CONFIGS / "Qwen3-30B-A3B/config.json").read_text())
+    (tmp_path / "config.json").write_text((PRESETS / "qwen3-30b-a3b.json").read_text())
     by_dir = load_spec(tmp_path)
     by_file = load_spec(str(tmp_path / "config.json"))
     by_preset = load_spec("qwen3-30b-a3b")
