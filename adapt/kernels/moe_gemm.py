@@ -35,9 +35,11 @@ GEMM1 ``moe_gemm`` with SwiGLU: per slot 2 * H * 2I FLOPs, reads H * 2I * 17/32 
 expert; GEMM2: 2 * I * H FLOPs per slot, reads I * H * 17/32 bytes per active expert.
 
 Kernel design (shared/KERNELS.md): swap AB, the weight's rows fill the MMA's M and tokens its N,
-so a few tokens per expert still stream the weight at full width; the weight tile is decoded from
-packed E2M1 with integer ops and two multiplies; a persistent grid walks (expert m-tile, n-tile)
-work items grouped GROUP_M m-tiles at a time so the weight tile and the activation rows stay in L2.
+so a few tokens per expert still stream the weight at full width; for bf16 the weight tile is
+read as 32-bit words (8 codes) and decoded by bit placement into bf16 pairs (4-5 integer ops per
+pair, two bf16x2 multiplies) in a permuted K order that the activations share (``to_word_order``);
+a persistent grid walks (expert m-tile, n-tile) work items grouped GROUP_M m-tiles at a time so
+the weight tile and the activation rows stay in L2.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ from adapt.errors import InputError
 from adapt.kernels.mxfp4 import (
     INTERPRET,
     check_scales,
-    decode_mxfp4_tile,
     decode_mxfp4_tile_fp8,
+    decode_mxfp4_words,
     dequantize_mxfp4_torch,
     from_gpt_oss_blocks,
     mxfp4_to_fp8,
@@ -222,6 +224,9 @@ def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, 
         return c, c
     per_expert = slots / max(1, n_experts)
     bk_small = 256
+    if per_expert <= 16 and compute == "bf16":
+        # word decode: K steps of 128 and 6 stages keep registers at <= 168 (3-4 programs per SM)
+        return (GemmConfig(16, 32, 128, 4, 4, 6, 4), GemmConfig(16, 64, 128, 4, 4, 6, 4))
     if per_expert <= 16:
         return (GemmConfig(16, 32, bk_small, 4, 4, 4, 4), GemmConfig(16, 64, bk_small, 4, 4, 4, 4))
     if per_expert <= 48:
@@ -450,6 +455,16 @@ def quantize_fp8_rows(
 # the grouped GEMM
 # ----------------------------------------------------------------------------------------------
 
+WORD_ORDER8 = (0, 4, 2, 6, 1, 5, 3, 7)
+"""Column c of every 8 holds element WORD_ORDER8[c]: ``mxfp4.word_k_order`` (bits 0 and 2 swapped)."""
+
+
+def to_word_order(x: torch.Tensor) -> torch.Tensor:
+    """[R, K] (K a multiple of 8) -> the same values with columns in ``WORD_ORDER8`` within each 8."""
+    r, k = x.shape
+    idx = torch.tensor(WORD_ORDER8, device=x.device)
+    return x.reshape(r, k // 8, 8).index_select(2, idx).reshape(r, k)
+
 
 @triton.jit
 def _load_w_tile(
@@ -459,6 +474,7 @@ def _load_w_tile(
     n_ok,
     k0,
     k,
+    k_words,
     g_row,
     W_MODE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -467,14 +483,30 @@ def _load_w_tile(
 ):
     """One weight tile [BLOCK_N, BLOCK_K] in the MMA's operand type.
 
-    W_MODE 0: MXFP4 -> bf16 (fp32 under the interpreter); 1: MXFP4 -> e4m3 folded relative to g_row;
-    2: e4m3 weights read as they are. w_ptr / sc_ptr already point at the expert (or slot).
+    W_MODE 0: MXFP4 read as int32 words (8 codes each) -> bf16 (fp32 under the interpreter), columns
+    in ``word_k_order`` (k_words = K/8, passed so its divisibility gives 16-byte loads);
+    1: MXFP4 bytes -> e4m3 folded relative to g_row; 2: e4m3 weights read as they are.
+    w_ptr / sc_ptr already point at the expert (or slot).
     """
     if W_MODE == 2:
         kk = k0 + tl.arange(0, BLOCK_K)
         return tl.load(
             w_ptr + wrow[:, None] * k + kk[None, :], mask=n_ok[:, None] & (kk < k)[None, :], other=0.0
         )
+    elif W_MODE == 0:
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        wd = tl.load(
+            w_ptr + wrow[:, None] * k_words + kw[None, :],
+            mask=n_ok[:, None] & (kw < k_words)[None, :],
+            other=0,
+        )
+        s = tl.load(
+            sc_ptr + wrow[:, None] * (k // 32) + ks[None, :],
+            mask=n_ok[:, None] & (ks < k // 32)[None, :],
+            other=127,
+        )
+        return decode_mxfp4_words(wd.to(tl.uint32, bitcast=True), s, BLOCK_N, BLOCK_K, not DOT_F32)
     else:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -488,10 +520,7 @@ def _load_w_tile(
             mask=n_ok[:, None] & (ks < k // 32)[None, :],
             other=127,
         )
-        if W_MODE == 0:
-            return decode_mxfp4_tile(p, s, BLOCK_N, BLOCK_K, not DOT_F32)
-        else:
-            return decode_mxfp4_tile_fp8(p, s, g_row, BLOCK_N, BLOCK_K)
+        return decode_mxfp4_tile_fp8(p, s, g_row, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -536,6 +565,7 @@ def _moe_gemm_kernel(
     slot_base,
     n_out,
     k,
+    k_words,
     gate_mult,
     up_off,
     alpha,
@@ -553,6 +583,7 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_F32: tl.constexpr,
     SWAP: tl.constexpr,
+    WORD_ORDER_OUT: tl.constexpr,
 ):
     """Grouped GEMM over expert-sorted slots: acc[n, m] = W[e, n, :] . x[m, :].
 
@@ -619,7 +650,7 @@ def _moe_gemm_kernel(
             )
             if DOT_F32:
                 x = x.to(tl.float32)
-            wg = _load_w_tile(wbase, sbase, rg, n_ok, k0, k, g_g, W_MODE, BLOCK_N, BLOCK_K, DOT_F32)
+            wg = _load_w_tile(wbase, sbase, rg, n_ok, k0, k, k_words, g_g, W_MODE, BLOCK_N, BLOCK_K, DOT_F32)
             if ACT_GROUP:
                 xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=row_ok, other=0.0)
             if SWAP:
@@ -634,7 +665,9 @@ def _moe_gemm_kernel(
                 else:
                     acc_g = tl.dot(x, tl.trans(wg), acc_g)
             if ACTIVATION != 0:
-                wu = _load_w_tile(wbase, sbase, ru, n_ok, k0, k, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32)
+                wu = _load_w_tile(
+                    wbase, sbase, ru, n_ok, k0, k, k_words, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32
+                )
                 if SWAP:
                     if ACT_GROUP:
                         acc_u += tl.dot(wu, xt) * xs[None, :]
@@ -671,6 +704,9 @@ def _moe_gemm_kernel(
             gc = tl.minimum(acc_g, limit)
             uc = tl.minimum(tl.maximum(acc_u, -limit), limit)
             res = gc / (1.0 + tl.exp(-alpha * gc)) * (uc + 1.0)
+        if WORD_ORDER_OUT:
+            # column n goes where word_k_order reads it: swap bits 0 and 2 within each 8 columns
+            n = (n & ~7) | ((n & 1) << 2) | (n & 2) | ((n >> 2) & 1)
         optr = out_ptr + rows[None, :].to(tl.int64) * stride_o + n[:, None]
         tl.store(optr, to_bf16(res), mask=n_ok[:, None] & row_ok[None, :])
 
@@ -689,9 +725,10 @@ class _WeightOperand:
 
 
 def _mxfp4_operand(packed: torch.Tensor, scales: torch.Tensor, bias, fp8: bool) -> _WeightOperand:
-    return _WeightOperand(
-        packed, scales, packed.stride(0), scales.stride(0), bias, 1 if fp8 else 0, packed.shape[-1] * 2
-    )
+    """fp8: bytes for the e4m3 decode (W_MODE 1); bf16: the same memory as int32 words (W_MODE 0)."""
+    k = packed.shape[-1] * 2
+    w = packed if fp8 else packed.view(torch.int32)
+    return _WeightOperand(w, scales, w.stride(0), scales.stride(0), bias, 1 if fp8 else 0, k)
 
 
 def _fp8_operand(w: torch.Tensor, exps: torch.Tensor, bias) -> _WeightOperand:
@@ -718,7 +755,9 @@ def moe_gemm(
 ) -> torch.Tensor:
     """One grouped GEMM launch (see ``_moe_gemm_kernel``). out bf16 [S, n_out], sorted order.
 
-    x: [T, K] (gather) or [S, K] sorted; x_scale fp32 [rows] or [rows, K/128] for e4m3 x.
+    x: [T, K] (gather) or [S, K] sorted; x_scale fp32 [rows] or [rows, K/128] for e4m3 x. With
+    MXFP4 weights decoded to bf16 (op.mode 0) x is in word order (``to_word_order``) and a SwiGLU
+    output is written in word order too, ready to be GEMM2's x.
     activation 0: n_out = weight rows; 1/2: n_out = weight rows / 2 (SwiGLU).
     Bytes: weight tiles of the active experts once per GROUP_M m-tiles (MXFP4: K*N*17/32 per
     expert), x rows once per n-tile group via L2, out S*n_out*2. FLOPs: 2 * S * N * K.
@@ -776,6 +815,7 @@ def moe_gemm(
         slot_base,
         n_out,
         op.k,
+        op.k // 8,
         gate_mult,
         up_off,
         float(alpha),
@@ -793,6 +833,7 @@ def moe_gemm(
         GROUP_M=cfg.group_m,
         DOT_F32=INTERPRET and op.mode == 0,
         SWAP=cfg.swap_ab,
+        WORD_ORDER_OUT=op.mode == 0 and activation != 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -870,7 +911,7 @@ def expert_mlp(
         op1 = _mxfp4_operand(weights.w1_packed, weights.w1_scales, weights.w1_bias, fp8=False)
         op2 = _mxfp4_operand(weights.w2_packed, weights.w2_scales, weights.w2_bias, fp8=False)
         moe_gemm(
-            hidden,
+            to_word_order(hidden),
             None,
             op1,
             perm,

@@ -28,6 +28,11 @@ Public functions (``*_torch`` are the twins with the same signature and results)
   exponents int32 ``[..., K/group_k]``, lost int64 ``[1]`` on the device)
 - ``check_scales(scales, name)``: raises ``InputError`` on an E8M0 NaN scale.
 
+Word decodes (Triton building blocks for the memory-bound paths): ``e2m1_words_to_e4m3`` turns
+one uint32 of 8 codes into 8 e4m3 bytes with integer ops (the workspace conversion), and
+``decode_mxfp4_words`` turns words into bf16 pairs by bit placement, in ``word_k_order`` (the
+small-T fused GEMM; the other operand is loaded in the same K order).
+
 Bytes and FLOPs: every kernel here is a streaming pass. ``quantize_mxfp4`` reads ``4*K`` bytes per
 fp32 row (2*K for bf16) and writes ``K/2 + K/32``; ``dequantize_mxfp4`` reads ``K/2 + K/32`` and
 writes ``K * itemsize``; ``mxfp4_to_fp8`` reads ``K/2 + K/32`` (the scales twice) and writes
@@ -310,6 +315,49 @@ def decode_mxfp4_tile(packed, scales, BLOCK_R: tl.constexpr, BLOCK_K: tl.constex
         vlo = e2m1_to_f16(tl.reshape(lo, (BLOCK_R, BLOCK_K // 32, 16))).to(tl.float32) * sf
         vhi = e2m1_to_f16(tl.reshape(hi, (BLOCK_R, BLOCK_K // 32, 16))).to(tl.float32) * sf
     return tl.reshape(tl.join(vlo, vhi), (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def word_k_order(BLOCK_K: tl.constexpr):
+    """K index (within a BLOCK_K step) of each column of ``decode_mxfp4_words``'s tile: int32 [BLOCK_K].
+
+    Within each 8-element word, column c holds element (c//4)%2 + 2*((c//2)%2) + 4*(c%2); load the
+    other GEMM operand through these indices so the dot runs over the same K permutation.
+    """
+    c = tl.arange(0, BLOCK_K)
+    return (c // 8) * 8 + (c // 4) % 2 + 2 * ((c // 2) % 2) + 4 * (c % 2)
+
+
+@triton.jit
+def decode_mxfp4_words(words, scales, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TO_BF16: tl.constexpr):
+    """Decode an MXFP4 tile from 32-bit words: words uint32 [BLOCK_R, BLOCK_K/8] (8 codes each,
+    element 2j in the low nibble of byte j), scales uint8 [BLOCK_R, BLOCK_K/32].
+
+    Returns [BLOCK_R, BLOCK_K] in ``word_k_order`` (bf16 when TO_BF16, else fp32, exact). Each word
+    yields four bf16 pairs with 4-5 integer ops per pair: the code's sign goes to bit 15 and its
+    magnitude bits to bits 6..8 of a 16-bit half, which is the bf16 of value * 2**-126 (0.5: a
+    denormal); then times 2**126 and the block scale.
+    """
+    w = words
+    sign3 = tl.full(w.shape, 0x80008000, tl.uint32)
+    p0 = ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12)  # elements 0 and 4
+    p1 = ((w & 0x00700070) << 2) | ((w & 0x00800080) << 8)  # 1 and 5
+    p2 = ((w & 0x07000700) >> 2) | ((w & 0x08000800) << 4)  # 2 and 6
+    p3 = ((w & 0x70007000) >> 6) | (w & sign3)  # 3 and 7
+    q01 = tl.reshape(tl.join(p0, p1), (BLOCK_R, BLOCK_K // 4))
+    q23 = tl.reshape(tl.join(p2, p3), (BLOCK_R, BLOCK_K // 4))
+    q = tl.reshape(tl.join(q01, q23), (BLOCK_R, BLOCK_K // 2))
+    if TO_BF16:
+        bits = tl.reshape(tl.join(q & 0xFFFF, q >> 16), (BLOCK_R, BLOCK_K // 32, 32)).to(tl.uint16)
+        sb = tl.reshape(e8m0_to_bf16_bits(scales), (BLOCK_R, BLOCK_K // 32, 1)).to(tl.bfloat16, bitcast=True)
+        two126 = tl.full(bits.shape, (126 + 127) << 7, tl.uint16).to(tl.bfloat16, bitcast=True)
+        v = bits.to(tl.bfloat16, bitcast=True) * two126 * sb
+    else:
+        mask_hi = tl.full(q.shape, 0xFFFF0000, tl.uint32)
+        bits = tl.reshape(tl.join(q << 16, q & mask_hi), (BLOCK_R, BLOCK_K // 32, 32))
+        sf = tl.reshape(e8m0_to_f32(scales), (BLOCK_R, BLOCK_K // 32, 1))
+        v = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * sf  # 2**126
+    return tl.reshape(v, (BLOCK_R, BLOCK_K))
 
 
 @triton.jit

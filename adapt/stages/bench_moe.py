@@ -269,27 +269,55 @@ SWEEP_CONFIGS = {
 }
 """Configs timed at the sweep point (largest T of the first shape) for the e4m3-stored and fused fp8 GEMMs."""
 
+SMALL_T_SWEEP = {
+    "bf16_16x32x128_s6 (default)": ("bf16", (16, 32, 128, 4, 4, 6, 4), (16, 64, 128, 4, 4, 6, 4)),
+    "bf16_16x32x256_s4": ("bf16", (16, 32, 256, 4, 4, 4, 4), (16, 64, 256, 4, 4, 4, 4)),
+    "bf16_16x64x128_s4_w8": ("bf16", (16, 64, 128, 4, 8, 4, 2), (16, 128, 128, 4, 8, 4, 2)),
+    "bf16_16x32x128_s6_nonpersistent": ("bf16", (16, 32, 128, 4, 4, 6, 0), (16, 64, 128, 4, 4, 6, 0)),
+}
+"""Fused bf16 configs timed at the small-T points of ``--quick-acceptance`` (T <= 64)."""
 
-def _sweep(x, perm, routed, offline, shape, flops, deadline) -> list[dict]:
+
+def _sweep(
+    x, perm, routed, offline, shape, flops, deadline, configs=SWEEP_CONFIGS, wbytes=0, copy_tbps=1.0
+) -> list[dict]:
+    """Time ``configs`` at one point; wbytes: MXFP4 bytes of the active experts (for the copy fraction)."""
     from adapt.kernels.moe_gemm import GemmConfig, expert_mlp
 
     rows = []
-    for name, (kind, a, b) in SWEEP_CONFIGS.items():
+    for name, (kind, a, b) in configs.items():
         if time.monotonic() > deadline:
             break
         cfg = (GemmConfig(*a), GemmConfig(*b))
-        extra = {"fp8_weights": offline} if kind == "stored" else {"compute": "fp8"}
+        extra = {
+            "stored": {"fp8_weights": offline},
+            "fused": {"compute": "fp8"},
+            "bf16": {"compute": "bf16"},
+        }[kind]
         fn = lambda cfg=cfg, extra=extra: expert_mlp(  # noqa: E731
             x, perm, routed, top_k=shape["top_k"], activation=shape["activation"], config=cfg, **extra
         )
         try:
             us = graph_time_us(fn, reps=5)
-        except (RuntimeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is recorded
             rows.append({"config": name, "error": str(exc)[:300]})
             print(f"sweep {name}: FAILED {str(exc)[:200]}", flush=True)
             continue
-        rows.append({"config": name, "kind": kind, "time_us": us, "tflops": flops / us / 1e6})
-        print(f"sweep T={x.shape[0]} {name:36s} {us:10.1f} us {flops / us / 1e6:7.1f} TFLOP/s", flush=True)
+        rows.append(
+            {
+                "config": name,
+                "kind": kind,
+                "tokens": x.shape[0],
+                "time_us": us,
+                "tflops": flops / us / 1e6,
+                "copy_fraction": wbytes / us / 1e6 / copy_tbps,
+            }
+        )
+        print(
+            f"sweep T={x.shape[0]} {name:36s} {us:10.1f} us {flops / us / 1e6:7.1f} TFLOP/s "
+            f"{rows[-1]['copy_fraction']:.2f} of copy",
+            flush=True,
+        )
     return rows
 
 
@@ -303,10 +331,12 @@ def _bench_shape(
     save,
     sweep: list | None,
     layer: bool = True,
+    small_sweep: list | None = None,
 ) -> dict:
     """Time every variant of one shape, appending to ``rows`` (``save()`` after each T); runs the
     config sweep at the largest T when ``sweep`` is a list; stops timing once ``deadline`` passes.
-    layer: also time the whole-layer variants (``moe_forward``)."""
+    layer: also time the whole-layer variants (``moe_forward``). small_sweep: a list to time
+    SMALL_T_SWEEP into at every T <= 64."""
     from adapt.kernels.moe_gemm import FP8Weights, expert_mlp, mxfp4_expert_bytes
     from adapt.kernels.mxfp4 import dequantize_mxfp4
     from adapt.kernels.routing import RouterConfig, permute_by_expert
@@ -379,6 +409,10 @@ def _bench_shape(
                 f"x{row['x_floor']:.2f} floor" + (f"  diff {err:.2e}" if err is not None else ""),
                 flush=True,
             )
+        if small_sweep is not None and t <= 64:
+            small_sweep += _sweep(
+                x, perm, routed, offline, shape, flops, deadline, SMALL_T_SWEEP, wbytes, ceil["copy_tbps"]
+            )
         save()
     torch.cuda.synchronize()
     mem = {
@@ -445,8 +479,9 @@ def _conversion_rates(routed, ws) -> dict:
     return out
 
 
-QUICK = dict(shapes=["deepseek-v3"], tokens=[1, 64, 16384])
-"""``--quick-acceptance``: the points the issue's acceptance lines name."""
+QUICK = dict(shapes=["deepseek-v3"], tokens=[16384, 64, 1])
+"""``--quick-acceptance``: the points the issue's acceptance lines name (largest first, so a tight
+time budget cuts the small-T config sweep, timed after each small T's variants, first)."""
 
 
 def acceptance(result: dict) -> list[dict]:
@@ -596,16 +631,18 @@ def _markdown(result: dict) -> str:
     if result.get("sweep"):
         lines += [
             "",
-            "## Config sweep (largest T, first shape)",
+            "## Config sweep (first shape)",
             "",
-            "| config | time us | TFLOP/s |",
-            "|---|---|---|",
+            "| config | T | time us | TFLOP/s | of copy (MXFP4 bytes) |",
+            "|---|---|---|---|---|",
         ]
         for r in result["sweep"]:
             if "time_us" in r:
-                lines.append(f"| {r['config']} | {r['time_us']:.1f} | {r['tflops']:.1f} |")
+                frac = f"{r['copy_fraction']:.2f}" if r.get("copy_fraction") else ""
+                head = f"| {r['config']} | {r.get('tokens', '')} | {r['time_us']:.1f}"
+                lines.append(f"{head} | {r['tflops']:.1f} | {frac} |")
             else:
-                lines.append(f"| {r['config']} | failed: {r['error'][:80]} | |")
+                lines.append(f"| {r['config']} | | failed: {r['error'][:80]} | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -670,6 +707,7 @@ def run_moe_bench(
                 save,
                 sweep_rows if sweep and i == 0 else None,
                 layer=not quick,
+                small_sweep=sweep_rows if quick else None,
             )
         )
         save()

@@ -8,6 +8,8 @@ if not shutil.which("nvidia-smi"):
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from adapt.errors import InputError
 from adapt.kernels import mxfp4 as mx
@@ -136,3 +138,32 @@ def test_codec_real_shapes_gpu():
         a, b = mx.mxfp4_to_fp8(p, s, g), mx.mxfp4_to_fp8_torch(p, s, g)
         assert torch.equal(a.values.float(), b.values.float()) and torch.equal(a.exponents, b.exponents)
         assert a.lost.item() == b.lost.item()
+
+
+@triton.jit
+def _words_decode_kernel(
+    w_ptr, s_ptr, out_ptr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TO_BF16: tl.constexpr
+):
+    """Decode one [BLOCK_R, BLOCK_K] tile with decode_mxfp4_words; scatter it back to natural K order."""
+    r = tl.arange(0, BLOCK_R)
+    w = tl.load(w_ptr + r[:, None] * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)[None, :])
+    s = tl.load(s_ptr + r[:, None] * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :])
+    v = mx.decode_mxfp4_words(w.to(tl.uint32, bitcast=True), s, BLOCK_R, BLOCK_K, TO_BF16)
+    kk = mx.word_k_order(BLOCK_K)
+    tl.store(out_ptr + r[:, None] * BLOCK_K + kk[None, :], v.to(tl.float32))
+
+
+def test_word_decode_exhaustive():
+    # every byte value (all 16 x 16 code pairs) under scales 2**-127 .. 2**127 (E8M0 0..254)
+    rows, k = 16, 512
+    packed = (torch.arange(rows * k // 2) % 256).to(torch.uint8).reshape(rows, k // 2)
+    scales = torch.linspace(0, 254, rows * k // 32).round().to(torch.uint8).reshape(rows, k // 32)
+    scales[0, :3] = torch.tensor([0, 1, 254], dtype=torch.uint8)
+    packed, scales = packed.to(DEV), scales.to(DEV)
+    out = torch.empty(rows, k, dtype=torch.float32, device=DEV)
+    _words_decode_kernel[(1,)](packed.view(torch.int32), scales, out, rows, k, not mx.INTERPRET)
+    ref = mx.dequantize_mxfp4_torch(packed, scales)
+    # results inside the normal range (bf16 and fp32 share it); 0 included
+    ok = (ref.abs() < 3.0e38) & ((ref.abs() >= 2.0**-126) | (ref == 0))
+    assert torch.equal(out[ok], ref[ok])
+    assert torch.equal(torch.signbit(out), torch.signbit(ref))
