@@ -358,11 +358,14 @@ def handoff_command(
 
 @app.command("run")
 def run_command(
-    model: Annotated[str, typer.Argument(help="Checkpoint directory or a tiny model (tiny-dsa, tiny-oss, tiny-qwen3).")],
-    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="Prompt text (repeat for a batch).")] = None,
+    model: Annotated[str, typer.Argument(
+        help="Checkpoint directory or a tiny model (tiny-dsa, tiny-oss, tiny-qwen3).")],
+    prompt: Annotated[list[str] | None, typer.Option(
+        "--prompt", "-p", help="Prompt text (repeat for a batch).")] = None,
     token_ids: Annotated[list[str] | None, typer.Option(
         "--token-ids", help="Prompt as comma-separated token ids (repeat for a batch).")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(
+        "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
     layers: Annotated[str | None, typer.Option(
         "--layers", help="Decoder layers: a count N or a list such as 0,3,60 (default: all).")] = None,
     kernels: Annotated[str, typer.Option(
@@ -371,9 +374,12 @@ def run_command(
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    moe_workspace: Annotated[int, typer.Option(
+        "--moe-workspace", min=0, help="With the moe kernel: experts per chunk of the shared FP8 workspace "
+        "(online MXFP4 -> FP8 of active experts); 0 decodes MXFP4 to bf16 in the GEMM.")] = 0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Generate with adapt's runtime (torch reference or adapt kernels per op family), whole or reduced depth."""
+    """Generate with adapt's runtime (torch reference or adapt kernels per op family), any depth."""
     from adapt.runtime.engine import prepare_triton
 
     prepare_triton()
@@ -390,7 +396,8 @@ def run_command(
     directory = resolve_model_dir(model)
     prompts, tokenizer = encode_prompts(directory, prompt or [], token_ids or [])
     engine = Engine.load(directory, layers=layers, kernels=kernels, dtype=dtypes[dtype], device=device,
-                         max_tokens=sum(len(p) + max_new_tokens for p in prompts) + 64)
+                         max_tokens=sum(len(p) + max_new_tokens for p in prompts) + 64,
+                         moe_workspace=moe_workspace)
     with Progress(console=err_console, disable=as_json) as progress:
         tasks = {"prefill": progress.add_task("prefill", total=sum(map(len, prompts))),
                  "decode": progress.add_task("decode", total=max_new_tokens * len(prompts))}
@@ -414,7 +421,8 @@ def run_command(
     for reason_key, reason in summary["kernel_refusals"].items():
         err_console.print(f"[yellow]{reason_key} runs the torch path:[/yellow] {reason}")
     for index, row in enumerate(rows):
-        console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens): {row['tokens']}")
+        console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens): "
+                      f"{row['tokens']}")
         if row["text"] is not None:
             console.print(repr(row["text"]), markup=False, highlight=False)
 

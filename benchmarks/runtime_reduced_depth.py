@@ -42,7 +42,7 @@ def _fp8_linear(torch, out_features: int, in_features: int, gen) -> dict:
     weight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn)
     for row in range(0, out_features, 4096):  # chunks keep the fp32 temporary small
         chunk = torch.randn(min(4096, out_features - row), in_features, generator=gen)
-        weight[row:row + chunk.shape[0]] = chunk.to(torch.float8_e4m3fn)
+        weight[row : row + chunk.shape[0]] = chunk.to(torch.float8_e4m3fn)
     scale = 2.0 ** round(-0.5 * torch.log2(torch.tensor(float(in_features))).item())
     scales = torch.full((-(-out_features // BLOCK), -(-in_features // BLOCK)), scale, dtype=torch.float32)
     return {"weight": weight, "weight_scale_inv": scales}
@@ -62,8 +62,12 @@ def generate_checkpoint(directory: Path) -> dict:
 
     config = json.loads(REAL_CONFIG.read_text())
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    heads, nope, rope, v = (config["num_attention_heads"], config["qk_nope_head_dim"], config["qk_rope_head_dim"],
-                            config["v_head_dim"])
+    heads, nope, rope, v = (
+        config["num_attention_heads"],
+        config["qk_nope_head_dim"],
+        config["qk_rope_head_dim"],
+        config["v_head_dim"],
+    )
     q_lora, kv_lora = config["q_lora_rank"], config["kv_lora_rank"]
     experts, width = config["n_routed_experts"], config["moe_intermediate_size"]
     gen = torch.Generator().manual_seed(0)
@@ -74,44 +78,65 @@ def generate_checkpoint(directory: Path) -> dict:
         weight_map.update(dict.fromkeys(tensors, shard))
         sizes[shard] = (directory / shard).stat().st_size
 
-    save("outer.safetensors", {
-        "model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=gen)).to(torch.bfloat16),
-        "lm_head.weight": (torch.randn(vocab, hidden, generator=gen) * hidden ** -0.5).to(torch.bfloat16),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-    })
+    save(
+        "outer.safetensors",
+        {
+            "model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=gen)).to(torch.bfloat16),
+            "lm_head.weight": (torch.randn(vocab, hidden, generator=gen) * hidden**-0.5).to(torch.bfloat16),
+            "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        },
+    )
     for layer in LAYERS:
         p = f"model.layers.{layer}."
         a = p + "self_attn."
-        tensors = {p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-                   p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-                   a + "q_a_layernorm.weight": torch.ones(q_lora, dtype=torch.bfloat16),
-                   a + "kv_a_layernorm.weight": torch.ones(kv_lora, dtype=torch.bfloat16),
-                   a + "indexer.k_norm.weight": torch.ones(config["index_head_dim"], dtype=torch.bfloat16),
-                   a + "indexer.k_norm.bias": torch.zeros(config["index_head_dim"], dtype=torch.bfloat16),
-                   a + "indexer.weights_proj.weight": (torch.randn(config["index_n_heads"], hidden, generator=gen)
-                                                       * hidden ** -0.5).to(torch.bfloat16)}
+        tensors = {
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            a + "q_a_layernorm.weight": torch.ones(q_lora, dtype=torch.bfloat16),
+            a + "kv_a_layernorm.weight": torch.ones(kv_lora, dtype=torch.bfloat16),
+            a + "indexer.k_norm.weight": torch.ones(config["index_head_dim"], dtype=torch.bfloat16),
+            a + "indexer.k_norm.bias": torch.zeros(config["index_head_dim"], dtype=torch.bfloat16),
+            a + "indexer.weights_proj.weight": (
+                torch.randn(config["index_n_heads"], hidden, generator=gen) * hidden**-0.5
+            ).to(torch.bfloat16),
+        }
         linears = {
-            a + "q_a_proj": (q_lora, hidden), a + "q_b_proj": (heads * (nope + rope), q_lora),
-            a + "kv_a_proj_with_mqa": (kv_lora + rope, hidden), a + "kv_b_proj": (heads * (nope + v), kv_lora),
+            a + "q_a_proj": (q_lora, hidden),
+            a + "q_b_proj": (heads * (nope + rope), q_lora),
+            a + "kv_a_proj_with_mqa": (kv_lora + rope, hidden),
+            a + "kv_b_proj": (heads * (nope + v), kv_lora),
             a + "o_proj": (hidden, heads * v),
             a + "indexer.wq_b": (config["index_n_heads"] * config["index_head_dim"], q_lora),
             a + "indexer.wk": (config["index_head_dim"], hidden),
         }
         if layer < config["first_k_dense_replace"]:
             inter = config["intermediate_size"]
-            linears.update({p + "mlp.gate_proj": (inter, hidden), p + "mlp.up_proj": (inter, hidden),
-                            p + "mlp.down_proj": (hidden, inter)})
+            linears.update(
+                {
+                    p + "mlp.gate_proj": (inter, hidden),
+                    p + "mlp.up_proj": (inter, hidden),
+                    p + "mlp.down_proj": (hidden, inter),
+                }
+            )
         else:
-            linears.update({p + "mlp.shared_experts.gate_proj": (width, hidden),
-                            p + "mlp.shared_experts.up_proj": (width, hidden),
-                            p + "mlp.shared_experts.down_proj": (hidden, width)})
-            tensors[p + "mlp.gate.weight"] = (torch.randn(experts, hidden, generator=gen)
-                                              * hidden ** -0.5).to(torch.bfloat16)
+            linears.update(
+                {
+                    p + "mlp.shared_experts.gate_proj": (width, hidden),
+                    p + "mlp.shared_experts.up_proj": (width, hidden),
+                    p + "mlp.shared_experts.down_proj": (hidden, width),
+                }
+            )
+            tensors[p + "mlp.gate.weight"] = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).to(
+                torch.bfloat16
+            )
             tensors[p + "mlp.gate.e_score_correction_bias"] = torch.randn(experts, generator=gen) * 0.01
             e = p + "mlp.experts."
             tensors[e + "gate_up_proj_blocks"], tensors[e + "gate_up_proj_scales"] = _mxfp4(
-                torch, experts, 2 * width, hidden, gen)
-            tensors[e + "down_proj_blocks"], tensors[e + "down_proj_scales"] = _mxfp4(torch, experts, hidden, width, gen)
+                torch, experts, 2 * width, hidden, gen
+            )
+            tensors[e + "down_proj_blocks"], tensors[e + "down_proj_scales"] = _mxfp4(
+                torch, experts, hidden, width, gen
+            )
         for name, (rows, cols) in linears.items():
             for suffix, tensor in _fp8_linear(torch, rows, cols, gen).items():
                 tensors[f"{name}.{suffix}"] = tensor
@@ -130,22 +155,33 @@ def run_engine(directory: Path, prompt_tokens: int, new_tokens: int, out: dict) 
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    engine = Engine.load(directory, layers=list(LAYERS), dtype=torch.bfloat16, max_tokens=prompt_tokens + new_tokens + 64)
+    engine = Engine.load(
+        directory, layers=list(LAYERS), dtype=torch.bfloat16, max_tokens=prompt_tokens + new_tokens + 64
+    )
     load_s = time.perf_counter() - t0
     rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     prompt = torch.randint(0, engine.config.vocab, (prompt_tokens,)).tolist()
     with engine.capture(hidden_states=False, router=True) as cap:
         result = engine.generate([prompt], new_tokens, stop_ids=())
     experts_hit = sorted({int(e) for steps in cap.router.values() for ids, _ in steps for e in ids.flatten()})
-    out.update({
-        "load_s": load_s, "bytes_read": engine.bytes_read, "peak_rss_after_load": rss_after_load,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "prefill_tokens": result.timing.prefill_tokens, "prefill_s": result.timing.prefill_s,
-        "decode_tokens": result.timing.decode_tokens, "decode_s": result.timing.decode_s,
-        "tokens": result.tokens[0], "experts_hit": len(experts_hit),
-        "expert_bytes": sum(layer.ffn.experts.nbytes for layer in engine.model.layers if hasattr(layer.ffn, "experts")),
-        "cache_bytes": engine.cache.nbytes,
-    })
+    out.update(
+        {
+            "load_s": load_s,
+            "bytes_read": engine.bytes_read,
+            "peak_rss_after_load": rss_after_load,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "prefill_tokens": result.timing.prefill_tokens,
+            "prefill_s": result.timing.prefill_s,
+            "decode_tokens": result.timing.decode_tokens,
+            "decode_s": result.timing.decode_s,
+            "tokens": result.tokens[0],
+            "experts_hit": len(experts_hit),
+            "expert_bytes": sum(
+                layer.ffn.experts.nbytes for layer in engine.model.layers if hasattr(layer.ffn, "experts")
+            ),
+            "cache_bytes": engine.cache.nbytes,
+        }
+    )
 
 
 def _child(target, args, queue):
@@ -183,7 +219,10 @@ def main() -> None:
     gib = 2**30
     rows = [
         ("machine", f"{platform.machine()}, {multiprocessing.cpu_count()} CPUs"),
-        ("checkpoint bytes (layers 0, 3 + embeddings/head)", f"{sum(generated['sizes'].values()) / gib:.2f} GiB"),
+        (
+            "checkpoint bytes (layers 0, 3 + embeddings/head)",
+            f"{sum(generated['sizes'].values()) / gib:.2f} GiB",
+        ),
         ("generation time", f"{gen_s:.0f} s (child process)"),
         ("tensor bytes read by the engine", f"{run['bytes_read'] / gib:.2f} GiB"),
         ("routed expert bytes held (MXFP4 packed)", f"{run['expert_bytes'] / gib:.2f} GiB"),

@@ -89,9 +89,14 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 163840,
         "rope_parameters": {
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-            "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-            "mscale": 1.0, "mscale_all_dim": 1.0,
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
         },
         "tie_word_embeddings": False,
     },
@@ -112,8 +117,12 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "swiglu_limit": 7.0,
         "max_position_embeddings": 131072,
         "rope_parameters": {
-            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
-            "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
             "truncate": False,
         },
         "attention_bias": True,
@@ -163,17 +172,25 @@ Hello, world! How are you today? I am fine, thank you. What time is it? It is ha
 
 def _builder_hash(name: str, seed: int) -> str:
     """Short digest of everything that determines a build's bytes (12 hex characters)."""
-    payload = json.dumps({
-        "version": BUILDER_VERSION, "name": name, "seed": seed, "config": _CONFIGS[name],
-        "text": _TOKENIZER_TEXT, "vocab": VOCAB_SIZE,
-    }, sort_keys=True)
+    payload = json.dumps(
+        {
+            "version": BUILDER_VERSION,
+            "name": name,
+            "seed": seed,
+            "config": _CONFIGS[name],
+            "text": _TOKENIZER_TEXT,
+            "vocab": VOCAB_SIZE,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
 def _check_name(name: str) -> None:
     if name not in _CONFIGS:
-        raise InputError(f"unknown tiny model '{name}'", field="model",
-                         hint=f"choose one of {', '.join(TINY_MODELS)}")
+        raise InputError(
+            f"unknown tiny model '{name}'", field="model", hint=f"choose one of {', '.join(TINY_MODELS)}"
+        )
 
 
 def tiny_path(name: str, *, seed: int = 0) -> Path:
@@ -202,8 +219,11 @@ def build_tiny(name: str, out_dir: Path, *, seed: int = 0) -> Path:
         if _read_stamp(out_dir) == stamp:
             return out_dir
         if any(out_dir.iterdir()):
-            raise InputError(f"directory holds something other than {name} (seed {seed})",
-                             file=out_dir, hint="pass an empty or missing directory")
+            raise InputError(
+                f"directory holds something other than {name} (seed {seed})",
+                file=out_dir,
+                hint="pass an empty or missing directory",
+            )
         out_dir.rmdir()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -263,8 +283,9 @@ def _write_model(name: str, out_dir: Path, seed: int) -> None:
 
     fields = dict(_CONFIGS[name])
     family = fields.pop("model_type")
-    config = AutoConfig.for_model(family, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                                  **fields)
+    config = AutoConfig.for_model(
+        family, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **fields
+    )
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     hidden = config.hidden_size
@@ -316,8 +337,12 @@ def _write_tokenizer(out_dir: Path) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(_TOKENIZER_TEXT.splitlines(), trainer=trainer)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = {

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adapt.runtime.kv_cache import PAGE_SIZE, DSABatch, DSALayerCache, OutOfPagesError
+from adapt.runtime.kv_cache import PAGE_SIZE, DSABatch, OutOfPagesError
 from adapt.runtime.weights import Linear, apply_linear
 
 PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -44,8 +44,10 @@ PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 # norms and rotary embeddings (the "norm_rope" op family, torch path)
 # ----------------------------------------------------------------------------------------------
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False,
-             kernel: bool = False) -> torch.Tensor:
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False, kernel: bool = False
+) -> torch.Tensor:
     """RMSNorm over the last axis in fp32, result in x's dtype.
 
     scale_in_fp32: multiply by the weight before casting back (gpt-oss keeps its norms in fp32);
@@ -76,7 +78,9 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: bool, kernel: bool) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: bool, kernel: bool
+) -> torch.Tensor:
     """``rope_pairs`` (pairs) or ``rope_halves``; ``kernel`` runs ``rope_triton`` instead."""
     if kernel:
         return rope_triton(x, cos, sin, pairs=pairs)
@@ -86,6 +90,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: 
 # ----------------------------------------------------------------------------------------------
 # paged cache
 # ----------------------------------------------------------------------------------------------
+
 
 class PagedKVCache:
     """Pages of 64 tokens for every layer, handed out by one allocator.
@@ -101,8 +106,10 @@ class PagedKVCache:
         self.num_pages = num_pages
         self.device = torch.device(device)
         self.pools = {
-            layer: {name: torch.zeros(num_pages, PAGE_SIZE, *shape, dtype=dtype, device=self.device)
-                    for name, (shape, dtype) in layout.items()}
+            layer: {
+                name: torch.zeros(num_pages, PAGE_SIZE, *shape, dtype=dtype, device=self.device)
+                for name, (shape, dtype) in layout.items()
+            }
             for layer, layout in layouts.items()
         }
         self._free = list(range(num_pages - 1, -1, -1))
@@ -133,11 +140,15 @@ class PagedKVCache:
 
     def append_tokens(self, seq_ids: Sequence[int], counts: Sequence[int]) -> DSABatch:
         """Reserve slots for ``counts[i]`` new tokens of ``seq_ids[i]``; returns the step's batch."""
-        needed = [-(-(self._lens[s] + c) // PAGE_SIZE) - len(self._pages[s]) for s, c in zip(seq_ids, counts,
-                                                                                              strict=True)]
+        needed = [
+            -(-(self._lens[s] + c) // PAGE_SIZE) - len(self._pages[s])
+            for s, c in zip(seq_ids, counts, strict=True)
+        ]
         if sum(needed) > len(self._free):
-            raise OutOfPagesError(f"KV cache full: this step needs {sum(needed)} more pages of {PAGE_SIZE} "
-                                  f"tokens, {len(self._free)} of {self.num_pages} are free")
+            raise OutOfPagesError(
+                f"KV cache full: this step needs {sum(needed)} more pages of {PAGE_SIZE} "
+                f"tokens, {len(self._free)} of {self.num_pages} are free"
+            )
         slots, positions, token_seq, starts = [], [], [], [0]
         for b, (seq_id, count, extra) in enumerate(zip(seq_ids, counts, needed, strict=True)):
             pages = self._pages[seq_id]
@@ -153,10 +164,13 @@ class PagedKVCache:
         width = max(len(self._pages[s]) for s in seq_ids)
         block_table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
         for row, seq_id in enumerate(seq_ids):
-            block_table[row, : len(self._pages[seq_id])] = torch.tensor(self._pages[seq_id], dtype=torch.int32)
+            block_table[row, : len(self._pages[seq_id])] = torch.tensor(
+                self._pages[seq_id], dtype=torch.int32
+            )
         dev = self.device
         return DSABatch(
-            slots=torch.cat(slots).to(dev), positions=torch.cat(positions).to(dev),
+            slots=torch.cat(slots).to(dev),
+            positions=torch.cat(positions).to(dev),
             token_seq=torch.cat(token_seq).to(dev),
             query_starts=torch.tensor(starts, dtype=torch.int64, device=dev),
             block_table=block_table.to(dev),
@@ -200,6 +214,7 @@ def _visible(batch: DSABatch, b: int, window: int | None) -> tuple[slice, torch.
 # GQA
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass
 class GQAWeights:
     """One GQA layer: q [H*D, hidden], k/v [KV*D, hidden], o [hidden, H*D] (optional biases),
@@ -217,21 +232,37 @@ class GQAWeights:
 class GQAAttention:
     """Grouped-query attention over the paged cache (pools 'k', 'v': [KV, D])."""
 
-    def __init__(self, weights: GQAWeights, *, heads: int, kv_heads: int, head_dim: int, norm_eps: float,
-                 window: int | None, path: str = "torch", norm_rope_kernel: bool = False):
+    def __init__(
+        self,
+        weights: GQAWeights,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        norm_eps: float,
+        window: int | None,
+        path: str = "torch",
+        norm_rope_kernel: bool = False,
+    ):
         self.w = weights
         self.norm_rope_kernel = norm_rope_kernel
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.norm_eps = norm_eps
         self.window = window
         self.path = path
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
     def cache_layout(self, dtype: torch.dtype) -> PoolLayout:
         return {"k": ((self.kv_heads, self.head_dim), dtype), "v": ((self.kv_heads, self.head_dim), dtype)}
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DSABatch,
-                pools: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: DSABatch,
+        pools: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
         """x [N, hidden] new tokens -> [N, hidden]; writes their k, v into ``pools``."""
         n = x.shape[0]
         q = apply_linear(x, self.w.q).view(n, self.heads, self.head_dim)
@@ -257,7 +288,7 @@ class GQAAttention:
         for b in range(batch.num_seqs):
             rows, mask = _visible(batch, b, self.window)
             slots = sequence_slots(batch, b)
-            keys = read_rows(pools["k"], slots).to(q.dtype).repeat_interleave(group, dim=1)   # [L, H, D]
+            keys = read_rows(pools["k"], slots).to(q.dtype).repeat_interleave(group, dim=1)  # [L, H, D]
             values = read_rows(pools["v"], slots).to(q.dtype).repeat_interleave(group, dim=1)
             logits = torch.einsum("nhd,lhd->hnl", q[rows], keys) * self.scale
             logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
@@ -275,6 +306,7 @@ class GQAAttention:
 # ----------------------------------------------------------------------------------------------
 # MLA + DSA
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclass
 class MLAWeights:
@@ -308,6 +340,7 @@ class MLAShape:
     index_heads: int = 0
     index_dim: int = 0
     index_topk: int = 0
+    rope_pairs: bool = True  # DeepSeek's interleaved-pair RoPE (rope_interleave); False: halves
 
 
 class MLAAttention:
@@ -319,8 +352,15 @@ class MLAAttention:
     (int32 [N, index_topk], absolute positions, -1 none) for inspection.
     """
 
-    def __init__(self, weights: MLAWeights, shape: MLAShape, *, attention_path: str = "torch",
-                 indexer_path: str = "torch", norm_rope_kernel: bool = False):
+    def __init__(
+        self,
+        weights: MLAWeights,
+        shape: MLAShape,
+        *,
+        attention_path: str = "torch",
+        indexer_path: str = "torch",
+        norm_rope_kernel: bool = False,
+    ):
         self.w = weights
         self.norm_rope_kernel = norm_rope_kernel
         self.s = shape
@@ -332,7 +372,10 @@ class MLAAttention:
 
     def cache_layout(self, dtype: torch.dtype) -> PoolLayout:
         latent_dtype = torch.bfloat16 if self.attention_path == "kernel" else dtype
-        layout: PoolLayout = {"latent": ((self.s.kv_lora,), latent_dtype), "rope": ((self.s.qk_rope,), latent_dtype)}
+        layout: PoolLayout = {
+            "latent": ((self.s.kv_lora,), latent_dtype),
+            "rope": ((self.s.qk_rope,), latent_dtype),
+        }
         if self.has_indexer:
             if self.indexer_path == "kernel":
                 layout["index_k8"] = ((self.s.index_dim,), torch.float8_e4m3fn)
@@ -341,17 +384,23 @@ class MLAAttention:
                 layout["index_k"] = ((self.s.index_dim,), dtype)
         return layout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DSABatch,
-                pools: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: DSABatch,
+        pools: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
         """x [N, hidden] new tokens -> [N, hidden]; writes their latent (and indexer key) into ``pools``."""
         s, n, fused = self.s, x.shape[0], self.norm_rope_kernel
         q_resid = rms_norm(apply_linear(x, self.w.q_a), self.w.q_a_norm, 1e-6, kernel=fused)
         q = apply_linear(q_resid, self.w.q_b).view(n, s.heads, s.qk_nope + s.qk_rope)
         q_nope, q_rope = q.split([s.qk_nope, s.qk_rope], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin, pairs=True, kernel=fused)
+        q_rope = apply_rope(q_rope, cos, sin, pairs=s.rope_pairs, kernel=fused)
         latent, k_rope = apply_linear(x, self.w.kv_a).split([s.kv_lora, s.qk_rope], dim=-1)
         latent = rms_norm(latent, self.w.kv_a_norm, 1e-6, kernel=fused)
-        k_rope = apply_rope(k_rope, cos, sin, pairs=True, kernel=fused)
+        k_rope = apply_rope(k_rope, cos, sin, pairs=s.rope_pairs, kernel=fused)
         write_rows(pools["latent"], batch.slots, latent)
         write_rows(pools["rope"], batch.slots, k_rope)
         indices = self._select(x, q_resid, cos, sin, batch, pools) if self.has_indexer else None
@@ -368,17 +417,26 @@ class MLAAttention:
         s, n = self.s, x.shape[0]
         q = apply_linear(q_resid, self.w.index_wq_b).view(n, s.index_heads, s.index_dim)
         fused = self.norm_rope_kernel
-        q = torch.cat([apply_rope(q[..., : s.qk_rope], cos, sin, pairs=False, kernel=fused), q[..., s.qk_rope:]],
-                      dim=-1)
-        k = F.layer_norm(apply_linear(x, self.w.index_wk), (s.index_dim,), self.w.index_k_norm_weight.to(x.dtype),
-                         self.w.index_k_norm_bias.to(x.dtype), 1e-6)
-        k = torch.cat([apply_rope(k[..., : s.qk_rope], cos, sin, pairs=False, kernel=fused), k[..., s.qk_rope:]],
-                      dim=-1)
+        q = torch.cat(
+            [apply_rope(q[..., : s.qk_rope], cos, sin, pairs=False, kernel=fused), q[..., s.qk_rope :]],
+            dim=-1,
+        )
+        k = F.layer_norm(
+            apply_linear(x, self.w.index_wk),
+            (s.index_dim,),
+            self.w.index_k_norm_weight.to(x.dtype),
+            self.w.index_k_norm_bias.to(x.dtype),
+            1e-6,
+        )
+        k = torch.cat(
+            [apply_rope(k[..., : s.qk_rope], cos, sin, pairs=False, kernel=fused), k[..., s.qk_rope :]],
+            dim=-1,
+        )
         return q, k
 
     def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 [N, Hi]: weights_proj(x) in fp32 (transformers keeps it there) times Hi**-0.5."""
-        return apply_linear(x.float(), self.w.index_weights_proj) * self.s.index_heads ** -0.5
+        return apply_linear(x.float(), self.w.index_weights_proj) * self.s.index_heads**-0.5
 
     def _select(self, x, q_resid, cos, sin, batch, pools) -> torch.Tensor:
         q, k = self._index_qk(x, q_resid, cos, sin)
@@ -390,8 +448,8 @@ class MLAAttention:
         out = torch.full((x.shape[0], s.index_topk), -1, dtype=torch.int32, device=x.device)
         for b in range(batch.num_seqs):
             rows, mask = _visible(batch, b, None)
-            keys = read_rows(pools["index_k"], sequence_slots(batch, b)).float()           # [L, Di]
-            scores = torch.relu(torch.einsum("nhd,ld->nhl", q[rows].float(), keys) * s.index_dim ** -0.5)
+            keys = read_rows(pools["index_k"], sequence_slots(batch, b)).float()  # [L, Di]
+            scores = torch.relu(torch.einsum("nhd,ld->nhl", q[rows].float(), keys) * s.index_dim**-0.5)
             index = torch.einsum("nh,nhl->nl", weights[rows], scores).masked_fill(~mask, float("-inf"))
             count = min(s.index_topk, index.shape[-1])
             values, chosen = index.topk(count, dim=-1)
@@ -415,8 +473,16 @@ class MLAAttention:
         raw = apply_linear(x.float(), self.w.index_weights_proj)
         weights = dsa.fold_index_weights(raw, q_scale, s.index_dim)
         limits = (batch.positions + 1).to(torch.int32)
-        indices, _ = dsa.index_topk(q8, weights, pools["index_k8"], pools["index_scale"], batch.block_table,
-                                    batch.token_seq, limits, s.index_topk)
+        indices, _ = dsa.index_topk(
+            q8,
+            weights,
+            pools["index_k8"],
+            pools["index_scale"],
+            batch.block_table,
+            batch.token_seq,
+            limits,
+            s.index_topk,
+        )
         return indices
 
     # -- attention -------------------------------------------------------------------------------
@@ -432,8 +498,10 @@ class MLAAttention:
             k_rope = read_rows(pools["rope"], slots).to(dtype)
             kv = apply_linear(latent, self.w.kv_b).view(len(slots), s.heads, s.qk_nope + s.v_head)
             k_nope, values = kv.split([s.qk_nope, s.v_head], dim=-1)
-            logits = (torch.einsum("nhd,lhd->hnl", q_nope[rows], k_nope)
-                      + torch.einsum("nhd,ld->hnl", q_rope[rows], k_rope)) * s.scale
+            logits = (
+                torch.einsum("nhd,lhd->hnl", q_nope[rows], k_nope)
+                + torch.einsum("nhd,ld->hnl", q_rope[rows], k_rope)
+            ) * s.scale
             if indices is not None:
                 chosen = indices[rows].long()
                 length = mask.shape[1]
@@ -450,12 +518,21 @@ class MLAAttention:
 
         s = self.s
         kv_b = self.w.kv_b.dense(torch.float32).view(s.heads, s.qk_nope + s.v_head, s.kv_lora)
-        w_uk, w_uv = kv_b[:, : s.qk_nope], kv_b[:, s.qk_nope:]
+        w_uk, w_uv = kv_b[:, : s.qk_nope], kv_b[:, s.qk_nope :]
         if indices is None:  # MLA without an indexer: every visible key, as dense positions
             indices = _dense_indices(batch)
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope.float(), w_uk).to(torch.bfloat16)
-        o_latent = sparse_mla(q_latent, q_rope.to(torch.bfloat16), pools["latent"], None, pools["rope"],
-                              batch.block_table, batch.token_seq, indices, s.scale)
+        o_latent = sparse_mla(
+            q_latent,
+            q_rope.to(torch.bfloat16),
+            pools["latent"],
+            None,
+            pools["rope"],
+            batch.block_table,
+            batch.token_seq,
+            indices,
+            s.scale,
+        )
         return torch.einsum("nhc,hvc->nhv", o_latent.float(), w_uv).to(q_nope.dtype)
 
 
@@ -470,12 +547,20 @@ def _dense_indices(batch: DSABatch) -> torch.Tensor:
 # kernels: paged GQA attention, RMSNorm, RoPE (Triton; interpreter on CPU)
 # ----------------------------------------------------------------------------------------------
 
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def paged_gqa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DSABatch,
-                        scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def paged_gqa_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: DSABatch,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """Causal GQA over the paged cache with an optional sliding window and sinks (Triton).
 
     q: [N, H, D] (the N new tokens of ``batch``, D a power of two >= 16); k_pool, v_pool:
@@ -508,19 +593,38 @@ def paged_gqa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     device = q.device
     sink = (sinks if sinks is not None else torch.zeros(heads, device=device)).float().contiguous()
     kernels.paged_gqa_kernel[(len(starts), kv_heads)](
-        q.contiguous(), k_pool, v_pool, sink, batch.block_table, batch.token_seq.to(torch.int32).contiguous(),
-        batch.positions.contiguous(), torch.tensor(starts, dtype=torch.int32, device=device),
-        torch.tensor(counts, dtype=torch.int32, device=device), out, batch.block_table.stride(0), heads,
-        scale * math.log2(math.e), window or 0,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, KV_HEADS=kv_heads, DIM=dim, BLOCK_N=PAGE_SIZE,
-        PAGE=PAGE_SIZE, HAS_SINK=sinks is not None, HAS_WINDOW=window is not None,
-        UPCAST=_interpreting() or q.dtype == torch.float32, num_warps=4,
+        q.contiguous(),
+        k_pool,
+        v_pool,
+        sink,
+        batch.block_table,
+        batch.token_seq.to(torch.int32).contiguous(),
+        batch.positions.contiguous(),
+        torch.tensor(starts, dtype=torch.int32, device=device),
+        torch.tensor(counts, dtype=torch.int32, device=device),
+        out,
+        batch.block_table.stride(0),
+        heads,
+        scale * math.log2(math.e),
+        window or 0,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_M=block_m,
+        KV_HEADS=kv_heads,
+        DIM=dim,
+        BLOCK_N=PAGE_SIZE,
+        PAGE=PAGE_SIZE,
+        HAS_SINK=sinks is not None,
+        HAS_WINDOW=window is not None,
+        UPCAST=_interpreting() or q.dtype == torch.float32,
+        num_warps=4,
     )
     return out
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                    scale_in_fp32: bool = False) -> torch.Tensor:
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False
+) -> torch.Tensor:
     """Triton twin of ``rms_norm`` (same rounding order): x [..., D] -> [..., D] in x's dtype.
     16 rows a program; reads and writes D * itemsize bytes per row."""
     from adapt.runtime import attention_kernels as kernels
@@ -530,8 +634,17 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     n, dim = rows.shape
     if n:
         kernels.rms_norm_kernel[(-(-n // 16),)](
-            rows, weight.contiguous(), out, n, dim, eps, ROWS=16, BLOCK=1 << (dim - 1).bit_length(),
-            SCALE_IN_FP32=scale_in_fp32, ROUND_BF16=x.dtype == torch.bfloat16)
+            rows,
+            weight.contiguous(),
+            out,
+            n,
+            dim,
+            eps,
+            ROWS=16,
+            BLOCK=1 << (dim - 1).bit_length(),
+            SCALE_IN_FP32=scale_in_fp32,
+            ROUND_BF16=x.dtype == torch.bfloat16,
+        )
     return out.view(x.shape)
 
 
@@ -546,7 +659,15 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs:
     if rows.numel():
         per_token = rows.shape[1]
         kernels.rope_kernel[(n,)](
-            rows, cos.float().contiguous(), sin.float().contiguous(), out, per_token, HALF=dim // 2,
-            ROWS=1 << (per_token - 1).bit_length(), BLOCK=1 << (dim // 2 - 1).bit_length(), PAIRS=pairs,
-            ROUND_BF16=x.dtype == torch.bfloat16)
+            rows,
+            cos.float().contiguous(),
+            sin.float().contiguous(),
+            out,
+            per_token,
+            HALF=dim // 2,
+            ROWS=1 << (per_token - 1).bit_length(),
+            BLOCK=1 << (dim // 2 - 1).bit_length(),
+            PAIRS=pairs,
+            ROUND_BF16=x.dtype == torch.bfloat16,
+        )
     return out.view(x.shape)

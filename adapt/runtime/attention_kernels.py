@@ -22,11 +22,32 @@ def round_bf16(x):
 
 
 @triton.jit
-def paged_gqa_kernel(q_ptr, k_ptr, v_ptr, sink_ptr, block_table_ptr, seq_ptr, pos_ptr, tile_start_ptr,
-                     tile_rows_ptr, out_ptr, bt_stride, n_heads, qk_scale_log2, window,
-                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, KV_HEADS: tl.constexpr,
-                     DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_SINK: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr):
+def paged_gqa_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    sink_ptr,
+    block_table_ptr,
+    seq_ptr,
+    pos_ptr,
+    tile_start_ptr,
+    tile_rows_ptr,
+    out_ptr,
+    bt_stride,
+    n_heads,
+    qk_scale_log2,
+    window,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     # one program: up to BLOCK_M consecutive query rows of one sequence x the GROUP query heads of
     # one kv head, flattened into BLOCK_M * GROUP_PAD rows of the score tile
     tile = tl.program_id(0)
@@ -40,8 +61,9 @@ def paged_gqa_kernel(q_ptr, k_ptr, v_ptr, sink_ptr, block_table_ptr, seq_ptr, po
     rows = first + row_in_tile
     heads = kv_head * GROUP + head_in_group
     d = tl.arange(0, DIM)
-    q = tl.load(q_ptr + (rows[:, None] * n_heads + heads[:, None]) * DIM + d[None, :], mask=valid[:, None],
-                other=0.0)
+    q = tl.load(
+        q_ptr + (rows[:, None] * n_heads + heads[:, None]) * DIM + d[None, :], mask=valid[:, None], other=0.0
+    )
     if UPCAST:
         q = q.to(tl.float32)
     pos = tl.load(pos_ptr + rows, mask=valid, other=0)
@@ -86,12 +108,24 @@ def paged_gqa_kernel(q_ptr, k_ptr, v_ptr, sink_ptr, block_table_ptr, seq_ptr, po
             acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (rows[:, None] * n_heads + heads[:, None]) * DIM + d[None, :], out, mask=valid[:, None])
+    tl.store(
+        out_ptr + (rows[:, None] * n_heads + heads[:, None]) * DIM + d[None, :], out, mask=valid[:, None]
+    )
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, dim, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                    SCALE_IN_FP32: tl.constexpr, ROUND_BF16: tl.constexpr):
+def rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    n_rows,
+    dim,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALE_IN_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (r[:, None] < n_rows) & (cols[None, :] < dim)
@@ -110,8 +144,18 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, dim, eps, ROWS: tl.constexpr,
 
 
 @triton.jit
-def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows_per_token, HALF: tl.constexpr, ROWS: tl.constexpr,
-                BLOCK: tl.constexpr, PAIRS: tl.constexpr, ROUND_BF16: tl.constexpr):
+def rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    rows_per_token,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAIRS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     token = tl.program_id(0)
     r = tl.arange(0, ROWS)
     i = tl.arange(0, BLOCK)

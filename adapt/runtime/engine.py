@@ -47,8 +47,11 @@ def parse_kernels(spec: str | dict[str, str] | None) -> dict[str, str]:
         paths = {family: "torch" for family in OP_FAMILIES}
         for family, path in spec.items():
             if family not in OP_FAMILIES or path not in ("torch", "kernel"):
-                raise InputError(f"bad op path {family}={path}", field="kernels",
-                                 hint=f"families: {', '.join(OP_FAMILIES)}; paths: torch, kernel")
+                raise InputError(
+                    f"bad op path {family}={path}",
+                    field="kernels",
+                    hint=f"families: {', '.join(OP_FAMILIES)}; paths: torch, kernel",
+                )
             paths[family] = path
         return paths
     text = (spec or "none").strip().lower()
@@ -59,8 +62,11 @@ def parse_kernels(spec: str | dict[str, str] | None) -> dict[str, str]:
     chosen = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [part for part in chosen if part not in OP_FAMILIES]
     if unknown:
-        raise InputError(f"unknown op family {', '.join(unknown)}", field="kernels",
-                         hint=f"use none, all, or a comma list of {', '.join(OP_FAMILIES)}")
+        raise InputError(
+            f"unknown op family {', '.join(unknown)}",
+            field="kernels",
+            hint=f"use none, all, or a comma list of {', '.join(OP_FAMILIES)}",
+        )
     return {family: "kernel" if family in chosen else "torch" for family in OP_FAMILIES}
 
 
@@ -73,8 +79,9 @@ def parse_layers(spec: str | int | Sequence[int] | None, num_layers: int) -> lis
         try:
             values = [int(p) for p in parts]
         except ValueError:
-            raise InputError(f"--layers takes a count or a comma list of layer indices, got {spec!r}",
-                             field="layers") from None
+            raise InputError(
+                f"--layers takes a count or a comma list of layer indices, got {spec!r}", field="layers"
+            ) from None
         spec = values[0] if len(values) == 1 and "," not in spec else values
     if isinstance(spec, int):
         if not 1 <= spec <= num_layers:
@@ -106,6 +113,15 @@ class Generation:
     timing: StepTiming = field(default_factory=StepTiming)
 
 
+@dataclass
+class Followed:
+    """predictions: argmax per position of each continuation; logits: fp32 [positions, vocab] per
+    sequence, or None."""
+
+    predictions: list[list[int]]
+    logits: list[torch.Tensor] | None = None
+
+
 class Engine:
     """Runs one model (whole or reduced depth) over a paged cache.
 
@@ -113,19 +129,29 @@ class Engine:
     over all live sequences.
     """
 
-    def __init__(self, model: DecoderModel, *, max_tokens: int = 4096, cache_dtype: torch.dtype | None = None):
+    def __init__(
+        self, model: DecoderModel, *, max_tokens: int = 4096, cache_dtype: torch.dtype | None = None
+    ):
         from adapt.runtime.attention import PagedKVCache
 
         self.model = model
         self.config = model.config
         pages = -(-max_tokens // PAGE_SIZE)
         self.cache = PagedKVCache(pages, model.cache_layouts(cache_dtype or model.dtype), model.device)
-        self._capture_stack: list[Capture] = []
+        self.bytes_read = 0  # checkpoint tensor bytes read by ``load``
 
     @classmethod
-    def load(cls, path: str | Path, *, layers: str | int | Sequence[int] | None = None,
-             kernels: str | dict[str, str] | None = "none", dtype: torch.dtype = torch.bfloat16,
-             device: str | torch.device = "cpu", max_tokens: int = 4096, moe_workspace: int = 0) -> Engine:
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        layers: str | int | Sequence[int] | None = None,
+        kernels: str | dict[str, str] | None = "none",
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        max_tokens: int = 4096,
+        moe_workspace: int = 0,
+    ) -> Engine:
         """Read config.json and the tensors of the chosen layers from ``path``.
 
         layers: None (all), a count, or indices ('0,3,60'); kernels: see ``parse_kernels``;
@@ -146,8 +172,9 @@ class Engine:
         if moe_workspace and paths["moe"] == "kernel" and config.experts:
             from adapt.kernels.workspace import FP8Workspace
 
-            workspace = FP8Workspace(min(moe_workspace, config.experts), config.hidden, config.expert_intermediate,
-                                     device=device)
+            workspace = FP8Workspace(
+                min(moe_workspace, config.experts), config.hidden, config.expert_intermediate, device=device
+            )
         model = DecoderModel(config, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace)
         engine = cls(model, max_tokens=max_tokens)
         engine.bytes_read = store.bytes_read
@@ -156,7 +183,9 @@ class Engine:
     # -- capture ---------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def capture(self, hidden_states: bool = True, router: bool = True, dsa_indices: bool = False) -> Iterator[Capture]:
+    def capture(
+        self, hidden_states: bool = True, router: bool = True, dsa_indices: bool = False
+    ) -> Iterator[Capture]:
         """Record per-layer outputs, router top-k and DSA selections of the steps run inside."""
         record = Capture(hidden_states, router, dsa_indices)
         previous = self.model.capture
@@ -177,8 +206,9 @@ class Engine:
             self.cache.free_sequence(seq_id)
 
     @torch.no_grad()
-    def step(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], *, all_logits: bool = False
-             ) -> list[torch.Tensor]:
+    def step(
+        self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], *, all_logits: bool = False
+    ) -> list[torch.Tensor]:
         """Append ``tokens[i]`` to sequence ``seq_ids[i]`` and run them (prefill or decode alike).
 
         Returns per sequence fp32 logits: [vocab] of its last new token, or [n_i, vocab] for
@@ -195,14 +225,21 @@ class Engine:
         ends = batch.query_starts.tolist()
         if all_logits:
             logits = self.model.logits(hidden)
-            return [logits[ends[b]:ends[b + 1]] for b in range(len(seq_ids))]
+            return [logits[ends[b] : ends[b + 1]] for b in range(len(seq_ids))]
         last = torch.tensor([e - 1 for e in ends[1:]], device=hidden.device)
         logits = self.model.logits(hidden[last])
         return list(logits)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                 seed: int = 0, stop_ids: Iterable[int] | None = None, progress: ProgressFn | None = None
-                 ) -> Generation:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_ids: Iterable[int] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> Generation:
         """Prefill every prompt in one step, then decode all live sequences together.
 
         temperature 0 is greedy (argmax); otherwise tokens are drawn from softmax(logits / T) with a
@@ -212,7 +249,9 @@ class Engine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InputError("every prompt needs at least one token", field="prompt")
         if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}", field="max_new_tokens")
+            raise InputError(
+                f"max_new_tokens must be at least 1, got {max_new_tokens}", field="max_new_tokens"
+            )
         gen = torch.Generator(device="cpu").manual_seed(seed)
         ids = self.start(len(prompts))
         out: list[list[int]] = [[] for _ in prompts]
@@ -247,6 +286,42 @@ class Engine:
             self.release(ids)
         return Generation(out, finished, timing)
 
+    def follow(
+        self,
+        prompts: Sequence[Sequence[int]],
+        continuations: Sequence[Sequence[int]],
+        *,
+        keep_logits: bool = False,
+    ) -> Followed:
+        """Teacher forcing: prefill ``prompts``, then feed ``continuations`` one token per step.
+
+        Prediction i of a sequence is the argmax after its prompt and continuation[:i]. Greedy
+        generation reproduces a continuation exactly when ``follow`` predicts it, and two engines
+        fed the same tokens this way can be compared step by step (``capture``) even where they
+        would diverge if left to generate. keep_logits: also return fp32 logits
+        [len(continuation), vocab] per sequence (vocab-sized rows: keep it for small models).
+        """
+        if len(prompts) != len(continuations) or any(len(c) == 0 for c in continuations):
+            raise InputError("one non-empty continuation per prompt", field="continuations")
+        ids = self.start(len(prompts))
+        predictions: list[list[int]] = [[] for _ in prompts]
+        kept: list[list[torch.Tensor]] = [[] for _ in prompts]
+        try:
+            logits = self.step(ids, prompts)
+            live = list(range(len(prompts)))
+            for i in range(max(map(len, continuations))):
+                for j, b in enumerate(live):
+                    predictions[b].append(int(torch.argmax(logits[j])))
+                    if keep_logits:
+                        kept[b].append(logits[j].cpu())
+                live = [b for b in live if i + 1 < len(continuations[b])]
+                if not live:
+                    break
+                logits = self.step([ids[b] for b in live], [[continuations[b][i]] for b in live])
+        finally:
+            self.release(ids)
+        return Followed(predictions, [torch.stack(rows) for rows in kept] if keep_logits else None)
+
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
         if temperature <= 0:
@@ -263,12 +338,17 @@ def resolve_model_dir(model: str) -> Path:
         return tiny_path(model)
     path = Path(model)
     if not (path / "config.json").is_file():
-        raise InputError("not a checkpoint directory (no config.json)", file=model,
-                         hint=f"pass a model directory with safetensors weights, or one of {', '.join(TINY_MODELS)}")
+        raise InputError(
+            "not a checkpoint directory (no config.json)",
+            file=model,
+            hint=f"pass a model directory with safetensors weights, or one of {', '.join(TINY_MODELS)}",
+        )
     return path
 
 
-def encode_prompts(directory: Path, prompts: Sequence[str], token_ids: Sequence[str]) -> tuple[list[list[int]], object]:
+def encode_prompts(
+    directory: Path, prompts: Sequence[str], token_ids: Sequence[str]
+) -> tuple[list[list[int]], object]:
     """Prompts as token ids: text through the directory's tokenizer, or comma lists of ids.
 
     Returns (token lists, tokenizer or None).
@@ -277,8 +357,11 @@ def encode_prompts(directory: Path, prompts: Sequence[str], token_ids: Sequence[
     encoded = []
     if prompts:
         if not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
-            raise InputError("the model directory has no tokenizer", file=directory,
-                             hint="pass --token-ids 1,2,3 instead of --prompt")
+            raise InputError(
+                "the model directory has no tokenizer",
+                file=directory,
+                hint="pass --token-ids 1,2,3 instead of --prompt",
+            )
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -287,7 +370,11 @@ def encode_prompts(directory: Path, prompts: Sequence[str], token_ids: Sequence[
         try:
             encoded.append([int(part) for part in text.split(",") if part.strip()])
         except ValueError:
-            raise InputError(f"expected comma-separated token ids, got {text!r}", field="--token-ids") from None
+            raise InputError(
+                f"expected comma-separated token ids, got {text!r}", field="--token-ids"
+            ) from None
     if not encoded or any(not ids for ids in encoded):
-        raise InputError("nothing to run: give --prompt TEXT or --token-ids IDS (non-empty)", field="--prompt")
+        raise InputError(
+            "nothing to run: give --prompt TEXT or --token-ids IDS (non-empty)", field="--prompt"
+        )
     return encoded, tokenizer

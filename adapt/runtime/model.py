@@ -34,14 +34,19 @@ from adapt.runtime.kv_cache import DSABatch
 from adapt.runtime.moe import DenseMLP, MoE, RouterSpec
 from adapt.runtime.weights import Linear, WeightStore, apply_linear
 
-FAMILIES = {"deepseek_v32": "deepseek", "deepseek_v3": "deepseek", "kimi_k2": "deepseek",
-            "gpt_oss": "gpt_oss", "qwen3_moe": "qwen3"}
+FAMILIES = {
+    "deepseek_v32": "deepseek",
+    "deepseek_v3": "deepseek",
+    "kimi_k2": "deepseek",
+    "gpt_oss": "gpt_oss",
+    "qwen3_moe": "qwen3",
+}
 OP_FAMILIES = ("attention", "indexer", "moe", "norm_rope")
 
 
 @dataclass(frozen=True)
 class LayerKind:
-    """attention: 'gqa' | 'mla' | 'mla+dsa'; window: sliding window in tokens or None; ffn: 'dense' | 'moe'."""
+    """attention: 'gqa' | 'mla' | 'mla+dsa'; window: sliding window (tokens) or None; ffn: 'dense' | 'moe'."""
 
     attention: str
     window: int | None
@@ -82,6 +87,7 @@ class ArchConfig:
     index_heads: int = 0
     index_dim: int = 0
     index_topk: int = 0
+    mla_rope_pairs: bool = True
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     tie_embeddings: bool = False
@@ -91,8 +97,12 @@ class ArchConfig:
     def from_dict(cls, cfg: dict[str, Any], where: str = "config.json") -> ArchConfig:
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
-            raise InputError(f"model_type {model_type!r} is not supported by adapt's runtime", file=where,
-                             field="model_type", hint=f"supported: {', '.join(FAMILIES)}")
+            raise InputError(
+                f"model_type {model_type!r} is not supported by adapt's runtime",
+                file=where,
+                field="model_type",
+                hint=f"supported: {', '.join(FAMILIES)}",
+            )
         family = FAMILIES[model_type]
 
         def need(key: str, kind=int):
@@ -106,67 +116,120 @@ class ArchConfig:
         rope.setdefault("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
         if rope["rope_type"] not in ("default", "yarn"):
-            raise InputError(f"rope type {rope['rope_type']!r} is not supported (default, yarn)", file=where,
-                             field="rope_scaling")
+            raise InputError(
+                f"rope type {rope['rope_type']!r} is not supported (default, yarn)",
+                file=where,
+                field="rope_scaling",
+            )
         eos = cfg.get("eos_token_id")
-        common = dict(model_type=model_type, family=family, vocab=need("vocab_size"), hidden=hidden,
-                      num_layers=layers, rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=rope,
-                      max_positions=int(cfg.get("max_position_embeddings", 4096)),
-                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                      eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)))
+        common = dict(
+            model_type=model_type,
+            family=family,
+            vocab=need("vocab_size"),
+            hidden=hidden,
+            num_layers=layers,
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            max_positions=int(cfg.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        )
         if family == "deepseek":
             dsa = model_type == "deepseek_v32"
             moe_types = cfg.get("mlp_layer_types")
             if moe_types is None:
                 first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
-                moe_types = ["sparse" if cfg.get("n_routed_experts") and i >= first and i % freq == 0 else "dense"
-                             for i in range(layers)]
-            kinds = tuple(LayerKind("mla+dsa" if dsa else "mla", None, "moe" if t == "sparse" else "dense")
-                          for t in moe_types)
+                moe_types = [
+                    "sparse" if cfg.get("n_routed_experts") and i >= first and i % freq == 0 else "dense"
+                    for i in range(layers)
+                ]
+            kinds = tuple(
+                LayerKind("mla+dsa" if dsa else "mla", None, "moe" if t == "sparse" else "dense")
+                for t in moe_types
+            )
             if not cfg.get("q_lora_rank"):
-                raise InputError("MLA without q_lora_rank (DeepSeek-V2-Lite style) is not supported", file=where,
-                                 field="q_lora_rank")
+                raise InputError(
+                    "MLA without q_lora_rank (DeepSeek-V2-Lite style) is not supported",
+                    file=where,
+                    field="q_lora_rank",
+                )
             heads = need("num_attention_heads")
-            return cls(**common, kinds=kinds, heads=heads, kv_heads=heads,
-                       head_dim=need("qk_nope_head_dim") + need("qk_rope_head_dim"),
-                       rope_dim=need("qk_rope_head_dim"), dense_intermediate=need("intermediate_size"),
-                       experts=int(cfg.get("n_routed_experts") or 0), top_k=int(cfg.get("num_experts_per_tok") or 0),
-                       expert_intermediate=int(cfg.get("moe_intermediate_size") or 0),
-                       shared_experts=int(cfg.get("n_shared_experts") or 0),
-                       n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                       routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
-                       q_lora=need("q_lora_rank"), kv_lora=need("kv_lora_rank"), qk_nope=need("qk_nope_head_dim"),
-                       v_head=need("v_head_dim"),
-                       index_heads=need("index_n_heads") if dsa else 0, index_dim=need("index_head_dim") if dsa else 0,
-                       index_topk=need("index_topk") if dsa else 0)
+            return cls(
+                **common,
+                kinds=kinds,
+                heads=heads,
+                kv_heads=heads,
+                head_dim=need("qk_nope_head_dim") + need("qk_rope_head_dim"),
+                rope_dim=need("qk_rope_head_dim"),
+                dense_intermediate=need("intermediate_size"),
+                experts=int(cfg.get("n_routed_experts") or 0),
+                top_k=int(cfg.get("num_experts_per_tok") or 0),
+                expert_intermediate=int(cfg.get("moe_intermediate_size") or 0),
+                shared_experts=int(cfg.get("n_shared_experts") or 0),
+                n_group=int(cfg.get("n_group") or 1),
+                topk_group=int(cfg.get("topk_group") or 1),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+                q_lora=need("q_lora_rank"),
+                kv_lora=need("kv_lora_rank"),
+                qk_nope=need("qk_nope_head_dim"),
+                v_head=need("v_head_dim"),
+                index_heads=need("index_n_heads") if dsa else 0,
+                index_dim=need("index_head_dim") if dsa else 0,
+                index_topk=need("index_topk") if dsa else 0,
+                mla_rope_pairs=dsa or bool(cfg.get("rope_interleave", True)),
+            )
         heads = need("num_attention_heads")
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         if family == "gpt_oss":
-            types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                               for i in range(layers)]
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ]
             window = cfg.get("sliding_window")
-            kinds = tuple(LayerKind("gqa", window if t == "sliding_attention" else None, "moe") for t in types)
-            return cls(**common, kinds=kinds, heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                       head_dim=head_dim, rope_dim=head_dim, attention_bias=bool(cfg.get("attention_bias", True)),
-                       experts=need("num_local_experts"), top_k=need("num_experts_per_tok"),
-                       expert_intermediate=need("intermediate_size"),
-                       swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                       swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+            kinds = tuple(
+                LayerKind("gqa", window if t == "sliding_attention" else None, "moe") for t in types
+            )
+            return cls(
+                **common,
+                kinds=kinds,
+                heads=heads,
+                kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                rope_dim=head_dim,
+                attention_bias=bool(cfg.get("attention_bias", True)),
+                experts=need("num_local_experts"),
+                top_k=need("num_experts_per_tok"),
+                expert_intermediate=need("intermediate_size"),
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            )
         if cfg.get("use_sliding_window"):
-            raise InputError("qwen3_moe with use_sliding_window is not supported", file=where,
-                             field="use_sliding_window")
+            raise InputError(
+                "qwen3_moe with use_sliding_window is not supported", file=where, field="use_sliding_window"
+            )
         dense_layers = set(cfg.get("mlp_only_layers") or [])
         step = int(cfg.get("decoder_sparse_step") or 1)
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-        kinds = tuple(LayerKind("gqa", None, "moe" if experts and i not in dense_layers and (i + 1) % step == 0
-                                else "dense") for i in range(layers))
-        return cls(**common, kinds=kinds, heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                   head_dim=head_dim, rope_dim=head_dim, attention_bias=bool(cfg.get("attention_bias", False)),
-                   dense_intermediate=int(cfg.get("intermediate_size") or 0), experts=experts,
-                   top_k=int(cfg.get("num_experts_per_tok") or 0),
-                   expert_intermediate=int(cfg.get("moe_intermediate_size") or 0),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+        kinds = tuple(
+            LayerKind(
+                "gqa", None, "moe" if experts and i not in dense_layers and (i + 1) % step == 0 else "dense"
+            )
+            for i in range(layers)
+        )
+        return cls(
+            **common,
+            kinds=kinds,
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rope_dim=head_dim,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            dense_intermediate=int(cfg.get("intermediate_size") or 0),
+            experts=experts,
+            top_k=int(cfg.get("num_experts_per_tok") or 0),
+            expert_intermediate=int(cfg.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        )
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> ArchConfig:
@@ -181,7 +244,7 @@ class ArchConfig:
     @property
     def mla_scale(self) -> float:
         """Attention scale of MLA: (nope + rope)**-0.5, times mscale(factor, mscale_all_dim)**2 under YaRN."""
-        scale = self.head_dim ** -0.5
+        scale = self.head_dim**-0.5
         if self.rope["rope_type"] != "default" and self.rope.get("mscale_all_dim"):
             m = _yarn_mscale(self.rope["factor"], self.rope["mscale_all_dim"])
             scale *= m * m
@@ -202,8 +265,11 @@ def rope_frequencies(rope: dict[str, Any], dim: int, max_positions: int) -> tupl
     attention = rope.get("attention_factor")
     mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
     if attention is None:
-        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
-                     else _yarn_mscale(factor))
+        attention = (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            if mscale and mscale_all
+            else _yarn_mscale(factor)
+        )
     original = rope["original_max_position_embeddings"]
 
     def correction_dim(rotations: float) -> float:
@@ -253,8 +319,69 @@ class Capture:
         if self.want_router and isinstance(layer.ffn, MoE) and layer.ffn.last_topk is not None:
             ids, weights = layer.ffn.last_topk
             self.router.setdefault(layer.index, []).append((ids.clone(), weights.clone()))
-        if self.want_indices and isinstance(layer.attention, MLAAttention) and layer.attention.last_indices is not None:
+        if (
+            self.want_indices
+            and isinstance(layer.attention, MLAAttention)
+            and layer.attention.last_indices is not None
+        ):
             self.dsa_indices.setdefault(layer.index, []).append(layer.attention.last_indices.clone())
+
+
+@dataclass
+class CaptureComparison:
+    """How a run (e.g. kernels on) tracks a reference run fed the same tokens, layer by layer.
+
+    layer_error: layer -> max over steps of ||other - ref|| / ||ref|| over the token rows whose
+        router choices agreed in every MoE layer up to and including this one
+    agreeing_rows: layer -> min over steps of the fraction of rows counted in layer_error
+    router_agreement: MoE layer -> min over steps of the fraction of rows with the same top-k set
+    dsa_overlap: DSA layer -> mean over rows and steps of |selected_ref & selected_other| / |selected_ref|
+    """
+
+    layer_error: dict[int, float]
+    agreeing_rows: dict[int, float]
+    router_agreement: dict[int, float]
+    dsa_overlap: dict[int, float]
+
+
+def compare_captures(reference: Capture, other: Capture, steps: int | None = None) -> CaptureComparison:
+    """Compare two captures of the same layers over their first ``steps`` steps (default: all).
+
+    A row whose top-k differs is a routing difference, reported in ``router_agreement``, and is
+    left out of the value error from that layer on (its activations legitimately diverge).
+    """
+    layers = sorted(reference.hidden_states)
+    count = min(len(reference.hidden_states[layers[0]]), len(other.hidden_states[layers[0]]))
+    count = count if steps is None else min(count, steps)
+    error = dict.fromkeys(layers, 0.0)
+    agreeing = dict.fromkeys(layers, 1.0)
+    router: dict[int, float] = {}
+    for step in range(count):
+        agree = None
+        for layer in layers:
+            if layer in reference.router:
+                ref_ids = reference.router[layer][step][0].sort(-1).values
+                other_ids = other.router[layer][step][0].long().to(ref_ids.device).sort(-1).values
+                same = (ref_ids == other_ids).all(-1)
+                router[layer] = min(router.get(layer, 1.0), float(same.float().mean()))
+                agree = same if agree is None else agree & same
+            ref = reference.hidden_states[layer][step].float()
+            out = other.hidden_states[layer][step].float().to(ref.device)
+            rows = torch.ones(ref.shape[0], dtype=torch.bool, device=ref.device) if agree is None else agree
+            agreeing[layer] = min(agreeing[layer], float(rows.float().mean()))
+            if rows.any():
+                diff = float((out[rows] - ref[rows]).norm() / ref[rows].norm())
+                error[layer] = max(error[layer], diff)
+    overlap = {}
+    for layer, selections in reference.dsa_indices.items():
+        shares = []
+        for ref, out in zip(selections[:count], other.dsa_indices.get(layer, [])[:count], strict=False):
+            for a, b in zip(ref.tolist(), out.tolist(), strict=True):
+                chosen = {i for i in a if i >= 0}
+                shares.append(len(chosen & {i for i in b if i >= 0}) / max(len(chosen), 1))
+        if shares:
+            overlap[layer] = sum(shares) / len(shares)
+    return CaptureComparison(error, agreeing, router, overlap)
 
 
 class DecoderModel:
@@ -263,8 +390,16 @@ class DecoderModel:
     paths: op family -> 'torch' | 'kernel' (families ``OP_FAMILIES``). dtype: compute dtype.
     """
 
-    def __init__(self, config: ArchConfig, store: WeightStore, layer_ids: Iterable[int], *,
-                 paths: dict[str, str], dtype: torch.dtype, workspace=None):
+    def __init__(
+        self,
+        config: ArchConfig,
+        store: WeightStore,
+        layer_ids: Iterable[int],
+        *,
+        paths: dict[str, str],
+        dtype: torch.dtype,
+        workspace=None,
+    ):
         self.config = config
         self.dtype = dtype
         self.device = store.device
@@ -292,75 +427,135 @@ class DecoderModel:
         p = f"model.layers.{i}."
         if kind.attention == "gqa":
             weights = GQAWeights(
-                q=store.linear(p + "self_attn.q_proj"), k=store.linear(p + "self_attn.k_proj"),
-                v=store.linear(p + "self_attn.v_proj"), o=store.linear(p + "self_attn.o_proj"),
+                q=store.linear(p + "self_attn.q_proj"),
+                k=store.linear(p + "self_attn.k_proj"),
+                v=store.linear(p + "self_attn.v_proj"),
+                o=store.linear(p + "self_attn.o_proj"),
                 q_norm=store.optional(p + "self_attn.q_norm.weight"),
                 k_norm=store.optional(p + "self_attn.k_norm.weight"),
-                sinks=store.optional(p + "self_attn.sinks"))
-            attention = GQAAttention(weights, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                                     norm_eps=c.rms_eps, window=kind.window, path=self.paths["attention"],
-                                     norm_rope_kernel=self.paths["norm_rope"] == "kernel")
+                sinks=store.optional(p + "self_attn.sinks"),
+            )
+            attention = GQAAttention(
+                weights,
+                heads=c.heads,
+                kv_heads=c.kv_heads,
+                head_dim=c.head_dim,
+                norm_eps=c.rms_eps,
+                window=kind.window,
+                path=self.paths["attention"],
+                norm_rope_kernel=self.paths["norm_rope"] == "kernel",
+            )
         else:
             a = p + "self_attn."
             dsa = kind.attention == "mla+dsa"
             weights = MLAWeights(
-                q_a=store.linear(a + "q_a_proj"), q_a_norm=store.get(a + "q_a_layernorm.weight"),
-                q_b=store.linear(a + "q_b_proj"), kv_a=store.linear(a + "kv_a_proj_with_mqa"),
-                kv_a_norm=store.get(a + "kv_a_layernorm.weight"), kv_b=store.linear(a + "kv_b_proj"),
+                q_a=store.linear(a + "q_a_proj"),
+                q_a_norm=store.get(a + "q_a_layernorm.weight"),
+                q_b=store.linear(a + "q_b_proj"),
+                kv_a=store.linear(a + "kv_a_proj_with_mqa"),
+                kv_a_norm=store.get(a + "kv_a_layernorm.weight"),
+                kv_b=store.linear(a + "kv_b_proj"),
                 o=store.linear(a + "o_proj"),
                 index_wq_b=store.linear(a + "indexer.wq_b") if dsa else None,
                 index_wk=store.linear(a + "indexer.wk") if dsa else None,
                 index_k_norm_weight=store.get(a + "indexer.k_norm.weight") if dsa else None,
                 index_k_norm_bias=store.get(a + "indexer.k_norm.bias") if dsa else None,
-                index_weights_proj=store.linear(a + "indexer.weights_proj") if dsa else None)
-            shape = MLAShape(heads=c.heads, qk_nope=c.qk_nope, qk_rope=c.rope_dim, v_head=c.v_head,
-                             kv_lora=c.kv_lora, scale=c.mla_scale, index_heads=c.index_heads,
-                             index_dim=c.index_dim, index_topk=c.index_topk)
-            attention = MLAAttention(weights, shape, attention_path=self.paths["attention"],
-                                     indexer_path=self.paths["indexer"],
-                                     norm_rope_kernel=self.paths["norm_rope"] == "kernel")
+                index_weights_proj=store.linear(a + "indexer.weights_proj") if dsa else None,
+            )
+            shape = MLAShape(
+                heads=c.heads,
+                qk_nope=c.qk_nope,
+                qk_rope=c.rope_dim,
+                v_head=c.v_head,
+                kv_lora=c.kv_lora,
+                scale=c.mla_scale,
+                index_heads=c.index_heads,
+                index_dim=c.index_dim,
+                index_topk=c.index_topk,
+                rope_pairs=c.mla_rope_pairs,
+            )
+            attention = MLAAttention(
+                weights,
+                shape,
+                attention_path=self.paths["attention"],
+                indexer_path=self.paths["indexer"],
+                norm_rope_kernel=self.paths["norm_rope"] == "kernel",
+            )
         if kind.ffn == "dense":
-            ffn = DenseMLP(store.linear(p + "mlp.gate_proj"), store.linear(p + "mlp.up_proj"),
-                           store.linear(p + "mlp.down_proj"))
+            ffn = DenseMLP(
+                store.linear(p + "mlp.gate_proj"),
+                store.linear(p + "mlp.up_proj"),
+                store.linear(p + "mlp.down_proj"),
+            )
         elif c.family == "gpt_oss":
-            ffn = MoE(RouterSpec("gpt_oss", c.top_k), store.linear(p + "mlp.router", bias=True),
-                      store.experts(p + "mlp.experts", c.experts, interleaved=True), clamped=True,
-                      alpha=c.swiglu_alpha, limit=c.swiglu_limit, path=self.paths["moe"], workspace=workspace)
+            ffn = MoE(
+                RouterSpec("gpt_oss", c.top_k),
+                store.linear(p + "mlp.router", bias=True),
+                store.experts(p + "mlp.experts", c.experts, interleaved=True),
+                clamped=True,
+                alpha=c.swiglu_alpha,
+                limit=c.swiglu_limit,
+                path=self.paths["moe"],
+                workspace=workspace,
+            )
         elif c.family == "deepseek":
             shared = None
             if c.shared_experts:
                 s = p + "mlp.shared_experts."
-                shared = DenseMLP(store.linear(s + "gate_proj"), store.linear(s + "up_proj"),
-                                  store.linear(s + "down_proj"))
-            ffn = MoE(RouterSpec("deepseek", c.top_k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling),
-                      store.linear(p + "mlp.gate", bias=False),
-                      store.experts(p + "mlp.experts", c.experts, interleaved=False),
-                      correction_bias=store.optional(p + "mlp.gate.e_score_correction_bias"), shared=shared,
-                      path=self.paths["moe"], workspace=workspace)
+                shared = DenseMLP(
+                    store.linear(s + "gate_proj"), store.linear(s + "up_proj"), store.linear(s + "down_proj")
+                )
+            ffn = MoE(
+                RouterSpec("deepseek", c.top_k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling),
+                store.linear(p + "mlp.gate", bias=False),
+                store.experts(p + "mlp.experts", c.experts, interleaved=False),
+                correction_bias=store.optional(p + "mlp.gate.e_score_correction_bias"),
+                shared=shared,
+                path=self.paths["moe"],
+                workspace=workspace,
+            )
         else:
-            ffn = MoE(RouterSpec("qwen3", c.top_k, norm_topk_prob=c.norm_topk_prob),
-                      store.linear(p + "mlp.gate", bias=False),
-                      store.experts(p + "mlp.experts", c.experts, interleaved=False),
-                      path=self.paths["moe"], workspace=workspace)
-        return DecoderLayer(i, kind, store.get(p + "input_layernorm.weight"),
-                            store.get(p + "post_attention_layernorm.weight"), attention, ffn)
+            ffn = MoE(
+                RouterSpec("qwen3", c.top_k, norm_topk_prob=c.norm_topk_prob),
+                store.linear(p + "mlp.gate", bias=False),
+                store.experts(p + "mlp.experts", c.experts, interleaved=False),
+                path=self.paths["moe"],
+                workspace=workspace,
+            )
+        return DecoderLayer(
+            i,
+            kind,
+            store.get(p + "input_layernorm.weight"),
+            store.get(p + "post_attention_layernorm.weight"),
+            attention,
+            ffn,
+        )
 
     def cache_layouts(self, cache_dtype: torch.dtype) -> dict[int, dict]:
         return {layer.index: layer.attention.cache_layout(cache_dtype) for layer in self.layers}
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float | None = None) -> torch.Tensor:
         eps = self.config.rms_eps if eps is None else eps
-        return rms_norm(x, weight, eps, scale_in_fp32=self.config.family == "gpt_oss",
-                        kernel=self.paths["norm_rope"] == "kernel")
+        return rms_norm(
+            x,
+            weight,
+            eps,
+            scale_in_fp32=self.config.family == "gpt_oss",
+            kernel=self.paths["norm_rope"] == "kernel",
+        )
 
-    def forward(self, tokens: torch.Tensor, batch: DSABatch, pools: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, batch: DSABatch, pools: dict[int, dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
         """tokens int64 [N] (ordered as ``batch``) -> final-normed hidden states [N, hidden]."""
         x = self.embed[tokens].to(self.dtype)
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         cos = (freqs.cos() * self.rope_factor).to(self.dtype)
         sin = (freqs.sin() * self.rope_factor).to(self.dtype)
         for layer in self.layers:
-            h = x + layer.attention.forward(self._norm(x, layer.input_norm), cos, sin, batch, pools[layer.index])
+            h = x + layer.attention.forward(
+                self._norm(x, layer.input_norm), cos, sin, batch, pools[layer.index]
+            )
             x = h + layer.ffn.forward(self._norm(h, layer.post_norm))
             if self.capture is not None:
                 self.capture.record(layer, x)

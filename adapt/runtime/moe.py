@@ -56,7 +56,9 @@ class DenseMLP:
         return apply_linear(F.silu(apply_linear(x, self.gate)) * apply_linear(x, self.up), self.down)
 
 
-def swiglu(gate_up: torch.Tensor, interleaved: bool, clamped: bool, alpha: float, limit: float) -> torch.Tensor:
+def swiglu(
+    gate_up: torch.Tensor, interleaved: bool, clamped: bool, alpha: float, limit: float
+) -> torch.Tensor:
     """[T, 2I] -> [T, I]: split gate/up (interleaved rows or halves) and apply the (clamped) SwiGLU."""
     if interleaved:
         gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
@@ -77,9 +79,20 @@ class MoE:
     weights fp32 [T, k]) for router capture.
     """
 
-    def __init__(self, router: RouterSpec, gate: Linear, experts: Experts, *, correction_bias=None,
-                 shared: DenseMLP | None = None, clamped: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                 path: str = "torch", workspace=None):
+    def __init__(
+        self,
+        router: RouterSpec,
+        gate: Linear,
+        experts: Experts,
+        *,
+        correction_bias=None,
+        shared: DenseMLP | None = None,
+        clamped: bool = False,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        path: str = "torch",
+        workspace=None,
+    ):
         self.router = router
         self.gate = gate
         self.experts = experts
@@ -156,10 +169,14 @@ class MoE:
         from adapt.kernels.routing import RouterConfig, combine, gate_logits, permute_by_expert, route
 
         r = self.router
-        config = RouterConfig(top_k=r.top_k, scoring="sigmoid" if r.kind == "deepseek" else "softmax",
-                              n_group=r.n_group, topk_group=r.topk_group,
-                              renormalize=r.norm_topk_prob or r.kind == "gpt_oss",
-                              routed_scaling=r.routed_scaling)
+        config = RouterConfig(
+            top_k=r.top_k,
+            scoring="sigmoid" if r.kind == "deepseek" else "softmax",
+            n_group=r.n_group,
+            topk_group=r.topk_group,
+            renormalize=r.norm_topk_prob or r.kind == "gpt_oss",
+            routed_scaling=r.routed_scaling,
+        )
         gate = self.gate.dense(torch.float32)
         gate_in = x.float()
         if self.gate.bias is not None:
@@ -168,9 +185,16 @@ class MoE:
         weights, ids = route(gate_logits(gate_in, gate), config, self.correction_bias)
         self.last_topk = (ids.long(), weights)
         perm = permute_by_expert(ids, self.experts.count)
-        y = expert_mlp(x.to(torch.bfloat16).contiguous(), perm, self.experts.mxfp4, top_k=r.top_k,
-                       activation="swiglu_clamped" if self.clamped else "swiglu", alpha=self.alpha,
-                       limit=self.limit, workspace=self.workspace)
+        y = expert_mlp(
+            x.to(torch.bfloat16).contiguous(),
+            perm,
+            self.experts.mxfp4,
+            top_k=r.top_k,
+            activation="swiglu_clamped" if self.clamped else "swiglu",
+            alpha=self.alpha,
+            limit=self.limit,
+            workspace=self.workspace,
+        )
         out = combine(y, weights, perm.slot_pos, None).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared.forward(x)

@@ -30,9 +30,18 @@ from adapt.model.checkpoint import Checkpoint
 
 FP8_BLOCK = 128
 SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
-    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
 }
 
 
@@ -57,7 +66,9 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.bias) if t is not None)
+        return sum(
+            t.numel() * t.element_size() for t in (self.weight, self.scale, self.bias) if t is not None
+        )
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -66,6 +77,23 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor) -> torch.Te
     expanded = scale.float().repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :]
     expanded = expanded.repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
     return weight.float() * expanded
+
+
+# The two E2M1 values of every packed byte (low nibble first), OCP MX v1.0.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_BYTE_PAIRS = torch.tensor([[_E2M1[b & 15], _E2M1[b >> 4]] for b in range(256)], dtype=torch.float32)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 packed uint8 [..., K/2] with E8M0 scales uint8 [..., K/32] -> ``dtype`` [..., K].
+
+    One table lookup per byte (both nibbles at once); scale 2**(s - 127). Same values as
+    ``adapt.kernels.mxfp4.dequantize_mxfp4_torch`` (NaN scales are rejected at load).
+    """
+    *lead, half = packed.shape
+    values = _BYTE_PAIRS.to(packed.device)[packed.int()].view(*lead, half // 16, 32)
+    values = values * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.view(*lead, half * 2).to(dtype)
 
 
 def apply_linear(x: torch.Tensor, linear: Linear) -> torch.Tensor:
@@ -97,16 +125,15 @@ class Experts:
     down_bias: torch.Tensor | None = None
     mxfp4: object | None = None
 
-    def expert(self, index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                                torch.Tensor | None]:
+    def expert(
+        self, index: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Expert ``index`` dequantized to ``dtype``: (gate_up [2I, H], down [H, I], gate_up_bias [2I] | None,
         down_bias [H] | None)."""
         if self.mxfp4 is not None:
-            from adapt.kernels.mxfp4 import dequantize_mxfp4_torch
-
             w = self.mxfp4
-            gate_up = dequantize_mxfp4_torch(w.w1_packed[index], w.w1_scales[index], dtype, validate=False)
-            down = dequantize_mxfp4_torch(w.w2_packed[index], w.w2_scales[index], dtype, validate=False)
+            gate_up = dequantize_mxfp4(w.w1_packed[index], w.w1_scales[index], dtype)
+            down = dequantize_mxfp4(w.w2_packed[index], w.w2_scales[index], dtype)
             b1 = None if w.w1_bias is None else w.w1_bias[index].to(dtype)
             b2 = None if w.w2_bias is None else w.w2_bias[index].to(dtype)
             return gate_up, down, b1, b2
@@ -123,7 +150,14 @@ class Experts:
     def nbytes(self) -> int:
         if self.mxfp4 is not None:
             return self.mxfp4.nbytes()
-        parts = (self.gate_up, self.down, self.gate_up_scale, self.down_scale, self.gate_up_bias, self.down_bias)
+        parts = (
+            self.gate_up,
+            self.down,
+            self.gate_up_scale,
+            self.down_scale,
+            self.gate_up_bias,
+            self.down_bias,
+        )
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
@@ -134,8 +168,12 @@ class WeightStore:
     tensors of other decoder layers are never read. ``bytes_read`` counts tensor bytes loaded.
     """
 
-    def __init__(self, directory: str | Path, layers: int | Iterable[int] | None = None,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        directory: str | Path,
+        layers: int | Iterable[int] | None = None,
+        device: torch.device | str = "cpu",
+    ):
         self.directory = Path(directory)
         checkpoint = Checkpoint.open(self.directory)
         if layers is not None:
@@ -155,20 +193,28 @@ class WeightStore:
         """
         info = self.checkpoint.tensors.get(name)
         if info is None:
-            raise InputError(f"tensor '{name}' is missing from the checkpoint", file=self.directory,
-                             hint="is the directory complete, and does config.json describe it?")
+            raise InputError(
+                f"tensor '{name}' is missing from the checkpoint",
+                file=self.directory,
+                hint="is the directory complete, and does config.json describe it?",
+            )
         dtype = SAFETENSORS_DTYPES.get(info.dtype)
         if dtype is None:
-            raise InputError(f"tensor '{name}' has dtype {info.dtype}, which the runtime cannot hold",
-                             file=self.directory / info.shard)
+            raise InputError(
+                f"tensor '{name}' has dtype {info.dtype}, which the runtime cannot hold",
+                file=self.directory / info.shard,
+            )
         tensor = torch.empty(info.shape, dtype=dtype)
         view = tensor.reshape(-1).view(torch.uint8).numpy()
         with open(self.directory / info.shard, "rb") as handle:
             handle.seek(info.file_start)
             got = handle.readinto(view)
         if got != info.nbytes or view.nbytes != info.nbytes:
-            raise InputError(f"tensor '{name}': read {got} of {info.nbytes} bytes", file=self.directory / info.shard,
-                             hint="the shard is truncated")
+            raise InputError(
+                f"tensor '{name}': read {got} of {info.nbytes} bytes",
+                file=self.directory / info.shard,
+                hint="the shard is truncated",
+            )
         self.bytes_read += info.nbytes
         return tensor.to(self.device)
 
@@ -213,12 +259,15 @@ class WeightStore:
             )
             weights.validate()
             if weights.n_experts != count:
-                raise InputError(f"{weights.n_experts} experts stored under '{prefix}', config says {count}",
-                                 file=self.directory)
+                raise InputError(
+                    f"{weights.n_experts} experts stored under '{prefix}', config says {count}",
+                    file=self.directory,
+                )
             return Experts(count=count, interleaved=interleaved, mxfp4=weights)
         if self.has(f"{prefix}.gate_up_proj"):
             return Experts(
-                count=count, interleaved=interleaved,
+                count=count,
+                interleaved=interleaved,
                 gate_up=self.get(f"{prefix}.gate_up_proj").transpose(1, 2).contiguous(),
                 down=self.get(f"{prefix}.down_proj").transpose(1, 2).contiguous(),
                 gate_up_bias=self.optional(f"{prefix}.gate_up_proj_bias"),
@@ -235,7 +284,10 @@ class WeightStore:
                 gate_up_scale.append(_stack_gate_up_scales(gate, up))
                 down_scale.append(proj.scale)
         return Experts(
-            count=count, interleaved=False, gate_up=torch.stack(gate_up), down=torch.stack(down),
+            count=count,
+            interleaved=False,
+            gate_up=torch.stack(gate_up),
+            down=torch.stack(down),
             gate_up_scale=torch.stack(gate_up_scale) if gate_up_scale else None,
             down_scale=torch.stack(down_scale) if down_scale else None,
         )
@@ -245,6 +297,8 @@ def _stack_gate_up_scales(gate: Linear, up: Linear) -> torch.Tensor:
     """Block scales of [gate; up] stacked along the output rows (each part a whole number of blocks)."""
     rows = gate.weight.shape[0]
     if rows % FP8_BLOCK:
-        raise InputError(f"fp8 expert width {rows} is not a multiple of the {FP8_BLOCK}-row scale block",
-                         hint="stacking gate and up needs block-aligned widths")
+        raise InputError(
+            f"fp8 expert width {rows} is not a multiple of the {FP8_BLOCK}-row scale block",
+            hint="stacking gate and up needs block-aligned widths",
+        )
     return torch.cat([gate.scale, up.scale])

@@ -28,8 +28,9 @@ def _digests(directory: Path) -> dict[str, str]:
 def test_transformers_loads_every_tensor_and_generates(built, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, info = AutoModelForCausalLM.from_pretrained(built[name], dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        built[name], dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     tokenizer = AutoTokenizer.from_pretrained(built[name])
     ids = tokenizer("Experts are small networks; a router picks", return_tensors="pt").input_ids
@@ -38,7 +39,7 @@ def test_transformers_loads_every_tensor_and_generates(built, name):
         out = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
     assert torch.isfinite(logits).all()
     assert logits.std() > 1.0  # initialised so that the head's logits are not flat
-    generated = out[0, ids.shape[1]:].tolist()
+    generated = out[0, ids.shape[1] :].tolist()
     assert len(generated) == 12 and len(set(generated)) > 1
 
 

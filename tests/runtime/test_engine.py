@@ -29,8 +29,9 @@ def hf_models():
 
     loaded = {}
     for name in MODELS:
-        model = AutoModelForCausalLM.from_pretrained(tiny_path(name), dtype=torch.float32,
-                                                     attn_implementation="eager", experts_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(
+            tiny_path(name), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+        )
         loaded[name] = model.float().eval()  # gpt-oss experts are dequantized to bf16: compare in fp32
     return loaded
 
@@ -86,8 +87,9 @@ def test_bf16_compute_is_as_accurate_as_transformers_bf16(hf_models, name):
     engine = Engine.load(tiny_path(name), dtype=torch.bfloat16, max_tokens=256)
     prompt = _prompts((40,), seed=2)[0]
     ours = engine.step(engine.start(1), [prompt], all_logits=True)[0]
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(tiny_path(name), dtype=torch.bfloat16, attn_implementation="eager",
-                                                   experts_implementation="eager").eval()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(
+        tiny_path(name), dtype=torch.bfloat16, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
     ref = _hf_logits(hf_models[name], prompt)
     theirs = _hf_logits(hf_bf16, prompt)
     # both bf16 paths are measured against the fp32 reference; ours may not be worse than theirs
@@ -134,7 +136,7 @@ def test_dsa_selects_sparse_keys_once_the_context_exceeds_topk(engines):
             engine.step(seq, _prompts((40,), seed=4))
     finally:
         engine.release(seq)
-    picks = cap.dsa_indices[0][0]                                   # [40, 16]
+    picks = cap.dsa_indices[0][0]  # [40, 16]
     assert (picks[:16] >= 0).sum(1).tolist() == list(range(1, 17))  # early queries see every key
     late = picks[39]
     assert (late >= 0).all() and late.max() <= 39 and len(set(late.tolist())) == 16
@@ -193,8 +195,12 @@ def test_cache_pages_are_returned_and_a_full_cache_refuses_the_step():
 def test_bad_inputs_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="unknown op family"):
         parse_kernels("attention,flash")
-    assert parse_kernels("moe,indexer") == {"attention": "torch", "indexer": "kernel", "moe": "kernel",
-                                            "norm_rope": "torch"}
+    assert parse_kernels("moe,indexer") == {
+        "attention": "torch",
+        "indexer": "kernel",
+        "moe": "kernel",
+        "norm_rope": "torch",
+    }
     assert parse_layers("2", 3) == [0, 1] and parse_layers("2,0", 61) == [0, 2]
     with pytest.raises(InputError, match="outside"):
         parse_layers("0,61", 61)
@@ -205,3 +211,125 @@ def test_bad_inputs_are_input_errors(tmp_path):
         Engine.load(tmp_path)
     with pytest.raises(InputError, match="no config.json"):
         Engine.load(tmp_path / "missing")
+
+
+def test_cli_run_generates_and_reports_bad_input_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from adapt.cli import app
+
+    runner = CliRunner()
+    args = ["run", "tiny-qwen3", "--prompt", "The river ran", "-n", "5", "--dtype", "float32", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{") :])
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(tiny_path("tiny-qwen3"))(
+        "The river ran", add_special_tokens=False
+    ).input_ids
+    expected = Engine.load(tiny_path("tiny-qwen3"), dtype=torch.float32, max_tokens=128).generate([prompt], 5)
+    assert report["sequences"][0]["tokens"] == expected.tokens[0]
+    assert report["kernels"]["attention"] == "torch" and report["layers"] == [0, 1]
+
+    bad = runner.invoke(app, ["run", "tiny-qwen3", "--prompt", "x", "--kernels", "flash"])
+    assert bad.exit_code == 2 and "unknown op family" in bad.output and "Traceback" not in bad.output
+    missing = runner.invoke(app, ["run", str(tmp_path), "--prompt", "x"])
+    assert missing.exit_code == 2 and "no config.json" in missing.output
+    layers = runner.invoke(app, ["run", "tiny-qwen3", "--token-ids", "5,6", "--layers", "0,9"])
+    assert layers.exit_code == 2 and "outside" in layers.output
+
+
+def test_reference_mxfp4_decode_equals_the_codec():
+    from adapt.kernels.mxfp4 import dequantize_mxfp4_torch
+    from adapt.runtime.weights import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(12)
+    packed = torch.randint(0, 256, (3, 40, 48), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(100, 140, (3, 40, 3), dtype=torch.uint8, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = dequantize_mxfp4(packed, scales, dtype)
+        assert ours.shape == (3, 40, 96)
+        assert torch.equal(ours, dequantize_mxfp4_torch(packed, scales, dtype))
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_deepseek_v3_mla_without_indexer_matches_transformers(tmp_path, interleave):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "deepseek_v3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        rope_interleave=interleave,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    )
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            tensor.normal_(
+                1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else tensor.shape[-1] ** -0.5
+            )
+    model.save_pretrained(tmp_path)
+    prompt = _prompts((21,), seed=13)[0]
+    prompt = [t % 256 for t in prompt]
+    ref = _hf_logits(model.eval(), prompt)
+    engine = Engine.load(tmp_path, dtype=torch.float32, max_tokens=128)
+    assert [layer.attention.has_indexer for layer in engine.model.layers] == [False, False]
+    assert _rel(engine.step(engine.start(1), [prompt], all_logits=True)[0], ref) < 1e-5
+
+
+def test_fp8_block_weights_stay_fp8_and_dequantize_per_block(tmp_path):
+    from safetensors.torch import save_file
+
+    from adapt.runtime.weights import WeightStore, apply_linear
+
+    gen = torch.Generator().manual_seed(14)
+    weight = torch.randn(200, 300, generator=gen).to(torch.float8_e4m3fn)  # not multiples of 128
+    scale = torch.rand(2, 3, generator=gen) + 0.5
+    tensors = {"proj.weight": weight, "proj.weight_scale_inv": scale}
+    for e in range(2):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            shape = (256, 128) if name != "down_proj" else (128, 256)
+            tensors[f"experts.{e}.{name}.weight"] = torch.randn(*shape, generator=gen).to(torch.float8_e4m3fn)
+            blocks = (shape[0] // 128, shape[1] // 128)
+            tensors[f"experts.{e}.{name}.weight_scale_inv"] = torch.full(blocks, 0.25 * (e + 1))
+    save_file(tensors, tmp_path / "model.safetensors")
+    store = WeightStore(tmp_path)
+    linear = store.linear("proj")
+    assert linear.weight.dtype == torch.float8_e4m3fn and linear.scale.shape == (2, 3)
+    expanded = scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    x = torch.randn(5, 300, generator=gen)
+    torch.testing.assert_close(apply_linear(x, linear), x @ (weight.float() * expanded).T)
+    experts = store.experts("experts", 2, interleaved=False)
+    assert experts.gate_up.dtype == torch.float8_e4m3fn and experts.gate_up.shape == (2, 512, 128)
+    gate_up, down, _, _ = experts.expert(1, torch.float32)
+    up = tensors["experts.1.up_proj.weight"].float() * 0.5
+    torch.testing.assert_close(gate_up[256:], up)
+    torch.testing.assert_close(down, tensors["experts.1.down_proj.weight"].float() * 0.5)
+    assert store.bytes_read == sum(t.numel() * t.element_size() for t in tensors.values())

@@ -18,6 +18,7 @@ from adapt.runtime.attention import (
     write_rows,
 )
 from adapt.runtime.engine import Engine
+from adapt.runtime.model import compare_captures
 from adapt.runtime.weights import Linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,11 +37,16 @@ def _filled_cache(lengths, heads, kv_heads, dim, dtype, seed=0):
     seqs = [cache.add_sequence() for _ in lengths]
     history = [n - min(n, 5) for n in lengths]
     if any(history):
-        batch = cache.append_tokens([s for s, h in zip(seqs, history, strict=True) if h],
-                                    [h for h in history if h])
+        batch = cache.append_tokens(
+            [s for s, h in zip(seqs, history, strict=True) if h], [h for h in history if h]
+        )
         rows = batch.num_tokens
-        write_rows(cache.pools[0]["k"], batch.slots, torch.randn(rows, kv_heads, dim, generator=gen).to(DEVICE))
-        write_rows(cache.pools[0]["v"], batch.slots, torch.randn(rows, kv_heads, dim, generator=gen).to(DEVICE))
+        write_rows(
+            cache.pools[0]["k"], batch.slots, torch.randn(rows, kv_heads, dim, generator=gen).to(DEVICE)
+        )
+        write_rows(
+            cache.pools[0]["v"], batch.slots, torch.randn(rows, kv_heads, dim, generator=gen).to(DEVICE)
+        )
     batch = cache.append_tokens(seqs, [n - h for n, h in zip(lengths, history, strict=True)])
     rows = batch.num_tokens
     write_rows(cache.pools[0]["k"], batch.slots, torch.randn(rows, kv_heads, dim, generator=gen).to(DEVICE))
@@ -55,8 +61,14 @@ def test_paged_gqa_kernel_matches_torch_twin(heads, kv_heads, window, sinks):
     cache, batch, q = _filled_cache([70, 3, 33], heads, kv_heads, 32, torch.float32)
     sink = torch.randn(heads, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 2 if sinks else None
     unused = Linear(torch.zeros(1, 1))
-    layer = GQAAttention(GQAWeights(unused, unused, unused, unused, sinks=sink), heads=heads, kv_heads=kv_heads,
-                         head_dim=32, norm_eps=1e-6, window=window)
+    layer = GQAAttention(
+        GQAWeights(unused, unused, unused, unused, sinks=sink),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=32,
+        norm_eps=1e-6,
+        window=window,
+    )
     ref = layer._attend_torch(q, batch, cache.pools[0])
     out = paged_gqa_attention(q, cache.pools[0]["k"], cache.pools[0]["v"], batch, layer.scale, window, sink)
     assert _rel(out, ref) < 1e-5
@@ -66,8 +78,14 @@ def test_paged_gqa_kernel_in_bf16_stays_within_bf16_tolerance():
     cache, batch, q = _filled_cache([66, 12], 8, 2, 64, torch.bfloat16)
     sink = torch.randn(8, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     unused = Linear(torch.zeros(1, 1))
-    layer = GQAAttention(GQAWeights(unused, unused, unused, unused, sinks=sink), heads=8, kv_heads=2, head_dim=64,
-                         norm_eps=1e-6, window=16)
+    layer = GQAAttention(
+        GQAWeights(unused, unused, unused, unused, sinks=sink),
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        norm_eps=1e-6,
+        window=16,
+    )
     ref = layer._attend_torch(q.float(), batch, {k: v.float() for k, v in cache.pools[0].items()})
     out = paged_gqa_attention(q, cache.pools[0]["k"], cache.pools[0]["v"], batch, layer.scale, 16, sink)
     assert _rel(out, ref) < 1e-2
@@ -98,13 +116,30 @@ def test_rope_kernel_matches_torch_twin(pairs):
     assert _rel(rope_triton(x, cos, sin, pairs=pairs), ref) < 1e-6
 
 
-def _run(name, kernels, prompts, decode_steps, **load):
-    """Prefill + greedy decode steps; returns (capture, generated tokens)."""
-    engine = Engine.load(tiny_path(name), dtype=torch.float32, kernels=kernels, device=DEVICE, max_tokens=512,
-                         **load)
-    with engine.capture(hidden_states=True, router=True, dsa_indices=True) as cap:
-        result = engine.generate(prompts, decode_steps + 1, stop_ids=())
-    return cap, result.tokens, engine
+def _run(name, kernels, prompts, tokens, **load):
+    """Greedy ``tokens`` per prompt on the torch reference path; then the reference and the ``kernels``
+    engine are both fed those tokens (teacher forcing). Returns (reference capture, kernel capture,
+    reference tokens, reference Followed, kernel Followed, kernel engine)."""
+    reference = Engine.load(tiny_path(name), dtype=torch.float32, device=DEVICE, max_tokens=512)
+    ref_tokens = reference.generate(prompts, tokens, stop_ids=()).tokens
+    with reference.capture(hidden_states=True, router=True, dsa_indices=True) as ref_cap:
+        ref_run = reference.follow(prompts, ref_tokens, keep_logits=True)
+    engine = Engine.load(
+        tiny_path(name), dtype=torch.float32, kernels=kernels, device=DEVICE, max_tokens=512, **load
+    )
+    with engine.capture(hidden_states=True, router=True, dsa_indices=True) as ker_cap:
+        ker_run = engine.follow(prompts, ref_tokens, keep_logits=True)
+    return ref_cap, ker_cap, ref_tokens, ref_run, ker_run, engine
+
+
+def _median_logit_error(ref_run, ker_run):
+    """Median over positions of ||kernel logits - reference logits|| / ||reference logits||."""
+    errors = [
+        _rel(ker_row, ref_row)
+        for ref_logits, ker_logits in zip(ref_run.logits, ker_run.logits, strict=True)
+        for ref_row, ker_row in zip(ref_logits, ker_logits, strict=True)
+    ]
+    return sorted(errors)[len(errors) // 2]
 
 
 def _prompts(lengths):
@@ -113,45 +148,35 @@ def _prompts(lengths):
 
 
 def _layer_errors(ref_cap, ker_cap, min_agreeing=0.8):
-    """Per layer, the max over steps of ||kernel - ref|| / ||ref|| on the token rows whose router
-    choices agreed in every MoE layer up to and including it (a flipped top-k is a routing
-    difference, counted as such, not a value error); asserts that most rows agree."""
-    layers = sorted(ref_cap.hidden_states)
-    errors = dict.fromkeys(layers, 0.0)
-    for step in range(len(ref_cap.hidden_states[layers[0]])):
-        agree = None
-        for layer in layers:
-            if layer in ref_cap.router:
-                ref_ids = ref_cap.router[layer][step][0].sort(-1).values
-                ker_ids = ker_cap.router[layer][step][0].long().sort(-1).values
-                same = (ref_ids == ker_ids).all(-1)
-                agree = same if agree is None else agree & same
-            ref, ker = ref_cap.hidden_states[layer][step], ker_cap.hidden_states[layer][step]
-            rows = torch.ones(ref.shape[0], dtype=torch.bool) if agree is None else agree.cpu()
-            assert rows.float().mean() >= min_agreeing
-            errors[layer] = max(errors[layer], _rel(ker[rows.to(ker.device)], ref[rows.to(ref.device)]))
-    return errors
+    """Per-layer error on rows whose routing agreed (see ``compare_captures``); most rows must agree."""
+    comparison = compare_captures(ref_cap, ker_cap)
+    assert min(comparison.agreeing_rows.values()) >= min_agreeing
+    return comparison.layer_error
 
 
-@pytest.mark.parametrize("name,kernels,tolerance", [
-    ("tiny-oss", "attention,norm_rope", 1e-5),    # fp32 kernels: fp32 tolerance
-    ("tiny-qwen3", "attention,norm_rope", 1e-5),
-    ("tiny-dsa", "norm_rope", 1e-5),
-    ("tiny-dsa", "attention", 2e-2),             # sparse MLA reads the bf16 latent cache: bf16 tolerance
-])
+@pytest.mark.parametrize(
+    "name,kernels,tolerance",
+    [
+        ("tiny-oss", "attention,norm_rope", 1e-5),  # fp32 kernels: fp32 tolerance
+        ("tiny-qwen3", "attention,norm_rope", 1e-5),
+        ("tiny-dsa", "norm_rope", 1e-5),
+        ("tiny-dsa", "attention", 2e-2),  # sparse MLA reads the bf16 latent cache: bf16 tolerance
+    ],
+)
 def test_op_family_kernels_track_the_reference(name, kernels, tolerance):
     prompts = _prompts((22, 6))
-    ref_cap, ref_tokens, _ = _run(name, "none", prompts, 4)
-    ker_cap, ker_tokens, engine = _run(name, kernels, prompts, 4)
+    ref_cap, ker_cap, ref_tokens, ref_run, ker_run, engine = _run(name, kernels, prompts, 5)
     assert all(engine.model.paths[f] == "kernel" for f in kernels.split(","))
+    assert ref_run.predictions == ref_tokens
     assert max(_layer_errors(ref_cap, ker_cap).values()) < tolerance
-    assert ker_tokens == ref_tokens
+    assert _median_logit_error(ref_run, ker_run) < tolerance
+    if tolerance <= 1e-5:
+        assert ker_run.predictions == ref_tokens  # fp32 kernels: greedy tokens identical
 
 
 def test_fp8_indexer_kernel_keeps_most_of_the_reference_selection():
     prompts = _prompts((40,))
-    ref_cap, ref_tokens, _ = _run("tiny-dsa", "none", prompts, 2)
-    ker_cap, ker_tokens, _ = _run("tiny-dsa", "indexer", prompts, 2)
+    ref_cap, ker_cap, ref_tokens, ref_run, ker_run, _ = _run("tiny-dsa", "indexer", prompts, 3)
     overlaps = []
     for layer, steps in ref_cap.dsa_indices.items():
         for ref, ker in zip(steps, ker_cap.dsa_indices[layer], strict=True):
@@ -159,43 +184,62 @@ def test_fp8_indexer_kernel_keeps_most_of_the_reference_selection():
                 a, b = {i for i in a if i >= 0}, {i for i in b if i >= 0}
                 assert len(a) == len(b)
                 overlaps.append(len(a & b) / len(a))
-    assert sum(overlaps) / len(overlaps) > 0.9  # FP8 scores reorder only near-ties
-    assert ker_tokens == ref_tokens
+    # FP8 q/k scores reorder near-ties at the top-k boundary; the selections stay nearly the same
+    assert sum(overlaps) / len(overlaps) > 0.95
 
 
-@pytest.mark.parametrize("workspace", [0, 4])
+@pytest.mark.slow
+@pytest.mark.parametrize("workspace", [0, pytest.param(4, marks=pytest.mark.gpu)])  # interpreter: minutes
 def test_mxfp4_moe_kernel_tracks_the_reference(workspace):
-    prompts = _prompts((12, 5))
-    ref_cap, ref_tokens, _ = _run("tiny-oss", "none", prompts, 1)
-    ker_cap, ker_tokens, engine = _run("tiny-oss", "moe", prompts, 1, moe_workspace=workspace)
+    # tolerances of one MoE layer from tests/kernels/test_moe.py: bf16 2e-2, fp8 6e-2; deeper layers
+    # add the drift of the layers before them and rows whose routing flipped are left out
+    one_layer, deeper, agreeing = (6e-2, 1.2e-1, 0.6) if workspace else (2e-2, 2e-2, 0.9)
+    prompts = _prompts((8, 3))
+    ref_cap, ker_cap, ref_tokens, ref_run, ker_run, engine = _run(
+        "tiny-oss", "moe", prompts, 2, moe_workspace=workspace
+    )
     assert not engine.model.kernel_refusals
     if workspace:
-        assert engine.model.layers[0].ffn.workspace.w1.shape[0] == 2 * workspace  # two chunks, not all experts
-    # bf16 activations (and e4m3 weights with the workspace) inside the kernel
-    assert max(_layer_errors(ref_cap, ker_cap, min_agreeing=0.9).values()) < (5e-2 if workspace else 2e-2)
-    assert ker_tokens == ref_tokens
+        assert (
+            engine.model.layers[0].ffn.workspace.w1.shape[0] == 2 * workspace
+        )  # two chunks, not all experts
+    errors = _layer_errors(ref_cap, ker_cap, min_agreeing=agreeing)
+    assert errors[0] < one_layer and max(errors.values()) < deeper
+    assert _median_logit_error(ref_run, ker_run) < deeper
 
 
 def test_moe_kernel_refuses_experts_that_are_not_mxfp4():
-    engine = Engine.load(tiny_path("tiny-dsa"), dtype=torch.float32, kernels="moe", device=DEVICE, max_tokens=128)
+    engine = Engine.load(
+        tiny_path("tiny-dsa"), dtype=torch.float32, kernels="moe", device=DEVICE, max_tokens=128
+    )
     refusals = engine.model.kernel_refusals
     assert set(refusals) == {"L1.moe", "L2.moe"} and "not stored MXFP4" in refusals["L1.moe"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-dsa", "tiny-oss", "tiny-qwen3"])
-def test_all_kernels_greedy_32_tokens_match_transformers_on_gpu(name):
-    from transformers import AutoModelForCausalLM
-
+@pytest.mark.parametrize(
+    "name,tolerance,identical",
+    [
+        ("tiny-qwen3", 1e-5, True),  # GQA + norm/rope kernels in fp32; bf16 experts stay on torch
+        ("tiny-oss", 2e-2, False),  # + MXFP4 MoE kernel (bf16 activations)
+        ("tiny-dsa", 2e-2, False),  # + sparse MLA (bf16 latent) and the FP8 indexer
+    ],
+)
+def test_all_kernels_compiled_track_the_reference_for_32_tokens(name, tolerance, identical):
     prompts = _prompts((30, 9))
-    _, tokens, _ = _run(name, "all", prompts, 31)
-    model = AutoModelForCausalLM.from_pretrained(tiny_path(name), dtype=torch.float32, attn_implementation="eager",
-                                                 experts_implementation="eager").float().eval()
-    for prompt, ours in zip(prompts, tokens, strict=True):
-        with torch.no_grad():
-            out = model(torch.tensor([prompt]), use_cache=True)
-            cache, ref = out.past_key_values, []
-            for _ in range(32):
-                ref.append(int(out.logits[0, -1].argmax()))
-                out = model(torch.tensor([[ref[-1]]]), past_key_values=cache, use_cache=True)
-        assert ours == ref
+    ref_cap, ker_cap, ref_tokens, ref_run, ker_run, engine = _run(name, "all", prompts, 32)
+    comparison = compare_captures(ref_cap, ker_cap)
+    print(
+        name,
+        "layer errors",
+        comparison.layer_error,
+        "router",
+        comparison.router_agreement,
+        "dsa overlap",
+        comparison.dsa_overlap,
+        "predictions equal",
+        ker_run.predictions == ref_tokens,
+    )
+    assert _median_logit_error(ref_run, ker_run) < tolerance
+    if identical:
+        assert ker_run.predictions == ref_tokens
