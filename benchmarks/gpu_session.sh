@@ -8,13 +8,13 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 ADAPT_CACHE_DIR="$PWD/.tiny-cache"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "== pytest -m gpu"
-timeout 210 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests > "$OUT/pytest_gpu.log" 2>&1
+timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests > "$OUT/pytest_gpu.log" 2>&1
 tail -20 "$OUT/pytest_gpu.log"
 echo "== runtime greedy, kernels on"
-timeout 60 python3 benchmarks/runtime_kernel_greedy.py --device cuda --json "$OUT/greedy_gpu.json" 2>&1 | tail -8
+timeout 50 python3 benchmarks/runtime_kernel_greedy.py --device cuda --json "$OUT/greedy_gpu.json" 2>&1 | tail -8
 echo "== MoE acceptance"
-timeout 160 python3 -m adapt.stages.bench_moe "$OUT/moe" --quick-acceptance --budget-s 140 > "$OUT/moe_bench.log" 2>&1
+timeout 150 python3 -m adapt.stages.bench_moe "$OUT/moe" --quick-acceptance --budget-s 125 > "$OUT/moe_bench.log" 2>&1
 tail -25 "$OUT/moe_bench.log"
 echo "== DSA acceptance"
-timeout 140 python3 -m adapt.stages.bench_dsa --out "$OUT/dsa" --acceptance > "$OUT/dsa_bench.log" 2>&1
+timeout 130 python3 -m adapt.stages.bench_dsa --out "$OUT/dsa" --acceptance > "$OUT/dsa_bench.log" 2>&1
 tail -25 "$OUT/dsa_bench.log"
