@@ -6,7 +6,7 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 ADAPT_CACHE_DIR="$PWD/.tiny-cache"
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "== pytest -m gpu"
 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests > "$OUT/pytest_gpu.log" 2>&1
 tail -20 "$OUT/pytest_gpu.log"
