@@ -44,6 +44,7 @@ the weight tile and the activation rows stay in L2.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -462,8 +463,14 @@ WORD_ORDER8 = (0, 4, 2, 6, 1, 5, 3, 7)
 def to_word_order(x: torch.Tensor) -> torch.Tensor:
     """[R, K] (K a multiple of 8) -> the same values with columns in ``WORD_ORDER8`` within each 8."""
     r, k = x.shape
-    idx = torch.tensor(WORD_ORDER8, device=x.device)
-    return x.reshape(r, k // 8, 8).index_select(2, idx).reshape(r, k)
+    return x.reshape(r, k // 8, 8).index_select(2, _word_order_index(x.device)).reshape(r, k)
+
+
+@functools.cache
+def _word_order_index(device: torch.device) -> torch.Tensor:
+    """``WORD_ORDER8`` as an index tensor on ``device``, made once (a host-to-device copy inside a
+    CUDA-graph capture is an error, so captured calls must find it already there)."""
+    return torch.tensor(WORD_ORDER8, device=device)
 
 
 @triton.jit

@@ -661,7 +661,7 @@ def run_moe_bench(
     variants) and an ``acceptance`` list in the result."""
     start = time.monotonic()
     if quick:
-        tokens, shapes, sweep = QUICK["tokens"], QUICK["shapes"], False
+        tokens, shapes, sweep = tokens or QUICK["tokens"], QUICK["shapes"], False
     if not torch.cuda.is_available():
         raise InputError("the MoE benchmark needs a CUDA GPU", hint="run it on the target machine")
     tokens = tokens or DEFAULT_TOKENS
