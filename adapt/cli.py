@@ -435,7 +435,8 @@ def _no_status():
 
 @bench_app.command("kernels")
 def bench_kernels(
-    moe: Annotated[bool, typer.Option("--moe", help="MXFP4 MoE expert kernels (DeepSeek-V3 and gpt-oss shapes).")] = False,
+    moe: Annotated[bool, typer.Option(
+        "--moe", help="MXFP4 MoE expert kernels (DeepSeek-V3 and gpt-oss shapes).")] = False,
     dsa: Annotated[bool, typer.Option("--dsa", help="DeepSeek Sparse Attention (indexer, top-k, sparse MLA).")] = False,
     tokens: Annotated[list[int] | None, typer.Option("--tokens", help="MoE token counts (repeatable).")] = None,
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the results.")] = Path("benchmarks"),
