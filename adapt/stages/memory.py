@@ -311,23 +311,9 @@ def kv_copies(spec: ModelSpec, tp: int) -> int:
     return max(1, tp // attn.num_kv_heads)
 
 
-def resolve_layout(
-    spec: ModelSpec,
-    target: Target,
-    *,
-    devices: int,
-    nodes: int,
-    tp: int | None,
-    ep: int | None,
-    pp: int | None,
-    dp: int | None,
-    weights: str,
-    dcp: int | None = None,
-) -> Layout:
-    """The layout the flags ask for (InputError naming the flag and the fix when it cannot work).
-
-    Unset sizes default to: PP = nodes, TP = devices per node, DP = 1, no EP.
-    """
+def devices_per_node(target: Target, devices: int, nodes: int) -> int:
+    """Devices on each of ``nodes`` nodes (InputError naming the flag when ``devices`` cannot
+    split evenly over them or the target's nodes cannot hold them)."""
     if devices < 1:
         raise InputError(f"expected a positive device count, got {devices}", field="--devices")
     if nodes < 1:
@@ -349,6 +335,27 @@ def resolve_layout(
         raise InputError(
             f"--nodes {nodes} exceeds the target's max_nodes {target.max_nodes}", field="--nodes"
         )
+    return per_node
+
+
+def resolve_layout(
+    spec: ModelSpec,
+    target: Target,
+    *,
+    devices: int,
+    nodes: int,
+    tp: int | None,
+    ep: int | None,
+    pp: int | None,
+    dp: int | None,
+    weights: str,
+    dcp: int | None = None,
+) -> Layout:
+    """The layout the flags ask for (InputError naming the flag and the fix when it cannot work).
+
+    Unset sizes default to: PP = nodes, TP = devices per node, DP = 1, no EP.
+    """
+    per_node = devices_per_node(target, devices, nodes)
     for flag, value in (("--tp", tp), ("--ep", ep), ("--pp", pp), ("--dp", dp)):
         if value is not None and value < 1:
             raise InputError(f"expected a positive integer, got {value}", field=flag)
@@ -889,6 +896,16 @@ def _check_inputs(
         )
 
 
+def checkpoint_component_bytes(checkpoint, weights: str) -> dict[str, int] | None:
+    """The checkpoint's exact bytes per component when the weights are used as stored, else None.
+
+    checkpoint: an adapt.model.checkpoint.Checkpoint, its ``bytes_by_component()`` dict, or None.
+    """
+    if checkpoint is None or weights != "as-stored":
+        return None
+    return checkpoint if isinstance(checkpoint, dict) else checkpoint.bytes_by_component()
+
+
 def plan_memory(
     spec: ModelSpec,
     target: Target,
@@ -945,9 +962,7 @@ def plan_memory(
         layout = resolve_layout(
             spec, target, devices=devices, nodes=nodes, tp=tp, ep=ep, pp=pp, dp=dp, weights=weights, dcp=dcp
         )
-    checkpoint_bytes = None
-    if checkpoint is not None and weights == "as-stored":
-        checkpoint_bytes = checkpoint if isinstance(checkpoint, dict) else checkpoint.bytes_by_component()
+    checkpoint_bytes = checkpoint_component_bytes(checkpoint, weights)
     options = dict(
         weights=weights,
         kv_dtype=kv_dtype,
@@ -1216,30 +1231,12 @@ def load_model(model: str) -> tuple[ModelSpec, Any]:
 
 
 def run_plan_memory(
-    model: str,
-    target: str,
-    *,
-    gates: dict,
-    devices: int,
-    nodes: int = 1,
-    context: int,
-    batch: int,
-    kv_dtype: str = "bf16",
-    weights: str = "as-stored",
-    tp: int | None = None,
-    ep: int | None = None,
-    pp: int | None = None,
-    dp: int | None = None,
-    dcp: int | None = None,
-    headroom: float | None = None,
-    max_num_batched_tokens: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    block_size: int = 64,
-    max_num_seqs: int | None = None,
-    rope_factor: float | None = None,
+    model: str, target: str, *, gates: dict, headroom: float | None = None, **plan_args: Any
 ) -> StageReport:
-    """Stage 2 as a gated report. ``gates["memory"]``: headroom_fraction (default margin on the
-    estimated terms), min_concurrent_sequences (fewer concurrent sequences than this fails)."""
+    """Stage 2 as a gated report. ``plan_args``: ``plan_memory``'s keyword arguments (devices,
+    context, batch, ...; not checkpoint, which comes from ``model``). ``gates["memory"]``:
+    headroom_fraction (default margin on the estimated terms), min_concurrent_sequences (fewer
+    concurrent sequences than this fails)."""
     from adapt.targets.target import load_target
 
     started = now_iso()
@@ -1248,28 +1245,8 @@ def run_plan_memory(
         headroom = float(thresholds.get("headroom_fraction", 0.2))
     spec, checkpoint = load_model(model)
     tgt = load_target(target)
-    plan = plan_memory(
-        spec,
-        tgt,
-        devices=devices,
-        nodes=nodes,
-        context=context,
-        batch=batch,
-        kv_dtype=kv_dtype,
-        weights=weights,
-        tp=tp,
-        ep=ep,
-        pp=pp,
-        dp=dp,
-        dcp=dcp,
-        headroom=headroom,
-        checkpoint=checkpoint,
-        max_num_batched_tokens=max_num_batched_tokens,
-        gpu_memory_utilization=gpu_memory_utilization,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        rope_factor=rope_factor,
-    )
+    plan = plan_memory(spec, tgt, headroom=headroom, checkpoint=checkpoint, **plan_args)
+    context, batch, weights = plan.context, plan.batch, plan.weights_format
     report = StageReport(stage="memory", number=2, title="Memory plan", started=started)
     report.summary = " ".join(plan.explanation)
     report.metrics = plan.to_dict()
@@ -1340,11 +1317,11 @@ def run_plan_memory(
     report.fingerprint = fingerprint(
         spec_hash=spec.spec_hash(),
         target=tgt.name,
-        devices=devices,
-        nodes=nodes,
+        devices=plan_args["devices"],
+        nodes=plan.nodes,
         context=context,
         batch=batch,
-        kv_dtype=kv_dtype,
+        kv_dtype=plan.kv_dtype,
         weights=weights,
         layout=plan.layout.label(),
         gates=thresholds,

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapt.errors import InputError
 from adapt.model.spec import ModelSpec
 from adapt.report import StageReport, fingerprint, now_iso
 from adapt.stages.memory import (
@@ -37,6 +36,8 @@ from adapt.stages.memory import (
     GiB,
     Layout,
     MemoryPlan,
+    checkpoint_component_bytes,
+    devices_per_node,
     divisors,
     kv_copies,
     layout_problems,
@@ -385,23 +386,7 @@ def plan_parallel(
     Arguments as ``adapt.stages.memory.plan_memory``. Raises InputError for a device count the
     nodes or the target cannot hold, bad workload flags, or a context above the model's limit.
     """
-    if devices < 1 or nodes < 1 or devices % nodes:
-        raise InputError(
-            f"--devices {devices} does not split evenly over --nodes {nodes}",
-            field="--devices",
-            hint=f"use a positive multiple of {max(nodes, 1)}",
-        )
-    per_node = devices // nodes
-    if per_node > target.devices_per_node:
-        raise InputError(
-            f"{per_node} devices per node, but a {target.name} node has {target.devices_per_node}",
-            field="--devices",
-            hint=f"use at most {target.devices_per_node * nodes} devices or add --nodes",
-        )
-    if nodes > target.max_nodes:
-        raise InputError(
-            f"--nodes {nodes} exceeds the target's max_nodes {target.max_nodes}", field="--nodes"
-        )
+    per_node = devices_per_node(target, devices, nodes)
     default_tokens, default_seqs = vllm_batch_defaults(target)
     options = dict(
         context=context,
@@ -409,9 +394,7 @@ def plan_parallel(
         kv_dtype=kv_dtype,
         weights=weights,
         headroom=headroom,
-        checkpoint=checkpoint.bytes_by_component()
-        if checkpoint is not None and weights == "as-stored" and not isinstance(checkpoint, dict)
-        else checkpoint,
+        checkpoint=checkpoint_component_bytes(checkpoint, weights),
         max_num_batched_tokens=max_num_batched_tokens or default_tokens,
         block_size=block_size,
         max_num_seqs=max_num_seqs or default_seqs,
@@ -419,23 +402,7 @@ def plan_parallel(
     )
     util = VLLM_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
     # validates the workload flags once (context limit, dtypes, ...) before the enumeration
-    plan_memory(
-        spec,
-        target,
-        devices=1,
-        context=context,
-        batch=batch,
-        kv_dtype=kv_dtype,
-        weights=weights,
-        headroom=headroom,
-        gpu_memory_utilization=util,
-        block_size=block_size,
-        max_num_batched_tokens=options["max_num_batched_tokens"],
-        max_num_seqs=options["max_num_seqs"],
-        rope_factor=rope_factor,
-        layout=Layout(),
-        search=False,
-    )
+    plan_memory(spec, target, devices=1, gpu_memory_utilization=util, layout=Layout(), search=False, **options)
 
     candidates = enumerate_layouts(spec, devices, context)
     plans = [_memory_check(spec, target, layout, util, options) for layout in candidates]
@@ -613,20 +580,15 @@ def run_plan_parallel(
     target: str,
     *,
     gates: dict,
-    devices: int,
-    nodes: int = 1,
-    context: int,
-    batch: int,
     kv_dtype: str = "bf16",
     weights: str = "as-stored",
     headroom: float | None = None,
-    max_num_batched_tokens: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    block_size: int = 64,
-    max_num_seqs: int | None = None,
     rope_factor: float | None = None,
+    **plan_args: Any,
 ) -> StageReport:
-    """Stage 4 as a gated report. ``gates["parallel"]["min_plans"]``: fewer feasible plans fail.
+    """Stage 4 as a gated report. ``plan_args``: ``plan_parallel``'s other keyword arguments
+    (devices, nodes, context, batch, ...; not checkpoint, which comes from ``model``).
+    ``gates["parallel"]["min_plans"]``: fewer feasible plans fail.
     Metrics hold ``engine_args``, ``serve_command`` (argv) and, for several nodes, ``ray_steps``."""
     from adapt.handoff.vllm import ray_steps, serve_command
     from adapt.targets.target import load_target
@@ -640,20 +602,14 @@ def run_plan_parallel(
     result = plan_parallel(
         spec,
         tgt,
-        devices=devices,
-        nodes=nodes,
-        context=context,
-        batch=batch,
         kv_dtype=kv_dtype,
         weights=weights,
         headroom=headroom,
         checkpoint=checkpoint,
-        max_num_batched_tokens=max_num_batched_tokens,
-        gpu_memory_utilization=gpu_memory_utilization,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
         rope_factor=rope_factor,
+        **plan_args,
     )
+    devices, nodes, context, batch = result.devices, result.nodes, result.context, result.batch
     report = StageReport(stage="parallel", number=4, title="Parallel plan", started=started)
     report.summary = " ".join(result.explanation)
     model_path = _model_path(model)

@@ -616,8 +616,9 @@ def test_mtp_layer_tensors_count_as_mtp():
     assert layer_of("model.norm.weight") is None
 
 
-def tiny_deepseek_files() -> dict[str, tuple[str, tuple[int, ...]]]:
-    spec = deepseek_spec(
+def tiny_deepseek_spec():
+    """A 3-layer DeepSeek spec (1 dense layer, 4 experts, one MTP layer) small enough to write."""
+    return deepseek_spec(
         layers=3,
         dense=1,
         hidden=256,
@@ -630,7 +631,10 @@ def tiny_deepseek_files() -> dict[str, tuple[str, tuple[int, ...]]]:
         kv_lora=64,
         mtp=1,
     )
-    return expected_as_files(spec)
+
+
+def tiny_deepseek_files() -> dict[str, tuple[str, tuple[int, ...]]]:
+    return expected_as_files(tiny_deepseek_spec())
 
 
 def test_bytes_by_component_and_layer(tmp_path):
@@ -749,38 +753,14 @@ def test_qwen3_and_mixtral_expected_parameters_match_published():
 
 
 def test_check_against_matching_checkpoint_has_no_findings(tmp_path):
-    spec = deepseek_spec(
-        layers=3,
-        dense=1,
-        hidden=256,
-        heads=2,
-        experts=4,
-        moe_width=128,
-        dense_width=384,
-        vocab=512,
-        q_lora=128,
-        kv_lora=64,
-        mtp=1,
-    )
+    spec = tiny_deepseek_spec()
     ckpt = Checkpoint.open(write_model(tmp_path, expected_as_files(spec)))
     assert ckpt.check_against(spec) == []
     assert ckpt.select([0, 2]).check_against(spec) == []
 
 
 def test_check_against_reports_missing_unexpected_misshaped_and_wrong_dtype(tmp_path):
-    spec = deepseek_spec(
-        layers=3,
-        dense=1,
-        hidden=256,
-        heads=2,
-        experts=4,
-        moe_width=128,
-        dense_width=384,
-        vocab=512,
-        q_lora=128,
-        kv_lora=64,
-        mtp=1,
-    )
+    spec = tiny_deepseek_spec()
     files = expected_as_files(spec)
     del files["model.layers.2.mlp.experts.3.down_proj.weight_scale_inv"]
     files["model.layers.1.self_attn.kv_b_proj.weight"] = ("F8_E4M3", (256, 32))
@@ -808,19 +788,7 @@ def test_check_against_reports_missing_unexpected_misshaped_and_wrong_dtype(tmp_
 
 
 def test_check_against_caps_findings_per_code(tmp_path):
-    spec = deepseek_spec(
-        layers=3,
-        dense=1,
-        hidden=256,
-        heads=2,
-        experts=4,
-        moe_width=128,
-        dense_width=384,
-        vocab=512,
-        q_lora=128,
-        kv_lora=64,
-        mtp=1,
-    )
+    spec = tiny_deepseek_spec()
     files = {n: f for n, f in expected_as_files(spec).items() if ".experts." not in n}
     findings = Checkpoint.open(write_model(tmp_path, files)).check_against(spec, limit=5)
     missing = [f for f in findings if f.code == "checkpoint.missing_tensor"]
@@ -868,62 +836,47 @@ def test_int4_and_not_converted_modules(tmp_path):
 
 # ---------------------------------------------------------------- against checkpoints transformers writes
 
+# Sizes every tiny model shares (transformers config keys)
+_TINY_COMMON = dict(
+    hidden_size=32,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=64,
+)
 TINY_CONFIGS = {
     "qwen3_moe": dict(
-        hidden_size=32,
+        _TINY_COMMON,
         intermediate_size=48,
         moe_intermediate_size=16,
         num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        vocab_size=64,
         mlp_only_layers=[1],
     ),
-    "mixtral": dict(
-        hidden_size=32,
-        intermediate_size=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-    ),
+    "mixtral": dict(_TINY_COMMON, intermediate_size=16, num_local_experts=4, num_key_value_heads=2),
     "deepseek_v3": dict(
-        hidden_size=32,
+        _TINY_COMMON,
         intermediate_size=48,
         moe_intermediate_size=16,
         n_routed_experts=4,
-        num_experts_per_tok=2,
         n_shared_experts=1,
-        num_hidden_layers=2,
         first_k_dense_replace=1,
-        num_attention_heads=4,
         num_key_value_heads=4,
         q_lora_rank=16,
         kv_lora_rank=8,
         qk_nope_head_dim=8,
         qk_rope_head_dim=4,
         v_head_dim=8,
-        vocab_size=64,
         n_group=1,
         topk_group=1,
     ),
     "gpt_oss": dict(
-        hidden_size=32,
-        intermediate_size=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=64,
+        _TINY_COMMON, intermediate_size=16, num_local_experts=4, num_key_value_heads=2, head_dim=8
     ),
 }
+# The same sizes in gqa_spec's terms, for the GQA families of TINY_CONFIGS
+_TINY_GQA = dict(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, experts=4, width=16, vocab=64)
 
 
 def tiny_spec(model_type: str) -> ModelSpec:
@@ -959,42 +912,17 @@ def tiny_spec(model_type: str) -> ModelSpec:
     if model_type == "qwen3_moe":
         return gqa_spec(
             "qwen3_moe",
-            layers=2,
-            hidden=32,
-            heads=4,
-            kv_heads=2,
-            head_dim=8,
-            experts=4,
-            width=16,
-            vocab=64,
+            **_TINY_GQA,
             qk_norm=True,
             dense_layers=(1,),
             dense_width=48,
             quantization=fp32,
         )
     if model_type == "mixtral":
-        return gqa_spec(
-            "mixtral",
-            layers=2,
-            hidden=32,
-            heads=4,
-            kv_heads=2,
-            head_dim=8,
-            experts=4,
-            width=16,
-            vocab=64,
-            quantization=fp32,
-        )
+        return gqa_spec("mixtral", **_TINY_GQA, quantization=fp32)
     return gqa_spec(
         "gpt_oss",
-        layers=2,
-        hidden=32,
-        heads=4,
-        kv_heads=2,
-        head_dim=8,
-        experts=4,
-        width=16,
-        vocab=64,
+        **_TINY_GQA,
         bias=True,
         sinks=True,
         router_bias=True,

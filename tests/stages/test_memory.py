@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from adapt.cli import app
 from adapt.errors import InputError
-from adapt.model.spec import load_spec, spec_from_config
+from adapt.model.spec import spec_from_config
 from adapt.report import load_gates
 from adapt.stages.memory import (
     GiB,
@@ -21,26 +21,8 @@ from adapt.stages.memory import (
     pp_stages,
     run_plan_memory,
 )
-from adapt.targets.target import load_target
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def specs():
-    return {
-        name: load_spec(name) for name in ("gpt-oss-120b", "qwen3-30b-a3b", "deepseek-v3.2", "mixtral-8x7b")
-    }
-
-
-@pytest.fixture(scope="module")
-def h100():
-    return load_target("h100-sxm")
-
-
-@pytest.fixture(scope="module")
-def h200():
-    return load_target("h200")
 
 
 # ----------------------------------------------------------------- published facts

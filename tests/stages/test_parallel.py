@@ -8,7 +8,6 @@ from typer.testing import CliRunner
 
 from adapt.cli import app
 from adapt.errors import InputError
-from adapt.model.spec import load_spec
 from adapt.report import load_gates
 from adapt.stages.memory import Layout, layout_problems
 from adapt.stages.parallel import (
@@ -32,23 +31,6 @@ ENGINE_KEYS = {
     "max_num_batched_tokens",
     "max_num_seqs",
 }
-
-
-@pytest.fixture(scope="module")
-def specs():
-    return {
-        name: load_spec(name) for name in ("gpt-oss-120b", "qwen3-30b-a3b", "deepseek-v3.2", "mixtral-8x7b")
-    }
-
-
-@pytest.fixture(scope="module")
-def h100():
-    return load_target("h100-sxm")
-
-
-@pytest.fixture(scope="module")
-def h200():
-    return load_target("h200")
 
 
 def _is_recipe(plan) -> bool:
