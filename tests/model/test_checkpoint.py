@@ -511,24 +511,6 @@ TINY_MIXTRAL_CONFIG = {
 CLI_CASES = sorted(set(HOSTILE) - {"empty_directory"})  # without shards `adapt info` reads the config only
 
 
-def _cli_ready(tmp_path: Path) -> None:
-    """Skip until adapt.cli has `info` and adapt.model.spec can load a config (both other modules)."""
-    import typer
-
-    from adapt import cli
-    from adapt.model.spec import load_spec
-
-    if "info" not in typer.main.get_command(cli.app).commands:
-        pytest.skip("adapt.cli has no `info` command yet")
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    (probe / "config.json").write_text(json.dumps(TINY_MIXTRAL_CONFIG))
-    try:
-        load_spec(str(probe))
-    except NotImplementedError:
-        pytest.skip("adapt.model.spec.load_spec is not implemented yet")
-
-
 def _cli_case(case: str, tmp_path: Path) -> tuple[Path, str, str, Path]:
     model, file_part, problem = _build_hostile(case, tmp_path)
     (model / "config.json").write_text(json.dumps(TINY_MIXTRAL_CONFIG))
@@ -539,7 +521,6 @@ def _cli_case(case: str, tmp_path: Path) -> tuple[Path, str, str, Path]:
 
 @pytest.mark.parametrize("case", CLI_CASES)
 def test_cli_info_on_hostile_checkpoint_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
-    _cli_ready(tmp_path)
     from adapt import cli
 
     model, file_part, problem, cwd = _cli_case(case, tmp_path)
@@ -556,7 +537,6 @@ def test_cli_info_on_hostile_checkpoint_exits_2_with_one_line(case, tmp_path, mo
 
 
 def test_cli_process_on_hostile_checkpoint_exits_2(tmp_path):
-    _cli_ready(tmp_path)
     model, file_part, problem, cwd = _cli_case("overlap", tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "adapt.cli", "info", str(model)],
