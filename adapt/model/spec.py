@@ -667,7 +667,7 @@ def load_spec(model: str | Path) -> ModelSpec:
         raise InputError(f"not valid JSON: {err.msg} at line {err.lineno}", file=source) from None
     except (OSError, UnicodeDecodeError) as err:
         raise InputError(f"cannot read: {err}", file=source) from None
-    return spec_from_config(config, source)
+    return spec_from_config(_fold_hf_quant_config(config, config_path, source), source)
 
 
 def spec_from_config(config: dict, source: str) -> ModelSpec:
@@ -1233,7 +1233,9 @@ def _quant(f: _Fields, spec: ModelSpec) -> QuantSpec:
                          modules_to_not_convert=skip, source="mxfp4")
     if method == "compressed-tensors":
         return _quant_compressed_tensors(q, default, modules)
-    raise q.error("quant_method", "one of fp8, mxfp4, compressed-tensors", method,
+    if method == "modelopt":
+        return _quant_modelopt(q, default, modules)
+    raise q.error("quant_method", "one of fp8, mxfp4, compressed-tensors, modelopt", method,
                   hint="other quantization methods are not supported yet")
 
 
@@ -1280,7 +1282,9 @@ def _quant_compressed_tensors(q: _Fields, default: QuantFormat, modules: dict[st
         weights = group.mapping("weights")
         if weights is None:
             raise group.error("weights", "a weight quantization scheme")
-        schemes.append((targets, _compressed_tensors_scheme(weights, default)))
+        fmt_name = group.string("format", None) if group.has("format") else (
+            q.string("format") if q.has("format") else None)
+        schemes.append((targets, _compressed_tensors_scheme(weights, default, fmt_name)))
     per_component = {}
     for component, names in modules.items():
         for module in names:
@@ -1295,8 +1299,9 @@ def _quant_compressed_tensors(q: _Fields, default: QuantFormat, modules: dict[st
                      source="compressed-tensors")
 
 
-def _compressed_tensors_scheme(weights: _Fields, default: QuantFormat) -> QuantFormat:
-    """QuantFormat of one compressed-tensors weight scheme (num_bits, type, strategy, ...)."""
+def _compressed_tensors_scheme(weights: _Fields, default: QuantFormat, fmt_name: str | None = None) -> QuantFormat:
+    """QuantFormat of one compressed-tensors weight scheme (num_bits, type, strategy, ...);
+    ``fmt_name``: the config's storage ``format`` (int4 must be "pack-quantized")."""
     bits = weights.integer("num_bits")
     kind = weights.string("type", "int")
     strategy = weights.string("strategy", "group")
@@ -1304,6 +1309,10 @@ def _compressed_tensors_scheme(weights: _Fields, default: QuantFormat) -> QuantF
                            ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
     scale = _SCALE_NAMES.get(scale, scale)
     if bits == 4 and kind == "int" and strategy == "group":
+        if fmt_name not in ("pack-quantized", None):
+            raise weights.error("num_bits", "int4 stored pack-quantized (eight values per int32)",
+                                f"int4 in format {fmt_name!r}",
+                                hint="other compressed-tensors storage formats are not supported yet")
         if not weights.boolean("symmetric", True):
             raise weights.error("symmetric", "true (zero points are not supported yet)", False)
         return QuantFormat("int4", (1, weights.integer("group_size")), scale)
@@ -1317,6 +1326,66 @@ def _compressed_tensors_scheme(weights: _Fields, default: QuantFormat) -> QuantF
     raise weights.error("num_bits", "int4 with group scales or float8 with block, channel or tensor scales",
                         f"{bits}-bit {kind} {strategy}",
                         hint="other compressed-tensors schemes are not supported yet")
+
+
+def _quant_modelopt(q: _Fields, default: QuantFormat, modules: dict[str, list[str]]) -> QuantSpec:
+    """NVIDIA ModelOpt (quant_method "modelopt", or an hf_quant_config.json folded in by
+    load_spec): NVFP4 = E2M1 values, one e4m3 scale per 16 elements along the input dim and an
+    fp32 global scale per matrix; FP8 = e4m3 with one fp32 scale per tensor. Every Linear but
+    those ``exclude_modules`` (or ``ignore``) names is converted."""
+    algo = q.string("quant_algo", None, ("NVFP4", "FP8"))
+    if algo is None:
+        raise q.error("quant_algo", "NVFP4 or FP8 (ModelOpt algorithms adapt plans)",
+                      hint="other ModelOpt algorithms (W4A8_AWQ, MIXED_PRECISION) are not supported yet")
+    if algo == "NVFP4":
+        group = q.integer("group_size", 16)
+        if group != 16:
+            raise q.error("group_size", "16 (NVFP4 scales blocks of 16 elements)", group)
+        fmt = QuantFormat("nvfp4", (1, 16), "e4m3")
+    else:
+        fmt = QuantFormat("fp8_tensor", None, "fp32")
+    skip_field = "exclude_modules" if q.has("exclude_modules") else "ignore"
+    skip = q.string_list(skip_field, ())
+    per_component = {component: fmt for component, names in modules.items()
+                     if any(not any(_matches(m, p) for p in skip) for m in names)}
+    return QuantSpec(default=default, per_component=per_component, modules_to_not_convert=skip,
+                     source=f"modelopt {algo}")
+
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+def _fold_hf_quant_config(config: dict, config_path: Path, source: str) -> dict:
+    """config.json plus the ModelOpt ``hf_quant_config.json`` beside it, as a top-level
+    quantization_config (quant_method "modelopt"), so that an NVFP4 checkpoint whose config.json
+    says nothing about quantization is never planned as bf16. Raises InputError when the two
+    files disagree."""
+    path = config_path.parent / HF_QUANT_CONFIG
+    if not path.is_file() or not isinstance(config, dict):
+        return config
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"cannot read: {err}", file=str(path)) from None
+    q = data.get("quantization") if isinstance(data, dict) else None
+    if not isinstance(q, dict):
+        raise InputError("expected a JSON object", file=str(path), field="quantization")
+    algo = q.get("quant_algo")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    existing = config.get("quantization_config") or text.get("quantization_config")
+    if existing is None:
+        folded = {"quant_method": "modelopt", "quant_algo": algo,
+                  "exclude_modules": q.get("exclude_modules") or []}
+        if q.get("group_size") is not None:
+            folded["group_size"] = q["group_size"]
+        return {**config, "quantization_config": folded}
+    if not isinstance(existing, dict) or existing.get("quant_method") != "modelopt" or \
+            existing.get("quant_algo") != algo:
+        said = existing.get("quant_method") if isinstance(existing, dict) else existing
+        raise InputError(f"says quant_algo {algo!r} but {source} has quantization_config quant_method {said!r}",
+                         file=str(path), field="quantization.quant_algo",
+                         hint="the two files come from different checkpoints; keep the pair that matches the weights")
+    return config
 
 
 _SCALE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32", "bf16": "bf16",
