@@ -215,6 +215,17 @@ BatchedTokensOpt = Annotated[int | None, typer.Option(
 MaxSeqsOpt = Annotated[int | None, typer.Option(
     "--max-num-seqs", help="vLLM max_num_seqs (default: vLLM's for the target).")]
 BlockOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV page.")]
+ImagesOpt = Annotated[int, typer.Option("--images", help="Images per request (multimodal models).")]
+ImageSizeOpt = Annotated[str, typer.Option("--image-size", help="Image HEIGHTxWIDTH in pixels, e.g. 1024x1024.")]
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """"1080x1920" -> (1080, 1920); InputError naming --image-size otherwise."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise InputError(f"expected HEIGHTxWIDTH in pixels, got {text!r}", field="--image-size",
+                         hint="e.g. --image-size 1024x1024")
+    return int(parts[0]), int(parts[1])
 RopeOpt = Annotated[float | None, typer.Option(
     "--rope-factor", help="Rope-scaling factor over the pre-scaling length, to plan a longer --context.")]
 
@@ -232,6 +243,7 @@ def plan_memory_command(
     max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None,
     block_size: BlockOpt = 64, rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"),
     run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
+    images: ImagesOpt = 0, image_size: ImageSizeOpt = "1024x1024",
 ) -> None:
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
     from adapt.report import load_gates
@@ -242,7 +254,8 @@ def plan_memory_command(
                              tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp,
                              headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             block_size=block_size, rope_factor=rope_factor)
+                             block_size=block_size, rope_factor=rope_factor,
+                             images=images, image_size=parse_image_size(image_size))
     finish(report, as_json, RunDir(output, run_id))
 
 
