@@ -1395,7 +1395,8 @@ _SCALE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32"
 # ---------------------------------------------------------------------------------------
 # Multimodal and hybrid families: kimi_k25 (MoonViT + DeepSeek-V3 text), llama4 (ViT tiles +
 # interleaved dense/MoE, chunked and NoPE attention), qwen3_next (Gated DeltaNet + gated
-# attention). Tensor names follow the published checkpoints (vLLM's weight loaders read them).
+# attention). Tensor names follow the published checkpoints (vLLM's weight loaders read them;
+# Kimi's projector is stored as mm_projector.proj.0 / proj.2, which vLLM maps to linear_1 / 2).
 
 
 def _rows(*entries: tuple) -> tuple[_Row, ...]:
@@ -1489,10 +1490,10 @@ def _vision_groups(v: VisionSpec) -> tuple[tuple[str, None, bool, tuple[_Row, ..
                              ("final_layernorm.bias", (h,), "vision", False, 0))))
         groups.append(("mm_projector.", None, False, _rows(
             ("pre_norm.weight", (h,), "projector", False, 0), ("pre_norm.bias", (h,), "projector", False, 0),
-            ("linear_1.weight", (merged, merged), "projector", True, 0),
-            ("linear_1.bias", (merged,), "projector", False, 0),
-            ("linear_2.weight", (v.text_hidden, merged), "projector", True, 0),
-            ("linear_2.bias", (v.text_hidden,), "projector", False, 0))))
+            ("proj.0.weight", (merged, merged), "projector", True, 0),
+            ("proj.0.bias", (merged,), "projector", False, 0),
+            ("proj.2.weight", (v.text_hidden, merged), "projector", True, 0),
+            ("proj.2.bias", (v.text_hidden,), "projector", False, 0))))
         return tuple(groups)
     positions = (v.image_size // v.patch_size) ** 2 + 1
     patch_in = v.channels * v.patch_size * v.patch_size
