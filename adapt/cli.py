@@ -391,8 +391,13 @@ def run_command(
         "--moe-workspace", min=0, help="With the moe kernel: experts per chunk of the shared FP8 workspace "
         "(online MXFP4 -> FP8 of active experts); 0 decodes MXFP4 to bf16 in the GEMM.")] = 0,
     as_json: JsonOpt = False,
+    image: Annotated[Path | None, typer.Option(
+        "--image", help="Image file for a multimodal model (llama4): one tile before each prompt.")] = None,
 ) -> None:
     """Generate with adapt's runtime (torch reference or adapt kernels per op family), any depth."""
+    if image is not None or _reference_family(model):
+        _run_reference(model, token_ids, prompt, max_new_tokens, layers, dtype, image, as_json)
+        return
     from adapt.runtime.engine import prepare_triton
 
     prepare_triton()
@@ -438,6 +443,45 @@ def run_command(
                       f"{row['tokens']}")
         if row["text"] is not None:
             console.print(repr(row["text"]), markup=False, highlight=False)
+
+
+def _reference_family(model: str) -> bool:
+    from adapt.runtime.families import uses_reference_path
+
+    path = Path(model)
+    return path.is_dir() and uses_reference_path(path)
+
+
+def _run_reference(model, token_ids, prompt, max_new_tokens, layers, dtype, image, as_json) -> None:
+    """`adapt run` for qwen3_next and llama4 (adapt.runtime.families): token ids in, tokens out."""
+    import torch
+
+    from adapt.runtime.engine import parse_layers
+    from adapt.runtime.families import generate_reference
+
+    if prompt or not token_ids:
+        raise InputError("this model runs on the tokenizer-free reference path: give --token-ids",
+                         field="--prompt", hint="e.g. --token-ids 5,17,99")
+    if image is not None and not image.is_file():
+        raise InputError("no such image file", file=str(image), field="--image")
+    try:
+        prompts = [[int(x) for x in ids.split(",")] for ids in token_ids]
+    except ValueError:
+        raise InputError("expected comma-separated integers", field="--token-ids") from None
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise InputError(f"expected bfloat16 or float32, got {dtype!r}", field="--dtype")
+    from adapt.model.spec import load_spec
+
+    chosen = parse_layers(layers, load_spec(Path(model)).num_layers) if layers else None
+    summary = generate_reference(Path(model), prompts, max_new_tokens, chosen, image, dtypes[dtype])
+    if as_json:
+        print_json(summary)
+        return
+    for index, row in enumerate(summary["sequences"]):
+        console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens"
+                      + (f", {summary['image_tokens']} of them the image" if summary["image_tokens"] else "")
+                      + f"): {row['tokens']}")
 
 
 def _no_status():

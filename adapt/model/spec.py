@@ -792,7 +792,6 @@ def _common(f: _Fields, norm_eps_default: float) -> _Common:
     kv_heads = f.integer("num_key_value_heads", heads)
     if heads % kv_heads:
         raise f.error("num_key_value_heads", f"a divisor of num_attention_heads ({heads})", kv_heads)
-    dtype_field = "torch_dtype" if f.has("torch_dtype") else "dtype"
     return _Common(
         hidden=hidden,
         num_layers=f.integer("num_hidden_layers"),
@@ -802,8 +801,13 @@ def _common(f: _Fields, norm_eps_default: float) -> _Common:
         tie=f.boolean("tie_word_embeddings", False),
         max_position=f.integer("max_position_embeddings"),
         norm_eps=f.number("rms_norm_eps", norm_eps_default),
-        dtype=f.string(dtype_field, "bfloat16", tuple(_TORCH_DTYPES)),
+        dtype=_common_dtype(f),
     )
+
+
+def _common_dtype(f: _Fields) -> str:
+    dtype_field = "torch_dtype" if f.has("torch_dtype") else "dtype"
+    return f.string(dtype_field, "bfloat16", tuple(_TORCH_DTYPES))
 
 
 def _check_routing(f: _Fields, experts_field: str, experts: int, top_k: int, top_k_field: str,
@@ -1573,6 +1577,8 @@ def _llama4(f: _Fields, model_type: str) -> ModelSpec:
     if t is None:
         raise f.error("text_config", "the language model's config (llama4_text)")
     c = _common(t, 1e-5)
+    if not (t.has("torch_dtype") or t.has("dtype")) and (f.has("torch_dtype") or f.has("dtype")):
+        c = replace(c, dtype=_common_dtype(f))  # transformers 5 writes the dtype at the top level only
     head_dim = t.integer("head_dim", c.hidden // c.heads)
     no_rope = t.integer_list("no_rope_layers", ()) or tuple(
         int((i + 1) % t.integer("no_rope_layer_interval", 4) != 0) for i in range(c.num_layers))
