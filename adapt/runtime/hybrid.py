@@ -24,13 +24,13 @@ uses (experts fused as ``mlp.experts.gate_up_proj`` [E, 2 x width, hidden] and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from adapt.errors import InputError
-from adapt.model.spec import AttentionSpec, FFNSpec, ModelSpec, load_spec
+from adapt.model.spec import AttentionSpec, FFNSpec, ModelSpec
+from adapt.runtime.reference import ReferenceModel
 
 
 def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,7 +86,7 @@ class HybridState:
         return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
 
 
-class HybridModel:
+class HybridModel(ReferenceModel):
     """Qwen3-Next-style model on chosen decoder layers (reduced depth keeps each layer's own
     index, so its kind - linear or full attention, dense or MoE - is the one it has in full)."""
 
@@ -95,36 +95,14 @@ class HybridModel:
         if spec.model_type != "qwen3_next":
             raise InputError(f"the hybrid reference path runs qwen3_next, not {spec.model_type!r}",
                              file=spec.source, field="model_type")
-        self.spec, self.dtype = spec, dtype
-        self.w = {name: t.to(dtype) for name, t in weights.items()}
-        self.layer_ids = list(range(spec.num_layers)) if layers is None else list(layers)
+        super().__init__(spec, weights, layers, dtype)
         self.eps = spec.norm_eps
         rope = spec.rope
         self.rotary_dim = rope.rotary_dim
         self.inv_freq = 1.0 / (rope.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32)
                                                / self.rotary_dim))
 
-    @classmethod
-    def from_dir(cls, model_dir: str | Path, layers: list[int] | None = None,
-                 dtype: torch.dtype = torch.float32) -> HybridModel:
-        """Spec from config.json, weights from every *.safetensors file of ``model_dir``."""
-        from safetensors.torch import load_file
-
-        directory = Path(model_dir)
-        spec = load_spec(directory)
-        weights: dict[str, torch.Tensor] = {}
-        for path in sorted(directory.glob("*.safetensors")):
-            weights.update(load_file(str(path)))
-        return cls(spec, weights, layers, dtype)
-
     # -------------------------------------------------------------- pieces
-
-    def _get(self, name: str) -> torch.Tensor:
-        tensor = self.w.get(name)
-        if tensor is None:
-            raise InputError(f"tensor {name!r} is missing", file=self.spec.source,
-                             hint="the checkpoint does not match config.json")
-        return tensor
 
     def _experts(self, prefix: str, ffn: FFNSpec) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2 x width, hidden], down [E, hidden, width]) from fused or per-expert tensors."""

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from adapt.errors import InputError
-from adapt.model.spec import AttentionSpec, FFNSpec, ModelSpec, load_spec
+from adapt.model.spec import AttentionSpec, FFNSpec, ModelSpec
+from adapt.runtime.reference import ReferenceModel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -65,7 +66,7 @@ class MultimodalState:
     length: int = 0
 
 
-class MultimodalModel:
+class MultimodalModel(ReferenceModel):
     """Llama 4 multimodal MoE on chosen language layers (each keeps its own index and kind)."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], layers: list[int] | None = None,
@@ -73,9 +74,7 @@ class MultimodalModel:
         if spec.model_type != "llama4" or spec.vision is None:
             raise InputError(f"the multimodal reference path runs llama4 with a vision tower, not {spec.model_type!r}",
                              file=spec.source, field="model_type")
-        self.spec, self.dtype = spec, dtype
-        self.w = {self._canonical(name): t.to(dtype) for name, t in weights.items()}
-        self.layer_ids = list(range(spec.num_layers)) if layers is None else list(layers)
+        super().__init__(spec, weights, layers, dtype)
         text = spec.config.get("text_config", {})
         self.attn_scale = float(text.get("attn_scale", 0.1))
         self.floor_scale = float(text.get("floor_scale", 8192))
@@ -94,25 +93,6 @@ class MultimodalModel:
             if name.startswith(old):
                 return new + name[len(old):]
         return name
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path, layers: list[int] | None = None,
-                 dtype: torch.dtype = torch.float32) -> MultimodalModel:
-        from safetensors.torch import load_file
-
-        directory = Path(model_dir)
-        spec = load_spec(directory)
-        weights: dict[str, torch.Tensor] = {}
-        for path in sorted(directory.glob("*.safetensors")):
-            weights.update(load_file(str(path)))
-        return cls(spec, weights, layers, dtype)
-
-    def _get(self, name: str) -> torch.Tensor:
-        tensor = self.w.get(name)
-        if tensor is None:
-            raise InputError(f"tensor {name!r} is missing", file=self.spec.source,
-                             hint="the checkpoint does not match config.json")
-        return tensor
 
     def _text_inv_freq(self, head_dim: int) -> torch.Tensor:
         """RoPE inverse frequencies [head_dim/2], with Llama 3 scaling when the config asks for it."""
