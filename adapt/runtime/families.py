@@ -4,6 +4,7 @@ vision tower, adapt.runtime.multimodal). Greedy, one sequence at a time, token i
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -14,8 +15,13 @@ REFERENCE_FAMILIES = ("qwen3_next", "llama4")
 
 
 def uses_reference_path(model_dir: Path) -> bool:
-    """True for a model directory whose model_type runs on these reference paths."""
-    return (model_dir / "config.json").is_file() and load_spec(model_dir).model_type in REFERENCE_FAMILIES
+    """True for a model directory whose config.json names a model_type of these reference paths
+    (read directly: any other directory goes on to the decoder engine untouched)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in REFERENCE_FAMILIES
 
 
 def generate_reference(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, layers: list[int] | None,
