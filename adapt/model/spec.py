@@ -1555,7 +1555,8 @@ def _kimi_k25(f: _Fields, model_type: str) -> ModelSpec:
         kind="moonvit", hidden=hidden, layers=pick("num_hidden_layers", 27), heads=heads,
         intermediate=pick("intermediate_size", 4304), patch_size=vc.integer("patch_size", 14), channels=3,
         merge=(merge[0], merge[1]), text_hidden=base.hidden,
-        pos_grid=(vc.integer("init_pos_emb_height", 64), vc.integer("init_pos_emb_width", 64)),
+        pos_grid=tuple(vc.integer(f"init_pos_emb_{side}") if vc.has(f"init_pos_emb_{side}")
+                       else vc.integer(f"pos_emb_{side}", 64) for side in ("height", "width")),
     )
     text_hidden = vc.integer("text_hidden_size", base.hidden)
     if text_hidden != base.hidden:
