@@ -105,3 +105,13 @@ def test_plan_memory_and_parallel_accept_the_published_configs(name, tmp_path):
                                                            load_spec(path).vision.image_tokens(768, 1024))
     report = run_plan_parallel(path, "h200", gates={}, devices=8, nodes=1, context=16384, batch=4)
     assert report.verdict in ("pass", "warn") and report.metrics["serve_command"]
+
+
+@pytest.mark.parametrize("args, field", [(["--image-size", "1024"], "--image-size"),
+                                         (["--images", "-1"], "--images"),
+                                         (["--images", "5000", "--image-size", "4000x4000"], "--context")])
+def test_bad_image_flags_exit_2_with_one_line(args, field, tmp_path):
+    result = CliRunner().invoke(app, ["plan-memory", str(SCOUT), "-t", "h200", "-d", "8", "--context", "8192",
+                                      "-o", str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
+    assert f"field '{field}'" in result.output and "Traceback" not in result.output
