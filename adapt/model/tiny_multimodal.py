@@ -58,3 +58,41 @@ def build_tiny_llama4(out_dir: str | Path, *, seed: int = 0) -> Path:
     out = Path(out_dir)
     model.save_pretrained(out)
     return out
+
+
+TINY_KIMI_K25_TEXT = {
+    "model_type": "kimi_k2", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+    "moe_intermediate_size": 32, "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1,
+    "topk_group": 1,
+    "num_nextn_predict_layers": 0, "max_position_embeddings": 512, "tie_word_embeddings": False,
+}
+TINY_KIMI_K25_VISION = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 14,
+    "pos_emb_height": 8, "pos_emb_width": 8, "merge_kernel_size": [2, 2],
+}
+
+
+def build_tiny_kimi_k25(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """A tiny Kimi K2.5 (MoonViT on an 8 x 8 position grid, 2 blocks; DeepSeek-V3 text of 2
+    layers) through transformers' Kimi_K25ForConditionalGeneration, weights drawn as above."""
+    import torch
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    config = Kimi_K25Config(text_config=dict(TINY_KIMI_K25_TEXT), vision_config=dict(TINY_KIMI_K25_VISION),
+                            projection_hidden_size=TINY_KIMI_K25_VISION["hidden_size"], image_token_id=IMAGE,
+                            tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out

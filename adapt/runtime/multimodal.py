@@ -273,3 +273,82 @@ def load_image_tile(path: str | Path, size: int, mean: float = 0.5, std: float =
         raise InputError(f"cannot read the image: {err}", file=str(path), field="--image") from None
     pixels = torch.from_numpy(np.asarray(image, dtype=np.float32)) / 255.0  # [size, size, 3]
     return ((pixels - mean) / std).permute(2, 0, 1)[None]
+
+
+class MoonViT(ReferenceModel):
+    """Kimi K2.5's vision tower and projector (MoonViT + patch merger), images in, language-width
+    features out (the language model is DeepSeek-V3's).
+
+    Per image of ph x pw patches (row-major): Conv patch embedding, plus the learned position grid
+    resampled bicubically to (ph, pw); blocks of LayerNorm, bidirectional attention with 2D
+    rotary on interleaved pairs (per frequency the column angle, then the row angle: the published
+    layout, which transformers permutes into rotated halves when it loads), LayerNorm and a
+    tanh-GELU MLP; final LayerNorm; each 2x2 window of patches concatenated (pre-normed) into one
+    token; two linears with GELU between into the language width.
+    Weights under the checkpoint names (vision_tower.*, mm_projector.*). Wiring its features into
+    the DeepSeek-V3 language model for generation waits on the runtime that builds from ModelSpec.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], layers: list[int] | None = None,
+                 dtype: torch.dtype = torch.float32):
+        if spec.model_type != "kimi_k25" or spec.vision is None:
+            raise InputError(f"MoonViT runs kimi_k25's vision tower, not {spec.model_type!r}",
+                             file=spec.source, field="model_type")
+        super().__init__(spec, weights, layers, dtype)
+
+    @staticmethod
+    def _canonical(name: str) -> str:
+        """transformers 5.19 saves two Kimi tensors under other names than the published
+        checkpoints (and vLLM) use: model.mm_projector.pre_norm.*, vision_tower.encoder.patch_embed.*."""
+        if name.startswith("model.mm_projector."):
+            return name[len("model."):]
+        return name.replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed.")
+
+    def _angles(self, ph: int, pw: int) -> torch.Tensor:
+        """Rotary angles [ph * pw, head_dim / 2] of row-major patches: (column, row) per frequency."""
+        v = self.spec.vision
+        head_dim = v.hidden // v.heads
+        theta = float(self.spec.config.get("vision_config", {}).get("rope_parameters", {}).get("rope_theta", 10000.0))
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)))
+        rows, cols = torch.meshgrid(torch.arange(ph), torch.arange(pw), indexing="ij")
+        per_axis = torch.stack([rows.flatten(), cols.flatten()], -1)[..., None].float() * inv  # [N, 2, hd/4]
+        return per_axis.transpose(1, 2).flip(-1).flatten(1)  # [N, hd/2]: col0, row0, col1, row1, ...
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
+        """pixel_values [sum of ph*pw, 3, p, p] (row-major patches of each image, normalised);
+        grids: (ph, pw) per image -> features [sum of ph*pw / 4, text hidden] in image order."""
+        v, p = self.spec.vision, "vision_tower."
+        x = F.conv2d(pixel_values.to(self.dtype), self._get(p + "patch_embed.proj.weight"),
+                     self._get(p + "patch_embed.proj.bias"), stride=v.patch_size).flatten(1)
+        table = self._get(p + "patch_embed.pos_emb.weight")  # [gh, gw, hidden]
+        out, start = [], 0
+        head_dim = v.hidden // v.heads
+        for ph, pw in grids:
+            h = x[start:start + ph * pw]
+            start += ph * pw
+            pos = table if (ph, pw) == tuple(table.shape[:2]) else F.interpolate(
+                table.permute(2, 0, 1)[None], size=(ph, pw), mode="bicubic", align_corners=False)[0].permute(1, 2, 0)
+            h = h + pos.reshape(ph * pw, -1)
+            angles = self._angles(ph, pw)
+            for n in range(v.layers):
+                b = f"{p}encoder.blocks.{n}."
+                y = F.layer_norm(h, (v.hidden,), self._get(b + "norm0.weight"), self._get(b + "norm0.bias"), 1e-5)
+                qkv = y @ self._get(b + "wqkv.weight").T + self._get(b + "wqkv.bias")
+                q, k, val = (t.reshape(-1, v.heads, head_dim) for t in qkv.chunk(3, -1))
+                q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)  # checkpoint layout: interleaved pairs
+                scores = torch.einsum("qhd,khd->hqk", q, k) * head_dim ** -0.5
+                attn = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), val).reshape(ph * pw, -1)
+                h = h + attn @ self._get(b + "wo.weight").T + self._get(b + "wo.bias")
+                y = F.layer_norm(h, (v.hidden,), self._get(b + "norm1.weight"), self._get(b + "norm1.bias"), 1e-5)
+                y = F.gelu(y @ self._get(b + "mlp.fc0.weight").T + self._get(b + "mlp.fc0.bias"), approximate="tanh")
+                h = h + y @ self._get(b + "mlp.fc1.weight").T + self._get(b + "mlp.fc1.bias")
+            h = F.layer_norm(h, (v.hidden,), self._get(p + "encoder.final_layernorm.weight"),
+                             self._get(p + "encoder.final_layernorm.bias"), 1e-5)
+            kh, kw = v.merge
+            windows = h.view(ph // kh, kh, pw // kw, kw, -1).permute(0, 2, 1, 3, 4).reshape(-1, kh * kw, v.hidden)
+            out.append(windows)
+        merged = torch.cat(out)
+        q = "mm_projector."
+        y = F.layer_norm(merged, (v.hidden,), self._get(q + "pre_norm.weight"), self._get(q + "pre_norm.bias"), 1e-5)
+        y = F.gelu(y.reshape(merged.shape[0], -1) @ self._get(q + "proj.0.weight").T + self._get(q + "proj.0.bias"))
+        return y @ self._get(q + "proj.2.weight").T + self._get(q + "proj.2.bias")
