@@ -25,7 +25,8 @@ What is Triton and what is torch here:
   (batch 64 decode at 128K: 64 sequences x 16 splits of 64 tiles). Torch twin
   ``index_scores_torch``.
 - ``index_topk``: calls ``index_scores`` on bounded chunks of query rows and selects with
-  ``torch.topk`` (torch, not Triton). The [T, S] score matrix is never materialised: a chunk
+  ``adapt.kernels.topk.topk_indices`` (Triton radix threshold select, twin ``topk_indices_torch``).
+  The [T, S] score matrix is never materialised: a chunk
   holds at most ``max_score_bytes`` of fp32 scores (rows x visible keys of its last row);
   ``IndexStats.peak_score_bytes`` reports what was used.
 
@@ -45,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adapt.kernels.topk import topk_indices, topk_indices_torch
 from adapt.runtime.kv_cache import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 
 PREFILL_ROWS_PER_TILE = 8
@@ -272,16 +274,7 @@ class IndexStats:
     peak_score_bytes: int
 
 
-def _select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    k = min(topk, scores.shape[1])
-    values, idx = torch.topk(scores, k, dim=-1, sorted=False)
-    idx = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
-    if k < topk:
-        idx = torch.cat([idx, idx.new_full((idx.shape[0], topk - k), -1)], dim=1)
-    return idx
-
-
-def _index_topk_chunked(score_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
+def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
                         topk, max_score_bytes, max_keys, tile_options):
     n_rows = q_fp8.shape[0]
     out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
@@ -301,7 +294,7 @@ def _index_topk_chunked(score_fn, q_fp8, weights, index_k, index_scale, block_ta
         scores = score_fn(q_fp8[start:end], weights[start:end], index_k, index_scale, block_table,
                           token_seq[start:end], limits[start:end], cols, **tile_options)
         peak = max(peak, scores.numel() * 4)
-        out[start:end] = _select_topk(scores, topk)
+        select_fn(scores, limits[start:end], topk, out=out[start:end])
         del scores
         chunks += 1
     return out, IndexStats(chunks=chunks, peak_score_bytes=peak)
@@ -311,18 +304,20 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
                block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor, topk: int, *,
                max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, max_keys: int | None = None,
                **tile_options) -> tuple[torch.Tensor, IndexStats]:
-    """Top-``topk`` key positions per query row: Triton scoring on bounded chunks + torch.topk.
+    """Top-``topk`` key positions per query row: Triton scoring on bounded chunks + Triton radix select.
 
-    Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the row
-    sees fewer than ``topk`` keys; stats). Rows are chunked so that each chunk's score buffer
-    (rows x visible keys of the widest row, fp32) stays under ``max_score_bytes``; a chunk
-    holds at least one row (4 * S bytes for S keys). Order within a row is unspecified.
+    Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions in ascending
+    order, -1 after them where the row sees fewer than ``topk`` keys; ties at the k-th score go to the
+    lowest positions, as ``adapt.kernels.topk.topk_indices`` selects; stats). Rows are chunked so that
+    each chunk's score buffer (rows x visible keys of the widest row, fp32) stays under
+    ``max_score_bytes``; a chunk holds at least one row (4 * S bytes for S keys).
     ``max_keys`` (an upper bound on ``limits``) sizes every chunk's score buffer without reading
     ``limits`` back to the host; with it and ``rows_per_tile=1`` a decode step makes no host sync
-    (CUDA-graph capturable).
+    (CUDA-graph capturable). The scores of a chunk are still written to memory and read back by the
+    select (decode, batch 64 x 128K: 32 MiB, L2-sized); scoring and select are not fused yet.
     """
-    return _index_topk_chunked(index_scores, q_fp8, weights, index_k, index_scale, block_table, token_seq,
-                               limits, topk, max_score_bytes, max_keys, tile_options)
+    return _index_topk_chunked(index_scores, topk_indices, q_fp8, weights, index_k, index_scale, block_table,
+                               token_seq, limits, topk, max_score_bytes, max_keys, tile_options)
 
 
 def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
@@ -330,5 +325,5 @@ def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.
                      limits: torch.Tensor, topk: int, *, max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES,
                      max_keys: int | None = None, **tile_options) -> tuple[torch.Tensor, IndexStats]:
     """Torch twin of ``index_topk``."""
-    return _index_topk_chunked(index_scores_torch, q_fp8, weights, index_k, index_scale, block_table,
-                               token_seq, limits, topk, max_score_bytes, max_keys, tile_options)
+    return _index_topk_chunked(index_scores_torch, topk_indices_torch, q_fp8, weights, index_k, index_scale,
+                               block_table, token_seq, limits, topk, max_score_bytes, max_keys, tile_options)

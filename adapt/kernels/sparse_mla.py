@@ -171,17 +171,20 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One program: one row, BLOCK_H heads. Merges the n_splits partial outputs by their
-    log2-sum-exp weights: out = sum_s 2**lse_s * o_s / sum_s 2**lse_s (0 when no slice saw a
-    valid position). Bytes: reads n_splits * BLOCK_H * (RANK + 1) * 4, writes BLOCK_H * RANK * 2."""
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """One program: one row, BLOCK_H heads, BLOCK_C output columns. Merges the n_splits partial
+    outputs by their log2-sum-exp weights: out = sum_s 2**lse_s * o_s / sum_s 2**lse_s (0 when no
+    slice saw a valid position). Bytes: reads n_splits * BLOCK_H * (BLOCK_C + 1) * 4, writes
+    BLOCK_H * BLOCK_C * 2. Small blocks on purpose: batch-1 decode has one row, and the partials
+    (splits x 128 heads x 512 x 4 B) must be read by many SMs at once."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
-    cols = tl.arange(0, RANK)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, RANK], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     for s in range(0, n_splits):
         part = (row * n_splits + s) * n_heads + heads
         lse = tl.load(lse_ptr + part, mask=hmask, other=float("-inf"))
@@ -285,9 +288,10 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
         num_stages=num_stages,
     )
     if splits > 1:
-        combine_h = min(triton.next_power_of_2(n_heads), max(1, 8192 // triton.next_power_of_2(rank)))
-        _combine_kernel[(n_rows, triton.cdiv(n_heads, combine_h))](
-            partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, num_warps=4)
+        combine_c = min(rank, 128)
+        combine_h = min(triton.next_power_of_2(n_heads), 4)
+        _combine_kernel[(n_rows, triton.cdiv(n_heads, combine_h), rank // combine_c)](
+            partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, BLOCK_C=combine_c, num_warps=4)
     return out
 
 

@@ -35,6 +35,7 @@ import torch
 
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
+from adapt.kernels.topk import topk_indices
 from adapt.runtime.kv_cache import FP8_DTYPE, PAGE_SIZE, PagedDSACache
 
 HEADS, RANK, ROPE, INDEX_HEADS, INDEX_DIM, NOPE, VDIM = 128, 512, 64, 64, 128, 128, 128
@@ -160,6 +161,8 @@ def _decode_case(
             **tiles["decode_index"],
         )
 
+    attend_tiles = {}
+
     def attend():
         return sparse_mla.sparse_mla(
             q_nope,
@@ -171,10 +174,12 @@ def _decode_case(
             token_seq,
             holder["idx"],
             0.1,
-            **_mla_tiles(tiles, batch),
+            **attend_tiles,
         )
 
     index_ms = _time_graph_ms(index, reps)
+    scores = dsa.index_scores(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits,
+                              context, rows_per_tile=1, **tiles["decode_index"])
     scores_ms = _time_graph_ms(
         lambda: dsa.index_scores(
             q8,
@@ -190,6 +195,21 @@ def _decode_case(
         ),
         reps,
     )
+    selected = torch.empty(batch, topk, dtype=torch.int32, device="cuda")
+    select_ms = _time_graph_ms(lambda: topk_indices(scores, limits, topk, out=selected), reps)
+    torch_topk_ms = _time_graph_ms(lambda: torch.topk(scores, topk, dim=-1, sorted=False), reps)
+    scores = None  # frees the score buffer (the lambdas above hold the name, not the tensor)
+    index()
+    mla_tiles = _mla_tiles(tiles, batch)
+    splits_sweep = []
+    if batch < SWEEP_BATCH:  # few rows: time the position-split counts and keep the fastest for the step
+        for splits in MLA_DECODE_SPLITS:
+            ms = _time_graph_ms(lambda n=splits: sparse_mla.sparse_mla(
+                q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, block_table, token_seq,
+                holder["idx"], 0.1, **{**mla_tiles, "splits": n}), reps)
+            splits_sweep.append({"splits": splits, "us": ms * 1e3})
+        mla_tiles = {**mla_tiles, "splits": min(splits_sweep, key=lambda row: row["us"])["splits"]}
+    attend_tiles.update(mla_tiles)
     attend_ms = _time_graph_ms(attend, reps)
     step_ms = _time_graph_ms(lambda: (index(), attend()), reps)
     key_bytes = batch * context * (INDEX_DIM + 4)
@@ -198,7 +218,9 @@ def _decode_case(
     floor_us = floor_bytes / copy_tbps / 1e6
     index_flops = 2 * INDEX_HEADS * INDEX_DIM * context * batch
     attend_flops = 2 * batch * HEADS * topk * (RANK + ROPE + RANK)
-    dense = _dense_decode_ms(batch, context, reps)
+    cache = layer = None
+    torch.cuda.empty_cache()
+    dense = _dense_decode(batch, context, reps, copy_tbps)
     torch.cuda.empty_cache()
     return {
         "batch": batch,
@@ -207,7 +229,11 @@ def _decode_case(
         "index_topk_us": index_ms * 1e3,
         "index_scores_us": scores_ms * 1e3,
         "topk_us": (index_ms - scores_ms) * 1e3,
+        "topk_kernel_us": select_ms * 1e3,
+        "torch_topk_us": torch_topk_ms * 1e3,
         "sparse_mla_us": attend_ms * 1e3,
+        "sparse_mla_tiles": mla_tiles,
+        "sparse_mla_splits_sweep": splits_sweep,
         "step_us": step_ms * 1e3,
         "floor_bytes": floor_bytes,
         "floor_us": floor_us,
@@ -218,8 +244,8 @@ def _decode_case(
         "index_TFLOPs": index_flops / index_ms / 1e9,
         "sparse_mla_TBps": (latent_bytes + batch * HEADS * (RANK + ROPE + RANK) * 2) / attend_ms / 1e9,
         "sparse_mla_TFLOPs": attend_flops / attend_ms / 1e9,
-        "dense_sdpa_us": None if dense is None else dense * 1e3,
-        "dense_over_step": None if dense is None else dense / step_ms,
+        **dense,
+        "dense_over_step": None if dense["dense_us"] is None else dense["dense_us"] / (step_ms * 1e3),
     }
 
 
@@ -230,21 +256,32 @@ def _mla_tiles(tiles: dict, rows: int) -> dict:
     return {k: v for k, v in tiles["mla"].items() if k != "splits" or rows == SWEEP_BATCH}
 
 
-def _dense_decode_ms(batch: int, context: int, reps: int) -> float | None:
-    """Dense MLA decode through SDPA: 128 heads as 128 query rows over one latent KV head
-    (None when no SDPA backend takes 576/512 dims or the KV would not fit)."""
+def _dense_decode(batch: int, context: int, reps: int, copy_tbps: float) -> dict:
+    """Dense absorbed MLA decode as a serving engine without a fused kernel runs it, timed like the DSA
+    step (CUDA-graph replays): per sequence, 128 query heads x the whole dense latent cache
+    [S, 576] bf16: scores = q @ KV^T (bf16 matmul), fp32 softmax, o = P @ KV[:, :512].
+
+    Byte floor: the latent cache read once, B * S * 1152 B (bf16) at the same-run copy rate; the fp8
+    cache of the DSA path (656 B/token) would give B * S * 656 B. None when the buffers would not
+    fit in 60 GiB."""
     kv_bytes = batch * context * (RANK + ROPE) * 2
-    if kv_bytes > 40 * 2**30:
-        return None
-    k = torch.randn(batch, 1, context, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(batch, 1, HEADS, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
-    v = k[..., :RANK]
-    try:
-        ms = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.1), reps)
-    except (RuntimeError, torch.OutOfMemoryError):
-        ms = None
-    torch.cuda.empty_cache()
-    return ms
+    row = {"dense_method": "absorbed MLA, bf16 bmm + fp32 softmax + bf16 bmm, CUDA graph",
+           "dense_floor_us": kv_bytes / copy_tbps / 1e6,
+           "dense_floor_fp8_cache_us": batch * context * _latent_row_bytes("fp8") / copy_tbps / 1e6,
+           "dense_us": None}
+    if kv_bytes + batch * HEADS * context * 10 > 60 * 2**30:
+        return row
+    kv = torch.randn(batch, context, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, HEADS, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
+
+    def dense():
+        logits = torch.bmm(q, kv.transpose(1, 2))
+        probs = torch.softmax(logits.float() * 0.1, dim=-1).to(torch.bfloat16)
+        return torch.bmm(probs, kv[..., :RANK])
+
+    ms = _time_graph_ms(dense, reps)
+    row.update(dense_us=ms * 1e3, dense_TBps=kv_bytes / ms / 1e9, dense_over_floor=ms * 1e3 / row["dense_floor_us"])
+    return row
 
 
 def _prefill_case(
@@ -358,20 +395,27 @@ def _prefill_case(
 
 
 def _dense_prefill_ms(length: int, reps: int) -> tuple[float, str]:
-    """Causal SDPA, 128 heads, q/k 192 and v 128 (falls back to v padded to 192)."""
+    """Causal SDPA on MLA's MHA-mode shapes (128 heads, q/k 192, v 128), each backend forced in turn
+    (Flash, cuDNN, memory-efficient); the first that runs is timed. Returns (ms, note naming the
+    backend that ran and why the ones before it were refused)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     q = torch.randn(1, HEADS, length, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
     k = torch.randn_like(q)
+    v = torch.randn(1, HEADS, length, VDIM, device="cuda", dtype=torch.bfloat16)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    try:
-        v = torch.randn(1, HEADS, length, VDIM, device="cuda", dtype=torch.bfloat16)
-        ms = _time_ms(lambda: sdpa(q, k, v, is_causal=True), reps)
-        note = "q,k 192 / v 128"
-    except RuntimeError:
-        v = torch.randn_like(q)
-        ms = _time_ms(lambda: sdpa(q, k, v, is_causal=True), reps)
-        note = "q,k,v 192 (v padded: no SDPA backend took v 128)"
-    torch.cuda.empty_cache()
-    return ms, note
+    refused = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                ms = _time_ms(lambda: sdpa(q, k, v, is_causal=True), reps)
+        except RuntimeError as err:
+            refused.append(f"{backend.name}: {str(err).splitlines()[0][:120]}")
+            continue
+        note = f"{backend.name} ran (q,k 192 / v 128)" + (f"; refused: {' | '.join(refused)}" if refused else "")
+        torch.cuda.empty_cache()
+        return ms, note
+    raise RuntimeError("no SDPA backend ran causal 192/128 attention: " + " | ".join(refused))
 
 
 def _prefill_forms(length: int, topk: int, rows: int, reps: int, tiles: dict) -> dict:
@@ -530,6 +574,9 @@ MLA_SWEEP = (
     dict(block_h=64, block_k=32, v_split=2, qk_chunk=512, num_warps=8, num_stages=2, splits=2),
 )
 SWEEP_BATCH = 64
+# Position-split counts timed for sparse MLA decode below SWEEP_BATCH rows (batch 1: 2 programs of
+# 64 heads per split with the fused tile); the fastest is kept for the step.
+MLA_DECODE_SPLITS = (4, 8, 16, 32, 64)
 
 # Index tiles measured fastest on the H200 in run 2 (benchmarks/dsa/2026-11-29-run2-grid.json);
 # the acceptance mode uses them instead of re-sweeping.
