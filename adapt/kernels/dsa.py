@@ -124,12 +124,14 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
                          n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                          ROWS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, STACKED: tl.constexpr):
     """One program: one query tile (up to ROWS consecutive rows of one sequence) against
     ``tiles_per_split`` consecutive BLOCK_S-key tiles (split ``program_id(1)`` of the
     context). Key tiles stream through a NUM_STAGES-deep software pipeline; each is read
     once and scored against every row of the query tile. With ROWS == 1 (decode) the query
-    [H, D] and its weights stay in registers for the whole scan."""
+    [H, D] and its weights stay in registers for the whole scan. STACKED (ROWS > 1): the tile's
+    ROWS x BLOCK_H query heads are loaded once as one [ROWS * BLOCK_H, D] operand and each key tile
+    takes one MMA with N = ROWS * BLOCK_H (instead of ROWS MMAs of N = BLOCK_H re-reading q)."""
     tile = tl.program_id(0)
     row0 = tl.load(tiles_ptr + tile * 3)
     n_rows = tl.load(tiles_ptr + tile * 3 + 1)
@@ -148,32 +150,61 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
         if UPCAST:
             q_one = q_one.to(tl.float32)
         w_one = tl.load(w_ptr + row0.to(tl.int64) * n_heads + heads, mask=hmask, other=0.0)
-    for kt in tl.range(first, live, num_stages=NUM_STAGES):
-        pos = kt * BLOCK_S + offs
-        key_mask = pos < tile_limit
-        page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
-        slot = page.to(tl.int64) * PAGE + pos % PAGE
-        keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None], other=0.0)
-        kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+    if STACKED:
+        stack = tl.arange(0, ROWS * BLOCK_H)
+        srow = stack // BLOCK_H
+        shead = stack % BLOCK_H
+        s_ok = (shead < n_heads) & (srow < n_rows)
+        q_all = tl.load(q_ptr + ((row0 + srow).to(tl.int64) * n_heads + shead)[:, None] * HEAD_DIM + dims[None, :],
+                        mask=s_ok[:, None], other=0.0)
         if UPCAST:
-            keys = keys.to(tl.float32)
-        for r in tl.static_range(ROWS):
-            row = (row0 + r).to(tl.int64)
-            row_ok = r < n_rows
-            if ROWS == 1:
-                q_r = q_one
-                w_r = w_one
-            else:
-                q_r = tl.load(q_ptr + (row * n_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
-                              mask=hmask[:, None] & row_ok, other=0.0)
-                if UPCAST:
-                    q_r = q_r.to(tl.float32)
-                w_r = tl.load(w_ptr + row * n_heads + heads, mask=hmask & row_ok, other=0.0)
-            logits = tl.dot(keys, tl.trans(q_r))
-            score = tl.sum(tl.maximum(logits, 0.0) * w_r[None, :], axis=1) * kscale
-            limit = tl.load(limit_ptr + row, mask=row_ok, other=0)
-            score = tl.where(pos < limit, score, float("-inf"))
-            tl.store(out_ptr + row * out_stride + pos, score, mask=row_ok & (pos < out_cols))
+            q_all = q_all.to(tl.float32)
+        w_all = tl.load(w_ptr + (row0 + srow).to(tl.int64) * n_heads + shead, mask=s_ok, other=0.0)
+        tile_rows = tl.arange(0, ROWS)
+        row_limits = tl.load(limit_ptr + row0 + tile_rows, mask=tile_rows < n_rows, other=0)
+        out_rows = (row0 + tile_rows).to(tl.int64) * out_stride
+        for kt in tl.range(first, live, num_stages=NUM_STAGES):
+            pos = kt * BLOCK_S + offs
+            key_mask = pos < tile_limit
+            page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None], other=0.0)
+            kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+            if UPCAST:
+                keys = keys.to(tl.float32)
+            logits = tl.dot(keys, tl.trans(q_all))
+            weighted = tl.reshape(tl.maximum(logits, 0.0) * w_all[None, :], [BLOCK_S, ROWS, BLOCK_H])
+            score = tl.sum(weighted, axis=2) * kscale[:, None]
+            score = tl.where(pos[:, None] < row_limits[None, :], score, float("-inf"))
+            tl.store(out_ptr + out_rows[None, :] + pos[:, None], score,
+                     mask=(tile_rows[None, :] < n_rows) & (pos[:, None] < out_cols))
+    else:
+        for kt in tl.range(first, live, num_stages=NUM_STAGES):
+            pos = kt * BLOCK_S + offs
+            key_mask = pos < tile_limit
+            page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None], other=0.0)
+            kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+            if UPCAST:
+                keys = keys.to(tl.float32)
+            for r in tl.static_range(ROWS):
+                row = (row0 + r).to(tl.int64)
+                row_ok = r < n_rows
+                if ROWS == 1:
+                    q_r = q_one
+                    w_r = w_one
+                else:
+                    q_r = tl.load(q_ptr + (row * n_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
+                                  mask=hmask[:, None] & row_ok, other=0.0)
+                    if UPCAST:
+                        q_r = q_r.to(tl.float32)
+                    w_r = tl.load(w_ptr + row * n_heads + heads, mask=hmask & row_ok, other=0.0)
+                logits = tl.dot(keys, tl.trans(q_r))
+                score = tl.sum(tl.maximum(logits, 0.0) * w_r[None, :], axis=1) * kscale
+                limit = tl.load(limit_ptr + row, mask=row_ok, other=0)
+                score = tl.where(pos < limit, score, float("-inf"))
+                tl.store(out_ptr + row * out_stride + pos, score, mask=row_ok & (pos < out_cols))
     for kt in range(tl.maximum(first, live), last):
         pos = kt * BLOCK_S + offs
         for r in tl.static_range(ROWS):
@@ -202,7 +233,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
                  num_cols: int, *, rows_per_tile: int | None = None, key_block: int | None = None,
                  num_stages: int | None = None, num_warps: int | None = None,
-                 programs: int | None = None) -> torch.Tensor:
+                 programs: int | None = None, stacked: bool = True) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -218,7 +249,9 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     ``PREFILL_ROWS_PER_TILE``; 1 when every row is its own sequence, as in decode);
     ``key_block`` keys per tile (default 128); ``num_stages`` key tiles in flight (default 3);
     the context is split so that about ``programs`` programs run (default 1024, enough to fill
-    132 SMs several times); ``num_warps`` per program (default 4).
+    132 SMs several times); ``num_warps`` per program (default 4); ``stacked`` (rows_per_tile > 1):
+    one MMA per key tile over all the tile's rows x heads, q loaded once (default), else one MMA
+    per row.
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -239,7 +272,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         limits.to(torch.int32).contiguous(), tiles, out,
         n_heads, block_table.stride(0), out.stride(0), num_cols, tiles_per_split,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s, ROWS=per_tile,
-        PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), num_warps=num_warps or 4,
+        PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
+        num_warps=num_warps or 4,
     )
     return out
 

@@ -109,7 +109,8 @@ TILE_OPTIONS = [{}, {"programs": 1, "key_block": 64, "rows_per_tile": 4, "num_st
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lengths,tiles", [((3, 64, 65), TILE_OPTIONS[0]), ((130,), TILE_OPTIONS[0]),
-                                           ((3, 64, 65), TILE_OPTIONS[1])])
+                                           ((3, 64, 65), TILE_OPTIONS[1]),
+                                           ((3, 64, 65), {**TILE_OPTIONS[1], "stacked": False})])
 def test_prefill_scores_match_twin(device, lengths, tiles):
     layer, batch, q8, weights = filled_cache(lengths, heads=3, dim=32, device=device)
     limits = (batch.positions + 1).int()
