@@ -204,6 +204,9 @@ def _decode_case(
     )
     selected = torch.empty(batch, topk, dtype=torch.int32, device="cuda")
     select_ms = _time_graph_ms(lambda: topk_indices(scores, limits, topk, out=selected), reps)
+    select_by_bits = {bits: 1e3 * _time_graph_ms(lambda b=bits: topk_indices(scores, limits, topk, out=selected,
+                                                                             digit_bits=b), reps)
+                      for bits in (4, 8)}
     torch_topk_ms = _time_graph_ms(lambda: torch.topk(scores, topk, dim=-1, sorted=False), reps)
     checks = {
         "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk), topk_indices_torch(scores, limits,
@@ -252,6 +255,7 @@ def _decode_case(
         "index_scores_us": scores_ms * 1e3,
         "topk_us": (index_ms - scores_ms) * 1e3,
         "topk_kernel_us": select_ms * 1e3,
+        "topk_kernel_us_by_digit_bits": select_by_bits,
         "torch_topk_us": torch_topk_ms * 1e3,
         "sparse_mla_us": attend_ms * 1e3,
         "sparse_mla_tiles": mla_tiles,
@@ -389,6 +393,15 @@ def _prefill_case(
     if timed:
         best = min(timed, key=lambda row: row["us"])
         tiles["prefill_index"] = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
+    tail = dsa.index_scores(q8[-4096:], weights[-4096:], layer.index_k, layer.index_scale, block_table,
+                            token_seq[-4096:], limits[-4096:], length, **tiles["prefill_index"])
+    tail_select = {f"triton_{bits}bit": _time_ms(lambda b=bits: topk_indices(tail, limits[-4096:], topk, digit_bits=b),
+                                                 reps) for bits in (4, 8)}
+    tail_select["torch_topk"] = _time_ms(lambda: torch.topk(tail, topk, dim=-1, sorted=False), reps)
+    tail_limits = limits[-4096:][:8]
+    tail_select["triton_equals_twin_rows0_8"] = bool(torch.equal(topk_indices(tail[:8], tail_limits, topk),
+                                                                 topk_indices_torch(tail[:8], tail_limits, topk)))
+    tail = None
     torch.cuda.reset_peak_memory_stats()
     index_ms = _time_ms(index, reps)
     peak_bytes = torch.cuda.max_memory_allocated()
@@ -436,6 +449,7 @@ def _prefill_case(
         "speedup_vs_dense": dense_ms / total_ms,
         "sparse_mla_rows_per_launch": attend_rows,
         "index_tiles": tiles["prefill_index"],
+        "topk_last4096_rows_ms": tail_select,
         "index_sweep": sweep_rows,
     }
     torch.cuda.empty_cache()
@@ -728,24 +742,26 @@ def run_dsa_acceptance(
     return result
 
 
-# Indexer prefill tiles timed in the acceptance run (sm_90 AOT, Triton 3.6: registers per thread,
-# stack bytes): the per-row form of run 2 (240, 0) and the stacked form, one MMA over
-# rows x 64 heads per key tile: 4 rows x 128 keys, 8 warps (242, 0); 4 x 64, 4 warps (232, 0);
-# 2 x 128, 4 warps (218, 0); 8 x 64, 8 warps (230, 0). 4 rows x 128 keys at 4 warps spills (384 B).
+# Indexer prefill tiles timed in the acceptance run, all the stacked form (one MMA over rows x 64
+# heads per key tile). sm_90 AOT, Triton 3.6, registers per thread / stack bytes: 2 rows x 128 keys,
+# 4 warps (218 / 0; fastest on 2026-11-30 at 578 TFLOP/s, the per-row form at 4 rows 492); 2 x 128,
+# 8 warps (124 / 0); 2 x 64, 4 warps (125 / 0); 4 x 64, 8 warps (123 / 0); 2 x 256, 8 warps (202 / 0);
+# 2 x 128, 4 warps, 4 stages (218 / 0).
 PREFILL_INDEX_SWEEP = (
-    dict(rows_per_tile=4, num_stages=3, num_warps=4, stacked=False),
-    dict(rows_per_tile=4, key_block=128, num_stages=3, num_warps=8),
-    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=4),
     dict(rows_per_tile=2, key_block=128, num_stages=3, num_warps=4),
-    dict(rows_per_tile=8, key_block=64, num_stages=3, num_warps=8),
+    dict(rows_per_tile=2, key_block=128, num_stages=3, num_warps=8),
+    dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
+    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8),
+    dict(rows_per_tile=2, key_block=256, num_stages=3, num_warps=8),
+    dict(rows_per_tile=2, key_block=128, num_stages=4, num_warps=4),
 )
 
-# Sparse MLA decode tiles for the acceptance run: the fused tile measured fastest on 2026-11-30
-# (358 us at batch 64) and the same with 64-position tiles (sm_90 AOT: 190 KB shared, 255
-# registers, no stack; the 32-position tile has 24 B of stack).
+# Sparse MLA decode tiles for the acceptance run: the fused tile with 64-position tiles, fastest on
+# 2026-11-30 (256 us at batch 64; 358 us with 32 positions), with 2 and 1 stages (sm_90 AOT: 190 and
+# 139 KB shared, 255 registers, no stack; 128-position tiles spill 592-792 B of stack).
 ACCEPTANCE_MLA_SWEEP = (
-    dict(block_h=64, block_k=32, v_split=1, qk_chunk=512, num_warps=8, num_stages=2),
     dict(block_h=64, block_k=64, v_split=1, qk_chunk=512, num_warps=8, num_stages=2),
+    dict(block_h=64, block_k=64, v_split=1, qk_chunk=512, num_warps=8, num_stages=1),
 )
 
 
@@ -939,6 +955,8 @@ def render_markdown(result: dict) -> str:
             f"| {_fmt(d.get('dense_us'))} | {_fmt(d.get('dense_floor_us'))} | {_fmt(d.get('dense_over_floor'), 2)} "
             f"| {_fmt(d['dense_over_step'], 2)} |"
         )
+        if "topk_kernel_us_by_digit_bits" in d:
+            lines.append(f"|  | select kernel us by digit bits: {d['topk_kernel_us_by_digit_bits']} |")
         if "topk_equals_twin" in d:
             lines.append(f"|  | kernels vs twins: top-k identical {d['topk_equals_twin']}, scores rel. error "
                          f"{d['index_scores_rel_err_vs_twin']:.1e}, sparse MLA rel. error "
@@ -965,7 +983,8 @@ def render_markdown(result: dict) -> str:
             f"| {_fmt(p['speedup_vs_dense'], 2)} |"
         )
         lines += ["", f"Dense: {p['dense_sdpa_note']}. Indexer tiles: {p.get('index_tiles')}. Peak allocated during "
-                  f"the indexer: {_fmt(p.get('peak_allocated_bytes_during_index', 0) / 2**30, 2)} GiB."]
+                  f"the indexer: {_fmt(p.get('peak_allocated_bytes_during_index', 0) / 2**30, 2)} GiB. "
+                  f"Top-k of the last 4096 rows (ms): {p.get('topk_last4096_rows_ms')}."]
     if result.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in result["errors"]]
     if result.get("acceptance"):

@@ -18,7 +18,7 @@ def reference(scores, limits, k):
     """The definition, written out: sort visible (score, position) pairs by score descending then
     position ascending, keep k, list the kept positions ascending, pad with -1."""
     out = []
-    for row, limit in zip(scores.tolist(), limits.tolist()):
+    for row, limit in zip(scores.tolist(), limits.tolist(), strict=True):
         visible = [(-v, p) for p, v in enumerate(row[:limit]) if v != float("-inf")]
         kept = sorted(p for _, p in sorted(visible)[:k])
         out.append(kept + [-1] * (k - len(kept)))
@@ -42,12 +42,16 @@ def score_rows(gen):
     return s, limits
 
 
+# 8-bit digits over 4 slices of 64; 4-bit digits over 2 slices of 128 in 64-score steps; defaults (one slice).
+TILES = [dict(digit_bits=8, slice_size=64, block=32), dict(digit_bits=4, slice_size=128, block=64), {}]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("k", [1, 13, 64, 150, 256])
-@pytest.mark.parametrize("block", [64, 256])
-def test_topk_matches_twin_exactly_and_the_definition(device, k, block):
+@pytest.mark.parametrize("k", [1, 13, 150, 256])
+@pytest.mark.parametrize("tiles", TILES)
+def test_topk_matches_twin_exactly_and_the_definition(device, k, tiles):
     s, limits = score_rows(torch.Generator().manual_seed(k))
-    got = topk_indices(s.to(device), limits.to(device), k, block=block).cpu()
+    got = topk_indices(s.to(device), limits.to(device), k, **tiles).cpu()
     twin = topk_indices_torch(s, limits, k)
     assert torch.equal(got, twin)
     assert torch.equal(twin, reference(s, limits, k))
@@ -65,16 +69,20 @@ def test_topk_writes_into_a_strided_chunk_and_reads_only_visible_columns(device)
     scores = wide[:, :40]
     out = torch.full((8, 20), -7, dtype=torch.int32)
     out_dev = out.to(device)
-    topk_indices(scores.to(device), limits.to(device), 20, out=out_dev[2:7], block=16)
+    topk_indices(scores.to(device), limits.to(device), 20, out=out_dev[2:7], slice_size=16, block=16)
     assert (out_dev[:2].cpu() == -7).all() and (out_dev[7:].cpu() == -7).all()
     assert torch.equal(out_dev[2:7].cpu(), reference(scores, limits, 20))
 
 
 @pytest.mark.gpu
 def test_topk_deepseek_v32_decode_shape_on_gpu():
-    """Batch 4 x 128K keys, top-2048, fp32 scores with ties: identical to the twin."""
+    """4 and 16 rows x 128K keys, top-2048, fp32 scores with ties: identical to the twin (both digit widths)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    s = torch.randn(4, 131072, device="cuda", generator=gen)
+    s = torch.randn(16, 131072, device="cuda", generator=gen)
     s[1] = torch.round(s[1] * 4)
-    limits = torch.tensor([131072, 131072, 70000, 1000], device="cuda")
-    assert torch.equal(topk_indices(s, limits, 2048), topk_indices_torch(s, limits, 2048))
+    limits = torch.randint(1000, 131073, (16,), device="cuda")
+    limits[0] = 131072
+    for rows in (4, 16):
+        want = topk_indices_torch(s[:rows], limits[:rows], 2048)
+        for bits in (4, 8):
+            assert torch.equal(topk_indices(s[:rows], limits[:rows], 2048, digit_bits=bits), want)
