@@ -25,7 +25,8 @@ What is Triton and what is torch here:
   (batch 64 decode at 128K: 64 sequences x 16 splits of 64 tiles). Torch twin
   ``index_scores_torch``.
 - ``index_topk``: calls ``index_scores`` on bounded chunks of query rows and selects with
-  ``adapt.kernels.topk.topk_indices`` (Triton radix threshold select, twin ``topk_indices_torch``).
+  ``adapt.kernels.topk.topk_indices`` (Triton radix threshold select, twin ``topk_indices_torch``)
+  for chunks of at most ``TRITON_SELECT_MAX_ROWS`` rows, torch.topk above (measured faster there).
   The [T, S] score matrix is never materialised: a chunk
   holds at most ``max_score_bytes`` of fp32 scores (rows x visible keys of its last row);
   ``IndexStats.peak_score_bytes`` reports what was used.
@@ -49,9 +50,12 @@ import triton.language as tl
 from adapt.kernels.topk import topk_indices, topk_indices_torch
 from adapt.runtime.kv_cache import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 
-# Stacked prefill tile, fastest of the sweep on an H200 at 128K (2026-11-30, commit 8cbbe8e: 2 rows x 128
-# keys, 4 warps, 578 TFLOP/s on the last 4096 rows, against 492 for the per-row form at 4 rows).
-PREFILL_ROWS_PER_TILE = 2
+# Stacked prefill tile, fastest of the sweep on an H200 at 128K (2026-11-30, commit 0375b39: 4 rows x 64
+# keys, 8 warps, 631 TFLOP/s on the last 4096 rows; 2 x 128 keys, 4 warps 567; the per-row form at 4 rows,
+# commit 8cbbe8e, 492).
+PREFILL_ROWS_PER_TILE = 4
+PREFILL_KEY_BLOCK = 64
+PREFILL_WARPS = 8
 KEY_BLOCK = 128
 DEFAULT_PROGRAMS = 1024
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
@@ -249,11 +253,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     twin by about 1e-3 relative there (exactly equal under the interpreter).
     Tiling: ``rows_per_tile`` query rows share each key tile (default
     ``PREFILL_ROWS_PER_TILE``; 1 when every row is its own sequence, as in decode);
-    ``key_block`` keys per tile (default 128); ``num_stages`` key tiles in flight (default 3);
-    the context is split so that about ``programs`` programs run (default 1024, enough to fill
-    132 SMs several times); ``num_warps`` per program (default 4); ``stacked`` (rows_per_tile > 1):
-    one MMA per key tile over all the tile's rows x heads, q loaded once (default), else one MMA
-    per row.
+    ``key_block`` keys per tile (default 128 in decode, 64 in prefill); ``num_stages`` key tiles in
+    flight (default 3); the context is split so that about ``programs`` programs run (default 1024,
+    enough to fill 132 SMs several times); ``num_warps`` per program (default 4 in decode, 8 in
+    prefill); ``stacked`` (rows_per_tile > 1): one MMA per key tile over all the tile's rows x heads,
+    q loaded once (default), else one MMA per row.
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -264,7 +268,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     tiles = _query_tiles(token_seq, per_tile)
     if not decode:
         tiles = tiles.flip(0).contiguous()  # causal: the longest rows start first, not last
-    block_s = key_block or KEY_BLOCK
+    block_s = key_block or (KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     key_tiles = triton.cdiv(num_cols, block_s)
     splits = min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS, tiles.shape[0])))
     tiles_per_split = triton.cdiv(key_tiles, splits)
@@ -275,7 +279,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         n_heads, block_table.stride(0), out.stride(0), num_cols, tiles_per_split,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s, ROWS=per_tile,
         PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
-        num_warps=num_warps or 4,
+        num_warps=num_warps or (4 if decode else PREFILL_WARPS),
     )
     return out
 
@@ -310,6 +314,25 @@ class IndexStats:
     peak_score_bytes: int
 
 
+# Rows up to which ``index_topk`` selects with the Triton radix select; above it torch.topk, measured
+# faster there. H200, 2026-11-30, commit 0375b39, scores of 128K keys, top-2048: 1 row 28.6 us (Triton,
+# 8-bit digits) against 56.0 us (torch.topk); 64 rows 225 against 146 us; 4096 rows 12.0 against 6.0 ms.
+TRITON_SELECT_MAX_ROWS = 8
+
+
+def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor) -> torch.Tensor:
+    """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``: the Triton
+    radix select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest),
+    else torch.topk (unordered, ties arbitrary); -1 where a row sees fewer than ``topk`` keys."""
+    if scores.shape[0] <= TRITON_SELECT_MAX_ROWS:
+        return topk_indices(scores, limits, topk, out=out)
+    k = min(topk, scores.shape[1])
+    values, idx = torch.topk(scores, k, dim=-1, sorted=False)
+    out[:, :k] = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
+    out[:, k:] = -1
+    return out
+
+
 def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
                         topk, max_score_bytes, max_keys, tile_options):
     n_rows = q_fp8.shape[0]
@@ -340,11 +363,13 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
                block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor, topk: int, *,
                max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, max_keys: int | None = None,
                **tile_options) -> tuple[torch.Tensor, IndexStats]:
-    """Top-``topk`` key positions per query row: Triton scoring on bounded chunks + Triton radix select.
+    """Top-``topk`` key positions per query row: Triton scoring on bounded chunks, then a select per chunk.
 
-    Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions in ascending
-    order, -1 after them where the row sees fewer than ``topk`` keys; ties at the k-th score go to the
-    lowest positions, as ``adapt.kernels.topk.topk_indices`` selects; stats). Rows are chunked so that
+    Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the
+    row sees fewer than ``topk`` keys; stats). A chunk of at most ``TRITON_SELECT_MAX_ROWS`` rows (decode
+    at small batch) selects with ``adapt.kernels.topk.topk_indices`` (ascending positions, -1 after them,
+    ties at the k-th score to the lowest positions, exactly as the twin); larger chunks with torch.topk
+    (measured faster there; order unspecified, ties arbitrary). Rows are chunked so that
     each chunk's score buffer (rows x visible keys of the widest row, fp32) stays under
     ``max_score_bytes``; a chunk holds at least one row (4 * S bytes for S keys).
     ``max_keys`` (an upper bound on ``limits``) sizes every chunk's score buffer without reading
@@ -352,7 +377,7 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
     (CUDA-graph capturable). The scores of a chunk are still written to memory and read back by the
     select (decode, batch 64 x 128K: 32 MiB, L2-sized); scoring and select are not fused yet.
     """
-    return _index_topk_chunked(index_scores, topk_indices, q_fp8, weights, index_k, index_scale, block_table,
+    return _index_topk_chunked(index_scores, _select_topk, q_fp8, weights, index_k, index_scale, block_table,
                                token_seq, limits, topk, max_score_bytes, max_keys, tile_options)
 
 

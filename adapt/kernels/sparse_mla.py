@@ -254,7 +254,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     splits > 1. Every one of these tiles uses 255 registers per thread and spills (0.1-3 KB of
     stack per thread); the fewest spills: qk_chunk 512, v_split 2, block_k 32, 2 stages, split.
     The defaults for an fp8 latent of rank 512 on the GPU are the fastest tile measured on an H200 at
-    batch 64 (fused, block_k 64, 2 stages: 190 KB shared, 255 registers, no stack).
+    batch 64 (fused, block_k 64, 1 stage: 139 KB shared, 255 registers, no stack).
     """
     n_rows, n_heads, rank = q_nope.shape
     rope = q_rope.shape[-1]
@@ -265,9 +265,9 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fp8 = latent_scale is not None
     group = rank // latent_scale.shape[-1] if fp8 else rank
     interpreting = _interpreting()
-    # fp8 latent on the GPU: the fused tile with 64-position tiles and 2 stages, fastest measured on an
-    # H200 at batch 64 x 128K decode (2026-11-30, commit 8cbbe8e: 256 us against 358 us with 32 positions
-    # and 518 us for v_split 2 / qk_chunk 128, benchmarks/gpu-2026-11-30-dsa).
+    # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage, fastest measured on an H200
+    # at batch 64 x 128K decode (2026-11-30, benchmarks/gpu-2026-11-30-dsa: 244 us at commit 0375b39; two
+    # stages 256-261 us; 32 positions 358 us; v_split 2 / qk_chunk 128 518 us).
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
     block_k = block_k or (16 if interpreting else 64)
@@ -283,7 +283,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                 raise ValueError(f"latent slice {width} must align with the scale group {group} "
                                  f"(a power-of-two multiple or a divisor of it)")
     num_warps = num_warps or (4 if interpreting else 8)
-    num_stages = num_stages or (2 if fused_fp8 else 1)
+    num_stages = num_stages or 1
     head_blocks = triton.cdiv(n_heads, block_h)
     splits = splits or _default_splits(q_nope.device, n_rows * head_blocks * v_split, topk, block_k)
     positions_per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
