@@ -9,9 +9,11 @@ Per layer, on random (never zero) data, medians of CUDA-event timings:
 - prefill: one sequence of T tokens; indexer scoring + chunked top-k + sparse MLA (the
   DSA core: projections are GEMMs that dense attention has too and are left out of both);
 - in the same run: device-to-device copy bandwidth, torch bf16 matmul and fp8 _scaled_mm
-  rates, and torch scaled_dot_product_attention over dense KV with the same heads and
-  context (causal 128 heads x (192 q.k, 128 v) for prefill; the dense latent (MQA over
-  576/512) for decode);
+  rates, and the dense baselines for the same heads and context: prefill = causal
+  scaled_dot_product_attention on MLA's MHA-mode shapes (128 heads, q.k 192, v 128) with the
+  backend that ran recorded (Flash, cuDNN, then memory-efficient, each forced in turn); decode =
+  the absorbed MLA path over a dense bf16 latent cache (bf16 bmm + fp32 softmax + bf16 bmm) in a
+  CUDA graph like the DSA step, with its byte floor (the cache read once);
 - the prefill form: absorbed latent Triton kernel vs the per-head 192/128 form (torch
   gather + matmul), per query row, at the smallest prefill length.
 
@@ -856,12 +858,7 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
     )
     q8, weights, _, _ = _queries(prefill_rows)
     flops = 2 * INDEX_HEADS * INDEX_DIM * float(limits.double().sum())
-    prefill_options = [
-        dict(rows_per_tile=8, num_stages=3, num_warps=4),
-        dict(rows_per_tile=8, num_stages=2, num_warps=8),
-        dict(rows_per_tile=4, num_stages=3, num_warps=4),
-        dict(rows_per_tile=8, num_stages=2, num_warps=4),
-    ]
+    prefill_options = PREFILL_INDEX_SWEEP
     for opt in prefill_options:
         try:
             ms = _time_ms(
