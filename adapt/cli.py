@@ -120,6 +120,53 @@ def targets(as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def calibrate(
+    target: TargetOpt,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Target YAML to write (default: <target>-calibrated.yaml here).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Name inside the YAML.")] = None,
+    devices: Annotated[int | None, typer.Option(
+        "--devices", "-d", help="GPUs for the collectives (default: all visible).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Small sizes: a smoke run, not a profile.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure this machine (bandwidth, matmul rates, launch cost, collectives); write a target YAML."""
+    from rich.progress import Progress
+
+    from adapt.targets.calibrate import calibrate as measure
+    from adapt.targets.calibrate import write_target
+
+    with Progress(console=err_console, transient=True, disable=as_json) as progress:
+        task = progress.add_task("calibrating", total=None)
+
+        def tick(step: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, description=step)
+
+        result = measure(target, devices=devices, quick=quick, progress=tick)
+    path = output or Path(f"{result.base.name}-calibrated.yaml")
+    written = write_target(result, path, name)
+    if as_json:
+        print_json({"path": str(path), "target": written.to_dict(), "calibration": result.to_dict()})
+        return
+    table = Table(title=f"measured {result.date} on {result.device}", title_justify="left")
+    for column in ("field", "measured", "datasheet"):
+        table.add_column(column)
+    base = result.base.to_dict()
+    for key, value in written.to_dict().items():
+        if key in ("sources", "name", "description", "native_dtypes", "default_stack", "vendor"):
+            continue
+        measured = key in written.calibration["measured"] or (
+            key == "peak_tflops" and any(m.startswith("peak_tflops.") for m in written.calibration["measured"]))
+        table.add_row(key, _cell(value) if measured else "-", _cell(base.get(key)))
+    console.print(table, soft_wrap=True)
+    for what, why in result.refused.items():
+        console.print(f"[yellow]not measured[/yellow] {what}: {why}", highlight=False)
+    for note in result.notes:
+        console.print(f"[dim]{note}[/dim]", highlight=False)
+    console.print(f"target written: {path}")
+
+
+@app.command()
 def info(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
     as_json: JsonOpt = False,
