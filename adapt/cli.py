@@ -370,8 +370,10 @@ def handoff_command(
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
     force: Annotated[bool, typer.Option(
         "--force", help="Hand off although gates 1-4 did not pass (recorded).")] = False,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="Serving engine: vllm (bundle, --launch) or sglang (launch commands).")] = "vllm",
     validate_args: Annotated[bool, typer.Option(
-        "--validate", help="Check the serve command with vLLM's parser.")] = False,
+        "--validate", help="Check the commands with the engine's own argument parser.")] = False,
     launch: Annotated[bool, typer.Option(
         "--launch", help="Start vllm serve here and run the smoke test.")] = False,
     vllm: Annotated[str | None, typer.Option("--vllm", help="vllm executable (default: found).")] = None,
@@ -384,7 +386,7 @@ def handoff_command(
     output: OutputOpt = Path("reports"), run_id: RunOpt = None, gates: GatesOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Hand-off: vLLM deployment bundle from the stage-4 plan; --launch serves it here and compares tokens."""
+    """Hand-off: vLLM bundle (--launch serves it here and compares tokens), or SGLang launch commands."""
     from adapt.handoff.bundle import run_handoff
     from adapt.report import load_gates
 
@@ -392,7 +394,17 @@ def handoff_command(
         raise InputError(f"expected float32 or bfloat16, got {dtype!r}", field="--dtype")
     if run_id is None:
         raise InputError("--run is required: the hand-off reads the run's gate reports", field="--run")
+    if engine not in ("vllm", "sglang"):
+        raise InputError(f"expected vllm or sglang, got {engine!r}", field="--engine")
     run = RunDir(output, run_id)
+    if engine == "sglang":
+        from adapt.handoff.sglang import write_sglang_bundle
+
+        if launch:
+            raise InputError("--launch starts vLLM only", field="--launch", hint="drop --launch with --engine sglang")
+        report, files = write_sglang_bundle(model, target=target, devices=devices, nodes=nodes, run=run,
+                                            force=force, validate=validate_args)
+        finish(report, as_json, run, extra=files)
     report, files, log_tail = run_handoff(
         model, target=target, devices=devices, nodes=nodes, run=run, gates=load_gates(gates), force=force,
         validate=validate_args, launch=launch, vllm=vllm, port=port, max_tokens=max_tokens, dtype=dtype,
