@@ -70,3 +70,9 @@ def test_measured_fields_replace_the_datasheet_ones(tmp_path):
     data = yaml.safe_load((tmp_path / "h200-cal.yaml").read_text())
     assert "peak_tflops.fp8" in data["calibration"]["datasheet"]
     assert "inter_node_bandwidth_gbs" in data["calibration"]["datasheet"]
+
+
+@pytest.mark.parametrize("target, words", [("gaudi3", "habana_frameworks"), ("ascend-910b", "torch_npu")])
+def test_accelerators_without_a_torch_backend_here_are_refused_with_the_reason(tmp_path, target, words):
+    result = CliRunner().invoke(app, ["calibrate", "--target", target, "-o", str(tmp_path / "x.yaml")])
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
