@@ -72,7 +72,7 @@ def test_ascend_inventory_names_the_fp8_gap_and_the_w8a8_plan():
     assert oss["mxfp4_decode"].status == "composable" and "[a-gptoss]" in oss["mxfp4_decode"].provided
 
 
-@pytest.mark.parametrize("yaml_name", ["h200-x1.yaml", "h200-x2.yaml"])
+@pytest.mark.parametrize("yaml_name", ["h200-x1.yaml", "h200-x2.yaml", "h200-x2-eager-latency.yaml"])
 def test_stage4_runs_on_the_recorded_calibrated_targets(yaml_name):
     path = CALIBRATED / yaml_name
     target = load_target(str(path))
@@ -80,8 +80,9 @@ def test_stage4_runs_on_the_recorded_calibrated_targets(yaml_name):
     assert "peak_tflops.fp8" in target.calibration["measured"]
     report = run_plan_parallel("deepseek-v3.2", str(path), gates=load_gates(), devices=8, context=8192, batch=1)
     assert report.decide() == "pass" and report.metrics["best_plan"]
-    if yaml_name == "h200-x2.yaml":
+    if yaml_name.startswith("h200-x2"):
         assert target.sources["intra_node_bandwidth_gbs"].startswith("measured") and \
             "NCCL" in target.sources["intra_node_bandwidth_gbs"]
+        assert target.calibration["devices"] == 2 and "intra_node_latency_us" in target.calibration["measured"]
     else:
         assert "collectives" in target.calibration["refused"]
