@@ -125,17 +125,15 @@ from sglang.srt.server_args import prepare_server_args
 FIELDS = ("model_path", "tp_size", "pp_size", "dp_size", "attn_dp_size", "ep_size", "moe_a2a_backend",
           "kv_cache_dtype", "page_size", "context_length", "mem_fraction_static", "chunked_prefill_size",
           "max_running_requests", "nnodes", "node_rank", "dist_init_addr")
-results = []
-for argv in json.loads(sys.argv[1]):
+def parse(argv):
     try:
         args = prepare_server_args(argv)
-    except SystemExit as exc:
-        results.append({"ok": False, "error": f"argument parser exited with {exc.code}"})
-        continue
-    except Exception as exc:
-        results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-        continue
-    results.append({"ok": True, "args": {f: getattr(args, f, None) for f in FIELDS}})
+    except BaseException as exc:  # argparse refuses with SystemExit
+        if isinstance(exc, SystemExit):
+            return {"ok": False, "error": "argument parser exited with %s" % exc.code}
+        return {"ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}
+    return {"ok": True, "args": {f: getattr(args, f, None) for f in FIELDS}}
+results = [parse(argv) for argv in json.loads(sys.argv[1])]
 import importlib.metadata as m
 print("ADAPT-SGLANG " + json.dumps({"version": m.version("sglang"), "results": results}))
 """
