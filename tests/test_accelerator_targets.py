@@ -1,9 +1,12 @@
 """Gaudi 3 and Ascend 910B targets with their vLLM plugin stacks; stage 4 on the calibrated H200 targets."""
 
+import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from adapt.cli import app
 from adapt.report import load_gates
 from adapt.stages.inventory import build_inventory
 from adapt.stages.parallel import run_plan_parallel
@@ -86,3 +89,13 @@ def test_stage4_runs_on_the_recorded_calibrated_targets(yaml_name):
         assert target.calibration["devices"] == 2 and "intra_node_latency_us" in target.calibration["measured"]
     else:
         assert "collectives" in target.calibration["refused"]
+
+
+def test_validate_stage4_on_the_calibrated_two_gpu_target(tmp_path):
+    result = CliRunner().invoke(app, ["validate", "deepseek-v3.2", "--stage", "4", "-t",
+                                      str(CALIBRATED / "h200-x2.yaml"), "-d", "8", "--context", "8192",
+                                      "-o", str(tmp_path), "--run", "cal", "--json"])
+    assert result.exit_code == 0, result.output
+    reports = json.loads(result.stdout)["reports"]
+    assert [r["stage"] for r in reports] == ["inventory", "memory", "kernels", "parallel"]
+    assert all(r["verdict"] == "pass" for r in reports)
