@@ -717,8 +717,9 @@ def run_plan_parallel(
     report.add(
         "info",
         "parallel.cost_model",
-        "costs are roofline estimates from the target's datasheet rates (HBM, matrix units, links); "
-        "they rank plans, they do not predict latency",
+        "costs are roofline estimates from the target's rates (HBM, matrix units, links; datasheet or "
+        "measured, see its sources); they rank plans, they do not predict latency "
+        "(benchmarks/predict: adapt's kernels run 1.25-33x above them on an H200)",
     )
     report.fingerprint = fingerprint(
         spec_hash=spec.spec_hash(),
