@@ -126,6 +126,24 @@ def fold_index_weights(weights: torch.Tensor, q_scale: torch.Tensor, head_dim: i
 
 
 @triton.jit
+def _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM: tl.constexpr,
+              BLOCK_S: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+    """Key tile ``kt`` of a sequence through its block table: (positions [BLOCK_S], e4m3 keys
+    [BLOCK_S, HEAD_DIM] (fp32 under the interpreter), fp32 scales [BLOCK_S]); positions at or past
+    ``tile_limit`` read as 0."""
+    pos = kt * BLOCK_S + tl.arange(0, BLOCK_S)
+    key_mask = pos < tile_limit
+    page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
+    slot = page.to(tl.int64) * PAGE + pos % PAGE
+    keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=key_mask[:, None],
+                   other=0.0)
+    kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+    if UPCAST:
+        keys = keys.to(tl.float32)
+    return pos, keys, kscale
+
+
+@triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
                          n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -170,14 +188,8 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
         row_limits = tl.load(limit_ptr + row0 + tile_rows, mask=tile_rows < n_rows, other=0)
         out_rows = (row0 + tile_rows).to(tl.int64) * out_stride
         for kt in tl.range(first, live, num_stages=NUM_STAGES):
-            pos = kt * BLOCK_S + offs
-            key_mask = pos < tile_limit
-            page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
-            slot = page.to(tl.int64) * PAGE + pos % PAGE
-            keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None], other=0.0)
-            kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
-            if UPCAST:
-                keys = keys.to(tl.float32)
+            pos, keys, kscale = _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM,
+                                          BLOCK_S, PAGE, UPCAST)
             logits = tl.dot(keys, tl.trans(q_all))
             weighted = tl.reshape(tl.maximum(logits, 0.0) * w_all[None, :], [BLOCK_S, ROWS, BLOCK_H])
             score = tl.sum(weighted, axis=2) * kscale[:, None]
@@ -186,14 +198,8 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
                      mask=(tile_rows[None, :] < n_rows) & (pos[:, None] < out_cols))
     else:
         for kt in tl.range(first, live, num_stages=NUM_STAGES):
-            pos = kt * BLOCK_S + offs
-            key_mask = pos < tile_limit
-            page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
-            slot = page.to(tl.int64) * PAGE + pos % PAGE
-            keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None], other=0.0)
-            kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
-            if UPCAST:
-                keys = keys.to(tl.float32)
+            pos, keys, kscale = _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM,
+                                          BLOCK_S, PAGE, UPCAST)
             for r in tl.static_range(ROWS):
                 row = (row0 + r).to(tl.int64)
                 row_ok = r < n_rows
