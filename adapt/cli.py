@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
+from adapt import __version__
 from adapt.errors import InputError
 from adapt.report import EXIT_BAD_INPUT, RunDir, StageReport
 
@@ -40,8 +41,22 @@ app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty
 bench_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Stage 6: kernels against the roofline.")
 app.add_typer(bench_app, name="bench")
 
+
+def _version_callback(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"adapt {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", callback=_version_callback, is_eager=True, help="Print adapt's version and exit.")] = False,
+          ) -> None:
+    """Bring a giant MoE model up on a new accelerator, gate by gate, and hand it to vLLM."""
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-TargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target name (see `adapt targets`) or a YAML path.")]
+TargetOpt = Annotated[str, typer.Option(
+    "--target", "-t", help="Target name (see `adapt targets`) or a YAML path (required).")]
 RunOpt = Annotated[str | None, typer.Option("--run", help="Run id: reports go to <output>/<run>/.")]
 OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Reports root directory.")]
 GatesOpt = Annotated[Path | None, typer.Option("--gates", help="YAML file overriding gate thresholds.")]
@@ -55,9 +70,9 @@ def render_report(report: StageReport) -> None:
     """A stage report in the terminal: verdict, metrics, tables, findings."""
     verdict = report.decide()
     color = {"pass": "green", "warn": "yellow", "fail": "red"}[verdict]
-    console.print(f"[bold]Stage {report.number}: {report.title}[/bold]  [{color}]{verdict.upper()}[/{color}]")
+    console.print(f"[bold]Stage {report.number}: {escape(report.title)}[/bold]  [{color}]{verdict.upper()}[/{color}]")
     if report.summary:
-        console.print(report.summary)
+        console.print(report.summary, markup=False)
     for name, rows in report.tables.items():
         if not rows:
             continue
@@ -70,16 +85,17 @@ def render_report(report: StageReport) -> None:
         console.print(table)
     for f in report.findings:
         style = {"error": "red", "warn": "yellow", "info": "dim"}[f.severity]
-        hint = f"  [dim]({f.hint})[/dim]" if f.hint else ""
-        console.print(f"[{style}]{f.severity:5}[/{style}] {f.code}: {f.message}{hint}")
+        hint = f"  [dim]({escape(f.hint)})[/dim]" if f.hint else ""
+        console.print(f"[{style}]{f.severity:5}[/{style}] {escape(f.code)}: {escape(f.message)}{hint}")
 
 
 def _cell(value) -> str:
+    """A table cell as text with rich markup escaped (source tags such as ``[fp8-doc]`` stay visible)."""
     if isinstance(value, float):
         return f"{value:,.4g}"
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
-    return str(value)
+    return escape(str(value))
 
 
 def finish(report: StageReport, as_json: bool, run: RunDir | None = None,
@@ -168,7 +184,7 @@ def info(
 def validate(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
     stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-4).")],
-    target: TargetOpt = "h200",
+    target: TargetOpt,
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
     context: Annotated[int, typer.Option("--context", help="Tokens per sequence.")] = 8192,
@@ -190,7 +206,13 @@ def validate(
     options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
                               batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack)
     run = RunDir(output, run_id)
-    reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report)
+
+    def reused(name: str, why: str) -> None:
+        if not as_json:
+            console.print(f"[dim]{escape(name)}: reused ({escape(why)})[/dim]")
+
+    reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report,
+                        on_reuse=reused)
     if as_json:
         print_json({"run": str(run.path), "reports": [r.to_dict() for r in reports]})
     else:
@@ -274,7 +296,7 @@ def plan_parallel_command(
 
 @app.command("inventory")
 def inventory_command(
-    model: ModelArg, target: TargetOpt = "h200",
+    model: ModelArg, target: TargetOpt,
     stack: Annotated[str | None, typer.Option(
         "--stack", help="Stack table (vllm-cuda, vllm-cpu, vllm-rocm) or YAML; default: target's.")] = None,
     all_layers: Annotated[bool, typer.Option(
@@ -299,7 +321,7 @@ def inventory_command(
 
 @app.command("preflight")
 def preflight_command(
-    target: TargetOpt = "h200",
+    target: TargetOpt,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (to check its formats).")] = None,
     eval_data: Annotated[Path | None, typer.Option(
         "--eval-data", help="Evaluation data file or directory stage 5 will read.")] = None,
@@ -318,7 +340,7 @@ def preflight_command(
 @app.command("handoff")
 def handoff_command(
     model: Annotated[str, typer.Argument(help="Model directory (or preset name for a bundle only).")],
-    target: TargetOpt = "h200",
+    target: TargetOpt,
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
     force: Annotated[bool, typer.Option(
@@ -365,7 +387,7 @@ def run_command(
     token_ids: Annotated[list[str] | None, typer.Option(
         "--token-ids", help="Prompt as comma-separated token ids (repeat for a batch).")] = None,
     max_new_tokens: Annotated[int, typer.Option(
-        "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
+        "--max-new-tokens", min=1, help="Tokens to generate.")] = 32,
     layers: Annotated[str | None, typer.Option(
         "--layers", help="Decoder layers: a count N or a list such as 0,3,60 (default: all).")] = None,
     kernels: Annotated[str, typer.Option(
@@ -489,18 +511,42 @@ def demo(
 
 
 def main() -> None:
-    """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage)."""
+    """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage,
+    130/143 interrupted by SIGINT/SIGTERM).
+
+    Usage errors are one line on stderr. SIGINT and SIGTERM print one "interrupted" line at any
+    moment and exit 128 + the signal; no report is written after the signal (``RunDir.write``
+    checks for it), even when the signal's exception was swallowed somewhere inside a stage.
+    """
     import os
     import shutil
 
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer 0.29 vendors click here
+
+    from adapt.errors import Interrupted, install_interrupt_handlers, interrupt_received
+
+    install_interrupt_handlers()
     if not shutil.which("nvidia-smi"):
         # no GPU: adapt's Triton kernels run under the interpreter; triton reads this once, at import
         os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        app()
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
+        code = app(standalone_mode=False)
+    except Interrupted as exc:
+        code = exc.exit_code
+    except NoArgsIsHelpError as exc:
+        sys.stdout.write(exc.ctx.get_help() + "\n" if exc.ctx else "")
+        code = EXIT_BAD_INPUT
+    except UsageError as exc:
+        where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+        sys.stderr.write(f"error: {' '.join(exc.format_message().split())}{where}\n")
+        code = EXIT_BAD_INPUT
+    except typer.Abort:
+        code = 1
+    signum = interrupt_received()
+    if signum is not None:
+        sys.stderr.write("interrupted\n")
+        code = 128 + signum
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
