@@ -258,14 +258,22 @@ def plan_memory_command(
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
     from adapt.report import load_gates
     from adapt.stages.memory import run_plan_memory
+    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
-    report = run_plan_memory(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
+    run, thresholds = RunDir(output, run_id), load_gates(gates)
+    extra = dict(tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp, headroom=headroom,
+                 gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                 max_num_seqs=max_num_seqs, block_size=block_size if block_size != 64 else None,
+                 rope_factor=rope_factor)
+    report = run_plan_memory(model, target, gates=thresholds, devices=devices, nodes=nodes,
                              context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
                              tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp,
                              headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              block_size=block_size, rope_factor=rope_factor)
-    finish(report, as_json, RunDir(output, run_id))
+    stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
+                     thresholds, extra)
+    finish(report, as_json, run)
 
 
 @app.command("plan-parallel")
@@ -280,18 +288,26 @@ def plan_parallel_command(
     """Stage 4: rank TP x EP x PP x DP plans; print vLLM engine arguments, `vllm serve` and Ray steps."""
     import shlex
 
+    from adapt.handoff.vllm import shell_script
     from adapt.report import load_gates
     from adapt.stages.parallel import run_plan_parallel
+    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
-    report = run_plan_parallel(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
+    run, thresholds = RunDir(output, run_id), load_gates(gates)
+    report = run_plan_parallel(model, target, gates=thresholds, devices=devices, nodes=nodes,
                                context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
                                headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                block_size=block_size, rope_factor=rope_factor)
     lines = report.metrics.get("ray_steps") or (
         [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else [])
-    extra = {"parallel.launch.sh": "#!/bin/sh\n" + "\n".join(lines) + "\n"} if lines else None
-    finish(report, as_json, RunDir(output, run_id), extra=extra)
+    stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
+                     thresholds, dict(headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
+                                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      block_size=block_size if block_size != 64 else None,
+                                      rope_factor=rope_factor))
+    extra = {"parallel.launch.sh": shell_script(lines)} if lines else None
+    finish(report, as_json, run, extra=extra)
 
 
 @app.command("inventory")
@@ -308,14 +324,18 @@ def inventory_command(
     """Stage 1: every operator the model needs and how the target's stack provides it (gaps fail the gate)."""
     from adapt.report import load_gates
     from adapt.stages.inventory import build_inventory
+    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
+    run, thresholds = RunDir(output, run_id), load_gates(gates)
     status = console.status("tracing the model on the meta device ...") if not as_json else None
     with status or _no_status():
-        inventory = build_inventory(model, target, stack=stack, gates=load_gates(gates),
+        inventory = build_inventory(model, target, stack=stack, gates=thresholds,
                                     all_layers=all_layers, prefill_tokens=tokens)
+    stamp_standalone(inventory.report, PipelineOptions(model, target, stack=stack), thresholds,
+                     dict(all_layers=all_layers or None, tokens=tokens if tokens != 16 else None))
     detail = {"operators": [r.to_dict() for r in inventory.rows], "fusions": inventory.fusions,
               "aten": inventory.aten}
-    finish(inventory.report, as_json, RunDir(output, run_id),
+    finish(inventory.report, as_json, run,
            extra={"inventory.detail.json": json.dumps(detail, indent=1, default=str) + "\n"})
 
 

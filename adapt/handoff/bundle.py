@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.errors import InputError
-from adapt.handoff.vllm import multi_node_args, ray_steps, serve_command
+from adapt.handoff.vllm import multi_node_args, ray_steps, serve_command, shell_script
 from adapt.report import RunDir, StageReport, fingerprint, markdown_table
 
 STAGE_NUMBER = 0  # the schema numbers gate stages 1-6; 0 marks reports outside that sequence
@@ -34,9 +34,54 @@ def gate_verdicts(run: RunDir) -> dict[str, str | None]:
     return {stage: run.verdict_of(stage) for stage in REQUIRED_STAGES}
 
 
+def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, nodes: int) -> str | None:
+    """Why the run's stage reports were not made for this hand-off, or None when they were.
+
+    Each stage report's fingerprint must name this model (config and checkpoint digests), this
+    target profile and this adapt version; stages that read ``devices``/``nodes`` must have
+    planned for these; and the stages must agree with each other on every option they share
+    (stage 2's context, batch, KV dtype and weights are stage 4's). The answer names the stage
+    and the field that differs.
+    """
+    from adapt.stages.pipeline import PipelineOptions, fingerprint_mismatch, stage_fingerprint
+
+    expected = stage_fingerprint(1, PipelineOptions(model=model, target=target, devices=devices, nodes=nodes), {})
+    shared_fields = ("model", "checkpoint", "target", "adapt_version")
+    seen_options: dict[str, tuple[str, object]] = {}
+    seen_stack: tuple[str, object] | None = None
+    for stage in REQUIRED_STAGES:
+        data = run.stage_report(stage)
+        if data is None:
+            continue
+        recorded = data.get("fingerprint") or {}
+        if "options" not in recorded:
+            return f"{stage}: its report has no provenance fingerprint (made by an older adapt); run it again"
+        differs = fingerprint_mismatch(recorded, expected, shared_fields)
+        if differs:
+            return f"{stage}: {differs}"
+        options = recorded["options"]
+        for key, want in (("devices", devices), ("nodes", nodes)):
+            if key in options and options[key] != want:
+                return f"{stage}: options.{key}: recorded {options[key]!r}, now {want!r}"
+        for key, value in options.items():
+            if key in seen_options and seen_options[key][1] != value:
+                other, was = seen_options[key]
+                return f"{stage}: options.{key} is {value!r} but {other} planned with {was!r}"
+            seen_options.setdefault(key, (stage, value))
+        if seen_stack is not None and recorded.get("stack") != seen_stack[1]:
+            return f"{stage}: stack {recorded.get('stack')} differs from {seen_stack[0]}'s {seen_stack[1]}"
+        seen_stack = seen_stack or (stage, recorded.get("stack"))
+    return None
+
+
 def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: int, force: bool) -> list[str]:
-    """Refuse (InputError) unless stages 1-4 passed or warned in ``run``; with ``force``, return
-    the list of problems that were overridden instead (recorded in the bundle)."""
+    """Refuse (InputError) unless stages 1-4 passed or warned in ``run`` for this model, target,
+    devices and nodes; with ``force``, return the list of gates that had not passed instead
+    (recorded in the bundle). A provenance mismatch is refused even with ``force``."""
+    differs = provenance_mismatch(run, model=model, target=target, devices=devices, nodes=nodes)
+    if differs:
+        raise InputError(f"hand-off refused: the run's reports were made for other inputs ({differs})",
+                         file=run.path, hint="validate this model, target and device count in a new --run")
     problems = []
     for stage, verdict in gate_verdicts(run).items():
         if verdict is None:
@@ -144,8 +189,8 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
                                           source, overridden, preflight, export_note, run),
     }
     if steps:
-        files[f"{BUNDLE_DIR}/ray.sh"] = (f"# Ray bring-up for vLLM over {nodes} nodes; run each line "
-                                         "where its comment says, in order.\n" + "\n".join(steps) + "\n")
+        files[f"{BUNDLE_DIR}/ray.sh"] = shell_script(
+            steps, f"Ray bring-up for vLLM over {nodes} nodes; run each line where its comment says, in order.")
     if preflight is not None:
         files[f"{BUNDLE_DIR}/preflight.json"] = json.dumps(preflight, indent=2) + "\n"
     else:

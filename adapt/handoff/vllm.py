@@ -146,6 +146,20 @@ def ray_steps(model_path: str, engine_args: dict[str, Any], nodes: int,
     ]
 
 
+def shell_script(lines: list[str], comment: str = "") -> str:
+    """A POSIX ``sh`` script of shell lines (``set -e``). Placeholders such as ``<head-ip>`` (a
+    redirection to ``sh``) become required variables, ``${HEAD_IP:?set HEAD_IP (head-ip)}``,
+    so the script parses under ``sh`` and stops with that message until the user sets them."""
+
+    def variable(match: re.Match) -> str:
+        name = match.group(1).upper().replace("-", "_")
+        return f"${{{name}:?set {name} ({match.group(1)})}}"
+
+    body = [re.sub(r"<([a-z][a-z-]*)>", variable, line) for line in lines]
+    head = "#!/bin/sh\n" + (f"# {comment}\n" if comment else "") + "set -e\n"
+    return head + "\n".join(body) + "\n"
+
+
 def find_vllm(explicit: str | None = None) -> Path:
     """The ``vllm`` executable: ``explicit`` if given, else next to the running Python, else
     ``.venv-serve/bin/vllm`` in the current directory or the repository, else on PATH."""
