@@ -347,7 +347,7 @@ def _writable_root(root: Path) -> None:
     if probe.exists() and not probe.is_dir():
         raise InputError("not a directory", file=probe, field="--output",
                          hint="pass a directory (it is created when missing) to --output")
-    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+    if probe.exists() and (not os.access(probe, os.W_OK | os.X_OK) or not probe.stat().st_mode & 0o222):
         raise InputError("directory is not writable", file=probe, field="--output",
                          hint="pass a writable directory to --output")
 
@@ -470,17 +470,21 @@ class RunDir:
         with self.lock():
             pause_for_test("write")
             check_interrupt()
-            for name, text in files.items():
-                if name == f"{report.stage}.json":
-                    continue
-                atomic_write(self.path / name, text, executable=name.endswith(".sh"))
-                written[name] = self.path / name
-            # the stage JSON last: it is what makes the report count
-            atomic_write(self.path / f"{report.stage}.json", files[f"{report.stage}.json"])
-            written[f"{report.stage}.json"] = self.path / f"{report.stage}.json"
-            manifest = self.manifest()
-            manifest["updated"] = now_iso()
-            atomic_write(self.manifest_path, json.dumps(manifest, indent=2, default=_json_default))
+            try:
+                for name, text in files.items():
+                    if name == f"{report.stage}.json":
+                        continue
+                    atomic_write(self.path / name, text, executable=name.endswith(".sh"))
+                    written[name] = self.path / name
+                # the stage JSON last: it is what makes the report count
+                atomic_write(self.path / f"{report.stage}.json", files[f"{report.stage}.json"])
+                written[f"{report.stage}.json"] = self.path / f"{report.stage}.json"
+                manifest = self.manifest()
+                manifest["updated"] = now_iso()
+                atomic_write(self.manifest_path, json.dumps(manifest, indent=2, default=_json_default))
+            except OSError as exc:
+                raise InputError(f"cannot write the report: {exc.strerror or exc}", file=exc.filename or self.path,
+                                 field="--output", hint="pass a writable directory to --output") from None
         return written
 
     def verdict_of(self, stage: str) -> str | None:
