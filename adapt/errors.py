@@ -58,6 +58,8 @@ class Interrupted(BaseException):
 
 def _on_signal(signum, frame) -> None:
     global _received
+    if _received is not None:
+        return  # the first signal decides the exit code; a second one must not interrupt the unwinding
     _received = signum
     raise Interrupted(signum)
 
@@ -70,9 +72,18 @@ def install_interrupt_handlers() -> None:
     (called by every report write) and the CLI's exit path re-raise from the recorded signal.
     """
     import signal
+    import sys
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _on_signal)
+    default_hook = sys.unraisablehook
+
+    def quiet_interrupts(unraisable) -> None:
+        # an Interrupted dropped inside __del__ is not lost (it is recorded above); do not print it
+        if not isinstance(unraisable.exc_value, Interrupted):
+            default_hook(unraisable)
+
+    sys.unraisablehook = quiet_interrupts
 
 
 def interrupt_received() -> int | None:

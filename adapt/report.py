@@ -494,17 +494,32 @@ class RunDir:
 
 
 def pause_for_test(point: str) -> None:
-    """Test hook for interrupt tests: when ``ADAPT_TEST_PAUSE`` is ``<point>:<file>``, create
-    ``<file>`` and sleep here until a signal arrives (the handler raises ``Interrupted``)."""
-    hook = os.environ.get("ADAPT_TEST_PAUSE", "")
-    if not hook.startswith(point + ":"):
-        return
+    """Test hook for the interrupt tests. ``ADAPT_TEST_PAUSE=<point>:<file>`` makes the process
+    create ``<file>`` here and sleep until a signal arrives (the handler raises ``Interrupted``);
+    ``in-del-<point>:<file>`` does the same inside an object's ``__del__``, where Python drops
+    the exception (as it did when rich's ``Group.__del__`` ran at the wrong moment)."""
+    name, _, path = os.environ.get("ADAPT_TEST_PAUSE", "").partition(":")
+    if name == point:
+        _wait_for_signal(Path(path))
+    elif name == f"in-del-{point}":
+        _SwallowingDel(Path(path))
+
+
+def _wait_for_signal(ready: Path) -> None:
     import time
 
-    Path(hook[len(point) + 1:]).write_text(str(os.getpid()))
+    ready.write_text(str(os.getpid()))
     while True:
         time.sleep(0.05)
         check_interrupt()
+
+
+class _SwallowingDel:
+    def __init__(self, ready: Path):
+        self.ready = ready
+
+    def __del__(self):
+        _wait_for_signal(self.ready)
 
 
 def digest(obj: Any) -> str:
