@@ -114,6 +114,7 @@ def plan_engine_args(run: RunDir, *, devices: int, nodes: int, forced: bool) -> 
         if not isinstance(engine_args, dict) or not engine_args:
             raise InputError("stage-4 report has no engine_args in its metrics", file=path,
                              hint="re-run stage 4 with this adapt version")
+        engine_args = {**engine_args, **(metrics.get("extra_engine_args") or {})}
         source = f"stage-4 plan ({path.name})"
     elif forced:
         if devices % nodes:
@@ -129,6 +130,31 @@ def plan_engine_args(run: RunDir, *, devices: int, nodes: int, forced: bool) -> 
         raise InputError(f"the plan uses {world} devices but --devices is {devices}", field="--devices",
                          hint="pass the device count the stage-4 plan was made for, or re-plan")
     return dict(engine_args), source
+
+
+def planned_weights(run: RunDir) -> str:
+    """The ``--weights`` format the run's stage-4 plan assumed ("as-stored" without a plan)."""
+    data = run.stage_report("parallel")
+    if data is None:
+        return "as-stored"
+    options = data["fingerprint"].get("options") or {}
+    return str(options.get("weights") or (data["fingerprint"].get("stage_inputs") or {}).get("weights")
+               or "as-stored")
+
+
+def weights_for_vllm(model: str, weights: str) -> tuple[dict[str, Any], str]:
+    """vLLM quantization engine arguments for the plan's weight format and a sentence on how, or an
+    InputError saying why vLLM cannot hold the weights as planned (``adapt.handoff.vllm.vllm_quantization``)."""
+    from adapt.handoff.vllm import vllm_quantization
+    from adapt.model.spec import load_spec
+
+    spec = load_spec(model)
+    experts = spec.quant.format_of("routed_experts").method
+    experts = "fp8" if experts.startswith("fp8") else experts
+    try:
+        return vllm_quantization(spec.quant.source, experts, weights)
+    except InputError as exc:
+        raise InputError(f"hand-off refused: {exc.message}", field=exc.field, hint=exc.hint) from None
 
 
 def model_reference(model: str) -> str:
@@ -157,6 +183,9 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
         raise InputError("--devices and --nodes must be positive", field="--devices")
     overridden = check_gates(run, model=model, target=target, devices=devices, nodes=nodes, force=force)
     engine_args, source = plan_engine_args(run, devices=devices, nodes=nodes, forced=force)
+    weights = planned_weights(run)
+    quantization, how = weights_for_vllm(model, weights)
+    engine_args.update(quantization)
     model_path = served_model or model_reference(model)
     args = multi_node_args(engine_args, nodes)
     argv = serve_command(model_path, args)
@@ -167,7 +196,8 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
                                                  nodes=nodes))
     report.metrics.update({"engine_args": args, "serve_command": argv, "ray_steps": steps, "nodes": nodes,
                            "devices": devices, "forced": bool(force and overridden),
-                           "overridden_gates": overridden, "engine_args_source": source})
+                           "overridden_gates": overridden, "engine_args_source": source,
+                           "weights": {"plan": weights, "vllm": how, "engine_args": quantization}})
     if not Path(model_path).is_dir():
         report.add("info", "model-name",
                    f"'{model_path}' is not a directory here: the serve command names it as given",
@@ -180,13 +210,15 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     files = {
         f"{BUNDLE_DIR}/engine_args.json": json.dumps({
             "model": model_path, "source_model": model, "target": resolved_target.name, "devices": devices,
-            "nodes": nodes, "engine_args": args, "engine_args_source": source, "forced": bool(overridden),
+            "nodes": nodes, "engine_args": args, "engine_args_source": source,
+            "weights_format": {"plan": weights, "vllm": how}, "forced": bool(overridden),
             "overridden_gates": overridden, "export_note": export_note}, indent=2) + "\n",
         f"{BUNDLE_DIR}/serve.sh": "#!/bin/sh\n# vllm serve for "
         + (f"the head node of a {nodes}-node Ray cluster (see ray.sh)" if nodes > 1 else "one node")
         + "\nexec " + shlex.join(argv) + "\n",
         f"{BUNDLE_DIR}/README.md": _readme(model, model_path, resolved_target.name, devices, nodes, verdicts,
-                                          source, overridden, preflight, export_note, run),
+                                          source, overridden, preflight, export_note, run,
+                                          report.metrics["weights"]),
     }
     if steps:
         files[f"{BUNDLE_DIR}/ray.sh"] = shell_script(
@@ -221,11 +253,12 @@ def _preflight_checks(run: RunDir) -> dict[str, Any] | None:
 def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
             verdicts: dict[str, str | None],
             source: str, overridden: list[str], preflight: dict[str, Any] | None, export_note: str | None,
-            run: RunDir) -> str:
+            run: RunDir, weights: dict[str, Any]) -> str:
     manifest = run.manifest()["stages"]
     lines = [f"# vLLM hand-off: {model}", "",
              f"Target: {devices} x {target}" + (f" over {nodes} nodes (Ray)" if nodes > 1 else "") + ".",
-             f"Model path served: `{model_path}`.", f"Engine arguments: {source}.", ""]
+             f"Model path served: `{model_path}`.", f"Engine arguments: {source}.",
+             f"Weights: {weights['plan']} in the plan; vLLM holds them {weights['vllm']}.", ""]
     if export_note:
         lines += [f"Checkpoint: {export_note}", ""]
     lines += ["## Validated", ""]
