@@ -258,3 +258,23 @@ def test_default_run_ids_do_not_collide(tmp_path):
     others = {subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(REPO)}, capture_output=True,
                              text=True, check=True).stdout.strip() for _ in range(3)}
     assert len(others) == 3 and all(RunDir(tmp_path, i).run_id == i for i in others)
+
+
+def test_plan_memory_and_plan_parallel_into_one_run_at_once(tmp_path):
+    """The issue's case: both commands writing one run at the same time; neither entry is lost and
+    the manifest's verdicts are the stage files' (batch 8 at 32K on one H100 fails both)."""
+    from tests.cli_run import adapt_process
+
+    args = ["qwen3-30b-a3b", "--target", "h100-sxm", "--devices", "1", "--context", "32768", "--batch", "8",
+            "--output", tmp_path, "--json"]
+    procs = [adapt_process("plan-memory", *args, "--run", "both"),
+             adapt_process("plan-parallel", *args, "--run", "both"),
+             adapt_process("plan-memory", *args), adapt_process("plan-memory", *args)]
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [1, 1, 1, 1], [p.stderr.read() for p in procs]
+    manifest = json.loads((tmp_path / "both" / "manifest.json").read_text())
+    assert {k: v["verdict"] for k, v in manifest["stages"].items()} == {"memory": "fail", "parallel": "fail"}
+    for name in ("memory", "parallel"):
+        assert json.loads((tmp_path / "both" / f"{name}.json").read_text())["verdict"] == "fail"
+    runs = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(runs) == 3  # the two runs without --run got directories of their own
