@@ -148,6 +148,8 @@ def weights_for_vllm(model: str, weights: str) -> tuple[dict[str, Any], str]:
     from adapt.handoff.vllm import vllm_quantization
     from adapt.model.spec import load_spec
 
+    if weights == "as-stored":  # nothing to convert: no need to read the spec (the model may be one adapt only serves)
+        return {}, "as stored; vLLM reads the checkpoint's own format"
     spec = load_spec(model)
     experts = spec.quant.format_of("routed_experts").method
     experts = "fp8" if experts.startswith("fp8") else experts
