@@ -109,7 +109,7 @@ def finish(report: StageReport, as_json: bool, run: RunDir | None = None,
     else:
         render_report(report)
         if run is not None:
-            console.print(f"[dim]reports: {run.path}[/dim]")
+            console.print(f"[dim]reports: {escape(str(run.path))}[/dim]")
     raise typer.Exit(report.exit_code)
 
 
@@ -156,7 +156,7 @@ def info(
         print_json(facts)
         return
     params = facts["parameters"]
-    console.print(f"[bold]{model}[/bold]  model_type={facts['model_type']}  layers={facts['layers']} "
+    console.print(f"[bold]{escape(model)}[/bold]  model_type={facts['model_type']}  layers={facts['layers']} "
                   f"(MoE {facts['moe_layers']}, MTP {facts['mtp_layers']})  attention={', '.join(facts['attention'])}")
     console.print(f"parameters: total {params['total']:,}  active {params['active']:,}  "
                   f"with MTP {params['total_with_mtp']:,}")
@@ -177,7 +177,7 @@ def info(
         ck = facts["checkpoint"]
         console.print(f"checkpoint: {ck['shards']} shards, {ck['tensors']:,} tensors, {ck['total_bytes']:,} bytes")
         for f in ck["findings"]:
-            console.print(f"[yellow]{f['severity']}[/yellow] {f['code']}: {f['message']}")
+            console.print(f"[yellow]{f['severity']}[/yellow] {escape(f['code'])}: {escape(f['message'])}")
 
 
 @app.command()
@@ -216,7 +216,7 @@ def validate(
     if as_json:
         print_json({"run": str(run.path), "reports": [r.to_dict() for r in reports]})
     else:
-        console.print(f"[dim]reports: {run.path}[/dim]")
+        console.print(f"[dim]reports: {escape(str(run.path))}[/dim]")
     raise typer.Exit(max((r.exit_code for r in reports), default=0))
 
 
@@ -461,7 +461,7 @@ def run_command(
         print_json(summary)
         return
     for reason_key, reason in summary["kernel_refusals"].items():
-        err_console.print(f"[yellow]{reason_key} runs the torch path:[/yellow] {reason}")
+        err_console.print(f"[yellow]{escape(reason_key)} runs the torch path:[/yellow] {escape(str(reason))}")
     for index, row in enumerate(rows):
         console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens): "
                       f"{row['tokens']}")
@@ -516,7 +516,7 @@ def demo(
     """Run the pipeline on the embedded tiny DeepSeek-V3.2 model (tiny-dsa) into <output>/demo/."""
     from adapt.stages.demo import run_demo
 
-    say = (lambda text: None) if as_json else (lambda text: console.print(f"[cyan]demo:[/cyan] {text}"))
+    say = (lambda text: None) if as_json else (lambda text: console.print(f"[cyan]demo:[/cyan] {escape(text)}"))
     summary = run_demo(output, say, on_report=(lambda r: None) if as_json else render_report, tokens=tokens)
     if as_json:
         print_json(summary)
@@ -525,7 +525,7 @@ def demo(
             console.print(f"{label}: {generation['tokens']} {generation['text']!r}", markup=False, highlight=False)
         if "generations" in summary:
             agree = "agree" if summary["runtime_paths_agree"] else "DIFFER"
-            console.print(f"reference and kernel paths {agree}; reports in {summary['run']}")
+            console.print(f"reference and kernel paths {agree}; reports in {summary['run']}", markup=False)
     failed = any(v == "fail" for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
     raise typer.Exit(1 if failed else 0)
 
