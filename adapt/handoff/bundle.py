@@ -37,10 +37,11 @@ def gate_verdicts(run: RunDir) -> dict[str, str | None]:
 def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, nodes: int) -> str | None:
     """Why the run's stage reports were not made for this hand-off, or None when they were.
 
-    Each stage report's fingerprint (stages 1-4, and 5-6 when they carry one) must name this model (config and checkpoint digests), this
-    target profile and this adapt version; stages that read ``devices``/``nodes`` must have
-    planned for these; and the stages must agree with each other on every option they share
-    (stage 2's context, batch, KV dtype and weights are stage 4's). The answer names the stage
+    Each stage report's fingerprint (stages 1-4, and 5-6 when they carry one) must name this
+    model (config and checkpoint digests), this target profile and this adapt version; stages
+    that read ``devices``/``nodes`` must have planned for these; and the stages must agree with
+    each other on every option they share (stage 2's context, batch, KV dtype and weights are
+    stage 4's). The answer names the stage
     and the field that differs.
     """
     from adapt.stages.pipeline import PipelineOptions, fingerprint_mismatch, stage_fingerprint
