@@ -95,8 +95,8 @@ def test_adapt_run_with_an_image_file(tiny, tmp_path):
 
     path = tmp_path / "picture.png"
     Image.new("RGB", (90, 50), (30, 160, 220)).save(path)
-    result = CliRunner().invoke(app, ["run", str(tiny), "--token-ids", "5,17,99", "--image", str(path), "-n", "4",
-                                      "--dtype", "float32", "--json"])
+    result = CliRunner().invoke(app, ["run", str(tiny), "--token-ids", "5,17,99", "--image", str(path),
+                                      "--max-new-tokens", "4", "--dtype", "float32", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     ours = MultimodalModel.from_dir(tiny)
