@@ -13,7 +13,7 @@ from typing import Any
 from adapt.errors import InputError
 from adapt.report import RunDir, StageReport
 
-STAGE_NAMES = {1: "inventory", 2: "memory", 3: "kernels", 4: "parallel"}
+STAGE_NAMES = {1: "inventory", 2: "memory", 3: "kernels", 4: "parallel", 6: "bench"}
 
 
 @dataclass
@@ -22,6 +22,8 @@ class PipelineOptions:
 
     model: preset name, config.json or model directory; target: name or YAML path
     devices / nodes: devices in total / nodes; context: tokens per sequence; batch: sequences
+    run_path: the run directory (stage 6 reads stage 4's prediction there and writes its artifacts)
+    url: stage 6 loads this OpenAI-compatible server instead of launching the model; soak_s: soak seconds
     """
 
     model: str
@@ -33,6 +35,9 @@ class PipelineOptions:
     kv_dtype: str = "bf16"
     weights: str = "as-stored"
     stack: str | None = None
+    run_path: str | None = None
+    url: str | None = None
+    soak_s: float = 60.0
 
 
 def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
@@ -61,8 +66,18 @@ def _parallel(o: PipelineOptions, gates: dict) -> StageReport:
                              batch=o.batch, kv_dtype=o.kv_dtype, weights=o.weights, gates=gates)
 
 
+# Stage 6 reads: model, target, run_path, url, soak_s.
+def _serve(o: PipelineOptions, gates: dict) -> StageReport:
+    from pathlib import Path
+
+    from adapt.stages.serve import ServeOptions, run_serve_stage
+
+    return run_serve_stage(o.model, target=o.target, run_path=Path(o.run_path) if o.run_path else None,
+                           gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url)
+
+
 RUNNERS: dict[int, Callable[[PipelineOptions, dict], StageReport]] = {
-    1: _inventory, 2: _memory, 3: _kernels, 4: _parallel,
+    1: _inventory, 2: _memory, 3: _kernels, 4: _parallel, 6: _serve,
 }
 
 
@@ -78,6 +93,8 @@ def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str,
                          + ", ".join(f"{n} {name}" for n, name in STAGE_NAMES.items()), field="--stage")
     reports = []
     for number in range(1, stage + 1):
+        if number not in RUNNERS:
+            continue
         if number < stage and run.verdict_of(STAGE_NAMES[number]) in ("pass", "warn"):
             continue
         report = RUNNERS[number](options, gates)
