@@ -104,8 +104,9 @@ def prediction_rows(predicted: dict[str, Any], sweep: list[dict[str, Any]]) -> l
 
     decode step: stage 4's step at its batch B against short-in/long-out's end-to-end latency p50 per
     output token at the swept concurrency nearest B (its short prefill included, so an upper bound;
-    TPOT is shown beside it but a server that streams tokens in bursts makes TPOT read low); prefill: stage 4's chunk time scaled linearly to the
-    long-in/short-out prompt length, against the measured TTFT p50 at concurrency 1.
+    TPOT is shown beside it but a server that streams tokens in bursts makes TPOT read low);
+    prefill: stage 4's chunk time scaled linearly to the long-in/short-out prompt length, against the
+    measured TTFT p50 at concurrency 1.
     """
     rows = []
     ok = [r for r in sweep if "error" not in r]
