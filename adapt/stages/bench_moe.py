@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import statistics
-import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
+from adapt.bench.ceilings import measure_ceilings
+from adapt.bench.provenance import commit as _git_commit
+from adapt.bench.timer import graph_time_us
 from adapt.errors import InputError
 
 SHAPES = {
@@ -72,102 +70,6 @@ SHAPES = {
 DEFAULT_TOKENS = [1, 16, 64, 256, 1024, 4096, 16384]
 WORKSPACE_CHUNK = 32
 """Experts per workspace chunk (the workspace holds two chunks)."""
-
-
-def _git_commit() -> str:
-    """ADAPT_COMMIT from the environment (the device copy has no .git), else ``git rev-parse``."""
-    if os.environ.get("ADAPT_COMMIT"):
-        return os.environ["ADAPT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "adapt/kernels"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "uncommitted"
-    if out.returncode != 0:
-        return "uncommitted"
-    return out.stdout.strip() + (" (kernels modified)" if dirty.stdout.strip() else "")
-
-
-def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median time of ``fn`` in us, as replays of a CUDA graph captured after two warm-up calls."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    del g
-    return statistics.median(times)
-
-
-@triton.jit
-def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """dst[i] = src[i]: one program per BLOCK elements, contiguous (16-byte accesses per thread)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=m, eviction_policy="evict_first"), mask=m)
-
-
-def measure_copy(gib: int = 4, reps: int = 30) -> dict:
-    """Device copy bandwidth, TB/s of bytes read + written, on ``gib`` GiB bf16 buffers (random
-    data): torch ``copy_`` and a Triton copy with 16-byte accesses, each the median of ``reps``."""
-    n = gib * (1 << 30) // 2
-    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    ai, bi = a.view(torch.int32), b.view(torch.int32)
-    block = 4096
-    out = {"copy_bytes_each_way": 2 * n}
-    out["copy_torch_tbps"] = 4 * n / graph_time_us(lambda: b.copy_(a), reps=reps) / 1e6
-    for warps in (4, 8):
-        t = graph_time_us(
-            lambda w=warps: _copy_kernel[(triton.cdiv(ai.numel(), block),)](
-                ai, bi, ai.numel(), BLOCK=block, num_warps=w
-            ),
-            reps=reps,
-        )
-        out[f"copy_triton_w{warps}_tbps"] = 4 * n / t / 1e6
-    if not torch.equal(a[: 1 << 20], b[: 1 << 20]):
-        raise RuntimeError("copy kernel wrote wrong data")
-    out["copy_tbps"] = max(v for key, v in out.items() if key.endswith("_tbps"))
-    return out
-
-
-def measure_ceilings() -> dict:
-    """Copy bandwidth (TB/s, read + write; the best of torch copy_ and a Triton copy on 4 GiB),
-    bf16 and fp8 matmul (TFLOP/s) at 8192^3, random data."""
-    copy = measure_copy()
-    m = 8192
-    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    t_bf16 = graph_time_us(lambda: x @ y, reps=10)
-    xf, yf = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    t_fp8 = graph_time_us(
-        lambda: torch._scaled_mm(xf, yf.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps=10
-    )
-    flops = 2 * m**3
-    return {
-        **copy,
-        "bf16_matmul_tflops": flops / t_bf16 / 1e6,
-        "fp8_matmul_tflops": flops / t_fp8 / 1e6,
-    }
 
 
 def _random_layer(shape: dict, device: str):
