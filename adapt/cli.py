@@ -514,6 +514,39 @@ def bench_serve(
     finish(report, as_json, run)
 
 
+@bench_app.command("runtime")
+def bench_runtime(
+    model: Annotated[list[str] | None, typer.Option(
+        "--model", "-m", help="deepseek-v3.2 (layers 0, 3) and/or gpt-oss-120b (layers 0, 1); default both.")] = None,
+    batch: Annotated[list[int] | None, typer.Option("--batch", "-b", help="Batch sizes (default 1, 16, 64).")] = None,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1, help="Prompt tokens per sequence.")] = 128,
+    decode_steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
+    kernels: Annotated[str, typer.Option("--kernels", help="none, all, or a comma list of op families.")] = "all",
+    device: Annotated[str, typer.Option("--device", help="cuda, or cpu with --tiny for a dry run.")] = "cuda",
+    tiny: Annotated[bool, typer.Option("--tiny", help="Reduced width (dry run of the same code path).")] = False,
+    budget_s: Annotated[float, typer.Option("--budget-s", help="Seconds after which points are skipped.")] = 150.0,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the results.")] = Path("benchmarks"),
+    gates: GatesOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Runtime at real width and reduced depth: prefill and decode tokens/s beside the layers' roofline."""
+    from adapt.bench.runtime import LAYERS, run_runtime_bench
+    from adapt.report import load_gates
+    from adapt.runtime.engine import parse_kernels
+
+    models = model or list(LAYERS)
+    unknown = [m for m in models if m not in LAYERS]
+    if unknown:
+        raise InputError(f"unknown model {unknown[0]!r}", field="--model", hint=f"choose from {', '.join(LAYERS)}")
+    if device not in ("cuda", "cpu"):
+        raise InputError(f"expected cuda or cpu, got {device!r}", field="--device")
+    parse_kernels(kernels)
+    report = run_runtime_bench(models, batches=batch or [1, 16, 64], prompt_tokens=prompt_tokens,
+                               decode_steps=decode_steps, kernels=kernels, device=device, tiny=tiny,
+                               budget_s=budget_s, gates=load_gates(gates), out_dir=output)
+    finish(report, as_json)
+
+
 @app.command()
 def demo(
     output: OutputOpt = Path("reports"),
