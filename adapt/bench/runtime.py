@@ -225,7 +225,10 @@ def measure_model(model: str, directory: Path, info: LayerBytes, *, batches: lis
 
     from adapt.runtime.engine import Engine
 
-    max_tokens = max(batches) * (prompt_tokens + decode_steps + 4) + 256
+    from adapt.runtime.kv_cache import PAGE_SIZE
+
+    # every sequence holds whole pages: batch * pages per sequence, plus the twin check's sequence
+    max_tokens = (max(batches) + 1) * PAGE_SIZE * -(-(prompt_tokens + decode_steps + 4) // PAGE_SIZE)
     engine = Engine.load(directory, layers=list(LAYERS[model]), kernels=kernels, dtype=torch.bfloat16,
                          device=device, max_tokens=max_tokens)
     vocab = engine.config.vocab
