@@ -120,6 +120,53 @@ def targets(as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def calibrate(
+    target: TargetOpt,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Target YAML to write (default: <target>-calibrated.yaml here).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Name inside the YAML.")] = None,
+    devices: Annotated[int | None, typer.Option(
+        "--devices", "-d", help="GPUs for the collectives (default: all visible).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Small sizes: a smoke run, not a profile.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure this machine (bandwidth, matmul rates, launch cost, collectives); write a target YAML."""
+    from rich.progress import Progress
+
+    from adapt.targets.calibrate import calibrate as measure
+    from adapt.targets.calibrate import write_target
+
+    with Progress(console=err_console, transient=True, disable=as_json) as progress:
+        task = progress.add_task("calibrating", total=None)
+
+        def tick(step: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, description=step)
+
+        result = measure(target, devices=devices, quick=quick, progress=tick)
+    path = output or Path(f"{result.base.name}-calibrated.yaml")
+    written = write_target(result, path, name)
+    if as_json:
+        print_json({"path": str(path), "target": written.to_dict(), "calibration": result.to_dict()})
+        return
+    table = Table(title=f"measured {result.date} on {result.device}", title_justify="left")
+    for column in ("field", "measured", "datasheet"):
+        table.add_column(column)
+    base = result.base.to_dict()
+    for key, value in written.to_dict().items():
+        if key in ("sources", "name", "description", "native_dtypes", "default_stack", "vendor"):
+            continue
+        measured = key in written.calibration["measured"] or (
+            key == "peak_tflops" and any(m.startswith("peak_tflops.") for m in written.calibration["measured"]))
+        table.add_row(key, _cell(value) if measured else "-", _cell(base.get(key)))
+    console.print(table, soft_wrap=True)
+    for what, why in result.refused.items():
+        console.print(f"[yellow]not measured[/yellow] {what}: {why}", highlight=False)
+    for note in result.notes:
+        console.print(f"[dim]{note}[/dim]", highlight=False)
+    console.print(f"target written: {path}")
+
+
+@app.command()
 def info(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
     as_json: JsonOpt = False,
@@ -327,8 +374,10 @@ def handoff_command(
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
     force: Annotated[bool, typer.Option(
         "--force", help="Hand off although gates 1-4 did not pass (recorded).")] = False,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="Serving engine: vllm (bundle, --launch) or sglang (launch commands).")] = "vllm",
     validate_args: Annotated[bool, typer.Option(
-        "--validate", help="Check the serve command with vLLM's parser.")] = False,
+        "--validate", help="Check the commands with the engine's own argument parser.")] = False,
     launch: Annotated[bool, typer.Option(
         "--launch", help="Start vllm serve here and run the smoke test.")] = False,
     vllm: Annotated[str | None, typer.Option("--vllm", help="vllm executable (default: found).")] = None,
@@ -341,7 +390,7 @@ def handoff_command(
     output: OutputOpt = Path("reports"), run_id: RunOpt = None, gates: GatesOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Hand-off: vLLM deployment bundle from the stage-4 plan; --launch serves it here and compares tokens."""
+    """Hand-off: vLLM bundle (--launch serves it here and compares tokens), or SGLang launch commands."""
     from adapt.handoff.bundle import run_handoff
     from adapt.report import load_gates
 
@@ -349,7 +398,17 @@ def handoff_command(
         raise InputError(f"expected float32 or bfloat16, got {dtype!r}", field="--dtype")
     if run_id is None:
         raise InputError("--run is required: the hand-off reads the run's gate reports", field="--run")
+    if engine not in ("vllm", "sglang"):
+        raise InputError(f"expected vllm or sglang, got {engine!r}", field="--engine")
     run = RunDir(output, run_id)
+    if engine == "sglang":
+        from adapt.handoff.sglang import write_sglang_bundle
+
+        if launch:
+            raise InputError("--launch starts vLLM only", field="--launch", hint="drop --launch with --engine sglang")
+        report, files = write_sglang_bundle(model, target=target, devices=devices, nodes=nodes, run=run,
+                                            force=force, validate=validate_args)
+        finish(report, as_json, run, extra=files)
     report, files, log_tail = run_handoff(
         model, target=target, devices=devices, nodes=nodes, run=run, gates=load_gates(gates), force=force,
         validate=validate_args, launch=launch, vllm=vllm, port=port, max_tokens=max_tokens, dtype=dtype,

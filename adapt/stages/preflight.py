@@ -5,7 +5,8 @@ cannot be checked here never fails the gate, it says what to run where.
 
 Items:
 - driver and CUDA: ``nvidia-smi`` (driver version, GPUs, their compute capability and memory)
-  and torch's CUDA build;
+  and torch's CUDA build; for Gaudi and Ascend targets the vendor's tool (``hl-smi``, ``npu-smi``):
+  device count and HBM per device against the profile, or what could not be checked without it;
 - software: torch, triton and vLLM versions; whether the installed triton is the one torch
   was built against; whether the vLLM version has the model's features (DSA: >= 0.11.0,
   gpt-oss MXFP4: >= 0.10.1);
@@ -93,6 +94,69 @@ def nvidia_smi() -> list[dict[str, str]] | None:
         for line in out.strip().splitlines()
         if line.strip()
     ]
+
+
+# Vendor tools of accelerators that are not NVIDIA GPUs: target vendor -> (tool, what it would show).
+VENDOR_TOOLS = {
+    "intel": ("hl-smi", "Gaudi cards, driver version and HBM size per card"),
+    "huawei": ("npu-smi", "Ascend NPUs, their chip names and HBM size per NPU"),
+}
+
+
+def vendor_tool_check(target: Target, which=shutil.which, timeout_s: float = 20) -> Check | None:
+    """Read the target vendor's device tool (hl-smi for Gaudi, npu-smi for Ascend) when present:
+    device count and HBM per device against the target profile. None for vendors without such a
+    tool here (NVIDIA is read through nvidia-smi above; a CPU has none)."""
+    if target.vendor not in VENDOR_TOOLS:
+        return None
+    tool, what = VENDOR_TOOLS[target.vendor]
+    exe = which(tool)
+    if exe is None:
+        return Check(f"{tool}", ELSEWHERE, f"{tool} not found: {what} cannot be checked here; run "
+                     f"`adapt preflight --target {target.name}` on a {target.name} node")
+    argv = ([exe, "-Q", "name,driver_version,memory.total", "-f", "csv,noheader"] if tool == "hl-smi"
+            else [exe, "info"])
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Check(tool, FAIL, f"`{' '.join(argv[1:])}` failed: {str(exc)[:200]}")
+    devices = _hl_smi_devices(out) if tool == "hl-smi" else _npu_smi_devices(out)
+    if not devices:
+        return Check(tool, WARN, f"{tool} ran but listed no device adapt could read: {out.strip()[:200]!r}")
+    mib = [d["memory_mib"] for d in devices if d.get("memory_mib")]
+    detail = (f"{len(devices)} device(s): {', '.join(sorted({d['name'] for d in devices}))}"
+              + (f", {min(mib):,} MiB each" if mib else "") + (f", driver {devices[0]['driver']}"
+                                                              if devices[0].get("driver") else ""))
+    expected = target.memory_bytes / 2**20
+    if mib and abs(min(mib) - expected) > 0.05 * expected:
+        return Check(tool, WARN, f"{detail}; the {target.name} profile says {expected:,.0f} MiB per device")
+    return Check(tool, OK, detail)
+
+
+def _hl_smi_devices(text: str) -> list[dict]:
+    """Rows of ``hl-smi -Q name,driver_version,memory.total -f csv,noheader`` ("HL-325L, 1.20.0, 131072 MiB")."""
+    rows = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0]:
+            size = re.match(r"(\d+)", parts[2])
+            rows.append({"name": parts[0], "driver": parts[1], "memory_mib": int(size.group(1)) if size else None})
+    return rows
+
+
+def _npu_smi_devices(text: str) -> list[dict]:
+    """NPUs of ``npu-smi info``: a "| <id> <chip name> | <health> | ..." line per NPU, then a line whose
+    last "<used> / <total>" pair is its HBM in MB."""
+    rows: list[dict] = []
+    for line in text.splitlines():
+        name = re.match(r"^\|\s*\d+\s+(\w*9\d\d\w*)\s*\|", line)
+        if name:
+            rows.append({"name": name.group(1), "memory_mib": None})
+            continue
+        pairs = re.findall(r"(\d+)\s*/\s*(\d+)", line)
+        if rows and rows[-1]["memory_mib"] is None and len(pairs) >= 2:
+            rows[-1]["memory_mib"] = int(pairs[-1][1])
+    return rows
 
 
 def _driver_checks(gpus: list[dict[str, str]] | None) -> list[Check]:
@@ -329,8 +393,10 @@ def run_preflight(
     tgt = load_target(target)
     needs, model_type = model_needs(model)
     found = nvidia_smi() if gpus == "detect" else gpus
+    vendor = vendor_tool_check(tgt)
     checks = (
         _driver_checks(found)
+        + ([vendor] if vendor else [])
         + _software_checks(needs)
         + _format_checks(tgt, needs, found)
         + [_memory_check(run_dir, headroom), _eval_check(eval_data)]

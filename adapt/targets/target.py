@@ -50,6 +50,8 @@ class Target:
     compute_capability: e.g. "9.0" (NVIDIA), "gfx942" (AMD), "cpu"
     default_stack: the stack table used when none is named
     sources: field -> where its number came from
+    calibration: for a target written by ``adapt calibrate``: what was measured, where and when,
+        which fields stay datasheet, what was refused and why, every timed point ({} otherwise)
     """
 
     name: str
@@ -69,6 +71,7 @@ class Target:
     compute_capability: str
     default_stack: str
     sources: dict[str, str] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
 
     def supports_dtype(self, dtype: str) -> bool:
         return dtype in self.native_dtypes
@@ -159,7 +162,7 @@ def load_target(name_or_path: str) -> Target:
         raise InputError(f"numbers without a source: {', '.join(unsourced)}", file=path, field="sources",
                          hint="add a datasheet reference or 'measured YYYY-MM-DD ...' for each")
     known = set(_SCALARS) | {"name", "vendor", "description", "peak_tflops", "native_dtypes",
-                             "compute_capability", "default_stack", "sources"}
+                             "compute_capability", "default_stack", "sources", "calibration"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise InputError(f"unknown field(s): {', '.join(unknown)}", file=path, field=unknown[0],
@@ -175,7 +178,16 @@ def load_target(name_or_path: str) -> Target:
         intra_node_latency=values["intra_node_latency_us"], inter_node_latency=values["inter_node_latency_us"],
         compute_capability=str(data.get("compute_capability", "unknown")),
         default_stack=str(data.get("default_stack", "vllm-cuda")), sources={str(k): str(v) for k, v in sources.items()},
+        calibration=_calibration(data, path),
     )
+
+
+def _calibration(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The ``calibration`` section of a calibrated target (a mapping; {} when absent)."""
+    section = data.get("calibration", {})
+    if not isinstance(section, dict):
+        raise InputError("expected the mapping `adapt calibrate` writes", file=path, field="calibration")
+    return section
 
 
 # ---------------------------------------------------------------- stack support tables
