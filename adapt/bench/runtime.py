@@ -224,7 +224,6 @@ def measure_model(model: str, directory: Path, info: LayerBytes, *, batches: lis
     import torch
 
     from adapt.runtime.engine import Engine
-
     from adapt.runtime.kv_cache import PAGE_SIZE
 
     # every sequence holds whole pages: batch * pages per sequence, plus the twin check's sequence
