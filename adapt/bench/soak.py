@@ -20,17 +20,11 @@ from pathlib import Path
 
 def process_tree(root: int) -> list[int]:
     """``root`` and every live descendant (from /proc's parent links), root first."""
+    from adapt.handoff.vllm import live_processes
+
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    for pid, parent, _ in live_processes():
+        children.setdefault(parent, []).append(pid)
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()

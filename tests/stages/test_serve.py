@@ -6,31 +6,18 @@ under CI a missing vLLM is a failure, elsewhere these tests skip.
 """
 
 import json
-import os
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
 from adapt.cli import app
-from adapt.errors import InputError
-from adapt.handoff.vllm import find_vllm
 from adapt.model import tiny
 from adapt.report import RunDir, load_gates
 from adapt.stages.parallel import run_plan_parallel
 from adapt.stages.serve import served, stage4_prediction
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def vllm_exe():
-    try:
-        return find_vllm()
-    except InputError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM missing in CI: {exc.line()}")
-        pytest.skip(exc.line())
 
 
 @pytest.fixture(scope="module")
