@@ -2,6 +2,8 @@
 of its requests fails the error gate (each is the other's control); the fits and summaries on
 fixed inputs."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +13,7 @@ import pytest
 
 from adapt.bench.loadgen import summarize, workload_points
 from adapt.bench.probes import healthy
-from adapt.bench.soak import growth_slope, judge_leak
+from adapt.bench.soak import growth_slope, judge_leak, process_tree, rss_bytes
 from adapt.errors import InputError
 from adapt.handoff.vllm import free_port
 from adapt.model.tiny import build_tiny
@@ -25,6 +27,25 @@ def test_growth_slope_is_least_squares():
     assert growth_slope([0, 1, 2, 3], [1, 3, 5, 7]) == pytest.approx(2.0)
     assert growth_slope([0, 1, 2], [5, 5, 5]) == 0.0
     assert growth_slope([1.0], [3.0]) == 0.0
+
+
+def test_process_tree_finds_children_and_their_memory(tmp_path):
+    ready = tmp_path / "ready"
+    child = f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        tree = process_tree(parent.pid)
+        assert tree[0] == parent.pid and len(tree) == 2
+        assert rss_bytes(tree) > rss_bytes(tree[:1]) > 0
+    finally:
+        for pid in reversed(process_tree(parent.pid)):
+            os.kill(pid, signal.SIGKILL)
+        parent.wait()
 
 
 def test_judge_leak_uses_the_load_window_after_warmup():
