@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
+from adapt import __version__
 from adapt.errors import InputError
 from adapt.report import EXIT_BAD_INPUT, RunDir, StageReport
 
@@ -40,8 +41,22 @@ app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty
 bench_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Stage 6: kernels against the roofline.")
 app.add_typer(bench_app, name="bench")
 
+
+def _version_callback(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"adapt {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", callback=_version_callback, is_eager=True, help="Print adapt's version and exit.")] = False,
+          ) -> None:
+    """Bring a giant MoE model up on a new accelerator, gate by gate, and hand it to vLLM."""
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-TargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target name (see `adapt targets`) or a YAML path.")]
+TargetOpt = Annotated[str, typer.Option(
+    "--target", "-t", help="Target name (see `adapt targets`) or a YAML path (required).")]
 RunOpt = Annotated[str | None, typer.Option("--run", help="Run id: reports go to <output>/<run>/.")]
 OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Reports root directory.")]
 GatesOpt = Annotated[Path | None, typer.Option("--gates", help="YAML file overriding gate thresholds.")]
@@ -55,9 +70,9 @@ def render_report(report: StageReport) -> None:
     """A stage report in the terminal: verdict, metrics, tables, findings."""
     verdict = report.decide()
     color = {"pass": "green", "warn": "yellow", "fail": "red"}[verdict]
-    console.print(f"[bold]Stage {report.number}: {report.title}[/bold]  [{color}]{verdict.upper()}[/{color}]")
+    console.print(f"[bold]Stage {report.number}: {escape(report.title)}[/bold]  [{color}]{verdict.upper()}[/{color}]")
     if report.summary:
-        console.print(report.summary)
+        console.print(report.summary, markup=False)
     for name, rows in report.tables.items():
         if not rows:
             continue
@@ -70,16 +85,17 @@ def render_report(report: StageReport) -> None:
         console.print(table)
     for f in report.findings:
         style = {"error": "red", "warn": "yellow", "info": "dim"}[f.severity]
-        hint = f"  [dim]({f.hint})[/dim]" if f.hint else ""
-        console.print(f"[{style}]{f.severity:5}[/{style}] {f.code}: {f.message}{hint}")
+        hint = f"  [dim]({escape(f.hint)})[/dim]" if f.hint else ""
+        console.print(f"[{style}]{f.severity:5}[/{style}] {escape(f.code)}: {escape(f.message)}{hint}")
 
 
 def _cell(value) -> str:
+    """A table cell as text with rich markup escaped (source tags such as ``[fp8-doc]`` stay visible)."""
     if isinstance(value, float):
         return f"{value:,.4g}"
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
-    return str(value)
+    return escape(str(value))
 
 
 def finish(report: StageReport, as_json: bool, run: RunDir | None = None,
@@ -93,7 +109,7 @@ def finish(report: StageReport, as_json: bool, run: RunDir | None = None,
     else:
         render_report(report)
         if run is not None:
-            console.print(f"[dim]reports: {run.path}[/dim]")
+            console.print(f"[dim]reports: {escape(str(run.path))}[/dim]")
     raise typer.Exit(report.exit_code)
 
 
@@ -187,7 +203,7 @@ def info(
         print_json(facts)
         return
     params = facts["parameters"]
-    console.print(f"[bold]{model}[/bold]  model_type={facts['model_type']}  layers={facts['layers']} "
+    console.print(f"[bold]{escape(model)}[/bold]  model_type={facts['model_type']}  layers={facts['layers']} "
                   f"(MoE {facts['moe_layers']}, MTP {facts['mtp_layers']})  attention={', '.join(facts['attention'])}")
     console.print(f"parameters: total {params['total']:,}  active {params['active']:,}  "
                   f"with MTP {params['total_with_mtp']:,}")
@@ -208,14 +224,14 @@ def info(
         ck = facts["checkpoint"]
         console.print(f"checkpoint: {ck['shards']} shards, {ck['tensors']:,} tensors, {ck['total_bytes']:,} bytes")
         for f in ck["findings"]:
-            console.print(f"[yellow]{f['severity']}[/yellow] {f['code']}: {f['message']}")
+            console.print(f"[yellow]{f['severity']}[/yellow] {escape(f['code'])}: {escape(f['message'])}")
 
 
 @app.command()
 def validate(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
     stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-4, 6).")],
-    target: TargetOpt = "h200",
+    target: TargetOpt,
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
     context: Annotated[int, typer.Option("--context", help="Tokens per sequence.")] = 8192,
@@ -241,11 +257,17 @@ def validate(
     options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
                               batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack,
                               run_path=str(run.path), url=url, soak_s=soak_s)
-    reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report)
+
+    def reused(name: str, why: str) -> None:
+        if not as_json:
+            console.print(f"[dim]{escape(name)}: reused ({escape(why)})[/dim]")
+
+    reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report,
+                        on_reuse=reused)
     if as_json:
         print_json({"run": str(run.path), "reports": [r.to_dict() for r in reports]})
     else:
-        console.print(f"[dim]reports: {run.path}[/dim]")
+        console.print(f"[dim]reports: {escape(str(run.path))}[/dim]")
     raise typer.Exit(max((r.exit_code for r in reports), default=0))
 
 
@@ -287,14 +309,22 @@ def plan_memory_command(
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
     from adapt.report import load_gates
     from adapt.stages.memory import run_plan_memory
+    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
-    report = run_plan_memory(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
+    run, thresholds = RunDir(output, run_id), load_gates(gates)
+    extra = dict(tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp, headroom=headroom,
+                 gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                 max_num_seqs=max_num_seqs, block_size=block_size if block_size != 64 else None,
+                 rope_factor=rope_factor)
+    report = run_plan_memory(model, target, gates=thresholds, devices=devices, nodes=nodes,
                              context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
                              tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp,
                              headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              block_size=block_size, rope_factor=rope_factor)
-    finish(report, as_json, RunDir(output, run_id))
+    stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
+                     thresholds, extra)
+    finish(report, as_json, run)
 
 
 @app.command("plan-parallel")
@@ -309,23 +339,31 @@ def plan_parallel_command(
     """Stage 4: rank TP x EP x PP x DP plans; print vLLM engine arguments, `vllm serve` and Ray steps."""
     import shlex
 
+    from adapt.handoff.vllm import shell_script
     from adapt.report import load_gates
     from adapt.stages.parallel import run_plan_parallel
+    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
-    report = run_plan_parallel(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
+    run, thresholds = RunDir(output, run_id), load_gates(gates)
+    report = run_plan_parallel(model, target, gates=thresholds, devices=devices, nodes=nodes,
                                context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
                                headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                block_size=block_size, rope_factor=rope_factor)
     lines = report.metrics.get("ray_steps") or (
         [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else [])
-    extra = {"parallel.launch.sh": "#!/bin/sh\n" + "\n".join(lines) + "\n"} if lines else None
-    finish(report, as_json, RunDir(output, run_id), extra=extra)
+    stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
+                     thresholds, dict(headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
+                                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      block_size=block_size if block_size != 64 else None,
+                                      rope_factor=rope_factor))
+    extra = {"parallel.launch.sh": shell_script(lines)} if lines else None
+    finish(report, as_json, run, extra=extra)
 
 
 @app.command("inventory")
 def inventory_command(
-    model: ModelArg, target: TargetOpt = "h200",
+    model: ModelArg, target: TargetOpt,
     stack: Annotated[str | None, typer.Option(
         "--stack", help="Stack table (vllm-cuda, vllm-cpu, vllm-rocm) or YAML; default: target's.")] = None,
     all_layers: Annotated[bool, typer.Option(
@@ -337,20 +375,24 @@ def inventory_command(
     """Stage 1: every operator the model needs and how the target's stack provides it (gaps fail the gate)."""
     from adapt.report import load_gates
     from adapt.stages.inventory import build_inventory
+    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
+    run, thresholds = RunDir(output, run_id), load_gates(gates)
     status = console.status("tracing the model on the meta device ...") if not as_json else None
     with status or _no_status():
-        inventory = build_inventory(model, target, stack=stack, gates=load_gates(gates),
+        inventory = build_inventory(model, target, stack=stack, gates=thresholds,
                                     all_layers=all_layers, prefill_tokens=tokens)
+    stamp_standalone(inventory.report, PipelineOptions(model, target, stack=stack), thresholds,
+                     dict(all_layers=all_layers or None, tokens=tokens if tokens != 16 else None))
     detail = {"operators": [r.to_dict() for r in inventory.rows], "fusions": inventory.fusions,
               "aten": inventory.aten}
-    finish(inventory.report, as_json, RunDir(output, run_id),
+    finish(inventory.report, as_json, run,
            extra={"inventory.detail.json": json.dumps(detail, indent=1, default=str) + "\n"})
 
 
 @app.command("preflight")
 def preflight_command(
-    target: TargetOpt = "h200",
+    target: TargetOpt,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (to check its formats).")] = None,
     eval_data: Annotated[Path | None, typer.Option(
         "--eval-data", help="Evaluation data file or directory stage 5 will read.")] = None,
@@ -369,7 +411,7 @@ def preflight_command(
 @app.command("handoff")
 def handoff_command(
     model: Annotated[str, typer.Argument(help="Model directory (or preset name for a bundle only).")],
-    target: TargetOpt = "h200",
+    target: TargetOpt,
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
     force: Annotated[bool, typer.Option(
@@ -428,7 +470,7 @@ def run_command(
     token_ids: Annotated[list[str] | None, typer.Option(
         "--token-ids", help="Prompt as comma-separated token ids (repeat for a batch).")] = None,
     max_new_tokens: Annotated[int, typer.Option(
-        "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
+        "--max-new-tokens", min=1, help="Tokens to generate.")] = 32,
     layers: Annotated[str | None, typer.Option(
         "--layers", help="Decoder layers: a count N or a list such as 0,3,60 (default: all).")] = None,
     kernels: Annotated[str, typer.Option(
@@ -482,7 +524,7 @@ def run_command(
         print_json(summary)
         return
     for reason_key, reason in summary["kernel_refusals"].items():
-        err_console.print(f"[yellow]{reason_key} runs the torch path:[/yellow] {reason}")
+        err_console.print(f"[yellow]{escape(reason_key)} runs the torch path:[/yellow] {escape(str(reason))}")
     for index, row in enumerate(rows):
         console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens): "
                       f"{row['tokens']}")
@@ -532,6 +574,7 @@ def bench_kernels(
 def bench_serve(
     model: Annotated[str, typer.Argument(
         help="Model directory to serve here, or (with --url) the served model's name.")],
+    target: TargetOpt,
     url: Annotated[str | None, typer.Option(
         "--url", help="An OpenAI-compatible server to load instead of launching the model.")] = None,
     served_model: Annotated[str | None, typer.Option(
@@ -540,7 +583,6 @@ def bench_serve(
         "--tokenizer", help="Tokenizer path or id for the load generator (default: MODEL).")] = None,
     server_pid: Annotated[int | None, typer.Option(
         "--server-pid", help="With --url: the server's root process id, to sample its memory.")] = None,
-    target: TargetOpt = "cpu",
     input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens of long-in workloads.")] = 256,
     output_len: Annotated[int, typer.Option("--output-len", help="Output tokens of long-out workloads.")] = 64,
     concurrency: Annotated[list[int] | None, typer.Option(
@@ -566,10 +608,19 @@ def bench_serve(
     options = ServeOptions(input_len=input_len, output_len=output_len, concurrencies=concurrency or [1, 4, 16],
                            prompts=prompts, soak_s=soak_s or None, soak_requests=soak_requests,
                            soak_concurrency=soak_concurrency, sample_interval_s=sample_interval)
-    report = run_serve_stage(model, target=target, run_path=run.path, gates=load_gates(gates), options=options,
+    thresholds = load_gates(gates)
+    report = run_serve_stage(model, target=target, run_path=run.path, gates=thresholds, options=options,
                              url=url, served_model=served_model, tokenizer=tokenizer, server_pid=server_pid,
                              max_model_len=max_model_len, vllm=vllm,
                              kv_cache_bytes=kv_cache_mib * 2**20 if kv_cache_mib else None)
+    if url is None:   # MODEL is a checkpoint here (with --url it is only the name a server answers to)
+        from adapt.stages.pipeline import PipelineOptions, stamp_standalone
+
+        stamp_standalone(report, PipelineOptions(model, target, run_path=str(run.path), soak_s=soak_s or 0.0),
+                         thresholds, dict(input_len=input_len, output_len=output_len, concurrency=concurrency,
+                                          prompts=prompts, soak_requests=soak_requests,
+                                          soak_concurrency=soak_concurrency, max_model_len=max_model_len,
+                                          kv_cache_mib=kv_cache_mib))
     finish(report, as_json, run)
 
 
@@ -615,7 +666,7 @@ def demo(
     """Run the pipeline on the embedded tiny DeepSeek-V3.2 model (tiny-dsa) into <output>/demo/."""
     from adapt.stages.demo import run_demo
 
-    say = (lambda text: None) if as_json else (lambda text: console.print(f"[cyan]demo:[/cyan] {text}"))
+    say = (lambda text: None) if as_json else (lambda text: console.print(f"[cyan]demo:[/cyan] {escape(text)}"))
     summary = run_demo(output, say, on_report=(lambda r: None) if as_json else render_report, tokens=tokens)
     if as_json:
         print_json(summary)
@@ -624,24 +675,48 @@ def demo(
             console.print(f"{label}: {generation['tokens']} {generation['text']!r}", markup=False, highlight=False)
         if "generations" in summary:
             agree = "agree" if summary["runtime_paths_agree"] else "DIFFER"
-            console.print(f"reference and kernel paths {agree}; reports in {summary['run']}")
+            console.print(f"reference and kernel paths {agree}; reports in {summary['run']}", markup=False)
     failed = any(v == "fail" for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
     raise typer.Exit(1 if failed else 0)
 
 
 def main() -> None:
-    """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage)."""
+    """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage,
+    130/143 interrupted by SIGINT/SIGTERM).
+
+    Usage errors are one line on stderr. SIGINT and SIGTERM print one "interrupted" line at any
+    moment and exit 128 + the signal; no report is written after the signal (``RunDir.write``
+    checks for it), even when the signal's exception was swallowed somewhere inside a stage.
+    """
     import os
     import shutil
 
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer 0.29 vendors click here
+
+    from adapt.errors import Interrupted, install_interrupt_handlers, interrupt_received
+
+    install_interrupt_handlers()
     if not shutil.which("nvidia-smi"):
         # no GPU: adapt's Triton kernels run under the interpreter; triton reads this once, at import
         os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        app()
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
+        code = app(standalone_mode=False)
+    except Interrupted as exc:
+        code = exc.exit_code
+    except NoArgsIsHelpError as exc:
+        sys.stdout.write(exc.ctx.get_help() + "\n" if exc.ctx else "")
+        code = EXIT_BAD_INPUT
+    except UsageError as exc:
+        where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+        sys.stderr.write(f"error: {' '.join(exc.format_message().split())}{where}\n")
+        code = EXIT_BAD_INPUT
+    except typer.Abort:
+        code = 1
+    signum = interrupt_received()
+    if signum is not None:
+        sys.stderr.write("interrupted\n")
+        code = 128 + signum
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

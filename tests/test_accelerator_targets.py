@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from adapt.cli import app
@@ -98,4 +99,7 @@ def test_validate_stage4_on_the_calibrated_two_gpu_target(tmp_path):
     assert result.exit_code == 0, result.output
     reports = json.loads(result.stdout)["reports"]
     assert [r["stage"] for r in reports] == ["inventory", "memory", "kernels", "parallel"]
-    assert all(r["verdict"] == "pass" for r in reports)
+    # stage 3 warns on a machine without the target's GPU: its native ops are "not run here"
+    expected = {"inventory": "pass", "memory": "pass", "parallel": "pass",
+                "kernels": "pass" if torch.cuda.is_available() else "warn"}
+    assert {r["stage"]: r["verdict"] for r in reports} == expected

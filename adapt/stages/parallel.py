@@ -536,22 +536,18 @@ def _memory_check(
 
 def extra_engine_args(spec: ModelSpec, plan: ParallelPlan, rope_factor: float | None) -> dict[str, Any]:
     """Engine arguments a plan needs beyond the ten plan keys: ``decode_context_parallel_size``
-    for a DCP plan, and ``hf_overrides`` with YaRN rope scaling when ``rope_factor`` extends the
-    context past the model's own limit (base: the config's pre-scaling length, or
-    max_position_embeddings when it has none)."""
+    for a DCP plan, and ``hf_overrides`` (``adapt.handoff.vllm.rope_override``: the model's own
+    rope scaling with only the factor changed) when ``rope_factor`` extends the context past the
+    model's own limit (base: the config's pre-scaling length, or max_position_embeddings)."""
     extra: dict[str, Any] = {}
     if plan.layout.dcp > 1:
         extra["decode_context_parallel_size"] = plan.layout.dcp
     if rope_factor is not None:
+        from adapt.handoff.vllm import rope_override
+
         base = spec.rope.original_max_position or spec.max_position
-        extra["hf_overrides"] = {
-            "rope_scaling": {
-                "rope_type": "yarn",
-                "factor": rope_factor,
-                "original_max_position_embeddings": base,
-            },
-            "max_position_embeddings": int(base * rope_factor),
-        }
+        extra["hf_overrides"] = rope_override(spec.config.get("rope_scaling"), theta=spec.rope.theta, base=base,
+                                              factor=rope_factor)
     return extra
 
 

@@ -12,11 +12,10 @@ Stack tables (``stacks/<name>.yaml``, or a user's YAML path) map semantic operat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from adapt.errors import InputError
 
@@ -35,6 +34,9 @@ _SCALARS: dict[str, tuple[type, float, bool]] = {
     "intra_node_latency_us": (float, 1e-6, True),
     "inter_node_latency_us": (float, 1e-6, True),
 }
+# link rates and latencies may be 0 only on a single-device, single-node target (it has no links)
+_LINK_FIELDS = ("intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs", "intra_node_latency_us",
+                "inter_node_latency_us")
 
 
 @dataclass(frozen=True)
@@ -100,12 +102,9 @@ def target_names() -> list[str]:
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise InputError(f"cannot read {what}: {exc.strerror}", file=path) from None
-    except yaml.YAMLError as exc:
-        raise InputError(f"invalid YAML: {str(exc).splitlines()[0]}", file=path) from None
+    from adapt.report import load_yaml
+
+    data = load_yaml(path, what)
     if not isinstance(data, dict):
         raise InputError(f"expected a mapping at the top of the {what}", file=path)
     return data
@@ -139,17 +138,22 @@ def load_target(name_or_path: str) -> Target:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             raise InputError(f"expected {'an integer' if kind is int else 'a number'}, got {value!r}",
                              file=path, field=key)
-        if value < 0 or (value == 0 and key in ("devices_per_node", "memory_gib", "hbm_bandwidth_tbs")):
-            raise InputError(f"expected a positive value, got {value!r}", file=path, field=key)
+        if not math.isfinite(value) or value < 0 or (value == 0 and key not in _LINK_FIELDS):
+            raise InputError(f"expected a finite number > 0, got {value!r}", file=path, field=key)
         values[key] = value * unit
+    single = values["devices_per_node"] == 1 and values.get("max_nodes", 1) == 1
+    zero_links = [k for k in _LINK_FIELDS if k in values and values[k] == 0]
+    if zero_links and not single:
+        raise InputError("expected a finite number > 0, got 0 (only a 1-device, 1-node target has no links)",
+                         file=path, field=zero_links[0])
     peak = data.get("peak_tflops")
     if not isinstance(peak, dict) or "bf16" not in peak:
         raise InputError("expected a mapping of dtype -> dense TFLOP/s that includes bf16",
                          file=path, field="peak_tflops")
     peak_flops = {}
     for dtype, rate in peak.items():
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
-            raise InputError(f"expected a positive number, got {rate!r}", file=path, field=f"peak_tflops.{dtype}")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+            raise InputError(f"expected a finite number > 0, got {rate!r}", file=path, field=f"peak_tflops.{dtype}")
         peak_flops[str(dtype)] = float(rate) * 1e12
     native = data.get("native_dtypes", [])
     if not isinstance(native, list) or not all(isinstance(d, str) for d in native):

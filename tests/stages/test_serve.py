@@ -46,7 +46,8 @@ def test_stage6_load_soak_probes_and_prediction(server, tmp_path):
     gates = tmp_path / "gates.yaml"
     gates.write_text(yaml.safe_dump({"bench": {"max_rss_slope_mib_per_min": 2048}}))
     result = CliRunner().invoke(app, [
-        "bench", "serve", "adapt-bench", "--url", endpoint.base_url, "--server-pid", str(endpoint.server_pid),
+        "bench", "serve", "adapt-bench", "--target", "cpu", "--url", endpoint.base_url,
+        "--server-pid", str(endpoint.server_pid),
         "--tokenizer", str(model_dir), "--max-model-len", "2048", "--input-len", "256", "--output-len", "64",
         "-c", "1", "-c", "4", "--prompts", "8", "--soak-s", "60", "--soak-concurrency", "4",
         "--sample-interval", "1", "--output", str(run.path.parent), "--run", run.run_id, "--gates", str(gates),
