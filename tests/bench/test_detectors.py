@@ -134,3 +134,22 @@ def test_faulty_server_fails_its_gate_only(tmp_path, tokenizer, fault, gate):
         assert soak["failed"] == 0
     else:
         assert soak["failed"] == 20 and soak["completed"] == 380 and not leak["leak"]
+
+
+def test_stage6_is_a_gate_stage_reading_its_options(monkeypatch, tmp_path):
+    from adapt.report import StageReport
+    from adapt.stages import pipeline, serve
+
+    seen = {}
+
+    def fake_stage(model, **kwargs):
+        seen.update(kwargs, model=model)
+        return StageReport("bench", 6, "stand-in")
+
+    monkeypatch.setattr(serve, "run_serve_stage", fake_stage)
+    stage = pipeline.STAGES[6]
+    assert stage.name == "bench" and set(stage.reads) == {"url", "soak_s"} and stage.gates == ("bench",)
+    options = pipeline.PipelineOptions("m", "cpu", run_path=str(tmp_path), url="http://127.0.0.1:1", soak_s=5.0)
+    stage.run(options, {"bench": {}})
+    assert seen["model"] == "m" and seen["url"] == "http://127.0.0.1:1" and seen["run_path"] == tmp_path
+    assert seen["options"].soak_s == 5.0
