@@ -179,8 +179,9 @@ def measure_endpoint(endpoint: Endpoint, options: ServeOptions, gates: dict[str,
         result["memory"] = None
     result["soak"] = {**soak, "length": how}
     if options.probes:
-        block = int(server_metrics(endpoint.base_url).get("block_size", 0)) or 16
-        result["block_size"] = block
+        block = int(server_metrics(endpoint.base_url).get("block_size", 0))
+        result["block_size"] = block or "unknown (no vllm:cache_config_info on /metrics; pages of 16 assumed)"
+        block = block or 16
         result["probes"] = length_probes(endpoint.base_url, endpoint.model, block, endpoint.max_model_len)
         prompt = min(2 * block, endpoint.max_model_len // 4)
         result["cancel"] = cancel_probe(endpoint.base_url, endpoint.model, prompt,
