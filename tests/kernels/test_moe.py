@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from adapt.errors import InputError
+from adapt.kernels import moe_configs as mc
 from adapt.kernels import moe_gemm as mg
+from adapt.kernels import moe_quant as mq
+from adapt.kernels import moe_tiles as tiles
 from adapt.kernels import mxfp4 as mx
 from adapt.kernels import routing as rt
 from adapt.kernels.workspace import FP8Workspace, workspace_bytes
@@ -137,8 +140,8 @@ def test_combine_matches_twin():
 
 def test_tile_map_matches_twin():
     offsets = torch.tensor([0, 0, 5, 40, 40, 41], dtype=torch.int32, device=DEV)
-    mt = mg.max_m_tiles(41, 5, 16)
-    a, b = mg.tile_map(offsets, 16, mt), mg.tile_map_torch(offsets, 16, mt)
+    mt = tiles.max_m_tiles(41, 5, 16)
+    a, b = tiles.tile_map(offsets, 16, mt), tiles.tile_map_torch(offsets, 16, mt)
     n = int(b.tile_start[-1])
     assert torch.equal(a.tile_start, b.tile_start)
     assert torch.equal(a.tile_expert[:n], b.tile_expert[:n]) and torch.equal(a.tile_row[:n], b.tile_row[:n])
@@ -295,8 +298,8 @@ def test_token_major_orientation_matches_swapped(kind):
         kw = {"fp8_weights": mg.FP8Weights.from_mxfp4(w)}
     if kind == "fp8_group128":
         kw["act_quant"] = "group128"
-    base = mg.GemmConfig(16, 32, 64, 2, 4, 1, 1)
-    token_major = mg.GemmConfig(16, 32, 64, 2, 4, 1, 0, swap_ab=False)
+    base = mc.GemmConfig(16, 32, 64, 2, 4, 1, 1)
+    token_major = mc.GemmConfig(16, 32, 64, 2, 4, 1, 0, swap_ab=False)
     a = mg.expert_mlp(x, perm, w, top_k=1, config=(base, base), **kw)
     b = mg.expert_mlp(x, perm, w, top_k=1, config=(token_major, token_major), **kw)
     assert rel(b, a) < 1e-2
@@ -315,8 +318,8 @@ def test_fp8_row_quant_matches_twin():
     x = torch.randn(5, 256, generator=g, device=DEV).bfloat16()
     x[2] = 0
     for group in (None, 128):
-        q, s = mg.quantize_fp8_rows(x, group)
-        q_t, s_t = mg.quantize_fp8_rows_torch(x, group)
+        q, s = mq.quantize_fp8_rows(x, group)
+        q_t, s_t = mq.quantize_fp8_rows_torch(x, group)
         assert torch.equal(q.float(), q_t.float()) and torch.equal(s, s_t)
         assert q.float().abs().amax() <= 448
 
@@ -378,7 +381,7 @@ def test_expert_mlp_real_shapes_gpu(name, t):
         assert rel(y, y_t.float()) < TOL[compute], compute
     ws = FP8Workspace(8, s["h"], s["i"], DEV)
     off = mg.FP8Weights.from_mxfp4(w)
-    cfg = mg.pick_configs(t * s["k"], s["e"], "fp8_stored")
+    cfg = mc.pick_configs(t * s["k"], s["e"], "fp8_stored")
     kw = dict(top_k=s["k"], activation=s["act"], config=cfg)
     fused = mg.expert_mlp(x, perm, w, compute="fp8", **kw)
     assert torch.equal(mg.expert_mlp(x, perm, w, workspace=ws, **kw), fused)
