@@ -3,6 +3,7 @@
 Kernels against their torch twins and a float64 reference; tiny shapes under the interpreter.
 """
 
+import dataclasses
 import os
 import shutil
 
@@ -457,3 +458,169 @@ def test_workspace_word_conversion_real_shape_gpu():
     ref = mx.mxfp4_to_fp8(packed, scales, group_k=None)
     assert torch.equal(out.float(), ref.values.float())
     assert torch.equal(exps, ref.exponents[..., 0])
+
+
+# ----------------------------------------------------------------------------------------------
+# planar layout and the small-T GEMM
+# ----------------------------------------------------------------------------------------------
+
+
+def e2m1_f64(code):
+    """E2M1 value of a 4-bit code, from OCP MX v1.0's definition (sign, 2-bit exponent with bias 1,
+    1-bit mantissa; exponent 0 is subnormal)."""
+    sign = -1.0 if code & 8 else 1.0
+    e, m = (code >> 1) & 3, code & 1
+    return sign * (m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2))
+
+
+def mxfp4_f64(packed, scales):
+    """float64 [.., K] from packed codes (even element in the low nibble) and E8M0 scales, written
+    from the format's definition (no helper of adapt's codec)."""
+    lut = torch.tensor([e2m1_f64(c) for c in range(16)], dtype=torch.float64)
+    p = packed.cpu().long()
+    codes = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
+    scale = torch.pow(2.0, scales.cpu().double() - 127).repeat_interleave(32, dim=-1)
+    return lut[codes] * scale
+
+
+@pytest.mark.parametrize("k", [32, 128, 352])
+def test_planar_layout_round_trip_and_word_bits(k):
+    from adapt.kernels import moe_planar as mp
+
+    g = _gen(40)
+    packed = torch.randint(0, 256, (2, 6, k // 2), generator=g, device=DEV, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (2, 6, k // 32), generator=g, device=DEV, dtype=torch.uint8)
+    for gate_up, il in ((False, False), (True, False), (True, True)):
+        p = mp.planar_from_mxfp4(packed, scales, gate_up=gate_up, interleaved=il)
+        assert p.words.shape[-1] * 8 % 128 == 0 and p.k == k
+        a, b = mp.planar_to_mxfp4_torch(p, interleaved=il)
+        assert torch.equal(a, packed) and torch.equal(b, scales)
+    # the definition: word h*8 + c of a 128-step, nibble at bits 4p (16 + 4p) = element 16(4h+p) + 2c (+1)
+    p = mp.planar_from_mxfp4(packed, scales)
+    codes = torch.stack((packed.long() & 0xF, packed.long() >> 4), -1).reshape(2, 6, k)
+    w = p.words.long() & 0xFFFFFFFF
+    for kk in range(k):
+        step, r = divmod(kk, 128)
+        plane, col = divmod(r, 16)
+        h, pp = divmod(plane, 4)
+        c, half = divmod(col, 2)
+        nib = (w[:, :, step * 16 + h * 8 + c] >> (4 * pp + 16 * half)) & 0xF
+        assert torch.equal(nib, codes[:, :, kk])
+    assert p.two_muls == bool(scales.max() > 128)
+
+
+def _planar_case(e, h, i, t, k, *, seed, bias, interleaved, scale_hi=122):
+    g = _gen(seed)
+
+    def mx_rand(n, kk):
+        packed = torch.randint(0, 256, (e, n, kk // 2), generator=g, device=DEV, dtype=torch.uint8)
+        scales = torch.randint(scale_hi - 6, scale_hi + 1, (e, n, kk // 32), generator=g, device=DEV, dtype=torch.uint8)
+        return packed, scales
+
+    p1, s1 = mx_rand(2 * i, h)
+    p2, s2 = mx_rand(h, i)
+    b1 = torch.randn(e, 2 * i, generator=g, device=DEV) * 0.1 if bias else None
+    b2 = torch.randn(e, h, generator=g, device=DEV) * 0.1 if bias else None
+    w = mg.MoEWeights(mx.to_gpt_oss_blocks(p1), s1, mx.to_gpt_oss_blocks(p2), s2, b1, b2, interleaved)
+    x = (torch.randn(t, h, generator=g, device=DEV) * 0.5).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g, device=DEV)[:k] for _ in range(t)]).int()
+    return w, x, ids
+
+
+def _ref_planar_f64(w, x, ids, activation):
+    """float64 reference of the expert MLP in token-slot order [T, k, H], weights decoded from the
+    format's definition; the intermediate rounded to bf16 as the kernel's GEMM2 input is."""
+    w1 = mxfp4_f64(w.w1_packed, w.w1_scales)
+    w2 = mxfp4_f64(w.w2_packed, w.w2_scales)
+    i = w.intermediate
+    if w.gate_up_interleaved:
+        wg, wu = w1[:, 0::2], w1[:, 1::2]
+    else:
+        wg, wu = w1[:, :i], w1[:, i:]
+    xd = x.double().cpu()
+    t, k = ids.shape
+    out = torch.zeros(t, k, w.hidden, dtype=torch.float64)
+    for tt in range(t):
+        for j in range(k):
+            e = int(ids[tt, j])
+            gate, up = wg[e] @ xd[tt], wu[e] @ xd[tt]
+            if w.w1_bias is not None:
+                b = w.w1_bias[e].double().cpu()
+                bg, bu = (b[0::2], b[1::2]) if w.gate_up_interleaved else (b[:i], b[i:])
+                gate, up = gate + bg, up + bu
+            if activation == "swiglu":
+                hv = gate / (1 + torch.exp(-gate)) * up
+            else:
+                gc, uc = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+                hv = gc / (1 + torch.exp(-1.702 * gc)) * (uc + 1)
+            hv = hv.to(torch.bfloat16).double()
+            o = w2[e] @ hv
+            if w.w2_bias is not None:
+                o = o + w.w2_bias[e].double().cpu()
+            out[tt, j] = o
+    return out
+
+
+PLANAR_CASES = [
+    # (E, H, I, T, k, bias, interleaved, activation, split_k, scale_hi)
+    (4, 128, 64, 3, 2, False, False, "swiglu", 1, 122),
+    (4, 128, 64, 5, 2, True, True, "swiglu_clamped", 3, 122),
+    (3, 96, 64, 4, 1, False, False, "swiglu", 2, 133),  # K = 96 and 64: padded steps; scales > 128
+]
+
+
+@pytest.mark.parametrize("case", PLANAR_CASES)
+def test_planar_expert_mlp_matches_twin_and_f64(case):
+    from adapt.kernels import moe_planar as mp
+
+    e, h, i, t, k, bias, il, act, split, scale_hi = case
+    w, x, ids = _planar_case(e, h, i, t, k, seed=41, bias=bias, interleaved=il, scale_hi=scale_hi)
+    planar = mp.PlanarExperts.from_weights(w)
+    assert planar.w1.two_muls == (scale_hi > 128)
+    perm = rt.permute_by_expert(ids, e)
+    cfg = mc.PlanarConfig(block_m=16, block_n=32, split_k=split, group_m=2, num_warps=4, num_stages=1)
+    y = mg.expert_mlp(x, perm, w, top_k=k, activation=act, planar=planar, config=(cfg, cfg))
+    y_t = mg.expert_mlp_torch(x, perm, w, top_k=k, activation=act)
+    order = perm.slot_pos.long()
+    ref = _ref_planar_f64(w, x, ids, act)
+    got = y.double().cpu()[order].reshape_as(ref)
+    twin = y_t.double().cpu()[order].reshape_as(ref)
+    # kernel vs twin: same operands, fp32 accumulation; they differ by the bf16 rounding of the
+    # intermediate and of the output (one bf16 ulp, 2**-8 relative, on a few elements)
+    assert rel(got, twin) < 5e-3
+    assert rel(got, ref) < 5e-3 and rel(twin, ref) < 5e-3
+
+
+def test_planar_gemm_split_k_matches_unsplit():
+    # the split-K partial sums and their epilogue (bias, SwiGLU) against one pass over K
+    from adapt.kernels import moe_planar as mp
+
+    w, x, ids = _planar_case(3, 256, 64, 4, 2, seed=42, bias=True, interleaved=False)
+    planar = mp.PlanarExperts.from_weights(w)
+    perm = rt.permute_by_expert(ids, 3)
+    one = mc.PlanarConfig(block_m=16, block_n=32, split_k=1, group_m=2, num_warps=4, num_stages=1)
+    two = mc.PlanarConfig(block_m=16, block_n=32, split_k=2, group_m=2, num_warps=4, num_stages=1)
+    a = mg.expert_mlp(x, perm, w, top_k=2, planar=planar, config=(one, one))
+    b = mg.expert_mlp(x, perm, w, top_k=2, planar=planar, config=(two, two))
+    assert rel(b, a) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b"])
+@pytest.mark.parametrize("t", [1, 16, 200])
+def test_planar_expert_mlp_real_shapes_gpu(name, t):
+    from adapt.kernels import moe_planar as mp
+
+    s = GPU_SHAPES[name]
+    e = 16
+    w, x, ids = _planar_case(
+        e, s["h"], s["i"], t, s["k"], seed=43, bias=s["bias"], interleaved=s["interleaved"]
+    )
+    planar = mp.PlanarExperts.from_weights(w)
+    perm = rt.permute_by_expert(ids, e)
+    y_t = mg.expert_mlp_torch(x, perm, w, top_k=s["k"], activation=s["act"])
+    for split in (1, 4):
+        c1, c2 = mc.pick_planar_configs(t * s["k"], e)
+        cfg = (dataclasses.replace(c1, split_k=split), dataclasses.replace(c2, split_k=split))
+        y = mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], planar=planar, config=cfg)
+        assert rel(y, y_t) < 5e-3, split
