@@ -38,7 +38,8 @@ class GemmConfig:
 class PlanarConfig:
     """Tile of the planar GEMM: tokens per tile (block_m, >= 16), weight rows per tile (block_n;
     GEMM1 yields block_n / 2 outputs), K splits, L2 grouping, warps, stages, programs per SM
-    (0: one program per work item)."""
+    (0: one program per work item), and one_dot: one MMA chain of K = 128 per step (the decoded
+    planes joined into the operand) instead of eight dots of K = 16."""
 
     block_m: int = 16
     block_n: int = 64
@@ -47,6 +48,7 @@ class PlanarConfig:
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 0
+    one_dot: bool = False
 
 
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
@@ -92,14 +94,13 @@ def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, 
 
 _P = PlanarConfig
 PLANAR_TABLES: dict[str, list[tuple[float, PlanarConfig, PlanarConfig]]] = {
-    # first guesses from the compiler's resource report (sm_90: 143 registers at block_n 128,
-    # 4 warps; 0.136 warp-instructions per weight in the K loop); measured on the H200 in
-    # benchmarks/moe (see pick_planar_configs' callers for the record)
+    # rows from the H200 sweep of 2026-11-30 (benchmarks/moe/2026-11-30-planar, gpt-oss-120b shape:
+    # split-K pays only at T = 1; block_m 64 beats 16 and 32 at 32 slots per expert) and the
+    # compiler's report for one MMA chain per K step (one_dot: 0.123 warp-instructions per weight)
     "default": [
-        (0.6, _P(16, 128, 4, 4, 4, 4, 0), _P(16, 128, 2, 4, 4, 4, 0)),
-        (16.0, _P(16, 128, 1, 4, 4, 4, 0), _P(16, 128, 1, 4, 4, 4, 0)),
-        (40.0, _P(32, 128, 1, 4, 4, 4, 0), _P(32, 128, 1, 4, 4, 4, 0)),
-        (float("inf"), _P(64, 128, 1, 4, 4, 3, 0), _P(64, 128, 1, 4, 4, 3, 0)),
+        (0.1, _P(16, 128, 4, 4, 4, 4, 0, True), _P(16, 128, 2, 4, 4, 4, 0, True)),
+        (16.0, _P(16, 128, 1, 4, 4, 4, 0, True), _P(16, 128, 1, 4, 4, 4, 0, True)),
+        (float("inf"), _P(64, 128, 1, 4, 4, 3, 0, True), _P(64, 128, 1, 4, 4, 3, 0, True)),
     ],
 }
 """Planar GEMM configs per device name (``torch.cuda.get_device_name``), rows by mean slots per expert."""

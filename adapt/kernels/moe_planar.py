@@ -99,17 +99,18 @@ def planar_from_mxfp4(
         packed = _interleave_gate_up(packed, interleaved)
         scales = _interleave_gate_up(scales, interleaved)
     kp = -(-k // PLANAR_STEP) * PLANAR_STEP
-    codes = torch.zeros(e, n, kp, dtype=torch.uint8, device=packed.device)
-    codes[..., 0:k:2] = packed & 0xF
-    codes[..., 1:k:2] = packed >> 4
-    # codes[e, n, step, plane j = 4h + p, col = 2c + half] -> word (step, h, c), nibble (half, p)
-    c = codes.reshape(e, n, kp // PLANAR_STEP, 2, 4, 8, 2).to(torch.int32)  # step, h, p, c, half
-    shift = (4 * torch.arange(4, device=packed.device)).reshape(1, 1, 1, 1, 4, 1, 1) + 16 * torch.arange(
+    words = torch.empty(e, n, kp // 8, dtype=torch.int32, device=packed.device)
+    shift = (4 * torch.arange(4, device=packed.device)).reshape(1, 1, 4, 1, 1) + 16 * torch.arange(
         2, device=packed.device
-    ).reshape(1, 1, 1, 1, 1, 1, 2)
-    words = (c << shift).sum(dim=(4, 6), dtype=torch.int64)  # [E, N, steps, 2, 8]
-    words = words.to(torch.int64).bitwise_and(0xFFFFFFFF)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(e, n, kp // 8)
+    ).reshape(1, 1, 1, 1, 2)
+    for ex in range(e):  # one expert at a time: the int64 transient is 16x one expert's codes
+        codes = torch.zeros(n, kp, dtype=torch.uint8, device=packed.device)
+        codes[:, 0:k:2] = packed[ex] & 0xF
+        codes[:, 1:k:2] = packed[ex] >> 4
+        # codes[n, step, plane j = 4h + p, col = 2c + half] -> word (step, h, c), nibble (half, p)
+        c = codes.reshape(n * (kp // PLANAR_STEP), 2, 4, 8, 2).to(torch.int64)  # h, p, c, half
+        wd = (c << shift).sum(dim=(2, 4))  # [n * steps, 2, 8], < 2**32
+        words[ex] = torch.where(wd >= 2**31, wd - 2**32, wd).to(torch.int32).reshape(n, kp // 8)
     sc = torch.full((e, n, kp // 32), 127, dtype=torch.uint8, device=packed.device)
     sc[..., : k // 32] = scales
     two = bool((scales.int().amax() > FAST_SCALE_MAX).item()) if scales.numel() else False
@@ -207,6 +208,36 @@ def _plane_asm(w, f, P: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _pair_plane(w, f, P: tl.constexpr, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Plane p of words w [BLOCK_N, 8] as [BLOCK_N, 16] (word c, half s -> column 2c + s)."""
+    if DOT_F32:
+        return _plane(w, f, P, TWO_MULS, DOT_F32, BLOCK_N)
+    else:
+        return _plane_asm(w, f, P, TWO_MULS, BLOCK_N)
+
+
+@triton.jit
+def _tile(w0, w1, f0, f1, f2, f3, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The step's whole operand [BLOCK_N, 128] in natural K order from words w0 (h = 0) and w1
+    (h = 1), int32 [BLOCK_N, 8], and the four block multipliers f0..f3 [BLOCK_N].
+
+    Word (h, c = 4 * posb + t), pair p, half s holds element 16 * (4h + p) + 8 * posb + 2t + s: the
+    joins below only name registers (h, p, s) and the final permute puts each name at its place in
+    K, so with the MMA's register layout no data moves between threads."""
+    a0 = tl.join(
+        tl.join(_pair_plane(w0, f0, 0, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w0, f0, 1, TWO_MULS, DOT_F32, BLOCK_N)),
+        tl.join(_pair_plane(w0, f1, 2, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w0, f1, 3, TWO_MULS, DOT_F32, BLOCK_N)),
+    )
+    a1 = tl.join(
+        tl.join(_pair_plane(w1, f2, 0, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w1, f2, 1, TWO_MULS, DOT_F32, BLOCK_N)),
+        tl.join(_pair_plane(w1, f3, 2, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w1, f3, 3, TWO_MULS, DOT_F32, BLOCK_N)),
+    )
+    # [BN, 16 = (c, s), q0, q1] x h -> (BN, posb, t, s, q0, q1, h) -> (BN, h, q1, q0, posb, t, s)
+    a = tl.reshape(tl.join(a0, a1), (BLOCK_N, 2, 4, 2, 2, 2, 2))
+    return tl.reshape(tl.permute(a, (0, 6, 5, 4, 1, 2, 3)), (BLOCK_N, 128))
+
+
+@triton.jit
 def _scale_factor(s32, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr):
     """E8M0 bytes (int32, 0..255) -> the per-row multiplier of ``_plane``."""
     if DOT_F32:
@@ -253,6 +284,7 @@ def _planar_gemm_kernel(
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_F32: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
@@ -302,30 +334,40 @@ def _planar_gemm_kernel(
             f2 = _scale_factor((s4 >> 16) & 0xFF, TWO_MULS, DOT_F32)
             f3 = _scale_factor((s4 >> 24) & 0xFF, TWO_MULS, DOT_F32)
             xb = x_ptr + tok[:, None] * stride_x + st * 128
-            for j in tl.static_range(8):
-                # K is a multiple of 32: a plane of 16 columns is wholly inside or wholly padding
-                xj = tl.load(xb + (j * 16 + c16)[None, :], mask=row_ok[:, None] & (st * 128 + j * 16 < k), other=0.0)
+            if ONE_DOT:
+                kk = st * 128 + tl.arange(0, 128)
+                xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
                 if DOT_F32:
-                    xj = xj.to(tl.float32)
-                if j < 2:
-                    f = f0
-                elif j < 4:
-                    f = f1
-                elif j < 6:
-                    f = f2
-                else:
-                    f = f3
-                if DOT_F32:
-                    if j < 4:
-                        v = _plane(w0, f, j % 4, TWO_MULS, DOT_F32, BLOCK_N)
+                    xs = xs.to(tl.float32)
+                v = _tile(w0, w1, f0, f1, f2, f3, TWO_MULS, DOT_F32, BLOCK_N)
+                acc = tl.dot(v, tl.trans(xs), acc)
+            else:
+                for j in tl.static_range(8):
+                    # K is a multiple of 32: a plane of 16 columns is wholly inside or wholly padding
+                    xj = tl.load(
+                        xb + (j * 16 + c16)[None, :], mask=row_ok[:, None] & (st * 128 + j * 16 < k), other=0.0
+                    )
+                    if DOT_F32:
+                        xj = xj.to(tl.float32)
+                    if j < 2:
+                        f = f0
+                    elif j < 4:
+                        f = f1
+                    elif j < 6:
+                        f = f2
                     else:
-                        v = _plane(w1, f, j % 4, TWO_MULS, DOT_F32, BLOCK_N)
-                else:
-                    if j < 4:
-                        v = _plane_asm(w0, f, j % 4, TWO_MULS, BLOCK_N)
+                        f = f3
+                    if DOT_F32:
+                        if j < 4:
+                            v = _plane(w0, f, j % 4, TWO_MULS, DOT_F32, BLOCK_N)
+                        else:
+                            v = _plane(w1, f, j % 4, TWO_MULS, DOT_F32, BLOCK_N)
                     else:
-                        v = _plane_asm(w1, f, j % 4, TWO_MULS, BLOCK_N)
-                acc = tl.dot(v, tl.trans(xj), acc)
+                        if j < 4:
+                            v = _plane_asm(w0, f, j % 4, TWO_MULS, BLOCK_N)
+                        else:
+                            v = _plane_asm(w1, f, j % 4, TWO_MULS, BLOCK_N)
+                    acc = tl.dot(v, tl.trans(xj), acc)
         if SPLIT_K > 1:
             pptr = part_ptr + (tl.program_id(1) * n_slots + rows[None, :]).to(tl.int64) * n_rows + n[:, None]
             tl.store(pptr, acc, mask=n_ok[:, None] & row_ok[None, :])
@@ -473,6 +515,7 @@ def planar_gemm(
         BLOCK_N=cfg.block_n,
         GROUP_M=cfg.group_m,
         DOT_F32=interp_f32,
+        ONE_DOT=cfg.one_dot,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
