@@ -21,6 +21,7 @@ from adapt.kernels import moe_tiles as tiles
 from adapt.kernels import mxfp4 as mx
 from adapt.kernels import routing as rt
 from adapt.kernels.workspace import FP8Workspace, workspace_bytes
+from tests.kernels.test_mxfp4 import mxfp4_f64
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,24 +39,6 @@ def make_layer(e, h, i, *, bias=False, interleaved=False, seed=0):
     b1 = torch.randn(e, 2 * i, generator=g, device=DEV) * 0.1 if bias else None
     b2 = torch.randn(e, h, generator=g, device=DEV) * 0.1 if bias else None
     return mg.MoEWeights(mx.to_gpt_oss_blocks(p1), s1, mx.to_gpt_oss_blocks(p2), s2, b1, b2, interleaved)
-
-
-def e2m1_f64(code):
-    """E2M1 value of a 4-bit code, from OCP MX v1.0's definition (sign, 2-bit exponent with bias 1,
-    1-bit mantissa; exponent 0 is subnormal)."""
-    sign = -1.0 if code & 8 else 1.0
-    e, m = (code >> 1) & 3, code & 1
-    return sign * (m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2))
-
-
-def mxfp4_f64(packed, scales):
-    """float64 [.., K] from packed codes (even element in the low nibble) and E8M0 scales, written
-    from the format's definition (no helper of adapt's codec)."""
-    lut = torch.tensor([e2m1_f64(c) for c in range(16)], dtype=torch.float64)
-    p = packed.cpu().long()
-    codes = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
-    scale = torch.pow(2.0, scales.cpu().double() - 127).repeat_interleave(32, dim=-1)
-    return lut[codes] * scale
 
 
 def swiglu_f64(gate, up, activation, alpha=1.702, limit=7.0):
