@@ -38,8 +38,9 @@ class GemmConfig:
 class PlanarConfig:
     """Tile of the planar GEMM: tokens per tile (block_m, >= 16), weight rows per tile (block_n;
     GEMM1 yields block_n / 2 outputs), K splits, L2 grouping, warps, stages, programs per SM
-    (0: one program per work item), and one_dot: one MMA chain of K = 128 per step (the decoded
-    planes joined into the operand) instead of eight dots of K = 16."""
+    (0: one program per work item), one_dot: one MMA chain of K = 128 per step (the decoded
+    planes joined into the operand) instead of eight dots of K = 16, and maxnreg: a register cap
+    per thread (0: none; 128 fits four 4-warp programs per SM where the compiler would take 156)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -49,6 +50,7 @@ class PlanarConfig:
     num_stages: int = 4
     programs_per_sm: int = 0
     one_dot: bool = False
+    maxnreg: int = 0
 
 
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
@@ -96,10 +98,11 @@ _P = PlanarConfig
 PLANAR_TABLES: dict[str, list[tuple[float, PlanarConfig, PlanarConfig]]] = {
     # rows from the H200 sweep of 2026-11-30 (benchmarks/moe/2026-11-30-planar, gpt-oss-120b shape:
     # split-K pays only at T = 1; block_m 64 beats 16 and 32 at 32 slots per expert) and the
-    # compiler's report for one MMA chain per K step (one_dot: 0.123 warp-instructions per weight)
+    # compiler's report for one MMA chain per K step (one_dot: 0.123 warp-instructions per weight;
+    # 127 registers without spills under maxnreg 128)
     "default": [
-        (0.1, _P(16, 128, 4, 4, 4, 4, 0, True), _P(16, 128, 2, 4, 4, 4, 0, True)),
-        (16.0, _P(16, 128, 1, 4, 4, 4, 0, True), _P(16, 128, 1, 4, 4, 4, 0, True)),
+        (0.1, _P(16, 128, 4, 4, 4, 4, 0, True, 128), _P(16, 128, 2, 4, 4, 4, 0, True, 128)),
+        (16.0, _P(16, 128, 1, 4, 4, 4, 0, True, 128), _P(16, 128, 1, 4, 4, 4, 0, True, 128)),
         (float("inf"), _P(64, 128, 1, 4, 4, 3, 0, True), _P(64, 128, 1, 4, 4, 3, 0, True)),
     ],
 }

@@ -518,6 +518,7 @@ def planar_gemm(
         ONE_DOT=cfg.one_dot,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg or None,
     )
     if split > 1 and s:
         n_out = n_rows if activation == 0 else n_rows // 2

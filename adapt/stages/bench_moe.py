@@ -280,15 +280,16 @@ SWEEP_CONFIGS = {
 PLANAR_MAX_TOKENS = 4096
 """The planar variant is timed up to this T."""
 
-_PC = lambda bm, bn, split, stages=4, warps=4, dot1=True: (bm, bn, split, 4, warps, stages, 0, dot1)  # noqa: E731
+_PC = lambda bm, bn, split, stages=4, warps=4, dot1=True, cap=128: (bm, bn, split, 4, warps, stages, 0, dot1, cap)  # noqa: E731
 PLANAR_SWEEP = {
     # name: (T range, GEMM1 PlanarConfig fields, GEMM2 PlanarConfig fields); one_dot unless "8dots"
     "p16x128_s1": ((1, 1), _PC(16, 128, 1), _PC(16, 128, 1)),
     "p16x128_s8_4": ((1, 1), _PC(16, 128, 8), _PC(16, 128, 4)),
     "p16x128_s2": ((16, 16), _PC(16, 128, 2), _PC(16, 128, 2)),
-    "p16x256_w8_s1": ((64, 64), _PC(16, 256, 1, 4, 8), _PC(16, 256, 1, 4, 8)),
-    "p16x128_s1_8dots": ((64, 64), _PC(16, 128, 1, dot1=False), _PC(16, 128, 1, dot1=False)),
-    "p32x128_s1": ((256, 1024), _PC(32, 128, 1), _PC(32, 128, 1)),
+    "p16x256_w8_s1": ((64, 64), _PC(16, 256, 1, 4, 8, cap=0), _PC(16, 256, 1, 4, 8, cap=0)),
+    "p16x128_s1_nocap": ((16, 256), _PC(16, 128, 1, cap=0), _PC(16, 128, 1, cap=0)),
+    "p16x128_s1_8dots": ((64, 64), _PC(16, 128, 1, dot1=False, cap=0), _PC(16, 128, 1, dot1=False, cap=0)),
+    "p32x128_s1": ((256, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),
 }
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
 
