@@ -465,7 +465,7 @@ def planar_gemm(
 ) -> torch.Tensor:
     """One grouped GEMM on planar weights: x bf16 [T, K] (gather) or [S, K] (sorted) -> out bf16
     [S, n_out] in sorted order (see ``_planar_gemm_kernel``). bias: float [E, N] in the planar row
-    order (GEMM1: interleaved gate/up) or None. tiles: ``moe_gemm.TileMap`` with block_m = cfg.block_m.
+    order (GEMM1: interleaved gate/up) or None. tiles: ``moe_tiles.TileMap`` with block_m = cfg.block_m.
     """
     e, n_rows, k_words = w.words.shape
     s = out.shape[0]
