@@ -99,11 +99,12 @@ PLANAR_TABLES: dict[str, list[tuple[float, PlanarConfig, PlanarConfig]]] = {
     # rows from the H200 sweep of 2026-11-30 (benchmarks/moe/2026-11-30-planar, gpt-oss-120b shape:
     # split-K pays only at T = 1; block_m 64 beats 16 and 32 at 32 slots per expert) and the
     # compiler's report for one MMA chain per K step (one_dot: 0.123 warp-instructions per weight;
-    # 127 registers without spills under maxnreg 128)
+    # 127 registers without spills under maxnreg 128; block_m 64 with 8 warps: 128 registers, two
+    # programs per SM)
     "default": [
         (0.1, _P(16, 128, 4, 4, 4, 4, 0, True, 128), _P(16, 128, 2, 4, 4, 4, 0, True, 128)),
         (16.0, _P(16, 128, 1, 4, 4, 4, 0, True, 128), _P(16, 128, 1, 4, 4, 4, 0, True, 128)),
-        (float("inf"), _P(64, 128, 1, 4, 4, 3, 0, True), _P(64, 128, 1, 4, 4, 3, 0, True)),
+        (float("inf"), _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),
     ],
 }
 """Planar GEMM configs per device name (``torch.cuda.get_device_name``), rows by mean slots per expert."""

@@ -290,6 +290,8 @@ PLANAR_SWEEP = {
     "p16x128_s1_nocap": ((16, 256), _PC(16, 128, 1, cap=0), _PC(16, 128, 1, cap=0)),
     "p16x128_s1_8dots": ((64, 64), _PC(16, 128, 1, dot1=False, cap=0), _PC(16, 128, 1, dot1=False, cap=0)),
     "p32x128_s1": ((256, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),
+    "p64x128_w4_st3": ((1024, 4096), _PC(64, 128, 1, 3, cap=0), _PC(64, 128, 1, 3, cap=0)),
+    "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),
 }
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
 
