@@ -1,10 +1,10 @@
 """Tile configurations of the MoE GEMMs, as data keyed by device and by tokens per expert.
 
 ``pick_configs(slots, n_experts, compute)`` returns the (GEMM1, GEMM2) ``GemmConfig`` of the plain
-MXFP4 / FP8 grouped GEMM (``moe_gemm``); ``pick_planar_configs(slots, n_experts, device)`` the
+MXFP4 / FP8 grouped GEMM (``moe_gemm``); ``pick_planar_configs(slots, n_experts, device, H, I)`` the
 ``PlanarConfig`` pair of the planar small-T GEMM (``moe_planar``). The planar table ``PLANAR_TABLES``
-maps a device name to rows (largest mean slots per expert, GEMM1 config, GEMM2 config), first
-match wins; each row's source is the benchmark record named beside it. Under the CPU interpreter
+maps (device name, expert shape) to rows (largest mean slots per expert, GEMM1 config, GEMM2
+config), first match wins; each row's source is the benchmark record named beside it. Under the CPU interpreter
 every pick is a small tile, so tests stay fast.
 """
 
@@ -95,28 +95,40 @@ def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, 
 
 
 _P = PlanarConfig
-PLANAR_TABLES: dict[str, list[tuple[float, PlanarConfig, PlanarConfig]]] = {
-    # rows from the H200 sweep of 2026-11-30 (benchmarks/moe/2026-11-30-planar, gpt-oss-120b shape:
-    # split-K pays only at T = 1; block_m 64 beats 16 and 32 at 32 slots per expert) and the
-    # compiler's report for one MMA chain per K step (one_dot: 0.123 warp-instructions per weight;
-    # 127 registers without spills under maxnreg 128; block_m 64 with 8 warps: 128 registers, two
-    # programs per SM)
-    "default": [
-        (0.1, _P(16, 128, 4, 4, 4, 4, 0, True, 128), _P(16, 128, 2, 4, 4, 4, 0, True, 128)),
-        (16.0, _P(16, 128, 1, 4, 4, 4, 0, True, 128), _P(16, 128, 1, 4, 4, 4, 0, True, 128)),
-        (float("inf"), _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),
+_SMALL = _P(16, 128, 1, 4, 4, 4, 0, True, 128)
+_H200_RECORD = "benchmarks/moe/2026-11-30-planar (call 2, commit 2f8c751)"
+PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfig]]] = {
+    # (device name, "hidden x intermediate") -> rows (largest mean slots per expert, GEMM1, GEMM2),
+    # each the fastest config of the H200 sweep in _H200_RECORD at the token counts of its range
+    ("NVIDIA H200", "7168x2048"): [
+        (0.1, _SMALL, _SMALL),  # T = 1: 102 us (split-K 8/4: 115)
+        (16.0, _SMALL, _SMALL),  # T = 16..256: 0.63-0.64 of copy
+        (64.0, _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),  # T = 1024: 3663 us
+        (float("inf"), _P(128, 128, 1, 4, 8, 3, 0, True), _P(128, 128, 1, 4, 8, 3, 0, True)),  # T = 4096: 8792
+    ],
+    ("NVIDIA H200", "2880x2880"): [
+        (0.1, _P(16, 128, 4, 4, 4, 4, 0, True, 128), _P(16, 128, 2, 4, 4, 4, 0, True, 128)),  # T = 1: 54 us
+        (16.0, _SMALL, _SMALL),  # T = 16..256: 0.58-0.63 of copy
+        (64.0, _P(64, 128, 1, 4, 4, 3, 0, True), _P(64, 128, 1, 4, 4, 3, 0, True)),  # T = 1024: 1142 us
+        (float("inf"), _P(128, 128, 1, 4, 8, 3, 0, True), _P(128, 128, 1, 4, 8, 3, 0, True)),  # T = 4096: 2717
     ],
 }
-"""Planar GEMM configs per device name (``torch.cuda.get_device_name``), rows by mean slots per expert."""
+"""Planar GEMM configs keyed by (``torch.cuda.get_device_name``, "HxI"); unknown keys take the
+DeepSeek-V3 H200 rows (``PLANAR_DEFAULT``)."""
+PLANAR_DEFAULT = ("NVIDIA H200", "7168x2048")
 
 
-def pick_planar_configs(slots: int, n_experts: int, device_name: str = "default") -> tuple[PlanarConfig, PlanarConfig]:
-    """(GEMM1, GEMM2) ``PlanarConfig`` for ``slots`` = T * k routed over ``n_experts`` on ``device_name``."""
+def pick_planar_configs(
+    slots: int, n_experts: int, device_name: str = "", hidden: int = 0, intermediate: int = 0
+) -> tuple[PlanarConfig, PlanarConfig]:
+    """(GEMM1, GEMM2) ``PlanarConfig`` for ``slots`` = T * k routed over ``n_experts``, from the
+    table of (device_name, hidden x intermediate) or the default rows."""
     if INTERPRET:
         c = PlanarConfig(block_m=16, block_n=32, split_k=1, group_m=2, num_warps=4, num_stages=1)
         return c, c
     per_expert = slots / max(1, n_experts)
-    for limit, c1, c2 in PLANAR_TABLES.get(device_name, PLANAR_TABLES["default"]):
+    rows = PLANAR_TABLES.get((device_name, f"{hidden}x{intermediate}"), PLANAR_TABLES[PLANAR_DEFAULT])
+    for limit, c1, c2 in rows:
         if per_expert <= limit:
             return c1, c2
     raise AssertionError("the last row of a planar table must have no limit")

@@ -632,8 +632,8 @@ def _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, con
     """``expert_mlp`` on planar weights: gather + GEMM1 + SwiGLU, then GEMM2 (+ bias), sorted order."""
     s = hidden.shape[0] * top_k
     dev = hidden.device
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "default"
-    c1, c2 = config if config is not None else pick_planar_configs(s, e, name)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    c1, c2 = config if config is not None else pick_planar_configs(s, e, name, h, inter)
     if c1.block_m != c2.block_m:
         raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
     tiles = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
