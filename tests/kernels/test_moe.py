@@ -638,7 +638,7 @@ def test_planar_expert_mlp_real_shapes_gpu(name, t):
     perm = rt.permute_by_expert(ids, e)
     y_t = mg.expert_mlp_torch(x, perm, w, top_k=s["k"], activation=s["act"])
     for split, one_dot in ((1, True), (4, True), (1, False)):
-        c1, c2 = mc.pick_planar_configs(t * s["k"], e)
+        c1, c2 = mc.pick_planar_configs(t * s["k"], e, torch.cuda.get_device_name(), s["h"], s["i"])
         cfg = tuple(dataclasses.replace(c, split_k=split, one_dot=one_dot) for c in (c1, c2))
         y = mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], planar=planar, config=cfg)
         assert rel(y, y_t) < TWIN_TOL, (split, one_dot)
