@@ -55,7 +55,7 @@ from adapt.errors import InputError
 from adapt.kernels.moe_configs import GemmConfig, PlanarConfig, pick_configs, pick_planar_configs
 from adapt.kernels.moe_planar import PlanarExperts, planar_gemm
 from adapt.kernels.moe_quant import FP8_GROUP, quantize_fp8_rows, quantize_fp8_rows_torch
-from adapt.kernels.moe_tiles import TileMap, max_m_tiles, num_sms, tile_map
+from adapt.kernels.moe_tiles import TileMap, max_m_tiles, num_sms, tile_map, tile_slots
 from adapt.kernels.moe_weights import FP8Weights, MoEWeights, moe_flops, mxfp4_expert_bytes
 from adapt.kernels.mxfp4 import (
     INTERPRET,
@@ -254,21 +254,10 @@ def _moe_gemm_kernel(
     n_n = tl.cdiv(n_out, BLOCK_N)
     total = n_m * n_n
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        width = GROUP_M * n_n
-        first_m = (tile // width) * GROUP_M
-        gsz = tl.minimum(n_m - first_m, GROUP_M)
-        mt = m_lo + first_m + (tile % width) % gsz
-        nt = (tile % width) // gsz
-        e = tl.load(tile_expert_ptr + mt)
-        row0 = tl.load(tile_row_ptr + mt)
-        row_end = tl.load(offsets_ptr + e + 1)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        if GATHER:
-            tok = tl.load(sorted_slot_ptr + rows, mask=row_ok, other=0) // TOPK
-        else:
-            tok = rows
-        tok = tok.to(tl.int64)
+        e, nt, rows, row_ok, tok = tile_slots(
+            tile, n_m, n_n, m_lo, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr,
+            TOPK, GATHER, BLOCK_M, GROUP_M,
+        )
         n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_out
         if W_MODE == 2:

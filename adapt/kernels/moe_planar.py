@@ -41,7 +41,7 @@ import triton.language as tl
 
 from adapt.errors import InputError
 from adapt.kernels.moe_configs import PlanarConfig
-from adapt.kernels.moe_tiles import num_sms
+from adapt.kernels.moe_tiles import num_sms, tile_slots
 from adapt.kernels.mxfp4 import INTERPRET, dequantize_mxfp4_torch, to_bf16
 
 PLANAR_STEP = 128
@@ -302,21 +302,10 @@ def _planar_gemm_kernel(
     s_lo = tl.program_id(1) * per_split
     s_hi = tl.minimum(s_lo + per_split, steps)
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        width = GROUP_M * n_n
-        first_m = (tile // width) * GROUP_M
-        gsz = tl.minimum(n_m - first_m, GROUP_M)
-        mt = first_m + (tile % width) % gsz
-        nt = (tile % width) // gsz
-        e = tl.load(tile_expert_ptr + mt)
-        row0 = tl.load(tile_row_ptr + mt)
-        row_end = tl.load(offsets_ptr + e + 1)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        if GATHER:
-            tok = tl.load(sorted_slot_ptr + rows, mask=row_ok, other=0) // TOPK
-        else:
-            tok = rows
-        tok = tok.to(tl.int64)
+        e, nt, rows, row_ok, tok = tile_slots(
+            tile, n_m, n_n, 0, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr,
+            TOPK, GATHER, BLOCK_M, GROUP_M,
+        )
         n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_rows
         nc = tl.minimum(n, n_rows - 1).to(tl.int64)  # clamped rows: loads need no mask

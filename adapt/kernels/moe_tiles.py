@@ -101,6 +101,41 @@ def tile_map(expert_offsets: torch.Tensor, block_m: int, max_tiles: int) -> Tile
     return TileMap(ex, row, start, block_m, max_tiles)
 
 
+@triton.jit
+def tile_slots(
+    tile,
+    n_m,
+    n_n,
+    m_lo,
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    sorted_slot_ptr,
+    TOPK: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Work item ``tile`` of a grouped GEMM over n_m m-tiles (from m-tile m_lo) x n_n n-tiles,
+    GROUP_M m-tiles at a time so a weight tile and its activation rows stay in L2.
+
+    Returns (expert, n-tile, sorted rows int32 [BLOCK_M], row mask, activation row int64
+    [BLOCK_M]: the token sorted_slot // TOPK with GATHER, else the sorted position)."""
+    width = GROUP_M * n_n
+    first_m = (tile // width) * GROUP_M
+    gsz = tl.minimum(n_m - first_m, GROUP_M)
+    mt = m_lo + first_m + (tile % width) % gsz
+    nt = (tile % width) // gsz
+    e = tl.load(tile_expert_ptr + mt)
+    rows = tl.load(tile_row_ptr + mt) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(offsets_ptr + e + 1)
+    if GATHER:
+        tok = tl.load(sorted_slot_ptr + rows, mask=row_ok, other=0) // TOPK
+    else:
+        tok = rows
+    return e, nt, rows, row_ok, tok.to(tl.int64)
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (2 for the CPU interpreter)."""
     if device.type == "cuda":
