@@ -96,12 +96,13 @@ def test_cli_handoff_engine_sglang_validates(tmp_path):
     result = runner.invoke(app, ["plan-parallel", "deepseek-v3.2", "-t", "h200", "-d", "8", "--context", "8192",
                                  "-o", str(tmp_path), "--run", "r1", "--json"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["handoff", "deepseek-v3.2", "--engine", "sglang", "--validate", "--force",
-                                 "-o", str(tmp_path), "--run", "r1", "--json"])
+    result = runner.invoke(app, ["handoff", "deepseek-v3.2", "-t", "h200", "--engine", "sglang", "--validate",
+                                 "--force", "-o", str(tmp_path), "--run", "r1", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert any(f["code"] == "sglang-parser" and f["severity"] == "info" for f in report["findings"])
     script = (tmp_path / "r1" / "handoff" / "sglang_launch.sh").read_text()
     assert "python -m sglang.launch_server --model-path deepseek-v3.2 --tp-size 8" in script
-    bad = runner.invoke(app, ["handoff", "deepseek-v3.2", "--engine", "tgi", "-o", str(tmp_path), "--run", "r1"])
+    bad = runner.invoke(app, ["handoff", "deepseek-v3.2", "-t", "h200", "--engine", "tgi", "-o", str(tmp_path),
+                                "--run", "r1"])
     assert bad.exit_code == 2 and "--engine" in bad.output
