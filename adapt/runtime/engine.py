@@ -30,6 +30,7 @@ import torch
 from adapt.errors import InputError
 from adapt.runtime.kv_cache import PAGE_SIZE
 from adapt.runtime.model import OP_FAMILIES, ArchConfig, Capture, DecoderModel
+from adapt.runtime.moe import MoE
 
 ProgressFn = Callable[[str, int, int, float], None]
 """progress(phase 'prefill' | 'decode', tokens done, tokens total, seconds elapsed)."""
@@ -186,14 +187,21 @@ class Engine:
     def capture(
         self, hidden_states: bool = True, router: bool = True, dsa_indices: bool = False
     ) -> Iterator[Capture]:
-        """Record per-layer outputs, router top-k and DSA selections of the steps run inside."""
+        """Record per-layer outputs, router top-k (and the torch path's router scores) and DSA
+        selections of the steps run inside."""
         record = Capture(hidden_states, router, dsa_indices)
         previous = self.model.capture
+        moes = [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoE)]
+        kept = [moe.keep_scores for moe in moes]
         self.model.capture = record
+        for moe in moes:
+            moe.keep_scores = router
         try:
             yield record
         finally:
             self.model.capture = previous
+            for moe, keep in zip(moes, kept, strict=True):
+                moe.keep_scores = keep
 
     # -- stepping --------------------------------------------------------------------------------
 

@@ -304,6 +304,8 @@ class Capture:
 
     hidden_states: layer index -> list of [N, hidden] outputs (one per step, compute dtype)
     router: layer index -> list of (expert ids int64 [N, k], weights fp32 [N, k])
+    router_scores: layer index -> list of fp32 [N, E] scores experts are ranked by (torch path
+        only: ``MoE.last_scores``); router_groups: layer index -> (n_group, topk_group)
     dsa_indices: layer index -> list of int32 [N, index_topk] indexer selections
     """
 
@@ -311,6 +313,8 @@ class Capture:
         self.want_hidden, self.want_router, self.want_indices = hidden_states, router, dsa_indices
         self.hidden_states: dict[int, list[torch.Tensor]] = {}
         self.router: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.router_scores: dict[int, list[torch.Tensor]] = {}
+        self.router_groups: dict[int, tuple[int, int]] = {}
         self.dsa_indices: dict[int, list[torch.Tensor]] = {}
 
     def record(self, layer: DecoderLayer, out: torch.Tensor) -> None:
@@ -319,6 +323,9 @@ class Capture:
         if self.want_router and isinstance(layer.ffn, MoE) and layer.ffn.last_topk is not None:
             ids, weights = layer.ffn.last_topk
             self.router.setdefault(layer.index, []).append((ids.clone(), weights.clone()))
+            if layer.ffn.last_scores is not None:
+                self.router_scores.setdefault(layer.index, []).append(layer.ffn.last_scores.clone())
+            self.router_groups[layer.index] = (layer.ffn.router.n_group, layer.ffn.router.topk_group)
         if (
             self.want_indices
             and isinstance(layer.attention, MLAAttention)
@@ -336,19 +343,30 @@ class CaptureComparison:
     agreeing_rows: layer -> min over steps of the fraction of rows counted in layer_error
     router_agreement: MoE layer -> min over steps of the fraction of rows with the same top-k set
     dsa_overlap: DSA layer -> mean over rows and steps of |selected_ref & selected_other| / |selected_ref|
+    near_tie_flips / routing_flips: MoE layer -> rows (summed over steps), among those whose routing
+        agreed in every earlier MoE layer, whose top-k set differs here only in experts whose
+        reference score lies within the tie tolerance of the reference's k-th score (a near tie: a
+        small drift of the layer input legitimately reorders them) / in some expert beyond it (a
+        routing difference no near tie explains; every flip counts here when the reference
+        recorded no scores)
     """
 
     layer_error: dict[int, float]
     agreeing_rows: dict[int, float]
     router_agreement: dict[int, float]
     dsa_overlap: dict[int, float]
+    near_tie_flips: dict[int, int] = field(default_factory=dict)
+    routing_flips: dict[int, int] = field(default_factory=dict)
 
 
-def compare_captures(reference: Capture, other: Capture, steps: int | None = None) -> CaptureComparison:
+def compare_captures(reference: Capture, other: Capture, steps: int | None = None,
+                     tie_tol: float = 0.0) -> CaptureComparison:
     """Compare two captures of the same layers over their first ``steps`` steps (default: all).
 
     A row whose top-k differs is a routing difference, reported in ``router_agreement``, and is
-    left out of the value error from that layer on (its activations legitimately diverge).
+    left out of the value error from that layer on (its activations legitimately diverge). Where
+    it first differs it is classified by the reference's gate scores (``_near_tie``), with the
+    slack stage 3 gives top-k ties: ``tie_tol`` x the row's largest |score|.
     """
     layers = sorted(reference.hidden_states)
     count = min(len(reference.hidden_states[layers[0]]), len(other.hidden_states[layers[0]]))
@@ -356,6 +374,8 @@ def compare_captures(reference: Capture, other: Capture, steps: int | None = Non
     error = dict.fromkeys(layers, 0.0)
     agreeing = dict.fromkeys(layers, 1.0)
     router: dict[int, float] = {}
+    ties: dict[int, int] = {}
+    flips: dict[int, int] = {}
     for step in range(count):
         agree = None
         for layer in layers:
@@ -364,6 +384,17 @@ def compare_captures(reference: Capture, other: Capture, steps: int | None = Non
                 other_ids = other.router[layer][step][0].long().to(ref_ids.device).sort(-1).values
                 same = (ref_ids == other_ids).all(-1)
                 router[layer] = min(router.get(layer, 1.0), float(same.float().mean()))
+                scores = reference.router_scores.get(layer, [])
+                ties.setdefault(layer, 0)
+                flips.setdefault(layer, 0)
+                for row in torch.nonzero(~same & (True if agree is None else agree)).flatten().tolist():
+                    near_tie = step < len(scores) and _near_tie(
+                        set(ref_ids[row].tolist()), set(other_ids[row].tolist()), scores[step][row],
+                        reference.router_groups.get(layer, (1, 1)), tie_tol)
+                    if near_tie:
+                        ties[layer] += 1
+                    else:
+                        flips[layer] += 1
                 agree = same if agree is None else agree & same
             ref = reference.hidden_states[layer][step].float()
             out = other.hidden_states[layer][step].float().to(ref.device)
@@ -381,7 +412,39 @@ def compare_captures(reference: Capture, other: Capture, steps: int | None = Non
                 shares.append(len(chosen & {i for i in b if i >= 0}) / max(len(chosen), 1))
         if shares:
             overlap[layer] = sum(shares) / len(shares)
-    return CaptureComparison(error, agreeing, router, overlap)
+    return CaptureComparison(error, agreeing, router, overlap, near_tie_flips=ties, routing_flips=flips)
+
+
+def _near_tie(ref: set[int], other: set[int], scores: torch.Tensor, groups: tuple[int, int],
+              tie_tol: float) -> bool:
+    """Whether top-k sets ``ref`` and ``other`` (expert ids) differ only at near ties of the
+    reference's ranking ``scores`` ([E]; slack = ``tie_tol`` x the largest |score|).
+
+    Each differing expert must either score within the slack of the k-th score among the
+    reference's kept groups, or (grouped routing, ``groups`` = (n_group, topk_group)) sit in a
+    group kept by one side only whose group score (sum of its two best) is within twice the
+    slack of the topk_group-th group score.
+    """
+    scores = scores.double().cpu()
+    if len(ref) != len(other) or not all(0 <= e < scores.numel() for e in ref | other):
+        return False
+    slack = tie_tol * float(scores.abs().max())
+    n_group, topk_group = groups
+    size = scores.numel() // n_group
+    tied_groups: set[int] = set()
+    kept = scores
+    if n_group > 1:
+        group_scores = scores.view(n_group, size).topk(min(2, size), dim=-1).values.sum(-1)
+        boundary = float(group_scores.topk(topk_group).values[-1])
+        for g in {e // size for e in ref} ^ {e // size for e in other}:
+            if abs(float(group_scores[g]) - boundary) <= 2 * slack:
+                tied_groups.add(g)
+        keep = group_scores.topk(topk_group).indices
+        mask = torch.zeros(n_group, dtype=torch.bool).scatter_(0, keep, True).repeat_interleave(size)
+        kept = scores.masked_fill(~mask, -math.inf)
+    kth = float(kept.topk(len(ref)).values[-1])
+    return all(
+        e // size in tied_groups or abs(float(scores[e]) - kth) <= slack for e in ref ^ other)
 
 
 class DecoderModel:

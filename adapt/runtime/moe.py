@@ -76,7 +76,10 @@ class MoE:
     for DeepSeek), routed ``Experts``, optional shared ``DenseMLP``.
 
     ``forward(x [T, hidden]) -> [T, hidden]``; ``last_topk`` holds the latest (ids int64 [T, k],
-    weights fp32 [T, k]) for router capture.
+    weights fp32 [T, k]) for router capture, and, while ``keep_scores`` is set (a capture is
+    running), ``last_scores`` the scores the torch path ranks experts by (fp32 [T, E]:
+    DeepSeek's biased sigmoid before the group mask, gpt-oss's logits, Qwen3's softmax; None
+    otherwise and after a kernel forward).
     """
 
     def __init__(
@@ -102,6 +105,8 @@ class MoE:
         self.path = path if path == "torch" or self.kernel_refusal is None else "torch"
         self.workspace = workspace
         self.last_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.last_scores: torch.Tensor | None = None
+        self.keep_scores = False
 
     @property
     def kernel_refusal(self) -> str | None:
@@ -112,11 +117,18 @@ class MoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int64 [T, k], weights [T, k]: fp32 for DeepSeek, else x's dtype)."""
+        ids, weights, _ = self.route_with_scores(x)
+        return ids, weights
+
+    def route_with_scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``route`` plus the scores it ranks experts by (fp32 [T, E]; DeepSeek's before the group
+        mask: groups are ranked by the sum of their two best)."""
         r = self.router
         if r.kind == "deepseek":
             logits = F.linear(x.float(), self.gate.dense(torch.float32))
             scores = logits.sigmoid()
             choice = scores + self.correction_bias.float() if self.correction_bias is not None else scores
+            ranked = choice
             if r.n_group > 1:
                 t, e = choice.shape
                 grouped = choice.view(t, r.n_group, e // r.n_group)
@@ -129,23 +141,23 @@ class MoE:
             weights = scores.gather(1, ids)
             if r.norm_topk_prob:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            return ids, weights * r.routed_scaling
+            return ids, weights * r.routed_scaling, ranked
         if r.kind == "gpt_oss":
             logits = apply_linear(x, self.gate)
             values, ids = logits.topk(r.top_k, dim=-1)
-            return ids, torch.softmax(values, dim=-1, dtype=values.dtype)
+            return ids, torch.softmax(values, dim=-1, dtype=values.dtype), logits.float()
         logits = apply_linear(x, self.gate)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         values, ids = probs.topk(r.top_k, dim=-1)
         if r.norm_topk_prob:
             values = values / values.sum(dim=-1, keepdim=True)
-        return ids, values.to(logits.dtype)
+        return ids, values.to(logits.dtype), probs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "kernel":
             return self._forward_kernel(x)
-        ids, weights = self.route(x)
-        self.last_topk = (ids, weights.float())
+        ids, weights, scores = self.route_with_scores(x)
+        self.last_topk, self.last_scores = (ids, weights.float()), scores if self.keep_scores else None
         out = torch.zeros_like(x)
         hit = torch.unique(ids).tolist()
         for e in hit:
@@ -183,7 +195,7 @@ class MoE:
             gate_in = torch.cat([gate_in, gate_in.new_ones(x.shape[0], 1)], dim=1)
             gate = torch.cat([gate, self.gate.bias.float()[:, None]], dim=1)
         weights, ids = route(gate_logits(gate_in, gate), config, self.correction_bias)
-        self.last_topk = (ids.long(), weights)
+        self.last_topk, self.last_scores = (ids.long(), weights), None
         perm = permute_by_expert(ids, self.experts.count)
         y = expert_mlp(
             x.to(torch.bfloat16).contiguous(),

@@ -147,10 +147,15 @@ def _prompts(lengths):
     return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _layer_errors(ref_cap, ker_cap, min_agreeing=0.8):
-    """Per-layer error on rows whose routing agreed (see ``compare_captures``); most rows must agree."""
-    comparison = compare_captures(ref_cap, ker_cap)
-    assert min(comparison.agreeing_rows.values()) >= min_agreeing
+def _layer_errors(ref_cap, ker_cap, tie_tol, max_near_ties=0.1):
+    """Per-layer error on rows whose routing agreed (see ``compare_captures``). Every routing
+    difference must be a near tie of the reference's gate scores (within ``tie_tol`` of the row's
+    largest |score|: the drift this path is allowed reorders those), and near ties may take at
+    most ``max_near_ties`` of all rows out of the comparison."""
+    comparison = compare_captures(ref_cap, ker_cap, tie_tol=tie_tol)
+    assert not any(comparison.routing_flips.values()), comparison
+    rows = sum(len(h) for h in ref_cap.hidden_states[min(ref_cap.hidden_states)])
+    assert sum(comparison.near_tie_flips.values()) <= max_near_ties * rows, comparison
     return comparison.layer_error
 
 
@@ -168,7 +173,7 @@ def test_op_family_kernels_track_the_reference(name, kernels, tolerance):
     ref_cap, ker_cap, ref_tokens, ref_run, ker_run, engine = _run(name, kernels, prompts, 5)
     assert all(engine.model.paths[f] == "kernel" for f in kernels.split(","))
     assert ref_run.predictions == ref_tokens
-    assert max(_layer_errors(ref_cap, ker_cap).values()) < tolerance
+    assert max(_layer_errors(ref_cap, ker_cap, tolerance).values()) < tolerance
     assert _median_logit_error(ref_run, ker_run) < tolerance
     if tolerance <= 1e-5:
         assert ker_run.predictions == ref_tokens  # fp32 kernels: greedy tokens identical
@@ -192,8 +197,9 @@ def test_fp8_indexer_kernel_keeps_most_of_the_reference_selection():
 @pytest.mark.parametrize("workspace", [0, pytest.param(4, marks=pytest.mark.gpu)])  # interpreter: minutes
 def test_mxfp4_moe_kernel_tracks_the_reference(workspace):
     # tolerances of one MoE layer from tests/kernels/test_moe.py: bf16 2e-2, fp8 6e-2; deeper layers
-    # add the drift of the layers before them and rows whose routing flipped are left out
-    one_layer, deeper, agreeing = (6e-2, 1.2e-1, 0.6) if workspace else (2e-2, 2e-2, 0.9)
+    # add the drift of the layers before them; that drift may reorder experts whose gate scores
+    # nearly tie (within `deeper` of the row's largest score) and those rows are left out
+    one_layer, deeper, near_ties = (6e-2, 1.2e-1, 0.4) if workspace else (2e-2, 2e-2, 0.1)
     prompts = _prompts((8, 3))
     ref_cap, ker_cap, ref_tokens, ref_run, ker_run, engine = _run(
         "tiny-oss", "moe", prompts, 2, moe_workspace=workspace
@@ -203,7 +209,7 @@ def test_mxfp4_moe_kernel_tracks_the_reference(workspace):
         assert (
             engine.model.layers[0].ffn.workspace.w1.shape[0] == 2 * workspace
         )  # two chunks, not all experts
-    errors = _layer_errors(ref_cap, ker_cap, min_agreeing=agreeing)
+    errors = _layer_errors(ref_cap, ker_cap, deeper, max_near_ties=near_ties)
     assert errors[0] < one_layer and max(errors.values()) < deeper
     assert _median_logit_error(ref_run, ker_run) < deeper
 
