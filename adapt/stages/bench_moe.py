@@ -118,6 +118,80 @@ def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1
     return run
 
 
+
+PEER_SOURCE = "triton_kernels (triton-lang/triton python/triton_kernels, tag v3.6.0), matmul_ogs"
+"""The peer timed beside adapt when ``triton_kernels`` is importable (e.g. ``PYTHONPATH=.peer``, a
+git-ignored copy; never part of adapt)."""
+
+
+def _peer_setup(routed, shape: dict):
+    """The peer's weights for one shape, or the reason it cannot run (a string).
+
+    Reuses adapt's random MXFP4 codes: ``w*_packed`` [E, N, K/32, 16] uint8 (K packed two codes a
+    byte) viewed as the peer's [E, K/2, N] (K the MX axis) and ``w*_scales`` [E, N, K/32] E8M0 as
+    [E, K/32, N], then converted to the peer's Hopper value layout and to its Hopper scale layout for
+    4 and 8 warps (the peer's bench picks 4 warps up to 512 rows). Returns a dict of the peer's
+    callables' inputs."""
+    try:
+        import triton_kernels.swiglu as tk_swiglu
+        from triton_kernels.matmul_ogs import FnSpecs, FusedActivation, PrecisionConfig, matmul_ogs
+        from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
+        from triton_kernels.tensor_details import layout
+    except ImportError as exc:
+        return f"triton_kernels not importable: {exc}"
+    try:
+        e, h, inter = shape["experts"], shape["hidden"], shape["intermediate"]
+
+        def weights(packed, scales, n, k):
+            vals = wrap_torch_tensor(packed.view(e, n, k // 2).transpose(1, 2), dtype=FP4)
+            vl, vo = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+            w = convert_layout(vals, vl, **vo)
+            sc = {}
+            for warps in (4, 8):
+                sl, so = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=warps)
+                sc[warps] = convert_layout(wrap_torch_tensor(scales.transpose(1, 2)), sl, **so)
+            return w, sc
+
+        w1, s1 = weights(routed.w1_blocks, routed.w1_scales, 2 * inter, h)
+        w2, s2 = weights(routed.w2_blocks, routed.w2_scales, h, inter)
+        # the peer's SwiGLU is gpt-oss's (interleaved gate/up, alpha 1.702, clamp 7); the DeepSeek-V3
+        # shape runs it too: same bytes and MMAs, a different elementwise function
+        act = FusedActivation(FnSpecs("swiglu", tk_swiglu.swiglu_fn, ("alpha", "limit"), reduction_n=2), (1.702, 7.0))
+        b1 = routed.w1_bias.float() if routed.w1_bias is not None else None
+        b2 = routed.w2_bias.float() if routed.w2_bias is not None else None
+        return dict(matmul_ogs=matmul_ogs, PrecisionConfig=PrecisionConfig, w1=w1, s1=s1, w2=w2, s2=s2,
+                    act=act, b1=b1, b2=b2)
+    except Exception as exc:  # noqa: BLE001 - the peer's failure is recorded, adapt's rows go on
+        return f"triton_kernels setup failed: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _peer_variant(peer: dict, x, t: int, e: int, k: int):
+    """The peer's MoE experts at one T: gate-up matmul_ogs (gather, SwiGLU fused) then down matmul_ogs
+    (scatter + weighted combine over the k experts), routing from the peer's own top-k over random
+    logits computed once outside the timed call (as adapt's variants get ``perm``)."""
+    from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
+    from triton_kernels.tensor import make_ragged_tensor_metadata
+    from triton_kernels.topk import topk
+
+    logits = torch.randn(t, e, device=x.device, dtype=torch.float32)
+    sparse = topk(logits, k, apply_softmax=True)
+    dispatch = sparse.mask_metadata.row_sorted_indx
+    combine = sparse.mask_metadata.col_sorted_indx
+    ragged = make_ragged_tensor_metadata(sparse.mask_metadata.col_sum, dispatch.shape[0])
+    rdata = RoutingData(sparse.vals.flatten()[combine], ragged.slice_sizes, e, k, ragged)
+    gather, scatter = GatherIndx(combine, dispatch), ScatterIndx(dispatch, combine)
+    warps = 4 if t <= 512 else 8
+    pc1 = peer["PrecisionConfig"](weight_scale=peer["s1"][warps])
+    pc2 = peer["PrecisionConfig"](weight_scale=peer["s2"][warps])
+    mm = peer["matmul_ogs"]
+
+    def run():
+        y = mm(x, peer["w1"], peer["b1"], rdata, gather_indx=gather, precision_config=pc1,
+               fused_activation=peer["act"])
+        return mm(y, peer["w2"], peer["b2"], rdata, scatter_indx=scatter, precision_config=pc2)
+
+    return run
+
 LAYER_MAX_TOKENS = 1024
 """The whole-layer variants are timed up to this T (above it the expert GEMMs dominate)."""
 
@@ -303,6 +377,10 @@ def _bench_shape(
     )
     expert_bytes = mxfp4_expert_bytes(h, inter)
     planar = PlanarExperts.from_weights(routed)
+    peer = _peer_setup(routed, shape) if only is None or "peer" in only else "not requested"
+    if isinstance(peer, str):
+        print(f"{name}: peer not timed: {peer}", flush=True)
+        rows.append({"shape": name, "tokens": 0, "variant": "peer", "error": peer})
     shape = dict(shape, name=name)
     for t in tokens:
         if time.monotonic() > deadline:
@@ -319,6 +397,11 @@ def _bench_shape(
         variants = _variants(
             x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape, layer, planar
         )
+        if not isinstance(peer, str):
+            try:
+                variants["peer"] = _peer_variant(peer, x, t, e, k)
+            except Exception as exc:  # noqa: BLE001 - recorded; adapt's rows go on
+                rows.append({"shape": name, "tokens": t, "variant": "peer", "error": f"routing: {exc}"[:300]})
         if only is not None:
             variants = {n: f for n, f in variants.items() if n in only or n == "bf16"}
         ref = variants["bf16"]().float()
@@ -327,11 +410,17 @@ def _bench_shape(
         for vname, fn in variants.items():
             try:
                 err = None
-                if not vname.startswith("layer"):
+                if vname == "peer":
+                    # the peer routes by its own top-k, so its output is not comparable with ref:
+                    # check that it is finite and of the right shape only
+                    out = fn()
+                    if tuple(out.shape) != tuple(ref.shape) or not bool(torch.isfinite(out).all()):
+                        raise ValueError(f"peer output shape {tuple(out.shape)} or values not finite")
+                elif not vname.startswith("layer"):
                     out = fn().float()
                     err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
                 us = graph_time_us(fn, reps=10 if t >= 4096 else 20)
-            except (RuntimeError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row, the others go on
                 rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
                 print(f"{name} T={t} {vname}: FAILED {str(exc)[:200]}", flush=True)
                 continue
@@ -661,7 +750,7 @@ def run_moe_bench(
         "rows": rows,
         "memory": mems,
         "sweep": sweep_rows,
-        "peer": "triton_kernels not timed: no copy of python/triton_kernels (v3.6.0) was available to this run",
+        "peer": PEER_SOURCE + " when importable (rows named peer); else a row with the reason",
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
