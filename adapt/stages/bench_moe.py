@@ -27,7 +27,7 @@ import triton
 
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _git_commit
-from adapt.bench.timer import graph_time_us
+from adapt.bench.timer import graph_time_us, time_cuda
 from adapt.errors import InputError
 
 SHAPES = {
@@ -419,7 +419,8 @@ def _bench_shape(
                 elif not vname.startswith("layer"):
                     out = fn().float()
                     err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-                us = graph_time_us(fn, reps=10 if t >= 4096 else 20)
+                timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
+                us = timing.median_us
             except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row, the others go on
                 rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
                 print(f"{name} T={t} {vname}: FAILED {str(exc)[:200]}", flush=True)
@@ -436,6 +437,7 @@ def _bench_shape(
                 "x_floor": us / floor_us,
                 "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
                 "rel_diff_vs_bf16": err,
+                "timer": timing.mode + (f" ({timing.fallback})" if timing.fallback else ""),
             }
             rows.append(row)
             print(
