@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -124,14 +125,15 @@ PEER_SOURCE = "triton_kernels (triton-lang/triton python/triton_kernels, tag v3.
 git-ignored copy; never part of adapt)."""
 
 
-def _peer_setup(routed, shape: dict):
+def _peer_setup(routed, shape: dict, source: str = "codes"):
     """The peer's weights for one shape, or the reason it cannot run (a string).
 
     Reuses adapt's random MXFP4 codes: ``w*_packed`` [E, N, K/32, 16] uint8 (K packed two codes a
     byte) viewed as the peer's [E, K/2, N] (K the MX axis) and ``w*_scales`` [E, N, K/32] E8M0 as
     [E, K/32, N], then converted to the peer's Hopper value layout and to its Hopper scale layout for
-    4 and 8 warps (the peer's bench picks 4 warps up to 512 rows). Returns a dict of the peer's
-    callables' inputs."""
+    4 and 8 warps (the peer's bench picks 4 warps up to 512 rows). source "downcast": instead, the
+    peer's own quantizer (``downcast_to_mxfp`` along K) applied to adapt's weights dequantized to
+    bf16 [E, K, N], as the peer's bench builds its weights. Returns a dict of the peer's inputs."""
     try:
         import triton_kernels.swiglu as tk_swiglu
         from triton_kernels.matmul_ogs import FnSpecs, FusedActivation, PrecisionConfig, matmul_ogs
@@ -143,7 +145,16 @@ def _peer_setup(routed, shape: dict):
         e, h, inter = shape["experts"], shape["hidden"], shape["intermediate"]
 
         def weights(packed, scales, n, k):
-            vals = wrap_torch_tensor(packed.view(e, n, k // 2).transpose(1, 2), dtype=FP4)
+            if source == "downcast":
+                from triton_kernels.numerics_details.mxfp import downcast_to_mxfp
+
+                from adapt.kernels.mxfp4 import dequantize_mxfp4
+
+                dense = dequantize_mxfp4(packed.view(e, n, k // 2), scales, torch.bfloat16, validate=False)
+                packed_kn, scales_kn = downcast_to_mxfp(dense.transpose(1, 2), torch.uint8, axis=1)
+                del dense
+                packed, scales = packed_kn.transpose(1, 2), scales_kn.transpose(1, 2)
+            vals = wrap_torch_tensor(packed.reshape(e, n, k // 2).transpose(1, 2), dtype=FP4)
             vl, vo = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
             w = convert_layout(vals, vl, **vo)
             sc = {}
@@ -165,7 +176,7 @@ def _peer_setup(routed, shape: dict):
         return f"triton_kernels setup failed: {type(exc).__name__}: {str(exc)[:200]}"
 
 
-def _peer_variant(peer: dict, x, t: int, e: int, k: int):
+def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.float32, parts: dict | None = None):
     """The peer's MoE experts at one T: gate-up matmul_ogs (gather, SwiGLU fused) then down matmul_ogs
     (scatter + weighted combine over the k experts), routing from the peer's own top-k over random
     logits computed once outside the timed call (as adapt's variants get ``perm``)."""
@@ -173,8 +184,10 @@ def _peer_variant(peer: dict, x, t: int, e: int, k: int):
     from triton_kernels.tensor import make_ragged_tensor_metadata
     from triton_kernels.topk import topk
 
-    logits = torch.randn(t, e, device=x.device, dtype=torch.float32)
+    logits = torch.randn(t, e, device=x.device, dtype=logits_dtype)
     sparse = topk(logits, k, apply_softmax=True)
+    if parts is not None:
+        parts["sparse"] = sparse
     dispatch = sparse.mask_metadata.row_sorted_indx
     combine = sparse.mask_metadata.col_sorted_indx
     ragged = make_ragged_tensor_metadata(sparse.mask_metadata.col_sum, dispatch.shape[0])
@@ -188,9 +201,158 @@ def _peer_variant(peer: dict, x, t: int, e: int, k: int):
     def run():
         y = mm(x, peer["w1"], peer["b1"], rdata, gather_indx=gather, precision_config=pc1,
                fused_activation=peer["act"])
+        if parts is not None:
+            parts["gemm1"] = y
         return mm(y, peer["w2"], peer["b2"], rdata, scatter_indx=scatter, precision_config=pc2)
 
     return run
+
+
+PEER_CANDIDATES = (("codes", torch.float32), ("codes", torch.bfloat16), ("downcast", torch.bfloat16))
+"""Peer setups tried in order until one gives finite outputs: adapt's MXFP4 codes re-laid out, with
+fp32 or bf16 router logits, then the peer's own quantizer over the same weights in bf16."""
+
+
+def _peer_reference_error(peer_out, parts: dict, x, routed, shape: dict) -> float:
+    """||peer - reference|| / ||reference|| for the peer's own routing: float32 torch over adapt's
+    dequantized experts with the peer's SwiGLU (interleaved gate/up, alpha 1.702, clamp 7, (up + 1)),
+    biases added per expert, outputs weighted by the peer's top-k weights and summed."""
+    from adapt.kernels.mxfp4 import dequantize_mxfp4
+
+    idx, vals = parts["sparse"].indx.long(), parts["sparse"].vals.float()
+    ref = torch.zeros(x.shape[0], shape["hidden"], device=x.device)
+    for ex in idx.unique().tolist():
+        rows, slot = (idx == ex).nonzero(as_tuple=True)
+        w1 = dequantize_mxfp4(routed.w1_packed[ex], routed.w1_scales[ex], torch.float32, validate=False)
+        w2 = dequantize_mxfp4(routed.w2_packed[ex], routed.w2_scales[ex], torch.float32, validate=False)
+        h1 = x[rows].float() @ w1.T
+        if routed.w1_bias is not None:
+            h1 = h1 + routed.w1_bias[ex].float()
+        g, u = h1[:, 0::2].clamp(max=7.0), h1[:, 1::2].clamp(-7.0, 7.0)
+        h = (g * torch.sigmoid(1.702 * g) * (u + 1)).to(torch.bfloat16).float()
+        y = h @ w2.T
+        if routed.w2_bias is not None:
+            y = y + routed.w2_bias[ex].float()
+        ref.index_add_(0, rows, y * vals[rows, slot, None])
+    return float((peer_out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[str] | None = None,
+                   budget_s: float = 1e9) -> dict:
+    """The peer beside adapt's planar kernel only (no other variant is built): same seed and so the
+    same MXFP4 codes as ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. At the first T of
+    each shape the setups of ``PEER_CANDIDATES`` are tried until one gives finite outputs (each try
+    recorded, GEMM1 and GEMM2 checked apart), and at T = 16 the peer is checked against a float32
+    reference of its own routing. Writes moe_bench.json / .md to out_dir after every T."""
+    from adapt.kernels.moe_gemm import expert_mlp
+    from adapt.kernels.moe_planar import PlanarExperts
+    from adapt.kernels.moe_weights import mxfp4_expert_bytes
+    from adapt.kernels.routing import permute_by_expert
+
+    start = time.monotonic()
+    tokens, shapes = tokens or DEFAULT_TOKENS, shapes or list(SHAPES)
+    ceil = measure_ceilings()
+    rows, tries = [], []
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": _git_commit(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "ceilings": ceil, "rows": rows, "memory": [], "sweep": [],
+        "peer": PEER_SOURCE, "peer_tries": tries,
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (out_dir / "moe_bench.json").write_text(json.dumps(result, indent=1))
+        (out_dir / "moe_bench.md").write_text(_markdown(result))
+
+    for name in shapes:
+        shape = SHAPES[name]
+        torch.manual_seed(0)
+        routed, _ = _random_layer(shape, DEVICE)
+        e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
+        planar = PlanarExperts.from_weights(routed)
+        expert_bytes = mxfp4_expert_bytes(h, inter)
+        peer, chosen, tried = None, None, False
+        for t in tokens:
+            if time.monotonic() > start + budget_s:
+                rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
+                continue
+            x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
+            _, ids = _uniform_routing(t, e, k, DEVICE)
+            perm = permute_by_expert(ids, e)
+            active = int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item())
+            flops, wbytes = 6 * t * k * h * inter, active * expert_bytes
+            floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
+            variants = {}
+            if t <= PLANAR_MAX_TOKENS:
+                variants["planar"] = partial(expert_mlp, x, perm, routed, compute="bf16", planar=planar, top_k=k,
+                                             activation=shape["activation"])
+            if chosen is None and not tried:
+                tried = True
+                for source, ldt in PEER_CANDIDATES:
+                    if peer is None or peer.get("source") != source:
+                        peer = None
+                        torch.cuda.empty_cache()
+                        got = _peer_setup(routed, shape, source)
+                        if isinstance(got, str):
+                            tries.append({"shape": name, "source": source, "error": got})
+                            continue
+                        peer = dict(got, source=source)
+                    parts = {}
+                    try:
+                        out = _peer_variant(peer, x, t, e, k, ldt, parts)()
+                        torch.cuda.synchronize()
+                        g1 = bool(torch.isfinite(parts["gemm1"]).all())
+                        g2 = bool(torch.isfinite(out).all())
+                        tries.append({"shape": name, "source": source, "logits": str(ldt), "tokens": t,
+                                      "gemm1_finite": g1, "gemm2_finite": g2,
+                                      "gemm1_absmax": float(parts["gemm1"].float().nan_to_num().abs().max())})
+                    except Exception as exc:  # noqa: BLE001 - recorded
+                        tries.append({"shape": name, "source": source, "logits": str(ldt),
+                                      "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                        continue
+                    print(f"{name} peer try {tries[-1]}", flush=True)
+                    if g1 and g2:
+                        chosen = (source, ldt)
+                        break
+                if chosen is None:
+                    peer = None
+            if chosen is not None:
+                parts = {}
+                variants["peer"] = _peer_variant(peer, x, t, e, k, chosen[1], parts)
+            for vname, fn in variants.items():
+                try:
+                    out = fn()
+                    torch.cuda.synchronize()
+                    if not bool(torch.isfinite(out).all()):
+                        raise ValueError("output not finite")
+                    err = None
+                    if vname == "peer" and t == 16:
+                        err = _peer_reference_error(out, parts, x, routed, shape)
+                    timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
+                except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row
+                    rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
+                    print(f"{name} T={t} {vname}: FAILED {str(exc)[:200]}", flush=True)
+                    continue
+                us = timing.median_us
+                row = {
+                    "shape": name, "tokens": t, "variant": vname, "time_us": us, "active_experts": active,
+                    "weight_tbps": wbytes / us / 1e6, "tflops": flops / us / 1e6, "byte_floor_us": floor_us,
+                    "x_floor": us / floor_us, "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
+                    "rel_err_vs_reference": err,
+                    "timer": timing.mode + (f" ({timing.fallback})" if timing.fallback else ""),
+                }
+                if vname == "peer":
+                    row["peer_setup"] = f"{chosen[0]}, logits {chosen[1]}"
+                rows.append(row)
+                print(f"{name:13s} T={t:6d} {vname:8s} {us:10.1f} us  {row['copy_fraction']:.2f} of copy  "
+                      f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+            save()
+        routed = planar = peer = None
+        torch.cuda.empty_cache()
+    save()
+    return result
 
 LAYER_MAX_TOKENS = 1024
 """The whole-layer variants are timed up to this T (above it the expert GEMMs dominate)."""
@@ -804,7 +966,11 @@ if __name__ == "__main__":
         action="store_true",
         help="DeepSeek-V3 at T in 1, 64, 16384 only (the acceptance lines)",
     )
+    ap.add_argument("--peer-only", action="store_true", help="time only the peer beside adapt's planar kernel")
     args = ap.parse_args()
+    if args.peer_only:
+        run_peer_bench(args.out_dir, args.tokens, args.shapes, args.budget_s)
+        raise SystemExit(0)
     res = run_moe_bench(
         args.out_dir,
         args.tokens,
