@@ -234,8 +234,8 @@ def plan_memory_command(
     run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
+    from adapt.plan.layout import run_plan_memory
     from adapt.report import load_gates
-    from adapt.stages.memory import run_plan_memory
 
     report = run_plan_memory(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
                              context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
@@ -256,8 +256,7 @@ def plan_parallel_command(
     run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Stage 4: rank TP x EP x PP x DP plans; print vLLM engine arguments, `vllm serve` and Ray steps."""
-    import shlex
-
+    from adapt.plan.launch import launch_script
     from adapt.report import load_gates
     from adapt.stages.parallel import run_plan_parallel
 
@@ -266,9 +265,8 @@ def plan_parallel_command(
                                headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                block_size=block_size, rope_factor=rope_factor)
-    lines = report.metrics.get("ray_steps") or (
-        [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else [])
-    extra = {"parallel.launch.sh": "#!/bin/sh\n" + "\n".join(lines) + "\n"} if lines else None
+    script = launch_script(report.metrics)
+    extra = {"parallel.launch.sh": script} if script else None
     finish(report, as_json, RunDir(output, run_id), extra=extra)
 
 

@@ -1,7 +1,7 @@
 """Stage 3: tolerance tests of every adapt kernel the model needs on the target.
 
-Which kernels: the ModelSpec's semantic operators (``adapt.stages.inventory.ops_from_spec``, no
-trace) are classified against the target's stack table (``inventory.classify``). An operator
+Which kernels: the ModelSpec's semantic operators (``adapt.model.operators.ops_from_spec``, no
+trace) are classified against the target's stack table (``adapt.targets.support.classify``). An operator
 needs a check when the stack provides it through an adapt kernel (status ``adapt_kernel``), or
 when the stack lacks it (``missing``) and adapt has a kernel for it (``ADAPT_KERNEL_FOR_OP``).
 Native and composable operators are listed as not needing a check.
@@ -45,9 +45,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapt.errors import InputError
+from adapt.model.operators import ops_from_spec
 from adapt.model.spec import LayerSpec, ModelSpec, load_spec
 from adapt.report import EXIT_BAD_INPUT, Finding, StageReport, fingerprint, load_gates, now_iso
-from adapt.stages.inventory import GapRow, classify, ops_from_spec
+from adapt.targets.support import GapRow, classify
 from adapt.targets.target import load_stack, load_target
 
 # Semantic operator -> the adapt kernel that implements it, for stacks that lack the operator.

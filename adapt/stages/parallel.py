@@ -4,7 +4,7 @@ Every layout of the device count is enumerated (tensor parallel x pipeline paral
 parallel, with and without expert parallelism), then
 
 1. rejected when vLLM cannot run it: head, KV-head, expert, FFN-width (and fp8 block) and layer
-   divisibility (``adapt.stages.memory.layout_problems``);
+   divisibility (``adapt.plan.layout.layout_problems``);
 2. rejected when stage 2's memory model says it does not hold ``batch`` sequences of ``context``
    tokens on every device;
 3. rejected when its tensor- or expert-parallel group, or its pipeline, spans nodes although a
@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.model.spec import ModelSpec
-from adapt.report import StageReport, fingerprint, now_iso
-from adapt.stages.memory import (
+from adapt.plan.layout import (
     VLLM_GPU_MEMORY_UTILIZATION,
     GiB,
     Layout,
@@ -45,6 +44,7 @@ from adapt.stages.memory import (
     plan_memory,
     vllm_batch_defaults,
 )
+from adapt.report import StageReport, fingerprint, now_iso
 from adapt.targets.target import Target
 
 # When no plan fits at vLLM's default utilization and the user did not set one, plans that fit
@@ -383,7 +383,7 @@ def plan_parallel(
 ) -> ParallelResult:
     """Enumerate, filter, cost and rank the layouts of ``devices`` devices over ``nodes`` nodes.
 
-    Arguments as ``adapt.stages.memory.plan_memory``. Raises InputError for a device count the
+    Arguments as ``adapt.plan.layout.plan_memory``. Raises InputError for a device count the
     nodes or the target cannot hold, bad workload flags, or a context above the model's limit.
     """
     per_node = devices_per_node(target, devices, nodes)
@@ -590,7 +590,7 @@ def run_plan_parallel(
     (devices, nodes, context, batch, ...; not checkpoint, which comes from ``model``).
     ``gates["parallel"]["min_plans"]``: fewer feasible plans fail.
     Metrics hold ``engine_args``, ``serve_command`` (argv) and, for several nodes, ``ray_steps``."""
-    from adapt.handoff.vllm import ray_steps, serve_command
+    from adapt.plan.launch import launch_lines, ray_steps, serve_command
     from adapt.targets.target import load_target
 
     started = now_iso()
@@ -630,9 +630,7 @@ def run_plan_parallel(
     }
     if nodes > 1 and result.engine_args:
         report.metrics["ray_steps"] = ray_steps(model_path, result.engine_args | extra, nodes)
-    launch = report.metrics.get("ray_steps") or (
-        [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else []
-    )
+    launch = launch_lines(report.metrics)
     if launch:
         report.tables["launch"] = [{"step": i, "command": line} for i, line in enumerate(launch, start=1)]
     report.tables["ranked plans"] = [dict(rank=i, **p.row()) for i, p in enumerate(result.feasible, start=1)]

@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 
 from adapt.cli import app
 from adapt.errors import InputError
-from adapt.handoff.vllm import find_vllm, multi_node_args, serve_command, validate_with_vllm
+from adapt.handoff.vllm import find_vllm, validate_with_vllm
 from adapt.model.tiny import build_tiny
+from adapt.plan.launch import multi_node_args, serve_command
 from adapt.report import RunDir, StageReport, load_gates
 from adapt.stages.parallel import run_plan_parallel
 

@@ -108,8 +108,8 @@ def test_memory_headroom_from_stage_2(tmp_path):
 
 
 def test_memory_headroom_from_a_real_stage_2_report(tmp_path):
+    from adapt.plan.layout import run_plan_memory
     from adapt.report import RunDir, load_gates
-    from adapt.stages.memory import run_plan_memory
 
     run = RunDir(tmp_path, "r")
     run.write(run_plan_memory("gpt-oss-120b", "h200", gates=load_gates(), devices=1, context=8192, batch=1))

@@ -1,4 +1,6 @@
-"""Stage 2: how many bytes each device needs, term by term, the way vLLM accounts for them.
+"""How many bytes each device needs, term by term, the way vLLM accounts for them: the layout,
+sharding and memory rules that stage 2 (``run_plan_memory``, its gated report) and stage 4
+(``adapt.stages.parallel``, which searches layouts with ``plan_memory``) share.
 
 vLLM gives ``gpu_memory_utilization * device memory`` (the *budget*) to one worker. At start-up
 it loads the weights, profiles one forward pass of ``max_num_batched_tokens`` tokens plus one
@@ -1311,7 +1313,7 @@ def run_plan_memory(
     report.add(
         "info",
         "memory.estimates",
-        "activations, buffers, CUDA graphs and overhead are estimates (sources in adapt/stages/memory.py); "
+        "activations, buffers, CUDA graphs and overhead are estimates (sources in adapt/plan/layout.py); "
         f"weights and KV are exact; headroom {headroom:.0%} is added to the estimates",
     )
     report.fingerprint = fingerprint(
