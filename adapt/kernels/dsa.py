@@ -38,23 +38,19 @@ back by top-k, indices 4 * topk B per row.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from adapt.runtime.kv_cache import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
+from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
+from adapt.kernels.formats import interpreting as _interpreting
 
 PREFILL_ROWS_PER_TILE = 8
 KEY_BLOCK = 128
 DEFAULT_PROGRAMS = 1024
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

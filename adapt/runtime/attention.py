@@ -27,14 +27,15 @@ pools [pages, 64, *width] whose dtypes the layer chooses (``cache_layout``).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from adapt.runtime.kv_cache import PAGE_SIZE, DSABatch, OutOfPagesError
+from adapt.kernels.formats import PAGE_SIZE
+from adapt.kernels.formats import interpreting as _interpreting
+from adapt.runtime.kv_cache import DSABatch, OutOfPagesError
 from adapt.runtime.weights import Linear, apply_linear
 
 PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -546,10 +547,6 @@ def _dense_indices(batch: DSABatch) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # kernels: paged GQA attention, RMSNorm, RoPE (Triton; interpreter on CPU)
 # ----------------------------------------------------------------------------------------------
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def paged_gqa_attention(

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from adapt.errors import InputError
-from adapt.runtime.kv_cache import PAGE_SIZE
+from adapt.kernels.formats import PAGE_SIZE
 from adapt.runtime.model import OP_FAMILIES, ArchConfig, Capture, DecoderModel
 
 ProgressFn = Callable[[str, int, int, float], None]
@@ -378,3 +378,34 @@ def encode_prompts(
             "nothing to run: give --prompt TEXT or --token-ids IDS (non-empty)", field="--prompt"
         )
     return encoded, tokenizer
+
+
+def run_prompts(model: str, prompt: Sequence[str], token_ids: Sequence[str], *, max_new_tokens: int,
+                layers: str | None = None, kernels: str = "none", dtype: str = "bfloat16", device: str = "cpu",
+                temperature: float = 0.0, seed: int = 0, moe_workspace: int = 0,
+                progress: Callable[[str, int, int, float], None] | None = None) -> dict:
+    """`adapt run`: load the model at the depth asked, size the cache for every prompt plus its new
+    tokens, generate, and return the summary the CLI renders (JSON-ready).
+
+    dtype: "bfloat16" | "float32"; device: "cpu" | "cuda". Raises InputError for either when
+    unusable. Summary: model, layers, kernels (paths per op family), kernel_refusals, dtype,
+    sequences (prompt_tokens, tokens, text, stopped_at_eos), prefill/decode tokens and seconds.
+    """
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise InputError(f"expected bfloat16 or float32, got {dtype!r}", field="--dtype")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise InputError(f"device {device!r} is not available here", field="--device", hint="use cpu or cuda")
+    directory = resolve_model_dir(model)
+    prompts, tokenizer = encode_prompts(directory, list(prompt), list(token_ids))
+    engine = Engine.load(directory, layers=layers, kernels=kernels, dtype=dtypes[dtype], device=device,
+                         max_tokens=sum(len(p) + max_new_tokens for p in prompts) + 64,
+                         moe_workspace=moe_workspace)
+    result = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=progress)
+    rows = [{"prompt_tokens": len(p), "tokens": t, "text": tokenizer.decode(t) if tokenizer else None,
+             "stopped_at_eos": f} for p, t, f in zip(prompts, result.tokens, result.finished, strict=True)]
+    return {"model": str(directory), "layers": [layer.index for layer in engine.model.layers],
+            "kernels": engine.model.paths, "kernel_refusals": engine.model.kernel_refusals,
+            "dtype": dtype, "sequences": rows,
+            "prefill": {"tokens": result.timing.prefill_tokens, "seconds": result.timing.prefill_s},
+            "decode": {"tokens": result.timing.decode_tokens, "seconds": result.timing.decode_s}}

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-PAGE_SIZE = 64
-FP8_E4M3_MAX = 448.0
-FP8_DTYPE = torch.float8_e4m3fn
+from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
+from adapt.kernels.fp8 import quantize_fp8_groups
 
 
 class OutOfPagesError(RuntimeError):
@@ -43,22 +42,6 @@ def _rows_of(pool: torch.Tensor) -> torch.Tensor:
 def _as_rows(values: torch.Tensor) -> torch.Tensor:
     values = values.reshape(values.shape[0], -1)
     return values.view(torch.uint8) if values.dtype == FP8_DTYPE else values
-
-
-def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the last axis of ``x`` to e4m3 with one fp32 scale per ``group`` elements.
-
-    x: [..., D] (D divisible by ``group``). Returns (values e4m3 [..., D], scales fp32
-    [..., D // group]) with ``values * scale ~= x``; scale = amax / 448 (amax floored at 1e-4,
-    so an all-zero group gets a tiny scale, not a division by zero).
-    """
-    *lead, dim = x.shape
-    if dim % group:
-        raise ValueError(f"last dimension {dim} is not a multiple of the scale group {group}")
-    grouped = x.float().reshape(*lead, dim // group, group)
-    scale = grouped.abs().amax(dim=-1).clamp_min(1e-4) / FP8_E4M3_MAX
-    values = (grouped / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
-    return values.reshape(*lead, dim), scale
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ import torch
 
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
-from adapt.runtime.kv_cache import FP8_DTYPE, PAGE_SIZE, PagedDSACache
+from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
+from adapt.runtime.kv_cache import PagedDSACache
 
 HEADS, RANK, ROPE, INDEX_HEADS, INDEX_DIM, NOPE, VDIM = 128, 512, 64, 64, 128, 128, 128
 

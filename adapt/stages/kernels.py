@@ -349,7 +349,8 @@ def _dsa_cache(ctx: Context, latent_format: str, gen):
 
     Returns (cache, batch, latent fp32 [N, rank], index keys float64 [N, index_dim]); one spare
     page per sequence is left for decode steps."""
-    from adapt.runtime.kv_cache import PAGE_SIZE, PagedDSACache
+    from adapt.kernels.formats import PAGE_SIZE
+    from adapt.runtime.kv_cache import PagedDSACache
 
     s = ctx.shapes
     cache = PagedDSACache(num_pages=sum(-(-n // PAGE_SIZE) + 1 for n in s.lengths), num_layers=1,

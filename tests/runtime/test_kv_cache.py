@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from adapt.runtime.kv_cache import PAGE_SIZE, OutOfPagesError, PagedDSACache, quantize_fp8_groups
+from adapt.kernels.formats import PAGE_SIZE
+from adapt.kernels.fp8 import quantize_fp8_groups
+from adapt.runtime.kv_cache import OutOfPagesError, PagedDSACache
 
 
 def make_cache(num_pages=6, latent_format="bf16", device="cpu"):
