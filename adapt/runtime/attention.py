@@ -16,7 +16,7 @@ Semantics follow transformers 5.19's eager implementations:
 
 Every op family has two paths: ``torch`` (the reference above, in the engine's compute dtype) and
 ``kernel`` (adapt's Triton kernels: ``adapt.kernels.dsa`` FP8 indexer with a Hadamard rotation,
-``adapt.kernels.sparse_mla`` latent attention over bf16 pages, and ``paged_gqa_attention`` below
+``adapt.kernels.sparse_mla`` latent attention over bf16 pages, and ``adapt.kernels.attention``
 for GQA). The kernel path stores what its kernel reads (bf16 latent, e4m3 indexer keys).
 
 Cache: ``PagedKVCache`` pages of 64 tokens shared by all layers (one block table per sequence);
@@ -26,7 +26,6 @@ pools [pages, 64, *width] whose dtypes the layer chooses (``cache_layout``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from adapt.kernels.formats import PAGE_SIZE
-from adapt.kernels.formats import interpreting as _interpreting
 from adapt.runtime.kv_cache import DSABatch, OutOfPagesError
 from adapt.runtime.weights import Linear, apply_linear
 
@@ -49,43 +47,19 @@ PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False, kernel: bool = False
 ) -> torch.Tensor:
-    """RMSNorm over the last axis in fp32, result in x's dtype.
+    """``adapt.kernels.norm_rope.rms_norm`` (kernel) or its torch twin ``rms_norm_torch``."""
+    from adapt.kernels import norm_rope  # after TRITON_INTERPRET is settled (adapt.runtime.engine)
 
-    scale_in_fp32: multiply by the weight before casting back (gpt-oss keeps its norms in fp32);
-    otherwise cast then multiply (DeepSeek, Qwen3). kernel: run ``rms_norm_triton``.
-    """
-    if kernel:
-        return rms_norm_triton(x, weight, eps, scale_in_fp32=scale_in_fp32)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if scale_in_fp32:
-        return (weight.float() * xf).to(x.dtype)
-    return weight.to(x.dtype) * xf.to(x.dtype)
-
-
-def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate dims i and i + D/2 by angle i. x [N, ..., D]; cos, sin [N, D/2] (broadcast over the middle)."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-
-
-def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (2i, 2i + 1) by angle i; output de-interleaved (rotated evens, then odds)."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return (norm_rope.rms_norm if kernel else norm_rope.rms_norm_torch)(x, weight, eps, scale_in_fp32=scale_in_fp32)
 
 
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: bool, kernel: bool
 ) -> torch.Tensor:
-    """``rope_pairs`` (pairs) or ``rope_halves``; ``kernel`` runs ``rope_triton`` instead."""
-    if kernel:
-        return rope_triton(x, cos, sin, pairs=pairs)
-    return rope_pairs(x, cos, sin) if pairs else rope_halves(x, cos, sin)
+    """``adapt.kernels.norm_rope.rope`` (kernel) or its torch twin ``rope_torch``."""
+    from adapt.kernels import norm_rope
+
+    return (norm_rope.rope if kernel else norm_rope.rope_torch)(x, cos, sin, pairs=pairs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,32 +251,12 @@ class GQAAttention:
         k = apply_rope(k, cos, sin, pairs=False, kernel=fused)
         write_rows(pools["k"], batch.slots, k)
         write_rows(pools["v"], batch.slots, v)
-        if self.path == "kernel":
-            out = paged_gqa_attention(q, pools["k"], pools["v"], batch, self.scale, self.window, self.w.sinks)
-        else:
-            out = self._attend_torch(q, batch, pools)
+        from adapt.kernels import attention as gqa_kernels
+
+        attend = gqa_kernels.paged_gqa_attention if self.path == "kernel" else gqa_kernels.paged_gqa_attention_torch
+        out = attend(q, pools["k"], pools["v"], batch.block_table, batch.token_seq, batch.positions,
+                     batch.query_starts, self.scale, self.window, self.w.sinks)
         return apply_linear(out.reshape(n, -1).to(x.dtype), self.w.o)
-
-    def _attend_torch(self, q: torch.Tensor, batch: DSABatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = torch.empty_like(q)
-        group = self.heads // self.kv_heads
-        for b in range(batch.num_seqs):
-            rows, mask = _visible(batch, b, self.window)
-            slots = sequence_slots(batch, b)
-            keys = read_rows(pools["k"], slots).to(q.dtype).repeat_interleave(group, dim=1)  # [L, H, D]
-            values = read_rows(pools["v"], slots).to(q.dtype).repeat_interleave(group, dim=1)
-            logits = torch.einsum("nhd,lhd->hnl", q[rows], keys) * self.scale
-            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-            if self.w.sinks is not None:
-                sink = self.w.sinks.to(logits.dtype).view(-1, 1, 1).expand(-1, logits.shape[1], 1)
-                full = torch.cat([logits, sink], dim=-1)
-                full = full - full.amax(dim=-1, keepdim=True)
-                probs = torch.softmax(full.float(), dim=-1)[..., :-1].to(q.dtype)
-            else:
-                probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
-            out[rows] = torch.einsum("hnl,lhd->nhd", probs, values)
-        return out
-
 
 # ----------------------------------------------------------------------------------------------
 # MLA + DSA
@@ -542,129 +496,3 @@ def _dense_indices(batch: DSABatch) -> torch.Tensor:
     width = int(batch.seq_lens.max())
     pos = torch.arange(width, device=batch.positions.device)
     return torch.where(pos[None, :] <= batch.positions[:, None], pos[None, :], -1).to(torch.int32)
-
-
-# ----------------------------------------------------------------------------------------------
-# kernels: paged GQA attention, RMSNorm, RoPE (Triton; interpreter on CPU)
-# ----------------------------------------------------------------------------------------------
-
-
-def paged_gqa_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    batch: DSABatch,
-    scale: float,
-    window: int | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """Causal GQA over the paged cache with an optional sliding window and sinks (Triton).
-
-    q: [N, H, D] (the N new tokens of ``batch``, D a power of two >= 16); k_pool, v_pool:
-    [pages, 64, KV, D] (fp32 or bf16); sinks: [H] or None; window: keys with position > query
-    position - window are visible. Returns fp32 [N, H, D].
-
-    A program takes up to BLOCK_M consecutive query rows of one sequence times the H/KV query
-    heads of one kv head (BLOCK_M * pow2(H/KV) rows of the score tile, at least 16), walks the
-    keys the tile can see in blocks of 64 with an online softmax (base 2), and starts each row's
-    softmax at its sink (running max = sink, sum = 1) when there are sinks. FLOPs:
-    4 * D per (query head, visible key); bytes: 2 * D * itemsize per (kv head, key in the tile's
-    span) and tile.
-    """
-    from adapt.runtime import attention_kernels as kernels
-
-    n, heads, dim = q.shape
-    kv_heads = k_pool.shape[2]
-    out = torch.empty(n, heads, dim, dtype=torch.float32, device=q.device)
-    if n == 0:
-        return out
-    group = heads // kv_heads
-    group_pad = 1 << (group - 1).bit_length()
-    block_m = max(1, max(16, min(128, 16 * group_pad)) // group_pad)
-    starts, counts = [], []
-    bounds = batch.query_starts.tolist()
-    for b in range(len(bounds) - 1):
-        for first in range(bounds[b], bounds[b + 1], block_m):
-            starts.append(first)
-            counts.append(min(block_m, bounds[b + 1] - first))
-    device = q.device
-    sink = (sinks if sinks is not None else torch.zeros(heads, device=device)).float().contiguous()
-    kernels.paged_gqa_kernel[(len(starts), kv_heads)](
-        q.contiguous(),
-        k_pool,
-        v_pool,
-        sink,
-        batch.block_table,
-        batch.token_seq.to(torch.int32).contiguous(),
-        batch.positions.contiguous(),
-        torch.tensor(starts, dtype=torch.int32, device=device),
-        torch.tensor(counts, dtype=torch.int32, device=device),
-        out,
-        batch.block_table.stride(0),
-        heads,
-        scale * math.log2(math.e),
-        window or 0,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_M=block_m,
-        KV_HEADS=kv_heads,
-        DIM=dim,
-        BLOCK_N=PAGE_SIZE,
-        PAGE=PAGE_SIZE,
-        HAS_SINK=sinks is not None,
-        HAS_WINDOW=window is not None,
-        UPCAST=_interpreting() or q.dtype == torch.float32,
-        num_warps=4,
-    )
-    return out
-
-
-def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False
-) -> torch.Tensor:
-    """Triton twin of ``rms_norm`` (same rounding order): x [..., D] -> [..., D] in x's dtype.
-    16 rows a program; reads and writes D * itemsize bytes per row."""
-    from adapt.runtime import attention_kernels as kernels
-
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty_like(rows)
-    n, dim = rows.shape
-    if n:
-        kernels.rms_norm_kernel[(-(-n // 16),)](
-            rows,
-            weight.contiguous(),
-            out,
-            n,
-            dim,
-            eps,
-            ROWS=16,
-            BLOCK=1 << (dim - 1).bit_length(),
-            SCALE_IN_FP32=scale_in_fp32,
-            ROUND_BF16=x.dtype == torch.bfloat16,
-        )
-    return out.view(x.shape)
-
-
-def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: bool) -> torch.Tensor:
-    """Triton twin of ``rope_pairs`` (pairs) / ``rope_halves``: x [N, ..., D], cos/sin fp32-able [N, D/2].
-    One program per token (all its heads); math in fp32, one rounding to x's dtype."""
-    from adapt.runtime import attention_kernels as kernels
-
-    n, dim = x.shape[0], x.shape[-1]
-    rows = x.reshape(n, -1, dim).contiguous()
-    out = torch.empty_like(rows)
-    if rows.numel():
-        per_token = rows.shape[1]
-        kernels.rope_kernel[(n,)](
-            rows,
-            cos.float().contiguous(),
-            sin.float().contiguous(),
-            out,
-            per_token,
-            HALF=dim // 2,
-            ROWS=1 << (per_token - 1).bit_length(),
-            BLOCK=1 << (dim // 2 - 1).bit_length(),
-            PAIRS=pairs,
-            ROUND_BF16=x.dtype == torch.bfloat16,
-        )
-    return out.view(x.shape)
