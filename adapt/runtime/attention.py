@@ -218,10 +218,12 @@ class GQAAttention:
         window: int | None,
         path: str = "torch",
         norm_rope_kernel: bool = False,
+        rotary_dim: int | None = None,
     ):
         self.w = weights
         self.norm_rope_kernel = norm_rope_kernel
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rotary_dim = rotary_dim or head_dim  # partial rotary (glm4_moe): the first rotary_dim dims
         self.norm_eps = norm_eps
         self.window = window
         self.path = path
@@ -247,8 +249,7 @@ class GQAAttention:
         if self.w.q_norm is not None:
             q = rms_norm(q, self.w.q_norm, self.norm_eps, kernel=fused)
             k = rms_norm(k, self.w.k_norm, self.norm_eps, kernel=fused)
-        q = apply_rope(q, cos, sin, pairs=False, kernel=fused)
-        k = apply_rope(k, cos, sin, pairs=False, kernel=fused)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         write_rows(pools["k"], batch.slots, k)
         write_rows(pools["v"], batch.slots, v)
         from adapt.kernels import attention as gqa_kernels
@@ -258,6 +259,14 @@ class GQAAttention:
                      batch.query_starts, self.scale, self.window, self.w.sinks)
         return apply_linear(out.reshape(n, -1).to(x.dtype), self.w.o)
 
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on halves of the first ``rotary_dim`` dims of x [N, heads, D]; the rest pass through."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, cos, sin, pairs=False, kernel=self.norm_rope_kernel)
+        rot, rest = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        rot = apply_rope(rot.contiguous(), cos, sin, pairs=False, kernel=self.norm_rope_kernel)
+        return torch.cat([rot, rest], dim=-1)
+
 # ----------------------------------------------------------------------------------------------
 # MLA + DSA
 # ----------------------------------------------------------------------------------------------
@@ -265,18 +274,20 @@ class GQAAttention:
 
 @dataclass
 class MLAWeights:
-    """One MLA layer (DeepSeek-V3 names): q_a [q_lora, hidden], q_a_norm [q_lora], q_b
-    [H*(nope+rope), q_lora], kv_a [kv_lora+rope, hidden], kv_a_norm [kv_lora], kv_b
-    [H*(nope+v), kv_lora], o [hidden, H*v]; indexer (deepseek_v32): wq_b [Hi*Di, q_lora],
-    wk [Di, hidden], k_norm_weight / k_norm_bias [Di], weights_proj [Hi, hidden]."""
+    """One MLA layer (DeepSeek-V3 names): kv_a [kv_lora+rope, hidden], kv_a_norm [kv_lora], kv_b
+    [H*(nope+v), kv_lora], o [hidden, H*v]; queries through a low-rank pair q_a [q_lora, hidden],
+    q_a_norm [q_lora], q_b [H*(nope+rope), q_lora], or (no q_lora_rank, DeepSeek-V2-Lite style)
+    one q [H*(nope+rope), hidden]; indexer (deepseek_v32): wq_b [Hi*Di, q_lora], wk [Di, hidden],
+    k_norm_weight / k_norm_bias [Di], weights_proj [Hi, hidden]."""
 
-    q_a: Linear
-    q_a_norm: torch.Tensor
-    q_b: Linear
     kv_a: Linear
     kv_a_norm: torch.Tensor
     kv_b: Linear
     o: Linear
+    q_a: Linear | None = None
+    q_a_norm: torch.Tensor | None = None
+    q_b: Linear | None = None
+    q: Linear | None = None
     index_wq_b: Linear | None = None
     index_wk: Linear | None = None
     index_k_norm_weight: torch.Tensor | None = None
@@ -349,8 +360,12 @@ class MLAAttention:
     ) -> torch.Tensor:
         """x [N, hidden] new tokens -> [N, hidden]; writes their latent (and indexer key) into ``pools``."""
         s, n, fused = self.s, x.shape[0], self.norm_rope_kernel
-        q_resid = rms_norm(apply_linear(x, self.w.q_a), self.w.q_a_norm, 1e-6, kernel=fused)
-        q = apply_linear(q_resid, self.w.q_b).view(n, s.heads, s.qk_nope + s.qk_rope)
+        if self.w.q is not None:
+            q_resid = None
+            q = apply_linear(x, self.w.q).view(n, s.heads, s.qk_nope + s.qk_rope)
+        else:
+            q_resid = rms_norm(apply_linear(x, self.w.q_a), self.w.q_a_norm, 1e-6, kernel=fused)
+            q = apply_linear(q_resid, self.w.q_b).view(n, s.heads, s.qk_nope + s.qk_rope)
         q_nope, q_rope = q.split([s.qk_nope, s.qk_rope], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin, pairs=s.rope_pairs, kernel=fused)
         latent, k_rope = apply_linear(x, self.w.kv_a).split([s.kv_lora, s.qk_rope], dim=-1)

@@ -29,7 +29,8 @@ import torch
 
 from adapt.errors import InputError
 from adapt.kernels.formats import PAGE_SIZE
-from adapt.runtime.model import OP_FAMILIES, ArchConfig, Capture, DecoderModel
+from adapt.model.spec import load_spec
+from adapt.runtime.model import OP_FAMILIES, Capture, DecoderModel
 
 ProgressFn = Callable[[str, int, int, float], None]
 """progress(phase 'prefill' | 'decode', tokens done, tokens total, seconds elapsed)."""
@@ -135,7 +136,7 @@ class Engine:
         from adapt.runtime.attention import PagedKVCache
 
         self.model = model
-        self.config = model.config
+        self.spec = model.spec
         pages = -(-max_tokens // PAGE_SIZE)
         self.cache = PagedKVCache(pages, model.cache_layouts(cache_dtype or model.dtype), model.device)
         self.bytes_read = 0  # checkpoint tensor bytes read by ``load``
@@ -165,17 +166,19 @@ class Engine:
         paths = parse_kernels(kernels)
         if any(p == "kernel" for p in paths.values()):
             prepare_triton()
-        config = ArchConfig.from_dir(path)
-        layer_ids = parse_layers(layers, config.num_layers)
+        if not (Path(path) / "config.json").is_file():
+            raise InputError("no config.json", file=str(path), hint="is this a model directory?")
+        spec = load_spec(path)
+        layer_ids = parse_layers(layers, spec.num_layers)
         store = WeightStore(path, layers=None if layers is None else layer_ids, device=device)
         workspace = None
-        if moe_workspace and paths["moe"] == "kernel" and config.experts:
+        moe = [layer.ffn for layer in spec.moe_layers]
+        if moe_workspace and paths["moe"] == "kernel" and moe:
             from adapt.kernels.workspace import FP8Workspace
 
-            workspace = FP8Workspace(
-                min(moe_workspace, config.experts), config.hidden, config.expert_intermediate, device=device
-            )
-        model = DecoderModel(config, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace)
+            workspace = FP8Workspace(min(moe_workspace, max(f.num_experts for f in moe)), spec.hidden,
+                                     max(f.expert_intermediate for f in moe), device=device)
+        model = DecoderModel(spec, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace)
         engine = cls(model, max_tokens=max_tokens)
         engine.bytes_read = store.bytes_read
         return engine
@@ -219,8 +222,8 @@ class Engine:
             raise ValueError("every sequence in a step needs at least one new token")
         batch = self.cache.append_tokens(seq_ids, counts)
         flat = torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64, device=self.model.device)
-        if int(flat.max()) >= self.config.vocab or int(flat.min()) < 0:
-            raise InputError(f"token id outside the vocabulary of {self.config.vocab}", field="tokens")
+        if int(flat.max()) >= self.spec.vocab or int(flat.min()) < 0:
+            raise InputError(f"token id outside the vocabulary of {self.spec.vocab}", field="tokens")
         hidden = self.model.forward(flat, batch, self.cache.pools)
         ends = batch.query_starts.tolist()
         if all_logits:
@@ -257,7 +260,7 @@ class Engine:
         out: list[list[int]] = [[] for _ in prompts]
         finished = [False] * len(prompts)
         timing = StepTiming()
-        eos = set(self.config.eos_ids if stop_ids is None else stop_ids)
+        eos = set(self.model.eos_ids if stop_ids is None else stop_ids)
         try:
             t0 = time.perf_counter()
             logits = self.step(ids, prompts)
