@@ -36,9 +36,12 @@ import torch
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
 from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
+from adapt.model.spec import load_spec
 from adapt.runtime.kv_cache import PagedDSACache
 
-HEADS, RANK, ROPE, INDEX_HEADS, INDEX_DIM, NOPE, VDIM = 128, 512, 64, 64, 128, 128, 128
+_MLA = load_spec("deepseek-v3.2").layers[0].attention  # the benchmarked shape: DeepSeek-V3.2's MLA + DSA
+HEADS, RANK, ROPE = _MLA.num_heads, _MLA.kv_lora_rank, _MLA.qk_rope_head_dim
+INDEX_HEADS, INDEX_DIM, NOPE, VDIM = _MLA.index_n_heads, _MLA.index_head_dim, _MLA.qk_nope_head_dim, _MLA.v_head_dim
 
 
 def _time_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
