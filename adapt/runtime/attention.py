@@ -26,6 +26,7 @@ pools [pages, 64, *width] whose dtypes the layer chooses (``cache_layout``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -272,6 +273,17 @@ class GQAAttention:
 # ----------------------------------------------------------------------------------------------
 
 
+def hadamard_matrix(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix, fp32 [dim, dim]; dim a power of two. Rotating the
+    indexer's q and k by it spreads outliers before FP8 (DeepSeek-V3.2's indexer does the same)."""
+    if dim & (dim - 1):
+        raise ValueError(f"Hadamard size {dim} is not a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(dim)).to(device)
+
+
 @dataclass
 class MLAWeights:
     """One MLA layer (DeepSeek-V3 names): kv_a [kv_lora+rope, hidden], kv_a_norm [kv_lora], kv_b
@@ -431,8 +443,6 @@ class MLAAttention:
 
         s = self.s
         if self._hadamard is None and not s.index_dim & (s.index_dim - 1):
-            from adapt.runtime.dsa_attention import hadamard_matrix
-
             self._hadamard = hadamard_matrix(s.index_dim, x.device)
         if self._hadamard is not None:
             q, k = q.float() @ self._hadamard, k.float() @ self._hadamard

@@ -87,6 +87,13 @@ def rope_frequencies(rope: RopeSpec, dim: int, max_positions: int) -> tuple[torc
     return inv_freq, float(attention)
 
 
+def rope_cos_sin(inv_freq: torch.Tensor, factor: float, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [N, dim / 2] in ``dtype`` of angles positions x inv_freq, times ``factor`` (YaRN)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return (freqs.cos() * factor).to(dtype), (freqs.sin() * factor).to(dtype)
+
+
 def mla_scale(spec: ModelSpec, attention: AttentionSpec) -> float:
     """Attention scale of MLA: (nope + rope)**-0.5, times mscale(factor, mscale_all_dim)**2 under YaRN."""
     scale = attention.head_dim**-0.5
@@ -383,9 +390,7 @@ class DecoderModel:
     ) -> torch.Tensor:
         """tokens int64 [N] (ordered as ``batch``) -> final-normed hidden states [N, hidden]."""
         x = self.embed[tokens].to(self.dtype)
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        cos = (freqs.cos() * self.rope_factor).to(self.dtype)
-        sin = (freqs.sin() * self.rope_factor).to(self.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_factor, batch.positions, self.dtype)
         for layer in self.layers:
             h = x + layer.attention.forward(
                 self._norm(x, layer.input_norm), cos, sin, batch, pools[layer.index]
