@@ -19,26 +19,22 @@ Every op family has two paths: ``torch`` (the reference above, in the engine's c
 ``adapt.kernels.sparse_mla`` latent attention over bf16 pages, and ``adapt.kernels.attention``
 for GQA). The kernel path stores what its kernel reads (bf16 latent, e4m3 indexer keys).
 
-Cache: ``PagedKVCache`` pages of 64 tokens shared by all layers (one block table per sequence);
-token p of a sequence lives at slot ``block_table[p // 64] * 64 + p % 64``. Each layer keeps named
-pools [pages, 64, *width] whose dtypes the layer chooses (``cache_layout``).
+Cache: ``adapt.runtime.kv_cache.PagedKVCache``, pages of 64 tokens shared by all layers (one block
+table per sequence, prefix reuse); each layer keeps named pools [pages, 64, *width] whose dtypes the
+layer chooses (``cache_layout``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from adapt.kernels.formats import PAGE_SIZE
-from adapt.runtime.kv_cache import DSABatch, OutOfPagesError
+from adapt.runtime.kv_cache import DSABatch, PoolLayout
 from adapt.runtime.weights import Linear, apply_linear
-
-PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
 
 # ----------------------------------------------------------------------------------------------
 # norms and rotary embeddings (the "norm_rope" op family, torch path)
@@ -66,92 +62,6 @@ def apply_rope(
 # ----------------------------------------------------------------------------------------------
 # paged cache
 # ----------------------------------------------------------------------------------------------
-
-
-class PagedKVCache:
-    """Pages of 64 tokens for every layer, handed out by one allocator.
-
-    layouts: layer index -> {pool name: (per-token shape, dtype)}; pools are [pages, 64, *shape].
-    ``append_tokens`` reserves pages for a whole step or raises ``OutOfPagesError`` before
-    changing anything; ``free_sequence`` returns a sequence's pages.
-    """
-
-    def __init__(self, num_pages: int, layouts: dict[int, PoolLayout], device: torch.device | str = "cpu"):
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.num_pages = num_pages
-        self.device = torch.device(device)
-        self.pools = {
-            layer: {
-                name: torch.zeros(num_pages, PAGE_SIZE, *shape, dtype=dtype, device=self.device)
-                for name, (shape, dtype) in layout.items()
-            }
-            for layer, layout in layouts.items()
-        }
-        self._free = list(range(num_pages - 1, -1, -1))
-        self._pages: dict[int, list[int]] = {}
-        self._lens: dict[int, int] = {}
-        self._next_id = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pools in self.pools.values() for t in pools.values())
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    def add_sequence(self) -> int:
-        seq_id = self._next_id
-        self._next_id += 1
-        self._pages[seq_id], self._lens[seq_id] = [], 0
-        return seq_id
-
-    def free_sequence(self, seq_id: int) -> None:
-        self._free.extend(reversed(self._pages.pop(seq_id)))
-        del self._lens[seq_id]
-
-    def seq_len(self, seq_id: int) -> int:
-        return self._lens[seq_id]
-
-    def append_tokens(self, seq_ids: Sequence[int], counts: Sequence[int]) -> DSABatch:
-        """Reserve slots for ``counts[i]`` new tokens of ``seq_ids[i]``; returns the step's batch."""
-        needed = [
-            -(-(self._lens[s] + c) // PAGE_SIZE) - len(self._pages[s])
-            for s, c in zip(seq_ids, counts, strict=True)
-        ]
-        if sum(needed) > len(self._free):
-            raise OutOfPagesError(
-                f"KV cache full: this step needs {sum(needed)} more pages of {PAGE_SIZE} "
-                f"tokens, {len(self._free)} of {self.num_pages} are free"
-            )
-        slots, positions, token_seq, starts = [], [], [], [0]
-        for b, (seq_id, count, extra) in enumerate(zip(seq_ids, counts, needed, strict=True)):
-            pages = self._pages[seq_id]
-            pages.extend(self._free.pop() for _ in range(extra))
-            start = self._lens[seq_id]
-            pos = torch.arange(start, start + count, dtype=torch.int64)
-            table = torch.tensor(pages, dtype=torch.int64)
-            slots.append(table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
-            positions.append(pos)
-            token_seq.append(torch.full((count,), b, dtype=torch.int32))
-            starts.append(starts[-1] + count)
-            self._lens[seq_id] = start + count
-        width = max(len(self._pages[s]) for s in seq_ids)
-        block_table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
-        for row, seq_id in enumerate(seq_ids):
-            block_table[row, : len(self._pages[seq_id])] = torch.tensor(
-                self._pages[seq_id], dtype=torch.int32
-            )
-        dev = self.device
-        return DSABatch(
-            slots=torch.cat(slots).to(dev),
-            positions=torch.cat(positions).to(dev),
-            token_seq=torch.cat(token_seq).to(dev),
-            query_starts=torch.tensor(starts, dtype=torch.int64, device=dev),
-            block_table=block_table.to(dev),
-            seq_lens=torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=dev),
-        )
 
 
 def write_rows(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -133,7 +133,7 @@ class Engine:
     def __init__(
         self, model: DecoderModel, *, max_tokens: int = 4096, cache_dtype: torch.dtype | None = None
     ):
-        from adapt.runtime.attention import PagedKVCache
+        from adapt.runtime.kv_cache import PagedKVCache
 
         self.model = model
         self.spec = model.spec
@@ -204,6 +204,12 @@ class Engine:
         """Register ``count`` empty sequences; returns their ids."""
         return [self.cache.add_sequence() for _ in range(count)]
 
+    def start_with_prefixes(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+        """Register one sequence per prompt, each attached to the cached full blocks its prompt starts
+        with; returns (ids, tokens already cached per prompt). Step each with ``prompt[cached:]``."""
+        ids = self.start(len(prompts))
+        return ids, [self.cache.reuse_prefix(i, p) for i, p in zip(ids, prompts, strict=True)]
+
     def release(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
             self.cache.free_sequence(seq_id)
@@ -220,7 +226,7 @@ class Engine:
         counts = [len(t) for t in tokens]
         if any(c == 0 for c in counts):
             raise ValueError("every sequence in a step needs at least one new token")
-        batch = self.cache.append_tokens(seq_ids, counts)
+        batch = self.cache.append_tokens(seq_ids, counts, tokens)
         flat = torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64, device=self.model.device)
         if int(flat.max()) >= self.spec.vocab or int(flat.min()) < 0:
             raise InputError(f"token id outside the vocabulary of {self.spec.vocab}", field="tokens")
@@ -242,12 +248,14 @@ class Engine:
         seed: int = 0,
         stop_ids: Iterable[int] | None = None,
         progress: ProgressFn | None = None,
+        reuse_prefix: bool = True,
     ) -> Generation:
         """Prefill every prompt in one step, then decode all live sequences together.
 
         temperature 0 is greedy (argmax); otherwise tokens are drawn from softmax(logits / T) with a
         generator seeded by ``seed``. A sequence stops after ``max_new_tokens`` or after emitting one
-        of ``stop_ids`` (None: the config's EOS ids; empty: never).
+        of ``stop_ids`` (None: the config's EOS ids; empty: never). ``reuse_prefix``: prompts start
+        from the cached full blocks of earlier sequences (prefill computes only the rest).
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InputError("every prompt needs at least one token", field="prompt")
@@ -256,15 +264,19 @@ class Engine:
                 f"max_new_tokens must be at least 1, got {max_new_tokens}", field="max_new_tokens"
             )
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        ids = self.start(len(prompts))
+        if reuse_prefix:
+            ids, cached = self.start_with_prefixes(prompts)
+        else:
+            ids, cached = self.start(len(prompts)), [0] * len(prompts)
         out: list[list[int]] = [[] for _ in prompts]
         finished = [False] * len(prompts)
         timing = StepTiming()
         eos = set(self.model.eos_ids if stop_ids is None else stop_ids)
         try:
             t0 = time.perf_counter()
-            logits = self.step(ids, prompts)
-            timing.prefill_tokens, timing.prefill_s = sum(map(len, prompts)), time.perf_counter() - t0
+            logits = self.step(ids, [p[c:] for p, c in zip(prompts, cached, strict=True)])
+            timing.prefill_tokens = sum(len(p) - c for p, c in zip(prompts, cached, strict=True))
+            timing.prefill_s = time.perf_counter() - t0
             if progress:
                 progress("prefill", timing.prefill_tokens, timing.prefill_tokens, timing.prefill_s)
             live = list(range(len(prompts)))

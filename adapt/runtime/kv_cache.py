@@ -20,12 +20,14 @@ freed pages are reused by later sequences.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
+from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE, slots_of
 from adapt.kernels.fp8 import quantize_fp8_groups
 
 
@@ -274,3 +276,171 @@ class PagedDSACache:
     def _check_seq(self, seq_id: int) -> None:
         if seq_id not in self._pages:
             raise KeyError(f"unknown or freed sequence id {seq_id}")
+
+
+PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""A layer's cache pools: name -> (per-token shape, dtype); each pool is [pages, 64, *shape]."""
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of one full block of 64 tokens: sha256 of its parent's key and its token ids, so a
+    block matches only when every earlier token matches too (vLLM's prefix-caching key)."""
+    digest = hashlib.sha256(parent)
+    digest.update(b",".join(str(int(t)).encode() for t in tokens))
+    return digest.digest()
+
+
+class PagedKVCache:
+    """Pages of 64 tokens for every layer, handed out by one allocator, with prefix reuse.
+
+    layouts: layer index -> {pool name: (per-token shape, dtype)}; pools are [pages, 64, *shape].
+    ``append_tokens`` reserves pages for a whole step or raises ``OutOfPagesError`` before
+    changing anything; ``free_sequence`` returns a sequence's pages.
+
+    Prefix reuse (as vLLM's automatic prefix caching): when the token ids are given, every block
+    that becomes full is keyed by ``block_hash`` (its tokens and its prefix's key). ``reuse_prefix``
+    attaches a new sequence to the cached full blocks of its prompt (reference counted, never
+    written again: new tokens always go to later pages). Blocks of freed sequences stay cached
+    until their page is needed: the least recently freed cached block is evicted first.
+    """
+
+    def __init__(self, num_pages: int, layouts: dict[int, PoolLayout], device: torch.device | str = "cpu"):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self.device = torch.device(device)
+        self.pools = {
+            layer: {
+                name: torch.zeros(num_pages, PAGE_SIZE, *shape, dtype=dtype, device=self.device)
+                for name, (shape, dtype) in layout.items()
+            }
+            for layer, layout in layouts.items()
+        }
+        self._free = list(range(num_pages - 1, -1, -1))  # pages holding nothing
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, oldest first
+        self._refs = [0] * num_pages
+        self._key_of: dict[int, bytes] = {}  # page -> key of the full block it holds
+        self._page_of: dict[bytes, int] = {}  # key -> page
+        self._pages: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._tokens: dict[int, list[int] | None] = {}  # token ids so far, None once unknown
+        self._keys: dict[int, list[bytes]] = {}  # keys of the sequence's full blocks, in order
+        self._next_id = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pools in self.pools.values() for t in pools.values())
+
+    @property
+    def free_pages(self) -> int:
+        """Pages a step can take: empty ones plus cached blocks no sequence uses."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._page_of)
+
+    def add_sequence(self) -> int:
+        seq_id = self._next_id
+        self._next_id += 1
+        self._pages[seq_id], self._lens[seq_id], self._tokens[seq_id], self._keys[seq_id] = [], 0, [], []
+        return seq_id
+
+    def reuse_prefix(self, seq_id: int, prompt: Sequence[int]) -> int:
+        """Attach an empty sequence to the cached full blocks that start ``prompt``; returns how many
+        tokens are already cached (a multiple of 64, at most len(prompt) - 1 so that the last prompt
+        token is always computed and gives logits)."""
+        if self._lens[seq_id]:
+            raise ValueError(f"sequence {seq_id} already holds tokens")
+        keys, pages = [], []
+        for start in range(0, len(prompt) - 1 - (len(prompt) - 1) % PAGE_SIZE, PAGE_SIZE):
+            key = block_hash(keys[-1] if keys else b"", prompt[start:start + PAGE_SIZE])
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            keys.append(key)
+            pages.append(page)
+        for page in pages:
+            self._evictable.pop(page, None)
+            self._refs[page] += 1
+        self._pages[seq_id] = pages
+        self._lens[seq_id] = len(pages) * PAGE_SIZE
+        self._tokens[seq_id] = list(prompt[: self._lens[seq_id]])
+        self._keys[seq_id] = keys
+        return self._lens[seq_id]
+
+    def free_sequence(self, seq_id: int) -> None:
+        for page in reversed(self._pages.pop(seq_id)):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._key_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+        del self._lens[seq_id], self._tokens[seq_id], self._keys[seq_id]
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._lens[seq_id]
+
+    def _take_page(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
+        self._refs[page] = 1
+        return page
+
+    def _register_full_blocks(self, seq_id: int) -> None:
+        """Key the sequence's blocks that became full; a key seen for the first time points to its page."""
+        tokens, keys, pages = self._tokens[seq_id], self._keys[seq_id], self._pages[seq_id]
+        for block in range(len(keys), len(tokens) // PAGE_SIZE):
+            key = block_hash(keys[-1] if keys else b"", tokens[block * PAGE_SIZE:(block + 1) * PAGE_SIZE])
+            keys.append(key)
+            if key not in self._page_of and pages[block] not in self._key_of:
+                self._page_of[key], self._key_of[pages[block]] = pages[block], key
+
+    def append_tokens(self, seq_ids: Sequence[int], counts: Sequence[int],
+                      tokens: Sequence[Sequence[int]] | None = None) -> DSABatch:
+        """Reserve slots for ``counts[i]`` new tokens of ``seq_ids[i]``; returns the step's batch.
+        ``tokens``: the new token ids per sequence (their full blocks become reusable); without
+        them the sequence's later blocks are not cached."""
+        needed = [
+            -(-(self._lens[s] + c) // PAGE_SIZE) - len(self._pages[s])
+            for s, c in zip(seq_ids, counts, strict=True)
+        ]
+        if sum(needed) > self.free_pages:
+            raise OutOfPagesError(
+                f"KV cache full: this step needs {sum(needed)} more pages of {PAGE_SIZE} "
+                f"tokens, {self.free_pages} of {self.num_pages} are free"
+            )
+        slots, positions, token_seq, starts = [], [], [], [0]
+        for b, (seq_id, count, extra) in enumerate(zip(seq_ids, counts, needed, strict=True)):
+            pages = self._pages[seq_id]
+            pages.extend(self._take_page() for _ in range(extra))
+            start = self._lens[seq_id]
+            pos = torch.arange(start, start + count, dtype=torch.int64)
+            slots.append(slots_of(torch.tensor(pages, dtype=torch.int64), pos))
+            positions.append(pos)
+            token_seq.append(torch.full((count,), b, dtype=torch.int32))
+            starts.append(starts[-1] + count)
+            self._lens[seq_id] = start + count
+            known = self._tokens[seq_id]
+            if tokens is None or known is None:
+                self._tokens[seq_id] = None
+            else:
+                known.extend(int(t) for t in tokens[b])
+                self._register_full_blocks(seq_id)
+        width = max(len(self._pages[s]) for s in seq_ids)
+        block_table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
+        for row, seq_id in enumerate(seq_ids):
+            block_table[row, : len(self._pages[seq_id])] = torch.tensor(self._pages[seq_id], dtype=torch.int32)
+        dev = self.device
+        return DSABatch(
+            slots=torch.cat(slots).to(dev),
+            positions=torch.cat(positions).to(dev),
+            token_seq=torch.cat(token_seq).to(dev),
+            query_starts=torch.tensor(starts, dtype=torch.int64, device=dev),
+            block_table=block_table.to(dev),
+            seq_lens=torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=dev),
+        )

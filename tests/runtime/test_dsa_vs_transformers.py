@@ -22,7 +22,8 @@ from transformers import DeepseekV32Config  # noqa: E402
 
 from adapt.kernels.norm_rope import rope_torch  # noqa: E402
 from adapt.model.spec import spec_from_config  # noqa: E402
-from adapt.runtime.attention import MLAAttention, MLAShape, MLAWeights, PagedKVCache  # noqa: E402
+from adapt.runtime.attention import MLAAttention, MLAShape, MLAWeights  # noqa: E402
+from adapt.runtime.kv_cache import PagedKVCache  # noqa: E402
 from adapt.runtime.model import mla_scale, rope_cos_sin, rope_frequencies  # noqa: E402
 from adapt.runtime.weights import Linear  # noqa: E402
 

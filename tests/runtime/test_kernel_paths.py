@@ -7,8 +7,9 @@ import torch
 from adapt.kernels.attention import paged_gqa_attention, paged_gqa_attention_torch
 from adapt.kernels.norm_rope import rms_norm, rms_norm_torch, rope, rope_torch
 from adapt.model.tiny import tiny_path
-from adapt.runtime.attention import GQAAttention, GQAWeights, PagedKVCache, write_rows
+from adapt.runtime.attention import GQAAttention, GQAWeights, write_rows
 from adapt.runtime.engine import Engine
+from adapt.runtime.kv_cache import PagedKVCache
 from adapt.runtime.model import compare_captures
 from adapt.runtime.weights import Linear
 
