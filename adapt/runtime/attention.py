@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from adapt.kernels.formats import PAGE_SIZE
-from adapt.runtime.kv_cache import DSABatch, PoolLayout
+from adapt.kernels.fp8 import quantize_fp8_groups
+from adapt.runtime.kv_cache import DSABatch, PoolLayout, mla_layout
 from adapt.runtime.weights import Linear, apply_linear
 
 # ----------------------------------------------------------------------------------------------
@@ -183,6 +184,10 @@ class GQAAttention:
 # ----------------------------------------------------------------------------------------------
 
 
+FP8_LATENT_GROUP = 128
+"""Latent values per fp32 scale in the fp8 MLA cache (FlashMLA's fp8 format: 512 = 4 x 128)."""
+
+
 def hadamard_matrix(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Orthonormal Sylvester-Hadamard matrix, fp32 [dim, dim]; dim a power of two. Rotating the
     indexer's q and k by it spreads outliers before FP8 (DeepSeek-V3.2's indexer does the same)."""
@@ -234,9 +239,10 @@ class MLAShape:
 class MLAAttention:
     """MLA attention with an optional DSA indexer over the paged cache.
 
-    Pools: 'latent' [kv_lora] and 'rope' [qk_rope] (compute dtype on the torch path, bf16 for the
-    sparse MLA kernel); indexer keys 'index_k' [Di] (torch path) or 'index_k8' e4m3 [Di] +
-    'index_scale' fp32 [] (kernel path). ``last_indices`` keeps the latest top-k selection
+    Pools (``mla_layout``): 'latent_nope' [kv_lora] and 'latent_rope' [qk_rope] (compute dtype on the
+    torch path, bf16 for the sparse MLA kernel; e4m3 + 'latent_scale' with ``latent_fp8``); indexer
+    keys 'index_k' [Di] (torch path) or e4m3 [Di] + 'index_scale' fp32 [] (kernel path).
+    ``last_indices`` keeps the latest top-k selection
     (int32 [N, index_topk], absolute positions, -1 none) for inspection.
     """
 
@@ -248,9 +254,11 @@ class MLAAttention:
         attention_path: str = "torch",
         indexer_path: str = "torch",
         norm_rope_kernel: bool = False,
+        latent_fp8: bool = False,
     ):
         self.w = weights
         self.norm_rope_kernel = norm_rope_kernel
+        self.latent_fp8 = latent_fp8  # cache the latent as e4m3 with one fp32 scale per 128 values
         self.s = shape
         self.attention_path = attention_path
         self.indexer_path = indexer_path
@@ -259,18 +267,14 @@ class MLAAttention:
         self._hadamard: torch.Tensor | None = None
 
     def cache_layout(self, dtype: torch.dtype) -> PoolLayout:
-        latent_dtype = torch.bfloat16 if self.attention_path == "kernel" else dtype
-        layout: PoolLayout = {
-            "latent": ((self.s.kv_lora,), latent_dtype),
-            "rope": ((self.s.qk_rope,), latent_dtype),
-        }
-        if self.has_indexer:
-            if self.indexer_path == "kernel":
-                layout["index_k8"] = ((self.s.index_dim,), torch.float8_e4m3fn)
-                layout["index_scale"] = ((), torch.float32)
-            else:
-                layout["index_k"] = ((self.s.index_dim,), dtype)
-        return layout
+        """``mla_layout`` pools: the latent in ``dtype`` (bf16 for the sparse MLA kernel, e4m3 +
+        scales with ``latent_fp8``), indexer keys e4m3 + scale on the kernel path, else in ``dtype``."""
+        s = self.s
+        return mla_layout(s.kv_lora, s.qk_rope, s.index_dim if self.has_indexer else 0,
+                          latent_format="fp8" if self.latent_fp8 else "bf16",
+                          latent_scale_group=min(FP8_LATENT_GROUP, s.kv_lora),
+                          latent_dtype=torch.bfloat16 if self.attention_path == "kernel" else dtype,
+                          index_fp8=self.indexer_path == "kernel")
 
     def forward(
         self,
@@ -293,8 +297,13 @@ class MLAAttention:
         latent, k_rope = apply_linear(x, self.w.kv_a).split([s.kv_lora, s.qk_rope], dim=-1)
         latent = rms_norm(latent, self.w.kv_a_norm, 1e-6, kernel=fused)
         k_rope = apply_rope(k_rope, cos, sin, pairs=s.rope_pairs, kernel=fused)
-        write_rows(pools["latent"], batch.slots, latent)
-        write_rows(pools["rope"], batch.slots, k_rope)
+        if "latent_scale" in pools:
+            values, scales = quantize_fp8_groups(latent, s.kv_lora // pools["latent_scale"].shape[-1])
+            write_rows(pools["latent_nope"], batch.slots, values)
+            write_rows(pools["latent_scale"], batch.slots, scales)
+        else:
+            write_rows(pools["latent_nope"], batch.slots, latent)
+        write_rows(pools["latent_rope"], batch.slots, k_rope)
         indices = self._select(x, q_resid, cos, sin, batch, pools) if self.has_indexer else None
         self.last_indices = indices
         if self.attention_path == "kernel":
@@ -358,7 +367,7 @@ class MLAAttention:
             q, k = q.float() @ self._hadamard, k.float() @ self._hadamard
         q8, q_scale = dsa.quantize_fp8_rows(q.float().contiguous())
         k8, k_scale = dsa.quantize_fp8_rows(k.float().contiguous())
-        write_rows(pools["index_k8"], batch.slots, k8)
+        write_rows(pools["index_k"], batch.slots, k8)
         write_rows(pools["index_scale"], batch.slots, k_scale)
         raw = apply_linear(x.float(), self.w.index_weights_proj)
         weights = dsa.fold_index_weights(raw, q_scale, s.index_dim)
@@ -366,7 +375,7 @@ class MLAAttention:
         indices, _ = dsa.index_topk(
             q8,
             weights,
-            pools["index_k8"],
+            pools["index_k"],
             pools["index_scale"],
             batch.block_table,
             batch.token_seq,
@@ -384,8 +393,12 @@ class MLAAttention:
         for b in range(batch.num_seqs):
             rows, mask = _visible(batch, b, None)
             slots = sequence_slots(batch, b)
-            latent = read_rows(pools["latent"], slots).to(dtype)
-            k_rope = read_rows(pools["rope"], slots).to(dtype)
+            latent = read_rows(pools["latent_nope"], slots).float()
+            if "latent_scale" in pools:
+                scale = read_rows(pools["latent_scale"], slots)
+                latent = (latent.view(len(slots), scale.shape[-1], -1) * scale.unsqueeze(-1)).view(len(slots), -1)
+            latent = latent.to(dtype)
+            k_rope = read_rows(pools["latent_rope"], slots).to(dtype)
             kv = apply_linear(latent, self.w.kv_b).view(len(slots), s.heads, s.qk_nope + s.v_head)
             k_nope, values = kv.split([s.qk_nope, s.v_head], dim=-1)
             logits = (
@@ -415,9 +428,9 @@ class MLAAttention:
         o_latent = sparse_mla(
             q_latent,
             q_rope.to(torch.bfloat16),
-            pools["latent"],
-            None,
-            pools["rope"],
+            pools["latent_nope"],
+            pools.get("latent_scale"),
+            pools["latent_rope"],
             batch.block_table,
             batch.token_seq,
             indices,

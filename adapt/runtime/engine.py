@@ -152,6 +152,7 @@ class Engine:
         device: str | torch.device = "cpu",
         max_tokens: int = 4096,
         moe_workspace: int = 0,
+        latent_fp8: bool = False,
     ) -> Engine:
         """Read config.json and the tensors of the chosen layers from ``path``.
 
@@ -159,7 +160,7 @@ class Engine:
         dtype: compute dtype (float32 for reference comparisons, bfloat16 to run);
         moe_workspace: with the MoE kernel, experts per chunk of the shared FP8 workspace (online
         MXFP4 -> e4m3 conversion of the active experts only, fp8 GEMMs); 0 decodes MXFP4 to bf16
-        inside the GEMM instead.
+        inside the GEMM instead; latent_fp8: MLA layers cache their latent as e4m3 + fp32 scales.
         """
         from adapt.runtime.weights import WeightStore
 
@@ -178,7 +179,8 @@ class Engine:
 
             workspace = FP8Workspace(min(moe_workspace, max(f.num_experts for f in moe)), spec.hidden,
                                      max(f.expert_intermediate for f in moe), device=device)
-        model = DecoderModel(spec, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace)
+        model = DecoderModel(spec, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace,
+                             latent_fp8=latent_fp8)
         engine = cls(model, max_tokens=max_tokens)
         engine.bytes_read = store.bytes_read
         return engine

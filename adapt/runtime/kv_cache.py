@@ -1,8 +1,8 @@
-"""Paged caches for DeepSeek Sparse Attention: the MLA latent cache and the indexer key cache.
+"""The runtime's one paged cache (``PagedKVCache``) and the layouts its layers use.
 
-Both caches share one page geometry (64 tokens a page) and one block table per sequence:
-token ``p`` of a sequence lives in page ``block_table[p // 64]`` at offset ``p % 64``; its
-slot is ``page * 64 + offset``. Per layer and token the caches hold
+One page geometry (64 tokens a page) and one block table per sequence for every layer
+(slot addressing: ``adapt.kernels.formats``). Each layer names its pools: GQA layers 'k' and 'v';
+MLA (+ DSA) layers the ``mla_layout`` pools, per token and layer
 
 - MLA latent, ``latent_format="bf16"``: ``kv_lora_rank`` + ``rope_dim`` bf16 values
   (DeepSeek-V3.2: 512 + 64 -> 1152 B);
@@ -13,14 +13,14 @@ slot is ``page * 64 + offset``. Per layer and token the caches hold
 
 Pages are handed out by one allocator for all layers: ``append_tokens`` reserves the pages
 that the new tokens need for every sequence of the step before anything is written, and
-raises ``OutOfPagesError`` when the free list cannot cover them, so a full cache never
-overwrites a page that another sequence owns. ``free_sequence`` returns a sequence's pages;
-freed pages are reused by later sequences.
+raises ``OutOfPagesError`` when the free pages cannot cover them, so a full cache never
+overwrites a page that another sequence owns. Full blocks are reused across sequences by
+their tokens (prefix reuse, see ``PagedKVCache``).
 """
-
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +48,7 @@ def _as_rows(values: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DSALayerCache:
-    """One layer's cache tensors (views into the pools of ``PagedDSACache``).
+    """One MLA + DSA layer's cache tensors (views of its ``mla_layout`` pools in ``PagedKVCache``).
 
     latent_nope: [pages, 64, kv_lora_rank], bf16 or e4m3.
     latent_scale: [pages, 64, kv_lora_rank // latent_scale_group] fp32, or None for bf16.
@@ -62,6 +62,12 @@ class DSALayerCache:
     latent_rope: torch.Tensor
     index_k: torch.Tensor
     index_scale: torch.Tensor
+
+    @classmethod
+    def of(cls, pools: dict[str, torch.Tensor]) -> DSALayerCache:
+        """The view of one layer's pools laid out by ``mla_layout`` (``PagedKVCache.pools[layer]``)."""
+        return cls(pools["latent_nope"], pools.get("latent_scale"), pools["latent_rope"], pools["index_k"],
+                   pools["index_scale"])
 
     @property
     def latent_fp8(self) -> bool:
@@ -137,149 +143,40 @@ class DSABatch:
         return int(self.seq_lens.shape[0])
 
 
-class PagedDSACache:
-    """Paged MLA latent + indexer key caches for ``num_layers`` layers, 64 tokens a page.
-
-    Memory per page and layer: 64 x (latent bytes + indexer bytes), see the module docstring;
-    ``bytes_per_token`` gives the per-token, per-layer total.
-    """
-
-    def __init__(self, *, num_pages: int, num_layers: int, kv_lora_rank: int, rope_dim: int,
-                 index_head_dim: int, latent_format: str = "bf16", latent_scale_group: int = 128,
-                 device: torch.device | str = "cpu"):
-        if num_pages <= 0 or num_layers <= 0:
-            raise ValueError(f"num_pages ({num_pages}) and num_layers ({num_layers}) must be positive")
-        if latent_format not in ("bf16", "fp8"):
-            raise ValueError(f"latent_format must be 'bf16' or 'fp8', got {latent_format!r}")
-        if latent_format == "fp8" and kv_lora_rank % latent_scale_group:
-            raise ValueError(f"kv_lora_rank {kv_lora_rank} is not a multiple of latent_scale_group "
-                             f"{latent_scale_group}")
-        self.num_pages = num_pages
-        self.num_layers = num_layers
-        self.kv_lora_rank = kv_lora_rank
-        self.rope_dim = rope_dim
-        self.index_head_dim = index_head_dim
-        self.latent_format = latent_format
-        self.device = torch.device(device)
-        shape = (num_layers, num_pages, PAGE_SIZE)
-        fp8 = latent_format == "fp8"
-        self.latent_nope = torch.empty(*shape, kv_lora_rank, dtype=FP8_DTYPE if fp8 else torch.bfloat16,
-                                       device=self.device)
-        self.latent_scale = (torch.empty(*shape, kv_lora_rank // latent_scale_group, dtype=torch.float32,
-                                         device=self.device) if fp8 else None)
-        self.latent_rope = torch.empty(*shape, rope_dim, dtype=torch.bfloat16, device=self.device)
-        self.index_k = torch.empty(*shape, index_head_dim, dtype=FP8_DTYPE, device=self.device)
-        self.index_scale = torch.empty(*shape, dtype=torch.float32, device=self.device)
-        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
-        self._pages: dict[int, list[int]] = {}
-        self._lens: dict[int, int] = {}
-        self._next_seq_id = 0
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Cache bytes per token and layer (latent + indexer)."""
-        per = self.latent_nope.element_size() * self.kv_lora_rank + 2 * self.rope_dim
-        if self.latent_scale is not None:
-            per += 4 * self.latent_scale.shape[-1]
-        return per + self.index_head_dim + 4
-
-    @property
-    def free_page_count(self) -> int:
-        return len(self._free_pages)
-
-    def layer(self, index: int) -> DSALayerCache:
-        """The cache tensors of layer ``index``."""
-        return DSALayerCache(
-            latent_nope=self.latent_nope[index],
-            latent_scale=None if self.latent_scale is None else self.latent_scale[index],
-            latent_rope=self.latent_rope[index],
-            index_k=self.index_k[index],
-            index_scale=self.index_scale[index],
-        )
-
-    def add_sequence(self) -> int:
-        """Register an empty sequence; returns its id."""
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
-        self._pages[seq_id] = []
-        self._lens[seq_id] = 0
-        return seq_id
-
-    def free_sequence(self, seq_id: int) -> None:
-        """Return the pages of ``seq_id`` to the pool and forget the sequence."""
-        self._check_seq(seq_id)
-        self._free_pages.extend(reversed(self._pages.pop(seq_id)))
-        del self._lens[seq_id]
-
-    def seq_len(self, seq_id: int) -> int:
-        self._check_seq(seq_id)
-        return self._lens[seq_id]
-
-    def pages_of(self, seq_id: int) -> list[int]:
-        self._check_seq(seq_id)
-        return list(self._pages[seq_id])
-
-    def append_tokens(self, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> DSABatch:
-        """Reserve cache slots for ``new_tokens[i]`` more tokens of sequence ``seq_ids[i]``.
-
-        All-or-nothing: when the free pages cannot hold every sequence's new tokens,
-        ``OutOfPagesError`` is raised and no page or length changes. Prefill passes the
-        prompt length, decode passes 1 per sequence.
-        """
-        if len(seq_ids) != len(new_tokens):
-            raise ValueError(f"{len(seq_ids)} sequence ids but {len(new_tokens)} token counts")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"a sequence appears twice in one step: {list(seq_ids)}")
-        needed = []
-        for seq_id, count in zip(seq_ids, new_tokens, strict=True):
-            self._check_seq(seq_id)
-            if count < 0:
-                raise ValueError(f"sequence {seq_id}: negative token count {count}")
-            total_pages = -(-(self._lens[seq_id] + count) // PAGE_SIZE)
-            needed.append(total_pages - len(self._pages[seq_id]))
-        if sum(needed) > len(self._free_pages):
-            raise OutOfPagesError(
-                f"KV cache full: this step needs {sum(needed)} new pages of {PAGE_SIZE} tokens but only "
-                f"{len(self._free_pages)} of {self.num_pages} are free; finish or free sequences, or build "
-                f"the cache with more pages")
-        slots, positions, token_seq, starts = [], [], [], [0]
-        for b, (seq_id, count, extra) in enumerate(zip(seq_ids, new_tokens, needed, strict=True)):
-            pages = self._pages[seq_id]
-            pages.extend(self._free_pages.pop() for _ in range(extra))
-            start = self._lens[seq_id]
-            pos = torch.arange(start, start + count, dtype=torch.int64)
-            page_ids = torch.tensor(pages, dtype=torch.int64)
-            slots.append(page_ids[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE if count else pos)
-            positions.append(pos)
-            token_seq.append(torch.full((count,), b, dtype=torch.int32))
-            starts.append(starts[-1] + count)
-            self._lens[seq_id] = start + count
-        return DSABatch(
-            slots=torch.cat(slots).to(self.device),
-            positions=torch.cat(positions).to(self.device),
-            token_seq=torch.cat(token_seq).to(self.device),
-            query_starts=torch.tensor(starts, dtype=torch.int64, device=self.device),
-            block_table=self.block_table(seq_ids),
-            seq_lens=torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=self.device),
-        )
-
-    def block_table(self, seq_ids: Sequence[int]) -> torch.Tensor:
-        """int32 [B, max_pages] page ids of ``seq_ids``; -1 past each sequence's last page."""
-        width = max([len(self._pages[s]) for s in seq_ids] + [1])
-        table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
-        for row, seq_id in enumerate(seq_ids):
-            self._check_seq(seq_id)
-            pages = self._pages[seq_id]
-            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return table.to(self.device)
-
-    def _check_seq(self, seq_id: int) -> None:
-        if seq_id not in self._pages:
-            raise KeyError(f"unknown or freed sequence id {seq_id}")
-
-
 PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 """A layer's cache pools: name -> (per-token shape, dtype); each pool is [pages, 64, *shape]."""
+
+
+def mla_layout(kv_lora_rank: int, rope_dim: int, index_head_dim: int = 0, *, latent_format: str = "bf16",
+               latent_scale_group: int = 128, latent_dtype: torch.dtype = torch.bfloat16,
+               index_fp8: bool = True) -> PoolLayout:
+    """One MLA (+ DSA indexer) layer's pools: 'latent_nope' [rank] (``latent_dtype``, or e4m3 with
+    'latent_scale' fp32 [rank / group] when ``latent_format`` is "fp8"), 'latent_rope' [rope]
+    (``latent_dtype``), and with an indexer 'index_k' [Di] (e4m3 with 'index_scale' fp32 [] when
+    ``index_fp8``, else ``latent_dtype``). DeepSeek-V3.2 per token and layer: bf16 1152 + 132 B,
+    fp8 656 + 132 B (``layout_bytes_per_token``)."""
+    if latent_format not in ("bf16", "fp8"):
+        raise ValueError(f"latent_format must be 'bf16' or 'fp8', got {latent_format!r}")
+    if latent_format == "fp8" and kv_lora_rank % latent_scale_group:
+        raise ValueError(f"kv_lora_rank {kv_lora_rank} is not a multiple of latent_scale_group {latent_scale_group}")
+    fp8 = latent_format == "fp8"
+    layout: PoolLayout = {"latent_nope": ((kv_lora_rank,), FP8_DTYPE if fp8 else latent_dtype),
+                          "latent_rope": ((rope_dim,), latent_dtype)}
+    if fp8:
+        layout["latent_scale"] = ((kv_lora_rank // latent_scale_group,), torch.float32)
+    if index_head_dim:
+        layout["index_k"] = ((index_head_dim,), FP8_DTYPE if index_fp8 else latent_dtype)
+        if index_fp8:
+            layout["index_scale"] = ((), torch.float32)
+    return layout
+
+
+def layout_bytes_per_token(layout: PoolLayout) -> int:
+    """Cache bytes one token takes in a layer with this layout."""
+    total = 0
+    for shape, dtype in layout.values():
+        total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return total
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -346,6 +243,18 @@ class PagedKVCache:
         self._pages[seq_id], self._lens[seq_id], self._tokens[seq_id], self._keys[seq_id] = [], 0, [], []
         return seq_id
 
+    def _check_seq(self, seq_id: int) -> None:
+        if seq_id not in self._lens:
+            raise KeyError(f"sequence {seq_id} is unknown or freed")
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        self._check_seq(seq_id)
+        return list(self._pages[seq_id])
+
+    def dsa_layer(self, index: int) -> DSALayerCache:
+        """The typed view of layer ``index``'s pools (laid out by ``mla_layout``)."""
+        return DSALayerCache.of(self.pools[index])
+
     def reuse_prefix(self, seq_id: int, prompt: Sequence[int]) -> int:
         """Attach an empty sequence to the cached full blocks that start ``prompt``; returns how many
         tokens are already cached (a multiple of 64, at most len(prompt) - 1 so that the last prompt
@@ -370,6 +279,7 @@ class PagedKVCache:
         return self._lens[seq_id]
 
     def free_sequence(self, seq_id: int) -> None:
+        self._check_seq(seq_id)
         for page in reversed(self._pages.pop(seq_id)):
             self._refs[page] -= 1
             if self._refs[page] == 0:
@@ -380,6 +290,7 @@ class PagedKVCache:
         del self._lens[seq_id], self._tokens[seq_id], self._keys[seq_id]
 
     def seq_len(self, seq_id: int) -> int:
+        self._check_seq(seq_id)
         return self._lens[seq_id]
 
     def _take_page(self) -> int:
@@ -405,15 +316,23 @@ class PagedKVCache:
         """Reserve slots for ``counts[i]`` new tokens of ``seq_ids[i]``; returns the step's batch.
         ``tokens``: the new token ids per sequence (their full blocks become reusable); without
         them the sequence's later blocks are not cached."""
+        if len(seq_ids) != len(counts):
+            raise ValueError(f"{len(seq_ids)} sequence ids but {len(counts)} token counts")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence appears twice in one step: {list(seq_ids)}")
+        for seq_id, count in zip(seq_ids, counts, strict=True):
+            self._check_seq(seq_id)
+            if count < 0:
+                raise ValueError(f"sequence {seq_id}: negative token count {count}")
         needed = [
             -(-(self._lens[s] + c) // PAGE_SIZE) - len(self._pages[s])
             for s, c in zip(seq_ids, counts, strict=True)
         ]
         if sum(needed) > self.free_pages:
             raise OutOfPagesError(
-                f"KV cache full: this step needs {sum(needed)} more pages of {PAGE_SIZE} "
-                f"tokens, {self.free_pages} of {self.num_pages} are free"
-            )
+                f"KV cache full: this step needs {sum(needed)} new pages of {PAGE_SIZE} tokens but only "
+                f"{self.free_pages} of {self.num_pages} are free; finish or free sequences, or build "
+                f"the cache with more pages")
         slots, positions, token_seq, starts = [], [], [], [0]
         for b, (seq_id, count, extra) in enumerate(zip(seq_ids, counts, needed, strict=True)):
             pages = self._pages[seq_id]

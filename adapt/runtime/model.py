@@ -215,6 +215,7 @@ class DecoderModel:
     """Embeddings, the chosen decoder layers, final norm and head, built from a ``WeightStore``.
 
     paths: op family -> 'torch' | 'kernel' (families ``OP_FAMILIES``). dtype: compute dtype.
+    latent_fp8: MLA layers cache their latent as e4m3 with fp32 scales (FlashMLA's fp8 format).
     """
 
     def __init__(
@@ -226,8 +227,10 @@ class DecoderModel:
         paths: dict[str, str],
         dtype: torch.dtype,
         workspace=None,
+        latent_fp8: bool = False,
     ):
         check_runtime_support(spec)
+        self.latent_fp8 = latent_fp8
         self.spec = spec
         self.eos_ids = eos_ids(spec)
         self.dtype = dtype
@@ -314,6 +317,7 @@ class DecoderModel:
                 attention_path=self.paths["attention"],
                 indexer_path=self.paths["indexer"],
                 norm_rope_kernel=fused,
+                latent_fp8=self.latent_fp8,
             )
         return DecoderLayer(
             i,

@@ -55,7 +55,7 @@ from adapt.targets.target import load_stack, load_target
 ADAPT_KERNEL_FOR_OP = {
     "dsa_indexer": "adapt.kernels.dsa.index_topk",
     "attention_mla_sparse": "adapt.kernels.sparse_mla.sparse_mla",
-    "kv_cache_indexer": "adapt.runtime.kv_cache.PagedDSACache",
+    "kv_cache_indexer": "adapt.runtime.kv_cache.PagedKVCache",
     "moe_grouped_gemm_mxfp4": "adapt.kernels.moe_gemm.moe_forward",
     "mxfp4_decode": "adapt.kernels.mxfp4.dequantize_mxfp4",
     "moe_permute": "adapt.kernels.routing.permute_by_expert",
@@ -345,18 +345,17 @@ def _randn(ctx: Context, *shape, gen, scale: float = 1.0):
 
 
 def _dsa_cache(ctx: Context, latent_format: str, gen):
-    """A one-layer PagedDSACache with the check's sequences written in one prefill step.
+    """A one-layer PagedKVCache (MLA + DSA layout) with the check's sequences written in one prefill step.
 
     Returns (cache, batch, latent fp32 [N, rank], index keys float64 [N, index_dim]); one spare
     page per sequence is left for decode steps."""
     from adapt.kernels.formats import PAGE_SIZE
-    from adapt.runtime.kv_cache import PagedDSACache
+    from adapt.runtime.kv_cache import PagedKVCache, mla_layout
 
     s = ctx.shapes
-    cache = PagedDSACache(num_pages=sum(-(-n // PAGE_SIZE) + 1 for n in s.lengths), num_layers=1,
-                          kv_lora_rank=s.mla_rank, rope_dim=s.mla_rope, index_head_dim=s.index_dim,
-                          latent_format=latent_format, latent_scale_group=max(16, s.mla_rank // 4),
-                          device=ctx.device)
+    layout = mla_layout(s.mla_rank, s.mla_rope, s.index_dim, latent_format=latent_format,
+                        latent_scale_group=max(16, s.mla_rank // 4))
+    cache = PagedKVCache(sum(-(-n // PAGE_SIZE) + 1 for n in s.lengths), {0: layout}, ctx.device)
     batch = cache.append_tokens([cache.add_sequence() for _ in s.lengths], list(s.lengths))
     latent, keys = _write_tokens(ctx, cache, batch, gen)
     return cache, batch, latent, keys
@@ -374,7 +373,7 @@ def _write_tokens(ctx: Context, cache, batch, gen):
     latent = _randn(ctx, n, s.mla_rank, gen=gen)
     keys = torch.randn(n, s.index_dim, generator=gen, dtype=torch.float64)
     k8, kscale = dsa.quantize_fp8_rows(keys.float().to(ctx.device))
-    cache.layer(0).write(batch.slots, latent, _randn(ctx, n, s.mla_rope, gen=gen), k8, kscale)
+    cache.dsa_layer(0).write(batch.slots, latent, _randn(ctx, n, s.mla_rope, gen=gen), k8, kscale)
     return latent, keys
 
 
@@ -412,7 +411,7 @@ def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
     cache, batch, _, _ = _dsa_cache(ctx, "bf16", gen)
     decode = cache.append_tokens(list(range(len(s.lengths))), [1] * len(s.lengths))
     _write_tokens(ctx, cache, decode, gen)
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     results = []
     for phase, step in (("prefill", batch), ("decode", decode)):
         n = step.num_tokens
@@ -452,7 +451,7 @@ def check_sparse_mla(ctx: Context, op: str) -> list[CheckResult]:
     for offset, latent_format in enumerate(("bf16", "fp8")):
         gen = ctx.gen(10 + offset)
         cache, batch, latent, _ = _dsa_cache(ctx, latent_format, gen)
-        layer = cache.layer(0)
+        layer = cache.dsa_layer(0)
         n = batch.num_tokens
         rows = []
         for pos in batch.positions.tolist():
@@ -520,10 +519,10 @@ def check_indexer_cache(ctx: Context, op: str) -> list[CheckResult]:
 
     gen = ctx.gen(20)
     cache, batch, _, keys = _dsa_cache(ctx, "bf16", gen)
-    got = cache.layer(0).index_key_rows(batch.slots)
+    got = cache.dsa_layer(0).index_key_rows(batch.slots)
     k8, kscale = dsa.quantize_fp8_rows_torch(keys.float().to(ctx.device))
     twin = k8.float() * kscale.unsqueeze(-1)
-    return [CheckResult(op, "adapt.runtime.kv_cache.PagedDSACache", "indexer key e4m3 round trip", "fp8",
+    return [CheckResult(op, "adapt.runtime.kv_cache.PagedKVCache", "indexer key e4m3 round trip", "fp8",
                         rel_error(got, twin), rel_error(got, keys), ctx.tol("fp8"),
                         finite=bool(torch.isfinite(got).all()))]
 
@@ -748,7 +747,7 @@ def _moe_reference(hidden, logits, weights, config, bias, activation, limit, alp
 CHECKS: dict[str, Callable[[Context, str], list[CheckResult]]] = {
     "adapt.kernels.dsa.index_topk": check_dsa_indexer,
     "adapt.kernels.sparse_mla.sparse_mla": check_sparse_mla,
-    "adapt.runtime.kv_cache.PagedDSACache": check_indexer_cache,
+    "adapt.runtime.kv_cache.PagedKVCache": check_indexer_cache,
     "adapt.kernels.moe_gemm.moe_forward": check_mxfp4_moe,
     "adapt.kernels.mxfp4.dequantize_mxfp4": check_mxfp4_codec,
     "adapt.kernels.routing.route": check_routing,

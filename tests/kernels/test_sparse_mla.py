@@ -10,19 +10,18 @@ import pytest
 import torch
 
 from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch
-from adapt.runtime.kv_cache import PagedDSACache
+from adapt.runtime.kv_cache import PagedKVCache, mla_layout
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def setup(lengths, *, heads, rank, rope, topk, latent_format, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    cache = PagedDSACache(num_pages=sum(-(-n // 64) for n in lengths) + 2, num_layers=1, kv_lora_rank=rank,
-                          rope_dim=rope, index_head_dim=16, latent_format=latent_format,
-                          latent_scale_group=min(128, rank // 2), device=device)
+    layout = mla_layout(rank, rope, 16, latent_format=latent_format, latent_scale_group=min(128, rank // 2))
+    cache = PagedKVCache(sum(-(-n // 64) for n in lengths) + 2, {0: layout}, device)
     seqs = [cache.add_sequence() for _ in lengths]
     batch = cache.append_tokens(seqs, list(lengths))
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     n = batch.num_tokens
     layer.write(batch.slots, torch.randn(n, rank, generator=gen).to(device),
                 torch.randn(n, rope, generator=gen).to(device),
