@@ -377,25 +377,6 @@ def _write_tokens(ctx: Context, cache, batch, gen):
     return latent, keys
 
 
-def _index_reference(layer, batch, q8, weights, limits, cols: int):
-    """float64 indexer scores [N, cols]: kscale[s] * sum_h w[t, h] * relu(q8[t, h] . k8[s]) for
-    s < limits[t], -inf elsewhere."""
-    import torch
-
-    n, dim = q8.shape[0], q8.shape[-1]
-    ref = torch.full((n, cols), -math.inf, dtype=torch.float64)
-    tables = batch.block_table.long().cpu()
-    keys = layer.index_k.reshape(-1, dim).double().cpu()
-    kscale = layer.index_scale.reshape(-1).double().cpu()
-    for row in range(n):
-        pos = torch.arange(int(limits[row]))
-        slots = tables[int(batch.token_seq[row])][pos // 64] * 64 + pos % 64
-        logits = q8[row].double().cpu() @ keys[slots].T
-        head_sum = (logits.clamp_min(0) * weights[row].double().cpu()[:, None]).sum(0)
-        ref[row, : len(pos)] = head_sum * kscale[slots]
-    return ref
-
-
 def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
     """index_scores (Triton, e4m3 operands) and index_topk against twins and float64, for the
     prefill rows (64-row query tiles) and one decode step (one row per sequence). Top-k ties are
@@ -403,6 +384,7 @@ def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
     import torch
 
     from adapt.kernels import dsa
+    from adapt.kernels.reference import index_scores_reference
 
     s = ctx.shapes
     # The interpreter multiplies the e4m3 operands in fp32; a GPU's fp8 MMA accumulates with less.
@@ -422,7 +404,8 @@ def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
         args = (q8, weights, layer.index_k, layer.index_scale, step.block_table, step.token_seq, limits)
         got = dsa.index_scores(*args, cols)
         twin = dsa.index_scores_torch(*args, cols)
-        ref = _index_reference(layer, step, q8, weights, limits, cols)
+        ref = index_scores_reference(q8, weights, layer.index_k, layer.index_scale, step.block_table,
+                                     step.token_seq, limits, cols)
         visible = torch.isfinite(ref)
         same_mask = bool(torch.equal(torch.isfinite(got.cpu()), visible))
         results.append(CheckResult(op, "adapt.kernels.dsa.index_scores",
@@ -485,29 +468,17 @@ def check_sparse_mla(ctx: Context, op: str) -> list[CheckResult]:
 
 
 def _mla_reference(layer, batch, token_seq, indices, q_nope, q_rope, scale, latent):
-    """float64 softmax(q . [nope, rope] * scale) @ nope over each row's selected positions.
-
-    token_seq: int32 [N] sequence of each query row; indices: int32 [N, k] positions (-1 none).
-    Cache rows are dequantized from the cache, or taken from ``latent`` (fp32 [N, rank], in
-    slot order of ``batch``) for the nope part when given."""
+    """``sparse_mla_reference`` over the layer's dequantized cache rows; with ``latent`` (fp32 [N, rank]
+    in slot order of ``batch``) the nope part of the batch's rows is the unquantized latent."""
     import torch
 
+    from adapt.kernels.reference import sparse_mla_reference
+
     rank = q_nope.shape[-1]
-    out = torch.zeros(q_nope.shape, dtype=torch.float64)
-    slot_row = {int(slot): i for i, slot in enumerate(batch.slots.tolist())}
-    for row in range(q_nope.shape[0]):
-        idx = indices[row].long().cpu()
-        idx = idx[idx >= 0]
-        if idx.numel() == 0:
-            continue
-        pages = batch.block_table[int(token_seq[row])].long().cpu()[idx // 64]
-        slots = pages * 64 + idx % 64
-        kv = layer.latent_rows(slots.to(q_nope.device)).double().cpu()
-        if latent is not None:
-            kv[:, :rank] = latent.double().cpu()[[slot_row[int(x)] for x in slots]]
-        q = torch.cat([q_nope[row], q_rope[row]], -1).double().cpu()
-        out[row] = torch.softmax(q @ kv.T * scale, -1) @ kv[:, :rank]
-    return out
+    kv = layer.latent_rows(torch.arange(layer.latent_nope.shape[0] * 64, device=q_nope.device)).double().cpu()
+    if latent is not None:
+        kv[batch.slots.cpu(), :rank] = latent.double().cpu()
+    return sparse_mla_reference(q_nope, q_rope, kv, batch.block_table, token_seq, indices, scale)
 
 
 def check_indexer_cache(ctx: Context, op: str) -> list[CheckResult]:

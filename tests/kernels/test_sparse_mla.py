@@ -9,6 +9,7 @@ if not shutil.which("nvidia-smi"):
 import pytest
 import torch
 
+from adapt.kernels.reference import sparse_mla_reference
 from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch
 from adapt.runtime.kv_cache import PagedKVCache, mla_layout
 
@@ -38,17 +39,9 @@ def setup(lengths, *, heads, rank, rope, topk, latent_format, device, seed=0):
 
 
 def reference(layer, batch, indices, q_nope, q_rope, scale):
-    """Float64 attention over each row's selected positions (dequantized cache rows)."""
-    out = torch.zeros(q_nope.shape, dtype=torch.float64)
-    for row in range(q_nope.shape[0]):
-        idx = indices[row].long().cpu()
-        idx = idx[idx >= 0]
-        pages = batch.block_table[int(batch.token_seq[row])].long().cpu()[idx // 64]
-        rows = layer.latent_rows((pages * 64 + idx % 64).to(q_nope.device)).double().cpu()
-        rank = q_nope.shape[-1]
-        q = torch.cat([q_nope[row], q_rope[row]], -1).double().cpu()
-        out[row] = torch.softmax(q @ rows.T * scale, -1) @ rows[:, :rank]
-    return out
+    """The shared float64 reference over the layer's dequantized cache rows."""
+    rows = layer.latent_rows(torch.arange(layer.latent_nope.shape[0] * 64, device=q_nope.device))
+    return sparse_mla_reference(q_nope, q_rope, rows, batch.block_table, batch.token_seq, indices, scale)
 
 
 def rel(a, b):
