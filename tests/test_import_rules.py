@@ -1,6 +1,6 @@
 """The import rules of DESIGN.md, checked on the source (AST, no import runs): stages never import
 each other or the hand-off; kernels know tensors, not models (no runtime, stage, model or target);
-model, targets and plan import no stage or runtime; nothing imports another module's private
+model, targets and plan import no stage, runtime or hand-off; nothing imports another module's private
 name; only ``python -m adapt`` imports the CLI. A test on a copy with injected imports proves the
 checker fails when a rule is broken."""
 
@@ -20,7 +20,10 @@ SHARED_FACTS = ("adapt.stages", "adapt.runtime", "adapt.handoff", "adapt.cli", "
 # (importer, imported): why it is allowed for now. An entry no longer used fails the test, so it goes
 # when the import goes.
 KNOWN = {("adapt.stages.bench_dsa", "adapt.stages.bench_moe"):
-         "the copy-bandwidth ceiling; issue #13 moves the timer and ceilings into adapt/bench"}
+         "the copy-bandwidth ceiling; issue #13 moves the timer and ceilings into adapt/bench",
+         ("adapt.targets.calibrate", "adapt.handoff.vllm"):
+         "`adapt calibrate` (issue #17) takes free_port (a free TCP port for its NCCL rendezvous) from the "
+         "hand-off; the port helper belongs in a module both can import"}
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -58,7 +61,7 @@ def _forbidden(importer: str, imported: str) -> str:
     if _within(importer, ("adapt.kernels",)) and _within(imported, OUTSIDE_MODELS):
         return "kernels know tensors, not models (formats live in adapt/kernels/formats.py)"
     if _within(importer, ("adapt.model", "adapt.targets", "adapt.plan")) and _within(imported, SHARED_FACTS):
-        return "model, targets and plan are shared facts; they import no stage or runtime"
+        return "model, targets and plan are shared facts; they import no stage, runtime or hand-off"
     if _within(importer, ("adapt.runtime",)) and _within(imported, ("adapt.stages", "adapt.handoff")):
         return "the runtime imports no stage or hand-off"
     return ""

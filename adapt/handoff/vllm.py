@@ -17,6 +17,55 @@ from typing import Any
 
 from adapt.errors import InputError
 
+# ---------------------------------------------------------------- weight format -> vLLM quantization
+
+# vLLM 0.32's online quantization (vllm/config/quantization.py, ``_ONLINE_SHORTHANDS``; docs
+# features/quantization/online.md) quantizes the bf16/fp16 weights of a checkpoint at load:
+# ``--quantization fp8_per_block`` (128x128 weight blocks, all Linear and MoE layers), or
+# ``--quantization online --quantization-config '{"moe": "<scheme>"}'`` for the MoE experts only.
+# A checkpoint that is already quantized is loaded in its own format (its quantization_config);
+# vLLM does not re-quantize quantized weights to another format at load.
+_ONLINE_EXPERTS = {"mxfp4-online": "mxfp4", "mxfp4-offline-fp8": "fp8_per_block"}
+
+
+def vllm_quantization(stored: str, experts: str, weights: str) -> tuple[dict[str, Any], str]:
+    """Engine arguments that make vLLM hold the weights in the format the plan assumed, and a
+    sentence saying how; InputError (the hand-off refuses) when vLLM cannot do it.
+
+    stored: the checkpoint's quant_method ("none" for bf16/fp16, "fp8", "mxfp4", ...);
+    experts: the stored routed-expert format ("bf16", "fp8", "mxfp4", ...); weights: the plan's
+    ``--weights`` (as-stored | bf16 | fp8 | mxfp4-online | mxfp4-offline-fp8).
+    """
+    unquantized = stored == "none"
+    if weights == "as-stored":
+        return {}, f"as stored ({'bf16/fp16' if unquantized else stored}); vLLM reads the checkpoint's own format"
+    if weights == "bf16":
+        if unquantized:
+            return {}, "bf16 as stored"
+        raise InputError(f"the plan assumed bf16 weights, but the checkpoint is quantized ({stored}) and vLLM "
+                         "loads it in that format", field="--weights",
+                         hint="plan with --weights as-stored, or serve a bf16 export of the checkpoint")
+    if weights == "fp8":
+        if unquantized:
+            return {"quantization": "fp8_per_block"}, "fp8 128x128 blocks, quantized by vLLM at load (fp8_per_block)"
+        if stored == "fp8":
+            return {}, "fp8 as stored"
+        raise InputError(f"the plan assumed fp8 weights, but the checkpoint stores {stored} and vLLM does not "
+                         "re-quantize quantized weights at load", field="--weights",
+                         hint="plan with --weights as-stored")
+    if weights in _ONLINE_EXPERTS:
+        want = "mxfp4" if weights == "mxfp4-online" else "fp8"
+        if experts == want:
+            return {}, f"routed experts {want} as stored"
+        if unquantized:
+            scheme = _ONLINE_EXPERTS[weights]
+            return ({"quantization": "online", "quantization_config": {"moe": scheme}},
+                    f"routed experts quantized to {want} by vLLM at load (online, moe={scheme}); the rest as stored")
+        raise InputError(f"the plan assumed {want} routed experts ({weights}), but the checkpoint's experts are "
+                         f"{experts} ({stored}) and vLLM cannot convert quantized experts at load", field="--weights",
+                         hint=f"plan with --weights as-stored, or convert the experts to {want} offline first")
+    raise InputError(f"unknown weights format {weights!r}", field="--weights")
+
 
 def find_vllm(explicit: str | None = None) -> Path:
     """The ``vllm`` executable: ``explicit`` if given, else next to the running Python, else

@@ -140,6 +140,24 @@ def ray_steps(model_path: str, engine_args: dict[str, Any], nodes: int,
     ]
 
 
+def rope_override(rope_scaling: dict[str, Any] | None, *, theta: float, base: int, factor: float) -> dict[str, Any]:
+    """``hf_overrides`` that extend the context by ``factor`` over ``base`` tokens, changing only the factor.
+
+    vLLM applies ``hf_overrides`` with ``PretrainedConfig.update``, which replaces the
+    ``rope_scaling`` dict whole; under transformers 5 that dict is also where ``rope_theta`` lives.
+    So the override carries every field of the model's own ``rope_scaling`` (DeepSeek's mscale,
+    mscale_all_dim, beta_fast, beta_slow, ...) and its ``rope_theta``, with only ``factor``
+    changed; a model without rope scaling gets YaRN over ``base`` tokens. ``max_position_embeddings``
+    becomes ``base x factor``. rope_scaling: the config's dict (None: none); theta: rope_theta;
+    base: the pre-scaling length (tokens).
+    """
+    scaling = dict(rope_scaling) if rope_scaling else {"rope_type": "yarn", "original_max_position_embeddings": base}
+    scaling["factor"] = factor
+    scaling.setdefault("original_max_position_embeddings", base)
+    scaling.setdefault("rope_theta", theta)
+    return {"rope_scaling": scaling, "max_position_embeddings": int(base * factor)}
+
+
 def launch_lines(metrics: dict[str, Any]) -> list[str]:
     """The shell lines that launch a stage-4 plan: its Ray steps on several nodes, else the one
     ``vllm serve`` command; [] when no plan fits. ``metrics``: a stage-4 report's metrics."""
@@ -148,7 +166,21 @@ def launch_lines(metrics: dict[str, Any]) -> list[str]:
     return [shlex.join(metrics["serve_command"])] if metrics.get("serve_command") else []
 
 
+def shell_script(lines: list[str], comment: str = "") -> str:
+    """A POSIX ``sh`` script of shell lines (``set -e``). Placeholders such as ``<head-ip>`` (a
+    redirection to ``sh``) become required variables, ``${HEAD_IP:?set HEAD_IP (head-ip)}``,
+    so the script parses under ``sh`` and stops with that message until the user sets them."""
+
+    def variable(match: re.Match) -> str:
+        name = match.group(1).upper().replace("-", "_")
+        return f"${{{name}:?set {name} ({match.group(1)})}}"
+
+    body = [re.sub(r"<([a-z][a-z-]*)>", variable, line) for line in lines]
+    head = "#!/bin/sh\n" + (f"# {comment}\n" if comment else "") + "set -e\n"
+    return head + "\n".join(body) + "\n"
+
+
 def launch_script(metrics: dict[str, Any]) -> str | None:
-    """A POSIX shell script of ``launch_lines(metrics)``; None when no plan fits."""
+    """``shell_script`` of ``launch_lines(metrics)``; None when no plan fits."""
     lines = launch_lines(metrics)
-    return "#!/bin/sh\n" + "\n".join(lines) + "\n" if lines else None
+    return shell_script(lines) if lines else None
