@@ -25,6 +25,7 @@ CONFIGS = {
 }
 PROMPTS = ([5, 17, 33, 9, 60, 71, 12, 88, 3, 40, 41, 7, 19], [11, 23, 5, 80])
 NEW_TOKENS = 8
+pytestmark = pytest.mark.slow  # about a minute on one CPU core: three models, full and reduced depth
 
 
 def _build(family: str, directory):
