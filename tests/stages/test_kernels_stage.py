@@ -58,9 +58,6 @@ def test_deepseek_on_cpu_checks_the_dsa_kernels(deepseek_cpu):
     assert report.metrics["checks_run"] == len(rows) + len(native_rows)
 
 
-@pytest.mark.xfail(strict=True, reason="sparse_mla vs sparse_mla_torch under the interpreter: 2.5e-3 (bf16 latent) "
-                   "and 5.4e-3 (fp8 latent) relative, above max_twin_rel_error_interpreter 1e-6; the twin's own "
-                   "float64 error is 1.0e-3 / 1.5e-3, the kernel's 2.0e-3 / 5.0e-3 (measured 2026-11-30, CPU)")
 def test_sparse_mla_matches_its_twin_under_the_interpreter(deepseek_cpu):
     twin_rows = [row for row in deepseek_cpu.tables["kernel checks"] if _sparse_mla_against_twin(row)]
     assert twin_rows and all(row["result"] == "pass" for row in twin_rows)
