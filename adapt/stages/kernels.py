@@ -527,28 +527,6 @@ def _router_config(ctx: Context):
                         routed_scaling=ffn.routed_scaling)
 
 
-def route_reference(logits, config, bias):
-    """float64 routing: (weights [T, k], ids [T, k], selection scores [T, E] with -inf outside the
-    kept groups)."""
-    import torch
-
-    logits = logits.double().cpu()
-    t, e = logits.shape
-    scores = torch.sigmoid(logits) if config.scoring == "sigmoid" else torch.softmax(logits, -1)
-    choice = scores + bias.double().cpu() if bias is not None else scores.clone()
-    if config.n_group > 1:
-        grouped = choice.view(t, config.n_group, e // config.n_group)
-        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-        keep = best.topk(config.topk_group, dim=-1).indices
-        kept = torch.zeros(t, config.n_group, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~kept.repeat_interleave(e // config.n_group, dim=1), -math.inf)
-    ids = choice.topk(config.top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if config.renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights * config.routed_scaling, ids, choice
-
-
 def _dense(weights, ids, experts: int):
     """[T, k] weights at ids -> float64 [T, E]."""
     import torch
@@ -568,13 +546,13 @@ def check_routing(ctx: Context, op: str) -> list[CheckResult]:
     """route (Triton) vs route_torch and float64: expert sets per token and the routed weights."""
     import torch
 
-    from adapt.kernels import routing
+    from adapt.kernels import reference, routing
 
     config = _router_config(ctx)
     logits, bias = _route_inputs(ctx, ctx.gen(30))
     w, ids = routing.route(logits, config, bias)
     w_twin, ids_twin = routing.route_torch(logits, config, bias)
-    w_ref, ids_ref, choice = route_reference(logits, config, bias)
+    w_ref, ids_ref, choice = reference.route_reference(logits, config, bias)
     tie = ctx.tol("fp32")
     e = ctx.shapes.experts
     rule = f"{config.scoring} top-{config.top_k} of {e}" + (
@@ -635,7 +613,7 @@ def check_mxfp4_codec(ctx: Context, op: str) -> list[CheckResult]:
     """quantize_mxfp4 / dequantize_mxfp4 (Triton) vs twins (bit-exact expected) and float64 values."""
     import torch
 
-    from adapt.kernels import mxfp4
+    from adapt.kernels import mxfp4, reference
 
     gen = ctx.gen(50)
     x = torch.randn(4 * ctx.shapes.hidden, 2 * ctx.shapes.hidden, generator=gen, dtype=torch.float64)
@@ -646,7 +624,7 @@ def check_mxfp4_codec(ctx: Context, op: str) -> list[CheckResult]:
     codes_differ = int((packed != p_twin).sum() + (scales != s_twin).sum())
     return [
         CheckResult(op, "adapt.kernels.mxfp4.dequantize_mxfp4", "E2M1 + E8M0 decode", "fp32",
-                    rel_error(decoded, twin), rel_error(decoded, _decode_f64(packed, scales)),
+                    rel_error(decoded, twin), rel_error(decoded, reference.mxfp4_decode_reference(packed, scales)),
                     ctx.tol("fp32"),
                     finite=bool(torch.isfinite(decoded).all())),
         CheckResult(op, "adapt.kernels.mxfp4.quantize_mxfp4", "encode N(0,1) weights", "mxfp4",
@@ -656,27 +634,12 @@ def check_mxfp4_codec(ctx: Context, op: str) -> list[CheckResult]:
     ]
 
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def _decode_f64(packed, scales):
-    """float64 MXFP4 decode from the format definition: code bits (sign, 3-bit magnitude) x 2**(s-127)."""
-    import torch
-
-    p = packed.long().cpu()
-    codes = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
-    magnitude = torch.tensor(E2M1, dtype=torch.float64)[codes & 7]
-    values = torch.where(codes >= 8, -magnitude, magnitude)
-    scale = torch.pow(2.0, scales.double().cpu() - 127).repeat_interleave(32, dim=-1)
-    return values * scale
-
-
 def check_mxfp4_moe(ctx: Context, op: str) -> list[CheckResult]:
     """moe_forward (routing, permutation, fused MXFP4 grouped GEMMs, combine) vs moe_forward_torch
     and a float64 layer on the dequantized weights; the bf16 path, and the fp8 path on fp8 targets."""
     import torch
 
-    from adapt.kernels import moe_gemm, routing
+    from adapt.kernels import moe_gemm, reference, routing
 
     s, ffn = ctx.shapes, _first_moe(ctx.spec).ffn
     gen = ctx.gen(60)
@@ -688,7 +651,7 @@ def check_mxfp4_moe(ctx: Context, op: str) -> list[CheckResult]:
     activation = ffn.activation
     limit = ffn.swiglu_limit or 7.0
     kw = dict(correction_bias=bias, activation=activation, limit=limit)
-    ref = _moe_reference(hidden, routing.gate_logits(hidden, gate), weights, config, bias, activation, limit)
+    ref = reference.moe_reference(hidden, routing.gate_logits(hidden, gate), weights, config, bias, activation, limit)
     results = []
     for compute in ("bf16", "fp8") if ctx.fp8_compute else ("bf16",):
         got = moe_gemm.moe_forward(hidden, gate, weights, config, compute=compute, **kw)
@@ -699,39 +662,6 @@ def check_mxfp4_moe(ctx: Context, op: str) -> list[CheckResult]:
             rel_error(got, twin), rel_error(got, ref), ctx.tol(compute),
             finite=bool(torch.isfinite(got).all())))
     return results
-
-
-def _moe_reference(hidden, logits, weights, config, bias, activation, limit, alpha: float = 1.702):
-    """float64 MoE layer on the exactly decoded MXFP4 weights: [T, H]."""
-    import torch
-
-    w1 = _decode_f64(weights.w1_packed, weights.w1_scales)
-    w2 = _decode_f64(weights.w2_packed, weights.w2_scales)
-    if weights.gate_up_interleaved:
-        wg, wu = w1[:, 0::2], w1[:, 1::2]
-    else:
-        wg, wu = w1.chunk(2, dim=1)
-    b1 = weights.w1_bias.double().cpu() if weights.w1_bias is not None else None
-    if b1 is not None:
-        bg, bu = (b1[:, 0::2], b1[:, 1::2]) if weights.gate_up_interleaved else b1.chunk(2, dim=1)
-    b2 = weights.w2_bias.double().cpu() if weights.w2_bias is not None else None
-    topw, ids, _ = route_reference(logits, config, bias)
-    x = hidden.double().cpu()
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            g, u = wg[e] @ x[t], wu[e] @ x[t]
-            if b1 is not None:
-                g, u = g + bg[e], u + bu[e]
-            if activation == "swiglu_clamped":
-                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-                h = g * torch.sigmoid(alpha * g) * (u + 1)
-            else:
-                h = torch.nn.functional.silu(g) * u
-            y = w2[e] @ h + (b2[e] if b2 is not None else 0)
-            out[t] += topw[t, j] * y
-    return out
 
 
 CHECKS: dict[str, Callable[[Context, str], list[CheckResult]]] = {
