@@ -190,7 +190,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_the_server(tmp_path, tiny_qwen3):
-    forced_run(tmp_path, {"tensor_parallel_size": 1})
+    forced_run(tmp_path, {"tensor_parallel_size": 1}, tiny_qwen3)
     stand_in = tmp_path / "bin" / "vllm"
     stand_in.parent.mkdir()
     stand_in.write_text(f"#!{sys.executable}\n{NEVER_HEALTHY}")
