@@ -230,7 +230,7 @@ def info(
 @app.command()
 def validate(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
-    stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-4).")],
+    stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-4, 6).")],
     target: TargetOpt,
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
@@ -239,6 +239,9 @@ def validate(
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="bf16 or fp8.")] = "bf16",
     weights: Annotated[str, typer.Option("--weights", help="Weight format (see plan-memory).")] = "as-stored",
     stack: Annotated[str | None, typer.Option("--stack", help="Stack table name or YAML path.")] = None,
+    url: Annotated[str | None, typer.Option(
+        "--url", help="Stage 6: load this OpenAI-compatible server instead of launching the model.")] = None,
+    soak_s: Annotated[float, typer.Option("--soak-s", help="Stage 6: soak length in seconds.")] = 60.0,
     output: OutputOpt = Path("reports"),
     run_id: RunOpt = None,
     gates: GatesOpt = None,
@@ -250,9 +253,10 @@ def validate(
     from adapt.stages.pipeline import validate as run_gates
 
     thresholds = load_gates(gates)
-    options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
-                              batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack)
     run = RunDir(output, run_id)
+    options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
+                              batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack,
+                              run_path=str(run.path), url=url, soak_s=soak_s)
 
     def reused(name: str, why: str) -> None:
         if not as_json:
@@ -545,6 +549,93 @@ def bench_kernels(
         print_json(results)
     else:
         console.print(f"results written under {output}")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    model: Annotated[str, typer.Argument(
+        help="Model directory to serve here, or (with --url) the served model's name.")],
+    target: TargetOpt,
+    url: Annotated[str | None, typer.Option(
+        "--url", help="An OpenAI-compatible server to load instead of launching the model.")] = None,
+    served_model: Annotated[str | None, typer.Option(
+        "--served-model", help="With --url: the model name the server answers to (default: MODEL).")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="Tokenizer path or id for the load generator (default: MODEL).")] = None,
+    server_pid: Annotated[int | None, typer.Option(
+        "--server-pid", help="With --url: the server's root process id, to sample its memory.")] = None,
+    input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens of long-in workloads.")] = 256,
+    output_len: Annotated[int, typer.Option("--output-len", help="Output tokens of long-out workloads.")] = 64,
+    concurrency: Annotated[list[int] | None, typer.Option(
+        "--concurrency", "-c", help="Concurrency sweep (repeatable; default 1, 4, 16).")] = None,
+    prompts: Annotated[int, typer.Option("--prompts", help="Requests per sweep point.")] = 16,
+    soak_s: Annotated[float | None, typer.Option("--soak-s", help="Soak seconds (default 60).")] = 60.0,
+    soak_requests: Annotated[int, typer.Option(
+        "--soak-requests", help="Soak length in requests when --soak-s is 0.")] = 200,
+    soak_concurrency: Annotated[int, typer.Option("--soak-concurrency", help="Requests in flight in the soak.")] = 4,
+    sample_interval: Annotated[float, typer.Option(
+        "--sample-interval", help="Seconds between memory samples.")] = 1.0,
+    max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context of the launched server.")] = 2048,
+    kv_cache_mib: Annotated[int | None, typer.Option(
+        "--kv-cache-mib", help="KV pool of the launched server (MiB); default: vLLM's.")] = None,
+    vllm: Annotated[str | None, typer.Option("--vllm", help="vllm executable (default: found).")] = None,
+    output: OutputOpt = Path("reports"), run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Stage 6: load (vllm bench serve), soak with leak detection, edge probes, prediction vs measurement."""
+    from adapt.report import load_gates
+    from adapt.stages.serve import ServeOptions, run_serve_stage
+
+    run = RunDir(output, run_id)
+    options = ServeOptions(input_len=input_len, output_len=output_len, concurrencies=concurrency or [1, 4, 16],
+                           prompts=prompts, soak_s=soak_s or None, soak_requests=soak_requests,
+                           soak_concurrency=soak_concurrency, sample_interval_s=sample_interval)
+    thresholds = load_gates(gates)
+    report = run_serve_stage(model, target=target, run_path=run.path, gates=thresholds, options=options,
+                             url=url, served_model=served_model, tokenizer=tokenizer, server_pid=server_pid,
+                             max_model_len=max_model_len, vllm=vllm,
+                             kv_cache_bytes=kv_cache_mib * 2**20 if kv_cache_mib else None)
+    if url is None:   # MODEL is a checkpoint here (with --url it is only the name a server answers to)
+        from adapt.stages.pipeline import PipelineOptions, stamp_standalone
+
+        stamp_standalone(report, PipelineOptions(model, target, run_path=str(run.path), soak_s=soak_s or 0.0),
+                         thresholds, dict(input_len=input_len, output_len=output_len, concurrency=concurrency,
+                                          prompts=prompts, soak_requests=soak_requests,
+                                          soak_concurrency=soak_concurrency, max_model_len=max_model_len,
+                                          kv_cache_mib=kv_cache_mib))
+    finish(report, as_json, run)
+
+
+@bench_app.command("runtime")
+def bench_runtime(
+    model: Annotated[list[str] | None, typer.Option(
+        "--model", "-m", help="deepseek-v3.2 (layers 0, 3) and/or gpt-oss-120b (layers 0, 1); default both.")] = None,
+    batch: Annotated[list[int] | None, typer.Option("--batch", "-b", help="Batch sizes (default 1, 16, 64).")] = None,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1, help="Prompt tokens per sequence.")] = 128,
+    decode_steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
+    kernels: Annotated[str, typer.Option("--kernels", help="none, all, or a comma list of op families.")] = "all",
+    device: Annotated[str, typer.Option("--device", help="cuda, or cpu with --tiny for a dry run.")] = "cuda",
+    tiny: Annotated[bool, typer.Option("--tiny", help="Reduced width (dry run of the same code path).")] = False,
+    budget_s: Annotated[float, typer.Option("--budget-s", help="Seconds after which points are skipped.")] = 150.0,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the results.")] = Path("benchmarks"),
+    gates: GatesOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Runtime at real width and reduced depth: prefill and decode tokens/s beside the layers' roofline."""
+    from adapt.bench.runtime import LAYERS, run_runtime_bench
+    from adapt.report import load_gates
+    from adapt.runtime.engine import parse_kernels
+
+    models = model or list(LAYERS)
+    unknown = [m for m in models if m not in LAYERS]
+    if unknown:
+        raise InputError(f"unknown model {unknown[0]!r}", field="--model", hint=f"choose from {', '.join(LAYERS)}")
+    if device not in ("cuda", "cpu"):
+        raise InputError(f"expected cuda or cpu, got {device!r}", field="--device")
+    parse_kernels(kernels)
+    report = run_runtime_bench(models, batches=batch or [1, 16, 64], prompt_tokens=prompt_tokens,
+                               decode_steps=decode_steps, kernels=kernels, device=device, tiny=tiny,
+                               budget_s=budget_s, gates=load_gates(gates), out_dir=output)
+    finish(report, as_json)
 
 
 @app.command()

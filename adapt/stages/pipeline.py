@@ -50,6 +50,8 @@ class PipelineOptions:
     devices / nodes: devices in total / nodes; context: tokens per sequence; batch: sequences
     kv_dtype: bf16 | fp8; weights: see ``adapt.plan.layout.WEIGHT_FORMATS``
     stack: stack table name or YAML path (None: the target's default)
+    run_path: the run directory (stage 6 reads stage 4's prediction there and writes its artifacts)
+    url: stage 6 loads this OpenAI-compatible server instead of launching the model; soak_s: soak seconds
     """
 
     model: str
@@ -61,6 +63,9 @@ class PipelineOptions:
     kv_dtype: str = "bf16"
     weights: str = "as-stored"
     stack: str | None = None
+    run_path: str | None = None
+    url: str | None = None
+    soak_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -99,12 +104,21 @@ def _parallel(o: PipelineOptions, gates: dict) -> StageReport:
                              batch=o.batch, kv_dtype=o.kv_dtype, weights=o.weights, gates=gates)
 
 
+def _serve(o: PipelineOptions, gates: dict) -> StageReport:
+    from adapt.stages.serve import ServeOptions, run_serve_stage
+
+    return run_serve_stage(o.model, target=o.target, run_path=Path(o.run_path) if o.run_path else None,
+                           gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url)
+
+
 _PLAN_OPTIONS = ("devices", "nodes", "context", "batch", "kv_dtype", "weights")
 STAGES: dict[int, Stage] = {
     1: Stage("inventory", _inventory, reads=(), gates=("inventory",)),
     2: Stage("memory", _memory, reads=_PLAN_OPTIONS, gates=("memory",)),
     3: Stage("kernels", _kernels, reads=(), gates=("kernels",)),
     4: Stage("parallel", _parallel, reads=_PLAN_OPTIONS, gates=("memory", "parallel")),
+    # stage 6 also reads the plan in stage 4's report of the same run directory (run_path)
+    6: Stage("bench", _serve, reads=("url", "soak_s"), gates=("bench",)),
 }
 STAGE_NAMES = {n: s.name for n, s in STAGES.items()}
 
@@ -245,9 +259,10 @@ def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str,
         raise InputError(f"no stage {stage}; stages that run as gates: "
                          + ", ".join(f"{n} {s.name}" for n, s in STAGES.items()), field="--stage")
     check_options(options, stage)
-    prints = {n: stage_fingerprint(n, options, gates) for n in range(1, stage + 1)}
+    numbers = [n for n in sorted(STAGES) if n <= stage]
+    prints = {n: stage_fingerprint(n, options, gates) for n in numbers}
     reports = []
-    for number in range(1, stage + 1):
+    for number in numbers:
         name = STAGES[number].name
         if number < stage:
             recorded = run.stage_report(name)
