@@ -288,6 +288,17 @@ BatchedTokensOpt = Annotated[int | None, typer.Option(
 MaxSeqsOpt = Annotated[int | None, typer.Option(
     "--max-num-seqs", help="vLLM max_num_seqs (default: vLLM's for the target).")]
 BlockOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV page.")]
+ImagesOpt = Annotated[int, typer.Option("--images", help="Images per request (multimodal models).")]
+ImageSizeOpt = Annotated[str, typer.Option("--image-size", help="Image HEIGHTxWIDTH in pixels, e.g. 1024x1024.")]
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """"1080x1920" -> (1080, 1920); InputError naming --image-size otherwise."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise InputError(f"expected HEIGHTxWIDTH in pixels, got {text!r}", field="--image-size",
+                         hint="e.g. --image-size 1024x1024")
+    return int(parts[0]), int(parts[1])
 RopeOpt = Annotated[float | None, typer.Option(
     "--rope-factor", help="Rope-scaling factor over the pre-scaling length, to plan a longer --context.")]
 
@@ -305,6 +316,7 @@ def plan_memory_command(
     max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None,
     block_size: BlockOpt = 64, rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"),
     run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
+    images: ImagesOpt = 0, image_size: ImageSizeOpt = "1024x1024",
 ) -> None:
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
     from adapt.plan.layout import run_plan_memory
@@ -321,7 +333,10 @@ def plan_memory_command(
                              tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp,
                              headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             block_size=block_size, rope_factor=rope_factor)
+                             block_size=block_size, rope_factor=rope_factor,
+                             images=images, image_size=parse_image_size(image_size))
+    if images:
+        extra.update(images=images, image_size=image_size)
     stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
                      thresholds, extra)
     finish(report, as_json, run)
@@ -480,8 +495,13 @@ def run_command(
         "--moe-workspace", min=0, help="With the moe kernel: experts per chunk of the shared FP8 workspace "
         "(online MXFP4 -> FP8 of active experts); 0 decodes MXFP4 to bf16 in the GEMM.")] = 0,
     as_json: JsonOpt = False,
+    image: Annotated[Path | None, typer.Option(
+        "--image", help="Image file for a multimodal model (llama4): one tile before each prompt.")] = None,
 ) -> None:
     """Generate with adapt's runtime (torch reference or adapt kernels per op family), any depth."""
+    if image is not None or _reference_family(model):
+        _run_reference(model, token_ids, prompt, max_new_tokens, layers, dtype, image, as_json)
+        return
     from adapt.runtime.engine import prepare_triton
 
     prepare_triton()
@@ -511,6 +531,45 @@ def run_command(
                       f"{row['tokens']}")
         if row["text"] is not None:
             console.print(repr(row["text"]), markup=False, highlight=False)
+
+
+def _reference_family(model: str) -> bool:
+    from adapt.runtime.families import uses_reference_path
+
+    path = Path(model)
+    return path.is_dir() and uses_reference_path(path)
+
+
+def _run_reference(model, token_ids, prompt, max_new_tokens, layers, dtype, image, as_json) -> None:
+    """`adapt run` for qwen3_next and llama4 (adapt.runtime.families): token ids in, tokens out."""
+    import torch
+
+    from adapt.runtime.engine import parse_layers
+    from adapt.runtime.families import generate_reference
+
+    if prompt or not token_ids:
+        raise InputError("this model runs on the tokenizer-free reference path: give --token-ids",
+                         field="--prompt", hint="e.g. --token-ids 5,17,99")
+    if image is not None and not image.is_file():
+        raise InputError("no such image file", file=str(image), field="--image")
+    try:
+        prompts = [[int(x) for x in ids.split(",")] for ids in token_ids]
+    except ValueError:
+        raise InputError("expected comma-separated integers", field="--token-ids") from None
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise InputError(f"expected bfloat16 or float32, got {dtype!r}", field="--dtype")
+    from adapt.model.spec import load_spec
+
+    chosen = parse_layers(layers, load_spec(Path(model)).num_layers) if layers else None
+    summary = generate_reference(Path(model), prompts, max_new_tokens, chosen, image, dtypes[dtype])
+    if as_json:
+        print_json(summary)
+        return
+    for index, row in enumerate(summary["sequences"]):
+        console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens"
+                      + (f", {summary['image_tokens']} of them the image" if summary["image_tokens"] else "")
+                      + f"): {row['tokens']}")
 
 
 def _no_status():

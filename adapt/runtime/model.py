@@ -42,6 +42,11 @@ GPT_OSS_SWIGLU_ALPHA = 1.702
 
 def check_runtime_support(spec: ModelSpec) -> None:
     """Raise InputError for what the runtime cannot execute although ModelSpec describes it."""
+    from adapt.runtime.families import REFERENCE_FAMILIES
+
+    if spec.model_type in REFERENCE_FAMILIES:
+        raise InputError(f"{spec.model_type} runs on the reference path (adapt.runtime.families), not this engine",
+                         file=spec.source, field="model_type", hint="`adapt run` picks that path by itself")
     if spec.rope.type not in ("default", "yarn"):
         raise InputError(f"rope type {spec.rope.type!r} is not supported by adapt's runtime (default, yarn)",
                          file=spec.source, field="rope_scaling")

@@ -636,6 +636,7 @@ def build_inventory(
 
     trace = None
     try:
+        _refuse_trace_of_unlifted(spec)
         trace = trace_model(spec.config, prefill_tokens=prefill_tokens, all_layers=all_layers)
     except TraceUnavailable as exc:
         report.add(
@@ -748,6 +749,21 @@ def build_inventory(
         else []
     )
     return Inventory(report=report, rows=rows, fusions=fusion_table, aten=aten, trace=trace)
+
+
+def _refuse_trace_of_unlifted(spec: ModelSpec) -> None:
+    """Raise TraceUnavailable for models whose operators the trace lifting does not know yet:
+    a vision tower or linear-attention layers would be lifted as plain attention and linears."""
+    parts = []
+    if spec.vision is not None:
+        parts.append("a vision tower")
+    if any(layer.attention.kind == "linear" for layer in spec.layers):
+        parts.append("linear-attention (Gated DeltaNet) layers")
+    if any(layer.attention.kind == "chunked" for layer in spec.layers):
+        parts.append("chunked local attention")
+    if parts:
+        raise TraceUnavailable(f"{spec.model_type} has {' and '.join(parts)}, which adapt's trace lifting "
+                               "does not recognise yet")
 
 
 def run_inventory(
