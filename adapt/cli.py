@@ -288,6 +288,17 @@ BatchedTokensOpt = Annotated[int | None, typer.Option(
 MaxSeqsOpt = Annotated[int | None, typer.Option(
     "--max-num-seqs", help="vLLM max_num_seqs (default: vLLM's for the target).")]
 BlockOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV page.")]
+ImagesOpt = Annotated[int, typer.Option("--images", help="Images per request (multimodal models).")]
+ImageSizeOpt = Annotated[str, typer.Option("--image-size", help="Image HEIGHTxWIDTH in pixels, e.g. 1024x1024.")]
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """"1080x1920" -> (1080, 1920); InputError naming --image-size otherwise."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise InputError(f"expected HEIGHTxWIDTH in pixels, got {text!r}", field="--image-size",
+                         hint="e.g. --image-size 1024x1024")
+    return int(parts[0]), int(parts[1])
 RopeOpt = Annotated[float | None, typer.Option(
     "--rope-factor", help="Rope-scaling factor over the pre-scaling length, to plan a longer --context.")]
 
@@ -305,10 +316,11 @@ def plan_memory_command(
     max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None,
     block_size: BlockOpt = 64, rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"),
     run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
+    images: ImagesOpt = 0, image_size: ImageSizeOpt = "1024x1024",
 ) -> None:
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
+    from adapt.plan.layout import run_plan_memory
     from adapt.report import load_gates
-    from adapt.stages.memory import run_plan_memory
     from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
     run, thresholds = RunDir(output, run_id), load_gates(gates)
@@ -321,7 +333,10 @@ def plan_memory_command(
                              tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp,
                              headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             block_size=block_size, rope_factor=rope_factor)
+                             block_size=block_size, rope_factor=rope_factor,
+                             images=images, image_size=parse_image_size(image_size))
+    if images:
+        extra.update(images=images, image_size=image_size)
     stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
                      thresholds, extra)
     finish(report, as_json, run)
@@ -337,9 +352,7 @@ def plan_parallel_command(
     run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Stage 4: rank TP x EP x PP x DP plans; print vLLM engine arguments, `vllm serve` and Ray steps."""
-    import shlex
-
-    from adapt.handoff.vllm import shell_script
+    from adapt.plan.launch import launch_script
     from adapt.report import load_gates
     from adapt.stages.parallel import run_plan_parallel
     from adapt.stages.pipeline import PipelineOptions, stamp_standalone
@@ -350,14 +363,13 @@ def plan_parallel_command(
                                headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                block_size=block_size, rope_factor=rope_factor)
-    lines = report.metrics.get("ray_steps") or (
-        [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else [])
     stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
                      thresholds, dict(headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       block_size=block_size if block_size != 64 else None,
                                       rope_factor=rope_factor))
-    extra = {"parallel.launch.sh": shell_script(lines)} if lines else None
+    script = launch_script(report.metrics)
+    extra = {"parallel.launch.sh": script} if script else None
     finish(report, as_json, run, extra=extra)
 
 
@@ -483,43 +495,32 @@ def run_command(
         "--moe-workspace", min=0, help="With the moe kernel: experts per chunk of the shared FP8 workspace "
         "(online MXFP4 -> FP8 of active experts); 0 decodes MXFP4 to bf16 in the GEMM.")] = 0,
     as_json: JsonOpt = False,
+    image: Annotated[Path | None, typer.Option(
+        "--image", help="Image file for a multimodal model (llama4): one tile before each prompt.")] = None,
 ) -> None:
     """Generate with adapt's runtime (torch reference or adapt kernels per op family), any depth."""
+    if image is not None or _reference_family(model):
+        _run_reference(model, token_ids, prompt, max_new_tokens, layers, dtype, image, as_json)
+        return
     from adapt.runtime.engine import prepare_triton
 
     prepare_triton()
-    import torch
     from rich.progress import Progress
 
-    from adapt.runtime.engine import Engine, encode_prompts, resolve_model_dir
+    from adapt.runtime.engine import run_prompts
 
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    if dtype not in dtypes:
-        raise InputError(f"expected bfloat16 or float32, got {dtype!r}", field="--dtype")
-    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-        raise InputError(f"device {device!r} is not available here", field="--device", hint="use cpu or cuda")
-    directory = resolve_model_dir(model)
-    prompts, tokenizer = encode_prompts(directory, prompt or [], token_ids or [])
-    engine = Engine.load(directory, layers=layers, kernels=kernels, dtype=dtypes[dtype], device=device,
-                         max_tokens=sum(len(p) + max_new_tokens for p in prompts) + 64,
-                         moe_workspace=moe_workspace)
     with Progress(console=err_console, disable=as_json) as progress:
-        tasks = {"prefill": progress.add_task("prefill", total=sum(map(len, prompts))),
-                 "decode": progress.add_task("decode", total=max_new_tokens * len(prompts))}
+        tasks = {phase: progress.add_task(phase, total=None) for phase in ("prefill", "decode")}
 
         def tick(phase: str, done: int, total: int, seconds: float) -> None:
             rate = done / seconds if seconds > 0 else 0.0
             progress.update(tasks[phase], completed=done, total=total,
                             description=f"{phase} {done}/{total} tokens, {rate:,.1f} tok/s")
 
-        result = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=tick)
-    rows = [{"prompt_tokens": len(p), "tokens": t, "text": tokenizer.decode(t) if tokenizer else None,
-             "stopped_at_eos": f} for p, t, f in zip(prompts, result.tokens, result.finished, strict=True)]
-    summary = {"model": str(directory), "layers": [layer.index for layer in engine.model.layers],
-               "kernels": engine.model.paths, "kernel_refusals": engine.model.kernel_refusals,
-               "dtype": dtype, "sequences": rows,
-               "prefill": {"tokens": result.timing.prefill_tokens, "seconds": result.timing.prefill_s},
-               "decode": {"tokens": result.timing.decode_tokens, "seconds": result.timing.decode_s}}
+        summary = run_prompts(model, prompt or [], token_ids or [], max_new_tokens=max_new_tokens, layers=layers,
+                              kernels=kernels, dtype=dtype, device=device, temperature=temperature, seed=seed,
+                              moe_workspace=moe_workspace, progress=tick)
+    rows = summary["sequences"]
     if as_json:
         print_json(summary)
         return
@@ -530,6 +531,45 @@ def run_command(
                       f"{row['tokens']}")
         if row["text"] is not None:
             console.print(repr(row["text"]), markup=False, highlight=False)
+
+
+def _reference_family(model: str) -> bool:
+    from adapt.runtime.families import uses_reference_path
+
+    path = Path(model)
+    return path.is_dir() and uses_reference_path(path)
+
+
+def _run_reference(model, token_ids, prompt, max_new_tokens, layers, dtype, image, as_json) -> None:
+    """`adapt run` for qwen3_next and llama4 (adapt.runtime.families): token ids in, tokens out."""
+    import torch
+
+    from adapt.runtime.engine import parse_layers
+    from adapt.runtime.families import generate_reference
+
+    if prompt or not token_ids:
+        raise InputError("this model runs on the tokenizer-free reference path: give --token-ids",
+                         field="--prompt", hint="e.g. --token-ids 5,17,99")
+    if image is not None and not image.is_file():
+        raise InputError("no such image file", file=str(image), field="--image")
+    try:
+        prompts = [[int(x) for x in ids.split(",")] for ids in token_ids]
+    except ValueError:
+        raise InputError("expected comma-separated integers", field="--token-ids") from None
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise InputError(f"expected bfloat16 or float32, got {dtype!r}", field="--dtype")
+    from adapt.model.spec import load_spec
+
+    chosen = parse_layers(layers, load_spec(Path(model)).num_layers) if layers else None
+    summary = generate_reference(Path(model), prompts, max_new_tokens, chosen, image, dtypes[dtype])
+    if as_json:
+        print_json(summary)
+        return
+    for index, row in enumerate(summary["sequences"]):
+        console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens"
+                      + (f", {summary['image_tokens']} of them the image" if summary["image_tokens"] else "")
+                      + f"): {row['tokens']}")
 
 
 def _no_status():

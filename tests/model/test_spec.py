@@ -22,9 +22,8 @@ from adapt.model.spec import (
     spec_from_config,
 )
 
-# shared/configs beside the checkout (CI lays a copy there), else the workplace's copy
-SHARED_CONFIGS = next((p for p in (Path(__file__).resolve().parents[3] / "shared" / "configs",
-                                   Path("/work/shared/configs")) if p.is_dir()), Path("/work/shared/configs"))
+# the shared folder beside the checkout (../shared from the repository root; CI lays a copy there)
+SHARED_CONFIGS = Path(__file__).resolve().parents[2] / ".." / "shared" / "configs"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 
 
@@ -36,7 +35,7 @@ def preset_config(name: str) -> dict:
 
 
 # ----------------------------------------------------------------- published facts
-# Values from /work/shared/configs/README.md (public model cards and counts).
+# Values from ../shared/configs/README.md (public model cards and counts).
 
 
 def test_gpt_oss_120b_total_and_active():
@@ -345,7 +344,8 @@ def test_tensor_bytes_counts_edge_blocks():
     assert fp8.tensor_bytes((256, 256)) == 256 * 256 + 4 * 4
     assert fp8.tensor_bytes((2, 129, 128)) == 2 * 129 * 128 + 2 * 2 * 1 * 4  # partial row block
     assert QuantFormat("mxfp4", (1, 32), "e8m0").tensor_bytes((4, 8, 64)) == 4 * 8 * (32 + 2)
-    assert QuantFormat("int4", (1, 32), "bf16").tensor_bytes((16, 64)) == 16 * 64 // 2 + 16 * 2 * 2
+    # int4 pack-quantized: packed values, bf16 group scales, and the I64 [2] weight_shape tensor
+    assert QuantFormat("int4", (1, 32), "bf16").tensor_bytes((16, 64)) == 16 * 64 // 2 + 16 * 2 * 2 + 16
     assert QuantFormat("bf16").tensor_bytes((3, 5)) == 30
 
 
@@ -437,8 +437,7 @@ def test_list_presets():
 def test_presets_are_the_shared_configs():
     pairs = {"deepseek-v3.2": "DeepSeek-V3.2", "gpt-oss-120b": "gpt-oss-120b",
              "qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B"}
-    if not SHARED_CONFIGS.is_dir():
-        pytest.skip("shared configs not on this machine")
+    assert SHARED_CONFIGS.is_dir(), f"{SHARED_CONFIGS}: the shared folder must sit beside the checkout"
     for preset, folder in pairs.items():
         assert preset_config(preset) == json.loads((SHARED_CONFIGS / folder / "config.json").read_text())
 
@@ -547,6 +546,9 @@ def test_every_supported_model_type_builds():
         "kimi_k2": CROSS_CHECK["kimi_k2-no-q-lora-bias"](), "gpt_oss": CROSS_CHECK["gpt-oss-120b"](),
         "qwen3_moe": CROSS_CHECK["qwen3-30b-a3b"](), "mixtral": CROSS_CHECK["mixtral-8x7b"](),
         "glm4_moe": CROSS_CHECK["glm4_moe"](),
+        "kimi_k25": json.loads((FIXTURES / "kimi-k2.5.json").read_text()),
+        "llama4": json.loads((FIXTURES / "llama-4-scout-17b-16e-instruct.json").read_text()),
+        "qwen3_next": json.loads((FIXTURES / "qwen3-next-80b-a3b-thinking.json").read_text()),
     }
     assert set(configs) == set(SUPPORTED_MODEL_TYPES)
     for model_type, config in configs.items():
@@ -554,8 +556,8 @@ def test_every_supported_model_type_builds():
 
 
 # ----------------------------------------------------------------- more published counts
-# Sources of these totals: tests/fixtures/configs/README.md. They were not used to build the
-# formulas: a wrong term for MLA width, qk-norm, MTP copies or shared experts breaks them.
+# Sources of these totals (Hub counts, independent copies): tests/fixtures/configs/README.md. They were
+# not used to build the formulas: a wrong term for MLA width, qk-norm, MTP copies or shared experts breaks them.
 
 
 def test_kimi_k2_instruct_total():
