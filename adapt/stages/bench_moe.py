@@ -81,6 +81,17 @@ def _uniform_routing(t: int, e: int, k: int, device: str):
     return w / w.sum(-1, keepdim=True), ids
 
 
+def _point(t: int, e: int, k: int, h: int, device: str):
+    """One timed point's inputs: x [t, h] bf16, the permutation of uniform random routing, and the
+    number of experts it activates."""
+    from adapt.kernels.routing import permute_by_expert
+
+    x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+    _, ids = _uniform_routing(t, e, k, device)
+    perm = permute_by_expert(ids, e)
+    return x, perm, int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item())
+
+
 def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1.702, limit=7.0):
     """Baseline: torch._grouped_mm over dequantized bf16 weights (w*t: [E, K, N] views)."""
     from adapt.kernels.moe_gemm import swiglu_torch
@@ -224,7 +235,6 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
     from adapt.kernels.moe_gemm import expert_mlp
     from adapt.kernels.moe_planar import PlanarExperts
     from adapt.kernels.moe_weights import mxfp4_expert_bytes
-    from adapt.kernels.routing import permute_by_expert
 
     start = time.monotonic()
     tokens, shapes = tokens or DEFAULT_TOKENS, shapes or list(SHAPES)
@@ -255,10 +265,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
             if time.monotonic() > start + budget_s:
                 rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
                 continue
-            x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
-            _, ids = _uniform_routing(t, e, k, DEVICE)
-            perm = permute_by_expert(ids, e)
-            active = int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item())
+            x, perm, active = _point(t, e, k, h, DEVICE)
             flops, wbytes = 6 * t * k * h * inter, active * expert_bytes
             floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
             variants = {}
@@ -526,10 +533,7 @@ def _bench_shape(
             print(f"{name} T={t}: skipped (time budget)", flush=True)
             rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
             continue
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-        _, ids = _uniform_routing(t, e, k, dev)
-        perm = permute_by_expert(ids, e)
-        active = int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item())
+        x, perm, active = _point(t, e, k, h, dev)
         flops = 6 * t * k * h * inter
         wbytes = active * expert_bytes
         floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
