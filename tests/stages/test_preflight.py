@@ -106,8 +106,8 @@ def test_memory_headroom_is_the_rule_of_stage_2(tmp_path):
 
 @pytest.mark.parametrize("batch", [1, 64])
 def test_memory_headroom_agrees_with_a_real_stage_2_report(tmp_path, batch):
-    from adapt.plan.layout import run_plan_memory
     from adapt.report import RunDir, load_gates
+    from adapt.stages.memory import run_plan_memory
 
     run = RunDir(tmp_path, "r")
     report = run_plan_memory("gpt-oss-120b", "h200", gates=load_gates(), devices=1, context=32768, batch=batch)
