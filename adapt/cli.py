@@ -319,8 +319,8 @@ def plan_memory_command(
     images: ImagesOpt = 0, image_size: ImageSizeOpt = "1024x1024",
 ) -> None:
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
-    from adapt.plan.layout import run_plan_memory
     from adapt.report import load_gates
+    from adapt.stages.memory import run_plan_memory
     from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
     run, thresholds = RunDir(output, run_id), load_gates(gates)

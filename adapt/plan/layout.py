@@ -1,6 +1,6 @@
 """How many bytes each device needs, term by term, the way vLLM accounts for them: the layout,
-sharding and memory rules that stage 2 (``run_plan_memory``, its gated report) and stage 4
-(``adapt.stages.parallel``, which searches layouts with ``plan_memory``) share.
+sharding and memory rules that stage 2 (``adapt.stages.memory``, which turns one plan into its
+gated report) and stage 4 (``adapt.stages.parallel``, which searches layouts with ``plan_memory``) share.
 
 vLLM gives ``gpu_memory_utilization * device memory`` (the *budget*) to one worker. At start-up
 it loads the weights, profiles one forward pass of ``max_num_batched_tokens`` tokens plus one
@@ -34,7 +34,6 @@ from typing import Any
 from adapt.errors import InputError
 from adapt.model.spec import ModelSpec, QuantFormat, TensorSpec
 from adapt.plan.headroom import Headroom, assess, margin_bytes
-from adapt.report import StageReport, fingerprint, now_iso
 from adapt.targets.target import Target
 
 GiB = 1024**3
@@ -1280,7 +1279,8 @@ def _mxfp4_comparison(spec, target, layout, stage: _StageResult, checkpoint_byte
     }
 
 
-def _gib(value: float) -> str:
+def gib_text(value: float) -> str:
+    """Bytes as GiB text with two decimals ("1,234.56 GiB")."""
     return f"{value / GiB:,.2f} GiB"
 
 
@@ -1290,44 +1290,44 @@ def _explain(plan: MemoryPlan) -> list[str]:
     buffers = sum(t[k] for k in buffer_terms)
     lines = [
         f"{plan.layout.label()} on {plan.layout.devices} x {plan.target}: budget "
-        f"{plan.gpu_memory_utilization:.2f} x {_gib(plan.device_memory_bytes)} = {_gib(plan.budget_bytes)} "
+        f"{plan.gpu_memory_utilization:.2f} x {gib_text(plan.device_memory_bytes)} = {gib_text(plan.budget_bytes)} "
         "per device.",
-        f"Weights {_gib(t['weights'])} per device ({plan.weights_format}, from {plan.weights_source})"
+        f"Weights {gib_text(t['weights'])} per device ({plan.weights_format}, from {plan.weights_source})"
         + (
-            f" + {_gib(t['weight_layout_padding'])} MXFP4 kernel-layout padding"
+            f" + {gib_text(t['weight_layout_padding'])} MXFP4 kernel-layout padding"
             if t["weight_layout_padding"]
             else ""
         )
         + ".",
-        f"Estimated: activations {_gib(t['activations'])} (prefill chunk of {plan.max_num_batched_tokens:,} "
+        f"Estimated: activations {gib_text(t['activations'])} (prefill chunk of {plan.max_num_batched_tokens:,} "
         f"tokens, sampler over {min(plan.max_num_seqs, plan.max_num_batched_tokens):,} requests), "
-        f"buffers and overhead {_gib(buffers)},"
-        f" headroom {_gib(t['headroom'])} ({plan.headroom:.0%} of the estimates).",
-        f"KV cache pool {_gib(plan.kv_pool_bytes)}; one sequence of {plan.context:,} tokens needs "
-        f"{_gib(plan.kv_bytes_per_sequence)}; {plan.concurrent_sequences:,} fit per replica, "
+        f"buffers and overhead {gib_text(buffers)},"
+        f" headroom {gib_text(t['headroom'])} ({plan.headroom:.0%} of the estimates).",
+        f"KV cache pool {gib_text(plan.kv_pool_bytes)}; one sequence of {plan.context:,} tokens needs "
+        f"{gib_text(plan.kv_bytes_per_sequence)}; {plan.concurrent_sequences:,} fit per replica, "
         f"{plan.sequences_per_replica:,} requested.",
     ]
     if plan.image_tokens_per_request:
         lines.append(
             f"{plan.images} image(s) of {plan.image_size[0]}x{plan.image_size[1]} px add "
             f"{plan.image_tokens_per_request:,} tokens to every sequence's KV; the vision encoder's peak is "
-            f"{_gib(plan.activation_detail.get('vision_encoder', 0))}.")
+            f"{gib_text(plan.activation_detail.get('vision_encoder', 0))}.")
     if plan.recurrent_state_bytes_per_sequence:
         lines.append(
-            f"Linear-attention state: {_gib(plan.recurrent_state_bytes_per_sequence)} per sequence, constant in "
+            f"Linear-attention state: {gib_text(plan.recurrent_state_bytes_per_sequence)} per sequence, constant in "
             "its length, held beside the growing KV (vLLM's hybrid KV cache).")
     if plan.verdict == "does-not-fit":
         lines.append(
             f"Does not fit: vLLM would refuse to start (KV for one {plan.context:,}-token sequence "
-            f"exceeds the pool); binding term: {plan.binding_term} ({_gib(t[plan.binding_term])})."
+            f"exceeds the pool); binding term: {plan.binding_term} ({gib_text(t[plan.binding_term])})."
         )
     elif plan.verdict == "fits-fewer-sequences":
         lines.append(
             f"Starts, but only {plan.concurrent_sequences:,} of {plan.sequences_per_replica:,} sequences "
-            f"fit at once; binding term: {plan.binding_term} ({_gib(t[plan.binding_term])})."
+            f"fit at once; binding term: {plan.binding_term} ({gib_text(t[plan.binding_term])})."
         )
     else:
-        lines.append(f"Fits; the largest term is {plan.binding_term} ({_gib(t[plan.binding_term])}).")
+        lines.append(f"Fits; the largest term is {plan.binding_term} ({gib_text(t[plan.binding_term])}).")
     if (
         plan.min_gpu_memory_utilization is not None
         and plan.min_gpu_memory_utilization > plan.gpu_memory_utilization
@@ -1337,7 +1337,7 @@ def _explain(plan: MemoryPlan) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------
-# Stage report
+# What stage 2 and preflight read off a finished plan
 
 
 def plan_headroom(plan: MemoryPlan) -> Headroom:
@@ -1360,96 +1360,3 @@ def load_model(model: str) -> tuple[ModelSpec, Any]:
     ):
         checkpoint = Checkpoint.open(path)
     return spec, checkpoint
-
-
-def run_plan_memory(
-    model: str, target: str, *, gates: dict, headroom: float | None = None, **plan_args: Any
-) -> StageReport:
-    """Stage 2 as a gated report. ``plan_args``: ``plan_memory``'s keyword arguments (devices,
-    context, batch, ...; not checkpoint, which comes from ``model``). ``gates["memory"]``:
-    headroom_fraction (default margin on the estimated terms). The gate is the headroom rule
-    (``adapt.plan.headroom.assess``): it fails unless every requested sequence fits."""
-    from adapt.targets.target import load_target
-
-    started = now_iso()
-    thresholds = gates.get("memory", {})
-    if headroom is None:
-        headroom = float(thresholds.get("headroom_fraction", 0.2))
-    spec, checkpoint = load_model(model)
-    tgt = load_target(target)
-    plan = plan_memory(spec, tgt, headroom=headroom, checkpoint=checkpoint, **plan_args)
-    context, batch, weights = plan.context, plan.batch, plan.weights_format
-    report = StageReport(stage="memory", number=2, title="Memory plan", started=started)
-    report.summary = " ".join(plan.explanation)
-    report.metrics = plan.to_dict()
-    report.tables["terms per device"] = [
-        {
-            "term": name,
-            "GiB": round(value / GiB, 3),
-            "bytes": value,
-            "kind": "exact" if name in EXACT_TERMS else "estimate",
-        }
-        for name, value in plan.terms.items()
-    ]
-    report.tables["kv cache per token per device"] = [
-        {"group": k, "bytes": v} for k, v in plan.kv_bytes_per_token.items() if v
-    ]
-    if plan.mxfp4_comparison:
-        report.tables["mxfp4 online vs offline fp8 (per device)"] = [
-            {"item": k, "GiB": round(v / GiB, 3), "bytes": v} for k, v in plan.mxfp4_comparison.items()
-        ]
-    rule = plan_headroom(plan)
-    if not rule.passes:
-        hint = (
-            f"fewest devices that fit: {plan.fewest_devices}"
-            if plan.fewest_devices
-            else "no device count of this target fits"
-        )
-        if plan.longest_context:
-            hint += f"; longest context for {plan.sequences_per_replica} sequence(s) here: {plan.longest_context:,}"
-        if plan.min_gpu_memory_utilization:
-            hint += f"; or --gpu-memory-utilization {plan.min_gpu_memory_utilization:.2f}"
-        report.add(
-            "error",
-            "memory.does_not_fit" if plan.verdict == "does-not-fit" else "memory.fewer_sequences",
-            f"{plan.verdict}: {rule.describe(plan.budget_bytes)} (headroom rule, adapt/plan/headroom.py); "
-            f"binding term {plan.binding_term} {_gib(plan.terms[plan.binding_term])}",
-            hint,
-        )
-    else:
-        report.add(
-            "info", "memory.fits", f"fits: {rule.describe(plan.budget_bytes)}"
-        )
-    if plan.terms["weight_layout_padding"]:
-        report.add(
-            "info",
-            "memory.mxfp4_layout_padding",
-            f"vLLM's MXFP4 MoE kernels pad the expert layout: +{_gib(plan.terms['weight_layout_padding'])}",
-        )
-    if checkpoint is not None and weights != "as-stored":
-        report.add(
-            "info",
-            "memory.weights_from_spec",
-            f"--weights {weights}: weight bytes come from the spec, not the checkpoint headers",
-        )
-    report.add(
-        "info",
-        "memory.estimates",
-        "activations, buffers, CUDA graphs and overhead are estimates (sources in adapt/plan/layout.py); "
-        f"weights and KV are exact; headroom {headroom:.0%} is added to the estimates",
-    )
-    report.fingerprint = fingerprint(
-        spec_hash=spec.spec_hash(),
-        target=tgt.name,
-        devices=plan_args["devices"],
-        nodes=plan.nodes,
-        context=context,
-        batch=batch,
-        kv_dtype=plan.kv_dtype,
-        weights=weights,
-        layout=plan.layout.label(),
-        gates=thresholds,
-    )
-    report.finished = now_iso()
-    report.decide()
-    return report

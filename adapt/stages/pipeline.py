@@ -85,7 +85,7 @@ def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
 
 
 def _memory(o: PipelineOptions, gates: dict) -> StageReport:
-    from adapt.plan.layout import run_plan_memory
+    from adapt.stages.memory import run_plan_memory
 
     return run_plan_memory(o.model, o.target, devices=o.devices, nodes=o.nodes, context=o.context,
                            batch=o.batch, kv_dtype=o.kv_dtype, weights=o.weights, gates=gates)

@@ -3,8 +3,8 @@
 import pytest
 
 from adapt.plan.headroom import DOES_NOT_FIT, FEWER, FITS, assess, margin_bytes
-from adapt.plan.layout import run_plan_memory
 from adapt.report import RunDir, load_gates
+from adapt.stages.memory import run_plan_memory
 from adapt.stages.parallel import run_plan_parallel
 from adapt.stages.preflight import run_preflight
 

@@ -18,9 +18,9 @@ from adapt.plan.layout import (
     kv_bytes_per_token,
     plan_memory,
     pp_stages,
-    run_plan_memory,
 )
 from adapt.report import load_gates
+from adapt.stages.memory import run_plan_memory
 
 runner = CliRunner()
 
