@@ -311,10 +311,11 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
 def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,
                      latent_scale: torch.Tensor | None, latent_rope: torch.Tensor, block_table: torch.Tensor,
                      token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
-                     **_tile_options) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, **_tile_options) -> torch.Tensor:
     """Torch twin of ``sparse_mla`` (fp32 math on rows dequantized to bf16 as the kernel's MMA operand;
     the compiled kernel also rounds the softmax probabilities to bf16 for p @ v, which the twin does not
-    (its running maximum is per tile); tile options ignored)."""
+    (its running maximum is per tile); tile options ignored). Returns ``out_dtype`` (the kernel's bf16
+    by default; float32 gives the result before that rounding)."""
     n_rows, n_heads, rank = q_nope.shape
     out = torch.zeros(n_rows, n_heads, rank, dtype=torch.float32, device=q_nope.device)
     nope = latent_nope.reshape(-1, rank)
@@ -333,4 +334,4 @@ def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: to
             kv = kv.view(len(slots), rank).to(torch.bfloat16).float()
         logits = (q_nope[row].float() @ kv.T + q_rope[row].float() @ rope[slots].float().T) * softmax_scale
         out[row] = torch.softmax(logits, dim=-1) @ kv
-    return out.to(torch.bfloat16)
+    return out.to(out_dtype)

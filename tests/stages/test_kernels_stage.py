@@ -225,3 +225,19 @@ def test_validate_stage_3_through_the_cli(tmp_path):
     assert "moe_grouped_gemm_mxfp4" in {row["op"] for row in kernels["tables"]["kernel checks"]}
     assert kernels["tables"]["native op checks"]
     assert (run / "kernels.junit.xml").is_file() and (run / "kernels.md").is_file()
+
+
+def test_twin_error_forgives_only_a_rounding_flip_at_a_midpoint():
+    import torch
+
+    from adapt.stages.kernels import twin_error
+
+    twin = torch.tensor([1.0, 0.3, -2.5, 1.0 + 2**-8], dtype=torch.float32)  # last: a bf16 midpoint
+    got = twin.bfloat16()
+    flipped = got.clone()
+    flipped[3] = torch.tensor(1.0 + 2**-7).bfloat16()  # the other neighbour of the midpoint
+    assert got[3] != flipped[3] and twin_error(flipped, twin, 1e-6) == twin_error(got, twin, 1e-6) == 0
+    off_midpoint = got.clone()
+    off_midpoint[0] = torch.tensor(1.0 + 2**-7).bfloat16()  # one step, but 1.0 is no midpoint
+    assert twin_error(off_midpoint, twin, 1e-6) > 1e-3
+    assert twin_error((got.float() * 1.005).bfloat16(), twin, 1e-6) > 1e-3  # drift below one step
