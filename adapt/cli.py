@@ -167,7 +167,7 @@ def info(
 @app.command()
 def validate(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
-    stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-4).")],
+    stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-5).")],
     target: TargetOpt = "h200",
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
@@ -176,6 +176,13 @@ def validate(
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="bf16 or fp8.")] = "bf16",
     weights: Annotated[str, typer.Option("--weights", help="Weight format (see plan-memory).")] = "as-stored",
     stack: Annotated[str | None, typer.Option("--stack", help="Stack table name or YAML path.")] = None,
+    layers: Annotated[str | None, typer.Option(
+        "--layers", help="Stage 5: decoder layers to run (a count or a comma list, e.g. 0,3).")] = None,
+    kernels: Annotated[str, typer.Option(
+        "--kernels", help="Stage 5: op families on adapt's kernels: all, none, or a comma list.")] = "all",
+    indexer_dtype: Annotated[str, typer.Option("--indexer-dtype", help="Stage 5: DSA indexer fp8 or bf16.")] = "fp8",
+    compute_dtype: Annotated[str, typer.Option(
+        "--compute-dtype", help="Stage 5: adapted path's compute dtype, bf16 or fp32.")] = "bf16",
     output: OutputOpt = Path("reports"),
     run_id: RunOpt = None,
     gates: GatesOpt = None,
@@ -188,7 +195,8 @@ def validate(
 
     thresholds = load_gates(gates)
     options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
-                              batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack)
+                              batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack, layers=layers,
+                              kernels=kernels, indexer_dtype=indexer_dtype, compute_dtype=compute_dtype)
     run = RunDir(output, run_id)
     reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report)
     if as_json:

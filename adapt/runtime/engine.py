@@ -151,6 +151,8 @@ class Engine:
         device: str | torch.device = "cpu",
         max_tokens: int = 4096,
         moe_workspace: int = 0,
+        formats=None,
+        faults=None,
     ) -> Engine:
         """Read config.json and the tensors of the chosen layers from ``path``.
 
@@ -158,7 +160,8 @@ class Engine:
         dtype: compute dtype (float32 for reference comparisons, bfloat16 to run);
         moe_workspace: with the MoE kernel, experts per chunk of the shared FP8 workspace (online
         MXFP4 -> e4m3 conversion of the active experts only, fp8 GEMMs); 0 decodes MXFP4 to bf16
-        inside the GEMM instead.
+        inside the GEMM instead. formats / faults: ``adapt.runtime.variants.Formats`` / ``Faults``
+        (precision variants and test hooks; None: as stored, no faults).
         """
         from adapt.runtime.weights import WeightStore
 
@@ -176,6 +179,10 @@ class Engine:
                 min(moe_workspace, config.experts), config.hidden, config.expert_intermediate, device=device
             )
         model = DecoderModel(config, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace)
+        if formats is not None or faults is not None:
+            from adapt.runtime.variants import Formats, configure
+
+            configure(model, formats or Formats(), faults)
         engine = cls(model, max_tokens=max_tokens)
         engine.bytes_read = store.bytes_read
         return engine

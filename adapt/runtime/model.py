@@ -304,6 +304,7 @@ class Capture:
 
     hidden_states: layer index -> list of [N, hidden] outputs (one per step, compute dtype)
     router: layer index -> list of (expert ids int64 [N, k], weights fp32 [N, k])
+    router_scores: layer index -> list of fp32 [N, E] selection scores (torch router path only)
     dsa_indices: layer index -> list of int32 [N, index_topk] indexer selections
     """
 
@@ -311,6 +312,7 @@ class Capture:
         self.want_hidden, self.want_router, self.want_indices = hidden_states, router, dsa_indices
         self.hidden_states: dict[int, list[torch.Tensor]] = {}
         self.router: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.router_scores: dict[int, list[torch.Tensor]] = {}
         self.dsa_indices: dict[int, list[torch.Tensor]] = {}
 
     def record(self, layer: DecoderLayer, out: torch.Tensor) -> None:
@@ -319,6 +321,8 @@ class Capture:
         if self.want_router and isinstance(layer.ffn, MoE) and layer.ffn.last_topk is not None:
             ids, weights = layer.ffn.last_topk
             self.router.setdefault(layer.index, []).append((ids.clone(), weights.clone()))
+            if layer.ffn.path == "torch" and layer.ffn.last_scores is not None:
+                self.router_scores.setdefault(layer.index, []).append(layer.ffn.last_scores.clone())
         if (
             self.want_indices
             and isinstance(layer.attention, MLAAttention)

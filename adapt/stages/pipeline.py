@@ -13,7 +13,7 @@ from typing import Any
 from adapt.errors import InputError
 from adapt.report import RunDir, StageReport
 
-STAGE_NAMES = {1: "inventory", 2: "memory", 3: "kernels", 4: "parallel"}
+STAGE_NAMES = {1: "inventory", 2: "memory", 3: "kernels", 4: "parallel", 5: "precision"}
 
 
 @dataclass
@@ -33,6 +33,11 @@ class PipelineOptions:
     kv_dtype: str = "bf16"
     weights: str = "as-stored"
     stack: str | None = None
+    layers: str | None = None  # stage 5: decoder layers (count or comma list) for reduced depth
+    kernels: str = "all"  # stage 5: op families on adapt's kernels
+    indexer_dtype: str = "fp8"  # stage 5: DSA indexer format
+    compute_dtype: str = "bf16"  # stage 5: the adapted path's compute dtype
+    report_dir: str | None = None  # where stages write extra files (stage 5's plot); set from the run
 
 
 def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
@@ -61,8 +66,17 @@ def _parallel(o: PipelineOptions, gates: dict) -> StageReport:
                              batch=o.batch, kv_dtype=o.kv_dtype, weights=o.weights, gates=gates)
 
 
+def _precision(o: PipelineOptions, gates: dict) -> StageReport:
+    """Reads model, target, layers, kernels, weights, indexer_dtype, kv_dtype, compute_dtype, report_dir."""
+    from adapt.stages.precision import run_precision
+
+    return run_precision(o.model, o.target, gates=gates, layers=o.layers, kernels=o.kernels, weights=o.weights,
+                         indexer_dtype=o.indexer_dtype, kv_dtype=o.kv_dtype, compute_dtype=o.compute_dtype,
+                         report_dir=o.report_dir)
+
+
 RUNNERS: dict[int, Callable[[PipelineOptions, dict], StageReport]] = {
-    1: _inventory, 2: _memory, 3: _kernels, 4: _parallel,
+    1: _inventory, 2: _memory, 3: _kernels, 4: _parallel, 5: _precision,
 }
 
 
@@ -77,6 +91,8 @@ def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str,
         raise InputError(f"no stage {stage}; stages that run as gates: "
                          + ", ".join(f"{n} {name}" for n, name in STAGE_NAMES.items()), field="--stage")
     reports = []
+    if options.report_dir is None:
+        options.report_dir = str(run.path)
     for number in range(1, stage + 1):
         if number < stage and run.verdict_of(STAGE_NAMES[number]) in ("pass", "warn"):
             continue
