@@ -72,7 +72,9 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
 
     return run_precision(o.model, o.target, gates=gates, layers=o.layers, kernels=o.kernels, weights=o.weights,
                          indexer_dtype=o.indexer_dtype, kv_dtype=o.kv_dtype, compute_dtype=o.compute_dtype,
-                         report_dir=o.report_dir)
+                         report_dir=o.report_dir, invocation=[
+                             "--devices", str(o.devices), "--nodes", str(o.nodes), "--context", str(o.context),
+                             "--batch", str(o.batch), *(["--stack", o.stack] if o.stack else [])])
 
 
 RUNNERS: dict[int, Callable[[PipelineOptions, dict], StageReport]] = {

@@ -47,6 +47,8 @@ GATE_KEYS = (
 )
 FP8_WEIGHTS = ("fp8", "mxfp4-online", "mxfp4-offline-fp8")
 EXPERT_ROWS = 64  # rows of layer input each expert is checked on
+SAMPLE_TOKENS = 64  # tokens of the bundled text sample used (perplexity and per-position metrics)
+_REFERENCES: dict[tuple, dict] = {}  # the last reference run per (model, layers, device, inputs): reused by reruns
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def _encode(model_dir: Path, vocab: int) -> tuple[list[int], list[list[int]]]:
         encode = lambda s: tok(s, add_special_tokens=False).input_ids
     else:
         encode = lambda s: [3 + b % max(vocab - 3, 1) for b in s.encode()]
-    return encode(text)[:96], [encode(p) for p in prompts]
+    return encode(text)[:SAMPLE_TOKENS], [encode(p) for p in prompts]
 
 
 def _forward(engine, sequences: list[list[int]], dsa: bool) -> tuple[list[torch.Tensor], Any]:
@@ -280,6 +282,9 @@ def evaluate(model_dir: Path, adapted: Adapted, limits: dict[str, float], *, lay
     greedy = int(limits["greedy_tokens"])
     budget = len(text) + sum(len(p) + greedy for p in prompts) + 256
     dsa = any(k.attention == "mla+dsa" for k in config.kinds)
+    key = (str(model_dir), tuple(layers or ()), device, greedy, dsa and adapted.indexer_dtype == "fp8")
+    if reference is None and key in _REFERENCES:
+        reference = _REFERENCES[key]
     if reference is None:
         ref_engine = Engine.load(model_dir, layers=layers, kernels="none", dtype=torch.float32, device=device,
                                  max_tokens=budget, formats=Formats(), faults=None)
@@ -294,6 +299,8 @@ def evaluate(model_dir: Path, adapted: Adapted, limits: dict[str, float], *, lay
             del sq_engine
         reference = {"engine": ref_engine, "logits": ref_logits, "capture": ref_cap, "sequences": sequences,
                      "prompts": prompts, "continuations": continuations, "text": text, "same_quant": same_quant}
+        _REFERENCES.clear()
+        _REFERENCES[key] = reference
     ad_engine = _load(model_dir, layers, adapted.kernels, _dtype(adapted.dtype), adapted.formats(), faults, device,
                       budget)
     ad_logits, ad_cap = _forward(ad_engine, reference["sequences"], dsa)
@@ -386,6 +393,7 @@ def plot_layers(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     ax.plot(xs, [max(r["rel_error"], 1e-9) for r in rows], "o-", label="rows with agreeing routing")
     ax.plot(xs, [max(r["rel_error_all_rows"], 1e-9) for r in rows], "s--", label="all rows")
     ax.set_yscale("log")
+    ax.set_xticks(xs)
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("||adapted - ref|| / ||ref||")
     ax.set_title(title, fontsize=9)
@@ -444,8 +452,9 @@ def memory_costs(run_dir: Path | None) -> dict[str, int | None]:
     return costs
 
 
-def command_for(model: str, target: str, adapted: Adapted, layers: str | None) -> str:
-    args = ["adapt", "validate", model, "--stage", "5", "--target", target, *adapted.flags()]
+def command_for(model: str, target: str, adapted: Adapted, layers: str | None, extra: list[str]) -> str:
+    """The ``adapt validate`` command of this configuration (extra: the invocation's other options)."""
+    args = ["adapt", "validate", model, "--stage", "5", "--target", target, *extra, *adapted.flags()]
     if layers:
         args += ["--layers", layers]
     return shlex.join(args)
@@ -454,8 +463,9 @@ def command_for(model: str, target: str, adapted: Adapted, layers: str | None) -
 def run_precision(model: str, target: str, *, gates: dict, layers: str | None = None, kernels: str = "all",
                   weights: str = "as-stored", indexer_dtype: str = "fp8", kv_dtype: str = "bf16",
                   compute_dtype: str = "bf16", report_dir: str | Path | None = None, attribute: bool = True,
-                  faults=None, device: str | None = None) -> StageReport:
-    """Stage 5 (see the module docstring). faults: ``Faults`` test hooks (default: ``ADAPT_TEST_FAULTS``)."""
+                  faults=None, device: str | None = None, invocation: list[str] | None = None) -> StageReport:
+    """Stage 5 (see the module docstring). faults: ``Faults`` test hooks (default: ``ADAPT_TEST_FAULTS``);
+    invocation: the other ``adapt validate`` options of this run, repeated in the advised commands."""
     from adapt.runtime.engine import parse_kernels, parse_layers, resolve_model_dir
     from adapt.runtime.model import ArchConfig
     from adapt.runtime.variants import Faults, Formats
@@ -496,7 +506,7 @@ def run_precision(model: str, target: str, *, gates: dict, layers: str | None = 
         report.add("error", code, message)
     if result["failures"] and attribute:
         _attribute(report, model, model_dir, target, adapted, limits, layers, layer_ids, device, faults, result,
-                   report_dir)
+                   report_dir, invocation or [])
     fails = len(result["failures"])
     report.summary = ("adapted path within every precision gate" if not fails else
                       f"{fails} precision gate(s) failed" + (f"; {report.metrics.get('attributed_to')}"
@@ -505,7 +515,7 @@ def run_precision(model: str, target: str, *, gates: dict, layers: str | None = 
 
 
 def _attribute(report, model, model_dir, target, adapted, limits, layers, layer_ids, device, faults, result,
-               report_dir) -> None:
+               report_dir, extra) -> None:
     costs = memory_costs(report_dir)
     rows = []
     for component, move, config in rollback_moves(adapted, _active_families(model_dir, adapted, layer_ids)):
@@ -516,7 +526,7 @@ def _attribute(report, model, model_dir, target, adapted, limits, layers, layer_
         rows.append({"component": component, "move": move, "passes": not trial["failures"],
                      "still_failing": ",".join(code for code, _ in trial["failures"]) or "-",
                      "memory_cost_bytes": cost if cost is not None else "unknown (run stage 2 in this run)",
-                     "command": command_for(model, target, config, layers)})
+                     "command": command_for(model, target, config, layers, extra)})
     report.tables["attribution (one component moved back at a time)"] = rows
     fixing = [r for r in rows if r["passes"]]
     if fixing:
@@ -533,6 +543,9 @@ def _attribute(report, model, model_dir, target, adapted, limits, layers, layer_
 def _transformers_anchor(model_dir: Path, layer_ids, reference) -> float | None:
     """Max over sequences of the reference's logit relative error against transformers in float32, when
     transformers can hold the model (whole depth, checkpoint under 2 GiB); None otherwise."""
+    if "transformers_anchor" in reference:
+        return reference["transformers_anchor"]
+    reference["transformers_anchor"] = None
     size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     if layer_ids is not None or size > 2 * 1024**3 or reference["engine"].model.device.type != "cpu":
         return None
@@ -544,4 +557,5 @@ def _transformers_anchor(model_dir: Path, layer_ids, reference) -> float | None:
         for seq, ref in zip(reference["sequences"], reference["logits"], strict=True):
             out = hf(torch.tensor([seq])).logits[0].float()
             worst = max(worst, _rel(ref, out))
+    reference["transformers_anchor"] = worst
     return worst
