@@ -496,6 +496,46 @@ def demo(
     raise typer.Exit(1 if failed else 0)
 
 
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Argument(help="Model directory or tiny model name.")],
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma list: adapt_mc, adapt_text, adapt_completion, "
+                                                         "or lm-eval task names.")] = "adapt_mc,adapt_text",
+    kernels: Annotated[str, typer.Option("--kernels", help="Adapted path: op families on adapt's kernels.")] = "all",
+    compute_dtype: Annotated[str, typer.Option("--compute-dtype", help="Adapted path: bf16 or fp32.")] = "bf16",
+    weights: WeightsOpt = "as-stored",
+    indexer_dtype: Annotated[str, typer.Option("--indexer-dtype", help="Adapted path: fp8 or bf16.")] = "fp8",
+    kv_dtype: KvDtypeOpt = "bf16",
+    endpoint: Annotated[str | None, typer.Option(
+        "--endpoint", help="Evaluate a served OpenAI-compatible endpoint (http://host:port) instead.")] = None,
+    serve: Annotated[bool, typer.Option("--serve", help="Start vLLM here for the model and evaluate it.")] = False,
+    limit: Annotated[int | None, typer.Option("--limit", help="Documents per task.")] = None,
+    max_drop: Annotated[list[str] | None, typer.Option(
+        "--max-drop", help="TASK=VALUE: allowed drop (points, or relative for perplexity) for one task.")] = None,
+    gates: GatesOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run lm-eval tasks on the float32 reference and on the adapted path (or an endpoint); apply the drop rule."""
+    from adapt.eval.compare import run_eval
+    from adapt.report import load_gates
+
+    overrides = {}
+    for item in max_drop or []:
+        task, _, value = item.partition("=")
+        try:
+            overrides[task] = float(value)
+        except ValueError:
+            raise InputError(f"expected TASK=NUMBER, got {item!r}", field="--max-drop") from None
+    report = run_eval(model, [t.strip() for t in tasks.split(",") if t.strip()], gates=load_gates(gates),
+                      kernels=kernels, dtype=compute_dtype, weights=weights, indexer_dtype=indexer_dtype,
+                      kv_dtype=kv_dtype, endpoint=endpoint, serve=serve, limit=limit, overrides=overrides)
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        render_report(report)
+    raise typer.Exit(report.exit_code)
+
+
 def main() -> None:
     """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage)."""
     import os

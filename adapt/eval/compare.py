@@ -94,11 +94,34 @@ def drop_rule(task: str, metric: str, reference: float, adapted: float, limits: 
     return drop <= allowed, f"{metric} {adapted:.3f} vs {reference:.3f} (drop {drop:.1f} points, allowed {allowed:g})"
 
 
+def serve_locally(model_dir: Path, log_path: Path, *, vllm: str | None = None, health_timeout_s: float = 600.0):
+    """Start ``vllm serve`` for ``model_dir`` on this machine with the hand-off's launch code (single
+    device, float32 on a CPU) and return the running ``VllmServer`` (use it as a context manager)."""
+    from adapt.handoff.smoke import local_engine_args
+    from adapt.handoff.vllm import VllmServer, cpu_env, find_vllm, free_port, has_cuda, launch_argv, serve_command
+
+    executable = find_vllm(vllm)
+    args, _ = local_engine_args({}, cuda=has_cuda(), dtype="float32", max_model_len=512, memory_fraction=0.1)
+    argv = launch_argv(executable, serve_command(str(model_dir.resolve()), args))
+    server = VllmServer(argv, log_path, port=free_port(), env=cpu_env())
+    server.start()
+    try:
+        server.wait_healthy(health_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 def run_eval(model: str, tasks: list[str], *, gates: dict, kernels: str = "all", dtype: str = "bf16",
              weights: str = "as-stored", indexer_dtype: str = "fp8", kv_dtype: str = "bf16",
              endpoint: str | None = None, served_model: str = "adapt-handoff", limit: int | None = None,
-             overrides: dict[str, float] | None = None, device: str = "cpu") -> StageReport:
-    """Accuracy of the adapted path (or a served endpoint) against the float32 reference on ``tasks``."""
+             overrides: dict[str, float] | None = None, device: str = "cpu", serve: bool = False,
+             log_dir: Path | None = None, vllm: str | None = None) -> StageReport:
+    """Accuracy of the adapted path (or a served endpoint) against the float32 reference on ``tasks``.
+
+    serve: start vLLM here for the model (``serve_locally``), evaluate through its endpoint, stop it.
+    """
     from adapt.eval.lm import AdaptLM
     from adapt.runtime.engine import resolve_model_dir
     from adapt.runtime.variants import Formats
@@ -114,6 +137,20 @@ def run_eval(model: str, tasks: list[str], *, gates: dict, kernels: str = "all",
     model_dir = resolve_model_dir(model)
     report = StageReport(stage="eval", number=0, title="Accuracy with lm-eval (reference vs adapted)")
     reference = evaluate_lm(AdaptLM(model_dir, kernels="none", dtype="fp32", device=device), tasks, limit)
+    if serve:
+        import tempfile
+
+        log = Path(log_dir or tempfile.mkdtemp(prefix="adapt-eval-")) / "vllm-server.log"
+        server = serve_locally(model_dir, log, vllm=vllm)
+        try:
+            report = run_eval(model, tasks, gates=gates, endpoint=server.base_url, limit=limit, overrides=overrides,
+                              device=device)
+        finally:
+            leftover = server.stop()
+        report.metrics["served_here"] = {"server_log": str(log), "leftover_processes": leftover}
+        if leftover:
+            report.add("error", "processes-left", f"vLLM processes still alive after stop: {leftover}")
+        return report
     if endpoint:
         url = endpoint.rstrip("/") + "/v1/completions"
         args = (f"model={served_model},base_url={url},tokenizer_backend=huggingface,tokenizer={model_dir},"
