@@ -479,7 +479,7 @@ def demo(
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Tokens to generate.")] = 8,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run the pipeline on the embedded tiny DeepSeek-V3.2 model (tiny-dsa) into <output>/demo/."""
+    """Run stages 1-5 on the embedded tiny DeepSeek-V3.2 model (tiny-dsa) into <output>/demo/."""
     from adapt.stages.demo import run_demo
 
     say = (lambda text: None) if as_json else (lambda text: console.print(f"[cyan]demo:[/cyan] {text}"))
@@ -492,6 +492,8 @@ def demo(
         if "generations" in summary:
             agree = "agree" if summary["runtime_paths_agree"] else "DIFFER"
             console.print(f"reference and kernel paths {agree}; reports in {summary['run']}")
+        if "precision_plot" in summary:
+            console.print(f"precision plot: {summary['precision_plot']}", markup=False, highlight=False)
     failed = any(v == "fail" for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
     raise typer.Exit(1 if failed else 0)
 

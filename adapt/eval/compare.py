@@ -88,7 +88,8 @@ def drop_rule(task: str, metric: str, reference: float, adapted: float, limits: 
     if metric in LOWER_IS_BETTER:
         allowed = overrides.get(task, limits["max_ppl_increase"])
         increase = adapted / reference - 1 if reference else float("inf")
-        return increase <= allowed, f"{metric} {adapted:.4g} vs {reference:.4g} (+{increase:.2%}, allowed {allowed:.2%})"
+        why = f"{metric} {adapted:.4g} vs {reference:.4g} ({increase:+.2%}, allowed +{allowed:.2%})"
+        return increase <= allowed, why
     allowed = overrides.get(task, limits["max_drop_points"])
     drop = 100 * (reference - adapted)
     return drop <= allowed, f"{metric} {adapted:.3f} vs {reference:.3f} (drop {drop:.1f} points, allowed {allowed:g})"

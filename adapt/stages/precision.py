@@ -335,7 +335,8 @@ def evaluate(model_dir: Path, adapted: Adapted, limits: dict[str, float], *, lay
     worst_overlap = min(overlap_gate.values(), default=1.0)
     gate(worst_overlap >= limits["min_dsa_overlap"], "dsa-overlap",
          f"DSA top-k overlap {worst_overlap:.3f} < {limits['min_dsa_overlap']:g}")
-    gate(logits["kl_mean"] <= limits["max_kl"], "kl", f"KL(ref||adapted) {logits['kl_mean']:.3g} > {limits['max_kl']:g}")
+    gate(logits["kl_mean"] <= limits["max_kl"], "kl",
+         f"KL(ref||adapted) {logits['kl_mean']:.3g} > {limits['max_kl']:g}")
     gate(logits["top1_agreement"] >= limits["min_top1_agreement"], "top1",
          f"top-1 agreement {logits['top1_agreement']:.3f} < {limits['min_top1_agreement']:g}")
     gate(logits["top5_overlap"] >= limits["min_top5_overlap"], "top5",
@@ -345,8 +346,9 @@ def evaluate(model_dir: Path, adapted: Adapted, limits: dict[str, float], *, lay
          f"perplexity {ppl_ad:.3f} vs reference {ppl_ref:.3f} (+{increase:.2%} > {limits['max_ppl_increase']:.2%})")
     short = [r for r in greedy_rows if r["diverged"] and not r["near_tie"]
              and r["matched"] < limits["min_greedy_match_tokens"]]
+    first = min((r["matched"] for r in short), default=0)
     gate(not short, "greedy", f"{len(short)} prompt(s) diverge for real before "
-         f"{int(limits['min_greedy_match_tokens'])} tokens (first at token {min((r['matched'] for r in short), default=0)})")
+         f"{int(limits['min_greedy_match_tokens'])} tokens (first at token {first})")
     worst_gain = max((abs(r["gain"] - 1) for r in experts), default=0.0)
     gate(worst_gain <= limits["max_expert_gain_error"], "expert-gain",
          f"expert gain off by {worst_gain:.3g} > {limits['max_expert_gain_error']:g}")
