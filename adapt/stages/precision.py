@@ -47,6 +47,7 @@ GATE_KEYS = (
 )
 FP8_WEIGHTS = ("fp8", "mxfp4-online", "mxfp4-offline-fp8")
 EXPERT_ROWS = 64  # rows of layer input each expert is checked on
+EXPERT_CHECKS = 16  # experts checked per MoE layer (the reference's busiest; all of them when there are fewer)
 SAMPLE_TOKENS = 64  # tokens of the bundled text sample used (perplexity and per-position metrics)
 _REFERENCES: dict[tuple, dict] = {}  # the last reference run per (model, layers, device, inputs): reused by reruns
 
@@ -238,8 +239,9 @@ def greedy_divergence(ref_logits: torch.Tensor, ad_logits: torch.Tensor, prompt_
 
 
 def compare_experts(ref_engine, ad_engine, ref_cap) -> list[dict[str, Any]]:
-    """Per MoE layer and expert, on the same rows (the RMS-normalized reference input of that layer,
-    first ``EXPERT_ROWS`` rows): the adapted expert's gain and relative error against the reference's."""
+    """Per MoE layer and expert (``_busiest_experts``), on the same rows (the RMS-normalized reference input
+    of that layer, first ``EXPERT_ROWS`` rows): the adapted expert's gain and relative error against the
+    reference's."""
     from adapt.runtime.moe import MoE
 
     out = []
@@ -252,12 +254,20 @@ def compare_experts(ref_engine, ad_engine, ref_cap) -> list[dict[str, Any]]:
             continue
         x = ref_cap.hidden_states[before[-1]][0][:EXPERT_ROWS].float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        for e in range(ref_layer.ffn.experts.count):
+        for e in _busiest_experts(ref_cap, ref_layer.index, ref_layer.ffn.experts.count):
             y_ref = ref_layer.ffn.expert_forward(x.to(ref_engine.model.dtype), e).float().cpu()
             y_ad = ad_layer.ffn.expert_forward(x.to(ad_engine.model.dtype), e).float().cpu()
             gain = float((y_ad * y_ref).sum() / (y_ref * y_ref).sum().clamp_min(1e-30))
             out.append({"layer": ref_layer.index, "expert": e, "gain": gain, "rel_error": _rel(y_ad, y_ref)})
     return out
+
+
+def _busiest_experts(ref_cap, layer: int, count: int) -> list[int]:
+    """The (at most ``EXPERT_CHECKS``) experts the reference routed most rows to in ``layer``, ascending."""
+    if count <= EXPERT_CHECKS or layer not in ref_cap.router:
+        return list(range(count))
+    hits = torch.bincount(ref_cap.router[layer][0][0].reshape(-1).cpu(), minlength=count)
+    return sorted(hits.topk(EXPERT_CHECKS).indices.tolist())
 
 
 def _load(model_dir: Path, layers, kernels: str, dtype: torch.dtype, formats, faults, device: str, tokens: int):

@@ -54,7 +54,7 @@ def test_eval_through_adapt_runtime_compares_reference_and_adapted():
     assert set(rows) == set(TASKS)
     assert rows["adapt_mc"]["metric"] == "acc" and rows["adapt_text"]["metric"] == "word_perplexity"
     assert rows["adapt_text"]["reference"] != rows["adapt_text"]["adapted"]  # bf16 + FP8 KV do change the scores
-    assert "FP8" not in report.metrics["adapted"] and "kv fp8" in report.metrics["adapted"]
+    assert "kv fp8" in report.metrics["adapted"]
     assert report.decide() == ("pass" if all(r["passes"] for r in rows.values()) else "fail")
 
 
