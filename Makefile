@@ -5,8 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SERVE_VENV := .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.installed
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
-.PHONY: demo test lint bench-gpu clean serve-env
+.PHONY: demo test lint bench-gpu clean serve-env sglang-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,10 +36,23 @@ $(SERVE_STAMP):
 
 serve-env: $(SERVE_STAMP)
 
+# SGLang's server-argument parser for `adapt handoff --engine sglang --validate`, in its own venv: sglang and the
+# few packages its server_args module imports, without their dependencies (sglang would pull a CUDA torch);
+# torch, triton, numpy, transformers come from .venv through a .pth file (requirements-sglang.txt says why).
+$(SGLANG_STAMP): $(STAMP) requirements-sglang.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r requirements-sglang.txt
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> "$$($(SGLANG_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/adapt_venv.pth"
+	$(SGLANG_VENV)/bin/python -c "import sglang.srt.server_args"
+	touch $(SGLANG_STAMP)
+
+sglang-env: $(SGLANG_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/adapt demo
 
-test: $(STAMP) $(SERVE_STAMP)
+test: $(STAMP) $(SERVE_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
@@ -47,4 +62,4 @@ bench-gpu:
 	PYTHONPATH=. python3 -m adapt.cli bench kernels --moe --dsa --output benchmarks
 
 clean:
-	rm -rf $(VENV) $(SERVE_VENV) reports/demo
+	rm -rf $(VENV) $(SERVE_VENV) $(SGLANG_VENV) reports/demo

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
+from adapt import __version__
 from adapt.errors import InputError
 from adapt.report import EXIT_BAD_INPUT, RunDir, StageReport
 
@@ -40,8 +41,22 @@ app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty
 bench_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Stage 6: kernels against the roofline.")
 app.add_typer(bench_app, name="bench")
 
+
+def _version_callback(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"adapt {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", callback=_version_callback, is_eager=True, help="Print adapt's version and exit.")] = False,
+          ) -> None:
+    """Bring a giant MoE model up on a new accelerator, gate by gate, and hand it to vLLM."""
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-TargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target name (see `adapt targets`) or a YAML path.")]
+TargetOpt = Annotated[str, typer.Option(
+    "--target", "-t", help="Target name (see `adapt targets`) or a YAML path (required).")]
 RunOpt = Annotated[str | None, typer.Option("--run", help="Run id: reports go to <output>/<run>/.")]
 OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Reports root directory.")]
 GatesOpt = Annotated[Path | None, typer.Option("--gates", help="YAML file overriding gate thresholds.")]
@@ -55,9 +70,9 @@ def render_report(report: StageReport) -> None:
     """A stage report in the terminal: verdict, metrics, tables, findings."""
     verdict = report.decide()
     color = {"pass": "green", "warn": "yellow", "fail": "red"}[verdict]
-    console.print(f"[bold]Stage {report.number}: {report.title}[/bold]  [{color}]{verdict.upper()}[/{color}]")
+    console.print(f"[bold]Stage {report.number}: {escape(report.title)}[/bold]  [{color}]{verdict.upper()}[/{color}]")
     if report.summary:
-        console.print(report.summary)
+        console.print(report.summary, markup=False)
     for name, rows in report.tables.items():
         if not rows:
             continue
@@ -70,16 +85,17 @@ def render_report(report: StageReport) -> None:
         console.print(table)
     for f in report.findings:
         style = {"error": "red", "warn": "yellow", "info": "dim"}[f.severity]
-        hint = f"  [dim]({f.hint})[/dim]" if f.hint else ""
-        console.print(f"[{style}]{f.severity:5}[/{style}] {f.code}: {f.message}{hint}")
+        hint = f"  [dim]({escape(f.hint)})[/dim]" if f.hint else ""
+        console.print(f"[{style}]{f.severity:5}[/{style}] {escape(f.code)}: {escape(f.message)}{hint}")
 
 
 def _cell(value) -> str:
+    """A table cell as text with rich markup escaped (source tags such as ``[fp8-doc]`` stay visible)."""
     if isinstance(value, float):
         return f"{value:,.4g}"
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
-    return str(value)
+    return escape(str(value))
 
 
 def finish(report: StageReport, as_json: bool, run: RunDir | None = None,
@@ -93,7 +109,7 @@ def finish(report: StageReport, as_json: bool, run: RunDir | None = None,
     else:
         render_report(report)
         if run is not None:
-            console.print(f"[dim]reports: {run.path}[/dim]")
+            console.print(f"[dim]reports: {escape(str(run.path))}[/dim]")
     raise typer.Exit(report.exit_code)
 
 
@@ -120,6 +136,53 @@ def targets(as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def calibrate(
+    target: TargetOpt,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Target YAML to write (default: <target>-calibrated.yaml here).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Name inside the YAML.")] = None,
+    devices: Annotated[int | None, typer.Option(
+        "--devices", "-d", help="GPUs for the collectives (default: all visible).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Small sizes: a smoke run, not a profile.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure this machine (bandwidth, matmul rates, launch cost, collectives); write a target YAML."""
+    from rich.progress import Progress
+
+    from adapt.targets.calibrate import calibrate as measure
+    from adapt.targets.calibrate import write_target
+
+    with Progress(console=err_console, transient=True, disable=as_json) as progress:
+        task = progress.add_task("calibrating", total=None)
+
+        def tick(step: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, description=step)
+
+        result = measure(target, devices=devices, quick=quick, progress=tick)
+    path = output or Path(f"{result.base.name}-calibrated.yaml")
+    written = write_target(result, path, name)
+    if as_json:
+        print_json({"path": str(path), "target": written.to_dict(), "calibration": result.to_dict()})
+        return
+    table = Table(title=f"measured {result.date} on {result.device}", title_justify="left")
+    for column in ("field", "measured", "datasheet"):
+        table.add_column(column)
+    base = result.base.to_dict()
+    for key, value in written.to_dict().items():
+        if key in ("sources", "name", "description", "native_dtypes", "default_stack", "vendor"):
+            continue
+        measured = key in written.calibration["measured"] or (
+            key == "peak_tflops" and any(m.startswith("peak_tflops.") for m in written.calibration["measured"]))
+        table.add_row(key, _cell(value) if measured else "-", _cell(base.get(key)))
+    console.print(table, soft_wrap=True)
+    for what, why in result.refused.items():
+        console.print(f"[yellow]not measured[/yellow] {what}: {why}", highlight=False)
+    for note in result.notes:
+        console.print(f"[dim]{note}[/dim]", highlight=False)
+    console.print(f"target written: {path}")
+
+
+@app.command()
 def info(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
     as_json: JsonOpt = False,
@@ -140,7 +203,7 @@ def info(
         print_json(facts)
         return
     params = facts["parameters"]
-    console.print(f"[bold]{model}[/bold]  model_type={facts['model_type']}  layers={facts['layers']} "
+    console.print(f"[bold]{escape(model)}[/bold]  model_type={facts['model_type']}  layers={facts['layers']} "
                   f"(MoE {facts['moe_layers']}, MTP {facts['mtp_layers']})  attention={', '.join(facts['attention'])}")
     console.print(f"parameters: total {params['total']:,}  active {params['active']:,}  "
                   f"with MTP {params['total_with_mtp']:,}")
@@ -161,14 +224,14 @@ def info(
         ck = facts["checkpoint"]
         console.print(f"checkpoint: {ck['shards']} shards, {ck['tensors']:,} tensors, {ck['total_bytes']:,} bytes")
         for f in ck["findings"]:
-            console.print(f"[yellow]{f['severity']}[/yellow] {f['code']}: {f['message']}")
+            console.print(f"[yellow]{f['severity']}[/yellow] {escape(f['code'])}: {escape(f['message'])}")
 
 
 @app.command()
 def validate(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
     stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-5).")],
-    target: TargetOpt = "h200",
+    target: TargetOpt,
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
     context: Annotated[int, typer.Option("--context", help="Tokens per sequence.")] = 8192,
@@ -198,11 +261,17 @@ def validate(
                               batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack, layers=layers,
                               kernels=kernels, indexer_dtype=indexer_dtype, compute_dtype=compute_dtype)
     run = RunDir(output, run_id)
-    reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report)
+
+    def reused(name: str, why: str) -> None:
+        if not as_json:
+            console.print(f"[dim]{escape(name)}: reused ({escape(why)})[/dim]")
+
+    reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report,
+                        on_reuse=reused)
     if as_json:
         print_json({"run": str(run.path), "reports": [r.to_dict() for r in reports]})
     else:
-        console.print(f"[dim]reports: {run.path}[/dim]")
+        console.print(f"[dim]reports: {escape(str(run.path))}[/dim]")
     raise typer.Exit(max((r.exit_code for r in reports), default=0))
 
 
@@ -244,14 +313,22 @@ def plan_memory_command(
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
     from adapt.report import load_gates
     from adapt.stages.memory import run_plan_memory
+    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
-    report = run_plan_memory(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
+    run, thresholds = RunDir(output, run_id), load_gates(gates)
+    extra = dict(tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp, headroom=headroom,
+                 gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                 max_num_seqs=max_num_seqs, block_size=block_size if block_size != 64 else None,
+                 rope_factor=rope_factor)
+    report = run_plan_memory(model, target, gates=thresholds, devices=devices, nodes=nodes,
                              context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
                              tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp,
                              headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              block_size=block_size, rope_factor=rope_factor)
-    finish(report, as_json, RunDir(output, run_id))
+    stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
+                     thresholds, extra)
+    finish(report, as_json, run)
 
 
 @app.command("plan-parallel")
@@ -266,23 +343,31 @@ def plan_parallel_command(
     """Stage 4: rank TP x EP x PP x DP plans; print vLLM engine arguments, `vllm serve` and Ray steps."""
     import shlex
 
+    from adapt.handoff.vllm import shell_script
     from adapt.report import load_gates
     from adapt.stages.parallel import run_plan_parallel
+    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
-    report = run_plan_parallel(model, target, gates=load_gates(gates), devices=devices, nodes=nodes,
+    run, thresholds = RunDir(output, run_id), load_gates(gates)
+    report = run_plan_parallel(model, target, gates=thresholds, devices=devices, nodes=nodes,
                                context=context, batch=batch, kv_dtype=kv_dtype, weights=weights,
                                headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                block_size=block_size, rope_factor=rope_factor)
     lines = report.metrics.get("ray_steps") or (
         [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else [])
-    extra = {"parallel.launch.sh": "#!/bin/sh\n" + "\n".join(lines) + "\n"} if lines else None
-    finish(report, as_json, RunDir(output, run_id), extra=extra)
+    stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
+                     thresholds, dict(headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
+                                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      block_size=block_size if block_size != 64 else None,
+                                      rope_factor=rope_factor))
+    extra = {"parallel.launch.sh": shell_script(lines)} if lines else None
+    finish(report, as_json, run, extra=extra)
 
 
 @app.command("inventory")
 def inventory_command(
-    model: ModelArg, target: TargetOpt = "h200",
+    model: ModelArg, target: TargetOpt,
     stack: Annotated[str | None, typer.Option(
         "--stack", help="Stack table (vllm-cuda, vllm-cpu, vllm-rocm) or YAML; default: target's.")] = None,
     all_layers: Annotated[bool, typer.Option(
@@ -294,20 +379,24 @@ def inventory_command(
     """Stage 1: every operator the model needs and how the target's stack provides it (gaps fail the gate)."""
     from adapt.report import load_gates
     from adapt.stages.inventory import build_inventory
+    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
 
+    run, thresholds = RunDir(output, run_id), load_gates(gates)
     status = console.status("tracing the model on the meta device ...") if not as_json else None
     with status or _no_status():
-        inventory = build_inventory(model, target, stack=stack, gates=load_gates(gates),
+        inventory = build_inventory(model, target, stack=stack, gates=thresholds,
                                     all_layers=all_layers, prefill_tokens=tokens)
+    stamp_standalone(inventory.report, PipelineOptions(model, target, stack=stack), thresholds,
+                     dict(all_layers=all_layers or None, tokens=tokens if tokens != 16 else None))
     detail = {"operators": [r.to_dict() for r in inventory.rows], "fusions": inventory.fusions,
               "aten": inventory.aten}
-    finish(inventory.report, as_json, RunDir(output, run_id),
+    finish(inventory.report, as_json, run,
            extra={"inventory.detail.json": json.dumps(detail, indent=1, default=str) + "\n"})
 
 
 @app.command("preflight")
 def preflight_command(
-    target: TargetOpt = "h200",
+    target: TargetOpt,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (to check its formats).")] = None,
     eval_data: Annotated[Path | None, typer.Option(
         "--eval-data", help="Evaluation data file or directory stage 5 will read.")] = None,
@@ -326,13 +415,15 @@ def preflight_command(
 @app.command("handoff")
 def handoff_command(
     model: Annotated[str, typer.Argument(help="Model directory (or preset name for a bundle only).")],
-    target: TargetOpt = "h200",
+    target: TargetOpt,
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
     force: Annotated[bool, typer.Option(
         "--force", help="Hand off although gates 1-4 did not pass (recorded).")] = False,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="Serving engine: vllm (bundle, --launch) or sglang (launch commands).")] = "vllm",
     validate_args: Annotated[bool, typer.Option(
-        "--validate", help="Check the serve command with vLLM's parser.")] = False,
+        "--validate", help="Check the commands with the engine's own argument parser.")] = False,
     launch: Annotated[bool, typer.Option(
         "--launch", help="Start vllm serve here and run the smoke test.")] = False,
     vllm: Annotated[str | None, typer.Option("--vllm", help="vllm executable (default: found).")] = None,
@@ -345,7 +436,7 @@ def handoff_command(
     output: OutputOpt = Path("reports"), run_id: RunOpt = None, gates: GatesOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Hand-off: vLLM deployment bundle from the stage-4 plan; --launch serves it here and compares tokens."""
+    """Hand-off: vLLM bundle (--launch serves it here and compares tokens), or SGLang launch commands."""
     from adapt.handoff.bundle import run_handoff
     from adapt.report import load_gates
 
@@ -353,7 +444,17 @@ def handoff_command(
         raise InputError(f"expected float32 or bfloat16, got {dtype!r}", field="--dtype")
     if run_id is None:
         raise InputError("--run is required: the hand-off reads the run's gate reports", field="--run")
+    if engine not in ("vllm", "sglang"):
+        raise InputError(f"expected vllm or sglang, got {engine!r}", field="--engine")
     run = RunDir(output, run_id)
+    if engine == "sglang":
+        from adapt.handoff.sglang import write_sglang_bundle
+
+        if launch:
+            raise InputError("--launch starts vLLM only", field="--launch", hint="drop --launch with --engine sglang")
+        report, files = write_sglang_bundle(model, target=target, devices=devices, nodes=nodes, run=run,
+                                            force=force, validate=validate_args)
+        finish(report, as_json, run, extra=files)
     report, files, log_tail = run_handoff(
         model, target=target, devices=devices, nodes=nodes, run=run, gates=load_gates(gates), force=force,
         validate=validate_args, launch=launch, vllm=vllm, port=port, max_tokens=max_tokens, dtype=dtype,
@@ -373,7 +474,7 @@ def run_command(
     token_ids: Annotated[list[str] | None, typer.Option(
         "--token-ids", help="Prompt as comma-separated token ids (repeat for a batch).")] = None,
     max_new_tokens: Annotated[int, typer.Option(
-        "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
+        "--max-new-tokens", min=1, help="Tokens to generate.")] = 32,
     layers: Annotated[str | None, typer.Option(
         "--layers", help="Decoder layers: a count N or a list such as 0,3,60 (default: all).")] = None,
     kernels: Annotated[str, typer.Option(
@@ -427,7 +528,7 @@ def run_command(
         print_json(summary)
         return
     for reason_key, reason in summary["kernel_refusals"].items():
-        err_console.print(f"[yellow]{reason_key} runs the torch path:[/yellow] {reason}")
+        err_console.print(f"[yellow]{escape(reason_key)} runs the torch path:[/yellow] {escape(str(reason))}")
     for index, row in enumerate(rows):
         console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens): "
                       f"{row['tokens']}")
@@ -482,7 +583,7 @@ def demo(
     """Run stages 1-5 on the embedded tiny DeepSeek-V3.2 model (tiny-dsa) into <output>/demo/."""
     from adapt.stages.demo import run_demo
 
-    say = (lambda text: None) if as_json else (lambda text: console.print(f"[cyan]demo:[/cyan] {text}"))
+    say = (lambda text: None) if as_json else (lambda text: console.print(f"[cyan]demo:[/cyan] {escape(text)}"))
     summary = run_demo(output, say, on_report=(lambda r: None) if as_json else render_report, tokens=tokens)
     if as_json:
         print_json(summary)
@@ -491,7 +592,7 @@ def demo(
             console.print(f"{label}: {generation['tokens']} {generation['text']!r}", markup=False, highlight=False)
         if "generations" in summary:
             agree = "agree" if summary["runtime_paths_agree"] else "DIFFER"
-            console.print(f"reference and kernel paths {agree}; reports in {summary['run']}")
+            console.print(f"reference and kernel paths {agree}; reports in {summary['run']}", markup=False)
         if "precision_plot" in summary:
             console.print(f"precision plot: {summary['precision_plot']}", markup=False, highlight=False)
     failed = any(v == "fail" for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
@@ -539,18 +640,42 @@ def eval_command(
 
 
 def main() -> None:
-    """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage)."""
+    """Console entry point (exit codes: 0 pass, 1 gate failed, 2 bad input or usage,
+    130/143 interrupted by SIGINT/SIGTERM).
+
+    Usage errors are one line on stderr. SIGINT and SIGTERM print one "interrupted" line at any
+    moment and exit 128 + the signal; no report is written after the signal (``RunDir.write``
+    checks for it), even when the signal's exception was swallowed somewhere inside a stage.
+    """
     import os
     import shutil
 
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer 0.29 vendors click here
+
+    from adapt.errors import Interrupted, install_interrupt_handlers, interrupt_received
+
+    install_interrupt_handlers()
     if not shutil.which("nvidia-smi"):
         # no GPU: adapt's Triton kernels run under the interpreter; triton reads this once, at import
         os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        app()
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
+        code = app(standalone_mode=False)
+    except Interrupted as exc:
+        code = exc.exit_code
+    except NoArgsIsHelpError as exc:
+        sys.stdout.write(exc.ctx.get_help() + "\n" if exc.ctx else "")
+        code = EXIT_BAD_INPUT
+    except UsageError as exc:
+        where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+        sys.stderr.write(f"error: {' '.join(exc.format_message().split())}{where}\n")
+        code = EXIT_BAD_INPUT
+    except typer.Abort:
+        code = 1
+    signum = interrupt_received()
+    if signum is not None:
+        sys.stderr.write("interrupted\n")
+        code = 128 + signum
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

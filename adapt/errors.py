@@ -35,3 +35,63 @@ class InputError(Exception):
         if self.hint:
             text += f" ({self.hint})"
         return text
+
+
+# ---------------------------------------------------------------- interrupts
+
+_received: int | None = None
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived. A BaseException (not Exception, not KeyboardInterrupt) so that
+    neither ``except Exception`` in a stage nor click's KeyboardInterrupt handling swallows it;
+    the CLI prints one "interrupted" line and exits ``128 + signum`` (130 SIGINT, 143 SIGTERM)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by signal {signum}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _on_signal(signum, frame) -> None:
+    global _received
+    if _received is not None:
+        return  # the first signal decides the exit code; a second one must not interrupt the unwinding
+    _received = signum
+    raise Interrupted(signum)
+
+
+def install_interrupt_handlers() -> None:
+    """Turn SIGINT and SIGTERM into ``Interrupted`` and remember that one arrived.
+
+    The memory matters: an exception raised while Python runs a ``__del__`` (rich's ``Group``
+    does work there) is printed and dropped, so the raise alone can be lost; ``check_interrupt``
+    (called by every report write) and the CLI's exit path re-raise from the recorded signal.
+    """
+    import signal
+    import sys
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_signal)
+    default_hook = sys.unraisablehook
+
+    def quiet_interrupts(unraisable) -> None:
+        # an Interrupted dropped inside __del__ is not lost (it is recorded above); do not print it
+        if not isinstance(unraisable.exc_value, Interrupted):
+            default_hook(unraisable)
+
+    sys.unraisablehook = quiet_interrupts
+
+
+def interrupt_received() -> int | None:
+    """The signal number of the first SIGINT/SIGTERM this process received, or None."""
+    return _received
+
+
+def check_interrupt() -> None:
+    """Raise ``Interrupted`` if a signal arrived earlier (even if its first raise was swallowed)."""
+    if _received is not None:
+        raise Interrupted(_received)

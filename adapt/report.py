@@ -11,10 +11,14 @@ Verdicts: "pass" (warnings allowed), "warn", "fail". Exit codes: 0 pass or warn,
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
+import re
+import secrets
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -25,12 +29,16 @@ from xml.sax.saxutils import escape
 import yaml
 
 from adapt import __version__
-from adapt.errors import InputError
+from adapt.errors import InputError, check_interrupt
 
 SEVERITIES = ("info", "warn", "error")
 VERDICTS = ("pass", "warn", "fail")
 EXIT_PASS, EXIT_GATE_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_GATES = Path(__file__).with_name("gates.yaml")
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+REPORT_SCHEMA = "adapt.stage-report/1"
+MANIFEST_SCHEMA = "adapt.run-manifest/1"
+LOCK_NAME = ".lock"
 
 
 @dataclass
@@ -95,7 +103,7 @@ class StageReport:
     def to_dict(self) -> dict[str, Any]:
         self.decide()
         data = asdict(self)
-        data["schema"] = "adapt.stage-report/1"
+        data["schema"] = REPORT_SCHEMA
         return data
 
     def to_json(self) -> str:
@@ -196,12 +204,23 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same directory and a rename."""
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: Path, text: str, executable: bool = False) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same directory and a rename.
+
+    The file gets the mode a plain ``open`` would give it under the process umask (0644 under
+    umask 022), or 0755 under 022 when ``executable``.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, (0o777 if executable else 0o666) & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
@@ -239,22 +258,59 @@ def fingerprint(**inputs: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------- gates
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {key_node.start_mark.line + 1})", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(path: str | Path, what: str) -> Any:
+    """Parse a user's YAML file; unreadable files, YAML errors and duplicate keys are InputErrors."""
+    path = Path(path)
+    try:
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read {what}: {getattr(exc, 'strerror', None) or exc}", file=path) from None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"invalid YAML: {problem}", file=path) from None
+
+
+def _check_gate_value(path: Path, where: str, default: Any, value: Any) -> None:
+    if not (isinstance(default, (int, float)) and not isinstance(default, bool)):
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise InputError(f"expected a number, got {value!r}", file=path, field=where)
+    if not math.isfinite(value) or value < 0:
+        raise InputError(f"expected a finite number >= 0, got {value!r}", file=path, field=where)
+    if isinstance(default, int) and value != int(value):
+        raise InputError(f"expected a whole number, got {value!r}", file=path, field=where)
+    if where.endswith("_fraction") and value >= 1:
+        raise InputError(f"expected a fraction in [0, 1), got {value!r}", file=path, field=where)
+
+
 def load_gates(path: str | Path | None = None) -> dict[str, dict[str, Any]]:
     """Gate thresholds: the defaults file (adapt/gates.yaml) overlaid with the user's ``--gates FILE``.
 
-    The user's file may set any subset of keys; unknown stages or keys are an InputError so a
-    typo cannot silently disable a gate.
+    The user's file may set any subset of keys; unknown stages or keys, duplicate keys and values
+    that are not finite non-negative numbers (fractions below 1) are an InputError naming the
+    gates file and the key, so a typo cannot silently disable a gate.
     """
     gates = yaml.safe_load(DEFAULT_GATES.read_text())
     if path is None:
         return gates
     path = Path(path)
     if not path.is_file():
-        raise InputError("file not found", file=path, hint="pass an existing YAML file to --gates")
-    try:
-        override = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise InputError(f"invalid YAML: {str(exc).splitlines()[0]}", file=path) from None
+        raise InputError("file not found", file=path, field="--gates", hint="pass an existing YAML file to --gates")
+    override = load_yaml(path, "gates file") or {}
     if not isinstance(override, dict):
         raise InputError("expected a mapping of stage -> thresholds", file=path)
     for stage, values in override.items():
@@ -266,10 +322,7 @@ def load_gates(path: str | Path | None = None) -> dict[str, dict[str, Any]]:
             if key not in gates[stage]:
                 raise InputError(f"unknown threshold; expected one of {sorted(gates[stage])}",
                                  file=path, field=f"{stage}.{key}")
-            default = gates[stage][key]
-            if isinstance(default, (int, float)) and not isinstance(default, bool):
-                if not isinstance(value, (int, float)) or isinstance(value, bool):
-                    raise InputError(f"expected a number, got {value!r}", file=path, field=f"{stage}.{key}")
+            _check_gate_value(path, f"{stage}.{key}", gates[stage][key], value)
             gates[stage][key] = value
     return gates
 
@@ -277,57 +330,196 @@ def load_gates(path: str | Path | None = None) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------- run directories
 
 
+
+def default_run_id() -> str:
+    """A run id that two invocations never share: local time, process id and 32 random bits
+    (``20261130-154501-12345-9f3a0c1e``)."""
+    return f"{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _writable_root(root: Path) -> None:
+    """InputError (field --output) unless ``root`` is, or can become, a writable directory."""
+    probe = root
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise InputError("not a directory", file=probe, field="--output",
+                         hint="pass a directory (it is created when missing) to --output")
+    if probe.exists() and (not os.access(probe, os.W_OK | os.X_OK) or not probe.stat().st_mode & 0o222):
+        raise InputError("directory is not writable", file=probe, field="--output",
+                         hint="pass a writable directory to --output")
+
+
 class RunDir:
-    """reports/<run-id>/: one report per stage plus manifest.json listing them with verdicts."""
+    """reports/<run-id>/: one report per stage plus manifest.json listing them with verdicts.
+
+    The stage files are the truth. ``manifest.json`` is derived from them on every write, under
+    an exclusive ``flock`` on ``<run>/.lock`` (so concurrent writers into one run serialize), and
+    is never read back to decide anything: ``verdict_of`` and ``stage_report`` read the stage's
+    own JSON. A run id holds 1-64 letters, digits, '.', '_' or '-' and starts with a letter or
+    digit; without one, ``default_run_id`` makes one that does not collide.
+    """
 
     def __init__(self, root: str | Path = "reports", run_id: str | None = None):
-        self.run_id = run_id or _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        if not self.run_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise InputError(f"run id {self.run_id!r} may hold only letters, digits, '-', '_' and '.'",
-                             field="--run")
-        self.path = Path(root) / self.run_id
+        self.run_id = run_id if run_id is not None else default_run_id()
+        if not RUN_ID_PATTERN.match(self.run_id):
+            shown = self.run_id if len(self.run_id) <= 40 else self.run_id[:40] + "..."
+            raise InputError(f"run id {shown!r} ({len(self.run_id)} characters) is not 1-64 letters, digits, "
+                             "'.', '_' or '-' starting with a letter or digit", field="--run")
+        self.root = Path(root)
+        _writable_root(self.root)
+        self.path = self.root / self.run_id
+        if self.path.exists() and not self.path.is_dir():
+            raise InputError("run path exists and is not a directory", file=self.path, field="--run",
+                             hint="choose another --run")
 
     @property
     def manifest_path(self) -> Path:
         return self.path / "manifest.json"
 
-    def manifest(self) -> dict[str, Any]:
-        if not self.manifest_path.is_file():
-            return {"run_id": self.run_id, "stages": {}}
+    @contextlib.contextmanager
+    def lock(self):
+        """Exclusive lock on the run directory (``fcntl.flock`` on ``<run>/.lock``)."""
+        import fcntl
+
         try:
-            return json.loads(self.manifest_path.read_text())
-        except json.JSONDecodeError:
-            raise InputError("manifest is not valid JSON; delete the run directory and run again",
-                             file=self.manifest_path) from None
+            self.path.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path / LOCK_NAME, "a")
+        except OSError as exc:
+            raise InputError(f"cannot write the run directory: {exc.strerror}", file=self.path,
+                             field="--output", hint="pass a writable directory to --output") from None
+        with handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+    def stage_report(self, stage: str) -> dict[str, Any] | None:
+        """The stage's report as written (``<stage>.json``), or None when it has not run here.
+
+        A file that is not a stage report of this stage (bad JSON, wrong shape) is an InputError.
+        """
+        path = self.path / f"{stage}.json"
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise InputError("stage report is not valid JSON; delete it and run the stage again",
+                             file=path) from None
+        if (not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA or data.get("stage") != stage
+                or data.get("verdict") not in VERDICTS or not isinstance(data.get("fingerprint", {}), dict)):
+            raise InputError(f"not an adapt stage report of stage {stage!r}; delete it and run the stage again",
+                             file=path)
+        return data
+
+    def _scan(self) -> dict[str, dict[str, Any]]:
+        """Manifest entries derived from the stage reports on disk (``*.json`` with the report schema)."""
+        stages = {}
+        for path in sorted(self.path.glob("*.json")):
+            if path.name == self.manifest_path.name:
+                continue
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA or path.stem != data.get("stage"):
+                continue
+            stages[data["stage"]] = {
+                "number": data.get("number"), "verdict": data.get("verdict"), "finished": data.get("finished"),
+                "files": sorted(data.get("files") or [path.name]), "fingerprint": data.get("fingerprint", {}),
+            }
+        return stages
+
+    def manifest(self) -> dict[str, Any]:
+        """The run's manifest as derived from its stage files now (what ``manifest.json`` holds
+        after every write). A ``manifest.json`` of the wrong shape is an InputError."""
+        if self.manifest_path.is_file():
+            try:
+                stored = json.loads(self.manifest_path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise InputError("manifest is not valid JSON; delete it (it is rebuilt from the stage reports)",
+                                 file=self.manifest_path) from None
+            if not isinstance(stored, dict) or not isinstance(stored.get("stages", {}), dict):
+                raise InputError("manifest is not an adapt run manifest (expected an object with a 'stages' "
+                                 "object); delete it (it is rebuilt from the stage reports)",
+                                 file=self.manifest_path)
+        return {"schema": MANIFEST_SCHEMA, "run_id": self.run_id, "stages": self._scan() if self.path.is_dir() else {}}
 
     def write(self, report: StageReport, extra: dict[str, str] | None = None) -> dict[str, Path]:
-        """Write the report's JSON, Markdown and JUnit files and record it in the manifest.
+        """Write the report's JSON, Markdown and JUnit files and rebuild the manifest, under the lock.
 
-        extra: more files to write alongside (name -> text), e.g. a serve command.
+        extra: more files to write alongside (name -> text), e.g. a serve command; names ending
+        in ``.sh`` are made executable. Raises ``Interrupted`` (and writes nothing) once SIGINT or
+        SIGTERM has arrived, so no pass is written after an interrupt.
         """
+        check_interrupt()
         report.decide()
         if not report.finished:
             report.finished = now_iso()
-        written = {}
-        files = {f"{report.stage}.json": report.to_json(), f"{report.stage}.md": report.to_markdown(),
-                 f"{report.stage}.junit.xml": report.to_junit()}
+        files = {f"{report.stage}.md": report.to_markdown(), f"{report.stage}.junit.xml": report.to_junit()}
         files.update(extra or {})
-        for name, text in files.items():
-            atomic_write(self.path / name, text)
-            written[name] = self.path / name
-        manifest = self.manifest()
-        manifest["stages"][report.stage] = {
-            "number": report.number, "verdict": report.verdict, "finished": report.finished,
-            "files": sorted(files), "fingerprint": report.fingerprint,
-        }
-        manifest["updated"] = now_iso()
-        atomic_write(self.manifest_path, json.dumps(manifest, indent=2, default=_json_default))
+        data = report.to_dict()
+        data["files"] = sorted([f"{report.stage}.json", *files])
+        files[f"{report.stage}.json"] = json.dumps(data, indent=2, default=_json_default)
+        written = {}
+        self.manifest()  # a manifest of the wrong shape is refused before anything is written
+        with self.lock():
+            pause_for_test("write")
+            check_interrupt()
+            try:
+                for name, text in files.items():
+                    if name == f"{report.stage}.json":
+                        continue
+                    atomic_write(self.path / name, text, executable=name.endswith(".sh"))
+                    written[name] = self.path / name
+                # the stage JSON last: it is what makes the report count
+                atomic_write(self.path / f"{report.stage}.json", files[f"{report.stage}.json"])
+                written[f"{report.stage}.json"] = self.path / f"{report.stage}.json"
+                manifest = self.manifest()
+                manifest["updated"] = now_iso()
+                atomic_write(self.manifest_path, json.dumps(manifest, indent=2, default=_json_default))
+            except OSError as exc:
+                raise InputError(f"cannot write the report: {exc.strerror or exc}", file=exc.filename or self.path,
+                                 field="--output", hint="pass a writable directory to --output") from None
         return written
 
     def verdict_of(self, stage: str) -> str | None:
-        """The recorded verdict of a stage in this run, or None if it has not run here."""
-        entry = self.manifest()["stages"].get(stage)
-        return entry["verdict"] if entry else None
+        """The verdict in the stage's own report in this run, or None if it has not run here."""
+        data = self.stage_report(stage)
+        return data["verdict"] if data else None
+
+
+def pause_for_test(point: str) -> None:
+    """Test hook for the interrupt tests. ``ADAPT_TEST_PAUSE=<point>:<file>`` makes the process
+    create ``<file>`` here and sleep until a signal arrives (the handler raises ``Interrupted``);
+    ``in-del-<point>:<file>`` does the same inside an object's ``__del__``, where Python drops
+    the exception (as it did when rich's ``Group.__del__`` ran at the wrong moment)."""
+    name, _, path = os.environ.get("ADAPT_TEST_PAUSE", "").partition(":")
+    if name == point:
+        _wait_for_signal(Path(path))
+    elif name == f"in-del-{point}":
+        _SwallowingDel(Path(path))
+
+
+def _wait_for_signal(ready: Path) -> None:
+    import time
+
+    ready.write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+        check_interrupt()
+
+
+class _SwallowingDel:
+    def __init__(self, ready: Path):
+        self.ready = ready
+
+    def __del__(self):
+        _wait_for_signal(self.ready)
 
 
 def digest(obj: Any) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.errors import InputError
-from adapt.handoff.vllm import multi_node_args, ray_steps, serve_command
+from adapt.handoff.vllm import multi_node_args, ray_steps, serve_command, shell_script
 from adapt.report import RunDir, StageReport, fingerprint, markdown_table
 
 STAGE_NUMBER = 0  # the schema numbers gate stages 1-6; 0 marks reports outside that sequence
@@ -34,9 +34,57 @@ def gate_verdicts(run: RunDir) -> dict[str, str | None]:
     return {stage: run.verdict_of(stage) for stage in REQUIRED_STAGES}
 
 
+def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, nodes: int) -> str | None:
+    """Why the run's stage reports were not made for this hand-off, or None when they were.
+
+    Each stage report's fingerprint (stages 1-4, and 5-6 when they carry one) must name this
+    model (config and checkpoint digests), this target profile and this adapt version; stages
+    that read ``devices``/``nodes`` must have planned for these; and the stages must agree with
+    each other on every option they share (stage 2's context, batch, KV dtype and weights are
+    stage 4's). The answer names the stage
+    and the field that differs.
+    """
+    from adapt.stages.pipeline import PipelineOptions, fingerprint_mismatch, stage_fingerprint
+
+    expected = stage_fingerprint(1, PipelineOptions(model=model, target=target, devices=devices, nodes=nodes), {})
+    shared_fields = ("model", "checkpoint", "target", "adapt_version")
+    seen_options: dict[str, tuple[str, object]] = {}
+    seen_stack: tuple[str, object] | None = None
+    for stage in REQUIRED_STAGES + LATER_STAGES:
+        data = run.stage_report(stage)
+        if data is None:
+            continue
+        recorded = data.get("fingerprint") or {}
+        if "options" not in recorded:
+            if stage in LATER_STAGES:
+                continue  # stages 5-6 join this check once they are registered in pipeline.STAGES
+            return f"{stage}: its report has no provenance fingerprint (made by an older adapt); run it again"
+        differs = fingerprint_mismatch(recorded, expected, shared_fields)
+        if differs:
+            return f"{stage}: {differs}"
+        options = recorded["options"]
+        for key, want in (("devices", devices), ("nodes", nodes)):
+            if key in options and options[key] != want:
+                return f"{stage}: options.{key}: recorded {options[key]!r}, now {want!r}"
+        for key, value in options.items():
+            if key in seen_options and seen_options[key][1] != value:
+                other, was = seen_options[key]
+                return f"{stage}: options.{key} is {value!r} but {other} planned with {was!r}"
+            seen_options.setdefault(key, (stage, value))
+        if seen_stack is not None and recorded.get("stack") != seen_stack[1]:
+            return f"{stage}: stack {recorded.get('stack')} differs from {seen_stack[0]}'s {seen_stack[1]}"
+        seen_stack = seen_stack or (stage, recorded.get("stack"))
+    return None
+
+
 def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: int, force: bool) -> list[str]:
-    """Refuse (InputError) unless stages 1-4 passed or warned in ``run``; with ``force``, return
-    the list of problems that were overridden instead (recorded in the bundle)."""
+    """Refuse (InputError) unless stages 1-4 passed or warned in ``run`` for this model, target,
+    devices and nodes; with ``force``, return the list of gates that had not passed instead
+    (recorded in the bundle). A provenance mismatch is refused even with ``force``."""
+    differs = provenance_mismatch(run, model=model, target=target, devices=devices, nodes=nodes)
+    if differs:
+        raise InputError(f"hand-off refused: the run's reports were made for other inputs ({differs})",
+                         file=run.path, hint="validate this model, target and device count in a new --run")
     problems = []
     for stage, verdict in gate_verdicts(run).items():
         if verdict is None:
@@ -69,6 +117,7 @@ def plan_engine_args(run: RunDir, *, devices: int, nodes: int, forced: bool) -> 
         if not isinstance(engine_args, dict) or not engine_args:
             raise InputError("stage-4 report has no engine_args in its metrics", file=path,
                              hint="re-run stage 4 with this adapt version")
+        engine_args = {**engine_args, **(metrics.get("extra_engine_args") or {})}
         source = f"stage-4 plan ({path.name})"
     elif forced:
         if devices % nodes:
@@ -84,6 +133,33 @@ def plan_engine_args(run: RunDir, *, devices: int, nodes: int, forced: bool) -> 
         raise InputError(f"the plan uses {world} devices but --devices is {devices}", field="--devices",
                          hint="pass the device count the stage-4 plan was made for, or re-plan")
     return dict(engine_args), source
+
+
+def planned_weights(run: RunDir) -> str:
+    """The ``--weights`` format the run's stage-4 plan assumed ("as-stored" without a plan)."""
+    data = run.stage_report("parallel")
+    if data is None:
+        return "as-stored"
+    options = data["fingerprint"].get("options") or {}
+    return str(options.get("weights") or (data["fingerprint"].get("stage_inputs") or {}).get("weights")
+               or "as-stored")
+
+
+def weights_for_vllm(model: str, weights: str) -> tuple[dict[str, Any], str]:
+    """vLLM quantization engine arguments for the plan's weight format and a sentence on how, or an
+    InputError saying why vLLM cannot hold the weights as planned (``adapt.handoff.vllm.vllm_quantization``)."""
+    from adapt.handoff.vllm import vllm_quantization
+    from adapt.model.spec import load_spec
+
+    if weights == "as-stored":  # nothing to convert: no need to read the spec (the model may be one adapt only serves)
+        return {}, "as stored; vLLM reads the checkpoint's own format"
+    spec = load_spec(model)
+    experts = spec.quant.format_of("routed_experts").method
+    experts = "fp8" if experts.startswith("fp8") else experts
+    try:
+        return vllm_quantization(spec.quant.source, experts, weights)
+    except InputError as exc:
+        raise InputError(f"hand-off refused: {exc.message}", field=exc.field, hint=exc.hint) from None
 
 
 def model_reference(model: str) -> str:
@@ -112,6 +188,9 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
         raise InputError("--devices and --nodes must be positive", field="--devices")
     overridden = check_gates(run, model=model, target=target, devices=devices, nodes=nodes, force=force)
     engine_args, source = plan_engine_args(run, devices=devices, nodes=nodes, forced=force)
+    weights = planned_weights(run)
+    quantization, how = weights_for_vllm(model, weights)
+    engine_args.update(quantization)
     model_path = served_model or model_reference(model)
     args = multi_node_args(engine_args, nodes)
     argv = serve_command(model_path, args)
@@ -122,7 +201,8 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
                                                  nodes=nodes))
     report.metrics.update({"engine_args": args, "serve_command": argv, "ray_steps": steps, "nodes": nodes,
                            "devices": devices, "forced": bool(force and overridden),
-                           "overridden_gates": overridden, "engine_args_source": source})
+                           "overridden_gates": overridden, "engine_args_source": source,
+                           "weights": {"plan": weights, "vllm": how, "engine_args": quantization}})
     if not Path(model_path).is_dir():
         report.add("info", "model-name",
                    f"'{model_path}' is not a directory here: the serve command names it as given",
@@ -135,17 +215,19 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     files = {
         f"{BUNDLE_DIR}/engine_args.json": json.dumps({
             "model": model_path, "source_model": model, "target": resolved_target.name, "devices": devices,
-            "nodes": nodes, "engine_args": args, "engine_args_source": source, "forced": bool(overridden),
+            "nodes": nodes, "engine_args": args, "engine_args_source": source,
+            "weights_format": {"plan": weights, "vllm": how}, "forced": bool(overridden),
             "overridden_gates": overridden, "export_note": export_note}, indent=2) + "\n",
         f"{BUNDLE_DIR}/serve.sh": "#!/bin/sh\n# vllm serve for "
         + (f"the head node of a {nodes}-node Ray cluster (see ray.sh)" if nodes > 1 else "one node")
         + "\nexec " + shlex.join(argv) + "\n",
         f"{BUNDLE_DIR}/README.md": _readme(model, model_path, resolved_target.name, devices, nodes, verdicts,
-                                          source, overridden, preflight, export_note, run),
+                                          source, overridden, preflight, export_note, run,
+                                          report.metrics["weights"]),
     }
     if steps:
-        files[f"{BUNDLE_DIR}/ray.sh"] = (f"# Ray bring-up for vLLM over {nodes} nodes; run each line "
-                                         "where its comment says, in order.\n" + "\n".join(steps) + "\n")
+        files[f"{BUNDLE_DIR}/ray.sh"] = shell_script(
+            steps, f"Ray bring-up for vLLM over {nodes} nodes; run each line where its comment says, in order.")
     if preflight is not None:
         files[f"{BUNDLE_DIR}/preflight.json"] = json.dumps(preflight, indent=2) + "\n"
     else:
@@ -176,11 +258,12 @@ def _preflight_checks(run: RunDir) -> dict[str, Any] | None:
 def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
             verdicts: dict[str, str | None],
             source: str, overridden: list[str], preflight: dict[str, Any] | None, export_note: str | None,
-            run: RunDir) -> str:
+            run: RunDir, weights: dict[str, Any]) -> str:
     manifest = run.manifest()["stages"]
     lines = [f"# vLLM hand-off: {model}", "",
              f"Target: {devices} x {target}" + (f" over {nodes} nodes (Ray)" if nodes > 1 else "") + ".",
-             f"Model path served: `{model_path}`.", f"Engine arguments: {source}.", ""]
+             f"Model path served: `{model_path}`.", f"Engine arguments: {source}.",
+             f"Weights: {weights['plan']} in the plan; vLLM holds them {weights['vllm']}.", ""]
     if export_note:
         lines += [f"Checkpoint: {export_note}", ""]
     lines += ["## Validated", ""]

@@ -146,6 +146,88 @@ def ray_steps(model_path: str, engine_args: dict[str, Any], nodes: int,
     ]
 
 
+def shell_script(lines: list[str], comment: str = "") -> str:
+    """A POSIX ``sh`` script of shell lines (``set -e``). Placeholders such as ``<head-ip>`` (a
+    redirection to ``sh``) become required variables, ``${HEAD_IP:?set HEAD_IP (head-ip)}``,
+    so the script parses under ``sh`` and stops with that message until the user sets them."""
+
+    def variable(match: re.Match) -> str:
+        name = match.group(1).upper().replace("-", "_")
+        return f"${{{name}:?set {name} ({match.group(1)})}}"
+
+    body = [re.sub(r"<([a-z][a-z-]*)>", variable, line) for line in lines]
+    head = "#!/bin/sh\n" + (f"# {comment}\n" if comment else "") + "set -e\n"
+    return head + "\n".join(body) + "\n"
+
+
+def rope_override(rope_scaling: dict[str, Any] | None, *, theta: float, base: int, factor: float) -> dict[str, Any]:
+    """``hf_overrides`` that extend the context by ``factor`` over ``base`` tokens, changing only the factor.
+
+    vLLM applies ``hf_overrides`` with ``PretrainedConfig.update``, which replaces the
+    ``rope_scaling`` dict whole; under transformers 5 that dict is also where ``rope_theta`` lives.
+    So the override carries every field of the model's own ``rope_scaling`` (DeepSeek's mscale,
+    mscale_all_dim, beta_fast, beta_slow, ...) and its ``rope_theta``, with only ``factor``
+    changed; a model without rope scaling gets YaRN over ``base`` tokens. ``max_position_embeddings``
+    becomes ``base x factor``. rope_scaling: the config's dict (None: none); theta: rope_theta;
+    base: the pre-scaling length (tokens).
+    """
+    scaling = dict(rope_scaling) if rope_scaling else {"rope_type": "yarn", "original_max_position_embeddings": base}
+    scaling["factor"] = factor
+    scaling.setdefault("original_max_position_embeddings", base)
+    scaling.setdefault("rope_theta", theta)
+    return {"rope_scaling": scaling, "max_position_embeddings": int(base * factor)}
+
+
+# ---------------------------------------------------------------- weight format -> vLLM quantization
+
+# vLLM 0.32's online quantization (vllm/config/quantization.py, ``_ONLINE_SHORTHANDS``; docs
+# features/quantization/online.md) quantizes the bf16/fp16 weights of a checkpoint at load:
+# ``--quantization fp8_per_block`` (128x128 weight blocks, all Linear and MoE layers), or
+# ``--quantization online --quantization-config '{"moe": "<scheme>"}'`` for the MoE experts only.
+# A checkpoint that is already quantized is loaded in its own format (its quantization_config);
+# vLLM does not re-quantize quantized weights to another format at load.
+_ONLINE_EXPERTS = {"mxfp4-online": "mxfp4", "mxfp4-offline-fp8": "fp8_per_block"}
+
+
+def vllm_quantization(stored: str, experts: str, weights: str) -> tuple[dict[str, Any], str]:
+    """Engine arguments that make vLLM hold the weights in the format the plan assumed, and a
+    sentence saying how; InputError (the hand-off refuses) when vLLM cannot do it.
+
+    stored: the checkpoint's quant_method ("none" for bf16/fp16, "fp8", "mxfp4", ...);
+    experts: the stored routed-expert format ("bf16", "fp8", "mxfp4", ...); weights: the plan's
+    ``--weights`` (as-stored | bf16 | fp8 | mxfp4-online | mxfp4-offline-fp8).
+    """
+    unquantized = stored == "none"
+    if weights == "as-stored":
+        return {}, f"as stored ({'bf16/fp16' if unquantized else stored}); vLLM reads the checkpoint's own format"
+    if weights == "bf16":
+        if unquantized:
+            return {}, "bf16 as stored"
+        raise InputError(f"the plan assumed bf16 weights, but the checkpoint is quantized ({stored}) and vLLM "
+                         "loads it in that format", field="--weights",
+                         hint="plan with --weights as-stored, or serve a bf16 export of the checkpoint")
+    if weights == "fp8":
+        if unquantized:
+            return {"quantization": "fp8_per_block"}, "fp8 128x128 blocks, quantized by vLLM at load (fp8_per_block)"
+        if stored == "fp8":
+            return {}, "fp8 as stored"
+        raise InputError(f"the plan assumed fp8 weights, but the checkpoint stores {stored} and vLLM does not "
+                         "re-quantize quantized weights at load", field="--weights",
+                         hint="plan with --weights as-stored")
+    if weights in _ONLINE_EXPERTS:
+        want = "mxfp4" if weights == "mxfp4-online" else "fp8"
+        if experts == want:
+            return {}, f"routed experts {want} as stored"
+        if unquantized:
+            scheme = _ONLINE_EXPERTS[weights]
+            return ({"quantization": "online", "quantization_config": {"moe": scheme}},
+                    f"routed experts quantized to {want} by vLLM at load (online, moe={scheme}); the rest as stored")
+        raise InputError(f"the plan assumed {want} routed experts ({weights}), but the checkpoint's experts are "
+                         f"{experts} ({stored}) and vLLM cannot convert quantized experts at load", field="--weights",
+                         hint=f"plan with --weights as-stored, or convert the experts to {want} offline first")
+    raise InputError(f"unknown weights format {weights!r}", field="--weights")
+
+
 def find_vllm(explicit: str | None = None) -> Path:
     """The ``vllm`` executable: ``explicit`` if given, else next to the running Python, else
     ``.venv-serve/bin/vllm`` in the current directory or the repository, else on PATH."""

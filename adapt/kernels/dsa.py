@@ -25,7 +25,9 @@ What is Triton and what is torch here:
   (batch 64 decode at 128K: 64 sequences x 16 splits of 64 tiles). Torch twin
   ``index_scores_torch``.
 - ``index_topk``: calls ``index_scores`` on bounded chunks of query rows and selects with
-  ``torch.topk`` (torch, not Triton). The [T, S] score matrix is never materialised: a chunk
+  ``adapt.kernels.topk.topk_indices`` (Triton radix threshold select, twin ``topk_indices_torch``)
+  for chunks of at most ``TRITON_SELECT_MAX_ROWS`` rows, torch.topk above (measured faster there).
+  The [T, S] score matrix is never materialised: a chunk
   holds at most ``max_score_bytes`` of fp32 scores (rows x visible keys of its last row);
   ``IndexStats.peak_score_bytes`` reports what was used.
 
@@ -45,9 +47,15 @@ import torch
 import triton
 import triton.language as tl
 
+from adapt.kernels.topk import topk_indices, topk_indices_torch
 from adapt.runtime.kv_cache import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 
-PREFILL_ROWS_PER_TILE = 8
+# Stacked prefill tile, fastest of the sweep on an H200 at 128K (2026-11-30, commit 0375b39: 4 rows x 64
+# keys, 8 warps, 631 TFLOP/s on the last 4096 rows; 2 x 128 keys, 4 warps 567; the per-row form at 4 rows,
+# commit 8cbbe8e, 492).
+PREFILL_ROWS_PER_TILE = 4
+PREFILL_KEY_BLOCK = 64
+PREFILL_WARPS = 8
 KEY_BLOCK = 128
 DEFAULT_PROGRAMS = 1024
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
@@ -118,16 +126,36 @@ def fold_index_weights(weights: torch.Tensor, q_scale: torch.Tensor, head_dim: i
 
 
 @triton.jit
+def _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM: tl.constexpr,
+              BLOCK_S: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+    """Key tile ``kt`` of a sequence through its block table: (positions [BLOCK_S], e4m3 keys
+    [BLOCK_S, HEAD_DIM] (fp32 under the interpreter), fp32 scales [BLOCK_S]); positions at or past
+    ``tile_limit`` read as 0."""
+    pos = kt * BLOCK_S + tl.arange(0, BLOCK_S)
+    key_mask = pos < tile_limit
+    page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
+    slot = page.to(tl.int64) * PAGE + pos % PAGE
+    keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=key_mask[:, None],
+                   other=0.0)
+    kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+    if UPCAST:
+        keys = keys.to(tl.float32)
+    return pos, keys, kscale
+
+
+@triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
                          n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                          ROWS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, STACKED: tl.constexpr):
     """One program: one query tile (up to ROWS consecutive rows of one sequence) against
     ``tiles_per_split`` consecutive BLOCK_S-key tiles (split ``program_id(1)`` of the
     context). Key tiles stream through a NUM_STAGES-deep software pipeline; each is read
     once and scored against every row of the query tile. With ROWS == 1 (decode) the query
-    [H, D] and its weights stay in registers for the whole scan."""
+    [H, D] and its weights stay in registers for the whole scan. STACKED (ROWS > 1): the tile's
+    ROWS x BLOCK_H query heads are loaded once as one [ROWS * BLOCK_H, D] operand and each key tile
+    takes one MMA with N = ROWS * BLOCK_H (instead of ROWS MMAs of N = BLOCK_H re-reading q)."""
     tile = tl.program_id(0)
     row0 = tl.load(tiles_ptr + tile * 3)
     n_rows = tl.load(tiles_ptr + tile * 3 + 1)
@@ -146,32 +174,49 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
         if UPCAST:
             q_one = q_one.to(tl.float32)
         w_one = tl.load(w_ptr + row0.to(tl.int64) * n_heads + heads, mask=hmask, other=0.0)
-    for kt in tl.range(first, live, num_stages=NUM_STAGES):
-        pos = kt * BLOCK_S + offs
-        key_mask = pos < tile_limit
-        page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
-        slot = page.to(tl.int64) * PAGE + pos % PAGE
-        keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=key_mask[:, None], other=0.0)
-        kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+    if STACKED:
+        stack = tl.arange(0, ROWS * BLOCK_H)
+        srow = stack // BLOCK_H
+        shead = stack % BLOCK_H
+        s_ok = (shead < n_heads) & (srow < n_rows)
+        q_all = tl.load(q_ptr + ((row0 + srow).to(tl.int64) * n_heads + shead)[:, None] * HEAD_DIM + dims[None, :],
+                        mask=s_ok[:, None], other=0.0)
         if UPCAST:
-            keys = keys.to(tl.float32)
-        for r in tl.static_range(ROWS):
-            row = (row0 + r).to(tl.int64)
-            row_ok = r < n_rows
-            if ROWS == 1:
-                q_r = q_one
-                w_r = w_one
-            else:
-                q_r = tl.load(q_ptr + (row * n_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
-                              mask=hmask[:, None] & row_ok, other=0.0)
-                if UPCAST:
-                    q_r = q_r.to(tl.float32)
-                w_r = tl.load(w_ptr + row * n_heads + heads, mask=hmask & row_ok, other=0.0)
-            logits = tl.dot(keys, tl.trans(q_r))
-            score = tl.sum(tl.maximum(logits, 0.0) * w_r[None, :], axis=1) * kscale
-            limit = tl.load(limit_ptr + row, mask=row_ok, other=0)
-            score = tl.where(pos < limit, score, float("-inf"))
-            tl.store(out_ptr + row * out_stride + pos, score, mask=row_ok & (pos < out_cols))
+            q_all = q_all.to(tl.float32)
+        w_all = tl.load(w_ptr + (row0 + srow).to(tl.int64) * n_heads + shead, mask=s_ok, other=0.0)
+        tile_rows = tl.arange(0, ROWS)
+        row_limits = tl.load(limit_ptr + row0 + tile_rows, mask=tile_rows < n_rows, other=0)
+        out_rows = (row0 + tile_rows).to(tl.int64) * out_stride
+        for kt in tl.range(first, live, num_stages=NUM_STAGES):
+            pos, keys, kscale = _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM,
+                                          BLOCK_S, PAGE, UPCAST)
+            logits = tl.dot(keys, tl.trans(q_all))
+            weighted = tl.reshape(tl.maximum(logits, 0.0) * w_all[None, :], [BLOCK_S, ROWS, BLOCK_H])
+            score = tl.sum(weighted, axis=2) * kscale[:, None]
+            score = tl.where(pos[:, None] < row_limits[None, :], score, float("-inf"))
+            tl.store(out_ptr + out_rows[None, :] + pos[:, None], score,
+                     mask=(tile_rows[None, :] < n_rows) & (pos[:, None] < out_cols))
+    else:
+        for kt in tl.range(first, live, num_stages=NUM_STAGES):
+            pos, keys, kscale = _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM,
+                                          BLOCK_S, PAGE, UPCAST)
+            for r in tl.static_range(ROWS):
+                row = (row0 + r).to(tl.int64)
+                row_ok = r < n_rows
+                if ROWS == 1:
+                    q_r = q_one
+                    w_r = w_one
+                else:
+                    q_r = tl.load(q_ptr + (row * n_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
+                                  mask=hmask[:, None] & row_ok, other=0.0)
+                    if UPCAST:
+                        q_r = q_r.to(tl.float32)
+                    w_r = tl.load(w_ptr + row * n_heads + heads, mask=hmask & row_ok, other=0.0)
+                logits = tl.dot(keys, tl.trans(q_r))
+                score = tl.sum(tl.maximum(logits, 0.0) * w_r[None, :], axis=1) * kscale
+                limit = tl.load(limit_ptr + row, mask=row_ok, other=0)
+                score = tl.where(pos < limit, score, float("-inf"))
+                tl.store(out_ptr + row * out_stride + pos, score, mask=row_ok & (pos < out_cols))
     for kt in range(tl.maximum(first, live), last):
         pos = kt * BLOCK_S + offs
         for r in tl.static_range(ROWS):
@@ -200,7 +245,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
                  num_cols: int, *, rows_per_tile: int | None = None, key_block: int | None = None,
                  num_stages: int | None = None, num_warps: int | None = None,
-                 programs: int | None = None) -> torch.Tensor:
+                 programs: int | None = None, stacked: bool = True) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -214,9 +259,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     twin by about 1e-3 relative there (exactly equal under the interpreter).
     Tiling: ``rows_per_tile`` query rows share each key tile (default
     ``PREFILL_ROWS_PER_TILE``; 1 when every row is its own sequence, as in decode);
-    ``key_block`` keys per tile (default 128); ``num_stages`` key tiles in flight (default 3);
-    the context is split so that about ``programs`` programs run (default 1024, enough to fill
-    132 SMs several times); ``num_warps`` per program (default 4).
+    ``key_block`` keys per tile (default 128 in decode, 64 in prefill); ``num_stages`` key tiles in
+    flight (default 3); the context is split so that about ``programs`` programs run (default 1024,
+    enough to fill 132 SMs several times); ``num_warps`` per program (default 4 in decode, 8 in
+    prefill); ``stacked`` (rows_per_tile > 1): one MMA per key tile over all the tile's rows x heads,
+    q loaded once (default), else one MMA per row.
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -227,7 +274,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     tiles = _query_tiles(token_seq, per_tile)
     if not decode:
         tiles = tiles.flip(0).contiguous()  # causal: the longest rows start first, not last
-    block_s = key_block or KEY_BLOCK
+    block_s = key_block or (KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     key_tiles = triton.cdiv(num_cols, block_s)
     splits = min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS, tiles.shape[0])))
     tiles_per_split = triton.cdiv(key_tiles, splits)
@@ -237,7 +284,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         limits.to(torch.int32).contiguous(), tiles, out,
         n_heads, block_table.stride(0), out.stride(0), num_cols, tiles_per_split,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s, ROWS=per_tile,
-        PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), num_warps=num_warps or 4,
+        PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
+        num_warps=num_warps or (4 if decode else PREFILL_WARPS),
     )
     return out
 
@@ -272,16 +320,26 @@ class IndexStats:
     peak_score_bytes: int
 
 
-def _select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+# Rows up to which ``index_topk`` selects with the Triton radix select; above it torch.topk, measured
+# faster there. H200, 2026-11-30, commit 0375b39, scores of 128K keys, top-2048: 1 row 28.6 us (Triton,
+# 8-bit digits) against 56.0 us (torch.topk); 64 rows 225 against 146 us; 4096 rows 12.0 against 6.0 ms.
+TRITON_SELECT_MAX_ROWS = 8
+
+
+def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor) -> torch.Tensor:
+    """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``: the Triton
+    radix select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest),
+    else torch.topk (unordered, ties arbitrary); -1 where a row sees fewer than ``topk`` keys."""
+    if scores.shape[0] <= TRITON_SELECT_MAX_ROWS:
+        return topk_indices(scores, limits, topk, out=out)
     k = min(topk, scores.shape[1])
     values, idx = torch.topk(scores, k, dim=-1, sorted=False)
-    idx = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
-    if k < topk:
-        idx = torch.cat([idx, idx.new_full((idx.shape[0], topk - k), -1)], dim=1)
-    return idx
+    out[:, :k] = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
+    out[:, k:] = -1
+    return out
 
 
-def _index_topk_chunked(score_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
+def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
                         topk, max_score_bytes, max_keys, tile_options):
     n_rows = q_fp8.shape[0]
     out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
@@ -301,7 +359,7 @@ def _index_topk_chunked(score_fn, q_fp8, weights, index_k, index_scale, block_ta
         scores = score_fn(q_fp8[start:end], weights[start:end], index_k, index_scale, block_table,
                           token_seq[start:end], limits[start:end], cols, **tile_options)
         peak = max(peak, scores.numel() * 4)
-        out[start:end] = _select_topk(scores, topk)
+        select_fn(scores, limits[start:end], topk, out=out[start:end])
         del scores
         chunks += 1
     return out, IndexStats(chunks=chunks, peak_score_bytes=peak)
@@ -311,18 +369,22 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
                block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor, topk: int, *,
                max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, max_keys: int | None = None,
                **tile_options) -> tuple[torch.Tensor, IndexStats]:
-    """Top-``topk`` key positions per query row: Triton scoring on bounded chunks + torch.topk.
+    """Top-``topk`` key positions per query row: Triton scoring on bounded chunks, then a select per chunk.
 
-    Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the row
-    sees fewer than ``topk`` keys; stats). Rows are chunked so that each chunk's score buffer
-    (rows x visible keys of the widest row, fp32) stays under ``max_score_bytes``; a chunk
-    holds at least one row (4 * S bytes for S keys). Order within a row is unspecified.
+    Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the
+    row sees fewer than ``topk`` keys; stats). A chunk of at most ``TRITON_SELECT_MAX_ROWS`` rows (decode
+    at small batch) selects with ``adapt.kernels.topk.topk_indices`` (ascending positions, -1 after them,
+    ties at the k-th score to the lowest positions, exactly as the twin); larger chunks with torch.topk
+    (measured faster there; order unspecified, ties arbitrary). Rows are chunked so that
+    each chunk's score buffer (rows x visible keys of the widest row, fp32) stays under
+    ``max_score_bytes``; a chunk holds at least one row (4 * S bytes for S keys).
     ``max_keys`` (an upper bound on ``limits``) sizes every chunk's score buffer without reading
     ``limits`` back to the host; with it and ``rows_per_tile=1`` a decode step makes no host sync
-    (CUDA-graph capturable).
+    (CUDA-graph capturable). The scores of a chunk are still written to memory and read back by the
+    select (decode, batch 64 x 128K: 32 MiB, L2-sized); scoring and select are not fused yet.
     """
-    return _index_topk_chunked(index_scores, q_fp8, weights, index_k, index_scale, block_table, token_seq,
-                               limits, topk, max_score_bytes, max_keys, tile_options)
+    return _index_topk_chunked(index_scores, _select_topk, q_fp8, weights, index_k, index_scale, block_table,
+                               token_seq, limits, topk, max_score_bytes, max_keys, tile_options)
 
 
 def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
@@ -330,5 +392,5 @@ def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.
                      limits: torch.Tensor, topk: int, *, max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES,
                      max_keys: int | None = None, **tile_options) -> tuple[torch.Tensor, IndexStats]:
     """Torch twin of ``index_topk``."""
-    return _index_topk_chunked(index_scores_torch, q_fp8, weights, index_k, index_scale, block_table,
-                               token_seq, limits, topk, max_score_bytes, max_keys, tile_options)
+    return _index_topk_chunked(index_scores_torch, topk_indices_torch, q_fp8, weights, index_k, index_scale,
+                               block_table, token_seq, limits, topk, max_score_bytes, max_keys, tile_options)

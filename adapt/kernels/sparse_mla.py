@@ -47,8 +47,19 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _to_bf16(x, UPCAST: tl.constexpr):
+    """bf16 of fp32 ``x``, rounded to nearest even. The interpreter's own fp32 -> bf16 cast truncates,
+    so under it the rounding is done on the bits first (then the cast is exact)."""
+    if UPCAST:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
 def _dequant_cols(kv, scale_ptr, slot, valid, col0, RANK: tl.constexpr, WIDTH: tl.constexpr,
-                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """bf16 [BLOCK_K, WIDTH] from e4m3 columns col0.. of the gathered rows times their per-GROUP scales."""
     if WIDTH > GROUP:
         NG: tl.constexpr = WIDTH // GROUP
@@ -59,7 +70,7 @@ def _dequant_cols(kv, scale_ptr, slot, valid, col0, RANK: tl.constexpr, WIDTH: t
     else:
         sc = tl.load(scale_ptr + slot * (RANK // GROUP) + col0 // GROUP, mask=valid, other=0.0)
         out = kv.to(tl.float32) * sc[:, None]
-    return out.to(tl.bfloat16)
+    return _to_bf16(out, UPCAST)
 
 
 @triton.jit
@@ -121,7 +132,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
         if FUSED:
             kv = tl.load(nope_ptr + slot[:, None] * RANK + ccols[None, :], mask=valid[:, None], other=0.0)
             if FP8:
-                kv = _dequant_cols(kv, nscale_ptr, slot, valid, 0, RANK, RANK, GROUP, BLOCK_K)
+                kv = _dequant_cols(kv, nscale_ptr, slot, valid, 0, RANK, RANK, GROUP, BLOCK_K, UPCAST)
             if UPCAST:
                 kv = kv.to(tl.float32)
             s += tl.dot(q_all, tl.trans(kv))
@@ -138,13 +149,13 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
                                mask=valid[:, None], other=0.0)
                 if FP8:
                     kv_c = _dequant_cols(kv_c, nscale_ptr, slot, valid, c * QK_CHUNK, RANK, QK_CHUNK, GROUP,
-                                         BLOCK_K)
+                                         BLOCK_K, UPCAST)
                 if UPCAST:
                     kv_c = kv_c.to(tl.float32)
                 s += tl.dot(q_c, tl.trans(kv_c))
             kv = tl.load(nope_ptr + slot[:, None] * RANK + vcols[None, :], mask=valid[:, None], other=0.0)
             if FP8:
-                kv = _dequant_cols(kv, nscale_ptr, slot, valid, vpart * VDIM, RANK, VDIM, GROUP, BLOCK_K)
+                kv = _dequant_cols(kv, nscale_ptr, slot, valid, vpart * VDIM, RANK, VDIM, GROUP, BLOCK_K, UPCAST)
             if UPCAST:
                 kv = kv.to(tl.float32)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
@@ -154,7 +165,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, kv)
+            acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # fp32 p: no tf32 rounding
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
         m_i = m_new
@@ -166,22 +177,25 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=hmask & (vpart == 0))
     else:
-        tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + vcols[None, :], out.to(tl.bfloat16),
+        tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + vcols[None, :], _to_bf16(out, UPCAST),
                  mask=hmask[:, None])
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One program: one row, BLOCK_H heads. Merges the n_splits partial outputs by their
-    log2-sum-exp weights: out = sum_s 2**lse_s * o_s / sum_s 2**lse_s (0 when no slice saw a
-    valid position). Bytes: reads n_splits * BLOCK_H * (RANK + 1) * 4, writes BLOCK_H * RANK * 2."""
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_C: tl.constexpr, UPCAST: tl.constexpr):
+    """One program: one row, BLOCK_H heads, BLOCK_C output columns. Merges the n_splits partial
+    outputs by their log2-sum-exp weights: out = sum_s 2**lse_s * o_s / sum_s 2**lse_s (0 when no
+    slice saw a valid position). Bytes: reads n_splits * BLOCK_H * (BLOCK_C + 1) * 4, writes
+    BLOCK_H * BLOCK_C * 2. Small blocks on purpose: batch-1 decode has one row, and the partials
+    (splits x 128 heads x 512 x 4 B) must be read by many SMs at once."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
-    cols = tl.arange(0, RANK)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, RANK], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     for s in range(0, n_splits):
         part = (row * n_splits + s) * n_heads + heads
         lse = tl.load(lse_ptr + part, mask=hmask, other=float("-inf"))
@@ -194,7 +208,7 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.cons
         l_run = l_run * alpha + w
         m_run = m_new
     out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
-    tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + cols[None, :], out.to(tl.bfloat16),
+    tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + cols[None, :], _to_bf16(out, UPCAST),
              mask=hmask[:, None])
 
 
@@ -239,7 +253,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fused (v_split 1, qk_chunk 512), block_h 64, block_k 32, 1 or 2 stages: 105 KB, 128 KB with
     splits > 1. Every one of these tiles uses 255 registers per thread and spills (0.1-3 KB of
     stack per thread); the fewest spills: qk_chunk 512, v_split 2, block_k 32, 2 stages, split.
-    The defaults are the fastest tile measured on an H200 at batch 64 (see ``benchmarks/dsa``).
+    The defaults for an fp8 latent of rank 512 on the GPU are the fastest tile measured on an H200 at
+    batch 64 (fused, block_k 64, 1 stage: 139 KB shared, 255 registers, no stack).
     """
     n_rows, n_heads, rank = q_nope.shape
     rope = q_rope.shape[-1]
@@ -250,10 +265,14 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fp8 = latent_scale is not None
     group = rank // latent_scale.shape[-1] if fp8 else rank
     interpreting = _interpreting()
+    # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage, fastest measured on an H200
+    # at batch 64 x 128K decode (2026-11-30, benchmarks/gpu-2026-11-30-dsa: 244 us at commit 0375b39; two
+    # stages 256-261 us; 32 positions 358 us; v_split 2 / qk_chunk 128 518 us).
+    fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
     block_k = block_k or (16 if interpreting else 64)
-    v_split = v_split or (1 if interpreting or rank < 512 else 2)
-    qk_chunk = min(rank, qk_chunk or 128)
+    v_split = v_split or (1 if interpreting or rank < 512 or fused_fp8 else 2)
+    qk_chunk = min(rank, qk_chunk or (512 if fused_fp8 else 128))
     vdim = rank // v_split
     if rank % qk_chunk or rank % v_split:
         raise ValueError(f"qk_chunk {qk_chunk} and v_split {v_split} must divide the latent rank {rank}")
@@ -285,9 +304,11 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
         num_stages=num_stages,
     )
     if splits > 1:
-        combine_h = min(triton.next_power_of_2(n_heads), max(1, 8192 // triton.next_power_of_2(rank)))
-        _combine_kernel[(n_rows, triton.cdiv(n_heads, combine_h))](
-            partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, num_warps=4)
+        combine_c = min(rank, 128)
+        combine_h = min(triton.next_power_of_2(n_heads), 4)
+        _combine_kernel[(n_rows, triton.cdiv(n_heads, combine_h), rank // combine_c)](
+            partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, BLOCK_C=combine_c,
+            UPCAST=interpreting, num_warps=4)
     return out
 
 
@@ -295,7 +316,9 @@ def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: to
                      latent_scale: torch.Tensor | None, latent_rope: torch.Tensor, block_table: torch.Tensor,
                      token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
                      **_tile_options) -> torch.Tensor:
-    """Torch twin of ``sparse_mla`` (fp32 math on dequantized rows; tile options ignored)."""
+    """Torch twin of ``sparse_mla`` (fp32 math on rows dequantized to bf16 as the kernel's MMA operand;
+    the compiled kernel also rounds the softmax probabilities to bf16 for p @ v, which the twin does not
+    (its running maximum is per tile); tile options ignored)."""
     n_rows, n_heads, rank = q_nope.shape
     out = torch.zeros(n_rows, n_heads, rank, dtype=torch.float32, device=q_nope.device)
     nope = latent_nope.reshape(-1, rank)
@@ -309,9 +332,9 @@ def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: to
         pages = block_table[int(token_seq[row])].long()[idx // PAGE_SIZE]
         slots = pages * PAGE_SIZE + idx % PAGE_SIZE
         kv = nope[slots].float()
-        if scale is not None:
+        if scale is not None:  # dequantized to bf16, the kernel's MMA operand
             kv = kv.view(len(slots), scale.shape[-1], -1) * scale[slots].unsqueeze(-1)
-            kv = kv.view(len(slots), rank)
+            kv = kv.view(len(slots), rank).to(torch.bfloat16).float()
         logits = (q_nope[row].float() @ kv.T + q_rope[row].float() @ rope[slots].float().T) * softmax_scale
         out[row] = torch.softmax(logits, dim=-1) @ kv
     return out.to(torch.bfloat16)

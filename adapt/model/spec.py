@@ -544,6 +544,18 @@ def spec_from_config(config: dict, source: str) -> ModelSpec:
 
 _MISSING: Any = object()
 
+# Plausibility limits on config integers, checked before anything is sized from them (a
+# config with 10^12 layers or a 10^30 hidden size is refused instead of exhausting memory).
+# Each is >= 30x the largest public value we know of (DeepSeek-V3: 61 layers, 7168 hidden,
+# 256 experts; Llama 4: 10M context; vocabularies up to ~262k).
+PLAUSIBLE_MAX = {
+    "num_hidden_layers": 4096, "num_nextn_predict_layers": 64, "hidden_size": 1 << 18,
+    "intermediate_size": 1 << 20, "moe_intermediate_size": 1 << 20, "num_attention_heads": 1 << 12,
+    "num_key_value_heads": 1 << 12, "head_dim": 1 << 12, "vocab_size": 1 << 23, "n_routed_experts": 1 << 14,
+    "num_local_experts": 1 << 14, "num_experts": 1 << 14, "max_position_embeddings": 1 << 30,
+}
+PLAUSIBLE_MAX_DEFAULT = 1 << 32
+
 
 class _Fields:
     """Typed, validated reads from one config dict; every failure is an InputError that names
@@ -577,6 +589,10 @@ class _Fields:
         value = self._raw(name, default, expected)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.error(name, expected, value)
+        limit = PLAUSIBLE_MAX.get(name, PLAUSIBLE_MAX_DEFAULT)
+        if value > limit:
+            raise self.error(name, f"at most {limit:,} (beyond any physical model; refused before planning)",
+                             value)
         return value
 
     def optional_integer(self, name: str, minimum: int = 1) -> int | None:
@@ -585,8 +601,9 @@ class _Fields:
     def number(self, name: str, default: Any = _MISSING, positive: bool = True) -> float:
         expected = "a positive number" if positive else "a number"
         value = self._raw(name, default, expected)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
-            raise self.error(name, expected, value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0) \
+                or not math.isfinite(value):
+            raise self.error(name, "a finite " + expected[2:], value)
         return float(value)
 
     def boolean(self, name: str, default: Any = _MISSING) -> bool:

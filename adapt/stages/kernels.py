@@ -69,6 +69,9 @@ MLA_QUERY_ROWS = 10
 GATE_KEYS = {"fp32": "max_rel_error_fp32", "bf16": "max_rel_error_bf16", "fp8": "max_rel_error_fp8",
              "fp8_mma": "max_rel_error_fp8_mma", "mxfp4": "max_rel_error_mxfp4",
              "topk": "max_topk_mismatch_rows"}
+# Kernel against its torch twin (same quantized operands): keys of their own, far tighter than the
+# format errors above, so a kernel cannot drift from its twin by a format's quantization error.
+TWIN_KEYS = {"cpu": "max_twin_rel_error_interpreter", "cuda": "max_twin_rel_error_gpu"}
 SEED = 0
 
 
@@ -80,7 +83,10 @@ class CheckResult:
     dtype_path: "fp32" | "bf16" | "fp8" | "fp8_mma" | "mxfp4" | "topk" (selects the tolerance)
     twin_error / ref_error: relative L2 error against the torch twin / the float64 reference
         (for "topk": rows whose selection disagrees); None where that comparison does not apply
-    tolerance: the gate value applied to both; passed: both within it and every output finite
+    tolerance: the format's gate value, applied to ref_error (and to twin_error where no
+        twin_tolerance is set: selections, counted in rows)
+    twin_tolerance: the kernel-vs-twin gate value (``TWIN_KEYS``: interpreter or GPU)
+    passed: each error within its tolerance and every output finite
     """
 
     op: str
@@ -92,18 +98,31 @@ class CheckResult:
     tolerance: float
     finite: bool = True
     detail: str = ""
+    twin_tolerance: float | None = None
+
+    def limits(self) -> list[tuple[str, float, float]]:
+        """(comparison, error, tolerance) for each comparison made."""
+        out = []
+        if self.twin_error is not None:
+            twin_tol = self.twin_tolerance if self.twin_tolerance is not None else self.tolerance
+            out.append(("kernel vs twin", self.twin_error, twin_tol))
+        if self.ref_error is not None:
+            out.append(("kernel vs float64" if self.dtype_path != "topk" else "kernel vs reference",
+                        self.ref_error, self.tolerance))
+        return out
 
     @property
     def passed(self) -> bool:
-        errors = [e for e in (self.twin_error, self.ref_error) if e is not None]
-        return self.finite and all(math.isfinite(e) and e <= self.tolerance for e in errors)
+        return self.finite and all(math.isfinite(e) and e <= tol for _, e, tol in self.limits())
 
     def row(self) -> dict[str, Any]:
         return {
             "op": self.op, "kernel": self.kernel, "check": self.check,
             "twin rel err": _num(self.twin_error, self.dtype_path),
             "float64 rel err": _num(self.ref_error, self.dtype_path),
-            "tolerance": self.tolerance, "dtype path": self.dtype_path,
+            "tolerance": self.tolerance,
+            "twin tolerance": self.twin_tolerance if self.twin_tolerance is not None else "-",
+            "dtype path": self.dtype_path,
             "result": ("pass" if self.passed else "FAIL") + (f" ({self.detail})" if self.detail else ""),
         }
 
@@ -758,6 +777,115 @@ PARTS = {"adapt.kernels.moe_gemm.moe_forward": ("adapt.kernels.routing.route",
                                                 "adapt.kernels.mxfp4.dequantize_mxfp4")}
 
 
+# ---------------------------------------------------------------- native ops on the target's device
+
+
+def target_device(target) -> tuple[str | None, str]:
+    """(torch device, description) when this machine has the target's device, else (None, why not).
+
+    ``cpu`` targets run here; an NVIDIA target needs a visible GPU of its compute capability; an
+    AMD target a ROCm GPU of its gfx architecture.
+    """
+    import torch
+
+    cc = target.compute_capability
+    if cc == "cpu":
+        return "cpu", "this machine's CPU"
+    if not torch.cuda.is_available():
+        return None, f"no GPU is visible here (torch.cuda.is_available() is False); the target is {target.name} ({cc})"
+    props = torch.cuda.get_device_properties(0)
+    here = getattr(props, "gcnArchName", "") if torch.version.hip else f"{props.major}.{props.minor}"
+    if here.split(":")[0] != cc:
+        return None, f"the visible GPU is {props.name} ({here}), the target {target.name} is {cc}"
+    return "cuda", f"{props.name} ({here})"
+
+
+def _native_check(op: str, device: str, tolerances: dict[str, float]) -> CheckResult | None:
+    """One native operator computed by torch on ``device`` (the stack's op as torch runs it there)
+    against float64 on the CPU; None for an operator family adapt has no torch check for."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(SEED + 99)
+    x64 = torch.randn(16, 128, generator=gen, dtype=torch.float64)
+    w64 = torch.randn(96, 128, generator=gen, dtype=torch.float64) / 128 ** 0.5
+    bf = lambda t: t.to(device=device, dtype=torch.bfloat16)  # noqa: E731
+    tol = lambda path: float(tolerances[GATE_KEYS[path]])  # noqa: E731
+
+    def result(kernel, check, path, got, ref):
+        got = got.detach().double().cpu()
+        return CheckResult(op, kernel, check, path, None, rel_error(got, ref), tol(path),
+                           finite=bool(torch.isfinite(got).all()))
+
+    x_in, w_in = x64.to(torch.bfloat16).double(), w64.to(torch.bfloat16).double()  # the operands as stored
+    if op == "embedding":
+        ids = torch.randint(0, 96, (32,), generator=gen)
+        return result("torch.nn.functional.embedding", "row lookup (exact)", "fp32",
+                      F.embedding(ids.to(device), bf(w64)), w_in[ids])
+    if op.startswith(("linear_", "moe_grouped_gemm_", "fuse_qkv", "fuse_gate_up", "fuse_dequant")):
+        return result("torch.nn.functional.linear", "bf16 matmul [16,128] x [128,96]", "bf16",
+                      F.linear(bf(x64), bf(w64)), x_in @ w_in.T)
+    if op in ("rmsnorm", "fuse_residual_rmsnorm"):
+        scale = x_in.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+        return result("torch.nn.functional.rms_norm", "bf16 RMSNorm", "bf16",
+                      F.rms_norm(bf(x64), (128,), bf(w64[0]), 1e-6), x_in * scale * w_in[0])
+    if op == "layernorm":
+        ref = (x_in - x_in.mean(-1, keepdim=True)) / (x_in.var(-1, unbiased=False, keepdim=True) + 1e-6).sqrt()
+        return result("torch.nn.functional.layer_norm", "bf16 LayerNorm", "bf16",
+                      F.layer_norm(bf(x64), (128,), eps=1e-6), ref)
+    if op.startswith("rope_"):
+        pos = torch.arange(16, dtype=torch.float64)[:, None]
+        angle = pos * 10000.0 ** (-torch.arange(0, 64, dtype=torch.float64) / 64)
+        a, b = x64[:, :64], x64[:, 64:]
+        ref = torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
+        ang, xs = angle.float().to(device), x64.float().to(device)
+        got = torch.cat([xs[:, :64] * ang.cos() - xs[:, 64:] * ang.sin(),
+                         xs[:, 64:] * ang.cos() + xs[:, :64] * ang.sin()], -1)
+        return result("torch.cos/sin rotation", "fp32 rotary embedding (neox halves)", "fp32", got, ref)
+    if op.startswith(("swiglu", "fuse_mask_softmax")):
+        if op.startswith("swiglu"):
+            g, u = x_in[:, :64], x_in[:, 64:]
+            return result("torch.nn.functional.silu", "bf16 silu(gate) * up", "bf16",
+                          F.silu(bf(x64)[:, :64]) * bf(x64)[:, 64:], g / (1 + (-g).exp()) * u)
+        return result("torch.softmax", "bf16 masked softmax", "bf16", torch.softmax(bf(x64), -1),
+                      torch.softmax(x_in, -1))
+    if op.startswith("attention_"):
+        q = torch.randn(1, 4, 16, 64, generator=gen, dtype=torch.float64)
+        k = torch.randn(1, 4, 16, 64, generator=gen, dtype=torch.float64)
+        v = torch.randn(1, 4, 16, 64, generator=gen, dtype=torch.float64)
+        q_, k_, v_ = (t.to(torch.bfloat16).double() for t in (q, k, v))
+        mask = torch.ones(16, 16, dtype=torch.bool).tril()
+        ref = torch.softmax((q_ @ k_.transpose(-1, -2) / 8).masked_fill(~mask, float("-inf")), -1) @ v_
+        return result("torch.nn.functional.scaled_dot_product_attention", "bf16 causal attention, 4 heads x 64",
+                      "bf16", F.scaled_dot_product_attention(bf(q), bf(k), bf(v), is_causal=True), ref)
+    if op.startswith("routing_") or op in ("moe_permute", "fuse_routing_permute"):
+        logits = torch.randn(32, 16, generator=gen, dtype=torch.float32)
+        got = torch.topk(logits.to(device), 4, dim=-1).indices.sort(-1).values.cpu()
+        ref = torch.topk(logits.double(), 4, dim=-1).indices.sort(-1).values
+        mismatched = int((got != ref).any(-1).sum())
+        return CheckResult(op, "torch.topk", "top-4 of 16 expert sets, 32 tokens", "topk", None, mismatched,
+                           tol("topk"))
+    if op.startswith("kv_cache_"):
+        cache = torch.zeros(4 * 16, 128, device=device, dtype=torch.bfloat16)
+        slots = torch.randperm(64, generator=gen)[:16]
+        cache.index_copy_(0, slots.to(device), bf(x64))
+        return result("torch.Tensor.index_copy_", "paged write and gather back (exact)", "fp32",
+                      cache[slots.to(device)], x_in)
+    return None
+
+
+def check_native_ops(rows: list[GapRow], target, tolerances: dict[str, float]) -> tuple[list[CheckResult], str]:
+    """Check each native operator through torch on the target's device against float64.
+
+    Returns (results, where): ``where`` names the device the checks ran on, or why none ran
+    (results empty). Operators with no torch check here are not counted as checked."""
+    device, where = target_device(target)
+    if device is None or not rows:
+        return [], where
+    found = [_native_check(r.op.name, device, tolerances) for r in rows]
+    return [f for f in found if f is not None], where
+
+
 # ---------------------------------------------------------------- the stage
 
 
@@ -841,12 +969,31 @@ def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: d
     for r in results:
         if not r.passed:
             what = "non-finite output" if not r.finite and not r.detail else (r.detail or "")
-            errors = ", ".join(f"{name} {value:.3g}" for name, value in
-                               (("twin", r.twin_error), ("float64", r.ref_error)) if value is not None)
+            errors = ", ".join(f"{name} {value:.3g} {'>' if value > tol else '<='} {tol:g}"
+                               for name, value, tol in r.limits())
             report.add("error", "kernels.tolerance",
-                       f"{r.op}: {r.kernel} ({r.check}) fails: {errors} vs tolerance {r.tolerance:g}"
-                       + (f"; {what}" if what else ""),
+                       f"{r.op}: {r.kernel} ({r.check}) fails: {errors}" + (f"; {what}" if what else ""),
                        "run the kernel's own tests (pytest tests/kernels) and compare with its torch twin")
+    native_results, native_reason = check_native_ops(
+        [r for r in others if r.status == "native"], tgt, thresholds)
+    if native_results:
+        report.tables["native op checks"] = [r.row() for r in native_results]
+    for r in native_results:
+        if not r.passed:
+            report.add("error", "kernels.native_tolerance",
+                       f"{r.op}: {r.kernel} on {native_reason} ({r.check}) fails: "
+                       + ", ".join(f"{name} {value:.3g} vs {tol:g}" for name, value, tol in r.limits()),
+                       f"the {table.name} stack's torch op disagrees with float64 on this device")
+    unchecked = sorted(set(native) - {r.op for r in native_results})
+    if native_results and unchecked:
+        report.add("info", "kernels.native_unchecked",
+                   f"native op(s) with no torch check in adapt: {', '.join(unchecked)}")
+    if native and not native_results:
+        report.add("warn", "kernels.native_not_run",
+                   f"not run here: {len(native)} native op(s) of {table.name} ({', '.join(native)}): {native_reason}",
+                   f"run stage 3 on a {tgt.name} machine to check them on the device")
+    if not results and not native_results:
+        report.add("warn", "kernels.no_checks", "stage 3 ran no check here; it does not pass with zero checks")
     if interpreter:
         report.add("info", "kernels.interpreter",
                    "no CUDA device: the Triton kernels ran under the Triton interpreter (TRITON_INTERPRET=1) "
@@ -855,7 +1002,7 @@ def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: d
         report.add("info", "kernels.none_needed",
                    f"{model} needs no adapt kernel on {tgt.name} "
                    f"with stack {table.name}")
-    failed = [r for r in results if not r.passed]
+    failed = [r for r in results + native_results if not r.passed]
     by_path: dict[str, float] = {}
     for r in results:
         if r.dtype_path == "topk":
@@ -864,14 +1011,19 @@ def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: d
         by_path[r.dtype_path] = max(by_path.get(r.dtype_path, 0.0), worst)
     report.metrics = {
         "ops_needing_checks": len(needs), "ops_native": len(native), "ops_composable": len(composable),
-        "checks_run": len(results), "checks_failed": len(failed),
+        "checks_run": len(results) + len(native_results), "checks_failed": len(failed),
+        "native_checks_run": len(native_results),
+        "native_not_run": len(native) if not native_results else 0,
         "max_rel_error_by_path": by_path, "seconds": round(time.perf_counter() - clock, 2),
         "triton_interpreter": interpreter,
     }
     checked = sorted({n.row.op.name for n in needs})
     report.summary = (f"{len(results)} check(s) of {len(checked)} operator(s) needing adapt kernels "
-                      f"({', '.join(checked)}) on {device_name}; {len(failed)} failed." if needs else
+                      f"({', '.join(checked)}) on {device_name}." if needs else
                       f"No operator needs an adapt kernel on {tgt.name} with stack {table.name}.")
+    report.summary += (f" {len(native_results)} native op check(s) through torch on {native_reason}."
+                       if native_results else f" Native ops not checked here: {native_reason}." if native else "")
+    report.summary += f" {len(failed)} failed."
     report.fingerprint = fingerprint(spec_hash=spec.spec_hash(), model=model, target=tgt.name,
                                      stack=table.name, device=device_name if needs else None,
                                      interpreter=interpreter, seed=SEED,
@@ -908,6 +1060,8 @@ def _run_checks(ctx: Context, needs: list[Need], report: StageReport) -> list[Ch
             for result in found:
                 if part:
                     result.check += f" (inside {need.kernel.rsplit('.', 1)[-1]})"
+                if result.dtype_path != "topk":
+                    result.twin_tolerance = float(ctx.tolerances[TWIN_KEYS[ctx.device]])
             results.extend(found)
     return results
 

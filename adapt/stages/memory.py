@@ -31,6 +31,7 @@ from typing import Any
 
 from adapt.errors import InputError
 from adapt.model.spec import ModelSpec, QuantFormat, TensorSpec
+from adapt.plan.headroom import Headroom, assess, margin_bytes
 from adapt.report import StageReport, fingerprint, now_iso
 from adapt.targets.target import Target
 
@@ -815,7 +816,7 @@ def _stage_terms(
         "framework_overhead": FRAMEWORK_OVERHEAD_BYTES,
     }
     estimated = sum(terms[k] for k in ESTIMATED_TERMS if k != "headroom")
-    terms["headroom"] = headroom * estimated
+    terms["headroom"] = margin_bytes(estimated, headroom)
     per_token = kv_bytes_per_token(spec, layout, kv_dtype, layers)
     per_seq = kv_bytes_per_sequence(spec, layout, kv_dtype, context, block_size, layers)
     detail = {
@@ -973,7 +974,7 @@ def plan_memory(
     )
     sequences = -(-batch // layout.dp)
     budget = int(util * target.memory_bytes)
-    stage, concurrent, pool = _evaluate(
+    stage, rule = _evaluate(
         spec,
         target,
         layout,
@@ -984,13 +985,10 @@ def plan_memory(
         **options,
     )
     terms = {k: int(round(v)) for k, v in stage.terms.items()}
+    rule = assess(terms, budget_bytes=budget, kv_bytes_per_sequence=stage.kv_per_sequence,
+                  requested_sequences=sequences)
+    pool, concurrent, verdict = rule.pool_bytes, rule.concurrent_sequences, rule.verdict
     terms["kv_cache"] = sequences * stage.kv_per_sequence
-    if pool < stage.kv_per_sequence:
-        verdict = "does-not-fit"
-    elif concurrent < sequences:
-        verdict = "fits-fewer-sequences"
-    else:
-        verdict = "fits"
     binding = max(terms, key=lambda k: terms[k])
     plan = MemoryPlan(
         model=spec.source,
@@ -1060,8 +1058,8 @@ def _evaluate(
     headroom: float,
     max_num_batched_tokens: int,
     max_num_seqs: int,
-) -> tuple[_StageResult, int, float]:
-    """The binding pipeline stage (fewest concurrent sequences), its concurrency and KV pool."""
+) -> tuple[_StageResult, Headroom]:
+    """The binding pipeline stage (fewest concurrent sequences) and the headroom rule's answer for it."""
     worst: tuple[_StageResult, int, float] | None = None
     decode_tokens = min(sequences, max_num_seqs, max_num_batched_tokens)
     for stage, layers in enumerate(pp_stages(spec.num_layers, layout.pp)):
@@ -1081,13 +1079,11 @@ def _evaluate(
             decode_tokens=decode_tokens,
             checkpoint_bytes=checkpoint_bytes,
         )
-        pool = budget - sum(result.terms.values())
-        concurrent = int(pool // result.kv_per_sequence) if pool > 0 and result.kv_per_sequence else 0
-        if result.kv_per_sequence == 0 and pool > 0:
-            concurrent = sequences
-        key = (concurrent, pool)
-        if worst is None or key < (worst[1], worst[2]):
-            worst = (result, concurrent, pool)
+        rule = assess(result.terms, budget_bytes=budget, kv_bytes_per_sequence=result.kv_per_sequence,
+                      requested_sequences=sequences)
+        if worst is None or (rule.concurrent_sequences, rule.pool_bytes) < (
+                worst[1].concurrent_sequences, worst[1].pool_bytes):
+            worst = (result, rule)
     assert worst is not None
     return worst
 
@@ -1098,7 +1094,7 @@ def _longest_context(spec, target, layout, budget, sequences, checkpoint_bytes, 
     block = options["block_size"]
 
     def fits(tokens: int) -> bool:
-        _, concurrent, pool = _evaluate(
+        _, rule = _evaluate(
             spec,
             target,
             layout,
@@ -1108,7 +1104,7 @@ def _longest_context(spec, target, layout, budget, sequences, checkpoint_bytes, 
             checkpoint_bytes=checkpoint_bytes,
             **options,
         )
-        return pool > 0 and concurrent >= sequences
+        return rule.passes
 
     if fits(limit):
         return limit
@@ -1139,7 +1135,7 @@ def _fewest_devices(spec, target, context, batch, checkpoint_bytes, util, option
         layout = Layout(tp=min(count, per_node), pp=nodes)
         if layout_problems(spec, layout, options["weights"]):
             continue
-        _, concurrent, pool = _evaluate(
+        _, rule = _evaluate(
             spec,
             target,
             layout,
@@ -1149,7 +1145,7 @@ def _fewest_devices(spec, target, context, batch, checkpoint_bytes, util, option
             checkpoint_bytes=checkpoint_bytes,
             **options,
         )
-        if pool > 0 and concurrent >= batch:
+        if rule.passes:
             return count
     return None
 
@@ -1215,6 +1211,13 @@ def _explain(plan: MemoryPlan) -> list[str]:
 # Stage report
 
 
+def plan_headroom(plan: MemoryPlan) -> Headroom:
+    """The headroom rule applied to a finished plan (its binding device)."""
+    return assess({k: v for k, v in plan.terms.items() if k != "kv_cache"}, budget_bytes=plan.budget_bytes,
+                  kv_bytes_per_sequence=plan.kv_bytes_per_sequence,
+                  requested_sequences=plan.sequences_per_replica)
+
+
 def load_model(model: str) -> tuple[ModelSpec, Any]:
     """ModelSpec and, for a directory with safetensors headers, its Checkpoint (else None)."""
     from adapt.model.checkpoint import Checkpoint
@@ -1235,8 +1238,8 @@ def run_plan_memory(
 ) -> StageReport:
     """Stage 2 as a gated report. ``plan_args``: ``plan_memory``'s keyword arguments (devices,
     context, batch, ...; not checkpoint, which comes from ``model``). ``gates["memory"]``:
-    headroom_fraction (default margin on the estimated terms), min_concurrent_sequences (fewer
-    concurrent sequences than this fails)."""
+    headroom_fraction (default margin on the estimated terms). The gate is the headroom rule
+    (``adapt.plan.headroom.assess``): it fails unless every requested sequence fits."""
     from adapt.targets.target import load_target
 
     started = now_iso()
@@ -1266,35 +1269,27 @@ def run_plan_memory(
         report.tables["mxfp4 online vs offline fp8 (per device)"] = [
             {"item": k, "GiB": round(v / GiB, 3), "bytes": v} for k, v in plan.mxfp4_comparison.items()
         ]
-    minimum = int(thresholds.get("min_concurrent_sequences", 1))
-    if plan.verdict == "does-not-fit" or plan.concurrent_sequences < minimum:
+    rule = plan_headroom(plan)
+    if not rule.passes:
         hint = (
             f"fewest devices that fit: {plan.fewest_devices}"
             if plan.fewest_devices
             else "no device count of this target fits"
         )
         if plan.longest_context:
-            hint += f"; longest context that fits here: {plan.longest_context:,}"
+            hint += f"; longest context for {plan.sequences_per_replica} sequence(s) here: {plan.longest_context:,}"
         if plan.min_gpu_memory_utilization:
             hint += f"; or --gpu-memory-utilization {plan.min_gpu_memory_utilization:.2f}"
         report.add(
             "error",
-            "memory.does_not_fit",
-            f"{plan.concurrent_sequences} sequence(s) of {context:,} tokens fit per replica (need at least "
-            f"{minimum}); binding term {plan.binding_term} {_gib(plan.terms[plan.binding_term])}",
+            "memory.does_not_fit" if plan.verdict == "does-not-fit" else "memory.fewer_sequences",
+            f"{plan.verdict}: {rule.describe(plan.budget_bytes)} (headroom rule, adapt/plan/headroom.py); "
+            f"binding term {plan.binding_term} {_gib(plan.terms[plan.binding_term])}",
             hint,
-        )
-    elif plan.verdict == "fits-fewer-sequences":
-        report.add(
-            "warn",
-            "memory.fewer_sequences",
-            f"only {plan.concurrent_sequences} of {plan.sequences_per_replica} sequences of {context:,} "
-            "tokens fit at once per replica; the rest wait",
-            f"longest context for {batch} sequences: {plan.longest_context:,}",
         )
     else:
         report.add(
-            "info", "memory.fits", f"fits with {plan.concurrent_sequences} concurrent sequences per replica"
+            "info", "memory.fits", f"fits: {rule.describe(plan.budget_bytes)}"
         )
     if plan.terms["weight_layout_padding"]:
         report.add(

@@ -1,27 +1,55 @@
-"""The gate pipeline: run stage N after the stages before it, in one run directory.
+"""The gate pipeline: run stage N after the stages before it, in one run directory, with provenance.
 
-``validate(n, options, run)`` runs every stage up to N that has no passing report in the run
-directory yet, stops at the first failed gate, and returns the reports it produced.
+API (small on purpose):
+
+- ``STAGES``: stage number -> ``Stage(name, run, reads, gates)``. ``reads`` names the
+  ``PipelineOptions`` fields the stage's runner reads; ``gates`` the gates.yaml sections it
+  reads. Both are declarative: a stage (5 precision, 6 bench) is registered by adding one entry,
+  and its fingerprint follows from the entry.
+- ``check_options(options)``: every flag checked (InputError, exit 2) before any stage runs.
+- ``stage_fingerprint(stage, options, gates)``: what a stage's report depends on (below).
+- ``validate(n, options, run, gates)``: runs stages 1..n; a stage below n whose report in the
+  run directory passed (or warned) *and* whose recorded fingerprint equals the current one is
+  reused, every other one runs again; stops at the first failed gate.
+- ``fingerprint_mismatch(recorded, expected)``: the first differing field, for the hand-off.
+
+A fingerprint (``report.fingerprint``) holds:
+
+  model          sha256 of the model's config.json (preset file, config path or directory's)
+  checkpoint     digest of every safetensors header of a model directory (None without shards)
+  target         target name and sha256 of its profile YAML
+  stack          the stack table in force (``--stack`` or the target's default) and its YAML's sha256
+  options        the ``PipelineOptions`` fields the stage reads (``Stage.reads``), by value
+  gates          sha256 of the effective (defaults + ``--gates``) sections the stage reads
+  adapt_version  ``adapt.__version__``
+
+plus ``git_commit`` (recorded, not compared: a dirty tree changes it without changing inputs).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from adapt.errors import InputError
-from adapt.report import RunDir, StageReport
+import adapt
+from adapt.errors import InputError, check_interrupt
+from adapt.report import RunDir, StageReport, digest, git_commit, pause_for_test
 
-STAGE_NAMES = {1: "inventory", 2: "memory", 3: "kernels", 4: "parallel", 5: "precision"}
+COMPARED_FIELDS = ("model", "checkpoint", "target", "stack", "options", "gates", "adapt_version")
 
 
 @dataclass
 class PipelineOptions:
-    """What every stage may need; each stage reads its own subset.
+    """What every stage may need; each stage reads its own subset (``Stage.reads``).
 
     model: preset name, config.json or model directory; target: name or YAML path
     devices / nodes: devices in total / nodes; context: tokens per sequence; batch: sequences
+    kv_dtype: bf16 | fp8; weights: see ``adapt.stages.memory.WEIGHT_FORMATS``
+    stack: stack table name or YAML path (None: the target's default)
     """
 
     model: str
@@ -38,6 +66,16 @@ class PipelineOptions:
     indexer_dtype: str = "fp8"  # stage 5: DSA indexer format
     compute_dtype: str = "bf16"  # stage 5: the adapted path's compute dtype
     report_dir: str | None = None  # where stages write extra files (stage 5's plot); set from the run
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One gate stage: its report name, its runner and what it reads (options and gates sections)."""
+
+    name: str
+    run: Callable[[PipelineOptions, dict], StageReport]
+    reads: tuple[str, ...]
+    gates: tuple[str, ...]
 
 
 def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
@@ -77,28 +115,172 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
                              "--batch", str(o.batch), *(["--stack", o.stack] if o.stack else [])])
 
 
-RUNNERS: dict[int, Callable[[PipelineOptions, dict], StageReport]] = {
-    1: _inventory, 2: _memory, 3: _kernels, 4: _parallel, 5: _precision,
+_PLAN_OPTIONS = ("devices", "nodes", "context", "batch", "kv_dtype", "weights")
+_PRECISION_OPTIONS = ("layers", "kernels", "weights", "indexer_dtype", "kv_dtype", "compute_dtype",
+                      "devices", "nodes", "context", "batch")  # the last four only enter the advised commands
+STAGES: dict[int, Stage] = {
+    1: Stage("inventory", _inventory, reads=(), gates=("inventory",)),
+    2: Stage("memory", _memory, reads=_PLAN_OPTIONS, gates=("memory",)),
+    3: Stage("kernels", _kernels, reads=(), gates=("kernels",)),
+    4: Stage("parallel", _parallel, reads=_PLAN_OPTIONS, gates=("memory", "parallel")),
+    5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",)),
 }
+STAGE_NAMES = {n: s.name for n, s in STAGES.items()}
+
+
+# ---------------------------------------------------------------- identity of the inputs
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def config_path(model: str) -> Path:
+    """The config.json a model argument resolves to (as ``adapt.model.spec.load_spec`` does)."""
+    from adapt.model.spec import PRESETS_DIR, list_presets
+
+    path = Path(model)
+    if path.is_dir():
+        return path / "config.json"
+    if path.is_file():
+        return path
+    if "/" not in model and (PRESETS_DIR / f"{model}.json").is_file():
+        return PRESETS_DIR / f"{model}.json"
+    raise InputError("no such model directory, config file or preset", file=model,
+                     hint="presets: " + ", ".join(list_presets()))
+
+
+def checkpoint_digest(model: str) -> str | None:
+    """sha256 over every shard's name and safetensors header (JSON) of a model directory, or None
+    when it has no shards. Reads 8 bytes + the header of each shard, never the weights."""
+    directory = Path(model)
+    if not directory.is_dir():
+        return None
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        return None
+    h = hashlib.sha256()
+    for shard in shards:
+        with open(shard, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if size > 100 * 2**20:
+                raise InputError(f"safetensors header of {size:,} bytes is implausible", file=shard)
+            h.update(shard.name.encode() + b"\0" + handle.read(size))
+    return h.hexdigest()[:16]
+
+
+def _file_digest(path: str | Path) -> str:
+    try:
+        return _sha(Path(path).read_bytes())
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror}", file=path) from None
+
+
+def stage_fingerprint(number: int, options: PipelineOptions, gates: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint of stage ``number`` for these options and effective gates (module docstring)."""
+    from adapt.targets.target import load_stack, load_target
+
+    stage = STAGES[number]
+    target = load_target(options.target)
+    stack = load_stack(options.stack or target.default_stack)
+    return {
+        "model": _file_digest(config_path(options.model)),
+        "checkpoint": checkpoint_digest(options.model),
+        "target": {"name": target.name, "profile": _file_digest(target.path)},
+        "stack": {"name": stack.name, "table": _file_digest(stack.path)},
+        "options": {name: getattr(options, name) for name in stage.reads},
+        "gates": digest({section: gates.get(section) for section in stage.gates}),
+        "adapt_version": adapt.__version__,
+        "git_commit": git_commit(),
+    }
+
+
+def fingerprint_mismatch(recorded: dict[str, Any], expected: dict[str, Any],
+                         fields: tuple[str, ...] = COMPARED_FIELDS) -> str | None:
+    """The first field (``options.context``, ``target``, ...) where ``recorded`` differs from
+    ``expected``, with both values, or None when they agree on every field in ``fields``."""
+    for name in fields:
+        got, want = recorded.get(name), expected.get(name)
+        if name == "options" and isinstance(got, dict) and isinstance(want, dict):
+            for key in sorted(set(got) | set(want)):
+                if got.get(key) != want.get(key):
+                    return f"options.{key}: recorded {got.get(key)!r}, now {want.get(key)!r}"
+        elif got != want:
+            return f"{name}: recorded {json.dumps(got, default=str)}, now {json.dumps(want, default=str)}"
+    return None
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def _positive(value: Any, flag: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"expected a positive integer, got {value!r}", field=flag)
+
+
+def check_options(options: PipelineOptions, stage: int = max(STAGES)) -> None:
+    """Check every flag of a ``validate`` invocation (InputError naming the flag) before any stage runs:
+    counts, dtypes, weight format, the model, the target, the stack, and, when a stage up to
+    ``stage`` reads them, devices per node and the context limit."""
+    from adapt.model.spec import load_spec
+    from adapt.stages.memory import KV_DTYPES, WEIGHT_FORMATS, context_limit, devices_per_node
+    from adapt.targets.target import load_stack, load_target
+
+    for flag, value in (("--devices", options.devices), ("--nodes", options.nodes),
+                        ("--context", options.context), ("--batch", options.batch)):
+        _positive(value, flag)
+    if options.kv_dtype not in KV_DTYPES:
+        raise InputError(f"unknown KV dtype {options.kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}",
+                         field="--kv-dtype")
+    if options.weights not in WEIGHT_FORMATS:
+        raise InputError(f"unknown weights format {options.weights!r}; expected one of "
+                         f"{', '.join(WEIGHT_FORMATS)}", field="--weights")
+    spec = load_spec(options.model)
+    target = load_target(options.target)
+    load_stack(options.stack or target.default_stack)
+    if not any("devices" in STAGES[n].reads for n in STAGES if n <= stage):
+        return
+    devices_per_node(target, options.devices, options.nodes)
+    limit = context_limit(spec)
+    if options.context > limit:
+        raise InputError(f"--context {options.context:,} exceeds the model's limit of {limit:,} tokens",
+                         field="--context", hint="lower --context (plan-memory --rope-factor plans a longer one)")
+    if options.weights.startswith("mxfp4") and not spec.moe_layers:
+        raise InputError(f"--weights {options.weights} converts routed experts, and this model has none",
+                         field="--weights")
 
 
 def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str, Any],
-             on_report: Callable[[StageReport], None] | None = None) -> list[StageReport]:
-    """Run stages 1..stage that have not passed in ``run``; stop at the first failed gate.
+             on_report: Callable[[StageReport], None] | None = None,
+             on_reuse: Callable[[str, str], None] | None = None) -> list[StageReport]:
+    """Run stages 1..stage in ``run``; stop at the first failed gate. Returns the reports produced.
 
-    Stage ``stage`` itself always runs again. Each report is written into the run directory
-    as soon as it exists and passed to ``on_report``.
+    Stage ``stage`` itself always runs. A stage before it is reused (not run) only when its report
+    in the run directory passed or warned and its fingerprint equals ``stage_fingerprint`` for
+    this invocation; ``on_reuse(name, why)`` hears about each reuse. Every report carries its
+    fingerprint, is written as soon as it exists and is passed to ``on_report``.
     """
-    if stage not in RUNNERS:
+    if stage not in STAGES:
         raise InputError(f"no stage {stage}; stages that run as gates: "
-                         + ", ".join(f"{n} {name}" for n, name in STAGE_NAMES.items()), field="--stage")
+                         + ", ".join(f"{n} {s.name}" for n, s in STAGES.items()), field="--stage")
+    check_options(options, stage)
+    prints = {n: stage_fingerprint(n, options, gates) for n in range(1, stage + 1)}
     reports = []
     if options.report_dir is None:
         options.report_dir = str(run.path)
     for number in range(1, stage + 1):
-        if number < stage and run.verdict_of(STAGE_NAMES[number]) in ("pass", "warn"):
-            continue
-        report = RUNNERS[number](options, gates)
+        name = STAGES[number].name
+        if number < stage:
+            recorded = run.stage_report(name)
+            if recorded and recorded["verdict"] in ("pass", "warn") \
+                    and fingerprint_mismatch(recorded["fingerprint"], prints[number]) is None:
+                if on_reuse:
+                    on_reuse(name, f"{recorded['verdict']} at {recorded.get('finished')}, same fingerprint")
+                continue
+        check_interrupt()
+        report = STAGES[number].run(options, gates)
+        stamp(report, prints[number])
+        pause_for_test(f"before-write-{name}")
         run.write(report)
         reports.append(report)
         if on_report:
@@ -106,3 +288,22 @@ def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str,
         if report.decide() == "fail":
             break
     return reports
+
+
+def stamp(report: StageReport, fingerprint: dict[str, Any], extra_options: dict[str, Any] | None = None) -> None:
+    """Put ``fingerprint`` on ``report``, keeping the stage's own record under ``stage_inputs``.
+
+    extra_options: options a standalone command read beyond ``PipelineOptions`` (``--tp``,
+    ``--headroom``, ...); those that are set join ``options``, so a plan made with them is not
+    taken for the pipeline's default plan.
+    """
+    extra = {k: v for k, v in (extra_options or {}).items() if v is not None}
+    report.fingerprint = {**fingerprint, "options": {**fingerprint["options"], **extra},
+                          "stage_inputs": report.fingerprint}
+
+
+def stamp_standalone(report: StageReport, options: PipelineOptions, gates: dict[str, Any],
+                     extra_options: dict[str, Any] | None = None) -> None:
+    """``stamp`` for a stage run by its own command (``adapt inventory``, ``plan-memory``, ...)."""
+    number = next(n for n, s in STAGES.items() if s.name == report.stage)
+    stamp(report, stage_fingerprint(number, options, gates), extra_options)

@@ -5,7 +5,8 @@ cannot be checked here never fails the gate, it says what to run where.
 
 Items:
 - driver and CUDA: ``nvidia-smi`` (driver version, GPUs, their compute capability and memory)
-  and torch's CUDA build;
+  and torch's CUDA build; for Gaudi and Ascend targets the vendor's tool (``hl-smi``, ``npu-smi``):
+  device count and HBM per device against the profile, or what could not be checked without it;
 - software: torch, triton and vLLM versions; whether the installed triton is the one torch
   was built against; whether the vLLM version has the model's features (DSA: >= 0.11.0,
   gpt-oss MXFP4: >= 0.10.1);
@@ -13,9 +14,9 @@ Items:
   needs (fp8 compute: sm89+, DeepSeek sparse attention: sm90+, native MXFP4 MMA: sm100+; on
   sm90 MXFP4 experts are decoded in-kernel or converted to FP8), and a local GPU against the
   target profile;
-- memory: the stage-2 report of the run directory (``memory.json``): its verdict, and free
-  device memory after every planned term, which must be at least ``gates.memory.headroom_fraction``;
-- evaluation data for stage 5 (``eval_data``): present and non-empty.
+- memory: the headroom rule of stages 2 and 4 (``adapt.plan.headroom.assess``) applied to the
+  run directory's stage-2 plan (``memory.json``);
+- evaluation data for stage 5 (``eval_data``): parsed, items counted per task (``eval_items``).
 """
 
 from __future__ import annotations
@@ -93,6 +94,69 @@ def nvidia_smi() -> list[dict[str, str]] | None:
         for line in out.strip().splitlines()
         if line.strip()
     ]
+
+
+# Vendor tools of accelerators that are not NVIDIA GPUs: target vendor -> (tool, what it would show).
+VENDOR_TOOLS = {
+    "intel": ("hl-smi", "Gaudi cards, driver version and HBM size per card"),
+    "huawei": ("npu-smi", "Ascend NPUs, their chip names and HBM size per NPU"),
+}
+
+
+def vendor_tool_check(target: Target, which=shutil.which, timeout_s: float = 20) -> Check | None:
+    """Read the target vendor's device tool (hl-smi for Gaudi, npu-smi for Ascend) when present:
+    device count and HBM per device against the target profile. None for vendors without such a
+    tool here (NVIDIA is read through nvidia-smi above; a CPU has none)."""
+    if target.vendor not in VENDOR_TOOLS:
+        return None
+    tool, what = VENDOR_TOOLS[target.vendor]
+    exe = which(tool)
+    if exe is None:
+        return Check(f"{tool}", ELSEWHERE, f"{tool} not found: {what} cannot be checked here; run "
+                     f"`adapt preflight --target {target.name}` on a {target.name} node")
+    argv = ([exe, "-Q", "name,driver_version,memory.total", "-f", "csv,noheader"] if tool == "hl-smi"
+            else [exe, "info"])
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Check(tool, FAIL, f"`{' '.join(argv[1:])}` failed: {str(exc)[:200]}")
+    devices = _hl_smi_devices(out) if tool == "hl-smi" else _npu_smi_devices(out)
+    if not devices:
+        return Check(tool, WARN, f"{tool} ran but listed no device adapt could read: {out.strip()[:200]!r}")
+    mib = [d["memory_mib"] for d in devices if d.get("memory_mib")]
+    detail = (f"{len(devices)} device(s): {', '.join(sorted({d['name'] for d in devices}))}"
+              + (f", {min(mib):,} MiB each" if mib else "") + (f", driver {devices[0]['driver']}"
+                                                              if devices[0].get("driver") else ""))
+    expected = target.memory_bytes / 2**20
+    if mib and abs(min(mib) - expected) > 0.05 * expected:
+        return Check(tool, WARN, f"{detail}; the {target.name} profile says {expected:,.0f} MiB per device")
+    return Check(tool, OK, detail)
+
+
+def _hl_smi_devices(text: str) -> list[dict]:
+    """Rows of ``hl-smi -Q name,driver_version,memory.total -f csv,noheader`` ("HL-325L, 1.20.0, 131072 MiB")."""
+    rows = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0]:
+            size = re.match(r"(\d+)", parts[2])
+            rows.append({"name": parts[0], "driver": parts[1], "memory_mib": int(size.group(1)) if size else None})
+    return rows
+
+
+def _npu_smi_devices(text: str) -> list[dict]:
+    """NPUs of ``npu-smi info``: a "| <id> <chip name> | <health> | ..." line per NPU, then a line whose
+    last "<used> / <total>" pair is its HBM in MB."""
+    rows: list[dict] = []
+    for line in text.splitlines():
+        name = re.match(r"^\|\s*\d+\s+(\w*9\d\d\w*)\s*\|", line)
+        if name:
+            rows.append({"name": name.group(1), "memory_mib": None})
+            continue
+        pairs = re.findall(r"(\d+)\s*/\s*(\d+)", line)
+        if rows and rows[-1]["memory_mib"] is None and len(pairs) >= 2:
+            rows[-1]["memory_mib"] = int(pairs[-1][1])
+    return rows
 
 
 def _driver_checks(gpus: list[dict[str, str]] | None) -> list[Check]:
@@ -261,8 +325,10 @@ def _format_checks(target: Target, needs: set[str], gpus: list[dict[str, str]] |
     return checks
 
 
-def _memory_check(run_dir: Path | None, headroom: float) -> Check:
-    """Free device memory after every term of the run's stage-2 plan, as a fraction of the device."""
+def _memory_check(run_dir: Path | None) -> Check:
+    """The headroom rule (``adapt.plan.headroom.assess``) on the run's stage-2 plan, from ``memory.json``."""
+    from adapt.plan.headroom import assess
+
     path = run_dir / "memory.json" if run_dir is not None else None
     if path is None or not path.is_file():
         return Check(
@@ -273,38 +339,95 @@ def _memory_check(run_dir: Path | None, headroom: float) -> Check:
     try:
         data = json.loads(path.read_text())
         metrics = data["metrics"]
-        device = int(metrics["device_memory_bytes"])
-        used = sum(int(v) for k, v in metrics["terms"].items() if k != "headroom")
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        terms = {k: int(v) for k, v in metrics["terms"].items() if k != "kv_cache"}
+        budget = int(metrics["budget_bytes"])
+        rule = assess(terms, budget_bytes=budget, kv_bytes_per_sequence=int(metrics["kv_bytes_per_sequence"]),
+                      requested_sequences=int(metrics["sequences_per_replica"]))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         raise InputError(
-            "stage-2 report lacks metrics.device_memory_bytes / metrics.terms", file=path
+            "stage-2 report lacks metrics terms / budget_bytes / kv_bytes_per_sequence / sequences_per_replica",
+            file=path, hint="run stage 2 again with this adapt version",
         ) from None
-    free = 1 - used / device
-    verdict = data.get("verdict", "?")
-    status = OK if free >= headroom and verdict != "fail" else FAIL
-    return Check(
-        "memory headroom",
-        status,
-        f"stage 2 verdict {verdict}; {free:.1%} of {device / 2**30:.1f} GiB free after the plan's terms "
-        f"(gate: >= {headroom:.0%})",
-    )
+    return Check("memory headroom", OK if rule.passes else FAIL,
+                 f"stage 2 verdict {data.get('verdict', '?')}; {rule.verdict}: {rule.describe(budget)}")
+
+
+EVAL_SUFFIXES = (".jsonl", ".json", ".txt")
+
+
+def eval_items(path: Path) -> dict[str, int]:
+    """Items per task in one evaluation file (InputError on a file that does not parse).
+
+    ``.jsonl``: one JSON object per non-empty line, its task from a ``"task"`` field or the file
+    name; ``.json``: a list of objects (task: the file name or each ``"task"``) or an object of
+    task -> list; ``.txt``: one prompt per non-empty line (task: the file name). An item must be
+    a non-empty object or non-empty text.
+    """
+    counts: dict[str, int] = {}
+
+    def add(task: str, item) -> None:
+        if not item or not isinstance(item, (dict, str)):
+            raise InputError(f"expected a non-empty JSON object or text per item, got {item!r:.60}", file=path)
+        key = str(item.get("task", task)) if isinstance(item, dict) else task
+        counts[key] = counts.get(key, 0) + 1
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read evaluation data: {exc}", file=path, field="--eval-data") from None
+    if path.suffix == ".txt":
+        for line in text.splitlines():
+            if line.strip():
+                add(path.stem, line.strip())
+    elif path.suffix == ".jsonl":
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                add(path.stem, json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise InputError(f"line {number} is not JSON: {exc.msg}", file=path, field="--eval-data") from None
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"not valid JSON: {exc.msg} at line {exc.lineno}", file=path,
+                             field="--eval-data") from None
+        groups = data.items() if isinstance(data, dict) else [(path.stem, data)]
+        for task, items in groups:
+            if not isinstance(items, list):
+                raise InputError(f"expected a list of items for task {task!r}", file=path, field="--eval-data")
+            for item in items:
+                add(task, item)
+    else:
+        raise InputError(f"unknown evaluation file type; expected {', '.join(EVAL_SUFFIXES)}", file=path,
+                         field="--eval-data")
+    return counts
 
 
 def _eval_check(eval_data: Path | None) -> Check:
+    """Parse the evaluation data (a file, or every evaluation file under a directory) and count
+    items per task: none, or a file that does not parse, fails; a missing path is bad input."""
+    item = "evaluation data (stage 5)"
     if eval_data is None:
-        return Check(
-            "evaluation data (stage 5)", WARN, "not given; pass --eval-data with the prompts stage 5 scores"
-        )
+        return Check(item, WARN, "not given; pass --eval-data with the prompts stage 5 scores")
     if not eval_data.exists():
-        return Check("evaluation data (stage 5)", FAIL, f"{eval_data} does not exist")
-    size = (
-        sum(p.stat().st_size for p in eval_data.rglob("*") if p.is_file())
-        if eval_data.is_dir()
-        else eval_data.stat().st_size
-    )
-    if size == 0:
-        return Check("evaluation data (stage 5)", FAIL, f"{eval_data} is empty")
-    return Check("evaluation data (stage 5)", OK, f"{eval_data} ({size:,} bytes)")
+        raise InputError("no such file or directory", file=eval_data, field="--eval-data",
+                         hint="pass the evaluation data file or directory stage 5 will read")
+    files = sorted(p for p in eval_data.rglob("*") if p.is_file() and p.suffix in EVAL_SUFFIXES) \
+        if eval_data.is_dir() else [eval_data]
+    counts: dict[str, int] = {}
+    for path in files:
+        try:
+            found = eval_items(path)
+        except InputError as exc:
+            return Check(item, FAIL, exc.line())
+        for task, n in found.items():
+            counts[task] = counts.get(task, 0) + n
+    if not counts:
+        return Check(item, FAIL, f"{eval_data}: no evaluation items in {len(files)} file(s)")
+    per_task = ", ".join(f"{task} {n}" for task, n in sorted(counts.items()))
+    return Check(item, OK, f"{eval_data}: {sum(counts.values())} items ({per_task})")
 
 
 def run_preflight(
@@ -320,7 +443,7 @@ def run_preflight(
 
     target: name or YAML; model: preset, config.json or directory (None: no format checks);
     run_dir: the run directory holding a stage-2 report (None: not checked); eval_data: file or
-    directory for stage 5; gates: full gates dict (memory.headroom_fraction is the headroom bar);
+    directory for stage 5; gates: full gates dict (recorded; the headroom rule reads the stage-2 plan);
     gpus: nvidia-smi rows to use instead of detecting them ("detect"), None for no GPU.
     """
     started = now_iso()
@@ -329,11 +452,13 @@ def run_preflight(
     tgt = load_target(target)
     needs, model_type = model_needs(model)
     found = nvidia_smi() if gpus == "detect" else gpus
+    vendor = vendor_tool_check(tgt)
     checks = (
         _driver_checks(found)
+        + ([vendor] if vendor else [])
         + _software_checks(needs)
         + _format_checks(tgt, needs, found)
-        + [_memory_check(run_dir, headroom), _eval_check(eval_data)]
+        + [_memory_check(run_dir), _eval_check(eval_data)]
     )
     report = StageReport(stage="preflight", number=0, title="Preflight checklist", started=started)
     for check in checks:

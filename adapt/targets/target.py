@@ -12,11 +12,10 @@ Stack tables (``stacks/<name>.yaml``, or a user's YAML path) map semantic operat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from adapt.errors import InputError
 
@@ -35,6 +34,9 @@ _SCALARS: dict[str, tuple[type, float, bool]] = {
     "intra_node_latency_us": (float, 1e-6, True),
     "inter_node_latency_us": (float, 1e-6, True),
 }
+# link rates and latencies may be 0 only on a single-device, single-node target (it has no links)
+_LINK_FIELDS = ("intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs", "intra_node_latency_us",
+                "inter_node_latency_us")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class Target:
     compute_capability: e.g. "9.0" (NVIDIA), "gfx942" (AMD), "cpu"
     default_stack: the stack table used when none is named
     sources: field -> where its number came from
+    calibration: for a target written by ``adapt calibrate``: what was measured, where and when,
+        which fields stay datasheet, what was refused and why, every timed point ({} otherwise)
     """
 
     name: str
@@ -69,6 +73,7 @@ class Target:
     compute_capability: str
     default_stack: str
     sources: dict[str, str] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
 
     def supports_dtype(self, dtype: str) -> bool:
         return dtype in self.native_dtypes
@@ -97,12 +102,9 @@ def target_names() -> list[str]:
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise InputError(f"cannot read {what}: {exc.strerror}", file=path) from None
-    except yaml.YAMLError as exc:
-        raise InputError(f"invalid YAML: {str(exc).splitlines()[0]}", file=path) from None
+    from adapt.report import load_yaml
+
+    data = load_yaml(path, what)
     if not isinstance(data, dict):
         raise InputError(f"expected a mapping at the top of the {what}", file=path)
     return data
@@ -136,17 +138,22 @@ def load_target(name_or_path: str) -> Target:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             raise InputError(f"expected {'an integer' if kind is int else 'a number'}, got {value!r}",
                              file=path, field=key)
-        if value < 0 or (value == 0 and key in ("devices_per_node", "memory_gib", "hbm_bandwidth_tbs")):
-            raise InputError(f"expected a positive value, got {value!r}", file=path, field=key)
+        if not math.isfinite(value) or value < 0 or (value == 0 and key not in _LINK_FIELDS):
+            raise InputError(f"expected a finite number > 0, got {value!r}", file=path, field=key)
         values[key] = value * unit
+    single = values["devices_per_node"] == 1 and values.get("max_nodes", 1) == 1
+    zero_links = [k for k in _LINK_FIELDS if k in values and values[k] == 0]
+    if zero_links and not single:
+        raise InputError("expected a finite number > 0, got 0 (only a 1-device, 1-node target has no links)",
+                         file=path, field=zero_links[0])
     peak = data.get("peak_tflops")
     if not isinstance(peak, dict) or "bf16" not in peak:
         raise InputError("expected a mapping of dtype -> dense TFLOP/s that includes bf16",
                          file=path, field="peak_tflops")
     peak_flops = {}
     for dtype, rate in peak.items():
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
-            raise InputError(f"expected a positive number, got {rate!r}", file=path, field=f"peak_tflops.{dtype}")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+            raise InputError(f"expected a finite number > 0, got {rate!r}", file=path, field=f"peak_tflops.{dtype}")
         peak_flops[str(dtype)] = float(rate) * 1e12
     native = data.get("native_dtypes", [])
     if not isinstance(native, list) or not all(isinstance(d, str) for d in native):
@@ -159,7 +166,7 @@ def load_target(name_or_path: str) -> Target:
         raise InputError(f"numbers without a source: {', '.join(unsourced)}", file=path, field="sources",
                          hint="add a datasheet reference or 'measured YYYY-MM-DD ...' for each")
     known = set(_SCALARS) | {"name", "vendor", "description", "peak_tflops", "native_dtypes",
-                             "compute_capability", "default_stack", "sources"}
+                             "compute_capability", "default_stack", "sources", "calibration"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise InputError(f"unknown field(s): {', '.join(unknown)}", file=path, field=unknown[0],
@@ -175,7 +182,16 @@ def load_target(name_or_path: str) -> Target:
         intra_node_latency=values["intra_node_latency_us"], inter_node_latency=values["inter_node_latency_us"],
         compute_capability=str(data.get("compute_capability", "unknown")),
         default_stack=str(data.get("default_stack", "vllm-cuda")), sources={str(k): str(v) for k, v in sources.items()},
+        calibration=_calibration(data, path),
     )
+
+
+def _calibration(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The ``calibration`` section of a calibrated target (a mapping; {} when absent)."""
+    section = data.get("calibration", {})
+    if not isinstance(section, dict):
+        raise InputError("expected the mapping `adapt calibrate` writes", file=path, field="calibration")
+    return section
 
 
 # ---------------------------------------------------------------- stack support tables

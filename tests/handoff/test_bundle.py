@@ -12,15 +12,21 @@ from adapt.handoff.bundle import REQUIRED_STAGES, write_bundle
 from adapt.handoff.vllm import find_vllm
 from adapt.report import RunDir, StageReport, load_gates
 from adapt.stages.parallel import run_plan_parallel
+from adapt.stages.pipeline import PipelineOptions, stage_fingerprint, stamp
 
 
-def record(run, stage, verdict, number=1):
-    """A stage report with the given verdict in the run's manifest (what the hand-off reads)."""
+def options(devices=8, nodes=1, model="deepseek-v3.2", target="h200"):
+    return PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=8192, batch=1)
+
+
+def record(run, stage, verdict, number=1, devices=8, nodes=1):
+    """A stage report with the given verdict and the pipeline's fingerprint for DeepSeek-V3.2 on H200."""
     report = StageReport(stage, number, stage)
     if verdict == "fail":
         report.add("error", "x", "failed")
     elif verdict == "warn":
         report.add("warn", "x", "warned")
+    stamp(report, stage_fingerprint(number, options(devices, nodes), load_gates()))
     run.write(report)
 
 
@@ -29,10 +35,12 @@ def passed_run(tmp_path, devices=8, nodes=1, skip=()):
     run = RunDir(tmp_path / "reports", "r1")
     for number, stage in enumerate(REQUIRED_STAGES[:3], start=1):
         if stage not in skip:
-            record(run, stage, "pass", number)
+            record(run, stage, "pass", number, devices, nodes)
     if "parallel" not in skip:
-        run.write(run_plan_parallel("deepseek-v3.2", "h200", gates=load_gates(), devices=devices, nodes=nodes,
-                                    context=8192, batch=1))
+        report = run_plan_parallel("deepseek-v3.2", "h200", gates=load_gates(), devices=devices, nodes=nodes,
+                                   context=8192, batch=1)
+        stamp(report, stage_fingerprint(4, options(devices, nodes), load_gates()))
+        run.write(report)
     return run
 
 
@@ -81,7 +89,7 @@ def test_bundle_for_two_nodes_has_ray_steps(tmp_path):
     run = passed_run(tmp_path, devices=16, nodes=2)
     report, files = write_bundle("deepseek-v3.2", target="h200", devices=16, nodes=2, run=run)
     ray = files["handoff/ray.sh"]
-    assert "ray start --head" in ray and "ray start --address=<head-ip>:6379" in ray
+    assert "ray start --head" in ray and "ray start --address=${HEAD_IP:?set HEAD_IP (head-ip)}:6379" in ray
     assert report.metrics["ray_steps"][-1].startswith("vllm serve")
     assert "Ray" in files["handoff/README.md"]
 
@@ -98,7 +106,7 @@ def test_force_is_recorded(tmp_path):
 
 def test_device_count_must_match_the_plan(tmp_path):
     run = passed_run(tmp_path)
-    with pytest.raises(InputError, match="plan uses 8 devices"):
+    with pytest.raises(InputError, match="options.devices: recorded 8, now 16"):
         write_bundle("deepseek-v3.2", target="h200", devices=16, nodes=2, run=run)
 
 

@@ -22,6 +22,7 @@ from adapt.handoff.vllm import find_vllm, multi_node_args, serve_command, valida
 from adapt.model.tiny import build_tiny
 from adapt.report import RunDir, StageReport, load_gates
 from adapt.stages.parallel import run_plan_parallel
+from adapt.stages.pipeline import PipelineOptions, stage_fingerprint, stamp
 
 pytestmark = pytest.mark.vllm
 
@@ -67,11 +68,15 @@ def test_vllm_parser_accepts_generated_commands(vllm_exe):
     assert not results[3]["ok"] and "kv-cache-dtype" in results[3]["error"]
 
 
-def forced_run(tmp_path, engine_args=None):
-    """A run directory holding only a stage-4 report with these engine arguments (hand-off needs --force)."""
+def forced_run(tmp_path, engine_args=None, model=None):
+    """A run directory holding only a stage-4 report with these engine arguments, made for ``model``
+    on one cpu device (hand-off needs --force)."""
     run = RunDir(tmp_path / "reports", "smoke")
     if engine_args is not None:
-        run.write(StageReport("parallel", 4, "parallel", metrics={"engine_args": engine_args}))
+        report = StageReport("parallel", 4, "parallel", metrics={"engine_args": engine_args})
+        options = PipelineOptions(model=str(model), target="cpu", devices=1, nodes=1)
+        stamp(report, stage_fingerprint(4, options, load_gates()))
+        run.write(report)
     return run
 
 
@@ -126,7 +131,7 @@ def test_launch_serves_compares_and_tears_down(tmp_path, name, vllm_exe):
 
 @pytest.mark.timeout(300)
 def test_bad_argument_fails_with_log_tail_and_no_process_left(tmp_path, tiny_qwen3, vllm_exe):
-    forced_run(tmp_path, {"tensor_parallel_size": 1, "no_such_engine_flag": 3})
+    forced_run(tmp_path, {"tensor_parallel_size": 1, "no_such_engine_flag": 3}, tiny_qwen3)
     result = CliRunner().invoke(app, ["handoff", str(tiny_qwen3), "--target", "cpu", "--devices", "1",
                                       "--run", "smoke", "--output", str(tmp_path / "reports"), "--force",
                                       "--launch", "--vllm", str(vllm_exe), "--max-tokens", "2"])

@@ -56,6 +56,12 @@ def rel(a, b):
     return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
 
 
+# Kernel vs twin, ||kernel - twin|| / ||twin||. CPU (interpreter): the same fp32 math with the same
+# bf16 roundings (dequantized latent, output), different summation order. GPU: the compiled kernel
+# also rounds the softmax probabilities to bf16 for p @ v (the twin keeps them fp32).
+TWIN_REL_TOL = {"cpu": 1e-6, "cuda": 5e-3}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("latent_format,tiles", [
     ("bf16", {}),                                      # fused form: one q.k over the whole latent
@@ -74,7 +80,7 @@ def test_sparse_mla_matches_twin_and_reference(device, latent_format, tiles):
     want = reference(layer, batch, indices, q_nope, q_rope, 0.15)
     assert torch.isfinite(got).all()
     assert rel(got, want) < 1e-2 and rel(twin, want) < 1e-2
-    assert rel(got, twin) < 1e-2
+    assert rel(got, twin) <= TWIN_REL_TOL[device]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -116,4 +122,7 @@ def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
     sub = type(batch)(batch.slots, batch.positions[rows], batch.token_seq[rows], batch.query_starts,
                       batch.block_table, batch.seq_lens)
     want = reference(layer, sub, indices[rows], q_nope[rows], q_rope[rows], 0.07)
+    twin = sparse_mla_torch(q_nope[rows], q_rope[rows], layer.latent_nope, layer.latent_scale, layer.latent_rope,
+                            batch.block_table, batch.token_seq[rows], indices[rows], 0.07)
     assert rel(got, want) < 1e-2
+    assert rel(got, twin) <= TWIN_REL_TOL["cuda"]

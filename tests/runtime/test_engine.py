@@ -219,7 +219,7 @@ def test_cli_run_generates_and_reports_bad_input_in_one_line(tmp_path):
     from adapt.cli import app
 
     runner = CliRunner()
-    args = ["run", "tiny-qwen3", "--prompt", "The river ran", "-n", "5", "--dtype", "float32", "--json"]
+    args = ["run", "tiny-qwen3", "--prompt", "The river ran", "--max-new-tokens", "5", "--dtype", "float32", "--json"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{") :])

@@ -292,7 +292,7 @@ def test_cli_inventory_writes_reports(tmp_path):
 
 
 def test_cli_inventory_bad_stack_is_input_error(tmp_path):
-    result = CliRunner().invoke(app, ["inventory", "mixtral-8x7b", "--stack", "no-such-stack",
+    result = CliRunner().invoke(app, ["inventory", "mixtral-8x7b", "--target", "h200", "--stack", "no-such-stack",
                                       "--output", str(tmp_path)])
     assert result.exit_code == 2
     assert "unknown stack 'no-such-stack'" in result.output and "Traceback" not in result.output

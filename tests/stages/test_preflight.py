@@ -10,6 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from adapt.cli import app
+from adapt.errors import InputError
 from adapt.stages import preflight
 from adapt.stages.preflight import run_preflight
 from adapt.targets.target import load_target
@@ -85,35 +86,35 @@ def test_vllm_version_against_model_features(monkeypatch, installed, status):
         assert "mla+dsa needs vLLM >= 0.11.0" in check["detail"]
 
 
-def _memory_report(run_dir: Path, used_gib: float, verdict: str = "pass") -> None:
+def _memory_report(run_dir: Path, weights_gib: float, sequences: int) -> None:
+    """A stage-2 report: budget 126 GiB, weights + 4 GiB margin, 10 GiB of KV per sequence."""
     gib = 2**30
-    metrics = {"device_memory_bytes": int(140 * gib),
-               "terms": {"weights": int((used_gib - 10) * gib), "kv_cache": int(10 * gib),
-                         "headroom": int(5 * gib)}}
+    metrics = {"budget_bytes": 126 * gib, "kv_bytes_per_sequence": 10 * gib, "sequences_per_replica": sequences,
+               "terms": {"weights": int(weights_gib * gib), "headroom": 4 * gib, "kv_cache": sequences * 10 * gib}}
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "memory.json").write_text(json.dumps({"verdict": verdict, "metrics": metrics}))
+    (run_dir / "memory.json").write_text(json.dumps({"verdict": "pass", "metrics": metrics}))
 
 
-def test_memory_headroom_from_stage_2(tmp_path):
-    _memory_report(tmp_path / "ok", used_gib=100)     # 40 of 140 GiB free = 28.6%
+def test_memory_headroom_is_the_rule_of_stage_2(tmp_path):
+    _memory_report(tmp_path / "ok", weights_gib=100, sequences=2)     # 126 - 104 = 22 GiB >= 2 x 10
     check = _checks(run_preflight("h200", None, tmp_path / "ok", gpus=None))["memory headroom"]
-    assert check["status"] == "ok" and "28.6%" in check["detail"]
-    _memory_report(tmp_path / "tight", used_gib=120)  # 14.3% free < 20%
+    assert check["status"] == "ok" and "2 of 2 requested sequence(s) fit" in check["detail"]
+    _memory_report(tmp_path / "tight", weights_gib=100, sequences=3)  # 22 GiB < 3 x 10
     tight = _checks(run_preflight("h200", None, tmp_path / "tight", gpus=None))["memory headroom"]
-    assert tight["status"] == "fail"
-    stricter = {"memory": {"headroom_fraction": 0.3}}
-    assert _checks(run_preflight("h200", None, tmp_path / "ok", gpus=None, gates=stricter))[
-        "memory headroom"]["status"] == "fail"
+    assert tight["status"] == "fail" and "fits-fewer-sequences" in tight["detail"]
 
 
-def test_memory_headroom_from_a_real_stage_2_report(tmp_path):
+@pytest.mark.parametrize("batch", [1, 64])
+def test_memory_headroom_agrees_with_a_real_stage_2_report(tmp_path, batch):
     from adapt.report import RunDir, load_gates
     from adapt.stages.memory import run_plan_memory
 
     run = RunDir(tmp_path, "r")
-    run.write(run_plan_memory("gpt-oss-120b", "h200", gates=load_gates(), devices=1, context=8192, batch=1))
+    report = run_plan_memory("gpt-oss-120b", "h200", gates=load_gates(), devices=1, context=32768, batch=batch)
+    run.write(report)
     check = _checks(run_preflight("h200", "gpt-oss-120b", run.path, gpus=None))["memory headroom"]
-    assert check["status"] in ("ok", "fail") and "GiB free after the plan's terms" in check["detail"]
+    assert (check["status"] == "ok") == (report.verdict != "fail")
+    assert report.verdict == ("pass" if batch == 1 else "fail")
 
 
 def test_eval_data(tmp_path):
@@ -123,7 +124,8 @@ def test_eval_data(tmp_path):
     data.write_text('{"prompt": "2+2="}\n')
     status = lambda path: _checks(run_preflight("h200", None, None, eval_data=path, gpus=None))[  # noqa: E731
         "evaluation data (stage 5)"]["status"]
-    assert status(tmp_path / "absent") == "fail"
+    with pytest.raises(InputError, match="--eval-data"):
+        status(tmp_path / "absent")
     assert status(empty) == "fail"
     assert status(data) == "ok"
     assert status(None) == "warn"
@@ -131,7 +133,7 @@ def test_eval_data(tmp_path):
 
 def test_cli_preflight(tmp_path):
     data = tmp_path / "prompts.jsonl"
-    data.write_text("x\n")
+    data.write_text('{"prompt": "x"}\n')
     result = CliRunner().invoke(app, ["preflight", "--target", "h200", "--model", "gpt-oss-120b",
                                       "--eval-data", str(data), "--output", str(tmp_path), "--run", "p",
                                       "--json"])

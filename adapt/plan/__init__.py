@@ -1,0 +1,1 @@
+"""Layout, sharding and headroom rules that stages 2 and 4 share."""

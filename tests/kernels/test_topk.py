@@ -1,0 +1,88 @@
+"""Radix top-k select (Triton) against its twin (exact) and a plain-Python reference of its definition."""
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from adapt.kernels.topk import topk_indices, topk_indices_torch
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def reference(scores, limits, k):
+    """The definition, written out: sort visible (score, position) pairs by score descending then
+    position ascending, keep k, list the kept positions ascending, pad with -1."""
+    out = []
+    for row, limit in zip(scores.tolist(), limits.tolist(), strict=True):
+        visible = [(-v, p) for p, v in enumerate(row[:limit]) if v != float("-inf")]
+        kept = sorted(p for _, p in sorted(visible)[:k])
+        out.append(kept + [-1] * (k - len(kept)))
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def score_rows(gen):
+    """Rows that exercise the select: random, heavy ties, a -inf tail inside the limit, all negative,
+    a short limit, nothing visible, +-0, a tie at the threshold spread over blocks."""
+    cols = 200
+    s = torch.randn(9, cols, generator=gen)
+    s[1] = torch.randint(0, 4, (cols,), generator=gen).float()
+    s[2, 60:] = float("-inf")
+    s[3] = -s[3].abs() - 1
+    s[6] = 0.0
+    s[6, ::3] = -0.0
+    s[7] = torch.where(torch.rand(cols, generator=gen) < 0.7, 1.5, s[7])
+    s[8] = 1.0
+    s[8, 150:] = float("-inf")
+    limits = torch.tensor([cols, cols, cols, cols, 5, 0, cols, cols, 190])
+    return s, limits
+
+
+# 8-bit digits over 4 slices of 64; 4-bit digits over 2 slices of 128 in 64-score steps; defaults (one slice).
+TILES = [dict(digit_bits=8, slice_size=64, block=32), dict(digit_bits=4, slice_size=128, block=64), {}]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [1, 13, 150, 256])
+@pytest.mark.parametrize("tiles", TILES)
+def test_topk_matches_twin_exactly_and_the_definition(device, k, tiles):
+    s, limits = score_rows(torch.Generator().manual_seed(k))
+    got = topk_indices(s.to(device), limits.to(device), k, **tiles).cpu()
+    twin = topk_indices_torch(s, limits, k)
+    assert torch.equal(got, twin)
+    assert torch.equal(twin, reference(s, limits, k))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_writes_into_a_strided_chunk_and_reads_only_visible_columns(device):
+    """Columns past a row's limit are never read (NaN there), rows of a wider buffer (stride 48),
+    output into a row slice of a larger index buffer; every output element is written."""
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(5, 48, generator=gen)
+    limits = torch.tensor([40, 33, 1, 32, 17])
+    for r, lim in enumerate(limits.tolist()):
+        wide[r, lim:] = float("nan")
+    scores = wide[:, :40]
+    out = torch.full((8, 20), -7, dtype=torch.int32)
+    out_dev = out.to(device)
+    topk_indices(scores.to(device), limits.to(device), 20, out=out_dev[2:7], slice_size=16, block=16)
+    assert (out_dev[:2].cpu() == -7).all() and (out_dev[7:].cpu() == -7).all()
+    assert torch.equal(out_dev[2:7].cpu(), reference(scores, limits, 20))
+
+
+@pytest.mark.gpu
+def test_topk_deepseek_v32_decode_shape_on_gpu():
+    """4 and 16 rows x 128K keys, top-2048, fp32 scores with ties: identical to the twin (both digit widths)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s = torch.randn(16, 131072, device="cuda", generator=gen)
+    s[1] = torch.round(s[1] * 4)
+    limits = torch.randint(1000, 131073, (16,), device="cuda")
+    limits[0] = 131072
+    for rows in (4, 16):
+        want = topk_indices_torch(s[:rows], limits[:rows], 2048)
+        for bits in (4, 8):
+            assert torch.equal(topk_indices(s[:rows], limits[:rows], 2048, digit_bits=bits), want)
