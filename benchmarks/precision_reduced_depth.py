@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "adapt" / "model" / "presets" / "deepseek-v3.2.json"
 SHRUNK = {"vocab_size": 1024, "hidden_size": 512, "intermediate_size": 512, "moe_intermediate_size": 128,
-          "n_routed_experts": 16, "num_attention_heads": 2, "index_n_heads": 4}  # CPU dry run only
+          "n_routed_experts": 16, "num_attention_heads": 2, "index_n_heads": 4, "index_topk": 64}  # CPU dry run
 
 
 def main() -> None:
