@@ -230,7 +230,7 @@ def info(
 @app.command()
 def validate(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
-    stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-5).")],
+    stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-6).")],
     target: TargetOpt,
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
@@ -246,6 +246,9 @@ def validate(
     indexer_dtype: Annotated[str, typer.Option("--indexer-dtype", help="Stage 5: DSA indexer fp8 or bf16.")] = "fp8",
     compute_dtype: Annotated[str, typer.Option(
         "--compute-dtype", help="Stage 5: adapted path's compute dtype, bf16 or fp32.")] = "bf16",
+    url: Annotated[str | None, typer.Option(
+        "--url", help="Stage 6: load this OpenAI-compatible server instead of launching the model.")] = None,
+    soak_s: Annotated[float, typer.Option("--soak-s", help="Stage 6: soak length in seconds.")] = 60.0,
     output: OutputOpt = Path("reports"),
     run_id: RunOpt = None,
     gates: GatesOpt = None,
@@ -257,10 +260,11 @@ def validate(
     from adapt.stages.pipeline import validate as run_gates
 
     thresholds = load_gates(gates)
-    options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
-                              batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack, layers=layers,
-                              kernels=kernels, indexer_dtype=indexer_dtype, compute_dtype=compute_dtype)
     run = RunDir(output, run_id)
+    options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
+                              batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack,
+                              run_path=str(run.path), url=url, soak_s=soak_s, layers=layers, kernels=kernels,
+                              indexer_dtype=indexer_dtype, compute_dtype=compute_dtype)
 
     def reused(name: str, why: str) -> None:
         if not as_json:
@@ -292,6 +296,17 @@ BatchedTokensOpt = Annotated[int | None, typer.Option(
 MaxSeqsOpt = Annotated[int | None, typer.Option(
     "--max-num-seqs", help="vLLM max_num_seqs (default: vLLM's for the target).")]
 BlockOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV page.")]
+ImagesOpt = Annotated[int, typer.Option("--images", help="Images per request (multimodal models).")]
+ImageSizeOpt = Annotated[str, typer.Option("--image-size", help="Image HEIGHTxWIDTH in pixels, e.g. 1024x1024.")]
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """"1080x1920" -> (1080, 1920); InputError naming --image-size otherwise."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise InputError(f"expected HEIGHTxWIDTH in pixels, got {text!r}", field="--image-size",
+                         hint="e.g. --image-size 1024x1024")
+    return int(parts[0]), int(parts[1])
 RopeOpt = Annotated[float | None, typer.Option(
     "--rope-factor", help="Rope-scaling factor over the pre-scaling length, to plan a longer --context.")]
 
@@ -309,6 +324,7 @@ def plan_memory_command(
     max_num_batched_tokens: BatchedTokensOpt = None, max_num_seqs: MaxSeqsOpt = None,
     block_size: BlockOpt = 64, rope_factor: RopeOpt = None, output: OutputOpt = Path("reports"),
     run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
+    images: ImagesOpt = 0, image_size: ImageSizeOpt = "1024x1024",
 ) -> None:
     """Stage 2: bytes per device (weights, KV cache, activations, buffers) and whether it fits."""
     from adapt.report import load_gates
@@ -325,7 +341,10 @@ def plan_memory_command(
                              tp=tp, ep=ep, pp=pp, dp=dp, dcp=dcp,
                              headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             block_size=block_size, rope_factor=rope_factor)
+                             block_size=block_size, rope_factor=rope_factor,
+                             images=images, image_size=parse_image_size(image_size))
+    if images:
+        extra.update(images=images, image_size=image_size)
     stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
                      thresholds, extra)
     finish(report, as_json, run)
@@ -487,8 +506,13 @@ def run_command(
         "--moe-workspace", min=0, help="With the moe kernel: experts per chunk of the shared FP8 workspace "
         "(online MXFP4 -> FP8 of active experts); 0 decodes MXFP4 to bf16 in the GEMM.")] = 0,
     as_json: JsonOpt = False,
+    image: Annotated[Path | None, typer.Option(
+        "--image", help="Image file for a multimodal model (llama4): one tile before each prompt.")] = None,
 ) -> None:
     """Generate with adapt's runtime (torch reference or adapt kernels per op family), any depth."""
+    if image is not None or _reference_family(model):
+        _run_reference(model, token_ids, prompt, max_new_tokens, layers, dtype, image, as_json)
+        return
     from adapt.runtime.engine import prepare_triton
 
     prepare_triton()
@@ -536,6 +560,45 @@ def run_command(
             console.print(repr(row["text"]), markup=False, highlight=False)
 
 
+def _reference_family(model: str) -> bool:
+    from adapt.runtime.families import uses_reference_path
+
+    path = Path(model)
+    return path.is_dir() and uses_reference_path(path)
+
+
+def _run_reference(model, token_ids, prompt, max_new_tokens, layers, dtype, image, as_json) -> None:
+    """`adapt run` for qwen3_next and llama4 (adapt.runtime.families): token ids in, tokens out."""
+    import torch
+
+    from adapt.runtime.engine import parse_layers
+    from adapt.runtime.families import generate_reference
+
+    if prompt or not token_ids:
+        raise InputError("this model runs on the tokenizer-free reference path: give --token-ids",
+                         field="--prompt", hint="e.g. --token-ids 5,17,99")
+    if image is not None and not image.is_file():
+        raise InputError("no such image file", file=str(image), field="--image")
+    try:
+        prompts = [[int(x) for x in ids.split(",")] for ids in token_ids]
+    except ValueError:
+        raise InputError("expected comma-separated integers", field="--token-ids") from None
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise InputError(f"expected bfloat16 or float32, got {dtype!r}", field="--dtype")
+    from adapt.model.spec import load_spec
+
+    chosen = parse_layers(layers, load_spec(Path(model)).num_layers) if layers else None
+    summary = generate_reference(Path(model), prompts, max_new_tokens, chosen, image, dtypes[dtype])
+    if as_json:
+        print_json(summary)
+        return
+    for index, row in enumerate(summary["sequences"]):
+        console.print(f"[bold]sequence {index}[/bold] ({row['prompt_tokens']} prompt tokens"
+                      + (f", {summary['image_tokens']} of them the image" if summary["image_tokens"] else "")
+                      + f"): {row['tokens']}")
+
+
 def _no_status():
     import contextlib
 
@@ -572,6 +635,93 @@ def bench_kernels(
         print_json(results)
     else:
         console.print(f"results written under {output}")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    model: Annotated[str, typer.Argument(
+        help="Model directory to serve here, or (with --url) the served model's name.")],
+    target: TargetOpt,
+    url: Annotated[str | None, typer.Option(
+        "--url", help="An OpenAI-compatible server to load instead of launching the model.")] = None,
+    served_model: Annotated[str | None, typer.Option(
+        "--served-model", help="With --url: the model name the server answers to (default: MODEL).")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="Tokenizer path or id for the load generator (default: MODEL).")] = None,
+    server_pid: Annotated[int | None, typer.Option(
+        "--server-pid", help="With --url: the server's root process id, to sample its memory.")] = None,
+    input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens of long-in workloads.")] = 256,
+    output_len: Annotated[int, typer.Option("--output-len", help="Output tokens of long-out workloads.")] = 64,
+    concurrency: Annotated[list[int] | None, typer.Option(
+        "--concurrency", "-c", help="Concurrency sweep (repeatable; default 1, 4, 16).")] = None,
+    prompts: Annotated[int, typer.Option("--prompts", help="Requests per sweep point.")] = 16,
+    soak_s: Annotated[float | None, typer.Option("--soak-s", help="Soak seconds (default 60).")] = 60.0,
+    soak_requests: Annotated[int, typer.Option(
+        "--soak-requests", help="Soak length in requests when --soak-s is 0.")] = 200,
+    soak_concurrency: Annotated[int, typer.Option("--soak-concurrency", help="Requests in flight in the soak.")] = 4,
+    sample_interval: Annotated[float, typer.Option(
+        "--sample-interval", help="Seconds between memory samples.")] = 1.0,
+    max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context of the launched server.")] = 2048,
+    kv_cache_mib: Annotated[int | None, typer.Option(
+        "--kv-cache-mib", help="KV pool of the launched server (MiB); default: vLLM's.")] = None,
+    vllm: Annotated[str | None, typer.Option("--vllm", help="vllm executable (default: found).")] = None,
+    output: OutputOpt = Path("reports"), run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Stage 6: load (vllm bench serve), soak with leak detection, edge probes, prediction vs measurement."""
+    from adapt.report import load_gates
+    from adapt.stages.serve import ServeOptions, run_serve_stage
+
+    run = RunDir(output, run_id)
+    options = ServeOptions(input_len=input_len, output_len=output_len, concurrencies=concurrency or [1, 4, 16],
+                           prompts=prompts, soak_s=soak_s or None, soak_requests=soak_requests,
+                           soak_concurrency=soak_concurrency, sample_interval_s=sample_interval)
+    thresholds = load_gates(gates)
+    report = run_serve_stage(model, target=target, run_path=run.path, gates=thresholds, options=options,
+                             url=url, served_model=served_model, tokenizer=tokenizer, server_pid=server_pid,
+                             max_model_len=max_model_len, vllm=vllm,
+                             kv_cache_bytes=kv_cache_mib * 2**20 if kv_cache_mib else None)
+    if url is None:   # MODEL is a checkpoint here (with --url it is only the name a server answers to)
+        from adapt.stages.pipeline import PipelineOptions, stamp_standalone
+
+        stamp_standalone(report, PipelineOptions(model, target, run_path=str(run.path), soak_s=soak_s or 0.0),
+                         thresholds, dict(input_len=input_len, output_len=output_len, concurrency=concurrency,
+                                          prompts=prompts, soak_requests=soak_requests,
+                                          soak_concurrency=soak_concurrency, max_model_len=max_model_len,
+                                          kv_cache_mib=kv_cache_mib))
+    finish(report, as_json, run)
+
+
+@bench_app.command("runtime")
+def bench_runtime(
+    model: Annotated[list[str] | None, typer.Option(
+        "--model", "-m", help="deepseek-v3.2 (layers 0, 3) and/or gpt-oss-120b (layers 0, 1); default both.")] = None,
+    batch: Annotated[list[int] | None, typer.Option("--batch", "-b", help="Batch sizes (default 1, 16, 64).")] = None,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1, help="Prompt tokens per sequence.")] = 128,
+    decode_steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
+    kernels: Annotated[str, typer.Option("--kernels", help="none, all, or a comma list of op families.")] = "all",
+    device: Annotated[str, typer.Option("--device", help="cuda, or cpu with --tiny for a dry run.")] = "cuda",
+    tiny: Annotated[bool, typer.Option("--tiny", help="Reduced width (dry run of the same code path).")] = False,
+    budget_s: Annotated[float, typer.Option("--budget-s", help="Seconds after which points are skipped.")] = 150.0,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the results.")] = Path("benchmarks"),
+    gates: GatesOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Runtime at real width and reduced depth: prefill and decode tokens/s beside the layers' roofline."""
+    from adapt.bench.runtime import LAYERS, run_runtime_bench
+    from adapt.report import load_gates
+    from adapt.runtime.engine import parse_kernels
+
+    models = model or list(LAYERS)
+    unknown = [m for m in models if m not in LAYERS]
+    if unknown:
+        raise InputError(f"unknown model {unknown[0]!r}", field="--model", hint=f"choose from {', '.join(LAYERS)}")
+    if device not in ("cuda", "cpu"):
+        raise InputError(f"expected cuda or cpu, got {device!r}", field="--device")
+    parse_kernels(kernels)
+    report = run_runtime_bench(models, batches=batch or [1, 16, 64], prompt_tokens=prompt_tokens,
+                               decode_steps=decode_steps, kernels=kernels, device=device, tiny=tiny,
+                               budget_s=budget_s, gates=load_gates(gates), out_dir=output)
+    finish(report, as_json)
 
 
 @app.command()

@@ -394,8 +394,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def session_processes(sid: int) -> list[int]:
-    """Live (non-zombie) process ids whose session id is ``sid``, read from /proc (Linux)."""
+def live_processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, session id) of every live (non-zombie) process, read from /proc (Linux)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -406,9 +406,14 @@ def session_processes(sid: int) -> list[int]:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
         # after the command name: state, ppid, pgrp, session, ...
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            found.append(int(entry.name))
+        if fields[0] != "Z":
+            found.append((int(entry.name), int(fields[1]), int(fields[3])))
     return found
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live (non-zombie) process ids whose session id is ``sid``."""
+    return [pid for pid, _, session in live_processes() if session == sid]
 
 
 class VllmServer:

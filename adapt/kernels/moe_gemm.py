@@ -45,7 +45,6 @@ the weight tile and the activation rows stay in L2.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -53,18 +52,19 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
+from adapt.kernels.moe_configs import GemmConfig, PlanarConfig, pick_configs, pick_planar_configs
+from adapt.kernels.moe_planar import PlanarExperts, planar_gemm
+from adapt.kernels.moe_quant import FP8_GROUP, quantize_fp8_rows, quantize_fp8_rows_torch
+from adapt.kernels.moe_tiles import TileMap, max_m_tiles, num_sms, tile_map, tile_slots
+from adapt.kernels.moe_weights import FP8Weights, MoEWeights, moe_flops, mxfp4_expert_bytes
 from adapt.kernels.mxfp4 import (
     INTERPRET,
-    check_scales,
     decode_mxfp4_tile_fp8,
     decode_mxfp4_words,
     dequantize_mxfp4_torch,
-    from_gpt_oss_blocks,
-    mxfp4_to_fp8,
     mxfp4_to_fp8_torch,
     pow2_f32,
     to_bf16,
-    to_e4m3,
 )
 from adapt.kernels.routing import (
     Permutation,
@@ -78,378 +78,24 @@ from adapt.kernels.routing import (
     route_torch,
 )
 
+__all__ = [
+    "ACTIVATIONS",
+    "FP8Weights",
+    "GemmConfig",
+    "MoEWeights",
+    "PlanarExperts",
+    "expert_mlp",
+    "expert_mlp_torch",
+    "moe_flops",
+    "moe_forward",
+    "moe_forward_torch",
+    "moe_gemm",
+    "mxfp4_expert_bytes",
+    "swiglu_torch",
+    "to_word_order",
+]
+
 ACTIVATIONS = {"swiglu": 1, "swiglu_clamped": 2}
-FP8_GROUP = 128
-"""Elements per activation scale group with act_quant='group128' (DeepSeek's 1x128)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# weights
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class MoEWeights:
-    """One MoE layer's expert weights in MXFP4 (gpt-oss tensor layout).
-
-    w1_blocks uint8 [E, 2I, H/32, 16], w1_scales uint8 [E, 2I, H/32]  (gate and up rows)
-    w2_blocks uint8 [E, H, I/32, 16],  w2_scales uint8 [E, H, I/32]   (down)
-    w1_bias [E, 2I] | None, w2_bias [E, H] | None (float)
-    gate_up_interleaved: True for gpt-oss (row 2i gate, 2i+1 up), False for gate rows then up rows.
-    """
-
-    w1_blocks: torch.Tensor
-    w1_scales: torch.Tensor
-    w2_blocks: torch.Tensor
-    w2_scales: torch.Tensor
-    w1_bias: torch.Tensor | None = None
-    w2_bias: torch.Tensor | None = None
-    gate_up_interleaved: bool = False
-
-    def __post_init__(self):
-        e, n1, kb1, _ = self.w1_blocks.shape
-        e2, h, kb2, _ = self.w2_blocks.shape
-        if e2 != e or n1 % 2 or kb2 * 32 * 2 != n1 or kb1 * 32 != h:
-            raise InputError(
-                f"w1 blocks {tuple(self.w1_blocks.shape)} and w2 blocks {tuple(self.w2_blocks.shape)} do not "
-                "form an MoE layer",
-                field="w2_blocks",
-                hint="expect w1 [E, 2I, H/32, 16] and w2 [E, H, I/32, 16]",
-            )
-        if tuple(self.w1_scales.shape) != (e, n1, kb1) or tuple(self.w2_scales.shape) != (e, h, kb2):
-            raise InputError("MXFP4 scales do not match their blocks", field="w1_scales")
-
-    @property
-    def n_experts(self) -> int:
-        return self.w1_blocks.shape[0]
-
-    @property
-    def hidden(self) -> int:
-        return self.w2_blocks.shape[1]
-
-    @property
-    def intermediate(self) -> int:
-        return self.w1_blocks.shape[1] // 2
-
-    @property
-    def w1_packed(self) -> torch.Tensor:
-        return from_gpt_oss_blocks(self.w1_blocks)
-
-    @property
-    def w2_packed(self) -> torch.Tensor:
-        return from_gpt_oss_blocks(self.w2_blocks)
-
-    def nbytes(self) -> int:
-        """Bytes of the expert weights as stored (blocks, scales, biases)."""
-        ts = [self.w1_blocks, self.w1_scales, self.w2_blocks, self.w2_scales, self.w1_bias, self.w2_bias]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-    def validate(self) -> None:
-        """Reject NaN (0xFF) E8M0 scales with ``InputError``. Synchronises; call at load time."""
-        check_scales(self.w1_scales, "w1_scales")
-        check_scales(self.w2_scales, "w2_scales")
-
-
-@dataclass
-class FP8Weights:
-    """One layer's experts converted to e4m3 ahead of time (the offline path).
-
-    w1 e4m3 [E, 2I, H], w1_exp int32 [E, 2I]; w2 e4m3 [E, H, I], w2_exp int32 [E, H]:
-    weight = w * 2**exp per row. lost: int64 [1], elements that lost bits in the conversion.
-    """
-
-    w1: torch.Tensor
-    w1_exp: torch.Tensor
-    w2: torch.Tensor
-    w2_exp: torch.Tensor
-    w1_bias: torch.Tensor | None
-    w2_bias: torch.Tensor | None
-    gate_up_interleaved: bool
-    lost: torch.Tensor
-
-    @classmethod
-    def from_mxfp4(cls, weights: MoEWeights, validate: bool = True) -> FP8Weights:
-        """Convert every expert (per-row exponent fold, the same rule as the fused fp8 path)."""
-        a = mxfp4_to_fp8(weights.w1_packed, weights.w1_scales, group_k=None, validate=validate)
-        b = mxfp4_to_fp8(weights.w2_packed, weights.w2_scales, group_k=None, validate=validate)
-        return cls(
-            a.values,
-            a.exponents[..., 0].contiguous(),
-            b.values,
-            b.exponents[..., 0].contiguous(),
-            weights.w1_bias,
-            weights.w2_bias,
-            weights.gate_up_interleaved,
-            a.lost + b.lost,
-        )
-
-    def nbytes(self) -> int:
-        ts = [self.w1, self.w1_exp, self.w2, self.w2_exp, self.w1_bias, self.w2_bias]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-# ----------------------------------------------------------------------------------------------
-# configs and tile maps
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile shape of one grouped GEMM: tokens per tile (block_m), weight rows per tile (block_n;
-    gate and up rows each for GEMM1), K per step, L2 grouping, warps, pipeline depth, programs per SM
-    (0: one program per work item, so kernels on other streams can take SMs as programs retire),
-    and the MMA orientation: swap_ab True puts weight rows in the MMA's M (small T), False puts
-    tokens in M and the weight tile in the B operand (large T: the decoded tile goes through shared
-    memory the way wgmma wants it)."""
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 128
-    group_m: int = 4
-    num_warps: int = 4
-    num_stages: int = 3
-    programs_per_sm: int = 4
-    swap_ab: bool = True
-
-
-def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
-    """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both).
-
-    compute: "bf16" (MXFP4 decoded to bf16), "fp8" (MXFP4 decoded to e4m3 in the GEMM) or
-    "fp8_stored" (e4m3 weights read from memory: offline copy or workspace).
-    """
-    if INTERPRET:
-        c = GemmConfig(
-            block_m=16, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1, programs_per_sm=1
-        )
-        return c, c
-    per_expert = slots / max(1, n_experts)
-    bk_small = 256
-    if per_expert <= 16 and compute == "bf16":
-        # word decode: K steps of 128 and 6 stages keep registers at <= 168 (3-4 programs per SM)
-        return (GemmConfig(16, 32, 128, 4, 4, 6, 4), GemmConfig(16, 64, 128, 4, 4, 6, 4))
-    if per_expert <= 16:
-        return (GemmConfig(16, 32, bk_small, 4, 4, 4, 4), GemmConfig(16, 64, bk_small, 4, 4, 4, 4))
-    if per_expert <= 48:
-        return (GemmConfig(32, 32, bk_small, 4, 4, 4, 4), GemmConfig(32, 64, bk_small, 4, 4, 4, 4))
-    if compute == "bf16":
-        if per_expert <= 160:
-            return (GemmConfig(64, 64, 128, 4, 4, 3, 2), GemmConfig(64, 128, 128, 4, 8, 3, 2))
-        return (GemmConfig(128, 64, 64, 8, 8, 3, 1), GemmConfig(128, 128, 64, 8, 8, 3, 1))
-    # fp8 MMA with 64+ tokens per expert: tokens in M, weight tile as the B operand
-    if per_expert <= 160:
-        return (
-            GemmConfig(64, 64, 128, 4, 4, 3, 2, swap_ab=False),
-            GemmConfig(64, 128, 128, 4, 4, 3, 2, swap_ab=False),
-        )
-    if compute == "fp8_stored":
-        return (
-            GemmConfig(128, 128, 128, 8, 8, 3, 1, swap_ab=False),
-            GemmConfig(128, 256, 128, 8, 8, 3, 1, swap_ab=False),
-        )
-    return (
-        GemmConfig(128, 64, 128, 8, 8, 3, 1, swap_ab=False),
-        GemmConfig(128, 128, 128, 8, 8, 3, 1, swap_ab=False),
-    )
-
-
-@dataclass
-class TileMap:
-    """Work items of a grouped GEMM: m-tiles of block_m sorted positions, expert-major.
-
-    tile_expert int32 [max_tiles], tile_row int32 [max_tiles] (first sorted position),
-    tile_start int32 [E+1] (first m-tile of each expert; tile_start[E] = number of m-tiles).
-    """
-
-    tile_expert: torch.Tensor
-    tile_row: torch.Tensor
-    tile_start: torch.Tensor
-    block_m: int
-    max_tiles: int
-
-
-def max_m_tiles(slots: int, n_experts: int, block_m: int) -> int:
-    """Upper bound on m-tiles: sum_e ceil(c_e / bm) <= ceil(S / bm) + min(E, S)."""
-    return triton.cdiv(slots, block_m) + min(n_experts, slots) + 1
-
-
-def tile_map_torch(expert_offsets: torch.Tensor, block_m: int, max_tiles: int) -> TileMap:
-    """Twin of ``tile_map``."""
-    e = expert_offsets.numel() - 1
-    counts = (expert_offsets[1:] - expert_offsets[:-1]).long()
-    nt = (counts + block_m - 1) // block_m
-    start = torch.zeros(e + 1, dtype=torch.int64, device=counts.device)
-    start[1:] = torch.cumsum(nt, 0)
-    i = torch.arange(max_tiles, device=counts.device)
-    ex = torch.searchsorted(start[1:], i, right=True).clamp(max=e - 1)
-    row = expert_offsets.long()[ex] + (i - start[ex]) * block_m
-    return TileMap(ex.int(), row.int(), start.int(), block_m, max_tiles)
-
-
-@triton.jit
-def _tile_map_kernel(
-    offsets_ptr,
-    expert_ptr,
-    row_ptr,
-    start_ptr,
-    n_experts,
-    max_tiles,
-    BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """One program: tiles per expert, their exclusive prefix, then expert and row of every tile."""
-    e = tl.arange(0, E_PAD)
-    em = e < n_experts
-    lo = tl.load(offsets_ptr + e, mask=em, other=0)
-    hi = tl.load(offsets_ptr + e + 1, mask=em, other=0)
-    nt = (hi - lo + BLOCK_M - 1) // BLOCK_M
-    end = tl.cumsum(nt, axis=0)
-    start = end - nt
-    tl.store(start_ptr + e, start, mask=em)
-    tl.store(start_ptr + n_experts + e * 0, tl.sum(nt, axis=0), mask=e == 0)
-    for i0 in range(0, max_tiles, CHUNK):
-        i = i0 + tl.arange(0, CHUNK)
-        ex = tl.sum(((end[None, :] <= i[:, None]) & em[None, :]).to(tl.int32), axis=1)
-        ex = tl.minimum(ex, n_experts - 1)
-        st = tl.sum(tl.where(e[None, :] == ex[:, None], start[None, :], 0), axis=1)
-        base = tl.sum(tl.where(e[None, :] == ex[:, None], lo[None, :], 0), axis=1)
-        ok = i < max_tiles
-        tl.store(expert_ptr + i, ex, mask=ok)
-        tl.store(row_ptr + i, base + (i - st) * BLOCK_M, mask=ok)
-
-
-def tile_map(expert_offsets: torch.Tensor, block_m: int, max_tiles: int) -> TileMap:
-    """m-tiles of each expert's sorted positions (Triton, one program)."""
-    e = expert_offsets.numel() - 1
-    dev = expert_offsets.device
-    ex = torch.empty(max_tiles, dtype=torch.int32, device=dev)
-    row = torch.empty(max_tiles, dtype=torch.int32, device=dev)
-    start = torch.empty(e + 1, dtype=torch.int32, device=dev)
-    _tile_map_kernel[(1,)](
-        expert_offsets,
-        ex,
-        row,
-        start,
-        e,
-        max_tiles,
-        BLOCK_M=block_m,
-        E_PAD=triton.next_power_of_2(e),
-        CHUNK=32,
-    )
-    return TileMap(ex, row, start, block_m, max_tiles)
-
-
-# ----------------------------------------------------------------------------------------------
-# fp8 activation quantisation
-# ----------------------------------------------------------------------------------------------
-
-
-def _pow2_scale_exponent_torch(amax: torch.Tensor) -> torch.Tensor:
-    """Smallest e with amax <= 448 * 2**e, from fp32 bits (clamped to [-126, 127])."""
-    bits = amax.float().contiguous().view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).int()
-    return e.clamp(-126, 127)
-
-
-def quantize_fp8_rows_torch(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of ``quantize_fp8_rows``: x [R, K] -> (e4m3 [R, K], fp32 pow2 scales [R] or [R, K/group])."""
-    r, k = x.shape
-    g = k if group is None else group
-    xf = x.float().reshape(r, k // g, g)
-    e = _pow2_scale_exponent_torch(xf.abs().amax(dim=-1))
-    q = (xf * torch.pow(2.0, -e.float()).unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(r, k)
-    scale = torch.pow(2.0, e.float())
-    return q, (scale[:, 0].contiguous() if group is None else scale)
-
-
-@triton.jit
-def _quantize_fp8_rows_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    range_ptr,
-    lo_idx,
-    hi_idx,
-    n_rows,
-    k,
-    stride_s,
-    USE_RANGE: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Persistent over rows in [range[lo_idx], range[hi_idx]) (USE_RANGE) or [0, n_rows)."""
-    lo = 0
-    hi = n_rows
-    if USE_RANGE:
-        lo = tl.load(range_ptr + lo_idx)
-        hi = tl.load(range_ptr + hi_idx)
-    for row in range(lo + tl.program_id(0), hi, tl.num_programs(0)):
-        r = row + tl.zeros((), tl.int64)
-        for g0 in range(0, k, GROUP):
-            amax = tl.zeros((BLOCK_K,), tl.float32)
-            for k0 in range(0, GROUP, BLOCK_K):
-                kk = g0 + k0 + tl.arange(0, BLOCK_K)
-                m = (kk < k) & (k0 + tl.arange(0, BLOCK_K) < GROUP)
-                amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * k + kk, mask=m, other=0.0).to(tl.float32)))
-            a = tl.max(amax, axis=0)
-            bits = a.to(tl.int32, bitcast=True)
-            e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-            e = tl.minimum(tl.maximum(e, -126), 127)
-            inv = pow2_f32(-e)
-            for k0 in range(0, GROUP, BLOCK_K):
-                kk = g0 + k0 + tl.arange(0, BLOCK_K)
-                m = (kk < k) & (k0 + tl.arange(0, BLOCK_K) < GROUP)
-                v = tl.load(x_ptr + r * k + kk, mask=m, other=0.0).to(tl.float32) * inv
-                tl.store(q_ptr + r * k + kk, to_e4m3(v), mask=m)
-            tl.store(s_ptr + r * stride_s + g0 // GROUP, pow2_f32(e))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
-
-
-def quantize_fp8_rows(
-    x: torch.Tensor,
-    group: int | None = None,
-    row_range: tuple[torch.Tensor, int, int] | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x bf16/fp32 [R, K] -> (e4m3 [R, K], fp32 power-of-two scales [R] (group None) or [R, K/group]).
-
-    Scale 2**e with the smallest e such that amax <= 448 * 2**e, so x * 2**-e is exact before the
-    one e4m3 rounding. row_range: int32 [2] on the device, rows [lo, hi) to quantise (others are
-    left untouched in ``out``). Bytes: reads 2*K (twice), writes K + 4*K/group per row.
-    """
-    r, k = x.shape
-    g = k if group is None else group
-    if k % g:
-        raise InputError(f"activation group {group} does not divide K={k}", field="act_quant")
-    if out is None:
-        q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
-        s = torch.empty((r,) if group is None else (r, k // g), dtype=torch.float32, device=x.device)
-    else:
-        q, s = out
-    rng, i, j = row_range if row_range is not None else (x, 0, 0)
-    if r:
-        grid = (max(1, min(r, _num_sms(x.device) * 8)),)
-        _quantize_fp8_rows_kernel[grid](
-            x,
-            q,
-            s,
-            rng,
-            i,
-            j,
-            r,
-            k,
-            1 if group is None else k // g,
-            USE_RANGE=row_range is not None,
-            GROUP=g,
-            BLOCK_K=min(1024, triton.next_power_of_2(g)),
-        )
-    return q, s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -608,21 +254,10 @@ def _moe_gemm_kernel(
     n_n = tl.cdiv(n_out, BLOCK_N)
     total = n_m * n_n
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        width = GROUP_M * n_n
-        first_m = (tile // width) * GROUP_M
-        gsz = tl.minimum(n_m - first_m, GROUP_M)
-        mt = m_lo + first_m + (tile % width) % gsz
-        nt = (tile % width) // gsz
-        e = tl.load(tile_expert_ptr + mt)
-        row0 = tl.load(tile_row_ptr + mt)
-        row_end = tl.load(offsets_ptr + e + 1)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        if GATHER:
-            tok = tl.load(sorted_slot_ptr + rows, mask=row_ok, other=0) // TOPK
-        else:
-            tok = rows
-        tok = tok.to(tl.int64)
+        e, nt, rows, row_ok, tok = tile_slots(
+            tile, n_m, n_n, m_lo, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr,
+            TOPK, GATHER, BLOCK_M, GROUP_M,
+        )
         n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_out
         if W_MODE == 2:
@@ -794,7 +429,7 @@ def moe_gemm(
         n_out, cfg.block_n
     )
     if cfg.programs_per_sm > 0:
-        n_work = min(n_work, _num_sms(x.device) * cfg.programs_per_sm)
+        n_work = min(n_work, num_sms(x.device) * cfg.programs_per_sm)
     grid = (max(1, n_work),)
     xs = x_scale if x_scale is not None else x
     stride_xs = x_scale.stride(0) if x_scale is not None else 0
@@ -892,16 +527,21 @@ def expert_mlp(
     act_quant: str = "token",
     fp8_weights: FP8Weights | None = None,
     workspace=None,
-    config: tuple[GemmConfig, GemmConfig] | None = None,
+    config: tuple[GemmConfig, GemmConfig] | tuple[PlanarConfig, PlanarConfig] | None = None,
+    planar: PlanarExperts | None = None,
 ) -> torch.Tensor:
     """GEMM1 + SwiGLU + GEMM2 over expert-sorted slots: hidden bf16 [T, H] -> y bf16 [T*k, H] (sorted).
 
+    planar: the same experts in the planar layout (``PlanarExperts.from_weights``, load time); with
+    compute "bf16" the GEMMs then run ``moe_planar.planar_gemm`` (config: a ``PlanarConfig`` pair).
     FLOPs 6 * S * H * I; bytes: see the module docstring.
     """
     e, h, inter = weights.n_experts, weights.hidden, weights.intermediate
     s = hidden.shape[0] * top_k
     act = ACTIVATIONS[activation]
     use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
+    if planar is not None and not use_fp8:
+        return _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config)
     stored = fp8_weights is not None or workspace is not None
     kind = "fp8_stored" if stored else ("fp8" if use_fp8 else "bf16")
     c1, c2 = config if config is not None else pick_configs(s, e, kind)
@@ -974,6 +614,23 @@ def expert_mlp(
     )
     quantize_fp8_rows(hbuf, group, out=(hq, hs))
     moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
+    return y
+
+
+def _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config) -> torch.Tensor:
+    """``expert_mlp`` on planar weights: gather + GEMM1 + SwiGLU, then GEMM2 (+ bias), sorted order."""
+    s = hidden.shape[0] * top_k
+    dev = hidden.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    c1, c2 = config if config is not None else pick_planar_configs(s, e, name, h, inter)
+    if c1.block_m != c2.block_m:
+        raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
+    tiles = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
+    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
+    common = dict(top_k=top_k, alpha=alpha, limit=limit)
+    planar_gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=act, cfg=c1, **common)
+    planar_gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2, **common)
     return y
 
 
@@ -1077,8 +734,10 @@ def expert_mlp_torch(
     fp8_weights: FP8Weights | None = None,
     workspace=None,
     config=None,
+    planar=None,
 ) -> torch.Tensor:
-    """Twin of ``expert_mlp``: per-expert fp32 loops on the same quantised operands -> bf16 [S, H]."""
+    """Twin of ``expert_mlp``: per-expert fp32 loops on the same quantised operands -> bf16 [S, H]
+    (``planar`` holds the same values as ``weights``: the twin reads ``weights``)."""
     use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
     if use_fp8:
         w1 = _fp8_row_weights_torch(weights.w1_packed, weights.w1_scales)
@@ -1161,11 +820,3 @@ def moe_forward_torch(
     return combine_torch(y, topw, perm.slot_pos, sh)
 
 
-def moe_flops(tokens: int, top_k: int, hidden: int, intermediate: int) -> int:
-    """FLOPs of the routed expert GEMMs: 6 * T * k * H * I."""
-    return 6 * tokens * top_k * hidden * intermediate
-
-
-def mxfp4_expert_bytes(hidden: int, intermediate: int) -> int:
-    """Bytes of one expert's three matrices in MXFP4 (codes + E8M0 scales): 3*H*I*17/32."""
-    return math.ceil(3 * hidden * intermediate * 17 / 32)

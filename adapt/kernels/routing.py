@@ -227,16 +227,22 @@ def route(
 
 
 def permute_by_expert_torch(ids: torch.Tensor, n_experts: int) -> Permutation:
-    """Twin of ``permute_by_expert``: stable sort of slots by expert id."""
+    """Twin of ``permute_by_expert``: stable sort of slots by expert id; ids outside
+    [0, n_experts) are dropped (slot_pos -1, sorted_slot -1 past the kept slots)."""
     flat = ids.reshape(-1).long()
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    kept = (flat >= 0) & (flat < n_experts)
+    key = torch.where(kept, flat, torch.full_like(flat, n_experts))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
     offsets = torch.zeros(n_experts + 1, dtype=torch.int32, device=ids.device)
-    offsets[1:] = torch.cumsum(counts, 0).int()
-    slot_pos = torch.empty_like(order)
-    slot_pos[order] = torch.arange(flat.numel(), device=ids.device)
-    return Permutation(order.int(), slot_pos.int(), offsets)
+    offsets[1:] = torch.cumsum(counts[:n_experts], 0).int()
+    n_kept = int(kept.sum())
+    sorted_slot = torch.full_like(order, -1)
+    sorted_slot[:n_kept] = order[:n_kept]
+    slot_pos = torch.full_like(order, -1)
+    slot_pos[order[:n_kept]] = torch.arange(n_kept, device=ids.device)
+    return Permutation(sorted_slot.int(), slot_pos.int(), offsets)
 
 
 @triton.jit
@@ -287,15 +293,15 @@ def _chunk_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, pos_ptr, n, n_experts, 
     """Each slot goes to base[chunk, expert] + (earlier slots of the same expert in the chunk)."""
     c = tl.program_id(0)
     i = c * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
-    ids = tl.load(ids_ptr + i, mask=ok, other=-1)
+    ids = tl.load(ids_ptr + i, mask=i < n, other=-1)
+    ok = (i < n) & (ids >= 0) & (ids < n_experts)
     j = tl.arange(0, BLOCK)
     earlier = (ids[:, None] == ids[None, :]) & (j[None, :] < j[:, None])
     rank = tl.sum(earlier.to(tl.int32), axis=1)
     base = tl.load(base_ptr + c * n_experts + ids, mask=ok, other=0)
     pos = base + rank
     tl.store(sorted_ptr + pos, i, mask=ok)
-    tl.store(pos_ptr + i, pos, mask=ok)
+    tl.store(pos_ptr + i, tl.where(ok, pos, -1), mask=i < n)
 
 
 PERMUTE_CHUNK = 128
@@ -303,7 +309,12 @@ PERMUTE_CHUNK = 128
 
 
 def permute_by_expert(ids: torch.Tensor, n_experts: int) -> Permutation:
-    """Stable sort of token slots by expert (Triton, deterministic, no atomics). ids int [T, k]."""
+    """Stable sort of token slots by expert (Triton, deterministic, no atomics). ids int [T, k].
+
+    A slot whose id lies outside [0, n_experts) is dropped, never sorted into a neighbour: it
+    gets slot_pos -1, adds to no expert (expert_offsets[-1] counts the kept slots), sorted_slot
+    is -1 past the kept slots, and ``combine`` adds nothing for it. No check syncs with the host,
+    so a CUDA graph can hold the call; validate routers upstream where a drop must be an error."""
     flat = ids.reshape(-1).int().contiguous()
     n = flat.numel()
     dev = ids.device
@@ -312,7 +323,7 @@ def permute_by_expert(ids: torch.Tensor, n_experts: int) -> Permutation:
     counts = torch.empty(n_chunks, n_experts, dtype=torch.int32, device=dev)
     base = torch.empty_like(counts)
     offsets = torch.empty(n_experts + 1, dtype=torch.int32, device=dev)
-    sorted_slot = torch.empty(n, dtype=torch.int32, device=dev)
+    sorted_slot = torch.full((n,), -1, dtype=torch.int32, device=dev)
     slot_pos = torch.empty(n, dtype=torch.int32, device=dev)
     _chunk_histogram_kernel[(n_chunks,)](flat, counts, n, n_experts, BLOCK=PERMUTE_CHUNK, E_PAD=e_pad)
     _chunk_scan_kernel[(1,)](counts, base, offsets, n_chunks, n_experts, ROWS=16, E_PAD=e_pad)
@@ -328,9 +339,10 @@ def permute_by_expert(ids: torch.Tensor, n_experts: int) -> Permutation:
 def combine_torch(
     y: torch.Tensor, weights: torch.Tensor, slot_pos: torch.Tensor, shared: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Twin of ``combine``: y [T*k, H] (sorted) -> bf16 [T, H]."""
+    """Twin of ``combine``: y [T*k, H] (sorted) -> bf16 [T, H]; slots with slot_pos -1 add nothing."""
     t, k = weights.shape
-    g = y.float()[slot_pos.long()].reshape(t, k, -1)
+    pos = slot_pos.long()
+    g = torch.where((pos >= 0)[:, None], y.float()[pos.clamp(min=0)], 0.0).reshape(t, k, -1)
     out = (g * weights.float().unsqueeze(-1)).sum(dim=1)
     if shared is not None:
         out = out + shared.float()
@@ -357,7 +369,7 @@ def _combine_kernel(
     for j in tl.static_range(TOPK):
         p = tl.load(pos_ptr + t * TOPK + j).to(tl.int64)
         w = tl.load(w_ptr + t * TOPK + j)
-        acc += w * tl.load(y_ptr + p * h + c, mask=cm, other=0.0).to(tl.float32)
+        acc += w * tl.load(y_ptr + p * h + c, mask=cm & (p >= 0), other=0.0).to(tl.float32)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t * h + c, mask=cm, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * h + c, to_bf16(acc), mask=cm)

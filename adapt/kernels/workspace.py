@@ -315,7 +315,8 @@ class FP8Workspace:
 
         xq/xs: quantised hidden [T, H]; hbuf bf16 [S, I]; hq_hs: (e4m3 [S, I], scales); y bf16 [S, H].
         """
-        from adapt.kernels.moe_gemm import _fp8_operand, moe_gemm, quantize_fp8_rows
+        from adapt.kernels.moe_gemm import _fp8_operand, moe_gemm
+        from adapt.kernels.moe_quant import quantize_fp8_rows
 
         if (weights.hidden, weights.intermediate) != (self.hidden, self.intermediate):
             raise InputError(

@@ -55,6 +55,7 @@ DTYPE_BITS = {
 CHECKPOINT_COMPONENTS = (
     "embeddings", "lm_head", "attention", "indexer", "router", "routed_experts",
     "shared_experts", "dense_mlp", "norms", "scales", "mtp", "other",
+    "linear_attention", "vision", "projector",
 )
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -579,6 +580,9 @@ def component_of(name: str, mtp_layers: Iterable[int] = frozenset()) -> str:
             return "mtp"
     if name.endswith(_SCALE_SUFFIXES):
         return "scales"
+    multimodal = _multimodal_component(name)
+    if multimodal is not None:
+        return multimodal
     if ".indexer." in name:
         return "indexer"
     if ".self_attn." in name or ".attn." in name or ".attention." in name:
@@ -600,6 +604,19 @@ def component_of(name: str, mtp_layers: Iterable[int] = frozenset()) -> str:
     return "other"
 
 
+def _multimodal_component(name: str) -> str | None:
+    """vision / projector / linear_attention for the tensors of multimodal and hybrid models
+    (Kimi K2.5 vision_tower + mm_projector, Llama 4 vision_model + vision_adapter +
+    multi_modal_projector, Qwen3-Next linear_attn); None for anything else."""
+    if name.startswith(("mm_projector.", "multi_modal_projector.")) or ".vision_adapter." in name:
+        return "projector"
+    if name.startswith(("vision_tower.", "vision_model.")):
+        return "vision"
+    if ".linear_attn." in name:
+        return "linear_attention"
+    return None
+
+
 class ExpectedTensor(NamedTuple):
     """A tensor a ModelSpec implies: shape, dtype (None: any), and whether it may be absent."""
 
@@ -609,7 +626,8 @@ class ExpectedTensor(NamedTuple):
 
 
 _DEEPSEEK = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
-_FAMILIES = (*_DEEPSEEK, "glm4_moe", "gpt_oss", "qwen3_moe", "mixtral")
+_FROM_SPEC = ("kimi_k25", "llama4", "qwen3_next")  # expected names taken from ModelSpec.tensors()
+_FAMILIES = (*_DEEPSEEK, "glm4_moe", "gpt_oss", "qwen3_moe", "mixtral", *_FROM_SPEC)
 
 
 class _ExpectedBuilder:
@@ -642,6 +660,12 @@ class _ExpectedBuilder:
             self.tensor(f"{module}.weight_packed", (out_features, in_features // 8), "I32")
             self.tensor(f"{module}.weight_scale", (out_features, -(-in_features // group)))
             self.tensor(f"{module}.weight_shape", (2,), "I64")
+        elif method == "nvfp4":
+            # ModelOpt NVFP4: two E2M1 values per byte, an e4m3 scale per 16, fp32 global and input scales
+            self.tensor(f"{module}.weight", (out_features, in_features // 2), "U8")
+            self.tensor(f"{module}.weight_scale", (out_features, -(-in_features // 16)), "F8_E4M3")
+            self.tensor(f"{module}.weight_scale_2", (), "F32")
+            self.tensor(f"{module}.input_scale", (), "F32")
         else:
             self.tensor(f"{module}.weight", (out_features, in_features))
         if bias:
@@ -757,6 +781,8 @@ def expected_tensors(spec) -> dict[str, ExpectedTensor] | None:
     family = spec.model_type
     if family not in _FAMILIES:
         return None
+    if family in _FROM_SPEC:
+        return _expected_from_spec(spec)
     builder = _ExpectedBuilder(spec)
     builder.tensor("model.embed_tokens.weight", (spec.vocab, spec.hidden))
     for layer in spec.layers:
@@ -766,4 +792,22 @@ def expected_tensors(spec) -> dict[str, ExpectedTensor] | None:
     builder.tensor("model.norm.weight", (spec.hidden,))
     if not spec.tie_embeddings:
         builder.tensor("lm_head.weight", (spec.vocab, spec.hidden))
+    return builder.out
+
+
+def _expected_from_spec(spec) -> dict[str, ExpectedTensor]:
+    """Expected tensors of the multimodal and hybrid families, from ModelSpec.tensors(): every
+    quantizable ``*.weight`` matrix stored as its component's format (per expert for the
+    ``experts.*`` stacks), everything else as named with its logical shape."""
+    builder = _ExpectedBuilder(spec)
+    for t in spec.tensors():
+        if not (t.quantizable and len(t.shape) >= 2 and t.name.endswith(".weight")):
+            builder.tensor(t.name, t.shape)
+            continue
+        module = t.name.removesuffix(".weight")
+        if "*" in module:
+            for e in range(t.shape[0]):
+                builder.linear(module.replace("*", str(e)), t.shape[-2], t.shape[-1], t.component)
+        else:
+            builder.linear(module, t.shape[-2], t.shape[-1], t.component)
     return builder.out

@@ -1,8 +1,8 @@
 """ModelSpec: the normalized architecture facts of a MoE model, built from its config.json.
 
 Supported ``model_type``: deepseek_v3, deepseek_v32, kimi_k2, gpt_oss, qwen3_moe,
-mixtral, glm4_moe. Everything downstream (memory planner, parallel solver, inventory,
-runtime) reads a ModelSpec, never a raw config dict.
+mixtral, glm4_moe, and (multimodal or hybrid) kimi_k25, llama4, qwen3_next. Everything
+downstream (memory planner, parallel solver, inventory, runtime) reads a ModelSpec, never a raw config dict.
 
 Parameter counts are logical parameters (a packed MXFP4 byte holds two), never storage
 elements; fp8 block scales are not parameters.
@@ -18,6 +18,13 @@ Component names used across adapt (``COMPONENTS``):
   dense_mlp       dense FFN layers' gate/up/down
   norms           per-layer input/post-attention norms and the final norm
   mtp             everything in multi-token-prediction layers (counted separately)
+  linear_attention  Gated DeltaNet layers (Qwen3-Next): in_proj_qkvz, in_proj_ba, conv1d, A_log,
+                  dt_bias, gated norm, out_proj
+  vision          the vision tower: patch embedding, position embedding, ViT blocks, its norms
+                  (and Llama 4's pixel-shuffle adapter MLP, part of its vision_model)
+  projector       the multimodal projector into the language model's width
+
+The language model is everything but vision, projector and mtp (``ParamCounts.language``).
 
 Multi-token-prediction (MTP) layers (DeepSeek-V3 family, GLM-4.5): each is a full decoder
 layer plus enorm [hidden], hnorm [hidden], eh_proj [hidden, 2 * hidden], shared_head.norm
@@ -50,10 +57,12 @@ from adapt.errors import InputError
 COMPONENTS = (
     "embeddings", "lm_head", "attention", "indexer", "router",
     "routed_experts", "shared_experts", "dense_mlp", "norms", "mtp",
+    "linear_attention", "vision", "projector",
 )
 
 SUPPORTED_MODEL_TYPES = (
     "deepseek_v3", "deepseek_v32", "kimi_k2", "gpt_oss", "qwen3_moe", "mixtral", "glm4_moe",
+    "kimi_k25", "llama4", "qwen3_next",
 )
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -102,6 +111,14 @@ class AttentionSpec:
     bias: q/k/v projections carry biases (MLA: q_a_proj and kv_a_proj_with_mqa)
     index_n_heads, index_head_dim, index_topk: DSA indexer (kind "mla+dsa" only)
     o_bias: the output projection o_proj carries a bias [hidden] (gpt-oss; GLM has q/k/v bias only)
+    chunk: chunked local attention (Llama 4 RoPE layers): a token attends only to earlier tokens
+        of its own chunk of ``chunk`` tokens (kind "chunked"; ``window`` holds the same bound)
+    rope: the layer rotates q and k (False: a NoPE layer, Llama 4's every fourth layer)
+    qk_l2norm: parameter-free L2 norm of q and k after RoPE (Llama 4 use_qk_norm)
+    output_gate: q_proj also yields a per-head sigmoid gate on the attention output (q_proj is
+        [2 x heads x head_dim, hidden]; Qwen3-Next full-attention layers)
+    linear_key_heads, linear_value_heads, linear_key_dim, linear_value_dim, conv_kernel: Gated
+        DeltaNet (kind "linear"): key/value heads and dims, causal depthwise conv width in tokens
     """
 
     kind: str
@@ -121,6 +138,15 @@ class AttentionSpec:
     index_head_dim: int = 0
     index_topk: int = 0
     o_bias: bool = False
+    chunk: int | None = None
+    rope: bool = True
+    qk_l2norm: bool = False
+    output_gate: bool = False
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_kernel: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,6 +166,9 @@ class FFNSpec:
     activation: "swiglu" | "swiglu_clamped" (gpt-oss: clamp at swiglu_limit, alpha 1.702, (up+1))
     swiglu_limit: clamp for swiglu_clamped
     bias: expert projections and router carry biases (gpt-oss)
+    score_after_topk: top-k on the raw router logits, then the score function on the chosen k
+        (Llama 4: sigmoid of the top-1 logit scales the expert's input)
+    shared_gate: a [1, hidden] sigmoid gate scales the shared expert's output (Qwen3-Next)
     """
 
     kind: str
@@ -158,6 +187,8 @@ class FFNSpec:
     activation: str = "swiglu"
     swiglu_limit: float | None = None
     bias: bool = False
+    score_after_topk: bool = False
+    shared_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,7 +204,12 @@ class LayerSpec:
 # Bytes of one stored scale, by scale_format. DeepSeek checkpoints store their ue8m0 (power
 # of two) block scales as float32 ``weight_scale_inv`` tensors, so ue8m0 costs 4 bytes here;
 # MXFP4 stores e8m0 as one byte; compressed-tensors int4 stores bf16/fp16 group scales.
-_SCALE_BYTES = {"fp32": 4, "ue8m0": 4, "e8m0": 1, "bf16": 2, "fp16": 2}
+_SCALE_BYTES = {"fp32": 4, "ue8m0": 4, "e8m0": 1, "e4m3": 1, "bf16": 2, "fp16": 2}
+# NVFP4 (NVIDIA ModelOpt): besides the e4m3 block scales, every weight matrix stores two fp32
+# scalars, ``weight_scale_2`` (the global scale) and ``input_scale`` (the static activation scale).
+_NVFP4_TENSOR_SCALARS_BYTES = 8
+# compressed-tensors pack-quantized stores each matrix's logical shape as ``weight_shape``, I64 [2].
+_INT4_SHAPE_BYTES = 16
 _PLAIN_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -181,10 +217,11 @@ _PLAIN_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 class QuantFormat:
     """Storage format of one component's matrices.
 
-    method: "bf16" | "fp16" | "fp32" | "fp8_block" | "mxfp4" | "int4"
+    method: "bf16" | "fp16" | "fp32" | "fp8_block" | "mxfp4" | "int4" | "nvfp4"
         | "fp8_channel" (e4m3, one scale per output row) | "fp8_tensor" (e4m3, one scale per tensor)
-    block_size: fp8 block [rows, cols] (e.g. (128, 128)); int4 group size in (1, g)
-    scale_format: "fp32" | "ue8m0" (fp8); "e8m0" (mxfp4); "bf16"/"fp16" (int4, compressed-tensors)
+    block_size: fp8 block [rows, cols] (e.g. (128, 128)); int4 group size in (1, g); nvfp4 (1, 16)
+    scale_format: "fp32" | "ue8m0" (fp8); "e8m0" (mxfp4); "bf16"/"fp16" (int4, compressed-tensors);
+        "e4m3" (nvfp4: one e4m3 scale per 16 elements, times an fp32 global scale per matrix)
     """
 
     method: str
@@ -193,7 +230,7 @@ class QuantFormat:
 
     @property
     def quantized(self) -> bool:
-        """True for fp8_block, mxfp4 and int4; False for plain bf16/fp16/fp32."""
+        """True for fp8, mxfp4, int4 and nvfp4; False for plain bf16/fp16/fp32."""
         return self.method not in _PLAIN_BYTES
 
     @property
@@ -208,9 +245,10 @@ class QuantFormat:
         """Storage bytes per logical parameter, scales included.
 
         bf16/fp16 2, fp32 4; fp8_block 1 + scale_bytes / (rows * cols) (128x128 with fp32 or
-        ue8m0 scales: 1 + 4/16384); mxfp4 0.5 + 1/32; int4 0.5 + scale_bytes / group.
-        fp8_channel and fp8_tensor: 1 (their one scale per row or per tensor depends on the
-        shape; ``tensor_bytes`` counts it). Exact for matrices whose dims are multiples of the
+        ue8m0 scales: 1 + 4/16384); mxfp4 0.5 + 1/32; int4 0.5 + scale_bytes / group; nvfp4
+        0.5 + 1/16. fp8_channel and fp8_tensor: 1 (their one scale per row or per tensor depends on the
+        shape; ``tensor_bytes`` counts it, as it counts int4's weight_shape and nvfp4's two fp32
+        scalars per matrix). Exact for matrices whose dims are multiples of the
         block; ``tensor_bytes`` also counts partial edge blocks.
         """
         if self.method in _PLAIN_BYTES:
@@ -222,7 +260,7 @@ class QuantFormat:
             return 1.0 + self.scale_bytes / (rows * cols)
         if self.method == "mxfp4":
             return 0.5 + self.scale_bytes / cols
-        if self.method == "int4":
+        if self.method in ("int4", "nvfp4"):
             return 0.5 + self.scale_bytes / cols
         raise ValueError(f"unknown quantization method {self.method!r}")
 
@@ -230,8 +268,9 @@ class QuantFormat:
         """Exact stored bytes of one tensor of logical ``shape`` ([..., out, in]) in this format.
 
         Scales are laid out per block of the last two dims (fp8: ceil(out/r) x ceil(in/c);
-        mxfp4 and int4: out x ceil(in/g)); leading dims (stacked experts) multiply. int4 values
-        are packed eight to an int32 along ``in``.
+        mxfp4, int4 and nvfp4: out x ceil(in/g)); leading dims (stacked experts) multiply. int4
+        values are packed eight to an int32 along ``in`` plus an I64 [2] weight_shape per matrix;
+        nvfp4 packs two E2M1 values per byte plus fp32 weight_scale_2 and input_scale per matrix.
         """
         numel = math.prod(shape)
         if self.method in _PLAIN_BYTES:
@@ -251,7 +290,12 @@ class QuantFormat:
             return blocks * (cols // 2) + blocks * self.scale_bytes
         if self.method == "int4":
             packed = lead * out_dim * -(-in_dim // 8) * 4
-            return packed + lead * out_dim * -(-in_dim // cols) * self.scale_bytes
+            scales = lead * out_dim * -(-in_dim // cols) * self.scale_bytes
+            return packed + scales + lead * _INT4_SHAPE_BYTES
+        if self.method == "nvfp4":
+            packed = lead * out_dim * -(-in_dim // 2)
+            scales = lead * out_dim * -(-in_dim // cols) * self.scale_bytes
+            return packed + scales + lead * _NVFP4_TENSOR_SCALARS_BYTES
         raise ValueError(f"unknown quantization method {self.method!r}")
 
 
@@ -287,6 +331,98 @@ class ParamCounts:
     per_component: dict[str, int]
     per_layer: dict[int, int]
     active_per_component: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def vision(self) -> int:
+        """Parameters of the vision tower (0 for a text-only model)."""
+        return self.per_component.get("vision", 0)
+
+    @property
+    def projector(self) -> int:
+        """Parameters of the multimodal projector / merger (0 for a text-only model)."""
+        return self.per_component.get("projector", 0)
+
+    @property
+    def language(self) -> int:
+        """Parameters of the language model: the main model without vision tower and projector."""
+        return self.total - self.vision - self.projector
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision tower and projector of a multimodal model (shapes in elements, sizes in pixels).
+
+    kind: "moonvit" (Kimi K2.5: native resolution, learned position grid interpolated to the
+        image, 2D RoPE, kh x kw patches merged into one token by the projector) | "llama4"
+        (Llama 4: 336-pixel tiles, a CLS token, pixel shuffle, adapter MLP, one projection)
+    hidden, layers, heads, intermediate: ViT width, blocks, attention heads, MLP width
+    patch_size: pixels per patch side; channels: input channels (3)
+    merge: (kh, kw) patches that become one language-model token (moonvit merge_kernel_size;
+        llama4 1 / pixel_shuffle_ratio per side)
+    pos_grid: (rows, cols) of moonvit's learned position embedding
+    image_size: llama4 tile side in pixels; max_tiles: tiles per image at most (the processor's
+        max_patches); global_tile: a downscaled whole-image tile is added when an image has several
+    max_side_patches: moonvit patches per side at most (its 2D RoPE table is 512 x 512)
+    projector_hidden: llama4 adapter MLP width (projector_input_dim); vision_output: width the
+        adapter emits (vision_output_dim); projector_bias: llama4 multi_modal_projector_bias
+    text_hidden: the language model's width
+    """
+
+    kind: str
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    patch_size: int
+    channels: int
+    merge: tuple[int, int]
+    text_hidden: int
+    pos_grid: tuple[int, int] = (0, 0)
+    image_size: int = 0
+    max_tiles: int = 1
+    global_tile: bool = False
+    max_side_patches: int = 512
+    projector_hidden: int = 0
+    vision_output: int = 0
+    projector_bias: bool = False
+
+    def _tiles(self, height: int, width: int) -> int:
+        """llama4: local tiles of an image (ceil per side, at most max_tiles) plus the global tile."""
+        local = -(-height // self.image_size) * -(-width // self.image_size)
+        local = min(local, self.max_tiles)
+        return local + (1 if self.global_tile and local > 1 else 0)
+
+    def encoder_tokens(self, height: int, width: int) -> int:
+        """Tokens the ViT blocks process for one image of ``height`` x ``width`` pixels.
+
+        moonvit: the image is padded to whole merge windows, ph x pw patches (each side at most
+        ``max_side_patches``); llama4: every tile is (image_size / patch)^2 patches plus a CLS token.
+        """
+        if self.kind == "llama4":
+            per_tile = (self.image_size // self.patch_size) ** 2 + 1
+            return self._tiles(height, width) * per_tile
+        kh, kw = self.merge
+        ph = min(-(-height // (self.patch_size * kh)) * kh, self.max_side_patches)
+        pw = min(-(-width // (self.patch_size * kw)) * kw, self.max_side_patches)
+        return ph * pw
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """Language-model tokens one image of ``height`` x ``width`` pixels takes in the prompt
+        (and so in the KV cache).
+
+        moonvit: merged patches, (ph / kh) x (pw / kw) (the media begin/end markers of the chat
+        template are text tokens and not counted). llama4: 144 per tile at 336 px (576 patches,
+        pixel shuffle 0.5), plus one separator per local tile when there are several, plus
+        <|image_start|>, <|image|> and <|image_end|> (aiconfigurator's Llama 4 tests:
+        336x336 -> 147 tokens, 672x672 -> 4 tiles + global = 727).
+        """
+        kh, kw = self.merge
+        if self.kind == "llama4":
+            per_tile = (self.image_size // self.patch_size) ** 2 // (kh * kw)
+            tiles = self._tiles(height, width)
+            local = tiles - (1 if tiles > 1 and self.global_tile else 0)
+            return tiles * per_tile + (local if local > 1 else 0) + 3
+        return self.encoder_tokens(height, width) // (kh * kw)
 
 
 @dataclass(frozen=True)
@@ -338,6 +474,10 @@ class ModelSpec:
     hidden: model width; vocab: vocabulary size; tie_embeddings: lm_head shares embeddings
     max_position: max_position_embeddings (tokens)
     norm_eps: RMSNorm epsilon; dtype: torch_dtype of the unquantized parts ("bfloat16", ...)
+    vision: the vision tower and projector (None for a text-only model)
+    text_prefix, head_prefix: where the language model's tensors live in the checkpoint
+        ("model." and "" for text-only models; "language_model.model." and "language_model."
+        for Kimi K2.5 and Llama 4)
     """
 
     model_type: str
@@ -353,6 +493,9 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     mtp_layers: tuple[LayerSpec, ...] = ()
     config: dict = field(default_factory=dict, compare=False, repr=False)
+    vision: VisionSpec | None = None
+    text_prefix: str = "model."
+    head_prefix: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -366,17 +509,19 @@ class ModelSpec:
         """(name prefix, layer index, is MTP, rows) for every group of tensors, model order:
         embeddings, decoder layers, MTP layers, final norm, lm_head. Rows are shared between
         layers of the same kind (cached), so counting never walks every tensor."""
-        h, v = self.hidden, self.vocab
+        h, v, text = self.hidden, self.vocab, self.text_prefix
         # the table is active only as the tied output projection; a lookup reads one row
         embed_active = v * h if self.tie_embeddings else 0
         groups: list[tuple[str, int | None, bool, tuple[_Row, ...]]] = [
-            ("model.", None, False, (("embed_tokens.weight", (v, h), "embeddings", False, embed_active),))]
+            (text, None, False, (("embed_tokens.weight", (v, h), "embeddings", False, embed_active),))]
         for layer in self.layers + self.mtp_layers:
             rows = _layer_rows(self.model_type, layer.attention, layer.ffn, layer.is_mtp, h, v)
-            groups.append((f"model.layers.{layer.index}.", layer.index, layer.is_mtp, rows))
-        groups.append(("model.", None, False, (("norm.weight", (h,), "norms", False, h),)))
+            groups.append((f"{text}layers.{layer.index}.", layer.index, layer.is_mtp, rows))
+        groups.append((text, None, False, (("norm.weight", (h,), "norms", False, h),)))
         if not self.tie_embeddings:
-            groups.append(("", None, False, (("lm_head.weight", (v, h), "lm_head", True, v * h),)))
+            groups.append((self.head_prefix, None, False, (("lm_head.weight", (v, h), "lm_head", True, v * h),)))
+        if self.vision is not None:
+            groups.extend(_vision_groups(self.vision))
         return groups
 
     @cached_property
@@ -522,7 +667,7 @@ def load_spec(model: str | Path) -> ModelSpec:
         raise InputError(f"not valid JSON: {err.msg} at line {err.lineno}", file=source) from None
     except (OSError, UnicodeDecodeError) as err:
         raise InputError(f"cannot read: {err}", file=source) from None
-    return spec_from_config(config, source)
+    return spec_from_config(_fold_hf_quant_config(config, config_path, source), source)
 
 
 def spec_from_config(config: dict, source: str) -> ModelSpec:
@@ -664,7 +809,6 @@ def _common(f: _Fields, norm_eps_default: float) -> _Common:
     kv_heads = f.integer("num_key_value_heads", heads)
     if heads % kv_heads:
         raise f.error("num_key_value_heads", f"a divisor of num_attention_heads ({heads})", kv_heads)
-    dtype_field = "torch_dtype" if f.has("torch_dtype") else "dtype"
     return _Common(
         hidden=hidden,
         num_layers=f.integer("num_hidden_layers"),
@@ -674,8 +818,13 @@ def _common(f: _Fields, norm_eps_default: float) -> _Common:
         tie=f.boolean("tie_word_embeddings", False),
         max_position=f.integer("max_position_embeddings"),
         norm_eps=f.number("rms_norm_eps", norm_eps_default),
-        dtype=f.string(dtype_field, "bfloat16", tuple(_TORCH_DTYPES)),
+        dtype=_common_dtype(f),
     )
+
+
+def _common_dtype(f: _Fields) -> str:
+    dtype_field = "torch_dtype" if f.has("torch_dtype") else "dtype"
+    return f.string(dtype_field, "bfloat16", tuple(_TORCH_DTYPES))
 
 
 def _check_routing(f: _Fields, experts_field: str, experts: int, top_k: int, top_k_field: str,
@@ -992,8 +1141,12 @@ def _layer_rows(model_type: str, a: AttentionSpec, ffn: FFNSpec, is_mtp: bool, h
             add("self_attn.indexer.k_norm.bias", (d,), "indexer")
             # weights_proj stays unquantized in the fp8 checkpoints (vLLM builds it without quant_config)
             add("self_attn.indexer.weights_proj.weight", (n, hidden), "indexer")
+    elif a.kind == "linear":
+        out.extend(_linear_attention_rows(a, hidden))
     else:
         q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        if a.output_gate:
+            q_width *= 2
         for proj, width in (("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)):
             add(f"self_attn.{proj}.weight", (width, hidden), "attention", True)
             if a.bias:
@@ -1007,7 +1160,9 @@ def _layer_rows(model_type: str, a: AttentionSpec, ffn: FFNSpec, is_mtp: bool, h
         if a.sinks:
             add("self_attn.sinks", (a.num_heads,), "attention")
 
-    if ffn.kind == "dense":
+    if model_type in _FFN_ROWS:
+        out.extend(_FFN_ROWS[model_type](ffn, hidden))
+    elif ffn.kind == "dense":
         width = ffn.intermediate
         add("mlp.gate_proj.weight", (width, hidden), "dense_mlp", True)
         add("mlp.up_proj.weight", (width, hidden), "dense_mlp", True)
@@ -1099,7 +1254,9 @@ def _quant(f: _Fields, spec: ModelSpec) -> QuantSpec:
                          modules_to_not_convert=skip, source="mxfp4")
     if method == "compressed-tensors":
         return _quant_compressed_tensors(q, default, modules)
-    raise q.error("quant_method", "one of fp8, mxfp4, compressed-tensors", method,
+    if method == "modelopt":
+        return _quant_modelopt(q, default, modules)
+    raise q.error("quant_method", "one of fp8, mxfp4, compressed-tensors, modelopt", method,
                   hint="other quantization methods are not supported yet")
 
 
@@ -1146,7 +1303,9 @@ def _quant_compressed_tensors(q: _Fields, default: QuantFormat, modules: dict[st
         weights = group.mapping("weights")
         if weights is None:
             raise group.error("weights", "a weight quantization scheme")
-        schemes.append((targets, _compressed_tensors_scheme(weights, default)))
+        fmt_name = group.string("format", None) if group.has("format") else (
+            q.string("format") if q.has("format") else None)
+        schemes.append((targets, _compressed_tensors_scheme(weights, default, fmt_name)))
     per_component = {}
     for component, names in modules.items():
         for module in names:
@@ -1161,8 +1320,9 @@ def _quant_compressed_tensors(q: _Fields, default: QuantFormat, modules: dict[st
                      source="compressed-tensors")
 
 
-def _compressed_tensors_scheme(weights: _Fields, default: QuantFormat) -> QuantFormat:
-    """QuantFormat of one compressed-tensors weight scheme (num_bits, type, strategy, ...)."""
+def _compressed_tensors_scheme(weights: _Fields, default: QuantFormat, fmt_name: str | None = None) -> QuantFormat:
+    """QuantFormat of one compressed-tensors weight scheme (num_bits, type, strategy, ...);
+    ``fmt_name``: the config's storage ``format`` (int4 must be "pack-quantized")."""
     bits = weights.integer("num_bits")
     kind = weights.string("type", "int")
     strategy = weights.string("strategy", "group")
@@ -1170,6 +1330,10 @@ def _compressed_tensors_scheme(weights: _Fields, default: QuantFormat) -> QuantF
                            ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
     scale = _SCALE_NAMES.get(scale, scale)
     if bits == 4 and kind == "int" and strategy == "group":
+        if fmt_name not in ("pack-quantized", None):
+            raise weights.error("num_bits", "int4 stored pack-quantized (eight values per int32)",
+                                f"int4 in format {fmt_name!r}",
+                                hint="other compressed-tensors storage formats are not supported yet")
         if not weights.boolean("symmetric", True):
             raise weights.error("symmetric", "true (zero points are not supported yet)", False)
         return QuantFormat("int4", (1, weights.integer("group_size")), scale)
@@ -1185,5 +1349,350 @@ def _compressed_tensors_scheme(weights: _Fields, default: QuantFormat) -> QuantF
                         hint="other compressed-tensors schemes are not supported yet")
 
 
+def _quant_modelopt(q: _Fields, default: QuantFormat, modules: dict[str, list[str]]) -> QuantSpec:
+    """NVIDIA ModelOpt (quant_method "modelopt", or an hf_quant_config.json folded in by
+    load_spec): NVFP4 = E2M1 values, one e4m3 scale per 16 elements along the input dim and an
+    fp32 global scale per matrix; FP8 = e4m3 with one fp32 scale per tensor. Every Linear but
+    those ``exclude_modules`` (or ``ignore``) names is converted."""
+    algo = q.string("quant_algo", None, ("NVFP4", "FP8"))
+    if algo is None:
+        raise q.error("quant_algo", "NVFP4 or FP8 (ModelOpt algorithms adapt plans)",
+                      hint="other ModelOpt algorithms (W4A8_AWQ, MIXED_PRECISION) are not supported yet")
+    if algo == "NVFP4":
+        group = q.integer("group_size", 16)
+        if group != 16:
+            raise q.error("group_size", "16 (NVFP4 scales blocks of 16 elements)", group)
+        fmt = QuantFormat("nvfp4", (1, 16), "e4m3")
+    else:
+        fmt = QuantFormat("fp8_tensor", None, "fp32")
+    skip_field = "exclude_modules" if q.has("exclude_modules") else "ignore"
+    skip = q.string_list(skip_field, ())
+    per_component = {component: fmt for component, names in modules.items()
+                     if any(not any(_matches(m, p) for p in skip) for m in names)}
+    return QuantSpec(default=default, per_component=per_component, modules_to_not_convert=skip,
+                     source=f"modelopt {algo}")
+
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+def _fold_hf_quant_config(config: dict, config_path: Path, source: str) -> dict:
+    """config.json plus the ModelOpt ``hf_quant_config.json`` beside it, as a top-level
+    quantization_config (quant_method "modelopt"), so that an NVFP4 checkpoint whose config.json
+    says nothing about quantization is never planned as bf16. Raises InputError when the two
+    files disagree."""
+    path = config_path.parent / HF_QUANT_CONFIG
+    if not path.is_file() or not isinstance(config, dict):
+        return config
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"cannot read: {err}", file=str(path)) from None
+    q = data.get("quantization") if isinstance(data, dict) else None
+    if not isinstance(q, dict):
+        raise InputError("expected a JSON object", file=str(path), field="quantization")
+    algo = q.get("quant_algo")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    existing = config.get("quantization_config") or text.get("quantization_config")
+    if existing is None:
+        folded = {"quant_method": "modelopt", "quant_algo": algo,
+                  "exclude_modules": q.get("exclude_modules") or []}
+        if q.get("group_size") is not None:
+            folded["group_size"] = q["group_size"]
+        return {**config, "quantization_config": folded}
+    if not isinstance(existing, dict) or existing.get("quant_method") != "modelopt" or \
+            existing.get("quant_algo") != algo:
+        said = existing.get("quant_method") if isinstance(existing, dict) else existing
+        raise InputError(f"says quant_algo {algo!r} but {source} has quantization_config quant_method {said!r}",
+                         file=str(path), field="quantization.quant_algo",
+                         hint="the two files come from different checkpoints; keep the pair that matches the weights")
+    return config
+
+
 _SCALE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32", "bf16": "bf16",
                 "fp16": "fp16"}
+
+
+# ---------------------------------------------------------------------------------------
+# Multimodal and hybrid families: kimi_k25 (MoonViT + DeepSeek-V3 text), llama4 (ViT tiles +
+# interleaved dense/MoE, chunked and NoPE attention), qwen3_next (Gated DeltaNet + gated
+# attention). Tensor names follow the published checkpoints (vLLM's weight loaders read them;
+# Kimi's projector is stored as mm_projector.proj.0 / proj.2, which vLLM maps to linear_1 / 2).
+
+
+def _rows(*entries: tuple) -> tuple[_Row, ...]:
+    """Rows from (name, shape, component, quantizable[, active]); active defaults to numel."""
+    return tuple((e[0], e[1], e[2], e[3], e[4] if len(e) > 4 else math.prod(e[1])) for e in entries)
+
+
+def _linear_attention_rows(a: AttentionSpec, hidden: int) -> tuple[_Row, ...]:
+    """Gated DeltaNet (Qwen3-Next ``linear_attn``): q, k, v, z projected together, b and a
+    (beta, decay) together, a causal depthwise conv over q/k/v, per-head A_log and dt_bias, a
+    gated RMSNorm over each value head, and the output projection."""
+    key_dim = a.linear_key_heads * a.linear_key_dim
+    value_dim = a.linear_value_heads * a.linear_value_dim
+    p = "linear_attn."
+    return _rows(
+        (p + "in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, hidden), "linear_attention", True),
+        (p + "in_proj_ba.weight", (2 * a.linear_value_heads, hidden), "linear_attention", True),
+        (p + "conv1d.weight", (2 * key_dim + value_dim, 1, a.conv_kernel), "linear_attention", False),
+        (p + "dt_bias", (a.linear_value_heads,), "linear_attention", False),
+        (p + "A_log", (a.linear_value_heads,), "linear_attention", False),
+        (p + "norm.weight", (a.linear_value_dim,), "linear_attention", False),
+        (p + "out_proj.weight", (hidden, value_dim), "linear_attention", True),
+    )
+
+
+def _llama4_ffn_rows(ffn: FFNSpec, hidden: int) -> tuple[_Row, ...]:
+    """Llama 4 ``feed_forward``: a dense SwiGLU, or a router, fused experts ([E, hidden, 2 x width]
+    gate_up and [E, width, hidden] down, as the checkpoints store them) and one shared expert."""
+    p = "feed_forward."
+    if ffn.kind == "dense":
+        w = ffn.intermediate
+        return _rows((p + "gate_proj.weight", (w, hidden), "dense_mlp", True),
+                     (p + "up_proj.weight", (w, hidden), "dense_mlp", True),
+                     (p + "down_proj.weight", (hidden, w), "dense_mlp", True))
+    e, k, w, s = ffn.num_experts, ffn.top_k, ffn.expert_intermediate, ffn.shared_intermediate
+    return _rows(
+        (p + "router.weight", (e, hidden), "router", False),
+        (p + "experts.gate_up_proj", (e, hidden, 2 * w), "routed_experts", True, hidden * 2 * w * k),
+        (p + "experts.down_proj", (e, w, hidden), "routed_experts", True, w * hidden * k),
+        (p + "shared_expert.gate_proj.weight", (s, hidden), "shared_experts", True),
+        (p + "shared_expert.up_proj.weight", (s, hidden), "shared_experts", True),
+        (p + "shared_expert.down_proj.weight", (hidden, s), "shared_experts", True),
+    )
+
+
+def _qwen3_next_ffn_rows(ffn: FFNSpec, hidden: int) -> tuple[_Row, ...]:
+    """Qwen3-Next ``mlp``: dense SwiGLU, or router, per-expert SwiGLU experts, one shared expert
+    and its [1, hidden] sigmoid gate."""
+    if ffn.kind == "dense":
+        w = ffn.intermediate
+        return _rows(("mlp.gate_proj.weight", (w, hidden), "dense_mlp", True),
+                     ("mlp.up_proj.weight", (w, hidden), "dense_mlp", True),
+                     ("mlp.down_proj.weight", (hidden, w), "dense_mlp", True))
+    e, k, w, s = ffn.num_experts, ffn.top_k, ffn.expert_intermediate, ffn.shared_intermediate
+    rows = [("mlp.gate.weight", (e, hidden), "router", False)]
+    for proj, shape in (("gate_proj", (e, w, hidden)), ("up_proj", (e, w, hidden)), ("down_proj", (e, hidden, w))):
+        rows.append((f"mlp.experts.*.{proj}.weight", shape, "routed_experts", True, math.prod(shape) // e * k))
+    if ffn.num_shared_experts:
+        rows += [("mlp.shared_expert.gate_proj.weight", (s, hidden), "shared_experts", True),
+                 ("mlp.shared_expert.up_proj.weight", (s, hidden), "shared_experts", True),
+                 ("mlp.shared_expert.down_proj.weight", (hidden, s), "shared_experts", True)]
+        if ffn.shared_gate:
+            rows.append(("mlp.shared_expert_gate.weight", (1, hidden), "shared_experts", False))
+    return _rows(*rows)
+
+
+_FFN_ROWS = {"llama4": _llama4_ffn_rows, "qwen3_next": _qwen3_next_ffn_rows}
+
+
+@lru_cache(maxsize=16)
+def _vision_groups(v: VisionSpec) -> tuple[tuple[str, None, bool, tuple[_Row, ...]], ...]:
+    """(prefix, None, False, rows) groups of the vision tower and projector. Vision rows count 0
+    active parameters: a text token's forward pass never runs the vision tower."""
+    h, i = v.hidden, v.intermediate
+    groups = []
+    if v.kind == "moonvit":
+        stem = _rows(("patch_embed.proj.weight", (h, v.channels, v.patch_size, v.patch_size), "vision", False, 0),
+                     ("patch_embed.proj.bias", (h,), "vision", False, 0),
+                     ("patch_embed.pos_emb.weight", (*v.pos_grid, h), "vision", False, 0))
+        block = _rows(("norm0.weight", (h,), "vision", False, 0), ("norm0.bias", (h,), "vision", False, 0),
+                      ("norm1.weight", (h,), "vision", False, 0), ("norm1.bias", (h,), "vision", False, 0),
+                      ("wqkv.weight", (3 * h, h), "vision", True, 0), ("wqkv.bias", (3 * h,), "vision", False, 0),
+                      ("wo.weight", (h, h), "vision", True, 0), ("wo.bias", (h,), "vision", False, 0),
+                      ("mlp.fc0.weight", (i, h), "vision", True, 0), ("mlp.fc0.bias", (i,), "vision", False, 0),
+                      ("mlp.fc1.weight", (h, i), "vision", True, 0), ("mlp.fc1.bias", (h,), "vision", False, 0))
+        merged = h * v.merge[0] * v.merge[1]
+        groups.append(("vision_tower.", None, False, stem))
+        groups += [(f"vision_tower.encoder.blocks.{n}.", None, False, block) for n in range(v.layers)]
+        groups.append(("vision_tower.encoder.", None, False,
+                       _rows(("final_layernorm.weight", (h,), "vision", False, 0),
+                             ("final_layernorm.bias", (h,), "vision", False, 0))))
+        groups.append(("mm_projector.", None, False, _rows(
+            ("pre_norm.weight", (h,), "projector", False, 0), ("pre_norm.bias", (h,), "projector", False, 0),
+            ("proj.0.weight", (merged, merged), "projector", True, 0),
+            ("proj.0.bias", (merged,), "projector", False, 0),
+            ("proj.2.weight", (v.text_hidden, merged), "projector", True, 0),
+            ("proj.2.bias", (v.text_hidden,), "projector", False, 0))))
+        return tuple(groups)
+    positions = (v.image_size // v.patch_size) ** 2 + 1
+    patch_in = v.channels * v.patch_size * v.patch_size
+    shuffled = h * v.merge[0] * v.merge[1]
+    stem = _rows(("class_embedding", (h,), "vision", False, 0),
+                 ("positional_embedding_vlm", (positions, h), "vision", False, 0),
+                 ("patch_embedding.linear.weight", (h, patch_in), "vision", True, 0),
+                 ("layernorm_pre.weight", (h,), "vision", False, 0), ("layernorm_pre.bias", (h,), "vision", False, 0),
+                 ("layernorm_post.weight", (h,), "vision", False, 0), ("layernorm_post.bias", (h,), "vision", False, 0),
+                 ("vision_adapter.mlp.fc1.weight", (v.projector_hidden, shuffled), "projector", True, 0),
+                 ("vision_adapter.mlp.fc2.weight", (v.vision_output, v.projector_hidden), "projector", True, 0))
+    block = []
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        block += [(f"self_attn.{proj}.weight", (h, h), "vision", True, 0), (f"self_attn.{proj}.bias", (h,), "vision",
+                                                                              False, 0)]
+    block += [("mlp.fc1.weight", (i, h), "vision", True, 0), ("mlp.fc1.bias", (i,), "vision", False, 0),
+              ("mlp.fc2.weight", (h, i), "vision", True, 0), ("mlp.fc2.bias", (h,), "vision", False, 0)]
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        block += [(f"{norm}.weight", (h,), "vision", False, 0), (f"{norm}.bias", (h,), "vision", False, 0)]
+    groups.append(("vision_model.", None, False, stem))
+    groups += [(f"vision_model.model.layers.{n}.", None, False, _rows(*block)) for n in range(v.layers)]
+    projector = [("linear_1.weight", (v.text_hidden, v.vision_output), "projector", True, 0)]
+    if v.projector_bias:
+        projector.append(("linear_1.bias", (v.text_hidden,), "projector", False, 0))
+    groups.append(("multi_modal_projector.", None, False, _rows(*projector)))
+    return tuple(groups)
+
+
+def _kimi_k25(f: _Fields, model_type: str) -> ModelSpec:
+    """Kimi K2.5: a DeepSeek-V3 (kimi_k2) language model in ``text_config`` under
+    ``language_model.``, and the MoonViT vision tower plus patch-merger projector in
+    ``vision_config`` (vt_* names as published; plain names as vLLM's KimiK25VisionConfig)."""
+    text = f.mapping("text_config")
+    if text is None:
+        raise f.error("text_config", "the language model's config (a DeepSeek-V3 / kimi_k2 object)")
+    vc = f.mapping("vision_config")
+    if vc is None:
+        raise f.error("vision_config", "the MoonViT vision tower's config object")
+    base = _deepseek(text, "kimi_k2")
+
+    def pick(name: str, default: Any = _MISSING) -> int:
+        return vc.integer("vt_" + name) if vc.has("vt_" + name) else vc.integer(name, default)
+
+    merge = vc.integer_list("merge_kernel_size", (2, 2))
+    if len(merge) != 2 or min(merge) < 1:
+        raise vc.error("merge_kernel_size", "[rows, cols] of positive integers", list(merge))
+    for name, allowed in (("merge_type", ("sd2_tpool",)), ("pos_emb_type", ("divided_fixed",)),
+                          ("mm_projector_type", ("patchmerger",))):
+        vc.string(name, allowed[0], allowed)
+    hidden = pick("hidden_size", 1152)
+    heads = pick("num_attention_heads", 16)
+    if hidden % heads:
+        raise vc.error("vt_num_attention_heads", f"a divisor of vt_hidden_size ({hidden})", heads)
+    vision = VisionSpec(
+        kind="moonvit", hidden=hidden, layers=pick("num_hidden_layers", 27), heads=heads,
+        intermediate=pick("intermediate_size", 4304), patch_size=vc.integer("patch_size", 14), channels=3,
+        merge=(merge[0], merge[1]), text_hidden=base.hidden,
+        pos_grid=tuple(vc.integer(f"init_pos_emb_{side}") if vc.has(f"init_pos_emb_{side}")
+                       else vc.integer(f"pos_emb_{side}", 64) for side in ("height", "width")),
+    )
+    text_hidden = vc.integer("text_hidden_size", base.hidden)
+    if text_hidden != base.hidden:
+        raise vc.error("text_hidden_size", f"text_config.hidden_size ({base.hidden})", text_hidden)
+    spec = replace(base, model_type=model_type, source=f.source, vision=vision, config=f.config,
+                   text_prefix="language_model.model.", head_prefix="language_model.")
+    if f.has("quantization_config"):
+        # a top-level quantization config names modules as the checkpoint does (language_model.*)
+        spec = replace(spec, quant=_quant(f, replace(spec, quant=QuantSpec(default=base.quant.default))))
+    return spec
+
+
+def _llama4(f: _Fields, model_type: str) -> ModelSpec:
+    """Llama 4 (Scout, Maverick): ``text_config`` holds a GQA decoder whose MoE layers (every
+    ``interleave_moe_layer_step``-th, or ``moe_layers``) alternate with dense ones; RoPE layers use
+    chunked local attention and a parameter-free q/k L2 norm, every fourth layer is NoPE with
+    full attention (``no_rope_layers``: 1 = RoPE). ``vision_config`` holds the tiled ViT."""
+    t = f.mapping("text_config")
+    if t is None:
+        raise f.error("text_config", "the language model's config (llama4_text)")
+    c = _common(t, 1e-5)
+    if not (t.has("torch_dtype") or t.has("dtype")) and (f.has("torch_dtype") or f.has("dtype")):
+        c = replace(c, dtype=_common_dtype(f))  # transformers 5 writes the dtype at the top level only
+    head_dim = t.integer("head_dim", c.hidden // c.heads)
+    no_rope = t.integer_list("no_rope_layers", ()) or tuple(
+        int((i + 1) % t.integer("no_rope_layer_interval", 4) != 0) for i in range(c.num_layers))
+    if len(no_rope) != c.num_layers or any(x not in (0, 1) for x in no_rope):
+        raise t.error("no_rope_layers", f"{c.num_layers} entries of 0 or 1", list(no_rope))
+    step = t.integer("interleave_moe_layer_step", 1)
+    moe_layers = set(t.integer_list("moe_layers")) if t.has("moe_layers") else set(
+        range(step - 1, c.num_layers, step))
+    if any(not 0 <= i < c.num_layers for i in moe_layers):
+        raise t.error("moe_layers", f"layer indices in [0, {c.num_layers})", sorted(moe_layers))
+    experts = t.integer("num_local_experts")
+    top_k = t.integer("num_experts_per_tok")
+    _check_routing(t, "num_local_experts", experts, top_k, "num_experts_per_tok")
+    width = t.integer("intermediate_size")
+    moe = FFNSpec(kind="moe", num_experts=experts, top_k=top_k, expert_intermediate=width,
+                  num_shared_experts=1, shared_intermediate=width, scoring="sigmoid", norm_topk_prob=False,
+                  score_after_topk=True)
+    dense = FFNSpec(kind="dense", intermediate=t.integer("intermediate_size_mlp"))
+    chunk = t.optional_integer("attention_chunk_size")
+    qk_l2 = t.boolean("use_qk_norm", False)
+    bias = t.boolean("attention_bias", False)
+    kinds = {}
+    for rope in (0, 1):
+        local = chunk if rope else None
+        kinds[rope] = AttentionSpec(
+            kind="chunked" if local else _attention_kind(c.heads, c.kv_heads, None), num_heads=c.heads,
+            num_kv_heads=c.kv_heads, head_dim=head_dim, v_head_dim=head_dim, window=local, chunk=local,
+            rope=bool(rope), qk_l2norm=qk_l2 and bool(rope), bias=bias, o_bias=bias)
+    layers = tuple(LayerSpec(i, kinds[no_rope[i]], moe if i in moe_layers else dense) for i in range(c.num_layers))
+    rope = _rope(t, 500000.0, 0, head_dim, 1.0, True)
+    vision = None
+    vc = f.mapping("vision_config")
+    if vc is not None:
+        ratio = vc.number("pixel_shuffle_ratio", 0.5)
+        if ratio > 1 or abs(1 / ratio - round(1 / ratio)) > 1e-9:
+            raise vc.error("pixel_shuffle_ratio", "1 / an integer (0.5: 2x2 patches per token)", ratio)
+        side = round(1 / ratio)
+        processor = f.mapping("image_processor_config")
+        vision = VisionSpec(
+            kind="llama4", hidden=vc.integer("hidden_size"), layers=vc.integer("num_hidden_layers"),
+            heads=vc.integer("num_attention_heads"), intermediate=vc.integer("intermediate_size"),
+            patch_size=vc.integer("patch_size"), channels=vc.integer("num_channels", 3), merge=(side, side),
+            text_hidden=c.hidden, image_size=vc.integer("image_size"),
+            max_tiles=processor.integer("max_patches", 16) if processor else 16,
+            global_tile=processor.boolean("add_global_tile", True) if processor else True,
+            projector_hidden=vc.integer("projector_input_dim"), vision_output=vc.integer("vision_output_dim"),
+            projector_bias=vc.boolean("multi_modal_projector_bias", False),
+        )
+    spec = ModelSpec(
+        model_type=model_type, source=f.source, hidden=c.hidden, vocab=c.vocab,
+        tie_embeddings=f.boolean("tie_word_embeddings", c.tie), max_position=c.max_position,
+        norm_eps=c.norm_eps, dtype=c.dtype, rope=rope, quant=QuantSpec(default=QuantFormat(_TORCH_DTYPES[c.dtype])),
+        layers=layers, config=f.config, vision=vision, text_prefix="language_model.model.",
+        head_prefix="language_model.",
+    )
+    quant = _quant(f, spec)
+    return spec if quant is spec.quant else replace(spec, quant=quant)
+
+
+def _qwen3_next(f: _Fields, model_type: str) -> ModelSpec:
+    """Qwen3-Next: Gated DeltaNet linear-attention layers with a full (gated, qk-normed, partial
+    RoPE) attention layer every ``full_attention_interval`` layers; softmax top-k MoE with one
+    gated shared expert. The checkpoints' MTP module (``mtp.*``) is not part of this spec."""
+    c = _common(f, 1e-6)
+    head_dim = f.integer("head_dim", c.hidden // c.heads)
+    interval = f.integer("full_attention_interval", 4)
+    default = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(c.num_layers))
+    types = f.string_list("layer_types") if f.has("layer_types") else default
+    if len(types) != c.num_layers or any(t not in ("full_attention", "linear_attention") for t in types):
+        raise f.error("layer_types", f"{c.num_layers} entries of 'full_attention' or 'linear_attention'",
+                      list(types))
+    full = AttentionSpec(kind=_attention_kind(c.heads, c.kv_heads, None), num_heads=c.heads,
+                         num_kv_heads=c.kv_heads, head_dim=head_dim, v_head_dim=head_dim, qk_norm=True,
+                         output_gate=True, bias=f.boolean("attention_bias", False))
+    kh, vh = f.integer("linear_num_key_heads"), f.integer("linear_num_value_heads")
+    if vh % kh:
+        raise f.error("linear_num_value_heads", f"a multiple of linear_num_key_heads ({kh})", vh)
+    kd, vd = f.integer("linear_key_head_dim"), f.integer("linear_value_head_dim")
+    linear = AttentionSpec(kind="linear", num_heads=vh, num_kv_heads=kh, head_dim=kd, v_head_dim=vd,
+                           rope=False, linear_key_heads=kh, linear_value_heads=vh, linear_key_dim=kd,
+                           linear_value_dim=vd, conv_kernel=f.integer("linear_conv_kernel_dim", 4))
+    experts = f.integer("num_experts")
+    top_k = f.integer("num_experts_per_tok")
+    _check_routing(f, "num_experts", experts, top_k, "num_experts_per_tok")
+    shared = f.integer("shared_expert_intermediate_size", 0, minimum=0)
+    moe = FFNSpec(kind="moe", num_experts=experts, top_k=top_k, expert_intermediate=f.integer("moe_intermediate_size"),
+                  num_shared_experts=1 if shared else 0, shared_intermediate=shared, scoring="softmax",
+                  norm_topk_prob=f.boolean("norm_topk_prob", True), shared_gate=bool(shared))
+    step = f.integer("decoder_sparse_step", 1)
+    mlp_only = set(f.integer_list("mlp_only_layers", ()))
+    dense = FFNSpec(kind="dense", intermediate=f.integer("intermediate_size"))
+    layers = tuple(LayerSpec(i, full if types[i] == "full_attention" else linear,
+                             moe if i not in mlp_only and (i + 1) % step == 0 else dense)
+                   for i in range(c.num_layers))
+    rope = _rope(f, 10000.0, 0, head_dim, 0.25, False)
+    return _assemble(f, model_type, c, rope, layers, ())
+
+
+_BUILDERS.update({"kimi_k25": _kimi_k25, "llama4": _llama4, "qwen3_next": _qwen3_next})

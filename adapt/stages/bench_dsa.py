@@ -27,75 +27,21 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import statistics
-import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from adapt.bench.ceilings import measure_ceilings
+from adapt.bench.provenance import commit as _commit
+from adapt.bench.timer import time_eager_ms as _time_ms
+from adapt.bench.timer import time_graph_ms as _time_graph_ms
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
 from adapt.kernels.topk import topk_indices, topk_indices_torch
 from adapt.runtime.kv_cache import FP8_DTYPE, PAGE_SIZE, PagedDSACache
 
 HEADS, RANK, ROPE, INDEX_HEADS, INDEX_DIM, NOPE, VDIM = 128, 512, 64, 64, 128, 128, 128
-
-
-def _time_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    """Median milliseconds of ``reps`` runs of ``fn`` (CUDA events), after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _time_graph_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median milliseconds of ``reps`` replays of ``fn`` captured in a CUDA graph (no host launch
-    gaps, as a serving engine runs a decode step); falls back to ``_time_ms`` when ``fn`` cannot be
-    captured."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError:
-        return _time_ms(fn, reps)
-    return _time_ms(graph.replay, reps)
-
-
-def _ceilings(reps: int) -> dict:
-    n = 1 << 28
-    src = torch.randn(n // 4, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = _time_ms(lambda: dst.copy_(src), reps)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = _time_ms(lambda: a @ b, reps)
-    a8, b8 = a.to(FP8_DTYPE), b.to(FP8_DTYPE).T.contiguous().T
-    one = torch.ones((), device="cuda")
-    fp8_ms = _time_ms(
-        lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps
-    )
-    flops = 2 * 8192**3
-    return {
-        "copy_TBps": 2 * n / copy_ms / 1e9,
-        "bf16_matmul_TFLOPs": flops / mm_ms / 1e9,
-        "fp8_scaled_mm_TFLOPs": flops / fp8_ms / 1e9,
-    }
 
 
 def _random_cache(num_tokens: int, latent_format: str) -> PagedDSACache:
@@ -537,16 +483,6 @@ def _prefill_forms(length: int, topk: int, rows: int, reps: int, tiles: dict) ->
     }
 
 
-def _commit() -> str:
-    if os.environ.get("ADAPT_COMMIT"):
-        return os.environ["ADAPT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run_dsa_bench(
     out_dir: Path,
     *,
@@ -584,9 +520,9 @@ def run_dsa_bench(
             "topk": topk,
             "latent_format": latent_format,
         },
-        "ceilings": _ceilings(reps),
+        "ceilings": measure_ceilings(copy_gib=2, reps=reps),
     }
-    copy = result["ceilings"]["copy_TBps"]
+    copy = result["ceilings"]["copy_tbps"]
     sweep = _tile_sweep(topk, latent_format, reps)
     tiles = _fastest_tiles(sweep)
     result.update(decode=[], prefill=[], tile_sweep=sweep, tiles_used=tiles)
@@ -689,16 +625,10 @@ def run_dsa_acceptance(
             "the DSA benchmark needs a CUDA GPU and none is visible",
             hint="run it on the GPU machine, e.g. `adapt bench kernels --dsa` there",
         )
-    from adapt.stages.bench_moe import measure_copy
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    ceilings = _ceilings(reps)
-    copy = measure_copy(gib=2, reps=reps)
-    ceilings["copy_torch_small_TBps"] = ceilings["copy_TBps"]
-    ceilings.update({k: v for k, v in copy.items() if k.endswith("_tbps")})
-    ceilings["copy_TBps"] = max(ceilings["copy_TBps"], copy["copy_tbps"])
+    ceilings = measure_ceilings(copy_gib=2, reps=reps)
     result = {
         "mode": "acceptance",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -729,7 +659,8 @@ def run_dsa_acceptance(
     result["errors"] = []
     for b in (1, batch):
         try:
-            result["decode"].append(_decode_case(b, context, topk, latent_format, ceilings["copy_TBps"], reps, tiles))
+            result["decode"].append(_decode_case(b, context, topk, latent_format, ceilings["copy_tbps"], reps,
+                                                       tiles))
         except Exception as err:  # recorded (its acceptance lines count as unmet); the other cases still run
             result["errors"].append(f"decode batch {b}: {type(err).__name__}: {str(err)[:300]}")
         torch.cuda.empty_cache()
@@ -889,8 +820,8 @@ def compact_summary(result: dict) -> str:
     """A few lines for a terminal: ceilings, each decode and prefill case with its split."""
     c = result["ceilings"]
     lines = [
-        f"DSA {result['gpu']} {result['date']} commit {result['commit']}: copy {c['copy_TBps']:.2f} TB/s, "
-        f"bf16 {c['bf16_matmul_TFLOPs']:.0f}, fp8 {c['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s; "
+        f"DSA {result['gpu']} {result['date']} commit {result['commit']}: copy {c['copy_tbps']:.2f} TB/s, "
+        f"bf16 {c['bf16_matmul_tflops']:.0f}, fp8 {c['fp8_matmul_tflops']:.0f} TFLOP/s; "
         f"tiles {result['tiles_used']}",
         "decode  B x S: scores/topk/mla/step us | floor us | step/floor | dense us (floor)",
     ]
@@ -927,9 +858,9 @@ def render_markdown(result: dict) -> str:
         f"triton {result['triton']}. "
         f"Shapes: {result['shapes']}. Medians of CUDA-event timings, per layer.",
         "",
-        f"Ceilings (same run): copy {c['copy_TBps']:.2f} TB/s, "
-        f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s, "
-        f"fp8 _scaled_mm {c['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s.",
+        f"Ceilings (same run): copy {c['copy_tbps']:.2f} TB/s, "
+        f"bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s, "
+        f"fp8 _scaled_mm {c['fp8_matmul_tflops']:.0f} TFLOP/s.",
         "",
         "## Decode (one token per sequence)",
         "",

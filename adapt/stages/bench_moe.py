@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import statistics
-import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
+from adapt.bench.ceilings import measure_ceilings
+from adapt.bench.provenance import commit as _git_commit
+from adapt.bench.timer import graph_time_us
 from adapt.errors import InputError
 
 SHAPES = {
@@ -70,109 +68,15 @@ SHAPES = {
     ),
 }
 DEFAULT_TOKENS = [1, 16, 64, 256, 1024, 4096, 16384]
+DEVICE = "cuda"
+"""Device of the benchmark (a smoke test of the code paths sets "cpu" under the interpreter)."""
 WORKSPACE_CHUNK = 32
 """Experts per workspace chunk (the workspace holds two chunks)."""
 
 
-def _git_commit() -> str:
-    """ADAPT_COMMIT from the environment (the device copy has no .git), else ``git rev-parse``."""
-    if os.environ.get("ADAPT_COMMIT"):
-        return os.environ["ADAPT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "adapt/kernels"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "uncommitted"
-    if out.returncode != 0:
-        return "uncommitted"
-    return out.stdout.strip() + (" (kernels modified)" if dirty.stdout.strip() else "")
-
-
-def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median time of ``fn`` in us, as replays of a CUDA graph captured after two warm-up calls."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    del g
-    return statistics.median(times)
-
-
-@triton.jit
-def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """dst[i] = src[i]: one program per BLOCK elements, contiguous (16-byte accesses per thread)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=m, eviction_policy="evict_first"), mask=m)
-
-
-def measure_copy(gib: int = 4, reps: int = 30) -> dict:
-    """Device copy bandwidth, TB/s of bytes read + written, on ``gib`` GiB bf16 buffers (random
-    data): torch ``copy_`` and a Triton copy with 16-byte accesses, each the median of ``reps``."""
-    n = gib * (1 << 30) // 2
-    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    ai, bi = a.view(torch.int32), b.view(torch.int32)
-    block = 4096
-    out = {"copy_bytes_each_way": 2 * n}
-    out["copy_torch_tbps"] = 4 * n / graph_time_us(lambda: b.copy_(a), reps=reps) / 1e6
-    for warps in (4, 8):
-        t = graph_time_us(
-            lambda w=warps: _copy_kernel[(triton.cdiv(ai.numel(), block),)](
-                ai, bi, ai.numel(), BLOCK=block, num_warps=w
-            ),
-            reps=reps,
-        )
-        out[f"copy_triton_w{warps}_tbps"] = 4 * n / t / 1e6
-    if not torch.equal(a[: 1 << 20], b[: 1 << 20]):
-        raise RuntimeError("copy kernel wrote wrong data")
-    out["copy_tbps"] = max(v for key, v in out.items() if key.endswith("_tbps"))
-    return out
-
-
-def measure_ceilings() -> dict:
-    """Copy bandwidth (TB/s, read + write; the best of torch copy_ and a Triton copy on 4 GiB),
-    bf16 and fp8 matmul (TFLOP/s) at 8192^3, random data."""
-    copy = measure_copy()
-    m = 8192
-    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    t_bf16 = graph_time_us(lambda: x @ y, reps=10)
-    xf, yf = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    t_fp8 = graph_time_us(
-        lambda: torch._scaled_mm(xf, yf.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps=10
-    )
-    flops = 2 * m**3
-    return {
-        **copy,
-        "bf16_matmul_tflops": flops / t_bf16 / 1e6,
-        "fp8_matmul_tflops": flops / t_fp8 / 1e6,
-    }
-
-
 def _random_layer(shape: dict, device: str):
     """Random MXFP4 experts (random codes, block exponents 2**-9..2**-5) in the gpt-oss layout."""
-    from adapt.kernels.moe_gemm import MoEWeights
+    from adapt.kernels.moe_weights import MoEWeights
 
     def mx(e, n, k):
         blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, device=device)
@@ -218,14 +122,20 @@ LAYER_MAX_TOKENS = 1024
 """The whole-layer variants are timed up to this T (above it the expert GEMMs dominate)."""
 
 
-def _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape, layer=True) -> dict:
-    """The timed callables of one (shape, T) point (``layer``: also the whole-layer variants)."""
+def _variants(
+    x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape, layer=True, planar=None
+) -> dict:
+    """The timed callables of one (shape, T) point (``layer``: also the whole-layer variants;
+    ``planar``: the experts in the planar layout, timed as ``planar``)."""
     from adapt.kernels.moe_gemm import expert_mlp, moe_forward
 
     k, act = shape["top_k"], shape["activation"]
     kw = dict(top_k=k, activation=act)
     lw = dict(correction_bias=bias, shared=shared, activation=act)
-    variants = {
+    variants = {}
+    if planar is not None and x.shape[0] <= PLANAR_MAX_TOKENS:
+        variants["planar"] = lambda: expert_mlp(x, perm, routed, compute="bf16", planar=planar, **kw)
+    variants |= {
         "bf16": lambda: expert_mlp(x, perm, routed, compute="bf16", **kw),
         "fp8": lambda: expert_mlp(x, perm, routed, compute="fp8", **kw),
         "fp8_offline": lambda: expert_mlp(x, perm, routed, fp8_weights=offline, **kw),
@@ -269,6 +179,24 @@ SWEEP_CONFIGS = {
 }
 """Configs timed at the sweep point (largest T of the first shape) for the e4m3-stored and fused fp8 GEMMs."""
 
+PLANAR_MAX_TOKENS = 4096
+"""The planar variant is timed up to this T."""
+
+_PC = lambda bm, bn, split, stages=4, warps=4, dot1=True, cap=128: (bm, bn, split, 4, warps, stages, 0, dot1, cap)  # noqa: E731
+PLANAR_SWEEP = {
+    # name: (T range, GEMM1 PlanarConfig fields, GEMM2 PlanarConfig fields); one_dot unless "8dots"
+    "p16x128_s1": ((1, 1), _PC(16, 128, 1), _PC(16, 128, 1)),
+    "p16x128_s8_4": ((1, 1), _PC(16, 128, 8), _PC(16, 128, 4)),
+    "p16x128_s2": ((16, 16), _PC(16, 128, 2), _PC(16, 128, 2)),
+    "p16x256_w8_s1": ((64, 64), _PC(16, 256, 1, 4, 8, cap=0), _PC(16, 256, 1, 4, 8, cap=0)),
+    "p16x128_s1_nocap": ((16, 256), _PC(16, 128, 1, cap=0), _PC(16, 128, 1, cap=0)),
+    "p16x128_s1_8dots": ((64, 64), _PC(16, 128, 1, dot1=False, cap=0), _PC(16, 128, 1, dot1=False, cap=0)),
+    "p32x128_s1": ((256, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),
+    "p64x128_w4_st3": ((1024, 4096), _PC(64, 128, 1, 3, cap=0), _PC(64, 128, 1, 3, cap=0)),
+    "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),
+}
+"""Planar configs timed at each T in their range (``--planar-sweep``)."""
+
 SMALL_T_SWEEP = {
     "bf16_16x32x128_s6 (default)": ("bf16", (16, 32, 128, 4, 4, 6, 4), (16, 64, 128, 4, 4, 6, 4)),
     "bf16_16x32x256_s4": ("bf16", (16, 32, 256, 4, 4, 4, 4), (16, 64, 256, 4, 4, 4, 4)),
@@ -279,20 +207,25 @@ SMALL_T_SWEEP = {
 
 
 def _sweep(
-    x, perm, routed, offline, shape, flops, deadline, configs=SWEEP_CONFIGS, wbytes=0, copy_tbps=1.0
+    x, perm, routed, offline, shape, flops, deadline, configs=SWEEP_CONFIGS, wbytes=0, copy_tbps=1.0, planar=None
 ) -> list[dict]:
     """Time ``configs`` at one point; wbytes: MXFP4 bytes of the active experts (for the copy fraction)."""
-    from adapt.kernels.moe_gemm import GemmConfig, expert_mlp
+    from adapt.kernels.moe_configs import GemmConfig, PlanarConfig
+    from adapt.kernels.moe_gemm import expert_mlp
 
     rows = []
     for name, (kind, a, b) in configs.items():
         if time.monotonic() > deadline:
             break
-        cfg = (GemmConfig(*a), GemmConfig(*b))
+        if kind == "planar":
+            cfg = (PlanarConfig(*a), PlanarConfig(*b))
+        else:
+            cfg = (GemmConfig(*a), GemmConfig(*b))
         extra = {
             "stored": {"fp8_weights": offline},
             "fused": {"compute": "fp8"},
             "bf16": {"compute": "bf16"},
+            "planar": {"compute": "bf16", "planar": planar},
         }[kind]
         fn = lambda cfg=cfg, extra=extra: expert_mlp(  # noqa: E731
             x, perm, routed, top_k=shape["top_k"], activation=shape["activation"], config=cfg, **extra
@@ -306,6 +239,7 @@ def _sweep(
         rows.append(
             {
                 "config": name,
+                "shape": shape.get("name", ""),
                 "kind": kind,
                 "tokens": x.shape[0],
                 "time_us": us,
@@ -332,17 +266,23 @@ def _bench_shape(
     sweep: list | None,
     layer: bool = True,
     small_sweep: list | None = None,
+    planar_sweep: list | None = None,
+    memory: bool = True,
+    only: set | None = None,
 ) -> dict:
     """Time every variant of one shape, appending to ``rows`` (``save()`` after each T); runs the
     config sweep at the largest T when ``sweep`` is a list; stops timing once ``deadline`` passes.
     layer: also time the whole-layer variants (``moe_forward``). small_sweep: a list to time
-    SMALL_T_SWEEP into at every T <= 64."""
-    from adapt.kernels.moe_gemm import FP8Weights, expert_mlp, mxfp4_expert_bytes
+    SMALL_T_SWEEP into at every T <= 64. planar_sweep: a list to time PLANAR_SWEEP into (each config
+    at the T of its range). memory: also measure expert memory, peaks and the conversion rates."""
+    from adapt.kernels.moe_gemm import expert_mlp
+    from adapt.kernels.moe_planar import PlanarExperts
+    from adapt.kernels.moe_weights import FP8Weights, mxfp4_expert_bytes
     from adapt.kernels.mxfp4 import dequantize_mxfp4
     from adapt.kernels.routing import RouterConfig, permute_by_expert
     from adapt.kernels.workspace import FP8Workspace
 
-    dev = "cuda"
+    dev = DEVICE
     torch.manual_seed(0)
     routed, shared = _random_layer(shape, dev)
     e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
@@ -362,6 +302,8 @@ def _bench_shape(
         routed_scaling=shape["routed_scaling"],
     )
     expert_bytes = mxfp4_expert_bytes(h, inter)
+    planar = PlanarExperts.from_weights(routed)
+    shape = dict(shape, name=name)
     for t in tokens:
         if time.monotonic() > deadline:
             print(f"{name} T={t}: skipped (time budget)", flush=True)
@@ -374,7 +316,11 @@ def _bench_shape(
         flops = 6 * t * k * h * inter
         wbytes = active * expert_bytes
         floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
-        variants = _variants(x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape, layer)
+        variants = _variants(
+            x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape, layer, planar
+        )
+        if only is not None:
+            variants = {n: f for n, f in variants.items() if n in only or n == "bf16"}
         ref = variants["bf16"]().float()
         if sweep is not None and t == max(tokens):
             sweep += _sweep(x, perm, routed, offline, shape, flops, deadline)
@@ -413,10 +359,26 @@ def _bench_shape(
             small_sweep += _sweep(
                 x, perm, routed, offline, shape, flops, deadline, SMALL_T_SWEEP, wbytes, ceil["copy_tbps"]
             )
+        if planar_sweep is not None:
+            chosen = {n: (c[1], c[2]) for n, c in PLANAR_SWEEP.items() if c[0][0] <= t <= c[0][1]}
+            planar_sweep += _sweep(
+                x,
+                perm,
+                routed,
+                offline,
+                shape,
+                flops,
+                deadline,
+                {n: ("planar", a, b) for n, (a, b) in chosen.items()},
+                wbytes,
+                ceil["copy_tbps"],
+                planar,
+            )
         save()
     torch.cuda.synchronize()
     mem = {
         "shape": name,
+        "planar_bytes": planar.nbytes(),
         "mxfp4_expert_bytes": routed.nbytes(),
         "fp8_offline_bytes": offline.nbytes(),
         "workspace_bytes": ws.nbytes,
@@ -432,6 +394,11 @@ def _bench_shape(
     mem["model_ratio_online_vs_offline"] = (n_l * mem["mxfp4_expert_bytes"] + mem["workspace_bytes"]) / (
         n_l * mem["fp8_offline_bytes"]
     )
+    mem["model_ratio_planar_online_vs_offline"] = (n_l * mem["planar_bytes"] + mem["workspace_bytes"]) / (
+        n_l * mem["fp8_offline_bytes"]
+    )
+    if not memory:
+        return mem
     # peak device memory of one layer's online and offline fp8 path at the largest T, beyond the weights
     t = max(tokens)
     x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
@@ -591,15 +558,19 @@ def _markdown(result: dict) -> str:
         "",
         "## Expert memory",
         "",
-        "| shape | MXFP4 GB | FP8 offline GB | workspace GB | layer ratio | "
-        "model ratio (all MoE layers, one workspace) | lost elements (fold) |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | MXFP4 GB | planar GB | FP8 offline GB | workspace GB | layer ratio | "
+        "model ratio (all MoE layers, one workspace) | same, planar storage | lost elements (fold) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m in result["memory"]:
+        if "layer_ratio_online_vs_offline" not in m:
+            continue
         lines.append(
-            f"| {m['shape']} | {m['mxfp4_expert_bytes'] / 1e9:.2f} | {m['fp8_offline_bytes'] / 1e9:.2f} | "
+            f"| {m['shape']} | {m['mxfp4_expert_bytes'] / 1e9:.2f} | {m['planar_bytes'] / 1e9:.2f} | "
+            f"{m['fp8_offline_bytes'] / 1e9:.2f} | "
             f"{m['workspace_bytes'] / 1e9:.2f} | {m['layer_ratio_online_vs_offline']:.3f} | "
             f"{m['model_ratio_online_vs_offline']:.3f} ({m['moe_layers']} layers) | "
+            f"{m['model_ratio_planar_online_vs_offline']:.3f} | "
             f"{m['fold_lost_elements_offline']} |"
         )
     conv = [m for m in result["memory"] if "conversion" in m]
@@ -633,16 +604,16 @@ def _markdown(result: dict) -> str:
             "",
             "## Config sweep (first shape)",
             "",
-            "| config | T | time us | TFLOP/s | of copy (MXFP4 bytes) |",
-            "|---|---|---|---|---|",
+            "| config | shape | T | time us | TFLOP/s | of copy (MXFP4 bytes) |",
+            "|---|---|---|---|---|---|",
         ]
         for r in result["sweep"]:
             if "time_us" in r:
                 frac = f"{r['copy_fraction']:.2f}" if r.get("copy_fraction") else ""
-                head = f"| {r['config']} | {r.get('tokens', '')} | {r['time_us']:.1f}"
+                head = f"| {r['config']} | {r.get('shape', '')} | {r.get('tokens', '')} | {r['time_us']:.1f}"
                 lines.append(f"{head} | {r['tflops']:.1f} | {frac} |")
             else:
-                lines.append(f"| {r['config']} | | failed: {r['error'][:80]} | | |")
+                lines.append(f"| {r['config']} | | | failed: {r['error'][:80]} | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -653,12 +624,18 @@ def run_moe_bench(
     budget_s: float = 1e9,
     sweep: bool = True,
     quick: bool = False,
+    planar_sweep: bool = False,
+    layer: bool = True,
+    memory: bool = True,
+    variants: list[str] | None = None,
 ) -> dict:
     """Run the MoE benchmark on the current CUDA device; write moe_bench.json / .md to out_dir
     (rewritten after every T, so a run cut short keeps what it measured). budget_s: seconds after
     which remaining points are recorded as skipped. sweep: time SWEEP_CONFIGS at the largest T of
     the first shape. quick: only the acceptance points (``QUICK``; no sweep, no whole-layer
-    variants) and an ``acceptance`` list in the result."""
+    variants) and an ``acceptance`` list in the result. planar_sweep: time PLANAR_SWEEP at every T
+    of every shape. layer / memory: time the whole-layer variants / measure expert memory.
+    variants: names of the variants to time (all when None)."""
     start = time.monotonic()
     if quick:
         tokens, shapes, sweep = tokens or QUICK["tokens"], QUICK["shapes"], False
@@ -684,6 +661,7 @@ def run_moe_bench(
         "rows": rows,
         "memory": mems,
         "sweep": sweep_rows,
+        "peer": "triton_kernels not timed: no copy of python/triton_kernels (v3.6.0) was available to this run",
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -706,8 +684,11 @@ def run_moe_bench(
                 deadline,
                 save,
                 sweep_rows if sweep and i == 0 else None,
-                layer=not quick,
+                layer=layer and not quick,
                 small_sweep=sweep_rows if quick else None,
+                planar_sweep=sweep_rows if planar_sweep else None,
+                memory=memory,
+                only=set(variants) if variants else None,
             )
         )
         save()
@@ -723,6 +704,10 @@ if __name__ == "__main__":
     ap.add_argument("--shapes", nargs="*", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--planar-sweep", action="store_true", help="time PLANAR_SWEEP at every point")
+    ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer variants")
+    ap.add_argument("--no-memory", action="store_true", help="skip expert memory and conversion rates")
+    ap.add_argument("--variants", nargs="*", default=None, help="variant names to time (default: all)")
     ap.add_argument(
         "--quick-acceptance",
         action="store_true",
@@ -730,7 +715,16 @@ if __name__ == "__main__":
     )
     args = ap.parse_args()
     res = run_moe_bench(
-        args.out_dir, args.tokens, args.shapes, args.budget_s, not args.no_sweep, args.quick_acceptance
+        args.out_dir,
+        args.tokens,
+        args.shapes,
+        args.budget_s,
+        not args.no_sweep,
+        args.quick_acceptance,
+        args.planar_sweep,
+        not args.no_layer,
+        not args.no_memory,
+        args.variants,
     )
     for line in res.get("acceptance", []):
         print(json.dumps(line), flush=True)

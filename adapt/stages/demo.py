@@ -35,7 +35,7 @@ def run_demo(output: Path, say: Callable[[str], None], on_report: Callable[[Stag
     run = RunDir(output, "demo")
     options = PipelineOptions(model=model_dir, target="cpu", devices=1, nodes=1, context=256, batch=2,
                               kv_dtype="fp8", weights="fp8", kernels="all", indexer_dtype="fp8",
-                              compute_dtype="bf16", report_dir=str(run.path))
+                              compute_dtype="bf16", run_path=str(run.path))
     say("stage 5 runs adapt's Triton kernels under the CPU interpreter: about a minute")
     reports = validate(5, options, run, load_gates(), on_report=on_report)
     summary: dict[str, Any] = {"model": model_dir, "run": str(run.path),

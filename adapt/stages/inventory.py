@@ -94,6 +94,25 @@ OP_KINDS = {
     "fp8_act_quant": "quantization",
     "mxfp4_decode": "quantization",
     "int4_dequant": "quantization",
+    # multimodal, hybrid linear attention and NVFP4 (issue 18)
+    "linear_nvfp4": "linear",
+    "moe_grouped_gemm_nvfp4": "moe",
+    "nvfp4_decode": "quantization",
+    "l2norm_qk": "norm",
+    "rmsnorm_gated": "norm",
+    "attention_chunked": "attention",
+    "attention_output_gate": "attention",
+    "causal_conv1d_prefill": "linear attention",
+    "causal_conv1d_update": "linear attention",
+    "gated_delta_rule_chunked": "linear attention",
+    "gated_delta_rule_recurrent": "linear attention",
+    "recurrent_state_cache": "kv cache",
+    "routing_topk_sigmoid": "routing",
+    "patch_embedding": "vision",
+    "rope_2d_vision": "rope",
+    "attention_vision": "attention",
+    "gelu": "activation",
+    "patch_merge": "vision",
 }
 FUSIONS = {
     "fuse_qkv_projection": "projections reading the same input merged into one GEMM",
@@ -118,6 +137,7 @@ _FORMAT_SUFFIX = {
     "fp8_block": "fp8_block",
     "mxfp4": "mxfp4",
     "int4": "int4",
+    "nvfp4": "nvfp4",
 }
 
 
@@ -813,6 +833,8 @@ def _add_quant_ops(ops: _OpSet, spec: ModelSpec, fusions: dict[str, dict[str, An
             ops.add("mxfp4_decode", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
         elif method == "int4":
             ops.add("int4_dequant", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
+        elif method == "nvfp4":
+            ops.add("nvfp4_decode", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
         fusions.setdefault(
             "fuse_dequant_matmul",
             {
@@ -851,7 +873,9 @@ def ops_from_spec(spec: ModelSpec) -> tuple[list[SemanticOp], list[dict[str, Any
         at, ffn, here = layer.attention, layer.ffn, (layer.index,)
         add("rmsnorm", f"hidden ({spec.hidden})", here, 2)
         attn_fmt = _FORMAT_SUFFIX[spec.quant.format_of("attention").method]
-        if at.kind in ("mla", "mla+dsa"):
+        if at.kind == "linear":
+            _add_linear_attention_ops(add, spec, at, here)
+        elif at.kind in ("mla", "mla+dsa"):
             add("rmsnorm", f"MLA kv latent ({at.kv_lora_rank})", here)
             if at.q_lora_rank:
                 add("rmsnorm", f"MLA q latent ({at.q_lora_rank})", here)
@@ -873,26 +897,32 @@ def ops_from_spec(spec: ModelSpec) -> tuple[list[SemanticOp], list[dict[str, Any
             )
         else:
             add(f"linear_{attn_fmt}", "attention", here, 4)
-            base = "attention_sliding_window" if at.window else "attention_gqa"
+            if at.kind == "chunked":
+                base = "attention_chunked"
+            else:
+                base = "attention_sliding_window" if at.window else "attention_gqa"
             detail = (
                 f"{'GQA' if at.num_kv_heads < at.num_heads else 'MHA'} "
                 f"{at.num_heads}/{at.num_kv_heads} heads, "
                 f"head dim {at.head_dim}"
-                + (f", window {at.window}" if at.window else "")
+                + (f", chunks of {at.chunk}" if at.chunk else f", window {at.window}" if at.window else "")
                 + (", learned sinks" if at.sinks else "")
+                + ("" if at.rope else ", NoPE (no rotary)")
             )
             add(base + ("_sinks" if at.sinks else ""), detail, here)
+            _add_attention_extras(add, at, here)
             add(
                 "kv_cache_paged",
                 f"K and V, {at.num_kv_heads} heads x {at.head_dim}"
                 + (f", window {at.window}" if at.window else ""),
                 here,
             )
-            add(
-                rope,
-                _rope_detail(spec, spec.rope.interleaved, spec.rope.rotary_dim, at.head_dim, "attention"),
-                here,
-            )
+            if at.rope:
+                add(
+                    rope,
+                    _rope_detail(spec, spec.rope.interleaved, spec.rope.rotary_dim, at.head_dim, "attention"),
+                    here,
+                )
             if at.qk_norm:
                 add("rmsnorm", f"per-head q norm ({at.head_dim})", here)
                 add("rmsnorm", f"per-head k norm ({at.head_dim})", here)
@@ -907,7 +937,9 @@ def ops_from_spec(spec: ModelSpec) -> tuple[list[SemanticOp], list[dict[str, Any
             add(f"linear_{_FORMAT_SUFFIX[spec.quant.format_of('dense_mlp').method]}", "dense_mlp", here, 3)
             add("swiglu", "silu(gate) * up", here)
             continue
-        add(_routing_name(ffn.scoring, ffn.n_group, spec.model_type == "gpt_oss"), _routing_detail(ffn), here)
+        routing = "routing_topk_sigmoid" if ffn.score_after_topk else _routing_name(
+            ffn.scoring, ffn.n_group, spec.model_type == "gpt_oss")
+        add(routing, _routing_detail(ffn), here)
         add("moe_permute", "sort token-expert pairs by expert, gather rows, weighted un-permute", here)
         method = _FORMAT_SUFFIX[spec.quant.format_of("routed_experts").method]
         add(
@@ -928,8 +960,64 @@ def ops_from_spec(spec: ModelSpec) -> tuple[list[SemanticOp], list[dict[str, Any
                 3,
             )
             add("swiglu", "silu(gate) * up", here)
+            if ffn.shared_gate:
+                add("linear_bf16", "shared expert gate [1, hidden], sigmoid", here)
+    if spec.vision is not None:
+        _add_vision_ops(add, spec)
     _add_quant_ops(ops, spec, fusions)
     return ops.values(), _fusion_rows(fusions)
+
+
+def _add_attention_extras(add, at, here) -> None:
+    """Llama 4's parameter-free q/k L2 norm and Qwen3-Next's sigmoid output gate."""
+    if at.qk_l2norm:
+        add("l2norm_qk", f"q and k per head ({at.head_dim}), no weight", here, 2)
+    if at.output_gate:
+        add("attention_output_gate", f"sigmoid(gate) x output, {at.num_heads} heads x {at.head_dim}", here)
+
+
+def _add_linear_attention_ops(add, spec: ModelSpec, at, here) -> None:
+    """Gated DeltaNet (Qwen3-Next linear_attn): projections, causal conv (prefill over the
+    prompt, update per decode token), the gated delta rule (chunked in prefill, recurrent in
+    decode), the gated RMSNorm, and the per-sequence state it keeps."""
+    fmt = _FORMAT_SUFFIX[spec.quant.format_of("linear_attention").method]
+    key_dim = at.linear_key_heads * at.linear_key_dim
+    value_dim = at.linear_value_heads * at.linear_value_dim
+    conv_dim = 2 * key_dim + value_dim
+    add(f"linear_{fmt}", "linear_attention: in_proj_qkvz, in_proj_ba, out_proj", here, 3)
+    add("causal_conv1d_prefill", f"depthwise, width {at.conv_kernel}, {conv_dim} channels, prefill", here)
+    add("causal_conv1d_update", f"one token against {at.conv_kernel - 1} cached inputs, decode", here)
+    heads = (f"{at.linear_value_heads} value heads ({at.linear_key_heads} key heads) x "
+             f"{at.linear_key_dim}x{at.linear_value_dim}")
+    add("gated_delta_rule_chunked", f"{heads}, decay exp(-softplus) gating, chunked in prefill", here)
+    add("gated_delta_rule_recurrent", f"{heads}, one state update per token in decode", here)
+    add("l2norm_qk", f"q and k per head ({at.linear_key_dim}), no weight", here, 2)
+    add("rmsnorm_gated", f"value heads ({at.linear_value_dim}) times silu(z)", here)
+    add("recurrent_state_cache",
+        f"per sequence: conv state {conv_dim} x {at.conv_kernel - 1}, recurrent state "
+        f"{at.linear_value_heads} x {at.linear_key_dim} x {at.linear_value_dim}", here)
+
+
+def _add_vision_ops(add, spec: ModelSpec) -> None:
+    """The vision tower and projector: patch embedding, bidirectional variable-length attention
+    per image, 2D RoPE, LayerNorm + GELU MLP blocks, the patch merge and the projector GEMMs.
+    Counts are per image (per tile for Llama 4) through the whole tower."""
+    v = spec.vision
+    fmt = _FORMAT_SUFFIX[spec.quant.format_of("vision").method]
+    proj_fmt = _FORMAT_SUFFIX[spec.quant.format_of("projector").method]
+    head_dim = v.hidden // v.heads
+    add("patch_embedding", f"{v.patch_size}x{v.patch_size}x{v.channels} patches -> {v.hidden}", ())
+    add("attention_vision",
+        f"bidirectional, variable length per image, {v.heads} heads x {head_dim}"
+        + (", one 336-pixel tile per sequence" if v.kind == "llama4" else ", native resolution"), (), v.layers)
+    add("rope_2d_vision", f"patch row and column, head dim {head_dim}", (), v.layers)
+    add("layernorm", f"vision ({v.hidden})", (), 2 * v.layers + (2 if v.kind == "llama4" else 1))
+    add(f"linear_{fmt}", "vision: qkv, o, MLP fc", (), 4 * v.layers)
+    add("gelu", f"vision MLP ({v.intermediate})", (), v.layers)
+    merge = "pixel shuffle" if v.kind == "llama4" else "merge + temporal mean"
+    add("patch_merge", f"{v.merge[0]}x{v.merge[1]} patches -> one token ({merge})", ())
+    add(f"linear_{proj_fmt}", "projector", (), 3 if v.kind == "llama4" else 2)
+    add("gelu", "projector", (), 1)
 
 
 # ---------------------------------------------------------------- classification
@@ -1121,6 +1209,7 @@ def build_inventory(
 
     trace = None
     try:
+        _refuse_trace_of_unlifted(spec)
         trace = trace_model(spec.config, prefill_tokens=prefill_tokens, all_layers=all_layers)
     except TraceUnavailable as exc:
         report.add(
@@ -1233,6 +1322,21 @@ def build_inventory(
         else []
     )
     return Inventory(report=report, rows=rows, fusions=fusion_rows, aten=aten, trace=trace)
+
+
+def _refuse_trace_of_unlifted(spec: ModelSpec) -> None:
+    """Raise TraceUnavailable for models whose operators the trace lifting does not know yet:
+    a vision tower or linear-attention layers would be lifted as plain attention and linears."""
+    parts = []
+    if spec.vision is not None:
+        parts.append("a vision tower")
+    if any(layer.attention.kind == "linear" for layer in spec.layers):
+        parts.append("linear-attention (Gated DeltaNet) layers")
+    if any(layer.attention.kind == "chunked" for layer in spec.layers):
+        parts.append("chunked local attention")
+    if parts:
+        raise TraceUnavailable(f"{spec.model_type} has {' and '.join(parts)}, which adapt's trace lifting "
+                               "does not recognise yet")
 
 
 def run_inventory(

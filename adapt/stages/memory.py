@@ -148,6 +148,10 @@ class MemoryPlan:
         target that fit the workload (None: none up to the target's limit); longest_context:
         the longest context at which ``batch`` sequences fit with this layout (0: none)
     min_gpu_memory_utilization: the smallest gpu_memory_utilization that fits (None: > 0.99)
+    images, image_size: images per request and their (height, width) in pixels;
+        image_tokens_per_request: the tokens they add to every sequence's KV (beyond ``context``)
+    recurrent_state_bytes_per_sequence: the constant linear-attention state in
+        kv_bytes_per_sequence (0 without linear-attention layers)
     """
 
     model: str
@@ -184,6 +188,10 @@ class MemoryPlan:
     min_gpu_memory_utilization: float | None
     mxfp4_comparison: dict[str, int] = field(default_factory=dict)
     explanation: list[str] = field(default_factory=list)
+    images: int = 0
+    image_size: tuple[int, int] = (0, 0)
+    image_tokens_per_request: int = 0
+    recurrent_state_bytes_per_sequence: int = 0
 
     @property
     def fits(self) -> bool:
@@ -290,6 +298,9 @@ def layout_problems(spec: ModelSpec, layout: Layout, weights: str = "as-stored")
                 f"TP {tp} splits the {what} {width} into {width // tp}, not a multiple of "
                 f"the fp8 weight block {block}"
             )
+    problems += _hybrid_layout_problems(spec, tp)
+    if layout.dcp > 1 and any(layer.attention.kind == "linear" for layer in spec.layers):
+        problems.append("decode context parallelism is not modelled for linear-attention state")
     if layout.pp > spec.num_layers:
         problems.append(f"PP {layout.pp} exceeds the {spec.num_layers} layers")
     if layout.dcp > 1:
@@ -303,10 +314,33 @@ def layout_problems(spec: ModelSpec, layout: Layout, weights: str = "as-stored")
     return problems
 
 
+def _hybrid_layout_problems(spec: ModelSpec, tp: int) -> list[str]:
+    """Head splits of the layers unlike layer 0 (a hybrid model's full-attention layers when
+    layer 0 is linear attention, and the reverse): vLLM divides Gated DeltaNet key and value
+    heads by TP exactly, attention heads by TP and KV heads by TP or TP by them."""
+    first = spec.layers[0].attention
+    problems = []
+    for a in {layer.attention for layer in spec.layers if layer.attention != first}:
+        if a.kind == "linear":
+            for what, n in (("linear-attention key heads", a.linear_key_heads),
+                            ("linear-attention value heads", a.linear_value_heads)):
+                if n % tp:
+                    problems.append(f"TP {tp} does not divide the {n} {what}")
+        elif a.kind not in ("mla", "mla+dsa"):
+            if a.num_heads % tp:
+                problems.append(f"TP {tp} does not divide {a.num_heads} attention heads")
+            if a.num_kv_heads % tp and tp % a.num_kv_heads:
+                problems.append(f"TP {tp} and {a.num_kv_heads} KV heads: neither divides the other")
+    if first.kind == "linear" and first.linear_key_heads % tp:
+        problems.append(f"TP {tp} does not divide the {first.linear_key_heads} linear-attention key heads")
+    return sorted(set(problems))
+
+
 def kv_copies(spec: ModelSpec, tp: int) -> int:
     """How many TP ranks hold the same KV entries: all of them for MLA latents, TP / KV heads
-    when TP exceeds the KV heads, else 1."""
-    attn = spec.layers[0].attention
+    when TP exceeds the KV heads, else 1 (a hybrid model: its first attention layer with a KV cache)."""
+    attn = next((layer.attention for layer in spec.layers if layer.attention.kind != "linear"),
+                spec.layers[0].attention)
     if attn.kind in ("mla", "mla+dsa"):
         return tp
     return max(1, tp // attn.num_kv_heads)
@@ -554,8 +588,8 @@ def _stage_weights(
         totals[component] = totals.get(component, 0) + nbytes
         if pos is not None:
             here = pos in layers
-        elif component == "embeddings":
-            here = stage == 0
+        elif component in ("embeddings", "vision", "projector"):
+            here = stage == 0  # the vision tower feeds the embeddings
         else:
             here = last
         if here:
@@ -640,6 +674,8 @@ def kv_bytes_per_token(
     chosen = spec.layers if layers is None else [spec.layers[i] for i in layers]
     for layer in chosen:
         a = layer.attention
+        if a.kind == "linear":
+            continue  # constant per-sequence state: recurrent_state_bytes
         if a.kind in ("mla", "mla+dsa"):
             if kv_dtype == "bf16":
                 out["mla_latent"] += (a.kv_lora_rank + a.qk_rope_head_dim) * 2
@@ -665,6 +701,7 @@ def kv_bytes_per_sequence(
     page being written (vLLM's sliding-window manager frees the older ones)."""
     per = kv_bytes_per_token(spec, layout, kv_dtype, layers)
     pages = _cdiv(_cdiv(context, layout.dcp), block_size)
+    state = recurrent_state_bytes(spec, layout, layers)
     total = (per["full"] + per["mla_latent"] + per["dsa_indexer"]) * pages * block_size
     if per["sliding"]:
         windows = {
@@ -675,7 +712,47 @@ def kv_bytes_per_sequence(
         window = max(windows)
         window_pages = _cdiv(_cdiv(window - 1, layout.dcp), block_size) + 1
         total += per["sliding"] * min(pages, window_pages) * block_size
+    return total + state
+
+
+def recurrent_state_bytes(spec: ModelSpec, layout: Layout, layers: range | None = None) -> int:
+    """Bytes of one sequence's recurrent state on one device: for every linear-attention (Gated
+    DeltaNet) layer, the conv state (conv channels / TP) x (kernel - 1) and the recurrent state
+    (value heads / TP) x key dim x value dim, both in the model dtype (vLLM's default
+    mamba_ssm_cache_dtype "auto"). Constant in the context length; vLLM's hybrid KV cache
+    manager keeps it in its own pages beside the attention KV (MambaSpec)."""
+    elem = 4 if spec.dtype == "float32" else 2
+    total = 0
+    for i in layers if layers is not None else range(spec.num_layers):
+        a = spec.layers[i].attention
+        if a.kind != "linear":
+            continue
+        conv = (2 * a.linear_key_heads * a.linear_key_dim + a.linear_value_heads * a.linear_value_dim) // layout.tp
+        state = a.linear_value_heads // layout.tp * a.linear_key_dim * a.linear_value_dim
+        total += (conv * (a.conv_kernel - 1) + state) * elem
     return total
+
+
+def image_tokens_per_request(spec: ModelSpec, images: int, image_size: tuple[int, int]) -> int:
+    """Language-model tokens (and KV entries) ``images`` images of ``image_size`` (height,
+    width) pixels add to one request (ModelSpec's VisionSpec.image_tokens)."""
+    if images <= 0 or spec.vision is None:
+        return 0
+    return images * spec.vision.image_tokens(*image_size)
+
+
+def vision_activation_bytes(spec: ModelSpec, images: int, image_size: tuple[int, int]) -> int:
+    """Estimated activation peak of the vision tower over one request's images (bf16): residual,
+    normed input, q/k/v, attention output and the MLP intermediate of every encoder token at
+    once (attention by a flash/varlen kernel: no tokens x tokens scores), plus the merged
+    tokens through the projector. vLLM encodes images apart from the language model's forward,
+    so this peak is compared with the language model's, not added to it."""
+    if images <= 0 or spec.vision is None:
+        return 0
+    v = spec.vision
+    tokens = images * v.encoder_tokens(*image_size)
+    merged = tokens // (v.merge[0] * v.merge[1])
+    return tokens * (6 * v.hidden + v.intermediate) * 2 + merged * 2 * (v.hidden * v.merge[0] * v.merge[1]) * 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -793,6 +870,8 @@ def _stage_terms(
     headroom: float,
     decode_tokens: int,
     checkpoint_bytes: dict[str, int] | None,
+    image_tokens: int = 0,
+    vision_activation: int = 0,
 ) -> _StageResult:
     w = _stage_weights(spec, layout, weights, stage, layers, target, checkpoint_bytes)
     prefill = forward_activation_bytes(spec, layout, max_num_batched_tokens, layers)
@@ -802,7 +881,8 @@ def _stage_terms(
     mla = [spec.layers[i].attention for i in layers if spec.layers[i].attention.kind in ("mla", "mla+dsa")]
     workspace_tokens = min(max(8 * context, 4 * max_num_seqs * block_size), MLA_WORKSPACE_MAX_TOKENS)
     mla_workspace = workspace_tokens * (mla[0].kv_lora_rank + mla[0].qk_rope_head_dim) * 2 if mla else 0
-    activations = max(prefill, decode, sampler) + mla_workspace
+    vision = vision_activation if stage == 0 else 0
+    activations = max(prefill, decode, sampler, vision) + mla_workspace
     terms: dict[str, float] = {
         "weights": sum(w.by_component.values()),
         "weight_layout_padding": w.layout_padding,
@@ -818,13 +898,15 @@ def _stage_terms(
     estimated = sum(terms[k] for k in ESTIMATED_TERMS if k != "headroom")
     terms["headroom"] = margin_bytes(estimated, headroom)
     per_token = kv_bytes_per_token(spec, layout, kv_dtype, layers)
-    per_seq = kv_bytes_per_sequence(spec, layout, kv_dtype, context, block_size, layers)
+    per_seq = kv_bytes_per_sequence(spec, layout, kv_dtype, context + image_tokens, block_size, layers)
     detail = {
         "prefill_chunk": prefill,
         "decode_batch": decode,
         "sampler": sampler,
         "mla_workspace": mla_workspace,
     }
+    if spec.vision is not None:
+        detail["vision_encoder"] = vision
     return _StageResult(stage, terms, w.by_component, detail, per_token, per_seq, layers)
 
 
@@ -897,6 +979,27 @@ def _check_inputs(
         )
 
 
+def _check_images(spec: ModelSpec, images: int, image_size: tuple[int, int], context: int,
+                  rope_factor: float | None) -> int:
+    """Image tokens per request; InputError for images on a text-only model, a bad size, or
+    text plus image tokens beyond the model's context limit."""
+    if images < 0:
+        raise InputError(f"expected 0 or more images per request, got {images}", field="--images")
+    if not images:
+        return 0
+    if spec.vision is None:
+        raise InputError(f"{spec.model_type} has no vision tower; it takes no images", field="--images",
+                         hint="drop --images, or plan a multimodal model (kimi_k25, llama4)")
+    if len(image_size) != 2 or min(image_size) < 1:
+        raise InputError(f"expected HEIGHTxWIDTH in pixels, got {image_size}", field="--image-size")
+    tokens = image_tokens_per_request(spec, images, image_size)
+    limit = context_limit(spec, rope_factor)
+    if context + tokens > limit:
+        raise InputError(f"--context {context:,} plus {tokens:,} image tokens exceeds the model's limit of "
+                         f"{limit:,} tokens", field="--context", hint="lower --context or --images")
+    return tokens
+
+
 def checkpoint_component_bytes(checkpoint, weights: str) -> dict[str, int] | None:
     """The checkpoint's exact bytes per component when the weights are used as stored, else None.
 
@@ -931,6 +1034,8 @@ def plan_memory(
     rope_factor: float | None = None,
     layout: Layout | None = None,
     search: bool = True,
+    images: int = 0,
+    image_size: tuple[int, int] = (1024, 1024),
 ) -> MemoryPlan:
     """Bytes per device for ``batch`` sequences of ``context`` tokens on ``devices`` devices.
 
@@ -942,6 +1047,8 @@ def plan_memory(
         this target); gpu_memory_utilization: unset -> vLLM's 0.9
     headroom: margin added to every estimated term, as a fraction of their sum
     search: also compute fewest devices, longest context and the smallest utilization that fits
+    images, image_size: images of (height, width) pixels per request: their tokens join every
+        sequence's KV and the vision encoder's activation peak joins the activations
     """
     default_tokens, default_seqs = vllm_batch_defaults(target)
     max_num_batched_tokens = max_num_batched_tokens or default_tokens
@@ -959,6 +1066,7 @@ def plan_memory(
         max_num_batched_tokens=max_num_batched_tokens,
         rope_factor=rope_factor,
     )
+    image_tokens = _check_images(spec, images, image_size, context, rope_factor)
     if layout is None:
         layout = resolve_layout(
             spec, target, devices=devices, nodes=nodes, tp=tp, ep=ep, pp=pp, dp=dp, weights=weights, dcp=dcp
@@ -971,6 +1079,8 @@ def plan_memory(
         headroom=headroom,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
+        image_tokens=image_tokens,
+        vision_activation=vision_activation_bytes(spec, images, image_size),
     )
     sequences = -(-batch // layout.dp)
     budget = int(util * target.memory_bytes)
@@ -1023,6 +1133,10 @@ def plan_memory(
         fewest_devices=None,
         longest_context=0,
         min_gpu_memory_utilization=None,
+        images=images,
+        image_size=tuple(image_size),
+        image_tokens_per_request=image_tokens,
+        recurrent_state_bytes_per_sequence=recurrent_state_bytes(spec, layout, stage.layers),
     )
     if weights == "mxfp4-online":
         plan.mxfp4_comparison = _mxfp4_comparison(spec, target, layout, stage, checkpoint_bytes, options)
@@ -1035,7 +1149,7 @@ def plan_memory(
             budget,
             sequences,
             checkpoint_bytes,
-            context_limit(spec, rope_factor),
+            context_limit(spec, rope_factor) - image_tokens,
             options,
         )
         plan.fewest_devices = _fewest_devices(spec, target, context, batch, checkpoint_bytes, util, options)
@@ -1058,6 +1172,8 @@ def _evaluate(
     headroom: float,
     max_num_batched_tokens: int,
     max_num_seqs: int,
+    image_tokens: int = 0,
+    vision_activation: int = 0,
 ) -> tuple[_StageResult, Headroom]:
     """The binding pipeline stage (fewest concurrent sequences) and the headroom rule's answer for it."""
     worst: tuple[_StageResult, int, float] | None = None
@@ -1078,6 +1194,8 @@ def _evaluate(
             headroom=headroom,
             decode_tokens=decode_tokens,
             checkpoint_bytes=checkpoint_bytes,
+            image_tokens=image_tokens,
+            vision_activation=vision_activation,
         )
         rule = assess(result.terms, budget_bytes=budget, kv_bytes_per_sequence=result.kv_per_sequence,
                       requested_sequences=sequences)
@@ -1187,6 +1305,15 @@ def _explain(plan: MemoryPlan) -> list[str]:
         f"{_gib(plan.kv_bytes_per_sequence)}; {plan.concurrent_sequences:,} fit per replica, "
         f"{plan.sequences_per_replica:,} requested.",
     ]
+    if plan.image_tokens_per_request:
+        lines.append(
+            f"{plan.images} image(s) of {plan.image_size[0]}x{plan.image_size[1]} px add "
+            f"{plan.image_tokens_per_request:,} tokens to every sequence's KV; the vision encoder's peak is "
+            f"{_gib(plan.activation_detail.get('vision_encoder', 0))}.")
+    if plan.recurrent_state_bytes_per_sequence:
+        lines.append(
+            f"Linear-attention state: {_gib(plan.recurrent_state_bytes_per_sequence)} per sequence, constant in "
+            "its length, held beside the growing KV (vLLM's hybrid KV cache).")
     if plan.verdict == "does-not-fit":
         lines.append(
             f"Does not fit: vLLM would refuse to start (KV for one {plan.context:,}-token sequence "

@@ -50,6 +50,8 @@ class PipelineOptions:
     devices / nodes: devices in total / nodes; context: tokens per sequence; batch: sequences
     kv_dtype: bf16 | fp8; weights: see ``adapt.stages.memory.WEIGHT_FORMATS``
     stack: stack table name or YAML path (None: the target's default)
+    run_path: the run directory (stage 6 reads stage 4's prediction there and writes its artifacts)
+    url: stage 6 loads this OpenAI-compatible server instead of launching the model; soak_s: soak seconds
     """
 
     model: str
@@ -65,7 +67,9 @@ class PipelineOptions:
     kernels: str = "all"  # stage 5: op families on adapt's kernels
     indexer_dtype: str = "fp8"  # stage 5: DSA indexer format
     compute_dtype: str = "bf16"  # stage 5: the adapted path's compute dtype
-    report_dir: str | None = None  # where stages write extra files (stage 5's plot); set from the run
+    run_path: str | None = None
+    url: str | None = None
+    soak_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -105,14 +109,21 @@ def _parallel(o: PipelineOptions, gates: dict) -> StageReport:
 
 
 def _precision(o: PipelineOptions, gates: dict) -> StageReport:
-    """Reads model, target, layers, kernels, weights, indexer_dtype, kv_dtype, compute_dtype, report_dir."""
+    """Reads model, target, layers, kernels, weights, indexer_dtype, kv_dtype, compute_dtype, run_path (its plot)."""
     from adapt.stages.precision import run_precision
 
     return run_precision(o.model, o.target, gates=gates, layers=o.layers, kernels=o.kernels, weights=o.weights,
                          indexer_dtype=o.indexer_dtype, kv_dtype=o.kv_dtype, compute_dtype=o.compute_dtype,
-                         report_dir=o.report_dir, invocation=[
+                         report_dir=o.run_path, invocation=[
                              "--devices", str(o.devices), "--nodes", str(o.nodes), "--context", str(o.context),
                              "--batch", str(o.batch), *(["--stack", o.stack] if o.stack else [])])
+
+
+def _serve(o: PipelineOptions, gates: dict) -> StageReport:
+    from adapt.stages.serve import ServeOptions, run_serve_stage
+
+    return run_serve_stage(o.model, target=o.target, run_path=Path(o.run_path) if o.run_path else None,
+                           gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url)
 
 
 _PLAN_OPTIONS = ("devices", "nodes", "context", "batch", "kv_dtype", "weights")
@@ -124,6 +135,8 @@ STAGES: dict[int, Stage] = {
     3: Stage("kernels", _kernels, reads=(), gates=("kernels",)),
     4: Stage("parallel", _parallel, reads=_PLAN_OPTIONS, gates=("memory", "parallel")),
     5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",)),
+    # stage 6 also reads the plan in stage 4's report of the same run directory (run_path)
+    6: Stage("bench", _serve, reads=("url", "soak_s"), gates=("bench",)),
 }
 STAGE_NAMES = {n: s.name for n, s in STAGES.items()}
 
@@ -264,11 +277,12 @@ def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str,
         raise InputError(f"no stage {stage}; stages that run as gates: "
                          + ", ".join(f"{n} {s.name}" for n, s in STAGES.items()), field="--stage")
     check_options(options, stage)
-    prints = {n: stage_fingerprint(n, options, gates) for n in range(1, stage + 1)}
+    numbers = [n for n in sorted(STAGES) if n <= stage]
+    prints = {n: stage_fingerprint(n, options, gates) for n in numbers}
     reports = []
-    if options.report_dir is None:
-        options.report_dir = str(run.path)
-    for number in range(1, stage + 1):
+    if options.run_path is None:
+        options.run_path = str(run.path)
+    for number in numbers:
         name = STAGES[number].name
         if number < stage:
             recorded = run.stage_report(name)

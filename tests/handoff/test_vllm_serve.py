@@ -5,7 +5,6 @@ vLLM is a failure, elsewhere these tests skip.
 """
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -17,24 +16,13 @@ import pytest
 from typer.testing import CliRunner
 
 from adapt.cli import app
-from adapt.errors import InputError
-from adapt.handoff.vllm import find_vllm, multi_node_args, serve_command, validate_with_vllm
+from adapt.handoff.vllm import multi_node_args, serve_command, validate_with_vllm
 from adapt.model.tiny import build_tiny
 from adapt.report import RunDir, StageReport, load_gates
 from adapt.stages.parallel import run_plan_parallel
 from adapt.stages.pipeline import PipelineOptions, stage_fingerprint, stamp
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module")
-def vllm_exe():
-    try:
-        return find_vllm()
-    except InputError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM missing in CI: {exc.line()}")
-        pytest.skip(exc.line())
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,24 @@ from adapt.kernels import mxfp4 as mx
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def e2m1_f64(code):
+    """E2M1 value of a 4-bit code, from OCP MX v1.0's definition (sign, 2-bit exponent with bias 1,
+    1-bit mantissa; exponent 0 is subnormal)."""
+    sign = -1.0 if code & 8 else 1.0
+    e, m = (code >> 1) & 3, code & 1
+    return sign * (m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2))
+
+
+def mxfp4_f64(packed, scales):
+    """float64 [.., K] from packed codes (even element in the low nibble) and E8M0 scales, written
+    from the format's definition (no helper of adapt's codec)."""
+    lut = torch.tensor([e2m1_f64(c) for c in range(16)], dtype=torch.float64)
+    p = packed.cpu().long()
+    codes = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
+    scale = torch.pow(2.0, scales.cpu().double() - 127).repeat_interleave(32, dim=-1)
+    return lut[codes] * scale
+
+
 def _rand(shape, seed):
     g = torch.Generator().manual_seed(seed)
     # magnitudes over many binades so blocks get different exponents
@@ -30,7 +48,7 @@ def test_quantize_matches_twin_and_rules(shape):
     packed, scales = mx.quantize_mxfp4(x)
     p_t, s_t = mx.quantize_mxfp4_torch(x)
     assert torch.equal(packed, p_t) and torch.equal(scales, s_t)
-    deq = mx.dequantize_mxfp4_torch(packed, scales).double()
+    deq = mxfp4_f64(packed, scales).to(DEV)
     xb = x.double().reshape(*shape[:-1], -1, 32)
     # OCP rule: scale = 2**(floor(log2(amax)) - 2); every element within half a grid step or saturated at 6
     amax = xb.abs().amax(-1)
@@ -53,6 +71,24 @@ def test_round_to_nearest_even_ties():
         p, s = fn(x)
         assert s.item() == 127
         assert mx.dequantize_mxfp4_torch(p, s).tolist() == [want]
+
+
+def test_dequantize_every_code_and_scale_from_definition():
+    # all 16 codes in both nibbles at E8M0 bytes from the smallest (2**-127) to the largest (2**127)
+    scales_u8 = torch.tensor([0, 1, 100, 126, 127, 128, 200, 254], dtype=torch.uint8)
+    codes = torch.arange(16, dtype=torch.uint8)
+    byte = (codes[:, None] | (codes[None, :] << 4)).reshape(1, 256)  # every (low, high) pair
+    packed = byte.repeat(len(scales_u8), 1).to(DEV)  # [8, 256]: 16 blocks of 32 elements a row
+    scales = scales_u8[:, None].repeat(1, 16).to(DEV)
+    want = mxfp4_f64(packed, scales)
+    # every value is exact in fp32 and bf16 (denormals included) except 2 * 2**127 and up, which
+    # overflow both to inf: the float64 value converted is the expected result
+    for got in (mx.dequantize_mxfp4(packed, scales), mx.dequantize_mxfp4_torch(packed, scales)):
+        assert torch.equal(got.cpu(), want.float())
+    bf = mx.dequantize_mxfp4(packed, scales, torch.bfloat16).cpu()
+    rows = slice(2, None) if mx.INTERPRET else slice(None)  # the interpreter's bf16 cast flushes denormals
+    assert torch.equal(bf[rows], want.to(torch.bfloat16)[rows])
+    assert torch.isinf(want.float()).sum() == 2 * 16 * 4 * 2  # codes 2..4, 6 (+ signs), both nibbles
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

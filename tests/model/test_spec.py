@@ -345,7 +345,8 @@ def test_tensor_bytes_counts_edge_blocks():
     assert fp8.tensor_bytes((256, 256)) == 256 * 256 + 4 * 4
     assert fp8.tensor_bytes((2, 129, 128)) == 2 * 129 * 128 + 2 * 2 * 1 * 4  # partial row block
     assert QuantFormat("mxfp4", (1, 32), "e8m0").tensor_bytes((4, 8, 64)) == 4 * 8 * (32 + 2)
-    assert QuantFormat("int4", (1, 32), "bf16").tensor_bytes((16, 64)) == 16 * 64 // 2 + 16 * 2 * 2
+    # int4 pack-quantized: packed values, bf16 group scales, and the I64 [2] weight_shape tensor
+    assert QuantFormat("int4", (1, 32), "bf16").tensor_bytes((16, 64)) == 16 * 64 // 2 + 16 * 2 * 2 + 16
     assert QuantFormat("bf16").tensor_bytes((3, 5)) == 30
 
 
@@ -547,6 +548,9 @@ def test_every_supported_model_type_builds():
         "kimi_k2": CROSS_CHECK["kimi_k2-no-q-lora-bias"](), "gpt_oss": CROSS_CHECK["gpt-oss-120b"](),
         "qwen3_moe": CROSS_CHECK["qwen3-30b-a3b"](), "mixtral": CROSS_CHECK["mixtral-8x7b"](),
         "glm4_moe": CROSS_CHECK["glm4_moe"](),
+        "kimi_k25": json.loads((FIXTURES / "kimi-k2.5.json").read_text()),
+        "llama4": json.loads((FIXTURES / "llama-4-scout-17b-16e-instruct.json").read_text()),
+        "qwen3_next": json.loads((FIXTURES / "qwen3-next-80b-a3b-thinking.json").read_text()),
     }
     assert set(configs) == set(SUPPORTED_MODEL_TYPES)
     for model_type, config in configs.items():

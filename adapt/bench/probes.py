@@ -1,0 +1,163 @@
+"""Edge-case probes of a served model over its OpenAI-compatible HTTP API (stdlib only).
+
+Prompts are token-id lists (``/v1/completions`` accepts them), so a probe controls exact lengths:
+at KV page boundaries (block_size - 1, block_size, block_size + 1, 2 * block_size tokens), at
+``max_model_len`` (prompt + output = the limit), over it (expects a clean HTTP 400 and a server
+that still answers), and a stream cancelled mid-way (its KV must be freed: vLLM's ``/metrics``
+``vllm:kv_cache_usage_perc`` back to its idle value, no request left running).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+
+def prompt_ids(length: int, salt: int = 0) -> list[int]:
+    """A deterministic prompt of ``length`` token ids in [3, 259) (inside any real vocabulary)."""
+    return [3 + (7 * i + 13 * salt) % 256 for i in range(length)]
+
+
+def post_json(base_url: str, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, Any]:
+    """POST JSON; returns (HTTP status, decoded JSON body or text). Connection errors raise OSError."""
+    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+def healthy(base_url: str) -> bool:
+    """Whether ``GET /health`` answers 200 within 10 s."""
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=10) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def server_metrics(base_url: str) -> dict[str, float]:
+    """Prometheus gauges from ``/metrics`` that the probes read (summed over engines).
+
+    Keys: ``kv_cache_usage`` (fraction 0..1), ``running``, ``waiting``, ``block_size`` (tokens per KV
+    page, from ``vllm:cache_config_info``). Missing gauges are absent from the dict.
+    """
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
+            text = response.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError):
+        return {}
+    names = {"vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:gpu_cache_usage_perc": "kv_cache_usage",
+             "vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0]
+        if name in names:
+            out[names[name]] = out.get(names[name], 0.0) + float(value)
+        elif name == "vllm:cache_config_info" and 'block_size="' in head:
+            size = head.split('block_size="', 1)[1].split('"', 1)[0]
+            if size.isdigit():
+                out["block_size"] = float(size)
+    return out
+
+
+def complete(base_url: str, model: str, ids: list[int], max_tokens: int) -> tuple[int, Any]:
+    """One greedy, non-streamed completion of token ids (EOS ignored)."""
+    return post_json(base_url, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": max_tokens,
+                                                   "temperature": 0, "ignore_eos": True})
+
+
+def _generated(body: Any) -> int | None:
+    if isinstance(body, dict) and isinstance(body.get("usage"), dict):
+        return body["usage"].get("completion_tokens")
+    return None
+
+
+def length_probes(base_url: str, model: str, block_size: int, max_model_len: int) -> list[dict[str, Any]]:
+    """Prompts at KV page boundaries and at ``max_model_len``; one over the limit.
+
+    Each row: probe, prompt_tokens, max_tokens, status, generated, expected ("200" or "400"), ok.
+    """
+    rows = []
+    cases = [(f"page-{n}", n, 2) for n in (block_size - 1, block_size, block_size + 1, 2 * block_size)
+             if 0 < n and n + 2 <= max_model_len]
+    cases.append(("max-model-len", max_model_len - 1, 1))
+    for salt, (name, length, max_tokens) in enumerate(cases):
+        status, body = complete(base_url, model, prompt_ids(length, salt), max_tokens)
+        generated = _generated(body)
+        rows.append({"probe": name, "prompt_tokens": length, "max_tokens": max_tokens, "status": status,
+                     "generated": generated, "expected": 200,
+                     "ok": status == 200 and generated == max_tokens})
+    status, body = complete(base_url, model, prompt_ids(max_model_len + 1, 99), 1)
+    clean = status == 400 and isinstance(body, dict) and "error" in body
+    alive = healthy(base_url)
+    after, after_body = complete(base_url, model, prompt_ids(8, 98), 2)
+    rows.append({"probe": "over-limit", "prompt_tokens": max_model_len + 1, "max_tokens": 1, "status": status,
+                 "generated": None, "expected": 400,
+                 "ok": clean and alive and after == 200 and _generated(after_body) == 2,
+                 "server_after": "healthy, answers" if alive and after == 200 else f"health {alive}, status {after}"})
+    return rows
+
+
+def cancel_probe(base_url: str, model: str, prompt_tokens: int, max_tokens: int, *, read_chunks: int = 3,
+                 timeout_s: float = 30.0) -> dict[str, Any]:
+    """Start a streamed completion, read ``read_chunks`` SSE chunks, drop the connection, and check
+    that the server frees the request's KV: ``kv_cache_usage`` returns to its idle value and no
+    request is left running within ``timeout_s``.
+
+    Returns idle / during / after KV usage (fractions), ``freed_after_s`` and ``ok``; ``ok`` is False
+    with a ``reason`` when the server exposes no KV gauge (nothing to check against).
+    """
+    idle = server_metrics(base_url)
+    if "kv_cache_usage" not in idle:
+        return {"ok": False, "reason": "the server's /metrics has no KV-cache usage gauge"}
+    parts = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    body = json.dumps({"model": model, "prompt": prompt_ids(prompt_tokens, 7), "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    chunks = 0
+    during: dict[str, float] = {}
+    if response.status == 200:
+        while chunks < read_chunks:
+            line = response.readline()
+            if not line:
+                break
+            if line.startswith(b"data: ") and b"[DONE]" not in line:
+                chunks += 1
+        during = server_metrics(base_url)
+    conn.sock.close() if conn.sock else None
+    conn.close()
+    started = time.monotonic()
+    after = server_metrics(base_url)
+    while time.monotonic() - started < timeout_s:
+        after = server_metrics(base_url)
+        if after.get("running", 0) == 0 and after.get("kv_cache_usage", 1.0) <= idle["kv_cache_usage"]:
+            break
+        time.sleep(0.25)
+    freed = after.get("running", 1) == 0 and after.get("kv_cache_usage", 1.0) <= idle["kv_cache_usage"]
+    used = during.get("kv_cache_usage", 0.0) > idle["kv_cache_usage"]
+    out = {"status": response.status, "chunks_read": chunks, "kv_usage_idle": idle["kv_cache_usage"],
+           "kv_usage_during": during.get("kv_cache_usage"), "kv_usage_after": after.get("kv_cache_usage"),
+           "running_after": after.get("running"), "freed_after_s": round(time.monotonic() - started, 2),
+           "ok": response.status == 200 and chunks == read_chunks and used and freed}
+    if not used:
+        out["reason"] = "KV usage did not rise while the stream ran, so its release cannot be shown"
+    elif not freed:
+        out["reason"] = f"KV not back to idle within {timeout_s:.0f} s after the client left"
+    return out

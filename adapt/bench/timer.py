@@ -1,0 +1,96 @@
+"""The one GPU timer of adapt's benchmarks: CUDA-graph replays, optional L2 flush, eager fallback recorded.
+
+``time_cuda(fn)`` captures ``fn`` in a CUDA graph (after warm-up calls on a side stream, as
+capture requires) and times ``reps`` replays with CUDA events; when ``fn`` cannot be captured
+(host synchronisation, dynamic shapes, an allocator that refuses capture) it times ``fn`` itself
+and records why. ``flush_l2=True`` overwrites a buffer of twice the device's L2 between timed
+runs (outside the timed interval), so each run reads its operands from HBM, as a layer does in a
+model whose weights exceed L2. Times are medians, in microseconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Timing:
+    """median_us: median of ``reps`` timed runs (us); mode: "graph" (CUDA-graph replays) or "eager";
+    fallback: why capture failed (empty when it did not); l2_flushed: whether L2 was flushed before
+    each run."""
+
+    median_us: float
+    reps: int
+    mode: str
+    fallback: str = ""
+    l2_flushed: bool = False
+
+
+def _event_times_us(run: Callable[[], object], reps: int, flush: torch.Tensor | None) -> list[float]:
+    times = []
+    for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def time_cuda(fn: Callable[[], object], reps: int = 20, *, warmup: int = 2, graph: bool = True,
+              flush_l2: bool = False) -> Timing:
+    """Median time of ``fn`` on the current CUDA device (see the module docstring)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    flush = None
+    if flush_l2:
+        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 64 << 20)
+        flush = torch.empty(2 * max(l2, 1 << 20), dtype=torch.uint8, device="cuda")
+    fallback = ""
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(cuda_graph):
+                fn()
+        except RuntimeError as exc:
+            fallback = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            torch.cuda.synchronize()
+        else:
+            cuda_graph.replay()
+            torch.cuda.synchronize()
+            times = _event_times_us(cuda_graph.replay, reps, flush)
+            del cuda_graph
+            return Timing(statistics.median(times), reps, "graph", "", flush is not None)
+    else:
+        fallback = "graph capture not requested"
+    times = _event_times_us(fn, reps, flush)
+    return Timing(statistics.median(times), reps, "eager", fallback, flush is not None)
+
+
+def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median microseconds of CUDA-graph replays of ``fn`` (eager when it cannot be captured)."""
+    return time_cuda(fn, reps).median_us
+
+
+def time_eager_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Median milliseconds of ``reps`` eager runs of ``fn`` (CUDA events) after ``warmup`` runs."""
+    return time_cuda(fn, reps, warmup=warmup, graph=False).median_us / 1e3
+
+
+def time_graph_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median milliseconds of ``reps`` CUDA-graph replays of ``fn`` (no host launch gaps, as a serving
+    engine runs a decode step); eager when ``fn`` cannot be captured."""
+    return time_cuda(fn, reps, warmup=1).median_us / 1e3

@@ -1,0 +1,134 @@
+"""Tile configurations of the MoE GEMMs, as data keyed by device and by tokens per expert.
+
+``pick_configs(slots, n_experts, compute)`` returns the (GEMM1, GEMM2) ``GemmConfig`` of the plain
+MXFP4 / FP8 grouped GEMM (``moe_gemm``); ``pick_planar_configs(slots, n_experts, device, H, I)`` the
+``PlanarConfig`` pair of the planar small-T GEMM (``moe_planar``). The planar table ``PLANAR_TABLES``
+maps (device name, expert shape) to rows (largest mean slots per expert, GEMM1 config, GEMM2
+config), first match wins; each row's source is the benchmark record named beside it. Under the CPU interpreter
+every pick is a small tile, so tests stay fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adapt.kernels.mxfp4 import INTERPRET
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape of one grouped GEMM: tokens per tile (block_m), weight rows per tile (block_n;
+    gate and up rows each for GEMM1), K per step, L2 grouping, warps, pipeline depth, programs per SM
+    (0: one program per work item, so kernels on other streams can take SMs as programs retire),
+    and the MMA orientation: swap_ab True puts weight rows in the MMA's M (small T), False puts
+    tokens in M and the weight tile in the B operand (large T: the decoded tile goes through shared
+    memory the way wgmma wants it)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    group_m: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+    swap_ab: bool = True
+
+
+@dataclass(frozen=True)
+class PlanarConfig:
+    """Tile of the planar GEMM: tokens per tile (block_m, >= 16), weight rows per tile (block_n;
+    GEMM1 yields block_n / 2 outputs), K splits, L2 grouping, warps, stages, programs per SM
+    (0: one program per work item), one_dot: one MMA chain of K = 128 per step (the decoded
+    planes joined into the operand) instead of eight dots of K = 16, and maxnreg: a register cap
+    per thread (0: none; 128 fits four 4-warp programs per SM where the compiler would take 156)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    split_k: int = 1
+    group_m: int = 4
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 0
+    one_dot: bool = False
+    maxnreg: int = 0
+
+
+def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
+    """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both).
+
+    compute: "bf16" (MXFP4 decoded to bf16), "fp8" (MXFP4 decoded to e4m3 in the GEMM) or
+    "fp8_stored" (e4m3 weights read from memory: offline copy or workspace).
+    """
+    if INTERPRET:
+        c = GemmConfig(
+            block_m=16, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1, programs_per_sm=1
+        )
+        return c, c
+    per_expert = slots / max(1, n_experts)
+    bk_small = 256
+    if per_expert <= 16 and compute == "bf16":
+        # word decode: K steps of 128 and 6 stages keep registers at <= 168 (3-4 programs per SM)
+        return (GemmConfig(16, 32, 128, 4, 4, 6, 4), GemmConfig(16, 64, 128, 4, 4, 6, 4))
+    if per_expert <= 16:
+        return (GemmConfig(16, 32, bk_small, 4, 4, 4, 4), GemmConfig(16, 64, bk_small, 4, 4, 4, 4))
+    if per_expert <= 48:
+        return (GemmConfig(32, 32, bk_small, 4, 4, 4, 4), GemmConfig(32, 64, bk_small, 4, 4, 4, 4))
+    if compute == "bf16":
+        if per_expert <= 160:
+            return (GemmConfig(64, 64, 128, 4, 4, 3, 2), GemmConfig(64, 128, 128, 4, 8, 3, 2))
+        return (GemmConfig(128, 64, 64, 8, 8, 3, 1), GemmConfig(128, 128, 64, 8, 8, 3, 1))
+    # fp8 MMA with 64+ tokens per expert: tokens in M, weight tile as the B operand
+    if per_expert <= 160:
+        return (
+            GemmConfig(64, 64, 128, 4, 4, 3, 2, swap_ab=False),
+            GemmConfig(64, 128, 128, 4, 4, 3, 2, swap_ab=False),
+        )
+    if compute == "fp8_stored":
+        return (
+            GemmConfig(128, 128, 128, 8, 8, 3, 1, swap_ab=False),
+            GemmConfig(128, 256, 128, 8, 8, 3, 1, swap_ab=False),
+        )
+    return (
+        GemmConfig(128, 64, 128, 8, 8, 3, 1, swap_ab=False),
+        GemmConfig(128, 128, 128, 8, 8, 3, 1, swap_ab=False),
+    )
+
+
+_P = PlanarConfig
+_SMALL = _P(16, 128, 1, 4, 4, 4, 0, True, 128)
+_H200_RECORD = "benchmarks/moe/2026-11-30-planar (call 2, commit 2f8c751)"
+PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfig]]] = {
+    # (device name, "hidden x intermediate") -> rows (largest mean slots per expert, GEMM1, GEMM2),
+    # each the fastest config of the H200 sweep in _H200_RECORD at the token counts of its range
+    ("NVIDIA H200", "7168x2048"): [
+        (0.1, _SMALL, _SMALL),  # T = 1: 102 us (split-K 8/4: 115)
+        (16.0, _SMALL, _SMALL),  # T = 16..256: 0.63-0.64 of copy
+        (64.0, _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),  # T = 1024: 3663 us
+        (float("inf"), _P(128, 128, 1, 4, 8, 3, 0, True), _P(128, 128, 1, 4, 8, 3, 0, True)),  # T = 4096: 8792
+    ],
+    ("NVIDIA H200", "2880x2880"): [
+        (0.1, _P(16, 128, 4, 4, 4, 4, 0, True, 128), _P(16, 128, 2, 4, 4, 4, 0, True, 128)),  # T = 1: 54 us
+        (16.0, _SMALL, _SMALL),  # T = 16..256: 0.58-0.63 of copy
+        (64.0, _P(64, 128, 1, 4, 4, 3, 0, True), _P(64, 128, 1, 4, 4, 3, 0, True)),  # T = 1024: 1142 us
+        (float("inf"), _P(128, 128, 1, 4, 8, 3, 0, True), _P(128, 128, 1, 4, 8, 3, 0, True)),  # T = 4096: 2717
+    ],
+}
+"""Planar GEMM configs keyed by (``torch.cuda.get_device_name``, "HxI"); unknown keys take the
+DeepSeek-V3 H200 rows (``PLANAR_DEFAULT``)."""
+PLANAR_DEFAULT = ("NVIDIA H200", "7168x2048")
+
+
+def pick_planar_configs(
+    slots: int, n_experts: int, device_name: str = "", hidden: int = 0, intermediate: int = 0
+) -> tuple[PlanarConfig, PlanarConfig]:
+    """(GEMM1, GEMM2) ``PlanarConfig`` for ``slots`` = T * k routed over ``n_experts``, from the
+    table of (device_name, hidden x intermediate) or the default rows."""
+    if INTERPRET:
+        c = PlanarConfig(block_m=16, block_n=32, split_k=1, group_m=2, num_warps=4, num_stages=1)
+        return c, c
+    per_expert = slots / max(1, n_experts)
+    rows = PLANAR_TABLES.get((device_name, f"{hidden}x{intermediate}"), PLANAR_TABLES[PLANAR_DEFAULT])
+    for limit, c1, c2 in rows:
+        if per_expert <= limit:
+            return c1, c2
+    raise AssertionError("the last row of a planar table must have no limit")

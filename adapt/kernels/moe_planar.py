@@ -1,0 +1,603 @@
+"""MXFP4 experts in a load-time "planar" layout for the MMA operand, and the small-T grouped GEMM on it.
+
+Why a layout. A 32-bit word of plain MXFP4 holds 8 consecutive K elements; decoding it into a bf16
+MMA operand takes a shuffle of the decoded halves (joins, reshapes, a shared-memory round trip).
+The planar layout, made once at load time, arranges the nibbles so that each decoded 16-bit half
+pair is already one bf16x2 register of the operand: two adjacent K columns of one K plane.
+
+Layout (``PlanarMXFP4``), per row, per step of 128 K elements (K padded to a multiple of 128 with
+zero codes): 16 int32 words, word ``h * 8 + c`` (h in {0, 1}, c in 0..7); its nibble at bits
+``4p`` (p in 0..3) holds element ``16 * (4h + p) + 2c`` and its nibble at bits ``16 + 4p`` holds
+element ``16 * (4h + p) + 2c + 1`` of the step. So plane ``j = 4h + p`` is the K range
+``[16j, 16j + 16)`` of the step, and decoding plane j of the 8 words of half h is, per word,
+two shifts and one bitwise select (the code's magnitude bits to bf16 bits 6..8 and 22..24, its
+sign to bits 15 and 31: the bf16 pair of value * 2**-126), then one bf16x2 multiply by
+``2**(s - 1) = 2**126 * 2**(s - 127)`` (E8M0 scale s; plane j uses the step's 32-block j // 2).
+That single multiply needs s <= 128 (the factor stays a finite bf16); layers with larger scales
+take the two-multiply decode (``TWO_MULS``). Bytes are the MXFP4 bytes (K/2 + K/32 per row).
+
+Rows: GEMM1 (gate + up, 2I rows) is stored with gate and up rows interleaved (row 2i gate i,
+row 2i + 1 up i) whatever the checkpoint's order, so one tile of BLOCK_N rows yields BLOCK_N / 2
+SwiGLU outputs; GEMM2 (down, H rows) keeps its order.
+
+Kernel (``planar_gemm``): swap-AB (weight rows in the MMA's M, tokens in N, block_m >= 16), eight
+``tl.dot`` of K = 16 per step, one per plane, each against the 16 activation columns of the plane;
+an optional split along K (``split_k``) for T = 1..16 so that every SM streams weights, the partial
+sums reduced by ``_split_k_epilogue_kernel`` (bias, SwiGLU). FLOPs 2 * S * N * K per GEMM; bytes:
+the active experts' MXFP4 once (per GROUP_M m-tiles), activations, bf16 outputs, and with split_k
+an fp32 partial of split_k * S * N * 4 bytes written and read once.
+
+``planar_from_mxfp4`` / ``planar_to_mxfp4_torch`` convert between the layouts (the second is the
+inverse used by tests); ``planar_gemm_torch`` is the twin of ``planar_gemm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from adapt.errors import InputError
+from adapt.kernels.moe_configs import PlanarConfig
+from adapt.kernels.moe_tiles import num_sms, tile_slots
+from adapt.kernels.mxfp4 import INTERPRET, dequantize_mxfp4_torch, to_bf16
+
+PLANAR_STEP = 128
+"""K elements per step of the planar layout (16 words per row)."""
+FAST_SCALE_MAX = 128
+"""Largest E8M0 byte for which 2**126 * scale is a finite bf16 (one multiply per pair)."""
+
+
+@dataclass
+class PlanarMXFP4:
+    """One GEMM's experts in the planar layout (see the module docstring).
+
+    words  int32 [E, N, Kp/8]   (Kp = K rounded up to 128; same bytes as the MXFP4 codes)
+    scales uint8 [E, N, Kp/32]  E8M0, the MXFP4 block scales (127 in the padding)
+    k      logical K; gate_up: rows are interleaved gate/up pairs (GEMM1)
+    two_muls: some scale byte exceeds FAST_SCALE_MAX (decode with two multiplies)
+    """
+
+    words: torch.Tensor
+    scales: torch.Tensor
+    k: int
+    gate_up: bool
+    two_muls: bool
+
+    @property
+    def k_padded(self) -> int:
+        return self.words.shape[-1] * 8
+
+    def nbytes(self) -> int:
+        return self.words.numel() * 4 + self.scales.numel()
+
+
+def _interleave_gate_up(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """[E, 2I, ...] in the checkpoint's gate/up order -> rows (gate 0, up 0, gate 1, up 1, ...)."""
+    if interleaved:
+        return t
+    i = t.shape[1] // 2
+    return torch.stack((t[:, :i], t[:, i:]), dim=2).reshape(t.shape)
+
+
+def planar_from_mxfp4(
+    packed: torch.Tensor, scales: torch.Tensor, *, gate_up: bool = False, interleaved: bool = False
+) -> PlanarMXFP4:
+    """MXFP4 packed uint8 [E, N, K/2] + scales uint8 [E, N, K/32] -> ``PlanarMXFP4`` (load time).
+
+    gate_up: GEMM1 rows (gate and up); interleaved: the checkpoint already alternates them (gpt-oss),
+    else its first I rows are gate and the next I up (DeepSeek). Torch ops on the weights' device;
+    transient memory about 4x one matrix's codes.
+    """
+    e, n, kh = packed.shape
+    k = kh * 2
+    if scales.shape != (e, n, k // 32):
+        raise InputError(f"scales {tuple(scales.shape)} do not match packed {tuple(packed.shape)}", field="scales")
+    if gate_up:
+        packed = _interleave_gate_up(packed, interleaved)
+        scales = _interleave_gate_up(scales, interleaved)
+    kp = -(-k // PLANAR_STEP) * PLANAR_STEP
+    words = torch.empty(e, n, kp // 8, dtype=torch.int32, device=packed.device)
+    shift = (4 * torch.arange(4, device=packed.device)).reshape(1, 1, 4, 1, 1) + 16 * torch.arange(
+        2, device=packed.device
+    ).reshape(1, 1, 1, 1, 2)
+    for ex in range(e):  # one expert at a time: the int64 transient is 16x one expert's codes
+        codes = torch.zeros(n, kp, dtype=torch.uint8, device=packed.device)
+        codes[:, 0:k:2] = packed[ex] & 0xF
+        codes[:, 1:k:2] = packed[ex] >> 4
+        # codes[n, step, plane j = 4h + p, col = 2c + half] -> word (step, h, c), nibble (half, p)
+        c = codes.reshape(n * (kp // PLANAR_STEP), 2, 4, 8, 2).to(torch.int64)  # h, p, c, half
+        wd = (c << shift).sum(dim=(2, 4))  # [n * steps, 2, 8], < 2**32
+        words[ex] = torch.where(wd >= 2**31, wd - 2**32, wd).to(torch.int32).reshape(n, kp // 8)
+    sc = torch.full((e, n, kp // 32), 127, dtype=torch.uint8, device=packed.device)
+    sc[..., : k // 32] = scales
+    two = bool((scales.int().amax() > FAST_SCALE_MAX).item()) if scales.numel() else False
+    return PlanarMXFP4(words.contiguous(), sc.contiguous(), k, gate_up, two)
+
+
+def planar_to_mxfp4_torch(p: PlanarMXFP4, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``planar_from_mxfp4``: -> (packed uint8 [E, N, K/2], scales uint8 [E, N, K/32])."""
+    e, n, kw = p.words.shape
+    kp = kw * 8
+    w = p.words.long().bitwise_and(0xFFFFFFFF).reshape(e, n, kp // PLANAR_STEP, 2, 1, 8, 1)
+    shift = (4 * torch.arange(4, device=w.device)).reshape(1, 1, 1, 1, 4, 1, 1) + 16 * torch.arange(
+        2, device=w.device
+    ).reshape(1, 1, 1, 1, 1, 1, 2)
+    codes = ((w >> shift) & 0xF).reshape(e, n, kp)[..., : p.k].to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scales = p.scales[..., : p.k // 32]
+    if p.gate_up and not interleaved:
+        packed = torch.cat((packed[:, 0::2], packed[:, 1::2]), dim=1)
+        scales = torch.cat((scales[:, 0::2], scales[:, 1::2]), dim=1)
+    return packed.contiguous(), scales.contiguous()
+
+
+@triton.jit
+def _plane(w, f, P: tl.constexpr, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Plane p of words w int32 [BLOCK_N, 8] -> [BLOCK_N, 16] (bf16, or fp32 when DOT_F32), times
+    f [BLOCK_N] (bf16 2**(s-1), or 2**(s-127) with TWO_MULS / DOT_F32)."""
+    u = w.to(tl.uint32, bitcast=True)
+    if P == 0:
+        pair = ((u << 6) & 0x01C001C0) | ((u << 12) & 0x80008000)
+    elif P == 1:
+        pair = ((u << 2) & 0x01C001C0) | ((u << 8) & 0x80008000)
+    elif P == 2:
+        pair = ((u >> 2) & 0x01C001C0) | ((u << 4) & 0x80008000)
+    else:
+        pair = ((u >> 6) & 0x01C001C0) | (u & 0x80008000)
+    if DOT_F32:
+        lo = (pair << 16).to(tl.float32, bitcast=True)
+        hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, 16))
+        return v * 8.507059173023462e37 * f[:, None]  # 2**126
+    else:
+        lo = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (pair >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, 16))
+        if TWO_MULS:
+            two126 = tl.full((BLOCK_N, 16), (126 + 127) << 7, tl.uint16).to(tl.bfloat16, bitcast=True)
+            v = v * two126
+        return v * f[:, None]
+
+
+def _plane_ptx(p: int, two_muls: bool) -> str:
+    """PTX of plane p on one 32-bit word ($1; $2 is its duplicate) times the bf16x2 scale $3: two
+    shifts move nibble p's magnitude bits 0..2 to bf16 bits 6..8 (22..24 in the high half) and
+    its bit 3 to bit 15 (31), one select (and/and/or: one LOP3) joins them, and one bf16x2
+    multiply applies 2**126 * scale (two multiplies with two_muls)."""
+    mag = ("shl.b32 a, $1, 6;", "shl.b32 a, $1, 2;", "shr.u32 a, $1, 2;", "shr.u32 a, $1, 6;")[p]
+    sign = ("shl.b32 b, $1, 12;", "shl.b32 b, $1, 8;", "shl.b32 b, $1, 4;", "mov.b32 b, $1;")[p]
+    fix = "mov.b32 b, 0x7E807E80; mul.rn.bf16x2 a, a, b; " if two_muls else ""
+    return (
+        "{ .reg .b32 a, b; " + mag + " " + sign + " and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; "
+        "or.b32 a, a, b; " + fix + "mul.rn.bf16x2 $0, a, $3; }"
+    )
+
+
+_PTX = [[tl.constexpr(_plane_ptx(p, t)) for t in (False, True)] for p in range(4)]
+_PTX0, _PTX1, _PTX2, _PTX3 = (_PTX[p][0] for p in range(4))
+_PTX0T, _PTX1T, _PTX2T, _PTX3T = (_PTX[p][1] for p in range(4))
+
+
+@triton.jit
+def _plane_asm(w, f, P: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_plane`` in PTX (``_plane_ptx``): each word becomes one bf16x2 register of the operand."""
+    w2 = tl.reshape(tl.join(w, w), (BLOCK_N, 16))
+    f2 = tl.broadcast_to(f[:, None], (BLOCK_N, 16))
+    if TWO_MULS:
+        if P == 0:
+            asm: tl.constexpr = _PTX0T
+        elif P == 1:
+            asm: tl.constexpr = _PTX1T
+        elif P == 2:
+            asm: tl.constexpr = _PTX2T
+        else:
+            asm: tl.constexpr = _PTX3T
+    else:
+        if P == 0:
+            asm: tl.constexpr = _PTX0
+        elif P == 1:
+            asm: tl.constexpr = _PTX1
+        elif P == 2:
+            asm: tl.constexpr = _PTX2
+        else:
+            asm: tl.constexpr = _PTX3
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r", [w2, f2], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _pair_plane(w, f, P: tl.constexpr, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Plane p of words w [BLOCK_N, 8] as [BLOCK_N, 16] (word c, half s -> column 2c + s)."""
+    if DOT_F32:
+        return _plane(w, f, P, TWO_MULS, DOT_F32, BLOCK_N)
+    else:
+        return _plane_asm(w, f, P, TWO_MULS, BLOCK_N)
+
+
+@triton.jit
+def _tile(w0, w1, f0, f1, f2, f3, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The step's whole operand [BLOCK_N, 128] in natural K order from words w0 (h = 0) and w1
+    (h = 1), int32 [BLOCK_N, 8], and the four block multipliers f0..f3 [BLOCK_N].
+
+    Word (h, c = 4 * posb + t), pair p, half s holds element 16 * (4h + p) + 8 * posb + 2t + s: the
+    joins below only name registers (h, p, s) and the final permute puts each name at its place in
+    K, so with the MMA's register layout no data moves between threads."""
+    a0 = tl.join(
+        tl.join(_pair_plane(w0, f0, 0, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w0, f0, 1, TWO_MULS, DOT_F32, BLOCK_N)),
+        tl.join(_pair_plane(w0, f1, 2, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w0, f1, 3, TWO_MULS, DOT_F32, BLOCK_N)),
+    )
+    a1 = tl.join(
+        tl.join(_pair_plane(w1, f2, 0, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w1, f2, 1, TWO_MULS, DOT_F32, BLOCK_N)),
+        tl.join(_pair_plane(w1, f3, 2, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w1, f3, 3, TWO_MULS, DOT_F32, BLOCK_N)),
+    )
+    # [BN, 16 = (c, s), q0, q1] x h -> (BN, posb, t, s, q0, q1, h) -> (BN, h, q1, q0, posb, t, s)
+    a = tl.reshape(tl.join(a0, a1), (BLOCK_N, 2, 4, 2, 2, 2, 2))
+    return tl.reshape(tl.permute(a, (0, 6, 5, 4, 1, 2, 3)), (BLOCK_N, 128))
+
+
+@triton.jit
+def _scale_factor(s32, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr):
+    """E8M0 bytes (int32, 0..255) -> the per-row multiplier of ``_plane``."""
+    if DOT_F32:
+        return tl.where(s32 == 0, 0x00400000, s32 << 23).to(tl.float32, bitcast=True)
+    elif TWO_MULS:
+        return tl.where(s32 == 0, 0x0040, s32 << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return ((s32 + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _planar_gemm_kernel(
+    x_ptr,
+    stride_x,
+    w_ptr,
+    sc_ptr,
+    stride_we,
+    stride_se,
+    bias_ptr,
+    stride_be,
+    out_ptr,
+    stride_o,
+    part_ptr,
+    sorted_slot_ptr,
+    offsets_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    tile_start_ptr,
+    n_experts,
+    n_rows,
+    k,
+    k_words,
+    k_steps,
+    n_slots,
+    alpha,
+    limit,
+    TOPK: tl.constexpr,
+    GATHER: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    TWO_MULS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    ONE_DOT: tl.constexpr,
+):
+    """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
+    SPLIT_K ways by program_id(1).
+
+    x bf16 [rows, K] (GATHER: row = sorted_slot // TOPK, else the sorted position); W planar
+    (words [E, N, Kp/8], scales [E, N, Kp/32]). SPLIT_K == 1: out bf16 [S, n_out] (ACTIVATION 0:
+    n_out = n_rows, + bias; 1 / 2: n_out = n_rows / 2, SwiGLU of the interleaved gate/up rows,
+    plain / gpt-oss clamped). SPLIT_K > 1: part fp32 [SPLIT_K, S, n_rows], raw sums (no bias).
+    """
+    n_m = tl.load(tile_start_ptr + n_experts)
+    n_n = tl.cdiv(n_rows, BLOCK_N)
+    total = n_m * n_n
+    steps = k_words // 16
+    per_split = tl.cdiv(steps, SPLIT_K)
+    s_lo = tl.program_id(1) * per_split
+    s_hi = tl.minimum(s_lo + per_split, steps)
+    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+        e, nt, rows, row_ok, tok = tile_slots(
+            tile, n_m, n_n, 0, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr,
+            TOPK, GATHER, BLOCK_M, GROUP_M,
+        )
+        n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < n_rows
+        nc = tl.minimum(n, n_rows - 1).to(tl.int64)  # clamped rows: loads need no mask
+        wrow = w_ptr + e.to(tl.int64) * stride_we + nc * k_words
+        srow = sc_ptr + e.to(tl.int64) * stride_se + nc * k_steps
+        c8 = tl.arange(0, 8)
+        c16 = tl.arange(0, 16)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for st in range(s_lo, s_hi):
+            w0 = tl.load(wrow[:, None] + (st * 16 + c8)[None, :])
+            w1 = tl.load(wrow[:, None] + (st * 16 + 8 + c8)[None, :])
+            s4 = tl.load(srow + st)  # the step's four E8M0 bytes, block b in byte b
+            f0 = _scale_factor(s4 & 0xFF, TWO_MULS, DOT_F32)
+            f1 = _scale_factor((s4 >> 8) & 0xFF, TWO_MULS, DOT_F32)
+            f2 = _scale_factor((s4 >> 16) & 0xFF, TWO_MULS, DOT_F32)
+            f3 = _scale_factor((s4 >> 24) & 0xFF, TWO_MULS, DOT_F32)
+            xb = x_ptr + tok[:, None] * stride_x + st * 128
+            if ONE_DOT:
+                kk = st * 128 + tl.arange(0, 128)
+                xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
+                if DOT_F32:
+                    xs = xs.to(tl.float32)
+                v = _tile(w0, w1, f0, f1, f2, f3, TWO_MULS, DOT_F32, BLOCK_N)
+                acc = tl.dot(v, tl.trans(xs), acc)
+            else:
+                for j in tl.static_range(8):
+                    # K is a multiple of 32: a plane of 16 columns is wholly inside or wholly padding
+                    xj = tl.load(
+                        xb + (j * 16 + c16)[None, :], mask=row_ok[:, None] & (st * 128 + j * 16 < k), other=0.0
+                    )
+                    if DOT_F32:
+                        xj = xj.to(tl.float32)
+                    if j < 2:
+                        f = f0
+                    elif j < 4:
+                        f = f1
+                    elif j < 6:
+                        f = f2
+                    else:
+                        f = f3
+                    if DOT_F32:
+                        if j < 4:
+                            v = _plane(w0, f, j % 4, TWO_MULS, DOT_F32, BLOCK_N)
+                        else:
+                            v = _plane(w1, f, j % 4, TWO_MULS, DOT_F32, BLOCK_N)
+                    else:
+                        if j < 4:
+                            v = _plane_asm(w0, f, j % 4, TWO_MULS, BLOCK_N)
+                        else:
+                            v = _plane_asm(w1, f, j % 4, TWO_MULS, BLOCK_N)
+                    acc = tl.dot(v, tl.trans(xj), acc)
+        if SPLIT_K > 1:
+            pptr = part_ptr + (tl.program_id(1) * n_slots + rows[None, :]).to(tl.int64) * n_rows + n[:, None]
+            tl.store(pptr, acc, mask=n_ok[:, None] & row_ok[None, :])
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[
+                    :, None
+                ]
+            if ACTIVATION == 0:
+                optr = out_ptr + rows[None, :].to(tl.int64) * stride_o + n[:, None]
+                tl.store(optr, to_bf16(acc), mask=n_ok[:, None] & row_ok[None, :])
+            else:
+                gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_N // 2, 2, BLOCK_M)), (0, 2, 1)))
+                res = _swiglu(gate, up, alpha, limit, ACTIVATION)
+                no = nt * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                optr = out_ptr + rows[None, :].to(tl.int64) * stride_o + no[:, None]
+                tl.store(optr, to_bf16(res), mask=(no < n_rows // 2)[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _swiglu(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    """fp32 SwiGLU: 1 plain silu(gate) * up; 2 gpt-oss clamped (see moe_gemm.swiglu_torch)."""
+    if ACTIVATION == 1:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        gc = tl.minimum(gate, limit)
+        uc = tl.minimum(tl.maximum(up, -limit), limit)
+        return gc / (1.0 + tl.exp(-alpha * gc)) * (uc + 1.0)
+
+
+@triton.jit
+def _split_k_epilogue_kernel(
+    part_ptr,
+    bias_ptr,
+    stride_be,
+    out_ptr,
+    stride_o,
+    sorted_slot_ptr,
+    offsets_ptr,
+    n_experts,
+    n_slots,
+    n_rows,
+    alpha,
+    limit,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Program (sorted position r, column block): sum the SPLIT_K partials, + bias of r's expert,
+    SwiGLU of interleaved pairs (ACTIVATION 1/2) -> out bf16 [S, n_out]."""
+    r = tl.program_id(0)
+    ee = tl.arange(0, E_PAD)
+    offs = tl.load(offsets_ptr + 1 + ee, mask=ee < n_experts, other=2**30)
+    e = tl.sum((offs <= r).to(tl.int32), axis=0)
+    if ACTIVATION == 0:
+        n = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = n < n_rows
+        acc = tl.zeros((BLOCK_R,), tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(part_ptr + (s * n_slots + r).to(tl.int64) * n_rows + n, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + e.to(tl.int64) * stride_be + n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r.to(tl.int64) * stride_o + n, to_bf16(acc), mask=ok)
+    else:
+        no = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = no < n_rows // 2
+        g = tl.zeros((BLOCK_R,), tl.float32)
+        u = tl.zeros((BLOCK_R,), tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            base = part_ptr + (s * n_slots + r).to(tl.int64) * n_rows
+            g += tl.load(base + 2 * no, mask=ok, other=0.0)
+            u += tl.load(base + 2 * no + 1, mask=ok, other=0.0)
+        if HAS_BIAS:
+            g += tl.load(bias_ptr + e.to(tl.int64) * stride_be + 2 * no, mask=ok, other=0.0).to(tl.float32)
+            u += tl.load(bias_ptr + e.to(tl.int64) * stride_be + 2 * no + 1, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r.to(tl.int64) * stride_o + no, to_bf16(_swiglu(g, u, alpha, limit, ACTIVATION)), mask=ok)
+
+
+def planar_gemm(
+    x: torch.Tensor,
+    w: PlanarMXFP4,
+    bias: torch.Tensor | None,
+    perm,
+    tiles,
+    out: torch.Tensor,
+    *,
+    top_k: int,
+    gather: bool,
+    activation: int,
+    alpha: float,
+    limit: float,
+    cfg: PlanarConfig,
+) -> torch.Tensor:
+    """One grouped GEMM on planar weights: x bf16 [T, K] (gather) or [S, K] (sorted) -> out bf16
+    [S, n_out] in sorted order (see ``_planar_gemm_kernel``). bias: float [E, N] in the planar row
+    order (GEMM1: interleaved gate/up) or None. tiles: ``moe_tiles.TileMap`` with block_m = cfg.block_m.
+    """
+    e, n_rows, k_words = w.words.shape
+    s = out.shape[0]
+    n_n = triton.cdiv(n_rows, cfg.block_n)
+    n_work = tiles.max_tiles * n_n
+    if cfg.programs_per_sm > 0:
+        n_work = min(n_work, num_sms(x.device) * cfg.programs_per_sm)
+    split = max(1, min(cfg.split_k, k_words // 16))
+    part = out
+    if split > 1:
+        part = torch.empty(split, s, n_rows, dtype=torch.float32, device=x.device)
+    has_bias = bias is not None
+    b = bias if has_bias else out
+    interp_f32 = INTERPRET
+    _planar_gemm_kernel[(max(1, n_work), split)](
+        x,
+        x.stride(0),
+        w.words,
+        w.scales.view(torch.int32),
+        w.words.stride(0),
+        w.scales.stride(0) // 4,
+        b,
+        b.stride(0) if has_bias else 0,
+        out,
+        out.stride(0),
+        part,
+        perm.sorted_slot,
+        perm.expert_offsets,
+        tiles.tile_expert,
+        tiles.tile_row,
+        tiles.tile_start,
+        e,
+        n_rows,
+        w.k,
+        k_words,
+        k_words // 16,
+        s,
+        float(alpha),
+        float(limit),
+        TOPK=top_k,
+        GATHER=gather,
+        ACTIVATION=activation,
+        HAS_BIAS=has_bias,
+        SPLIT_K=split,
+        TWO_MULS=w.two_muls,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        GROUP_M=cfg.group_m,
+        DOT_F32=interp_f32,
+        ONE_DOT=cfg.one_dot,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg or None,
+    )
+    if split > 1 and s:
+        n_out = n_rows if activation == 0 else n_rows // 2
+        block_r = min(1024, triton.next_power_of_2(n_out))
+        _split_k_epilogue_kernel[(s, triton.cdiv(n_out, block_r))](
+            part,
+            b,
+            b.stride(0) if has_bias else 0,
+            out,
+            out.stride(0),
+            perm.sorted_slot,
+            perm.expert_offsets,
+            e,
+            s,
+            n_rows,
+            float(alpha),
+            float(limit),
+            ACTIVATION=activation,
+            HAS_BIAS=has_bias,
+            SPLIT_K=split,
+            E_PAD=triton.next_power_of_2(e),
+            BLOCK_R=block_r,
+        )
+    return out
+
+
+def planar_gemm_torch(
+    x: torch.Tensor,
+    w: PlanarMXFP4,
+    bias: torch.Tensor | None,
+    perm,
+    tiles,
+    out: torch.Tensor,
+    *,
+    top_k: int,
+    gather: bool,
+    activation: int,
+    alpha: float,
+    limit: float,
+    cfg: PlanarConfig | None = None,
+) -> torch.Tensor:
+    """Twin of ``planar_gemm``: per-expert fp32 matmuls on the decoded weights (tiles, cfg unused)."""
+    packed, scales = planar_to_mxfp4_torch(w, interleaved=True)
+    wf = dequantize_mxfp4_torch(packed, scales, validate=False)  # [E, N, K], planar row order
+    offs = perm.expert_offsets.tolist()
+    rows = perm.sorted_slot.long() // top_k if gather else torch.arange(out.shape[0], device=x.device)
+    xf = x.float()[rows]
+    for e in range(len(offs) - 1):
+        a, b = offs[e], offs[e + 1]
+        if a == b:
+            continue
+        acc = xf[a:b] @ wf[e].t()
+        if bias is not None:
+            acc = acc + bias[e].float()
+        if activation == 0:
+            out[a:b] = acc.to(out.dtype)
+        else:
+            g, u = acc[:, 0::2], acc[:, 1::2]
+            if activation == 1:
+                res = torch.nn.functional.silu(g) * u
+            else:
+                gc, uc = g.clamp(max=limit), u.clamp(-limit, limit)
+                res = gc * torch.sigmoid(alpha * gc) * (uc + 1.0)
+            out[a:b] = res.to(out.dtype)
+    return out
+
+
+@dataclass
+class PlanarExperts:
+    """One MoE layer's experts in the planar layout: w1 (gate/up rows interleaved) and w2 (down),
+    biases in the same row order (w1_bias [E, 2I] interleaved, w2_bias [E, H]) or None."""
+
+    w1: PlanarMXFP4
+    w2: PlanarMXFP4
+    w1_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+
+    @classmethod
+    def from_weights(cls, weights) -> PlanarExperts:
+        """From ``MoEWeights`` (gpt-oss tensor layout), once at load time."""
+        il = weights.gate_up_interleaved
+        w1 = planar_from_mxfp4(weights.w1_packed, weights.w1_scales, gate_up=True, interleaved=il)
+        w2 = planar_from_mxfp4(weights.w2_packed, weights.w2_scales)
+        b1 = weights.w1_bias
+        if b1 is not None:
+            b1 = _interleave_gate_up(b1.float(), il).contiguous()
+        b2 = weights.w2_bias.float().contiguous() if weights.w2_bias is not None else None
+        return cls(w1, w2, b1, b2)
+
+    def nbytes(self) -> int:
+        """Bytes held: planar codes and scales (the MXFP4 bytes, K padded to 128) and biases."""
+        bias = sum(b.numel() * b.element_size() for b in (self.w1_bias, self.w2_bias) if b is not None)
+        return self.w1.nbytes() + self.w2.nbytes() + bias

