@@ -264,7 +264,8 @@ def validate(
     options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
                               batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack,
                               run_path=str(run.path), url=url, soak_s=soak_s, layers=layers, kernels=kernels,
-                              indexer_dtype=indexer_dtype, compute_dtype=compute_dtype)
+                              indexer_dtype=indexer_dtype, compute_dtype=compute_dtype,
+                              gates_file=str(gates) if gates else None)
 
     def reused(name: str, why: str) -> None:
         if not as_json:

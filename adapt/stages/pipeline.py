@@ -68,6 +68,7 @@ class PipelineOptions:
     indexer_dtype: str = "fp8"  # stage 5: DSA indexer format
     compute_dtype: str = "bf16"  # stage 5: the adapted path's compute dtype
     run_path: str | None = None
+    gates_file: str | None = None  # the --gates file of the invocation (repeated in stage 5's advised commands)
     url: str | None = None
     soak_s: float = 60.0
 
@@ -116,7 +117,8 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
                          indexer_dtype=o.indexer_dtype, kv_dtype=o.kv_dtype, compute_dtype=o.compute_dtype,
                          report_dir=o.run_path, invocation=[
                              "--devices", str(o.devices), "--nodes", str(o.nodes), "--context", str(o.context),
-                             "--batch", str(o.batch), *(["--stack", o.stack] if o.stack else [])])
+                             "--batch", str(o.batch), *(["--stack", o.stack] if o.stack else []),
+                             *(["--gates", o.gates_file] if o.gates_file else [])])
 
 
 def _serve(o: PipelineOptions, gates: dict) -> StageReport:
