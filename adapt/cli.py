@@ -361,9 +361,7 @@ def plan_parallel_command(
     run_id: RunOpt = None, gates: GatesOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Stage 4: rank TP x EP x PP x DP plans; print vLLM engine arguments, `vllm serve` and Ray steps."""
-    import shlex
-
-    from adapt.handoff.vllm import shell_script
+    from adapt.plan.launch import launch_script
     from adapt.report import load_gates
     from adapt.stages.parallel import run_plan_parallel
     from adapt.stages.pipeline import PipelineOptions, stamp_standalone
@@ -374,14 +372,13 @@ def plan_parallel_command(
                                headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                block_size=block_size, rope_factor=rope_factor)
-    lines = report.metrics.get("ray_steps") or (
-        [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else [])
     stamp_standalone(report, PipelineOptions(model, target, devices, nodes, context, batch, kv_dtype, weights),
                      thresholds, dict(headroom=headroom, gpu_memory_utilization=gpu_memory_utilization,
                                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       block_size=block_size if block_size != 64 else None,
                                       rope_factor=rope_factor))
-    extra = {"parallel.launch.sh": shell_script(lines)} if lines else None
+    script = launch_script(report.metrics)
+    extra = {"parallel.launch.sh": script} if script else None
     finish(report, as_json, run, extra=extra)
 
 
@@ -517,38 +514,22 @@ def run_command(
     from adapt.runtime.engine import prepare_triton
 
     prepare_triton()
-    import torch
     from rich.progress import Progress
 
-    from adapt.runtime.engine import Engine, encode_prompts, resolve_model_dir
+    from adapt.runtime.engine import run_prompts
 
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    if dtype not in dtypes:
-        raise InputError(f"expected bfloat16 or float32, got {dtype!r}", field="--dtype")
-    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-        raise InputError(f"device {device!r} is not available here", field="--device", hint="use cpu or cuda")
-    directory = resolve_model_dir(model)
-    prompts, tokenizer = encode_prompts(directory, prompt or [], token_ids or [])
-    engine = Engine.load(directory, layers=layers, kernels=kernels, dtype=dtypes[dtype], device=device,
-                         max_tokens=sum(len(p) + max_new_tokens for p in prompts) + 64,
-                         moe_workspace=moe_workspace)
     with Progress(console=err_console, disable=as_json) as progress:
-        tasks = {"prefill": progress.add_task("prefill", total=sum(map(len, prompts))),
-                 "decode": progress.add_task("decode", total=max_new_tokens * len(prompts))}
+        tasks = {phase: progress.add_task(phase, total=None) for phase in ("prefill", "decode")}
 
         def tick(phase: str, done: int, total: int, seconds: float) -> None:
             rate = done / seconds if seconds > 0 else 0.0
             progress.update(tasks[phase], completed=done, total=total,
                             description=f"{phase} {done}/{total} tokens, {rate:,.1f} tok/s")
 
-        result = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=tick)
-    rows = [{"prompt_tokens": len(p), "tokens": t, "text": tokenizer.decode(t) if tokenizer else None,
-             "stopped_at_eos": f} for p, t, f in zip(prompts, result.tokens, result.finished, strict=True)]
-    summary = {"model": str(directory), "layers": [layer.index for layer in engine.model.layers],
-               "kernels": engine.model.paths, "kernel_refusals": engine.model.kernel_refusals,
-               "dtype": dtype, "sequences": rows,
-               "prefill": {"tokens": result.timing.prefill_tokens, "seconds": result.timing.prefill_s},
-               "decode": {"tokens": result.timing.decode_tokens, "seconds": result.timing.decode_s}}
+        summary = run_prompts(model, prompt or [], token_ids or [], max_new_tokens=max_new_tokens, layers=layers,
+                              kernels=kernels, dtype=dtype, device=device, temperature=temperature, seed=seed,
+                              moe_workspace=moe_workspace, progress=tick)
+    rows = summary["sequences"]
     if as_json:
         print_json(summary)
         return

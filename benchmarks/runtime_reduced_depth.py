@@ -160,7 +160,7 @@ def run_engine(directory: Path, prompt_tokens: int, new_tokens: int, out: dict) 
     )
     load_s = time.perf_counter() - t0
     rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    prompt = torch.randint(0, engine.config.vocab, (prompt_tokens,)).tolist()
+    prompt = torch.randint(0, engine.spec.vocab, (prompt_tokens,)).tolist()
     with engine.capture(hidden_states=False, router=True) as cap:
         result = engine.generate([prompt], new_tokens, stop_ids=())
     experts_hit = sorted({int(e) for steps in cap.router.values() for ids, _ in steps for e in ids.flatten()})

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from adapt.stages.memory import load_model
+from adapt.plan.layout import load_model
 from adapt.stages.parallel import moe_layer_cost
 from adapt.targets.target import load_target
 

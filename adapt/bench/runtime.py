@@ -38,6 +38,7 @@ FP8_BLOCK = 128
 # fp8 blocks of 128, MXFP4 groups of 32, DeepSeek's rope 64 / index head 128).
 TINY_WIDTH = {
     "deepseek-v3.2": {"hidden_size": 256, "q_lora_rank": 128, "kv_lora_rank": 128, "num_attention_heads": 4,
+                      "num_key_value_heads": 4,
                       "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 8, "num_experts_per_tok": 2,
                       "n_group": 1, "topk_group": 1, "moe_intermediate_size": 128, "intermediate_size": 256,
                       "vocab_size": 512, "index_n_heads": 4, "index_topk": 16},
@@ -223,14 +224,14 @@ def measure_model(model: str, directory: Path, info: LayerBytes, *, batches: lis
     """Rows for one model: twin error at batch 1, then prefill and decode rows per batch."""
     import torch
 
+    from adapt.kernels.formats import PAGE_SIZE
     from adapt.runtime.engine import Engine
-    from adapt.runtime.kv_cache import PAGE_SIZE
 
     # every sequence holds whole pages: batch * pages per sequence, plus the twin check's sequence
     max_tokens = (max(batches) + 1) * PAGE_SIZE * -(-(prompt_tokens + decode_steps + 4) // PAGE_SIZE)
     engine = Engine.load(directory, layers=list(LAYERS[model]), kernels=kernels, dtype=torch.bfloat16,
                          device=device, max_tokens=max_tokens)
-    vocab = engine.config.vocab
+    vocab = engine.spec.vocab
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
     twin = None

@@ -39,7 +39,7 @@ class AdaptLM(LM):
         self.engine = Engine.load(self.model_dir, kernels=kernels, layers=layers, device=device,
                                   dtype=torch.float32 if dtype == "fp32" else torch.bfloat16,
                                   max_tokens=batch * (max_length + 64), formats=formats)
-        eos = self.engine.config.eos_ids or (self.tokenizer.eos_token_id,)
+        eos = self.engine.model.eos_ids or (self.tokenizer.eos_token_id,)
         self.prefix_id = int(eos[0])
 
     def _encode(self, text: str) -> list[int]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.errors import InputError
-from adapt.handoff.vllm import multi_node_args, ray_steps, serve_command, shell_script
+from adapt.plan.launch import multi_node_args, ray_steps, serve_command, shell_script
 from adapt.report import RunDir, StageReport, fingerprint, markdown_table
 
 STAGE_NUMBER = 0  # the schema numbers gate stages 1-6; 0 marks reports outside that sequence

@@ -341,8 +341,8 @@ def launch_and_compare(model_dir: str | Path, engine_args: dict[str, Any], *, vl
         has_cuda,
         launch_argv,
         port_is_free,
-        serve_command,
     )
+    from adapt.plan.launch import serve_command
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():

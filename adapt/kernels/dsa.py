@@ -40,15 +40,15 @@ back by top-k, indices 4 * topk B per row.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
+from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.topk import topk_indices, topk_indices_torch
-from adapt.runtime.kv_cache import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 
 # Stacked prefill tile, fastest of the sweep on an H200 at 128K (2026-11-30, commit 0375b39: 4 rows x 64
 # keys, 8 warps, 631 TFLOP/s on the last 4096 rows; 2 x 128 keys, 4 warps 567; the per-row form at 4 rows,
@@ -59,10 +59,6 @@ PREFILL_WARPS = 8
 KEY_BLOCK = 128
 DEFAULT_PROGRAMS = 1024
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

@@ -373,7 +373,7 @@ def _mxfp4_operand(packed: torch.Tensor, scales: torch.Tensor, bias, fp8: bool) 
     return _WeightOperand(w, scales, w.stride(0), scales.stride(0), bias, 1 if fp8 else 0, k)
 
 
-def _fp8_operand(w: torch.Tensor, exps: torch.Tensor, bias) -> _WeightOperand:
+def fp8_operand(w: torch.Tensor, exps: torch.Tensor, bias) -> _WeightOperand:
     return _WeightOperand(w, exps, w.stride(0), exps.stride(0), bias, 2, w.shape[-1])
 
 
@@ -594,8 +594,8 @@ def expert_mlp(
         )
         return y
     if fp8_weights is not None:
-        op1 = _fp8_operand(fp8_weights.w1, fp8_weights.w1_exp, fp8_weights.w1_bias)
-        op2 = _fp8_operand(fp8_weights.w2, fp8_weights.w2_exp, fp8_weights.w2_bias)
+        op1 = fp8_operand(fp8_weights.w1, fp8_weights.w1_exp, fp8_weights.w1_bias)
+        op2 = fp8_operand(fp8_weights.w2, fp8_weights.w2_exp, fp8_weights.w2_bias)
     else:
         op1 = _mxfp4_operand(weights.w1_packed, weights.w1_scales, weights.w1_bias, fp8=True)
         op2 = _mxfp4_operand(weights.w2_packed, weights.w2_scales, weights.w2_bias, fp8=True)

@@ -41,7 +41,6 @@ writes ``K * itemsize``; ``mxfp4_to_fp8`` reads ``K/2 + K/32`` (the scales twice
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -49,19 +48,19 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
+from adapt.kernels.formats import interpreting
 
 MX_BLOCK = 32
 """Elements per E8M0 scale (OCP MX v1.0)."""
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 E2M1_MAX = 6.0
-FP8_E4M3_MAX = 448.0
 FP8_FOLD_HEADROOM = 6
 """Exponent headroom of the MXFP4 -> e4m3 fold: the largest block maps to at most 6 * 2**6 = 384."""
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """Value of each 4-bit E2M1 code, indexed by the code."""
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()
 """True when Triton kernels run under the CPU interpreter (no bf16 arithmetic there)."""
 SOFT_E4M3_ROUNDING = tl.constexpr(INTERPRET)
 """The interpreter's fp32 -> e4m3 / bf16 casts mis-round; round in fp32 first there."""

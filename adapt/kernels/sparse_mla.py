@@ -33,17 +33,13 @@ normalised partial output with its log-sum-exp, and ``_combine_kernel`` merges t
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from adapt.runtime.kv_cache import PAGE_SIZE
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from adapt.kernels.formats import PAGE_SIZE
+from adapt.kernels.formats import interpreting as _interpreting
 
 
 @triton.jit

@@ -34,11 +34,11 @@ First version (2026-11-30, H200, commit 8cbbe8e): one program per row, 8-bit dig
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from adapt.kernels.formats import interpreting as _interpreting
 
 TOPK_BLOCK = 1024
 
@@ -193,7 +193,7 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
         raise ValueError("topk_indices needs fp32 scores with unit column stride")
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter's cost is per launch: fewer passes
+    interpreting = _interpreting()  # the interpreter's cost is per launch: fewer passes
     bits = digit_bits or (8 if n_rows <= 8 or interpreting else 4)
     if bits not in (4, 8):
         raise ValueError(f"digit_bits must be 4 or 8, not {bits}")

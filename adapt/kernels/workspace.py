@@ -315,7 +315,7 @@ class FP8Workspace:
 
         xq/xs: quantised hidden [T, H]; hbuf bf16 [S, I]; hq_hs: (e4m3 [S, I], scales); y bf16 [S, H].
         """
-        from adapt.kernels.moe_gemm import _fp8_operand, moe_gemm
+        from adapt.kernels.moe_gemm import fp8_operand, moe_gemm
         from adapt.kernels.moe_quant import quantize_fp8_rows
 
         if (weights.hidden, weights.intermediate) != (self.hidden, self.intermediate):
@@ -351,8 +351,8 @@ class FP8Workspace:
                         converted.append(torch.cuda.Event())
                         converted[-1].record(self._side)
             base = buf * self.chunk_experts
-            op1 = _fp8_operand(self.w1, self.w1_exp, weights.w1_bias)
-            op2 = _fp8_operand(self.w2, self.w2_exp, weights.w2_bias)
+            op1 = fp8_operand(self.w1, self.w1_exp, weights.w1_bias)
+            op2 = fp8_operand(self.w2, self.w2_exp, weights.w2_bias)
             common = dict(top_k=top_k, alpha=alpha, limit=limit, experts=chunk, slot_base=base)
             moe_gemm(
                 xq,

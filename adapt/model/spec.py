@@ -1025,9 +1025,11 @@ def _qwen3_moe(f: _Fields, model_type: str) -> ModelSpec:
     layer_types = _layer_types(f, c.num_layers, default_types)
     if "sliding_attention" in layer_types and window is None:
         window = f.integer("sliding_window")
-    experts = f.integer("num_experts")
+    # Qwen's config.json says num_experts; transformers >= 5 saves the same count as num_local_experts
+    experts_field = "num_experts" if f.has("num_experts") or not f.has("num_local_experts") else "num_local_experts"
+    experts = f.integer(experts_field)
     top_k = f.integer("num_experts_per_tok")
-    _check_routing(f, "num_experts", experts, top_k, "num_experts_per_tok")
+    _check_routing(f, experts_field, experts, top_k, "num_experts_per_tok")
     sparse_step = f.integer("decoder_sparse_step", 1)
     mlp_only = f.integer_list("mlp_only_layers", ())
     for i in mlp_only:

@@ -16,29 +16,26 @@ Semantics follow transformers 5.19's eager implementations:
 
 Every op family has two paths: ``torch`` (the reference above, in the engine's compute dtype) and
 ``kernel`` (adapt's Triton kernels: ``adapt.kernels.dsa`` FP8 indexer with a Hadamard rotation,
-``adapt.kernels.sparse_mla`` latent attention over bf16 pages, and ``paged_gqa_attention`` below
+``adapt.kernels.sparse_mla`` latent attention over bf16 pages, and ``adapt.kernels.attention``
 for GQA). The kernel path stores what its kernel reads (bf16 latent, e4m3 indexer keys).
 
-Cache: ``PagedKVCache`` pages of 64 tokens shared by all layers (one block table per sequence);
-token p of a sequence lives at slot ``block_table[p // 64] * 64 + p % 64``. Each layer keeps named
-pools [pages, 64, *width] whose dtypes the layer chooses (``cache_layout``).
+Cache: ``adapt.runtime.kv_cache.PagedKVCache``, pages of 64 tokens shared by all layers (one block
+table per sequence, prefix reuse); each layer keeps named pools [pages, 64, *width] whose dtypes the
+layer chooses (``cache_layout``).
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from adapt.runtime.kv_cache import PAGE_SIZE, DSABatch, OutOfPagesError
+from adapt.kernels.formats import PAGE_SIZE
+from adapt.kernels.fp8 import quantize_fp8_groups
+from adapt.runtime.kv_cache import DSABatch, PoolLayout, mla_layout
 from adapt.runtime.weights import Linear, apply_linear
-
-PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
 
 # ----------------------------------------------------------------------------------------------
 # norms and rotary embeddings (the "norm_rope" op family, torch path)
@@ -48,134 +45,24 @@ PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False, kernel: bool = False
 ) -> torch.Tensor:
-    """RMSNorm over the last axis in fp32, result in x's dtype.
+    """``adapt.kernels.norm_rope.rms_norm`` (kernel) or its torch twin ``rms_norm_torch``."""
+    from adapt.kernels import norm_rope  # after TRITON_INTERPRET is settled (adapt.runtime.engine)
 
-    scale_in_fp32: multiply by the weight before casting back (gpt-oss keeps its norms in fp32);
-    otherwise cast then multiply (DeepSeek, Qwen3). kernel: run ``rms_norm_triton``.
-    """
-    if kernel:
-        return rms_norm_triton(x, weight, eps, scale_in_fp32=scale_in_fp32)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if scale_in_fp32:
-        return (weight.float() * xf).to(x.dtype)
-    return weight.to(x.dtype) * xf.to(x.dtype)
-
-
-def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate dims i and i + D/2 by angle i. x [N, ..., D]; cos, sin [N, D/2] (broadcast over the middle)."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-
-
-def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (2i, 2i + 1) by angle i; output de-interleaved (rotated evens, then odds)."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return (norm_rope.rms_norm if kernel else norm_rope.rms_norm_torch)(x, weight, eps, scale_in_fp32=scale_in_fp32)
 
 
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: bool, kernel: bool
 ) -> torch.Tensor:
-    """``rope_pairs`` (pairs) or ``rope_halves``; ``kernel`` runs ``rope_triton`` instead."""
-    if kernel:
-        return rope_triton(x, cos, sin, pairs=pairs)
-    return rope_pairs(x, cos, sin) if pairs else rope_halves(x, cos, sin)
+    """``adapt.kernels.norm_rope.rope`` (kernel) or its torch twin ``rope_torch``."""
+    from adapt.kernels import norm_rope
+
+    return (norm_rope.rope if kernel else norm_rope.rope_torch)(x, cos, sin, pairs=pairs)
 
 
 # ----------------------------------------------------------------------------------------------
 # paged cache
 # ----------------------------------------------------------------------------------------------
-
-
-class PagedKVCache:
-    """Pages of 64 tokens for every layer, handed out by one allocator.
-
-    layouts: layer index -> {pool name: (per-token shape, dtype)}; pools are [pages, 64, *shape].
-    ``append_tokens`` reserves pages for a whole step or raises ``OutOfPagesError`` before
-    changing anything; ``free_sequence`` returns a sequence's pages.
-    """
-
-    def __init__(self, num_pages: int, layouts: dict[int, PoolLayout], device: torch.device | str = "cpu"):
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.num_pages = num_pages
-        self.device = torch.device(device)
-        self.pools = {
-            layer: {
-                name: torch.zeros(num_pages, PAGE_SIZE, *shape, dtype=dtype, device=self.device)
-                for name, (shape, dtype) in layout.items()
-            }
-            for layer, layout in layouts.items()
-        }
-        self._free = list(range(num_pages - 1, -1, -1))
-        self._pages: dict[int, list[int]] = {}
-        self._lens: dict[int, int] = {}
-        self._next_id = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pools in self.pools.values() for t in pools.values())
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    def add_sequence(self) -> int:
-        seq_id = self._next_id
-        self._next_id += 1
-        self._pages[seq_id], self._lens[seq_id] = [], 0
-        return seq_id
-
-    def free_sequence(self, seq_id: int) -> None:
-        self._free.extend(reversed(self._pages.pop(seq_id)))
-        del self._lens[seq_id]
-
-    def seq_len(self, seq_id: int) -> int:
-        return self._lens[seq_id]
-
-    def append_tokens(self, seq_ids: Sequence[int], counts: Sequence[int]) -> DSABatch:
-        """Reserve slots for ``counts[i]`` new tokens of ``seq_ids[i]``; returns the step's batch."""
-        needed = [
-            -(-(self._lens[s] + c) // PAGE_SIZE) - len(self._pages[s])
-            for s, c in zip(seq_ids, counts, strict=True)
-        ]
-        if sum(needed) > len(self._free):
-            raise OutOfPagesError(
-                f"KV cache full: this step needs {sum(needed)} more pages of {PAGE_SIZE} "
-                f"tokens, {len(self._free)} of {self.num_pages} are free"
-            )
-        slots, positions, token_seq, starts = [], [], [], [0]
-        for b, (seq_id, count, extra) in enumerate(zip(seq_ids, counts, needed, strict=True)):
-            pages = self._pages[seq_id]
-            pages.extend(self._free.pop() for _ in range(extra))
-            start = self._lens[seq_id]
-            pos = torch.arange(start, start + count, dtype=torch.int64)
-            table = torch.tensor(pages, dtype=torch.int64)
-            slots.append(table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
-            positions.append(pos)
-            token_seq.append(torch.full((count,), b, dtype=torch.int32))
-            starts.append(starts[-1] + count)
-            self._lens[seq_id] = start + count
-        width = max(len(self._pages[s]) for s in seq_ids)
-        block_table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
-        for row, seq_id in enumerate(seq_ids):
-            block_table[row, : len(self._pages[seq_id])] = torch.tensor(
-                self._pages[seq_id], dtype=torch.int32
-            )
-        dev = self.device
-        return DSABatch(
-            slots=torch.cat(slots).to(dev),
-            positions=torch.cat(positions).to(dev),
-            token_seq=torch.cat(token_seq).to(dev),
-            query_starts=torch.tensor(starts, dtype=torch.int64, device=dev),
-            block_table=block_table.to(dev),
-            seq_lens=torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=dev),
-        )
 
 
 def write_rows(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -249,10 +136,12 @@ class GQAAttention:
         window: int | None,
         path: str = "torch",
         norm_rope_kernel: bool = False,
+        rotary_dim: int | None = None,
     ):
         self.w = weights
         self.norm_rope_kernel = norm_rope_kernel
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rotary_dim = rotary_dim or head_dim  # partial rotary (glm4_moe): the first rotary_dim dims
         self.norm_eps = norm_eps
         self.window = window
         self.path = path
@@ -278,58 +167,62 @@ class GQAAttention:
         if self.w.q_norm is not None:
             q = rms_norm(q, self.w.q_norm, self.norm_eps, kernel=fused)
             k = rms_norm(k, self.w.k_norm, self.norm_eps, kernel=fused)
-        q = apply_rope(q, cos, sin, pairs=False, kernel=fused)
-        k = apply_rope(k, cos, sin, pairs=False, kernel=fused)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         if self.kv_round is not None:
             k, v = self.kv_round(k), self.kv_round(v)
         write_rows(pools["k"], batch.slots, k)
         write_rows(pools["v"], batch.slots, v)
-        if self.path == "kernel":
-            out = paged_gqa_attention(q, pools["k"], pools["v"], batch, self.scale, self.window, self.w.sinks)
-        else:
-            out = self._attend_torch(q, batch, pools)
+        from adapt.kernels import attention as gqa_kernels
+
+        attend = gqa_kernels.paged_gqa_attention if self.path == "kernel" else gqa_kernels.paged_gqa_attention_torch
+        out = attend(q, pools["k"], pools["v"], batch.block_table, batch.token_seq, batch.positions,
+                     batch.query_starts, self.scale, self.window, self.w.sinks)
         return apply_linear(out.reshape(n, -1).to(x.dtype), self.w.o)
 
-    def _attend_torch(self, q: torch.Tensor, batch: DSABatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = torch.empty_like(q)
-        group = self.heads // self.kv_heads
-        for b in range(batch.num_seqs):
-            rows, mask = _visible(batch, b, self.window)
-            slots = sequence_slots(batch, b)
-            keys = read_rows(pools["k"], slots).to(q.dtype).repeat_interleave(group, dim=1)  # [L, H, D]
-            values = read_rows(pools["v"], slots).to(q.dtype).repeat_interleave(group, dim=1)
-            logits = torch.einsum("nhd,lhd->hnl", q[rows], keys) * self.scale
-            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-            if self.w.sinks is not None:
-                sink = self.w.sinks.to(logits.dtype).view(-1, 1, 1).expand(-1, logits.shape[1], 1)
-                full = torch.cat([logits, sink], dim=-1)
-                full = full - full.amax(dim=-1, keepdim=True)
-                probs = torch.softmax(full.float(), dim=-1)[..., :-1].to(q.dtype)
-            else:
-                probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
-            out[rows] = torch.einsum("hnl,lhd->nhd", probs, values)
-        return out
-
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on halves of the first ``rotary_dim`` dims of x [N, heads, D]; the rest pass through."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, cos, sin, pairs=False, kernel=self.norm_rope_kernel)
+        rot, rest = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        rot = apply_rope(rot.contiguous(), cos, sin, pairs=False, kernel=self.norm_rope_kernel)
+        return torch.cat([rot, rest], dim=-1)
 
 # ----------------------------------------------------------------------------------------------
 # MLA + DSA
 # ----------------------------------------------------------------------------------------------
 
 
+FP8_LATENT_GROUP = 128
+"""Latent values per fp32 scale in the fp8 MLA cache (FlashMLA's fp8 format: 512 = 4 x 128)."""
+
+
+def hadamard_matrix(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix, fp32 [dim, dim]; dim a power of two. Rotating the
+    indexer's q and k by it spreads outliers before FP8 (DeepSeek-V3.2's indexer does the same)."""
+    if dim & (dim - 1):
+        raise ValueError(f"Hadamard size {dim} is not a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(dim)).to(device)
+
+
 @dataclass
 class MLAWeights:
-    """One MLA layer (DeepSeek-V3 names): q_a [q_lora, hidden], q_a_norm [q_lora], q_b
-    [H*(nope+rope), q_lora], kv_a [kv_lora+rope, hidden], kv_a_norm [kv_lora], kv_b
-    [H*(nope+v), kv_lora], o [hidden, H*v]; indexer (deepseek_v32): wq_b [Hi*Di, q_lora],
-    wk [Di, hidden], k_norm_weight / k_norm_bias [Di], weights_proj [Hi, hidden]."""
+    """One MLA layer (DeepSeek-V3 names): kv_a [kv_lora+rope, hidden], kv_a_norm [kv_lora], kv_b
+    [H*(nope+v), kv_lora], o [hidden, H*v]; queries through a low-rank pair q_a [q_lora, hidden],
+    q_a_norm [q_lora], q_b [H*(nope+rope), q_lora], or (no q_lora_rank, DeepSeek-V2-Lite style)
+    one q [H*(nope+rope), hidden]; indexer (deepseek_v32): wq_b [Hi*Di, q_lora], wk [Di, hidden],
+    k_norm_weight / k_norm_bias [Di], weights_proj [Hi, hidden]."""
 
-    q_a: Linear
-    q_a_norm: torch.Tensor
-    q_b: Linear
     kv_a: Linear
     kv_a_norm: torch.Tensor
     kv_b: Linear
     o: Linear
+    q_a: Linear | None = None
+    q_a_norm: torch.Tensor | None = None
+    q_b: Linear | None = None
+    q: Linear | None = None
     index_wq_b: Linear | None = None
     index_wk: Linear | None = None
     index_k_norm_weight: torch.Tensor | None = None
@@ -354,9 +247,10 @@ class MLAShape:
 class MLAAttention:
     """MLA attention with an optional DSA indexer over the paged cache.
 
-    Pools: 'latent' [kv_lora] and 'rope' [qk_rope] (compute dtype on the torch path, bf16 for the
-    sparse MLA kernel); indexer keys 'index_k' [Di] (torch path) or 'index_k8' e4m3 [Di] +
-    'index_scale' fp32 [] (kernel path). ``last_indices`` keeps the latest top-k selection
+    Pools (``mla_layout``): 'latent_nope' [kv_lora] and 'latent_rope' [qk_rope] (compute dtype on the
+    torch path, bf16 for the sparse MLA kernel; e4m3 + 'latent_scale' with ``latent_fp8``); indexer
+    keys 'index_k' [Di] (torch path) or e4m3 [Di] + 'index_scale' fp32 [] (kernel path).
+    ``last_indices`` keeps the latest top-k selection
     (int32 [N, index_topk], absolute positions, -1 none) for inspection.
 
     Precision variants (``adapt.runtime.variants.configure``): kv_round (applied to latent and rope
@@ -378,9 +272,11 @@ class MLAAttention:
         attention_path: str = "torch",
         indexer_path: str = "torch",
         norm_rope_kernel: bool = False,
+        latent_fp8: bool = False,
     ):
         self.w = weights
         self.norm_rope_kernel = norm_rope_kernel
+        self.latent_fp8 = latent_fp8  # cache the latent as e4m3 with one fp32 scale per 128 values
         self.s = shape
         self.attention_path = attention_path
         self.indexer_path = indexer_path
@@ -389,18 +285,14 @@ class MLAAttention:
         self._hadamard: torch.Tensor | None = None
 
     def cache_layout(self, dtype: torch.dtype) -> PoolLayout:
-        latent_dtype = torch.bfloat16 if self.attention_path == "kernel" else dtype
-        layout: PoolLayout = {
-            "latent": ((self.s.kv_lora,), latent_dtype),
-            "rope": ((self.s.qk_rope,), latent_dtype),
-        }
-        if self.has_indexer:
-            if self.indexer_path == "kernel":
-                layout["index_k8"] = ((self.s.index_dim,), torch.float8_e4m3fn)
-                layout["index_scale"] = ((), torch.float32)
-            else:
-                layout["index_k"] = ((self.s.index_dim,), dtype)
-        return layout
+        """``mla_layout`` pools: the latent in ``dtype`` (bf16 for the sparse MLA kernel, e4m3 +
+        scales with ``latent_fp8``), indexer keys e4m3 + scale on the kernel path, else in ``dtype``."""
+        s = self.s
+        return mla_layout(s.kv_lora, s.qk_rope, s.index_dim if self.has_indexer else 0,
+                          latent_format="fp8" if self.latent_fp8 else "bf16",
+                          latent_scale_group=min(FP8_LATENT_GROUP, s.kv_lora),
+                          latent_dtype=torch.bfloat16 if self.attention_path == "kernel" else dtype,
+                          index_fp8=self.indexer_path == "kernel")
 
     def forward(
         self,
@@ -412,8 +304,12 @@ class MLAAttention:
     ) -> torch.Tensor:
         """x [N, hidden] new tokens -> [N, hidden]; writes their latent (and indexer key) into ``pools``."""
         s, n, fused = self.s, x.shape[0], self.norm_rope_kernel
-        q_resid = rms_norm(apply_linear(x, self.w.q_a), self.w.q_a_norm, 1e-6, kernel=fused)
-        q = apply_linear(q_resid, self.w.q_b).view(n, s.heads, s.qk_nope + s.qk_rope)
+        if self.w.q is not None:
+            q_resid = None
+            q = apply_linear(x, self.w.q).view(n, s.heads, s.qk_nope + s.qk_rope)
+        else:
+            q_resid = rms_norm(apply_linear(x, self.w.q_a), self.w.q_a_norm, 1e-6, kernel=fused)
+            q = apply_linear(q_resid, self.w.q_b).view(n, s.heads, s.qk_nope + s.qk_rope)
         q_nope, q_rope = q.split([s.qk_nope, s.qk_rope], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin, pairs=s.rope_pairs, kernel=fused)
         latent, k_rope = apply_linear(x, self.w.kv_a).split([s.kv_lora, s.qk_rope], dim=-1)
@@ -421,8 +317,13 @@ class MLAAttention:
         k_rope = apply_rope(k_rope, cos, sin, pairs=s.rope_pairs, kernel=fused)
         if self.kv_round is not None:
             latent, k_rope = self.kv_round(latent), self.kv_round(k_rope)
-        write_rows(pools["latent"], batch.slots, latent)
-        write_rows(pools["rope"], batch.slots, k_rope)
+        if "latent_scale" in pools:
+            values, scales = quantize_fp8_groups(latent, s.kv_lora // pools["latent_scale"].shape[-1])
+            write_rows(pools["latent_nope"], batch.slots, values)
+            write_rows(pools["latent_scale"], batch.slots, scales)
+        else:
+            write_rows(pools["latent_nope"], batch.slots, latent)
+        write_rows(pools["latent_rope"], batch.slots, k_rope)
         indices = self._select(x, q_resid, cos, sin, batch, pools) if self.has_indexer else None
         self.last_indices = indices
         if self.attention_path == "kernel":
@@ -481,8 +382,6 @@ class MLAAttention:
     def _rotation(self, device) -> torch.Tensor | None:
         """The orthonormal Hadamard matrix [Di, Di] the FP8 indexer rotates q and k by (None: Di not a power of 2)."""
         if self._hadamard is None and not self.s.index_dim & (self.s.index_dim - 1):
-            from adapt.runtime.dsa_attention import hadamard_matrix
-
             self._hadamard = hadamard_matrix(self.s.index_dim, device)
         return self._hadamard
 
@@ -504,7 +403,7 @@ class MLAAttention:
             q, k = q.float() @ self._hadamard, k.float() @ self._hadamard
         q8, q_scale = dsa.quantize_fp8_rows(q.float().contiguous())
         k8, k_scale = dsa.quantize_fp8_rows(k.float().contiguous())
-        write_rows(pools["index_k8"], batch.slots, k8)
+        write_rows(pools["index_k"], batch.slots, k8)
         write_rows(pools["index_scale"], batch.slots, k_scale)
         raw = apply_linear(x.float(), self.w.index_weights_proj)
         if self.fault_index_head is not None:
@@ -514,7 +413,7 @@ class MLAAttention:
         indices, _ = dsa.index_topk(
             q8,
             weights,
-            pools["index_k8"],
+            pools["index_k"],
             pools["index_scale"],
             batch.block_table,
             batch.token_seq,
@@ -532,8 +431,12 @@ class MLAAttention:
         for b in range(batch.num_seqs):
             rows, mask = _visible(batch, b, None)
             slots = sequence_slots(batch, b)
-            latent = read_rows(pools["latent"], slots).to(dtype)
-            k_rope = read_rows(pools["rope"], slots).to(dtype)
+            latent = read_rows(pools["latent_nope"], slots).float()
+            if "latent_scale" in pools:
+                scale = read_rows(pools["latent_scale"], slots)
+                latent = (latent.view(len(slots), scale.shape[-1], -1) * scale.unsqueeze(-1)).view(len(slots), -1)
+            latent = latent.to(dtype)
+            k_rope = read_rows(pools["latent_rope"], slots).to(dtype)
             kv = apply_linear(latent, self.w.kv_b).view(len(slots), s.heads, s.qk_nope + s.v_head)
             k_nope, values = kv.split([s.qk_nope, s.v_head], dim=-1)
             logits = (
@@ -563,9 +466,9 @@ class MLAAttention:
         o_latent = sparse_mla(
             q_latent,
             q_rope.to(torch.bfloat16),
-            pools["latent"],
-            None,
-            pools["rope"],
+            pools["latent_nope"],
+            pools.get("latent_scale"),
+            pools["latent_rope"],
             batch.block_table,
             batch.token_seq,
             indices,
@@ -579,133 +482,3 @@ def _dense_indices(batch: DSABatch) -> torch.Tensor:
     width = int(batch.seq_lens.max())
     pos = torch.arange(width, device=batch.positions.device)
     return torch.where(pos[None, :] <= batch.positions[:, None], pos[None, :], -1).to(torch.int32)
-
-
-# ----------------------------------------------------------------------------------------------
-# kernels: paged GQA attention, RMSNorm, RoPE (Triton; interpreter on CPU)
-# ----------------------------------------------------------------------------------------------
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def paged_gqa_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    batch: DSABatch,
-    scale: float,
-    window: int | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """Causal GQA over the paged cache with an optional sliding window and sinks (Triton).
-
-    q: [N, H, D] (the N new tokens of ``batch``, D a power of two >= 16); k_pool, v_pool:
-    [pages, 64, KV, D] (fp32 or bf16); sinks: [H] or None; window: keys with position > query
-    position - window are visible. Returns fp32 [N, H, D].
-
-    A program takes up to BLOCK_M consecutive query rows of one sequence times the H/KV query
-    heads of one kv head (BLOCK_M * pow2(H/KV) rows of the score tile, at least 16), walks the
-    keys the tile can see in blocks of 64 with an online softmax (base 2), and starts each row's
-    softmax at its sink (running max = sink, sum = 1) when there are sinks. FLOPs:
-    4 * D per (query head, visible key); bytes: 2 * D * itemsize per (kv head, key in the tile's
-    span) and tile.
-    """
-    from adapt.runtime import attention_kernels as kernels
-
-    n, heads, dim = q.shape
-    kv_heads = k_pool.shape[2]
-    out = torch.empty(n, heads, dim, dtype=torch.float32, device=q.device)
-    if n == 0:
-        return out
-    group = heads // kv_heads
-    group_pad = 1 << (group - 1).bit_length()
-    block_m = max(1, max(16, min(128, 16 * group_pad)) // group_pad)
-    starts, counts = [], []
-    bounds = batch.query_starts.tolist()
-    for b in range(len(bounds) - 1):
-        for first in range(bounds[b], bounds[b + 1], block_m):
-            starts.append(first)
-            counts.append(min(block_m, bounds[b + 1] - first))
-    device = q.device
-    sink = (sinks if sinks is not None else torch.zeros(heads, device=device)).float().contiguous()
-    kernels.paged_gqa_kernel[(len(starts), kv_heads)](
-        q.contiguous(),
-        k_pool,
-        v_pool,
-        sink,
-        batch.block_table,
-        batch.token_seq.to(torch.int32).contiguous(),
-        batch.positions.contiguous(),
-        torch.tensor(starts, dtype=torch.int32, device=device),
-        torch.tensor(counts, dtype=torch.int32, device=device),
-        out,
-        batch.block_table.stride(0),
-        heads,
-        scale * math.log2(math.e),
-        window or 0,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_M=block_m,
-        KV_HEADS=kv_heads,
-        DIM=dim,
-        BLOCK_N=PAGE_SIZE,
-        PAGE=PAGE_SIZE,
-        HAS_SINK=sinks is not None,
-        HAS_WINDOW=window is not None,
-        UPCAST=_interpreting() or q.dtype == torch.float32,
-        num_warps=4,
-    )
-    return out
-
-
-def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False
-) -> torch.Tensor:
-    """Triton twin of ``rms_norm`` (same rounding order): x [..., D] -> [..., D] in x's dtype.
-    16 rows a program; reads and writes D * itemsize bytes per row."""
-    from adapt.runtime import attention_kernels as kernels
-
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty_like(rows)
-    n, dim = rows.shape
-    if n:
-        kernels.rms_norm_kernel[(-(-n // 16),)](
-            rows,
-            weight.contiguous(),
-            out,
-            n,
-            dim,
-            eps,
-            ROWS=16,
-            BLOCK=1 << (dim - 1).bit_length(),
-            SCALE_IN_FP32=scale_in_fp32,
-            ROUND_BF16=x.dtype == torch.bfloat16,
-        )
-    return out.view(x.shape)
-
-
-def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, pairs: bool) -> torch.Tensor:
-    """Triton twin of ``rope_pairs`` (pairs) / ``rope_halves``: x [N, ..., D], cos/sin fp32-able [N, D/2].
-    One program per token (all its heads); math in fp32, one rounding to x's dtype."""
-    from adapt.runtime import attention_kernels as kernels
-
-    n, dim = x.shape[0], x.shape[-1]
-    rows = x.reshape(n, -1, dim).contiguous()
-    out = torch.empty_like(rows)
-    if rows.numel():
-        per_token = rows.shape[1]
-        kernels.rope_kernel[(n,)](
-            rows,
-            cos.float().contiguous(),
-            sin.float().contiguous(),
-            out,
-            per_token,
-            HALF=dim // 2,
-            ROWS=1 << (per_token - 1).bit_length(),
-            BLOCK=1 << (dim // 2 - 1).bit_length(),
-            PAIRS=pairs,
-            ROUND_BF16=x.dtype == torch.bfloat16,
-        )
-    return out.view(x.shape)

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from adapt.errors import InputError
-from adapt.runtime.kv_cache import PAGE_SIZE
-from adapt.runtime.model import OP_FAMILIES, ArchConfig, Capture, DecoderModel
+from adapt.kernels.formats import PAGE_SIZE
+from adapt.model.spec import load_spec
+from adapt.runtime.model import OP_FAMILIES, Capture, DecoderModel
 
 ProgressFn = Callable[[str, int, int, float], None]
 """progress(phase 'prefill' | 'decode', tokens done, tokens total, seconds elapsed)."""
@@ -132,10 +133,10 @@ class Engine:
     def __init__(
         self, model: DecoderModel, *, max_tokens: int = 4096, cache_dtype: torch.dtype | None = None
     ):
-        from adapt.runtime.attention import PagedKVCache
+        from adapt.runtime.kv_cache import PagedKVCache
 
         self.model = model
-        self.config = model.config
+        self.spec = model.spec
         pages = -(-max_tokens // PAGE_SIZE)
         self.cache = PagedKVCache(pages, model.cache_layouts(cache_dtype or model.dtype), model.device)
         self.bytes_read = 0  # checkpoint tensor bytes read by ``load``
@@ -151,6 +152,7 @@ class Engine:
         device: str | torch.device = "cpu",
         max_tokens: int = 4096,
         moe_workspace: int = 0,
+        latent_fp8: bool = False,
         formats=None,
         faults=None,
     ) -> Engine:
@@ -160,7 +162,8 @@ class Engine:
         dtype: compute dtype (float32 for reference comparisons, bfloat16 to run);
         moe_workspace: with the MoE kernel, experts per chunk of the shared FP8 workspace (online
         MXFP4 -> e4m3 conversion of the active experts only, fp8 GEMMs); 0 decodes MXFP4 to bf16
-        inside the GEMM instead. formats / faults: ``adapt.runtime.variants.Formats`` / ``Faults``
+        inside the GEMM instead; latent_fp8: MLA layers cache their latent as e4m3 + fp32 scales.
+        formats / faults: ``adapt.runtime.variants.Formats`` / ``Faults``
         (precision variants and test hooks; None: as stored, no faults).
         """
         from adapt.runtime.weights import WeightStore
@@ -168,17 +171,20 @@ class Engine:
         paths = parse_kernels(kernels)
         if any(p == "kernel" for p in paths.values()):
             prepare_triton()
-        config = ArchConfig.from_dir(path)
-        layer_ids = parse_layers(layers, config.num_layers)
+        if not (Path(path) / "config.json").is_file():
+            raise InputError("no config.json", file=str(path), hint="is this a model directory?")
+        spec = load_spec(path)
+        layer_ids = parse_layers(layers, spec.num_layers)
         store = WeightStore(path, layers=None if layers is None else layer_ids, device=device)
         workspace = None
-        if moe_workspace and paths["moe"] == "kernel" and config.experts:
+        moe = [layer.ffn for layer in spec.moe_layers]
+        if moe_workspace and paths["moe"] == "kernel" and moe:
             from adapt.kernels.workspace import FP8Workspace
 
-            workspace = FP8Workspace(
-                min(moe_workspace, config.experts), config.hidden, config.expert_intermediate, device=device
-            )
-        model = DecoderModel(config, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace)
+            workspace = FP8Workspace(min(moe_workspace, max(f.num_experts for f in moe)), spec.hidden,
+                                     max(f.expert_intermediate for f in moe), device=device)
+        model = DecoderModel(spec, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace,
+                             latent_fp8=latent_fp8)
         if formats is not None or faults is not None:
             from adapt.runtime.variants import Formats, configure
 
@@ -208,6 +214,12 @@ class Engine:
         """Register ``count`` empty sequences; returns their ids."""
         return [self.cache.add_sequence() for _ in range(count)]
 
+    def start_with_prefixes(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+        """Register one sequence per prompt, each attached to the cached full blocks its prompt starts
+        with; returns (ids, tokens already cached per prompt). Step each with ``prompt[cached:]``."""
+        ids = self.start(len(prompts))
+        return ids, [self.cache.reuse_prefix(i, p) for i, p in zip(ids, prompts, strict=True)]
+
     def release(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
             self.cache.free_sequence(seq_id)
@@ -224,10 +236,10 @@ class Engine:
         counts = [len(t) for t in tokens]
         if any(c == 0 for c in counts):
             raise ValueError("every sequence in a step needs at least one new token")
-        batch = self.cache.append_tokens(seq_ids, counts)
+        batch = self.cache.append_tokens(seq_ids, counts, tokens)
         flat = torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64, device=self.model.device)
-        if int(flat.max()) >= self.config.vocab or int(flat.min()) < 0:
-            raise InputError(f"token id outside the vocabulary of {self.config.vocab}", field="tokens")
+        if int(flat.max()) >= self.spec.vocab or int(flat.min()) < 0:
+            raise InputError(f"token id outside the vocabulary of {self.spec.vocab}", field="tokens")
         hidden = self.model.forward(flat, batch, self.cache.pools)
         ends = batch.query_starts.tolist()
         if all_logits:
@@ -246,12 +258,14 @@ class Engine:
         seed: int = 0,
         stop_ids: Iterable[int] | None = None,
         progress: ProgressFn | None = None,
+        reuse_prefix: bool = True,
     ) -> Generation:
         """Prefill every prompt in one step, then decode all live sequences together.
 
         temperature 0 is greedy (argmax); otherwise tokens are drawn from softmax(logits / T) with a
         generator seeded by ``seed``. A sequence stops after ``max_new_tokens`` or after emitting one
-        of ``stop_ids`` (None: the config's EOS ids; empty: never).
+        of ``stop_ids`` (None: the config's EOS ids; empty: never). ``reuse_prefix``: prompts start
+        from the cached full blocks of earlier sequences (prefill computes only the rest).
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InputError("every prompt needs at least one token", field="prompt")
@@ -260,15 +274,19 @@ class Engine:
                 f"max_new_tokens must be at least 1, got {max_new_tokens}", field="max_new_tokens"
             )
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        ids = self.start(len(prompts))
+        if reuse_prefix:
+            ids, cached = self.start_with_prefixes(prompts)
+        else:
+            ids, cached = self.start(len(prompts)), [0] * len(prompts)
         out: list[list[int]] = [[] for _ in prompts]
         finished = [False] * len(prompts)
         timing = StepTiming()
-        eos = set(self.config.eos_ids if stop_ids is None else stop_ids)
+        eos = set(self.model.eos_ids if stop_ids is None else stop_ids)
         try:
             t0 = time.perf_counter()
-            logits = self.step(ids, prompts)
-            timing.prefill_tokens, timing.prefill_s = sum(map(len, prompts)), time.perf_counter() - t0
+            logits = self.step(ids, [p[c:] for p, c in zip(prompts, cached, strict=True)])
+            timing.prefill_tokens = sum(len(p) - c for p, c in zip(prompts, cached, strict=True))
+            timing.prefill_s = time.perf_counter() - t0
             if progress:
                 progress("prefill", timing.prefill_tokens, timing.prefill_tokens, timing.prefill_s)
             live = list(range(len(prompts)))
@@ -385,3 +403,34 @@ def encode_prompts(
             "nothing to run: give --prompt TEXT or --token-ids IDS (non-empty)", field="--prompt"
         )
     return encoded, tokenizer
+
+
+def run_prompts(model: str, prompt: Sequence[str], token_ids: Sequence[str], *, max_new_tokens: int,
+                layers: str | None = None, kernels: str = "none", dtype: str = "bfloat16", device: str = "cpu",
+                temperature: float = 0.0, seed: int = 0, moe_workspace: int = 0,
+                progress: Callable[[str, int, int, float], None] | None = None) -> dict:
+    """`adapt run`: load the model at the depth asked, size the cache for every prompt plus its new
+    tokens, generate, and return the summary the CLI renders (JSON-ready).
+
+    dtype: "bfloat16" | "float32"; device: "cpu" | "cuda". Raises InputError for either when
+    unusable. Summary: model, layers, kernels (paths per op family), kernel_refusals, dtype,
+    sequences (prompt_tokens, tokens, text, stopped_at_eos), prefill/decode tokens and seconds.
+    """
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise InputError(f"expected bfloat16 or float32, got {dtype!r}", field="--dtype")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise InputError(f"device {device!r} is not available here", field="--device", hint="use cpu or cuda")
+    directory = resolve_model_dir(model)
+    prompts, tokenizer = encode_prompts(directory, list(prompt), list(token_ids))
+    engine = Engine.load(directory, layers=layers, kernels=kernels, dtype=dtypes[dtype], device=device,
+                         max_tokens=sum(len(p) + max_new_tokens for p in prompts) + 64,
+                         moe_workspace=moe_workspace)
+    result = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=progress)
+    rows = [{"prompt_tokens": len(p), "tokens": t, "text": tokenizer.decode(t) if tokenizer else None,
+             "stopped_at_eos": f} for p, t, f in zip(prompts, result.tokens, result.finished, strict=True)]
+    return {"model": str(directory), "layers": [layer.index for layer in engine.model.layers],
+            "kernels": engine.model.paths, "kernel_refusals": engine.model.kernel_refusals,
+            "dtype": dtype, "sequences": rows,
+            "prefill": {"tokens": result.timing.prefill_tokens, "seconds": result.timing.prefill_s},
+            "decode": {"tokens": result.timing.decode_tokens, "seconds": result.timing.decode_s}}

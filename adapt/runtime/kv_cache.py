@@ -1,8 +1,8 @@
-"""Paged caches for DeepSeek Sparse Attention: the MLA latent cache and the indexer key cache.
+"""The runtime's one paged cache (``PagedKVCache``) and the layouts its layers use.
 
-Both caches share one page geometry (64 tokens a page) and one block table per sequence:
-token ``p`` of a sequence lives in page ``block_table[p // 64]`` at offset ``p % 64``; its
-slot is ``page * 64 + offset``. Per layer and token the caches hold
+One page geometry (64 tokens a page) and one block table per sequence for every layer
+(slot addressing: ``adapt.kernels.formats``). Each layer names its pools: GQA layers 'k' and 'v';
+MLA (+ DSA) layers the ``mla_layout`` pools, per token and layer
 
 - MLA latent, ``latent_format="bf16"``: ``kv_lora_rank`` + ``rope_dim`` bf16 values
   (DeepSeek-V3.2: 512 + 64 -> 1152 B);
@@ -13,21 +13,22 @@ slot is ``page * 64 + offset``. Per layer and token the caches hold
 
 Pages are handed out by one allocator for all layers: ``append_tokens`` reserves the pages
 that the new tokens need for every sequence of the step before anything is written, and
-raises ``OutOfPagesError`` when the free list cannot cover them, so a full cache never
-overwrites a page that another sequence owns. ``free_sequence`` returns a sequence's pages;
-freed pages are reused by later sequences.
+raises ``OutOfPagesError`` when the free pages cannot cover them, so a full cache never
+overwrites a page that another sequence owns. Full blocks are reused across sequences by
+their tokens (prefix reuse, see ``PagedKVCache``).
 """
-
 from __future__ import annotations
 
+import hashlib
+import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-PAGE_SIZE = 64
-FP8_E4M3_MAX = 448.0
-FP8_DTYPE = torch.float8_e4m3fn
+from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE, slots_of
+from adapt.kernels.fp8 import quantize_fp8_groups
 
 
 class OutOfPagesError(RuntimeError):
@@ -45,25 +46,9 @@ def _as_rows(values: torch.Tensor) -> torch.Tensor:
     return values.view(torch.uint8) if values.dtype == FP8_DTYPE else values
 
 
-def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the last axis of ``x`` to e4m3 with one fp32 scale per ``group`` elements.
-
-    x: [..., D] (D divisible by ``group``). Returns (values e4m3 [..., D], scales fp32
-    [..., D // group]) with ``values * scale ~= x``; scale = amax / 448 (amax floored at 1e-4,
-    so an all-zero group gets a tiny scale, not a division by zero).
-    """
-    *lead, dim = x.shape
-    if dim % group:
-        raise ValueError(f"last dimension {dim} is not a multiple of the scale group {group}")
-    grouped = x.float().reshape(*lead, dim // group, group)
-    scale = grouped.abs().amax(dim=-1).clamp_min(1e-4) / FP8_E4M3_MAX
-    values = (grouped / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
-    return values.reshape(*lead, dim), scale
-
-
 @dataclass(frozen=True)
 class DSALayerCache:
-    """One layer's cache tensors (views into the pools of ``PagedDSACache``).
+    """One MLA + DSA layer's cache tensors (views of its ``mla_layout`` pools in ``PagedKVCache``).
 
     latent_nope: [pages, 64, kv_lora_rank], bf16 or e4m3.
     latent_scale: [pages, 64, kv_lora_rank // latent_scale_group] fp32, or None for bf16.
@@ -77,6 +62,12 @@ class DSALayerCache:
     latent_rope: torch.Tensor
     index_k: torch.Tensor
     index_scale: torch.Tensor
+
+    @classmethod
+    def of(cls, pools: dict[str, torch.Tensor]) -> DSALayerCache:
+        """The view of one layer's pools laid out by ``mla_layout`` (``PagedKVCache.pools[layer]``)."""
+        return cls(pools["latent_nope"], pools.get("latent_scale"), pools["latent_rope"], pools["index_k"],
+                   pools["index_scale"])
 
     @property
     def latent_fp8(self) -> bool:
@@ -152,142 +143,223 @@ class DSABatch:
         return int(self.seq_lens.shape[0])
 
 
-class PagedDSACache:
-    """Paged MLA latent + indexer key caches for ``num_layers`` layers, 64 tokens a page.
+PoolLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""A layer's cache pools: name -> (per-token shape, dtype); each pool is [pages, 64, *shape]."""
 
-    Memory per page and layer: 64 x (latent bytes + indexer bytes), see the module docstring;
-    ``bytes_per_token`` gives the per-token, per-layer total.
+
+def mla_layout(kv_lora_rank: int, rope_dim: int, index_head_dim: int = 0, *, latent_format: str = "bf16",
+               latent_scale_group: int = 128, latent_dtype: torch.dtype = torch.bfloat16,
+               index_fp8: bool = True) -> PoolLayout:
+    """One MLA (+ DSA indexer) layer's pools: 'latent_nope' [rank] (``latent_dtype``, or e4m3 with
+    'latent_scale' fp32 [rank / group] when ``latent_format`` is "fp8"), 'latent_rope' [rope]
+    (``latent_dtype``), and with an indexer 'index_k' [Di] (e4m3 with 'index_scale' fp32 [] when
+    ``index_fp8``, else ``latent_dtype``). DeepSeek-V3.2 per token and layer: bf16 1152 + 132 B,
+    fp8 656 + 132 B (``layout_bytes_per_token``)."""
+    if latent_format not in ("bf16", "fp8"):
+        raise ValueError(f"latent_format must be 'bf16' or 'fp8', got {latent_format!r}")
+    if latent_format == "fp8" and kv_lora_rank % latent_scale_group:
+        raise ValueError(f"kv_lora_rank {kv_lora_rank} is not a multiple of latent_scale_group {latent_scale_group}")
+    fp8 = latent_format == "fp8"
+    layout: PoolLayout = {"latent_nope": ((kv_lora_rank,), FP8_DTYPE if fp8 else latent_dtype),
+                          "latent_rope": ((rope_dim,), latent_dtype)}
+    if fp8:
+        layout["latent_scale"] = ((kv_lora_rank // latent_scale_group,), torch.float32)
+    if index_head_dim:
+        layout["index_k"] = ((index_head_dim,), FP8_DTYPE if index_fp8 else latent_dtype)
+        if index_fp8:
+            layout["index_scale"] = ((), torch.float32)
+    return layout
+
+
+def layout_bytes_per_token(layout: PoolLayout) -> int:
+    """Cache bytes one token takes in a layer with this layout."""
+    total = 0
+    for shape, dtype in layout.values():
+        total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of one full block of 64 tokens: sha256 of its parent's key and its token ids, so a
+    block matches only when every earlier token matches too (vLLM's prefix-caching key)."""
+    digest = hashlib.sha256(parent)
+    digest.update(b",".join(str(int(t)).encode() for t in tokens))
+    return digest.digest()
+
+
+class PagedKVCache:
+    """Pages of 64 tokens for every layer, handed out by one allocator, with prefix reuse.
+
+    layouts: layer index -> {pool name: (per-token shape, dtype)}; pools are [pages, 64, *shape].
+    ``append_tokens`` reserves pages for a whole step or raises ``OutOfPagesError`` before
+    changing anything; ``free_sequence`` returns a sequence's pages.
+
+    Prefix reuse (as vLLM's automatic prefix caching): when the token ids are given, every block
+    that becomes full is keyed by ``block_hash`` (its tokens and its prefix's key). ``reuse_prefix``
+    attaches a new sequence to the cached full blocks of its prompt (reference counted, never
+    written again: new tokens always go to later pages). Blocks of freed sequences stay cached
+    until their page is needed: the least recently freed cached block is evicted first.
     """
 
-    def __init__(self, *, num_pages: int, num_layers: int, kv_lora_rank: int, rope_dim: int,
-                 index_head_dim: int, latent_format: str = "bf16", latent_scale_group: int = 128,
-                 device: torch.device | str = "cpu"):
-        if num_pages <= 0 or num_layers <= 0:
-            raise ValueError(f"num_pages ({num_pages}) and num_layers ({num_layers}) must be positive")
-        if latent_format not in ("bf16", "fp8"):
-            raise ValueError(f"latent_format must be 'bf16' or 'fp8', got {latent_format!r}")
-        if latent_format == "fp8" and kv_lora_rank % latent_scale_group:
-            raise ValueError(f"kv_lora_rank {kv_lora_rank} is not a multiple of latent_scale_group "
-                             f"{latent_scale_group}")
+    def __init__(self, num_pages: int, layouts: dict[int, PoolLayout], device: torch.device | str = "cpu"):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
-        self.num_layers = num_layers
-        self.kv_lora_rank = kv_lora_rank
-        self.rope_dim = rope_dim
-        self.index_head_dim = index_head_dim
-        self.latent_format = latent_format
         self.device = torch.device(device)
-        shape = (num_layers, num_pages, PAGE_SIZE)
-        fp8 = latent_format == "fp8"
-        self.latent_nope = torch.empty(*shape, kv_lora_rank, dtype=FP8_DTYPE if fp8 else torch.bfloat16,
-                                       device=self.device)
-        self.latent_scale = (torch.empty(*shape, kv_lora_rank // latent_scale_group, dtype=torch.float32,
-                                         device=self.device) if fp8 else None)
-        self.latent_rope = torch.empty(*shape, rope_dim, dtype=torch.bfloat16, device=self.device)
-        self.index_k = torch.empty(*shape, index_head_dim, dtype=FP8_DTYPE, device=self.device)
-        self.index_scale = torch.empty(*shape, dtype=torch.float32, device=self.device)
-        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self.pools = {
+            layer: {
+                name: torch.zeros(num_pages, PAGE_SIZE, *shape, dtype=dtype, device=self.device)
+                for name, (shape, dtype) in layout.items()
+            }
+            for layer, layout in layouts.items()
+        }
+        self._free = list(range(num_pages - 1, -1, -1))  # pages holding nothing
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, oldest first
+        self._refs = [0] * num_pages
+        self._key_of: dict[int, bytes] = {}  # page -> key of the full block it holds
+        self._page_of: dict[bytes, int] = {}  # key -> page
         self._pages: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
-        self._next_seq_id = 0
+        self._tokens: dict[int, list[int] | None] = {}  # token ids so far, None once unknown
+        self._keys: dict[int, list[bytes]] = {}  # keys of the sequence's full blocks, in order
+        self._next_id = 0
 
     @property
-    def bytes_per_token(self) -> int:
-        """Cache bytes per token and layer (latent + indexer)."""
-        per = self.latent_nope.element_size() * self.kv_lora_rank + 2 * self.rope_dim
-        if self.latent_scale is not None:
-            per += 4 * self.latent_scale.shape[-1]
-        return per + self.index_head_dim + 4
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pools in self.pools.values() for t in pools.values())
 
     @property
-    def free_page_count(self) -> int:
-        return len(self._free_pages)
+    def free_pages(self) -> int:
+        """Pages a step can take: empty ones plus cached blocks no sequence uses."""
+        return len(self._free) + len(self._evictable)
 
-    def layer(self, index: int) -> DSALayerCache:
-        """The cache tensors of layer ``index``."""
-        return DSALayerCache(
-            latent_nope=self.latent_nope[index],
-            latent_scale=None if self.latent_scale is None else self.latent_scale[index],
-            latent_rope=self.latent_rope[index],
-            index_k=self.index_k[index],
-            index_scale=self.index_scale[index],
-        )
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._page_of)
 
     def add_sequence(self) -> int:
-        """Register an empty sequence; returns its id."""
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
-        self._pages[seq_id] = []
-        self._lens[seq_id] = 0
+        seq_id = self._next_id
+        self._next_id += 1
+        self._pages[seq_id], self._lens[seq_id], self._tokens[seq_id], self._keys[seq_id] = [], 0, [], []
         return seq_id
 
-    def free_sequence(self, seq_id: int) -> None:
-        """Return the pages of ``seq_id`` to the pool and forget the sequence."""
-        self._check_seq(seq_id)
-        self._free_pages.extend(reversed(self._pages.pop(seq_id)))
-        del self._lens[seq_id]
-
-    def seq_len(self, seq_id: int) -> int:
-        self._check_seq(seq_id)
-        return self._lens[seq_id]
+    def _check_seq(self, seq_id: int) -> None:
+        if seq_id not in self._lens:
+            raise KeyError(f"sequence {seq_id} is unknown or freed")
 
     def pages_of(self, seq_id: int) -> list[int]:
         self._check_seq(seq_id)
         return list(self._pages[seq_id])
 
-    def append_tokens(self, seq_ids: Sequence[int], new_tokens: Sequence[int]) -> DSABatch:
-        """Reserve cache slots for ``new_tokens[i]`` more tokens of sequence ``seq_ids[i]``.
+    def dsa_layer(self, index: int) -> DSALayerCache:
+        """The typed view of layer ``index``'s pools (laid out by ``mla_layout``)."""
+        return DSALayerCache.of(self.pools[index])
 
-        All-or-nothing: when the free pages cannot hold every sequence's new tokens,
-        ``OutOfPagesError`` is raised and no page or length changes. Prefill passes the
-        prompt length, decode passes 1 per sequence.
-        """
-        if len(seq_ids) != len(new_tokens):
-            raise ValueError(f"{len(seq_ids)} sequence ids but {len(new_tokens)} token counts")
+    def reuse_prefix(self, seq_id: int, prompt: Sequence[int]) -> int:
+        """Attach an empty sequence to the cached full blocks that start ``prompt``; returns how many
+        tokens are already cached (a multiple of 64, at most len(prompt) - 1 so that the last prompt
+        token is always computed and gives logits)."""
+        if self._lens[seq_id]:
+            raise ValueError(f"sequence {seq_id} already holds tokens")
+        keys, pages = [], []
+        for start in range(0, len(prompt) - 1 - (len(prompt) - 1) % PAGE_SIZE, PAGE_SIZE):
+            key = block_hash(keys[-1] if keys else b"", prompt[start:start + PAGE_SIZE])
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            keys.append(key)
+            pages.append(page)
+        for page in pages:
+            self._evictable.pop(page, None)
+            self._refs[page] += 1
+        self._pages[seq_id] = pages
+        self._lens[seq_id] = len(pages) * PAGE_SIZE
+        self._tokens[seq_id] = list(prompt[: self._lens[seq_id]])
+        self._keys[seq_id] = keys
+        return self._lens[seq_id]
+
+    def free_sequence(self, seq_id: int) -> None:
+        self._check_seq(seq_id)
+        for page in reversed(self._pages.pop(seq_id)):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._key_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+        del self._lens[seq_id], self._tokens[seq_id], self._keys[seq_id]
+
+    def seq_len(self, seq_id: int) -> int:
+        self._check_seq(seq_id)
+        return self._lens[seq_id]
+
+    def _take_page(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
+        self._refs[page] = 1
+        return page
+
+    def _register_full_blocks(self, seq_id: int) -> None:
+        """Key the sequence's blocks that became full; a key seen for the first time points to its page."""
+        tokens, keys, pages = self._tokens[seq_id], self._keys[seq_id], self._pages[seq_id]
+        for block in range(len(keys), len(tokens) // PAGE_SIZE):
+            key = block_hash(keys[-1] if keys else b"", tokens[block * PAGE_SIZE:(block + 1) * PAGE_SIZE])
+            keys.append(key)
+            if key not in self._page_of and pages[block] not in self._key_of:
+                self._page_of[key], self._key_of[pages[block]] = pages[block], key
+
+    def append_tokens(self, seq_ids: Sequence[int], counts: Sequence[int],
+                      tokens: Sequence[Sequence[int]] | None = None) -> DSABatch:
+        """Reserve slots for ``counts[i]`` new tokens of ``seq_ids[i]``; returns the step's batch.
+        ``tokens``: the new token ids per sequence (their full blocks become reusable); without
+        them the sequence's later blocks are not cached."""
+        if len(seq_ids) != len(counts):
+            raise ValueError(f"{len(seq_ids)} sequence ids but {len(counts)} token counts")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a sequence appears twice in one step: {list(seq_ids)}")
-        needed = []
-        for seq_id, count in zip(seq_ids, new_tokens, strict=True):
+        for seq_id, count in zip(seq_ids, counts, strict=True):
             self._check_seq(seq_id)
             if count < 0:
                 raise ValueError(f"sequence {seq_id}: negative token count {count}")
-            total_pages = -(-(self._lens[seq_id] + count) // PAGE_SIZE)
-            needed.append(total_pages - len(self._pages[seq_id]))
-        if sum(needed) > len(self._free_pages):
+        needed = [
+            -(-(self._lens[s] + c) // PAGE_SIZE) - len(self._pages[s])
+            for s, c in zip(seq_ids, counts, strict=True)
+        ]
+        if sum(needed) > self.free_pages:
             raise OutOfPagesError(
                 f"KV cache full: this step needs {sum(needed)} new pages of {PAGE_SIZE} tokens but only "
-                f"{len(self._free_pages)} of {self.num_pages} are free; finish or free sequences, or build "
+                f"{self.free_pages} of {self.num_pages} are free; finish or free sequences, or build "
                 f"the cache with more pages")
         slots, positions, token_seq, starts = [], [], [], [0]
-        for b, (seq_id, count, extra) in enumerate(zip(seq_ids, new_tokens, needed, strict=True)):
+        for b, (seq_id, count, extra) in enumerate(zip(seq_ids, counts, needed, strict=True)):
             pages = self._pages[seq_id]
-            pages.extend(self._free_pages.pop() for _ in range(extra))
+            pages.extend(self._take_page() for _ in range(extra))
             start = self._lens[seq_id]
             pos = torch.arange(start, start + count, dtype=torch.int64)
-            page_ids = torch.tensor(pages, dtype=torch.int64)
-            slots.append(page_ids[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE if count else pos)
+            slots.append(slots_of(torch.tensor(pages, dtype=torch.int64), pos))
             positions.append(pos)
             token_seq.append(torch.full((count,), b, dtype=torch.int32))
             starts.append(starts[-1] + count)
             self._lens[seq_id] = start + count
-        return DSABatch(
-            slots=torch.cat(slots).to(self.device),
-            positions=torch.cat(positions).to(self.device),
-            token_seq=torch.cat(token_seq).to(self.device),
-            query_starts=torch.tensor(starts, dtype=torch.int64, device=self.device),
-            block_table=self.block_table(seq_ids),
-            seq_lens=torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=self.device),
-        )
-
-    def block_table(self, seq_ids: Sequence[int]) -> torch.Tensor:
-        """int32 [B, max_pages] page ids of ``seq_ids``; -1 past each sequence's last page."""
-        width = max([len(self._pages[s]) for s in seq_ids] + [1])
-        table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
+            known = self._tokens[seq_id]
+            if tokens is None or known is None:
+                self._tokens[seq_id] = None
+            else:
+                known.extend(int(t) for t in tokens[b])
+                self._register_full_blocks(seq_id)
+        width = max(len(self._pages[s]) for s in seq_ids)
+        block_table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
         for row, seq_id in enumerate(seq_ids):
-            self._check_seq(seq_id)
-            pages = self._pages[seq_id]
-            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return table.to(self.device)
-
-    def _check_seq(self, seq_id: int) -> None:
-        if seq_id not in self._pages:
-            raise KeyError(f"unknown or freed sequence id {seq_id}")
+            block_table[row, : len(self._pages[seq_id])] = torch.tensor(self._pages[seq_id], dtype=torch.int32)
+        dev = self.device
+        return DSABatch(
+            slots=torch.cat(slots).to(dev),
+            positions=torch.cat(positions).to(dev),
+            token_seq=torch.cat(token_seq).to(dev),
+            query_starts=torch.tensor(starts, dtype=torch.int64, device=dev),
+            block_table=block_table.to(dev),
+            seq_lens=torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=dev),
+        )

@@ -242,8 +242,8 @@ class WeightStore:
         Recognised layouts: fused MXFP4 (``gate_up_proj_blocks`` / ``_scales`` [E, 2I, H/32(, 16)],
         ``down_proj_blocks`` / ``_scales``, optional ``*_bias``); fused bf16 in transformers' gpt-oss
         layout (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H], moved to [E, out, in] once);
-        per-expert ``{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (bf16, or fp8 with
-        ``weight_scale_inv``), stacked once.
+        per-expert ``{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (Mixtral: ``{e}.w1`` / ``w3`` / ``w2``;
+        bf16, or fp8 with ``weight_scale_inv``), stacked once.
         """
         if self.has(f"{prefix}.gate_up_proj_blocks"):
             from adapt.kernels.moe_gemm import MoEWeights
@@ -273,11 +273,13 @@ class WeightStore:
                 gate_up_bias=self.optional(f"{prefix}.gate_up_proj_bias"),
                 down_bias=self.optional(f"{prefix}.down_proj_bias"),
             )
+        # Mixtral's checkpoints name an expert's gate, down and up projections w1, w2, w3
+        names = ("w1", "w3", "w2") if self.has(f"{prefix}.0.w1.weight") else ("gate_proj", "up_proj", "down_proj")
         gate_up, down, gate_up_scale, down_scale = [], [], [], []
         for e in range(count):
-            gate = self.linear(f"{prefix}.{e}.gate_proj", bias=False)
-            up = self.linear(f"{prefix}.{e}.up_proj", bias=False)
-            proj = self.linear(f"{prefix}.{e}.down_proj", bias=False)
+            gate = self.linear(f"{prefix}.{e}.{names[0]}", bias=False)
+            up = self.linear(f"{prefix}.{e}.{names[1]}", bias=False)
+            proj = self.linear(f"{prefix}.{e}.{names[2]}", bias=False)
             gate_up.append(torch.cat([gate.weight, up.weight]))
             down.append(proj.weight)
             if gate.scale is not None:

@@ -38,35 +38,31 @@ from adapt.bench.timer import time_eager_ms as _time_ms
 from adapt.bench.timer import time_graph_ms as _time_graph_ms
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
+from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
 from adapt.kernels.topk import topk_indices, topk_indices_torch
-from adapt.runtime.kv_cache import FP8_DTYPE, PAGE_SIZE, PagedDSACache
+from adapt.model.spec import load_spec
+from adapt.runtime.kv_cache import DSALayerCache, PagedKVCache, mla_layout
 
-HEADS, RANK, ROPE, INDEX_HEADS, INDEX_DIM, NOPE, VDIM = 128, 512, 64, 64, 128, 128, 128
+_MLA = load_spec("deepseek-v3.2").layers[0].attention  # the benchmarked shape: DeepSeek-V3.2's MLA + DSA
+HEADS, RANK, ROPE = _MLA.num_heads, _MLA.kv_lora_rank, _MLA.qk_rope_head_dim
+INDEX_HEADS, INDEX_DIM, NOPE, VDIM = _MLA.index_n_heads, _MLA.index_head_dim, _MLA.qk_nope_head_dim, _MLA.v_head_dim
 
 
-def _random_cache(num_tokens: int, latent_format: str) -> PagedDSACache:
+def _random_cache(num_tokens: int, latent_format: str) -> PagedKVCache:
+    """A one-layer cache (the runtime's PagedKVCache, MLA + DSA layout) of random content."""
     pages = -(-num_tokens // PAGE_SIZE)
-    cache = PagedDSACache(
-        num_pages=pages,
-        num_layers=1,
-        kv_lora_rank=RANK,
-        rope_dim=ROPE,
-        index_head_dim=INDEX_DIM,
-        latent_format=latent_format,
-        device="cuda",
-    )
+    cache = PagedKVCache(pages, {0: mla_layout(RANK, ROPE, INDEX_DIM, latent_format=latent_format)}, "cuda")
+    layer: DSALayerCache = cache.dsa_layer(0)
     step = 1 << 14
     for p0 in range(0, pages, step):
         p1 = min(pages, p0 + step)
-        shape = (1, p1 - p0, PAGE_SIZE)
-        cache.index_k[:, p0:p1] = torch.randn(*shape, INDEX_DIM, device="cuda").mul_(30).to(FP8_DTYPE)
-        cache.latent_nope[:, p0:p1] = (
-            torch.randn(*shape, RANK, device="cuda").mul_(30).to(cache.latent_nope.dtype)
-        )
-        cache.latent_rope[:, p0:p1] = torch.randn(*shape, ROPE, device="cuda").to(torch.bfloat16)
-    cache.index_scale.uniform_(0.5e-2, 1.5e-2)
-    if cache.latent_scale is not None:
-        cache.latent_scale.uniform_(0.5e-2, 1.5e-2)
+        shape = (p1 - p0, PAGE_SIZE)
+        layer.index_k[p0:p1] = torch.randn(*shape, INDEX_DIM, device="cuda").mul_(30).to(FP8_DTYPE)
+        layer.latent_nope[p0:p1] = torch.randn(*shape, RANK, device="cuda").mul_(30).to(layer.latent_nope.dtype)
+        layer.latent_rope[p0:p1] = torch.randn(*shape, ROPE, device="cuda").to(torch.bfloat16)
+    layer.index_scale.uniform_(0.5e-2, 1.5e-2)
+    if layer.latent_scale is not None:
+        layer.latent_scale.uniform_(0.5e-2, 1.5e-2)
     return cache
 
 
@@ -93,7 +89,7 @@ def _decode_case(
     batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int, tiles: dict
 ) -> dict:
     cache = _random_cache(batch * context, latent_format)
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     pages_per_seq = context // PAGE_SIZE
     block_table = torch.randperm(batch * pages_per_seq, device="cuda").view(batch, pages_per_seq).int()
     token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
@@ -268,7 +264,7 @@ def _prefill_case(
     the whole prefill."""
     tiles = dict(tiles)
     cache = _random_cache(length, latent_format)
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     block_table = torch.arange(-(-length // PAGE_SIZE), device="cuda", dtype=torch.int32)[None]
     token_seq = torch.zeros(length, device="cuda", dtype=torch.int32)
     limits = torch.arange(1, length + 1, device="cuda", dtype=torch.int32)
@@ -431,7 +427,7 @@ def _dense_prefill_ms(length: int, reps: int) -> tuple[float, str]:
 def _prefill_forms(length: int, topk: int, rows: int, reps: int, tiles: dict) -> dict:
     """Per query row: absorbed latent kernel vs the per-head 192/128 form (torch gather + matmul)."""
     cache = _random_cache(length, "bf16")
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     block_table = torch.arange(length // PAGE_SIZE, device="cuda", dtype=torch.int32)[None]
     token_seq = torch.zeros(rows, device="cuda", dtype=torch.int32)
     idx = torch.stack([torch.randperm(length, device="cuda")[:topk] for _ in range(rows)]).int()
@@ -644,7 +640,7 @@ def run_dsa_acceptance(
     }
     batch, context = 64, 131072
     cache = _random_cache(batch * context, latent_format)
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     pages = context // PAGE_SIZE
     block_table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
     token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
@@ -731,7 +727,7 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
     """Time kernel tile options at batch 64 x 128K decode and at the last 4096 rows of a 32K prefill."""
     batch, context = 64, 131072
     cache = _random_cache(batch * context, latent_format)
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     pages = context // PAGE_SIZE
     block_table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
     token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
@@ -781,7 +777,7 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
     torch.cuda.empty_cache()
     prefill_rows, prefill_context = 4096, 32768
     cache = _random_cache(prefill_context, latent_format)
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     block_table = torch.arange(prefill_context // PAGE_SIZE, device="cuda", dtype=torch.int32)[None]
     token_seq = torch.zeros(prefill_rows, device="cuda", dtype=torch.int32)
     limits = torch.arange(

@@ -29,44 +29,21 @@ from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _git_commit
 from adapt.bench.timer import graph_time_us
 from adapt.errors import InputError
+from adapt.model.spec import load_spec
 
-SHAPES = {
-    # DeepSeek-V3 config.json: n_routed_experts 256, num_experts_per_tok 8, hidden_size 7168,
-    # moe_intermediate_size 2048, n_group 8, topk_group 4, routed_scaling_factor 2.5,
-    # n_shared_experts 1, 58 MoE layers (61 layers, first_k_dense_replace 3)
-    "deepseek-v3": dict(
-        experts=256,
-        top_k=8,
-        hidden=7168,
-        intermediate=2048,
-        scoring="sigmoid",
-        n_group=8,
-        topk_group=4,
-        routed_scaling=2.5,
-        shared=1,
-        activation="swiglu",
-        interleaved=False,
-        bias=False,
-        moe_layers=58,
-    ),
-    # gpt-oss-120b config.json: num_local_experts 128, experts_per_token 4, hidden_size 2880,
-    # intermediate_size 2880, swiglu_limit 7.0, 36 layers (all MoE), expert biases, interleaved gate/up
-    "gpt-oss-120b": dict(
-        experts=128,
-        top_k=4,
-        hidden=2880,
-        intermediate=2880,
-        scoring="softmax",
-        n_group=1,
-        topk_group=1,
-        routed_scaling=1.0,
-        shared=0,
-        activation="swiglu_clamped",
-        interleaved=True,
-        bias=True,
-        moe_layers=36,
-    ),
-}
+
+def moe_shape(model: str) -> dict:
+    """The routed-expert shape of a model's first MoE layer, from its ModelSpec (preset or config)."""
+    spec = load_spec(model)
+    ffn = spec.moe_layers[0].ffn
+    return dict(experts=ffn.num_experts, top_k=ffn.top_k, hidden=spec.hidden, intermediate=ffn.expert_intermediate,
+                scoring=ffn.scoring, n_group=ffn.n_group, topk_group=ffn.topk_group,
+                routed_scaling=ffn.routed_scaling, shared=ffn.num_shared_experts, activation=ffn.activation,
+                interleaved=spec.model_type == "gpt_oss", bias=ffn.bias, moe_layers=len(spec.moe_layers))
+
+
+# DeepSeek-V3's experts are DeepSeek-V3.2's (same MoE fields in config.json)
+SHAPES = {"deepseek-v3": moe_shape("deepseek-v3.2"), "gpt-oss-120b": moe_shape("gpt-oss-120b")}
 DEFAULT_TOKENS = [1, 16, 64, 256, 1024, 4096, 16384]
 DEVICE = "cuda"
 """Device of the benchmark (a smoke test of the code paths sets "cpu" under the interpreter)."""

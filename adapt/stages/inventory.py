@@ -35,111 +35,39 @@ fail; missing with a plan and composable operators warn.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import re
 import resource
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+from adapt.model.operators import (
+    FORMAT_SUFFIX,
+    FUSIONS,
+    LAYER_RE,
+    OP_KINDS,
+    ROPE_NAMES,
+    OpSet,
+    SemanticOp,
+    add_quant_ops,
+    first_moe,
+    format_detail,
+    fusion_rows,
+    module_formats,
+    ops_from_spec,
+    rope_detail,
+    routing_detail,
+    routing_name,
+)
 from adapt.model.spec import ModelSpec, load_spec
 from adapt.report import StageReport, fingerprint, load_gates, now_iso
-from adapt.targets.target import StackTable, Support, Target, load_stack, load_target
+from adapt.targets.support import GapRow, classify, format_layers
+from adapt.targets.target import load_stack, load_target
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PREFILL_TOKENS = 16
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _STRUCTURE_ATTRS = ("sliding_window", "attention_type", "is_sliding", "layer_type")
 _TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
-# Semantic operator -> category shown in the "kind" column.
-OP_KINDS = {
-    "embedding": "embedding",
-    "linear_bf16": "linear",
-    "linear_fp8_block": "linear",
-    "linear_int4": "linear",
-    "rmsnorm": "norm",
-    "layernorm": "norm",
-    "rope_plain": "rope",
-    "rope_yarn": "rope",
-    "rope_llama3": "rope",
-    "rope_linear": "rope",
-    "rope_dynamic": "rope",
-    "rope_longrope": "rope",
-    "attention_gqa": "attention",
-    "attention_gqa_sinks": "attention",
-    "attention_sliding_window": "attention",
-    "attention_sliding_window_sinks": "attention",
-    "attention_mla": "attention",
-    "attention_mla_sparse": "attention",
-    "dsa_indexer": "attention",
-    "kv_cache_paged": "kv cache",
-    "kv_cache_mla_latent": "kv cache",
-    "kv_cache_indexer": "kv cache",
-    "routing_softmax_topk": "routing",
-    "routing_topk_softmax": "routing",
-    "routing_sigmoid_topk": "routing",
-    "routing_sigmoid_group_topk": "routing",
-    "moe_permute": "moe",
-    "moe_grouped_gemm_bf16": "moe",
-    "moe_grouped_gemm_fp8_block": "moe",
-    "moe_grouped_gemm_mxfp4": "moe",
-    "moe_grouped_gemm_int4": "moe",
-    "swiglu": "activation",
-    "swiglu_clamped": "activation",
-    "fp8_block_dequant": "quantization",
-    "fp8_act_quant": "quantization",
-    "mxfp4_decode": "quantization",
-    "int4_dequant": "quantization",
-    # multimodal, hybrid linear attention and NVFP4 (issue 18)
-    "linear_nvfp4": "linear",
-    "moe_grouped_gemm_nvfp4": "moe",
-    "nvfp4_decode": "quantization",
-    "l2norm_qk": "norm",
-    "rmsnorm_gated": "norm",
-    "attention_chunked": "attention",
-    "attention_output_gate": "attention",
-    "causal_conv1d_prefill": "linear attention",
-    "causal_conv1d_update": "linear attention",
-    "gated_delta_rule_chunked": "linear attention",
-    "gated_delta_rule_recurrent": "linear attention",
-    "recurrent_state_cache": "kv cache",
-    "routing_topk_sigmoid": "routing",
-    "patch_embedding": "vision",
-    "rope_2d_vision": "rope",
-    "attention_vision": "attention",
-    "gelu": "activation",
-    "patch_merge": "vision",
-}
-FUSIONS = {
-    "fuse_qkv_projection": "projections reading the same input merged into one GEMM",
-    "fuse_gate_up_projection": "gate and up projections merged into one GEMM",
-    "fuse_mask_softmax": "mask add folded into the attention softmax (flash-style kernel)",
-    "fuse_routing_permute": "top-k routing fused with the token permutation by expert",
-    "fuse_dequant_matmul": "weight dequantization inside the GEMM (no dequantized copy)",
-    "fuse_residual_rmsnorm": "residual add fused with the following RMSNorm",
-}
-_ROPE_NAMES = {
-    "default": "rope_plain",
-    "yarn": "rope_yarn",
-    "llama3": "rope_llama3",
-    "linear": "rope_linear",
-    "dynamic": "rope_dynamic",
-    "longrope": "rope_longrope",
-}
-_FORMAT_SUFFIX = {
-    "bf16": "bf16",
-    "fp16": "bf16",
-    "fp32": "bf16",
-    "fp8_block": "fp8_block",
-    "mxfp4": "mxfp4",
-    "int4": "int4",
-    "nvfp4": "nvfp4",
-}
-
 
 # ---------------------------------------------------------------- trace
 
@@ -210,7 +138,7 @@ class ModelTrace:
 
     def layers_of(self, path: str) -> tuple[int, ...]:
         """Layer indices a module path stands for (empty for modules outside the decoder layers)."""
-        match = _LAYER_RE.search(path)
+        match = LAYER_RE.search(path)
         if not match:
             return ()
         index = int(match.group(1))
@@ -446,142 +374,11 @@ def trace_model(
     )
 
 
-# ---------------------------------------------------------------- semantic operators
-
-
-@dataclass
-class SemanticOp:
-    """One operator as a bring-up engineer names it.
-
-    name: the stack-table key ("dsa_indexer", "rope_yarn", ...); kind: category (OP_KINDS)
-    details: variants and sizes seen ("interleaved pairs at self_attn", "top-8 of 256", ...)
-    layers: decoder layer indices that run it (empty: model-level, e.g. embeddings)
-    count: executions per forward step (one prefill or one decode step), all layers
-    origin: "trace" | "spec" | "spec (quantization_config)"; modules: module paths ("layers.*")
-    aten: aten operators it was lifted from (trace only)
-    """
-
-    name: str
-    kind: str
-    details: list[str] = field(default_factory=list)
-    layers: set[int] = field(default_factory=set)
-    count: int = 0
-    origin: str = "trace"
-    modules: set[str] = field(default_factory=set)
-    aten: set[str] = field(default_factory=set)
-
-    @property
-    def detail(self) -> str:
-        return "; ".join(self.details)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "detail": self.detail,
-            "layers": sorted(self.layers),
-            "count": self.count,
-            "origin": self.origin,
-            "modules": sorted(self.modules),
-            "aten": sorted(self.aten),
-        }
-
-
-class _OpSet:
-    """Accumulates SemanticOps by name; details, layers, modules and aten ops merge."""
-
-    def __init__(self):
-        self.ops: dict[str, SemanticOp] = {}
-
-    def add(
-        self,
-        name: str,
-        detail: str = "",
-        layers=(),
-        count: int = 1,
-        origin: str = "trace",
-        module: str = "",
-        aten=(),
-    ) -> SemanticOp:
-        op = self.ops.get(name)
-        if op is None:
-            op = self.ops[name] = SemanticOp(name=name, kind=OP_KINDS.get(name, "other"), origin=origin)
-        if detail and detail not in op.details:
-            op.details.append(detail)
-        op.layers.update(layers)
-        op.count += count
-        if module:
-            op.modules.add(_LAYER_RE.sub(lambda m: m.group(0).replace(m.group(1), "*"), module))
-        op.aten.update(aten)
-        return op
-
-    def values(self) -> list[SemanticOp]:
-        return list(self.ops.values())
-
-
-def _module_formats(spec: ModelSpec) -> dict[str, tuple[str, str]]:
-    """Module path -> (component, storage method) of its weight matrices, from the spec's tensors."""
-    out: dict[str, tuple[str, str]] = {}
-    for tensor in spec.tensors(include_mtp=False):
-        if not tensor.quantizable:
-            continue
-        module = tensor.name.rsplit(".", 1)[0]
-        if ".experts." in module:
-            module = module.split(".experts.")[0] + ".experts"
-        out[module] = (tensor.component, spec.tensor_format(tensor).method)
-    return out
-
-
-def _format_detail(spec: ModelSpec, component: str) -> str:
-    fmt = spec.quant.format_of(component)
-    if fmt.method == "fp8_block":
-        rows, cols = fmt.block_size or (0, 0)
-        return f"e4m3, {rows}x{cols} blocks, {fmt.scale_format} scales"
-    if fmt.method == "mxfp4":
-        return "E2M1 values, one E8M0 scale per 32"
-    if fmt.method == "int4":
-        return f"int4 groups of {(fmt.block_size or (1, 0))[1]}, {fmt.scale_format} scales"
-    return fmt.method
-
-
-def _rope_detail(spec: ModelSpec, interleaved: bool, rotary_dim: int, head_dim: int, site: str) -> str:
-    rope = spec.rope
-    parts = ["interleaved pairs" if interleaved else "half-split (NeoX)"]
-    if rope.factor:
-        parts.append(f"factor {rope.factor:g} over {rope.original_max_position} tokens")
-    if rotary_dim and head_dim and rotary_dim < head_dim:
-        parts.append(f"partial: {rotary_dim} of {head_dim} dims")
-    return f"{site}: " + ", ".join(parts)
-
-
-def _routing_name(scoring: str, n_group: int, softmax_after_topk: bool) -> str:
-    if scoring == "sigmoid":
-        return "routing_sigmoid_group_topk" if n_group > 1 else "routing_sigmoid_topk"
-    return "routing_topk_softmax" if softmax_after_topk else "routing_softmax_topk"
-
-
-def _routing_detail(ffn) -> str:
-    parts = [f"{ffn.scoring}", f"top-{ffn.top_k} of {ffn.num_experts}"]
-    if ffn.correction_bias:
-        parts.insert(1, "+ correction bias")
-    if ffn.n_group > 1:
-        parts.append(f"{ffn.n_group} groups -> best {ffn.topk_group}")
-    if ffn.norm_topk_prob:
-        parts.append("renormalized")
-    if ffn.routed_scaling != 1.0:
-        parts.append(f"x{ffn.routed_scaling:g}")
-    return ", ".join(parts)
-
-
-def _first_moe(spec: ModelSpec):
-    return spec.moe_layers[0].ffn if spec.moe_layers else None
-
-
 def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], list[dict[str, Any]]]:
     """Semantic operators and fusion candidates from a trace (quantization and caches from the spec)."""
-    ops = _OpSet()
+    ops = OpSet()
     fusions: dict[str, dict[str, Any]] = {}
-    formats = _module_formats(spec)
+    formats = module_formats(spec)
     rotary = next(
         (f for p, f in trace.modules.items() if "rope_type" in f.attrs and "inv_freq" in f.tensors), None
     )
@@ -600,7 +397,7 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
                 "evidence": evidence,
             },
         )
-        row["where"].add(_LAYER_RE.sub(lambda m: m.group(0).replace(m.group(1), "*"), where))
+        row["where"].add(LAYER_RE.sub(lambda m: m.group(0).replace(m.group(1), "*"), where))
         row["layers"].update(layers)
         row["count"] += weight
 
@@ -635,10 +432,10 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
             component, method = formats.get(path, ("", spec.quant.default.method))
             if not component and path.endswith("lm_head"):
                 component = "lm_head"
-            add(f"linear_{_FORMAT_SUFFIX.get(method, method)}", component or leaf)
+            add(f"linear_{FORMAT_SUFFIX.get(method, method)}", component or leaf)
         elif "Router" in cls or (leaf == "gate" and "aten.topk.default" in own):
             ffn = next(
-                (spec.layers[i].ffn for i in layers if spec.layers[i].ffn.kind == "moe"), _first_moe(spec)
+                (spec.layers[i].ffn for i in layers if spec.layers[i].ffn.kind == "moe"), first_moe(spec)
             )
             scoring = "sigmoid" if "aten.sigmoid.default" in own else "softmax"
             topks = [i for i, op in enumerate(seq) if op == "aten.topk.default"]
@@ -649,11 +446,11 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
             if not isinstance(n_group, int):
                 n_group = 2 if len(topks) // max(1, calls) >= 3 else 1
             after = bool(topks and softmaxes and softmaxes[0] > topks[0])
-            name = _routing_name(scoring, n_group, after)
-            add(name, _routing_detail(ffn) if ffn else scoring)
+            name = routing_name(scoring, n_group, after)
+            add(name, routing_detail(ffn) if ffn else scoring)
         elif "Experts" in cls:
             ffn = next(
-                (spec.layers[i].ffn for i in layers if spec.layers[i].ffn.kind == "moe"), _first_moe(spec)
+                (spec.layers[i].ffn for i in layers if spec.layers[i].ffn.kind == "moe"), first_moe(spec)
             )
             if own & {"aten.sort.default", "aten.index.Tensor"}:
                 add("moe_permute", "sort token-expert pairs by expert, gather rows, weighted un-permute")
@@ -661,8 +458,8 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
                 component, method = formats.get(path, ("routed_experts", spec.quant.default.method))
                 size = f"{ffn.num_experts} experts x {ffn.expert_intermediate}" if ffn else ""
                 add(
-                    f"moe_grouped_gemm_{_FORMAT_SUFFIX.get(method, method)}",
-                    f"{size}, {_format_detail(spec, 'routed_experts')}",
+                    f"moe_grouped_gemm_{FORMAT_SUFFIX.get(method, method)}",
+                    f"{size}, {format_detail(spec, 'routed_experts')}",
                 )
                 fusion("fuse_routing_permute", path, layers, weight, "router top-k feeds the expert sort")
             if "aten.clamp.default" in own:
@@ -680,8 +477,8 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
             )
             interleaved = any(op.startswith("aten.slice.Tensor[step=") for op in own)
             ops.add(
-                _ROPE_NAMES.get(rope_type, f"rope_{rope_type}"),
-                _rope_detail(
+                ROPE_NAMES.get(rope_type, f"rope_{rope_type}"),
+                rope_detail(
                     spec,
                     interleaved,
                     facts.attrs.get("qk_rope_head_dim", 0),
@@ -729,12 +526,12 @@ def lift_trace(trace: ModelTrace, spec: ModelSpec) -> tuple[list[SemanticOp], li
         fusion(name, group[0].rsplit(".", 1)[0], layers, weight, evidence)
         if evidence not in fusions[name]["evidence"]:
             fusions[name]["evidence"] += f"; {evidence}"
-    _add_quant_ops(ops, spec, fusions)
-    return ops.values(), _fusion_rows(fusions)
+    add_quant_ops(ops, spec, fusions)
+    return ops.values(), fusion_rows(fusions)
 
 
 def _lift_attention(
-    ops: _OpSet,
+    ops: OpSet,
     trace: ModelTrace,
     spec: ModelSpec,
     facts: ModuleFacts,
@@ -791,382 +588,12 @@ def _lift_attention(
     head_dim = attrs.get("qk_head_dim") or attrs.get("head_dim") or 0
     rot = attrs.get("qk_rope_head_dim") or rotary_dim
     ops.add(
-        _ROPE_NAMES.get(rope_type, f"rope_{rope_type}"),
-        _rope_detail(spec, interleaved, rot, head_dim, "attention"),
+        ROPE_NAMES.get(rope_type, f"rope_{rope_type}"),
+        rope_detail(spec, interleaved, rot, head_dim, "attention"),
         layers,
         weight,
         "trace",
         path,
-    )
-
-
-def _quant_sites(spec: ModelSpec) -> dict[str, tuple[set[int], int, set[str]]]:
-    """Storage method -> (layers, quantized matrices per forward step, components) for quantized formats."""
-    out: dict[str, tuple[set[int], int, set[str]]] = {}
-    for tensor in spec.tensors(include_mtp=False):
-        fmt = spec.tensor_format(tensor)
-        if not tensor.quantizable or not fmt.quantized:
-            continue
-        layers, count, components = out.setdefault(fmt.method, (set(), 0, set()))
-        if tensor.layer is not None:
-            layers.add(tensor.layer)
-        components.add(tensor.component)
-        out[fmt.method] = (layers, count + 1, components)
-    return out
-
-
-def _add_quant_ops(ops: _OpSet, spec: ModelSpec, fusions: dict[str, dict[str, Any]]) -> None:
-    origin = f"spec (quantization_config {spec.quant.source})"
-    for method, (layers, count, components) in _quant_sites(spec).items():
-        component = sorted(components)[0]
-        where = ", ".join(sorted(components))
-        if method == "fp8_block":
-            ops.add("fp8_block_dequant", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
-            ops.add(
-                "fp8_act_quant",
-                "dynamic per-token groups of 128 to e4m3 before each fp8 GEMM",
-                layers,
-                count,
-                origin,
-            )
-        elif method == "mxfp4":
-            ops.add("mxfp4_decode", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
-        elif method == "int4":
-            ops.add("int4_dequant", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
-        elif method == "nvfp4":
-            ops.add("nvfp4_decode", f"{_format_detail(spec, component)}: {where}", layers, count, origin)
-        fusions.setdefault(
-            "fuse_dequant_matmul",
-            {
-                "candidate": "fuse_dequant_matmul",
-                "what": FUSIONS["fuse_dequant_matmul"],
-                "where": set(),
-                "layers": set(),
-                "count": 0,
-                "evidence": "",
-            },
-        )
-        row = fusions["fuse_dequant_matmul"]
-        row["where"].add(f"{method}: {where}")
-        row["layers"].update(layers)
-        row["count"] += count
-        row["evidence"] = "quantized weights (spec)"
-
-
-def _fusion_rows(fusions: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for row in fusions.values():
-        rows.append({**row, "where": ", ".join(sorted(row["where"])), "layers": sorted(row["layers"])})
-    return rows
-
-
-def ops_from_spec(spec: ModelSpec) -> tuple[list[SemanticOp], list[dict[str, Any]]]:
-    """The semantic operators the ModelSpec implies, without a trace (counts per forward step)."""
-    ops = _OpSet()
-    rope = _ROPE_NAMES.get(spec.rope.type, f"rope_{spec.rope.type}")
-    fusions: dict[str, dict[str, Any]] = {}
-    add = lambda name, detail, layers, count=1: ops.add(name, detail, layers, count, "spec")  # noqa: E731
-    add("embedding", f"vocab {spec.vocab:,}", ())
-    add("rmsnorm", f"hidden ({spec.hidden})", (), 1)
-    add(f"linear_{_FORMAT_SUFFIX[spec.quant.format_of('lm_head').method]}", "lm_head", ())
-    for layer in spec.layers:
-        at, ffn, here = layer.attention, layer.ffn, (layer.index,)
-        add("rmsnorm", f"hidden ({spec.hidden})", here, 2)
-        attn_fmt = _FORMAT_SUFFIX[spec.quant.format_of("attention").method]
-        if at.kind == "linear":
-            _add_linear_attention_ops(add, spec, at, here)
-        elif at.kind in ("mla", "mla+dsa"):
-            add("rmsnorm", f"MLA kv latent ({at.kv_lora_rank})", here)
-            if at.q_lora_rank:
-                add("rmsnorm", f"MLA q latent ({at.q_lora_rank})", here)
-            add(f"linear_{attn_fmt}", "attention", here, 5 if at.q_lora_rank else 4)
-            name = "attention_mla_sparse" if at.kind == "mla+dsa" else "attention_mla"
-            detail = f"{at.num_heads} heads, latent {at.kv_lora_rank} + rope {at.qk_rope_head_dim}"
-            if at.kind == "mla+dsa":
-                detail += f", attends to the indexer's top-{at.index_topk} tokens"
-            add(name, detail, here)
-            add(
-                "kv_cache_mla_latent",
-                f"{at.kv_lora_rank} latent + {at.qk_rope_head_dim} rope values per token",
-                here,
-            )
-            add(
-                rope,
-                _rope_detail(spec, spec.rope.interleaved, at.qk_rope_head_dim, at.head_dim, "attention"),
-                here,
-            )
-        else:
-            add(f"linear_{attn_fmt}", "attention", here, 4)
-            if at.kind == "chunked":
-                base = "attention_chunked"
-            else:
-                base = "attention_sliding_window" if at.window else "attention_gqa"
-            detail = (
-                f"{'GQA' if at.num_kv_heads < at.num_heads else 'MHA'} "
-                f"{at.num_heads}/{at.num_kv_heads} heads, "
-                f"head dim {at.head_dim}"
-                + (f", chunks of {at.chunk}" if at.chunk else f", window {at.window}" if at.window else "")
-                + (", learned sinks" if at.sinks else "")
-                + ("" if at.rope else ", NoPE (no rotary)")
-            )
-            add(base + ("_sinks" if at.sinks else ""), detail, here)
-            _add_attention_extras(add, at, here)
-            add(
-                "kv_cache_paged",
-                f"K and V, {at.num_kv_heads} heads x {at.head_dim}"
-                + (f", window {at.window}" if at.window else ""),
-                here,
-            )
-            if at.rope:
-                add(
-                    rope,
-                    _rope_detail(spec, spec.rope.interleaved, spec.rope.rotary_dim, at.head_dim, "attention"),
-                    here,
-                )
-            if at.qk_norm:
-                add("rmsnorm", f"per-head q norm ({at.head_dim})", here)
-                add("rmsnorm", f"per-head k norm ({at.head_dim})", here)
-        if at.kind == "mla+dsa":
-            add("dsa_indexer", f"{at.index_n_heads} heads x {at.index_head_dim}, top-{at.index_topk}", here)
-            add("layernorm", f"k_norm ({at.index_head_dim})", here)
-            add(f"linear_{_FORMAT_SUFFIX[spec.quant.format_of('indexer').method]}", "indexer", here, 2)
-            add("linear_bf16", "indexer", here)
-            add(rope, _rope_detail(spec, False, at.qk_rope_head_dim, at.index_head_dim, "indexer"), here)
-            add("kv_cache_indexer", f"{at.index_head_dim} key values per token", here)
-        if ffn.kind == "dense":
-            add(f"linear_{_FORMAT_SUFFIX[spec.quant.format_of('dense_mlp').method]}", "dense_mlp", here, 3)
-            add("swiglu", "silu(gate) * up", here)
-            continue
-        routing = "routing_topk_sigmoid" if ffn.score_after_topk else _routing_name(
-            ffn.scoring, ffn.n_group, spec.model_type == "gpt_oss")
-        add(routing, _routing_detail(ffn), here)
-        add("moe_permute", "sort token-expert pairs by expert, gather rows, weighted un-permute", here)
-        method = _FORMAT_SUFFIX[spec.quant.format_of("routed_experts").method]
-        add(
-            f"moe_grouped_gemm_{method}",
-            f"{ffn.num_experts} experts x {ffn.expert_intermediate}, "
-            f"{_format_detail(spec, 'routed_experts')}",
-            here,
-        )
-        if ffn.activation == "swiglu_clamped":
-            add("swiglu_clamped", f"clamp {ffn.swiglu_limit}, sigmoid(alpha * gate), (up + 1)", here)
-        else:
-            add("swiglu", "silu(gate) * up", here)
-        if ffn.num_shared_experts:
-            add(
-                f"linear_{_FORMAT_SUFFIX[spec.quant.format_of('shared_experts').method]}",
-                "shared_experts",
-                here,
-                3,
-            )
-            add("swiglu", "silu(gate) * up", here)
-            if ffn.shared_gate:
-                add("linear_bf16", "shared expert gate [1, hidden], sigmoid", here)
-    if spec.vision is not None:
-        _add_vision_ops(add, spec)
-    _add_quant_ops(ops, spec, fusions)
-    return ops.values(), _fusion_rows(fusions)
-
-
-def _add_attention_extras(add, at, here) -> None:
-    """Llama 4's parameter-free q/k L2 norm and Qwen3-Next's sigmoid output gate."""
-    if at.qk_l2norm:
-        add("l2norm_qk", f"q and k per head ({at.head_dim}), no weight", here, 2)
-    if at.output_gate:
-        add("attention_output_gate", f"sigmoid(gate) x output, {at.num_heads} heads x {at.head_dim}", here)
-
-
-def _add_linear_attention_ops(add, spec: ModelSpec, at, here) -> None:
-    """Gated DeltaNet (Qwen3-Next linear_attn): projections, causal conv (prefill over the
-    prompt, update per decode token), the gated delta rule (chunked in prefill, recurrent in
-    decode), the gated RMSNorm, and the per-sequence state it keeps."""
-    fmt = _FORMAT_SUFFIX[spec.quant.format_of("linear_attention").method]
-    key_dim = at.linear_key_heads * at.linear_key_dim
-    value_dim = at.linear_value_heads * at.linear_value_dim
-    conv_dim = 2 * key_dim + value_dim
-    add(f"linear_{fmt}", "linear_attention: in_proj_qkvz, in_proj_ba, out_proj", here, 3)
-    add("causal_conv1d_prefill", f"depthwise, width {at.conv_kernel}, {conv_dim} channels, prefill", here)
-    add("causal_conv1d_update", f"one token against {at.conv_kernel - 1} cached inputs, decode", here)
-    heads = (f"{at.linear_value_heads} value heads ({at.linear_key_heads} key heads) x "
-             f"{at.linear_key_dim}x{at.linear_value_dim}")
-    add("gated_delta_rule_chunked", f"{heads}, decay exp(-softplus) gating, chunked in prefill", here)
-    add("gated_delta_rule_recurrent", f"{heads}, one state update per token in decode", here)
-    add("l2norm_qk", f"q and k per head ({at.linear_key_dim}), no weight", here, 2)
-    add("rmsnorm_gated", f"value heads ({at.linear_value_dim}) times silu(z)", here)
-    add("recurrent_state_cache",
-        f"per sequence: conv state {conv_dim} x {at.conv_kernel - 1}, recurrent state "
-        f"{at.linear_value_heads} x {at.linear_key_dim} x {at.linear_value_dim}", here)
-
-
-def _add_vision_ops(add, spec: ModelSpec) -> None:
-    """The vision tower and projector: patch embedding, bidirectional variable-length attention
-    per image, 2D RoPE, LayerNorm + GELU MLP blocks, the patch merge and the projector GEMMs.
-    Counts are per image (per tile for Llama 4) through the whole tower."""
-    v = spec.vision
-    fmt = _FORMAT_SUFFIX[spec.quant.format_of("vision").method]
-    proj_fmt = _FORMAT_SUFFIX[spec.quant.format_of("projector").method]
-    head_dim = v.hidden // v.heads
-    add("patch_embedding", f"{v.patch_size}x{v.patch_size}x{v.channels} patches -> {v.hidden}", ())
-    add("attention_vision",
-        f"bidirectional, variable length per image, {v.heads} heads x {head_dim}"
-        + (", one 336-pixel tile per sequence" if v.kind == "llama4" else ", native resolution"), (), v.layers)
-    add("rope_2d_vision", f"patch row and column, head dim {head_dim}", (), v.layers)
-    add("layernorm", f"vision ({v.hidden})", (), 2 * v.layers + (2 if v.kind == "llama4" else 1))
-    add(f"linear_{fmt}", "vision: qkv, o, MLP fc", (), 4 * v.layers)
-    add("gelu", f"vision MLP ({v.intermediate})", (), v.layers)
-    merge = "pixel shuffle" if v.kind == "llama4" else "merge + temporal mean"
-    add("patch_merge", f"{v.merge[0]}x{v.merge[1]} patches -> one token ({merge})", ())
-    add(f"linear_{proj_fmt}", "projector", (), 3 if v.kind == "llama4" else 2)
-    add("gelu", "projector", (), 1)
-
-
-# ---------------------------------------------------------------- classification
-
-
-@dataclass
-class GapRow:
-    """One operator classified against a stack.
-
-    status: native | composable | adapt_kernel | missing (after the target's requirements)
-    provided: what provides it, or why it is missing; plan: what would close a gap ("" = no plan)
-    """
-
-    op: SemanticOp
-    status: str
-    provided: str
-    plan: str = ""
-    kernel: str = ""
-    test: str = ""
-    stack_status: str = ""
-
-    def row(self) -> dict[str, Any]:
-        text = self.provided + (f" | plan: {self.plan}" if self.status == "missing" and self.plan else "")
-        return {
-            "op": self.op.name,
-            "kind": self.op.kind,
-            "status": self.status,
-            "provided by / reason": text,
-            "count": self.op.count,
-            "layers": format_layers(self.op.layers),
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **self.op.to_dict(),
-            "status": self.status,
-            "provided": self.provided,
-            "plan": self.plan,
-            "kernel": self.kernel,
-            "test": self.test,
-            "stack_status": self.stack_status,
-        }
-
-
-def format_layers(layers) -> str:
-    """Layer indices as ranges ("0-2, 3-60", "1-35 every 2"); "model" for model-level operators."""
-    items = sorted(layers)
-    if not items:
-        return "model"
-    ranges, start, prev = [], items[0], items[0]
-    for value in items[1:]:
-        if value != prev + 1:
-            ranges.append((start, prev))
-            start = value
-        prev = value
-    ranges.append((start, prev))
-    steps = {b - a for a, b in zip(items, items[1:], strict=False)}
-    if len(items) >= 3 and len(steps) == 1 and min(steps) > 1:
-        return f"{items[0]}-{items[-1]} every {steps.pop()}"
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
-
-
-def unmet_requirements(requires: tuple[str, ...], target: Target) -> list[str]:
-    """Requirements of a stack entry the target lacks, each as a reason.
-
-    A requirement is a dtype the matrix units must take natively ("fp8", "mxfp4", ...: checked
-    against ``native_dtypes``) or "sm<NN>" (NVIDIA compute capability at least NN/10).
-    """
-    reasons = []
-    for need in requires:
-        match = re.fullmatch(r"sm(\d+)", need)
-        if match:
-            wanted = int(match.group(1)) / 10
-            try:
-                have = float(target.compute_capability)
-            except ValueError:
-                reasons.append(
-                    f"needs NVIDIA compute capability >= {wanted:g}; {target.name} is "
-                    f"{target.compute_capability}"
-                )
-                continue
-            if have < wanted:
-                reasons.append(f"needs compute capability >= {wanted:g}; {target.name} has {have:g}")
-        elif need not in target.native_dtypes:
-            reasons.append(
-                f"needs native {need}; {target.name} native dtypes are {', '.join(target.native_dtypes)}"
-            )
-    return reasons
-
-
-def _kernel_problem(kernel: str) -> str:
-    """Why an adapt kernel named "adapt.kernels.module.function" is not usable here ("" when it is)."""
-    module_name, _, function = kernel.rpartition(".")
-    if not module_name.startswith("adapt."):
-        return f"{kernel!r} is not an adapt module path"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        return f"{module_name} does not import here ({exc})"
-    if not callable(getattr(module, function, None)):
-        return f"{module_name} has no function {function}"
-    return ""
-
-
-def classify(op: SemanticOp, stack: StackTable, target: Target) -> GapRow:
-    """One operator against a stack table and a target: every refusal says why."""
-    entry: Support | None = stack.lookup(op.name)
-    if entry is None:
-        return GapRow(op, "missing", f"stack {stack.name} has no entry for {op.name}", stack_status="absent")
-    unmet = unmet_requirements(entry.requires, target)
-    if unmet:
-        return GapRow(
-            op,
-            "missing",
-            f"{entry.status} in {stack.name} but " + "; ".join(unmet),
-            plan=entry.plan,
-            kernel=entry.kernel,
-            test=entry.test,
-            stack_status=entry.status,
-        )
-    if entry.status == "adapt_kernel":
-        problem = _kernel_problem(entry.kernel)
-        if problem:
-            return GapRow(
-                op,
-                "missing",
-                f"adapt kernel {entry.kernel}: {problem}",
-                plan=entry.plan,
-                kernel=entry.kernel,
-                test=entry.test,
-                stack_status=entry.status,
-            )
-        test_note = "" if (REPO_ROOT / entry.test).is_file() else " (test file not in this checkout)"
-        return GapRow(
-            op,
-            "adapt_kernel",
-            f"{entry.kernel}, tolerance test {entry.test}{test_note}: {entry.reason}",
-            kernel=entry.kernel,
-            test=entry.test,
-            stack_status=entry.status,
-        )
-    return GapRow(
-        op,
-        entry.status,
-        entry.reason,
-        plan=entry.plan,
-        kernel=entry.kernel,
-        test=entry.test,
-        stack_status=entry.status,
     )
 
 
@@ -1235,10 +662,10 @@ def build_inventory(
 
     rows = [classify(op, table, tgt) for op in ops]
     rows.sort(key=lambda r: list(OP_KINDS).index(r.op.name) if r.op.name in OP_KINDS else len(OP_KINDS))
-    fusion_rows = []
+    fusion_table = []
     for row in fusions:
         entry = table.lookup(row["candidate"])
-        fusion_rows.append(
+        fusion_table.append(
             {
                 "candidate": row["candidate"],
                 "what": row["what"],
@@ -1287,7 +714,7 @@ def build_inventory(
         for r in rows
     ]
     report.tables["counts per status"] = [{"status": k, "operators": v} for k, v in counts.items()]
-    report.tables["fusion candidates"] = fusion_rows
+    report.tables["fusion candidates"] = fusion_table
     report.summary = (
         f"{len(rows)} operators of {spec.model_type} on {tgt.name} with stack {table.name}: "
         + ", ".join(f"{v} {k}" for k, v in counts.items())
@@ -1321,7 +748,7 @@ def build_inventory(
         if trace
         else []
     )
-    return Inventory(report=report, rows=rows, fusions=fusion_rows, aten=aten, trace=trace)
+    return Inventory(report=report, rows=rows, fusions=fusion_table, aten=aten, trace=trace)
 
 
 def _refuse_trace_of_unlifted(spec: ModelSpec) -> None:

@@ -1,7 +1,7 @@
 """Stage 3: tolerance tests of every adapt kernel the model needs on the target.
 
-Which kernels: the ModelSpec's semantic operators (``adapt.stages.inventory.ops_from_spec``, no
-trace) are classified against the target's stack table (``inventory.classify``). An operator
+Which kernels: the ModelSpec's semantic operators (``adapt.model.operators.ops_from_spec``, no
+trace) are classified against the target's stack table (``adapt.targets.support.classify``). An operator
 needs a check when the stack provides it through an adapt kernel (status ``adapt_kernel``), or
 when the stack lacks it (``missing``) and adapt has a kernel for it (``ADAPT_KERNEL_FOR_OP``).
 Native and composable operators are listed as not needing a check.
@@ -45,16 +45,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapt.errors import InputError
+from adapt.model.operators import ops_from_spec
 from adapt.model.spec import LayerSpec, ModelSpec, load_spec
 from adapt.report import EXIT_BAD_INPUT, Finding, StageReport, fingerprint, load_gates, now_iso
-from adapt.stages.inventory import GapRow, classify, ops_from_spec
+from adapt.targets.support import GapRow, classify
 from adapt.targets.target import load_stack, load_target
 
 # Semantic operator -> the adapt kernel that implements it, for stacks that lack the operator.
 ADAPT_KERNEL_FOR_OP = {
     "dsa_indexer": "adapt.kernels.dsa.index_topk",
     "attention_mla_sparse": "adapt.kernels.sparse_mla.sparse_mla",
-    "kv_cache_indexer": "adapt.runtime.kv_cache.PagedDSACache",
+    "kv_cache_indexer": "adapt.runtime.kv_cache.PagedKVCache",
     "moe_grouped_gemm_mxfp4": "adapt.kernels.moe_gemm.moe_forward",
     "mxfp4_decode": "adapt.kernels.mxfp4.dequantize_mxfp4",
     "moe_permute": "adapt.kernels.routing.permute_by_expert",
@@ -363,17 +364,17 @@ def _randn(ctx: Context, *shape, gen, scale: float = 1.0):
 
 
 def _dsa_cache(ctx: Context, latent_format: str, gen):
-    """A one-layer PagedDSACache with the check's sequences written in one prefill step.
+    """A one-layer PagedKVCache (MLA + DSA layout) with the check's sequences written in one prefill step.
 
     Returns (cache, batch, latent fp32 [N, rank], index keys float64 [N, index_dim]); one spare
     page per sequence is left for decode steps."""
-    from adapt.runtime.kv_cache import PAGE_SIZE, PagedDSACache
+    from adapt.kernels.formats import PAGE_SIZE
+    from adapt.runtime.kv_cache import PagedKVCache, mla_layout
 
     s = ctx.shapes
-    cache = PagedDSACache(num_pages=sum(-(-n // PAGE_SIZE) + 1 for n in s.lengths), num_layers=1,
-                          kv_lora_rank=s.mla_rank, rope_dim=s.mla_rope, index_head_dim=s.index_dim,
-                          latent_format=latent_format, latent_scale_group=max(16, s.mla_rank // 4),
-                          device=ctx.device)
+    layout = mla_layout(s.mla_rank, s.mla_rope, s.index_dim, latent_format=latent_format,
+                        latent_scale_group=max(16, s.mla_rank // 4))
+    cache = PagedKVCache(sum(-(-n // PAGE_SIZE) + 1 for n in s.lengths), {0: layout}, ctx.device)
     batch = cache.append_tokens([cache.add_sequence() for _ in s.lengths], list(s.lengths))
     latent, keys = _write_tokens(ctx, cache, batch, gen)
     return cache, batch, latent, keys
@@ -391,27 +392,8 @@ def _write_tokens(ctx: Context, cache, batch, gen):
     latent = _randn(ctx, n, s.mla_rank, gen=gen)
     keys = torch.randn(n, s.index_dim, generator=gen, dtype=torch.float64)
     k8, kscale = dsa.quantize_fp8_rows(keys.float().to(ctx.device))
-    cache.layer(0).write(batch.slots, latent, _randn(ctx, n, s.mla_rope, gen=gen), k8, kscale)
+    cache.dsa_layer(0).write(batch.slots, latent, _randn(ctx, n, s.mla_rope, gen=gen), k8, kscale)
     return latent, keys
-
-
-def _index_reference(layer, batch, q8, weights, limits, cols: int):
-    """float64 indexer scores [N, cols]: kscale[s] * sum_h w[t, h] * relu(q8[t, h] . k8[s]) for
-    s < limits[t], -inf elsewhere."""
-    import torch
-
-    n, dim = q8.shape[0], q8.shape[-1]
-    ref = torch.full((n, cols), -math.inf, dtype=torch.float64)
-    tables = batch.block_table.long().cpu()
-    keys = layer.index_k.reshape(-1, dim).double().cpu()
-    kscale = layer.index_scale.reshape(-1).double().cpu()
-    for row in range(n):
-        pos = torch.arange(int(limits[row]))
-        slots = tables[int(batch.token_seq[row])][pos // 64] * 64 + pos % 64
-        logits = q8[row].double().cpu() @ keys[slots].T
-        head_sum = (logits.clamp_min(0) * weights[row].double().cpu()[:, None]).sum(0)
-        ref[row, : len(pos)] = head_sum * kscale[slots]
-    return ref
 
 
 def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
@@ -421,6 +403,7 @@ def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
     import torch
 
     from adapt.kernels import dsa
+    from adapt.kernels.reference import index_scores_reference
 
     s = ctx.shapes
     # The interpreter multiplies the e4m3 operands in fp32; a GPU's fp8 MMA accumulates with less.
@@ -429,7 +412,7 @@ def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
     cache, batch, _, _ = _dsa_cache(ctx, "bf16", gen)
     decode = cache.append_tokens(list(range(len(s.lengths))), [1] * len(s.lengths))
     _write_tokens(ctx, cache, decode, gen)
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     results = []
     for phase, step in (("prefill", batch), ("decode", decode)):
         n = step.num_tokens
@@ -440,7 +423,8 @@ def check_dsa_indexer(ctx: Context, op: str) -> list[CheckResult]:
         args = (q8, weights, layer.index_k, layer.index_scale, step.block_table, step.token_seq, limits)
         got = dsa.index_scores(*args, cols)
         twin = dsa.index_scores_torch(*args, cols)
-        ref = _index_reference(layer, step, q8, weights, limits, cols)
+        ref = index_scores_reference(q8, weights, layer.index_k, layer.index_scale, step.block_table,
+                                     step.token_seq, limits, cols)
         visible = torch.isfinite(ref)
         same_mask = bool(torch.equal(torch.isfinite(got.cpu()), visible))
         results.append(CheckResult(op, "adapt.kernels.dsa.index_scores",
@@ -469,7 +453,7 @@ def check_sparse_mla(ctx: Context, op: str) -> list[CheckResult]:
     for offset, latent_format in enumerate(("bf16", "fp8")):
         gen = ctx.gen(10 + offset)
         cache, batch, latent, _ = _dsa_cache(ctx, latent_format, gen)
-        layer = cache.layer(0)
+        layer = cache.dsa_layer(0)
         n = batch.num_tokens
         rows = []
         for pos in batch.positions.tolist():
@@ -503,29 +487,17 @@ def check_sparse_mla(ctx: Context, op: str) -> list[CheckResult]:
 
 
 def _mla_reference(layer, batch, token_seq, indices, q_nope, q_rope, scale, latent):
-    """float64 softmax(q . [nope, rope] * scale) @ nope over each row's selected positions.
-
-    token_seq: int32 [N] sequence of each query row; indices: int32 [N, k] positions (-1 none).
-    Cache rows are dequantized from the cache, or taken from ``latent`` (fp32 [N, rank], in
-    slot order of ``batch``) for the nope part when given."""
+    """``sparse_mla_reference`` over the layer's dequantized cache rows; with ``latent`` (fp32 [N, rank]
+    in slot order of ``batch``) the nope part of the batch's rows is the unquantized latent."""
     import torch
 
+    from adapt.kernels.reference import sparse_mla_reference
+
     rank = q_nope.shape[-1]
-    out = torch.zeros(q_nope.shape, dtype=torch.float64)
-    slot_row = {int(slot): i for i, slot in enumerate(batch.slots.tolist())}
-    for row in range(q_nope.shape[0]):
-        idx = indices[row].long().cpu()
-        idx = idx[idx >= 0]
-        if idx.numel() == 0:
-            continue
-        pages = batch.block_table[int(token_seq[row])].long().cpu()[idx // 64]
-        slots = pages * 64 + idx % 64
-        kv = layer.latent_rows(slots.to(q_nope.device)).double().cpu()
-        if latent is not None:
-            kv[:, :rank] = latent.double().cpu()[[slot_row[int(x)] for x in slots]]
-        q = torch.cat([q_nope[row], q_rope[row]], -1).double().cpu()
-        out[row] = torch.softmax(q @ kv.T * scale, -1) @ kv[:, :rank]
-    return out
+    kv = layer.latent_rows(torch.arange(layer.latent_nope.shape[0] * 64, device=q_nope.device)).double().cpu()
+    if latent is not None:
+        kv[batch.slots.cpu(), :rank] = latent.double().cpu()
+    return sparse_mla_reference(q_nope, q_rope, kv, batch.block_table, token_seq, indices, scale)
 
 
 def check_indexer_cache(ctx: Context, op: str) -> list[CheckResult]:
@@ -537,10 +509,10 @@ def check_indexer_cache(ctx: Context, op: str) -> list[CheckResult]:
 
     gen = ctx.gen(20)
     cache, batch, _, keys = _dsa_cache(ctx, "bf16", gen)
-    got = cache.layer(0).index_key_rows(batch.slots)
+    got = cache.dsa_layer(0).index_key_rows(batch.slots)
     k8, kscale = dsa.quantize_fp8_rows_torch(keys.float().to(ctx.device))
     twin = k8.float() * kscale.unsqueeze(-1)
-    return [CheckResult(op, "adapt.runtime.kv_cache.PagedDSACache", "indexer key e4m3 round trip", "fp8",
+    return [CheckResult(op, "adapt.runtime.kv_cache.PagedKVCache", "indexer key e4m3 round trip", "fp8",
                         rel_error(got, twin), rel_error(got, keys), ctx.tol("fp8"),
                         finite=bool(torch.isfinite(got).all()))]
 
@@ -553,28 +525,6 @@ def _router_config(ctx: Context):
     return RouterConfig(top_k=s.top_k, scoring=ffn.scoring, n_group=s.n_group, topk_group=s.topk_group,
                         renormalize=ffn.norm_topk_prob or ctx.spec.model_type == "gpt_oss",
                         routed_scaling=ffn.routed_scaling)
-
-
-def route_reference(logits, config, bias):
-    """float64 routing: (weights [T, k], ids [T, k], selection scores [T, E] with -inf outside the
-    kept groups)."""
-    import torch
-
-    logits = logits.double().cpu()
-    t, e = logits.shape
-    scores = torch.sigmoid(logits) if config.scoring == "sigmoid" else torch.softmax(logits, -1)
-    choice = scores + bias.double().cpu() if bias is not None else scores.clone()
-    if config.n_group > 1:
-        grouped = choice.view(t, config.n_group, e // config.n_group)
-        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-        keep = best.topk(config.topk_group, dim=-1).indices
-        kept = torch.zeros(t, config.n_group, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~kept.repeat_interleave(e // config.n_group, dim=1), -math.inf)
-    ids = choice.topk(config.top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if config.renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights * config.routed_scaling, ids, choice
 
 
 def _dense(weights, ids, experts: int):
@@ -596,13 +546,13 @@ def check_routing(ctx: Context, op: str) -> list[CheckResult]:
     """route (Triton) vs route_torch and float64: expert sets per token and the routed weights."""
     import torch
 
-    from adapt.kernels import routing
+    from adapt.kernels import reference, routing
 
     config = _router_config(ctx)
     logits, bias = _route_inputs(ctx, ctx.gen(30))
     w, ids = routing.route(logits, config, bias)
     w_twin, ids_twin = routing.route_torch(logits, config, bias)
-    w_ref, ids_ref, choice = route_reference(logits, config, bias)
+    w_ref, ids_ref, choice = reference.route_reference(logits, config, bias)
     tie = ctx.tol("fp32")
     e = ctx.shapes.experts
     rule = f"{config.scoring} top-{config.top_k} of {e}" + (
@@ -663,7 +613,7 @@ def check_mxfp4_codec(ctx: Context, op: str) -> list[CheckResult]:
     """quantize_mxfp4 / dequantize_mxfp4 (Triton) vs twins (bit-exact expected) and float64 values."""
     import torch
 
-    from adapt.kernels import mxfp4
+    from adapt.kernels import mxfp4, reference
 
     gen = ctx.gen(50)
     x = torch.randn(4 * ctx.shapes.hidden, 2 * ctx.shapes.hidden, generator=gen, dtype=torch.float64)
@@ -674,7 +624,7 @@ def check_mxfp4_codec(ctx: Context, op: str) -> list[CheckResult]:
     codes_differ = int((packed != p_twin).sum() + (scales != s_twin).sum())
     return [
         CheckResult(op, "adapt.kernels.mxfp4.dequantize_mxfp4", "E2M1 + E8M0 decode", "fp32",
-                    rel_error(decoded, twin), rel_error(decoded, _decode_f64(packed, scales)),
+                    rel_error(decoded, twin), rel_error(decoded, reference.mxfp4_decode_reference(packed, scales)),
                     ctx.tol("fp32"),
                     finite=bool(torch.isfinite(decoded).all())),
         CheckResult(op, "adapt.kernels.mxfp4.quantize_mxfp4", "encode N(0,1) weights", "mxfp4",
@@ -684,27 +634,12 @@ def check_mxfp4_codec(ctx: Context, op: str) -> list[CheckResult]:
     ]
 
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def _decode_f64(packed, scales):
-    """float64 MXFP4 decode from the format definition: code bits (sign, 3-bit magnitude) x 2**(s-127)."""
-    import torch
-
-    p = packed.long().cpu()
-    codes = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
-    magnitude = torch.tensor(E2M1, dtype=torch.float64)[codes & 7]
-    values = torch.where(codes >= 8, -magnitude, magnitude)
-    scale = torch.pow(2.0, scales.double().cpu() - 127).repeat_interleave(32, dim=-1)
-    return values * scale
-
-
 def check_mxfp4_moe(ctx: Context, op: str) -> list[CheckResult]:
     """moe_forward (routing, permutation, fused MXFP4 grouped GEMMs, combine) vs moe_forward_torch
     and a float64 layer on the dequantized weights; the bf16 path, and the fp8 path on fp8 targets."""
     import torch
 
-    from adapt.kernels import moe_gemm, routing
+    from adapt.kernels import moe_gemm, reference, routing
 
     s, ffn = ctx.shapes, _first_moe(ctx.spec).ffn
     gen = ctx.gen(60)
@@ -716,7 +651,7 @@ def check_mxfp4_moe(ctx: Context, op: str) -> list[CheckResult]:
     activation = ffn.activation
     limit = ffn.swiglu_limit or 7.0
     kw = dict(correction_bias=bias, activation=activation, limit=limit)
-    ref = _moe_reference(hidden, routing.gate_logits(hidden, gate), weights, config, bias, activation, limit)
+    ref = reference.moe_reference(hidden, routing.gate_logits(hidden, gate), weights, config, bias, activation, limit)
     results = []
     for compute in ("bf16", "fp8") if ctx.fp8_compute else ("bf16",):
         got = moe_gemm.moe_forward(hidden, gate, weights, config, compute=compute, **kw)
@@ -729,43 +664,10 @@ def check_mxfp4_moe(ctx: Context, op: str) -> list[CheckResult]:
     return results
 
 
-def _moe_reference(hidden, logits, weights, config, bias, activation, limit, alpha: float = 1.702):
-    """float64 MoE layer on the exactly decoded MXFP4 weights: [T, H]."""
-    import torch
-
-    w1 = _decode_f64(weights.w1_packed, weights.w1_scales)
-    w2 = _decode_f64(weights.w2_packed, weights.w2_scales)
-    if weights.gate_up_interleaved:
-        wg, wu = w1[:, 0::2], w1[:, 1::2]
-    else:
-        wg, wu = w1.chunk(2, dim=1)
-    b1 = weights.w1_bias.double().cpu() if weights.w1_bias is not None else None
-    if b1 is not None:
-        bg, bu = (b1[:, 0::2], b1[:, 1::2]) if weights.gate_up_interleaved else b1.chunk(2, dim=1)
-    b2 = weights.w2_bias.double().cpu() if weights.w2_bias is not None else None
-    topw, ids, _ = route_reference(logits, config, bias)
-    x = hidden.double().cpu()
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            g, u = wg[e] @ x[t], wu[e] @ x[t]
-            if b1 is not None:
-                g, u = g + bg[e], u + bu[e]
-            if activation == "swiglu_clamped":
-                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-                h = g * torch.sigmoid(alpha * g) * (u + 1)
-            else:
-                h = torch.nn.functional.silu(g) * u
-            y = w2[e] @ h + (b2[e] if b2 is not None else 0)
-            out[t] += topw[t, j] * y
-    return out
-
-
 CHECKS: dict[str, Callable[[Context, str], list[CheckResult]]] = {
     "adapt.kernels.dsa.index_topk": check_dsa_indexer,
     "adapt.kernels.sparse_mla.sparse_mla": check_sparse_mla,
-    "adapt.runtime.kv_cache.PagedDSACache": check_indexer_cache,
+    "adapt.runtime.kv_cache.PagedKVCache": check_indexer_cache,
     "adapt.kernels.moe_gemm.moe_forward": check_mxfp4_moe,
     "adapt.kernels.mxfp4.dequantize_mxfp4": check_mxfp4_codec,
     "adapt.kernels.routing.route": check_routing,

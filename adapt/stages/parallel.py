@@ -4,7 +4,7 @@ Every layout of the device count is enumerated (tensor parallel x pipeline paral
 parallel, with and without expert parallelism), then
 
 1. rejected when vLLM cannot run it: head, KV-head, expert, FFN-width (and fp8 block) and layer
-   divisibility (``adapt.stages.memory.layout_problems``);
+   divisibility (``adapt.plan.layout.layout_problems``);
 2. rejected when stage 2's memory model says it does not hold ``batch`` sequences of ``context``
    tokens on every device;
 3. rejected when its tensor- or expert-parallel group, or its pipeline, spans nodes although a
@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.model.spec import ModelSpec
-from adapt.report import StageReport, fingerprint, now_iso
-from adapt.stages.memory import (
+from adapt.plan.layout import (
     VLLM_GPU_MEMORY_UTILIZATION,
     GiB,
     Layout,
@@ -45,6 +44,7 @@ from adapt.stages.memory import (
     plan_memory,
     vllm_batch_defaults,
 )
+from adapt.report import StageReport, fingerprint, now_iso
 from adapt.targets.target import Target
 
 # When no plan fits at vLLM's default utilization and the user did not set one, plans that fit
@@ -431,7 +431,7 @@ def plan_parallel(
 ) -> ParallelResult:
     """Enumerate, filter, cost and rank the layouts of ``devices`` devices over ``nodes`` nodes.
 
-    Arguments as ``adapt.stages.memory.plan_memory``. Raises InputError for a device count the
+    Arguments as ``adapt.plan.layout.plan_memory``. Raises InputError for a device count the
     nodes or the target cannot hold, bad workload flags, or a context above the model's limit.
     """
     per_node = devices_per_node(target, devices, nodes)
@@ -536,14 +536,14 @@ def _memory_check(
 
 def extra_engine_args(spec: ModelSpec, plan: ParallelPlan, rope_factor: float | None) -> dict[str, Any]:
     """Engine arguments a plan needs beyond the ten plan keys: ``decode_context_parallel_size``
-    for a DCP plan, and ``hf_overrides`` (``adapt.handoff.vllm.rope_override``: the model's own
+    for a DCP plan, and ``hf_overrides`` (``adapt.plan.launch.rope_override``: the model's own
     rope scaling with only the factor changed) when ``rope_factor`` extends the context past the
     model's own limit (base: the config's pre-scaling length, or max_position_embeddings)."""
     extra: dict[str, Any] = {}
     if plan.layout.dcp > 1:
         extra["decode_context_parallel_size"] = plan.layout.dcp
     if rope_factor is not None:
-        from adapt.handoff.vllm import rope_override
+        from adapt.plan.launch import rope_override
 
         base = spec.rope.original_max_position or spec.max_position
         extra["hf_overrides"] = rope_override(spec.config.get("rope_scaling"), theta=spec.rope.theta, base=base,
@@ -634,7 +634,7 @@ def run_plan_parallel(
     (devices, nodes, context, batch, ...; not checkpoint, which comes from ``model``).
     ``gates["parallel"]["min_plans"]``: fewer feasible plans fail.
     Metrics hold ``engine_args``, ``serve_command`` (argv) and, for several nodes, ``ray_steps``."""
-    from adapt.handoff.vllm import ray_steps, serve_command
+    from adapt.plan.launch import launch_lines, ray_steps, serve_command
     from adapt.targets.target import load_target
 
     started = now_iso()
@@ -674,9 +674,7 @@ def run_plan_parallel(
     }
     if nodes > 1 and result.engine_args:
         report.metrics["ray_steps"] = ray_steps(model_path, result.engine_args | extra, nodes)
-    launch = report.metrics.get("ray_steps") or (
-        [shlex.join(report.metrics["serve_command"])] if report.metrics["serve_command"] else []
-    )
+    launch = launch_lines(report.metrics)
     if launch:
         report.tables["launch"] = [{"step": i, "command": line} for i, line in enumerate(launch, start=1)]
     report.tables["ranked plans"] = [dict(rank=i, **p.row()) for i, p in enumerate(result.feasible, start=1)]

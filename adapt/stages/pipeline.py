@@ -48,7 +48,7 @@ class PipelineOptions:
 
     model: preset name, config.json or model directory; target: name or YAML path
     devices / nodes: devices in total / nodes; context: tokens per sequence; batch: sequences
-    kv_dtype: bf16 | fp8; weights: see ``adapt.stages.memory.WEIGHT_FORMATS``
+    kv_dtype: bf16 | fp8; weights: see ``adapt.plan.layout.WEIGHT_FORMATS``
     stack: stack table name or YAML path (None: the target's default)
     run_path: the run directory (stage 6 reads stage 4's prediction there and writes its artifacts)
     url: stage 6 loads this OpenAI-compatible server instead of launching the model; soak_s: soak seconds
@@ -238,7 +238,7 @@ def check_options(options: PipelineOptions, stage: int = max(STAGES)) -> None:
     counts, dtypes, weight format, the model, the target, the stack, and, when a stage up to
     ``stage`` reads them, devices per node and the context limit."""
     from adapt.model.spec import load_spec
-    from adapt.stages.memory import KV_DTYPES, WEIGHT_FORMATS, context_limit, devices_per_node
+    from adapt.plan.layout import KV_DTYPES, WEIGHT_FORMATS, context_limit, devices_per_node
     from adapt.targets.target import load_stack, load_target
 
     for flag, value in (("--devices", options.devices), ("--nodes", options.nodes),

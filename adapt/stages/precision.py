@@ -283,15 +283,15 @@ def _load(model_dir: Path, layers, kernels: str, dtype: torch.dtype, formats, fa
 def evaluate(model_dir: Path, adapted: Adapted, limits: dict[str, float], *, layers=None, device: str = "cpu",
              faults=None, reference=None) -> dict[str, Any]:
     """Run the reference (unless given) and the adapted path; returns metrics, tables and gate failures."""
+    from adapt.model.spec import load_spec
     from adapt.runtime.engine import Engine
-    from adapt.runtime.model import ArchConfig
     from adapt.runtime.variants import Formats
 
-    config = ArchConfig.from_dir(model_dir)
+    config = load_spec(model_dir)
     text, prompts = _encode(model_dir, config.vocab)
     greedy = int(limits["greedy_tokens"])
     budget = len(text) + sum(len(p) + greedy for p in prompts) + 256
-    dsa = any(k.attention == "mla+dsa" for k in config.kinds)
+    dsa = any(layer.attention.kind == "mla+dsa" for layer in config.layers)
     key = (str(model_dir), tuple(layers or ()), device, greedy, dsa and adapted.indexer_dtype == "fp8")
     if reference is None and key in _REFERENCES:
         reference = _REFERENCES[key]
@@ -434,15 +434,15 @@ def rollback_moves(adapted: Adapted, families: list[str]) -> list[tuple[str, str
 
 def _active_families(model_dir: Path, adapted: Adapted, layers) -> list[str]:
     """Op families that really run adapt's kernels in this model (asked for and not refused)."""
+    from adapt.model.spec import load_spec
     from adapt.runtime.engine import parse_kernels
-    from adapt.runtime.model import ArchConfig
 
-    config = ArchConfig.from_dir(model_dir)
+    config = load_spec(model_dir)
     paths = parse_kernels(adapted.kernels)
     active = [f for f, p in paths.items() if p == "kernel"]
-    if not any(k.attention == "mla+dsa" for k in config.kinds) or adapted.indexer_dtype == "bf16":
+    if not any(layer.attention.kind == "mla+dsa" for layer in config.layers) or adapted.indexer_dtype == "bf16":
         active = [f for f in active if f != "indexer"]
-    if "moe" in active and not config.experts:
+    if "moe" in active and not config.moe_layers:
         active.remove("moe")
     if "moe" in active and "quantization_config" not in (model_dir / "config.json").read_text():
         active.remove("moe")  # the MoE kernel takes MXFP4 experts only (MoE.kernel_refusal)
@@ -478,8 +478,8 @@ def run_precision(model: str, target: str, *, gates: dict, layers: str | None = 
                   faults=None, device: str | None = None, invocation: list[str] | None = None) -> StageReport:
     """Stage 5 (see the module docstring). faults: ``Faults`` test hooks (default: ``ADAPT_TEST_FAULTS``);
     invocation: the other ``adapt validate`` options of this run, repeated in the advised commands."""
+    from adapt.model.spec import load_spec
     from adapt.runtime.engine import parse_kernels, parse_layers, resolve_model_dir
-    from adapt.runtime.model import ArchConfig
     from adapt.runtime.variants import Faults, Formats
 
     limits = read_gates(gates)
@@ -487,7 +487,7 @@ def run_precision(model: str, target: str, *, gates: dict, layers: str | None = 
     parse_kernels(kernels)
     Formats(indexer=indexer_dtype, kv_cache=kv_dtype)
     _dtype(compute_dtype)
-    config = ArchConfig.from_dir(model_dir)
+    config = load_spec(model_dir)
     layer_ids = None if layers is None else parse_layers(layers, config.num_layers)
     faults = Faults.from_env() if faults is None else faults
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

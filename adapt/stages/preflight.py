@@ -12,8 +12,9 @@ Items:
   gpt-oss MXFP4: >= 0.10.1);
 - formats: the target's compute capability and native dtypes against the formats the model
   needs (fp8 compute: sm89+, DeepSeek sparse attention: sm90+, native MXFP4 MMA: sm100+; on
-  sm90 MXFP4 experts are decoded in-kernel or converted to FP8), and a local GPU against the
-  target profile;
+  sm90 MXFP4 experts are decoded in-kernel or converted to FP8; NVFP4 experts need native fp4:
+  sm100+ with "fp4" among the target's native dtypes, on older NVIDIA GPUs vLLM falls back to
+  weight-only Marlin FP4, elsewhere there is no NVFP4 path), and a local GPU against the target profile;
 - memory: the headroom rule of stages 2 and 4 (``adapt.plan.headroom.assess``) applied to the
   run directory's stage-2 plan (``memory.json``);
 - evaluation data for stage 5 (``eval_data``): parsed, items counted per task (``eval_items``).
@@ -39,8 +40,10 @@ OK, FAIL, WARN, ELSEWHERE, NOT_RUN = "ok", "fail", "warn", "cannot check here", 
 # with 0.10.1; DeepSeek-V3.2-Exp day-0 support 2025-09-29 with 0.11.0).
 VLLM_MIN_FOR = {"mla+dsa": (0, 11, 0), "mxfp4": (0, 10, 1)}
 # Compute capability each format needs on NVIDIA: fp8 tensor cores (Ada/Hopper+, vLLM FP8 docs),
-# FlashMLA sparse kernels (Hopper/Blackwell, vllm#31480), fp4 tensor cores (Blackwell).
-MIN_CC = {"fp8": 8.9, "mla+dsa": 9.0, "mxfp4_mma": 10.0}
+# FlashMLA sparse kernels (Hopper/Blackwell, vllm#31480), fp4 tensor cores (Blackwell) for MXFP4 and
+# NVFP4 (vLLM quantization/modelopt.py: CUTLASS / FlashInfer FP4 GEMM and MoE on sm100; older GPUs
+# run utils/marlin_utils_fp4.py, weight-only FP4 Marlin, as the vllm-cuda stack table records).
+MIN_CC = {"fp8": 8.9, "mla+dsa": 9.0, "mxfp4_mma": 10.0, "nvfp4_mma": 10.0}
 
 
 @dataclass
@@ -303,6 +306,8 @@ def _format_checks(target: Target, needs: set[str], gpus: list[dict[str, str]] |
             "(adapt.kernels.mxfp4.mxfp4_to_fp8)"
         )
         checks.append(Check("mxfp4 experts", OK, detail))
+    if "nvfp4" in needs:
+        checks.append(_nvfp4_check(target, cc))
     if gpus:
         local = {g.get("compute_cap", "") for g in gpus}
         matches = target.compute_capability in local
@@ -323,6 +328,33 @@ def _format_checks(target: Target, needs: set[str], gpus: list[dict[str, str]] |
             )
         )
     return checks
+
+
+def _nvfp4_check(target: Target, cc: float | None) -> Check:
+    """NVFP4 experts (E2M1 values, e4m3 scale per 16, fp32 global scale) against the target's native fp4.
+
+    ok: "fp4" is a native dtype (and, on NVIDIA, sm100+); warn: an NVIDIA GPU without fp4 units, where
+    vLLM runs the experts through weight-only Marlin FP4 (W4A16); fail: any other target without fp4,
+    which has no NVFP4 path in its vLLM stack."""
+    item = "nvfp4 experts"
+    has_fp4 = "fp4" in target.native_dtypes
+    if has_fp4 and (cc is None or cc >= MIN_CC["nvfp4_mma"]):
+        return Check(item, OK, f"{target.name} ({target.compute_capability}) has native fp4 for NVFP4 GEMMs")
+    if cc is not None:
+        return Check(
+            item,
+            WARN,
+            f"{target.name} (sm{cc * 10:g}) has no fp4 units (NVFP4 GEMMs need sm{MIN_CC['nvfp4_mma'] * 10:g} and "
+            "fp4 among the native dtypes): vLLM falls back to weight-only Marlin FP4 (bf16 compute); time it in "
+            "stage 3, or requantize the experts to fp8",
+        )
+    return Check(
+        item,
+        FAIL,
+        f"{target.name} ({target.compute_capability}) has no native fp4 and its stack has no NVFP4 path; "
+        "dequantize the experts to bf16 (about 3.6x their stored bytes) or requantize to a format the target "
+        "computes, then re-plan stage 2",
+    )
 
 
 def _memory_check(run_dir: Path | None) -> Check:

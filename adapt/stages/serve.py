@@ -369,7 +369,8 @@ class served:
                  port: int | None = None, dtype: str = "float32", max_model_len: int = 2048,
                  memory_fraction: float = 0.1, kv_cache_bytes: int | None = None, health_timeout_s: float = 600.0):
         from adapt.handoff.smoke import local_engine_args
-        from adapt.handoff.vllm import cpu_env, find_vllm, free_port, has_cuda, launch_argv, serve_command
+        from adapt.handoff.vllm import cpu_env, find_vllm, free_port, has_cuda, launch_argv
+        from adapt.plan.launch import serve_command
 
         model_dir = Path(model)
         if not (model_dir / "config.json").is_file():

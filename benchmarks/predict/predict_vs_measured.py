@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adapt.stages.memory import load_model
+from adapt.plan.layout import load_model
 from adapt.stages.parallel import attention_layer_cost, moe_layer_cost
 from adapt.targets.target import load_target
 

@@ -10,8 +10,9 @@ import subprocess
 import pytest
 
 from adapt.errors import InputError
-from adapt.handoff.vllm import rope_override, serve_command, vllm_quantization
+from adapt.handoff.vllm import vllm_quantization
 from adapt.model.spec import load_spec
+from adapt.plan.launch import rope_override, serve_command
 from adapt.report import RunDir, StageReport, load_gates
 from adapt.stages.pipeline import PipelineOptions, stage_fingerprint, stamp
 from tests.cli_run import REPO, snapshot

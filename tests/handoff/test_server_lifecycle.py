@@ -3,6 +3,8 @@
 import socket
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -49,11 +51,28 @@ def test_stop_kills_the_whole_session_even_when_sigterm_is_ignored(tmp_path):
     assert session_processes(server.process.pid) == []
 
 
+def _health_status(base_url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
 def test_healthy_server_is_detected_and_stopped(tmp_path):
     with VllmServer([sys.executable, "-c", HEALTHY], tmp_path / "log", port=free_port()) as server:
-        assert server.wait_healthy(60) >= 0
+        server.wait_healthy(60)
+        assert _health_status(server.base_url) == 200  # wait_healthy returned only once /health said 200
         pid = server.process.pid
     assert server.leftover == [] and session_processes(pid) == []
+
+
+def test_server_answering_503_is_never_called_healthy(tmp_path):
+    unhealthy = HEALTHY.replace("200 if self.path == '/health' else 404", "503")
+    with VllmServer([sys.executable, "-c", unhealthy], tmp_path / "log", port=free_port()) as server:
+        with pytest.raises(ServerFailed, match="not healthy after 3 s"):
+            server.wait_healthy(3)
+        assert _health_status(server.base_url) == 503  # it was up and answering, just not healthy
 
 
 def test_port_in_use_is_refused_before_starting(tmp_path):

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from adapt.cli import app
 from adapt.handoff.sglang import LAUNCH, launch_commands, server_args, validate_with_sglang
+from adapt.plan.layout import load_model
 from adapt.report import load_gates
-from adapt.stages.memory import load_model
 from adapt.stages.parallel import plan_parallel
 from adapt.targets.target import load_target
 

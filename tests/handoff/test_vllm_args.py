@@ -5,7 +5,7 @@ import shlex
 import pytest
 
 from adapt.errors import InputError
-from adapt.handoff.vllm import PLAN_KEYS, engine_argv, multi_node_args, ray_steps, serve_command
+from adapt.plan.launch import PLAN_KEYS, engine_argv, multi_node_args, ray_steps, serve_command
 
 PLAN = {
     "tensor_parallel_size": 8, "pipeline_parallel_size": 1, "data_parallel_size": 1,

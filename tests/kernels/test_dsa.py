@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adapt.kernels import dsa
-from adapt.runtime.kv_cache import PagedDSACache
+from adapt.runtime.kv_cache import PagedKVCache, mla_layout
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -21,14 +21,13 @@ def filled_cache(lengths, *, heads, dim, device, decode=False, seed=0):
     With ``decode`` the last token of each sequence is appended as a separate decode step and
     the returned batch and queries are that step's."""
     gen = torch.Generator().manual_seed(seed)
-    cache = PagedDSACache(num_pages=sum(-(-n // 64) for n in lengths) + 1, num_layers=1, kv_lora_rank=32,
-                          rope_dim=16, index_head_dim=dim, device=device)
+    cache = PagedKVCache(sum(-(-n // 64) for n in lengths) + 1, {0: mla_layout(32, 16, dim)}, device)
     seqs = [cache.add_sequence() for _ in lengths]
     first = [n - 1 for n in lengths] if decode else list(lengths)
     steps = [cache.append_tokens(seqs, first)]
     if decode:
         steps.append(cache.append_tokens(seqs, [1] * len(lengths)))
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     for batch in steps:
         n = batch.num_tokens
         keys, key_scale = dsa.quantize_fp8_rows_torch(torch.randn(n, dim, generator=gen).to(device))

@@ -9,20 +9,20 @@ if not shutil.which("nvidia-smi"):
 import pytest
 import torch
 
+from adapt.kernels.reference import sparse_mla_reference
 from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch
-from adapt.runtime.kv_cache import PagedDSACache
+from adapt.runtime.kv_cache import PagedKVCache, mla_layout
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def setup(lengths, *, heads, rank, rope, topk, latent_format, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    cache = PagedDSACache(num_pages=sum(-(-n // 64) for n in lengths) + 2, num_layers=1, kv_lora_rank=rank,
-                          rope_dim=rope, index_head_dim=16, latent_format=latent_format,
-                          latent_scale_group=min(128, rank // 2), device=device)
+    layout = mla_layout(rank, rope, 16, latent_format=latent_format, latent_scale_group=min(128, rank // 2))
+    cache = PagedKVCache(sum(-(-n // 64) for n in lengths) + 2, {0: layout}, device)
     seqs = [cache.add_sequence() for _ in lengths]
     batch = cache.append_tokens(seqs, list(lengths))
-    layer = cache.layer(0)
+    layer = cache.dsa_layer(0)
     n = batch.num_tokens
     layer.write(batch.slots, torch.randn(n, rank, generator=gen).to(device),
                 torch.randn(n, rope, generator=gen).to(device),
@@ -39,17 +39,9 @@ def setup(lengths, *, heads, rank, rope, topk, latent_format, device, seed=0):
 
 
 def reference(layer, batch, indices, q_nope, q_rope, scale):
-    """Float64 attention over each row's selected positions (dequantized cache rows)."""
-    out = torch.zeros(q_nope.shape, dtype=torch.float64)
-    for row in range(q_nope.shape[0]):
-        idx = indices[row].long().cpu()
-        idx = idx[idx >= 0]
-        pages = batch.block_table[int(batch.token_seq[row])].long().cpu()[idx // 64]
-        rows = layer.latent_rows((pages * 64 + idx % 64).to(q_nope.device)).double().cpu()
-        rank = q_nope.shape[-1]
-        q = torch.cat([q_nope[row], q_rope[row]], -1).double().cpu()
-        out[row] = torch.softmax(q @ rows.T * scale, -1) @ rows[:, :rank]
-    return out
+    """The shared float64 reference over the layer's dequantized cache rows."""
+    rows = layer.latent_rows(torch.arange(layer.latent_nope.shape[0] * 64, device=q_nope.device))
+    return sparse_mla_reference(q_nope, q_rope, rows, batch.block_table, batch.token_seq, indices, scale)
 
 
 def rel(a, b):

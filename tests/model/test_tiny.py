@@ -11,7 +11,8 @@ from safetensors import safe_open
 from adapt.errors import InputError
 from adapt.model.tiny import TINY_MODELS, build_tiny, tiny_path
 
-REAL_GPT_OSS = Path("/work/shared/configs/gpt-oss-120b/config.json")
+# the published gpt-oss-120b config, as this repository keeps it (a copy of ../shared/configs/gpt-oss-120b)
+REAL_GPT_OSS = Path(__file__).resolve().parents[2] / "adapt" / "model" / "presets" / "gpt-oss-120b.json"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The DSA block against transformers' DeepseekV32Attention at tiny sizes.
+"""The engine's DSA block (``adapt.runtime.attention.MLAAttention`` over the engine's paged cache,
+shapes, scale and RoPE from the ModelSpec) against transformers' DeepseekV32Attention at tiny sizes.
 
 Selected sets: the FP8 indexer must pick the transformers (fp32) indexer's set, except
 positions whose fp32 scores lie within FP8 rounding of the k-th score (ties and near-ties).
@@ -19,8 +20,12 @@ import torch
 hf = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
 from transformers import DeepseekV32Config  # noqa: E402
 
-from adapt.runtime.dsa_attention import DSAAttention, DSAConfig, DSAWeights, _rope_half  # noqa: E402
-from adapt.runtime.kv_cache import PagedDSACache  # noqa: E402
+from adapt.kernels.norm_rope import rope_torch  # noqa: E402
+from adapt.model.spec import spec_from_config  # noqa: E402
+from adapt.runtime.attention import MLAAttention, MLAShape, MLAWeights  # noqa: E402
+from adapt.runtime.kv_cache import PagedKVCache  # noqa: E402
+from adapt.runtime.model import mla_scale, rope_cos_sin, rope_frequencies  # noqa: E402
+from adapt.runtime.weights import Linear  # noqa: E402
 
 TOPK = 16
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -86,8 +91,8 @@ def hf_index_scores(attn, rotary, x):
     with torch.no_grad():
         q = ix.wq_b(attn.q_a_layernorm(attn.q_a_proj(x))).view(t, ix.n_heads, ix.head_dim)
         k = ix.k_norm(ix.wk(x))
-        q = torch.cat([_rope_half(q[..., :16], cos, sin), q[..., 16:]], -1)
-        k = torch.cat([_rope_half(k[..., :16], cos, sin), k[..., 16:]], -1)
+        q = torch.cat([rope_torch(q[..., :16], cos, sin, pairs=False), q[..., 16:]], -1)
+        k = torch.cat([rope_torch(k[..., :16], cos, sin, pairs=False), k[..., 16:]], -1)
         logits = torch.einsum("thd,sd->ths", q, k) * ix.softmax_scale
         weights = ix.weights_proj(x) * ix.n_heads ** -0.5
         scores = (logits.relu() * weights[..., None]).sum(1)
@@ -116,30 +121,57 @@ def rel(a, b):
     return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
 
 
+def _spec(config):
+    return spec_from_config(config.to_dict(), "tiny deepseek_v32")
+
+
 def our_layer(config, attn, backend, device):
-    cfg = DSAConfig.from_hf(config)
-    state = {k: v.to(device) for k, v in attn.state_dict().items()}
-    return DSAAttention(cfg, DSAWeights.from_state_dict(state, cfg), backend=backend)
+    """The engine's MLA + DSA block with transformers' weights; 'triton' runs adapt's kernels."""
+    spec = _spec(config)
+    at = spec.layers[0].attention
+    w = {k: v.to(device) for k, v in attn.state_dict().items()}
+    weights = MLAWeights(
+        kv_a=Linear(w["kv_a_proj_with_mqa.weight"]), kv_a_norm=w["kv_a_layernorm.weight"],
+        kv_b=Linear(w["kv_b_proj.weight"]), o=Linear(w["o_proj.weight"]), q_a=Linear(w["q_a_proj.weight"]),
+        q_a_norm=w["q_a_layernorm.weight"], q_b=Linear(w["q_b_proj.weight"]),
+        index_wq_b=Linear(w["indexer.wq_b.weight"]), index_wk=Linear(w["indexer.wk.weight"]),
+        index_k_norm_weight=w["indexer.k_norm.weight"], index_k_norm_bias=w["indexer.k_norm.bias"],
+        index_weights_proj=Linear(w["indexer.weights_proj.weight"]))
+    shape = MLAShape(heads=at.num_heads, qk_nope=at.qk_nope_head_dim, qk_rope=at.qk_rope_head_dim,
+                     v_head=at.v_head_dim, kv_lora=at.kv_lora_rank, scale=mla_scale(spec, at),
+                     index_heads=at.index_n_heads, index_dim=at.index_head_dim, index_topk=at.index_topk,
+                     rope_pairs=True)
+    path = "kernel" if backend == "triton" else "torch"
+    layer = MLAAttention(weights, shape, attention_path=path, indexer_path=path)
+    inv_freq, factor = rope_frequencies(spec.rope, spec.rope.rotary_dim, spec.max_position)
+    return layer, inv_freq.to(device), factor
 
 
-def new_cache(device, num_pages=8):
-    return PagedDSACache(num_pages=num_pages, num_layers=1, kv_lora_rank=32, rope_dim=16, index_head_dim=32,
-                         device=device)
+def new_cache(layer, device, num_pages=8):
+    return PagedKVCache(num_pages, {0: layer.cache_layout(torch.float32)}, device)
+
+
+def run(our, x, batch, cache):
+    """Our block on x [N, hidden] for ``batch``: (output [N, hidden], selected positions [N, top-k])."""
+    layer, inv_freq, factor = our
+    cos, sin = rope_cos_sin(inv_freq, factor, batch.positions, x.dtype)
+    with torch.no_grad():
+        out = layer.forward(x, cos, sin, batch, cache.pools[0])
+    return out, layer.last_indices
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ragged_prefill_matches_transformers(hf_layer, backend, device):
     config, attn, rotary, hidden = hf_layer
-    layer = our_layer(config, attn, backend, device)
-    cache = new_cache(device)
+    our = our_layer(config, attn, backend, device)
+    cache = new_cache(our[0], device)
     seqs = [cache.add_sequence() for _ in LENGTHS]
     batch = cache.append_tokens(seqs, list(LENGTHS))
-    out, details = layer.forward_with_details(torch.cat(hidden).to(device), batch, cache.layer(0))
-    assert details.index_stats.peak_score_bytes <= layer.max_score_bytes
+    out, indices = run(our, torch.cat(hidden).to(device), batch, cache)
     for b, x in enumerate(hidden):
         rows = slice(int(batch.query_starts[b]), int(batch.query_starts[b + 1]))
-        ours = details.indices[rows].cpu()
+        ours = indices[rows].cpu()
         _, their_indices = hf_forward(config, attn, rotary, x)
         check_selection(ours, their_indices, hf_index_scores(attn, rotary, x))
         want, _ = hf_forward(config, attn, rotary, x, indices=ours)
@@ -151,18 +183,17 @@ def test_ragged_prefill_matches_transformers(hf_layer, backend, device):
 def test_decode_after_prefill_equals_longer_prefill(hf_layer, backend, device):
     config, attn, rotary, hidden = hf_layer
     x = hidden[2].to(device)
-    layer = our_layer(config, attn, backend, device)
-    cache = new_cache(device)
+    our = our_layer(config, attn, backend, device)
+    cache = new_cache(our[0], device)
     seq = cache.add_sequence()
-    layer.forward(x[:-1], cache.append_tokens([seq], [x.shape[0] - 1]), cache.layer(0))
-    step, details = layer.forward_with_details(x[-1:], cache.append_tokens([seq], [1]), cache.layer(0))
-    whole_cache = new_cache(device)
+    run(our, x[:-1], cache.append_tokens([seq], [x.shape[0] - 1]), cache)
+    step, indices = run(our, x[-1:], cache.append_tokens([seq], [1]), cache)
+    whole_cache = new_cache(our[0], device)
     whole_seq = whole_cache.add_sequence()
-    whole, whole_details = layer.forward_with_details(
-        x, whole_cache.append_tokens([whole_seq], [x.shape[0]]), whole_cache.layer(0))
-    assert set(details.indices[0].tolist()) == set(whole_details.indices[-1].tolist())
+    whole, whole_indices = run(our, x, whole_cache.append_tokens([whole_seq], [x.shape[0]]), whole_cache)
+    assert set(indices[0].tolist()) == set(whole_indices[-1].tolist())
     assert rel(step[0], whole[-1]) < 1e-3
-    want, _ = hf_forward(config, attn, rotary, x.cpu(), indices=whole_details.indices.cpu())
+    want, _ = hf_forward(config, attn, rotary, x.cpu(), indices=whole_indices.cpu())
     assert rel(step[0], want[-1]) < 1e-2
 
 
@@ -176,8 +207,8 @@ def test_yarn_frequencies_and_scale_match_transformers():
     config.rope_parameters = rope
     config.max_position_embeddings = 163840
     want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
-    ours = DSAConfig.from_hf(config)
-    freq, factor = ours.rope_frequencies()
+    spec = _spec(config)
+    freq, factor = rope_frequencies(spec.rope, spec.rope.rotary_dim, spec.max_position)
     torch.testing.assert_close(freq, want_freq)
     assert factor == pytest.approx(want_factor)
-    assert ours.softmax_scale == pytest.approx(hf.yarn_apply_mscale(rope, 32 ** -0.5))
+    assert mla_scale(spec, spec.layers[0].attention) == pytest.approx(hf.yarn_apply_mscale(rope, 32 ** -0.5))

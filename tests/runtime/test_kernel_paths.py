@@ -4,20 +4,12 @@ engine against the torch reference path (CPU: Triton interpreter; GPU variants m
 import pytest
 import torch
 
+from adapt.kernels.attention import paged_gqa_attention, paged_gqa_attention_torch
+from adapt.kernels.norm_rope import rms_norm, rms_norm_torch, rope, rope_torch
 from adapt.model.tiny import tiny_path
-from adapt.runtime.attention import (
-    GQAAttention,
-    GQAWeights,
-    PagedKVCache,
-    paged_gqa_attention,
-    rms_norm,
-    rms_norm_triton,
-    rope_halves,
-    rope_pairs,
-    rope_triton,
-    write_rows,
-)
+from adapt.runtime.attention import GQAAttention, GQAWeights, write_rows
 from adapt.runtime.engine import Engine
+from adapt.runtime.kv_cache import PagedKVCache
 from adapt.runtime.model import compare_captures
 from adapt.runtime.weights import Linear
 
@@ -69,8 +61,10 @@ def test_paged_gqa_kernel_matches_torch_twin(heads, kv_heads, window, sinks):
         norm_eps=1e-6,
         window=window,
     )
-    ref = layer._attend_torch(q, batch, cache.pools[0])
-    out = paged_gqa_attention(q, cache.pools[0]["k"], cache.pools[0]["v"], batch, layer.scale, window, sink)
+    args = (cache.pools[0]["k"], cache.pools[0]["v"], batch.block_table, batch.token_seq, batch.positions,
+            batch.query_starts, layer.scale, window, sink)
+    ref = paged_gqa_attention_torch(q, *args)
+    out = paged_gqa_attention(q, *args)
     assert _rel(out, ref) < 1e-5
 
 
@@ -86,8 +80,9 @@ def test_paged_gqa_kernel_in_bf16_stays_within_bf16_tolerance():
         norm_eps=1e-6,
         window=16,
     )
-    ref = layer._attend_torch(q.float(), batch, {k: v.float() for k, v in cache.pools[0].items()})
-    out = paged_gqa_attention(q, cache.pools[0]["k"], cache.pools[0]["v"], batch, layer.scale, 16, sink)
+    tables = (batch.block_table, batch.token_seq, batch.positions, batch.query_starts, layer.scale, 16, sink)
+    ref = paged_gqa_attention_torch(q.float(), cache.pools[0]["k"].float(), cache.pools[0]["v"].float(), *tables)
+    out = paged_gqa_attention(q, cache.pools[0]["k"], cache.pools[0]["v"], *tables)
     assert _rel(out, ref) < 1e-2
 
 
@@ -97,8 +92,8 @@ def test_rms_norm_kernel_matches_torch_twin(dtype, scale_in_fp32):
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(37, 96, generator=gen) * 3).to(DEVICE, dtype)
     w = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, torch.bfloat16)
-    ref = rms_norm(x, w, 1e-6, scale_in_fp32=scale_in_fp32)
-    out = rms_norm_triton(x, w, 1e-6, scale_in_fp32=scale_in_fp32)
+    ref = rms_norm_torch(x, w, 1e-6, scale_in_fp32=scale_in_fp32)
+    out = rms_norm(x, w, 1e-6, scale_in_fp32=scale_in_fp32)
     assert out.dtype == dtype
     if dtype == torch.float32:
         assert _rel(out, ref) < 1e-6
@@ -112,8 +107,8 @@ def test_rope_kernel_matches_torch_twin(pairs):
     x = torch.randn(9, 3, 16, generator=gen).to(DEVICE)
     angles = torch.rand(9, 8, generator=gen).to(DEVICE) * 6
     cos, sin = angles.cos(), angles.sin()
-    ref = (rope_pairs if pairs else rope_halves)(x, cos, sin)
-    assert _rel(rope_triton(x, cos, sin, pairs=pairs), ref) < 1e-6
+    ref = rope_torch(x, cos, sin, pairs=pairs)
+    assert _rel(rope(x, cos, sin, pairs=pairs), ref) < 1e-6
 
 
 def _run(name, kernels, prompts, tokens, **load):

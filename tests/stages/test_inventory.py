@@ -11,21 +11,16 @@ from typer.testing import CliRunner
 
 from adapt.cli import app
 from adapt.errors import InputError
+from adapt.model.operators import FUSIONS, OP_KINDS, SemanticOp, ops_from_spec
 from adapt.model.spec import PRESETS_DIR, load_spec, spec_from_config
 from adapt.stages.inventory import (
-    FUSIONS,
-    OP_KINDS,
-    SemanticOp,
     TraceUnavailable,
     build_inventory,
-    classify,
-    format_layers,
     lift_trace,
-    ops_from_spec,
     run_inventory,
     trace_model,
-    unmet_requirements,
 )
+from adapt.targets.support import classify, format_layers, unmet_requirements
 from adapt.targets.target import load_stack, load_target, stack_names
 
 # presets: the public config.json files of deepseek-ai/DeepSeek-V3.2 and openai/gpt-oss-120b

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from adapt.stages.inventory import OP_KINDS, build_inventory
+from adapt.model.operators import OP_KINDS
+from adapt.stages.inventory import build_inventory
 from adapt.targets.target import load_stack, stack_names
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"

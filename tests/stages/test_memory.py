@@ -11,16 +11,16 @@ from typer.testing import CliRunner
 from adapt.cli import app
 from adapt.errors import InputError
 from adapt.model.spec import spec_from_config
-from adapt.report import load_gates
-from adapt.stages.memory import (
+from adapt.plan.layout import (
     GiB,
     Layout,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
     plan_memory,
     pp_stages,
-    run_plan_memory,
 )
+from adapt.report import load_gates
+from adapt.stages.memory import run_plan_memory
 
 runner = CliRunner()
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from adapt.cli import app
 from adapt.errors import InputError
 from adapt.model.spec import load_spec
-from adapt.stages.memory import (
+from adapt.plan.layout import (
     Layout,
     _stage_weights,
     kv_bytes_per_sequence,

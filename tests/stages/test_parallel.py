@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from adapt.cli import app
 from adapt.errors import InputError
+from adapt.plan.layout import Layout, layout_problems
 from adapt.report import load_gates
-from adapt.stages.memory import Layout, layout_problems
 from adapt.stages.parallel import (
     crosses_nodes,
     enumerate_layouts,

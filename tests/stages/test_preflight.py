@@ -142,3 +142,37 @@ def test_cli_preflight(tmp_path):
     assert (tmp_path / "p" / "preflight.json").is_file()
     bad = CliRunner().invoke(app, ["preflight", "--target", "no-such-target", "--output", str(tmp_path)])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+NVFP4_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "kimi-k2.6-nvfp4.json"
+
+
+@pytest.fixture
+def nvfp4_model(tmp_path):
+    """Kimi K2.6 NVFP4's published config.json (ModelOpt NVFP4 experts) as a model directory."""
+    model = tmp_path / "kimi-nvfp4"
+    model.mkdir()
+    (model / "config.json").write_text(NVFP4_CONFIG.read_text())
+    return str(model)
+
+
+@pytest.mark.parametrize("target, status, words", [
+    ("b200", "ok", "native fp4"),
+    ("h200", "warn", "Marlin"),
+    ("gaudi3", "fail", "no native fp4"),
+    ("ascend-910b", "fail", "no native fp4"),
+])
+def test_nvfp4_experts_need_native_fp4(nvfp4_model, target, status, words):
+    report = run_preflight(target, nvfp4_model, None, gpus=None)
+    check = _checks(report)["nvfp4 experts"]
+    assert check["status"] == status and words in check["detail"], check
+    if status == "fail":
+        assert report.verdict == "fail" and "re-plan stage 2" in check["detail"]
+
+
+def test_nvfp4_check_reads_the_profiles_native_dtypes(nvfp4_model, tmp_path):
+    """A Blackwell-class profile that does not list fp4 among its native dtypes does not pass."""
+    target = _target(tmp_path, "sm100-no-fp4", compute_capability="10.0",
+                     native_dtypes=["fp32", "bf16", "fp16", "fp8"])
+    assert _checks(run_preflight(target, nvfp4_model, None, gpus=None))["nvfp4 experts"]["status"] == "warn"
+    assert "nvfp4 experts" not in _checks(run_preflight("h200", "deepseek-v3.2", None, gpus=None))

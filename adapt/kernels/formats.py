@@ -1,0 +1,30 @@
+"""Data formats the kernels and the caches agree on: the KV page size, slot addressing, the FP8
+type and its limit, and whether Triton runs under its CPU interpreter. Tensors only, no models.
+
+Slot addressing: token ``p`` of a sequence lives in page ``block_table[p // PAGE_SIZE]`` at offset
+``p % PAGE_SIZE``; its slot (row of the flattened [pages * PAGE_SIZE, ...] pool) is
+``page * PAGE_SIZE + offset``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+PAGE_SIZE = 64
+"""Tokens per KV page (DSA: 64-token pages, DeepSeek-V3.2's FlashMLA and vLLM's MLA block size)."""
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
+"""Largest finite e4m3fn magnitude (OCP FP8 spec: S.1111.110 = 1.75 * 2**8)."""
+
+
+def slots_of(block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Cache slots of token ``positions`` (int64 [N]) of one sequence with pages ``block_table`` (int [P])."""
+    return block_table.to(torch.int64)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``): no bf16 dots there."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
