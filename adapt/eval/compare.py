@@ -99,7 +99,8 @@ def serve_locally(model_dir: Path, log_path: Path, *, vllm: str | None = None, h
     """Start ``vllm serve`` for ``model_dir`` on this machine with the hand-off's launch code (single
     device, float32 on a CPU) and return the running ``VllmServer`` (use it as a context manager)."""
     from adapt.handoff.smoke import local_engine_args
-    from adapt.handoff.vllm import VllmServer, cpu_env, find_vllm, free_port, has_cuda, launch_argv, serve_command
+    from adapt.handoff.vllm import VllmServer, cpu_env, find_vllm, free_port, has_cuda, launch_argv
+    from adapt.plan.launch import serve_command
 
     executable = find_vllm(vllm)
     args, _ = local_engine_args({}, cuda=has_cuda(), dtype="float32", max_model_len=512, memory_fraction=0.1)
