@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: on these machines 2.13.0 is a local CPU wheel; an open range would pull a CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# lm-eval (the eval extra) for `adapt eval` and its tests
+	$(BIN)/python -m pip install -q -e '.[dev,eval]'
 	touch $(STAMP)
 
 # vLLM for `adapt handoff --validate/--launch` and the vllm-marked tests, in its own venv (adapt calls it

@@ -230,7 +230,7 @@ def info(
 @app.command()
 def validate(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")],
-    stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-4, 6).")],
+    stage: Annotated[int, typer.Option("--stage", "-s", help="Run the gates up to this stage (1-6).")],
     target: TargetOpt,
     devices: Annotated[int, typer.Option("--devices", "-d", help="Devices in total.")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes.")] = 1,
@@ -239,6 +239,13 @@ def validate(
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="bf16 or fp8.")] = "bf16",
     weights: Annotated[str, typer.Option("--weights", help="Weight format (see plan-memory).")] = "as-stored",
     stack: Annotated[str | None, typer.Option("--stack", help="Stack table name or YAML path.")] = None,
+    layers: Annotated[str | None, typer.Option(
+        "--layers", help="Stage 5: decoder layers to run (a count or a comma list, e.g. 0,3).")] = None,
+    kernels: Annotated[str, typer.Option(
+        "--kernels", help="Stage 5: op families on adapt's kernels: all, none, or a comma list.")] = "all",
+    indexer_dtype: Annotated[str, typer.Option("--indexer-dtype", help="Stage 5: DSA indexer fp8 or bf16.")] = "fp8",
+    compute_dtype: Annotated[str, typer.Option(
+        "--compute-dtype", help="Stage 5: adapted path's compute dtype, bf16 or fp32.")] = "bf16",
     url: Annotated[str | None, typer.Option(
         "--url", help="Stage 6: load this OpenAI-compatible server instead of launching the model.")] = None,
     soak_s: Annotated[float, typer.Option("--soak-s", help="Stage 6: soak length in seconds.")] = 60.0,
@@ -256,7 +263,9 @@ def validate(
     run = RunDir(output, run_id)
     options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
                               batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack,
-                              run_path=str(run.path), url=url, soak_s=soak_s)
+                              run_path=str(run.path), url=url, soak_s=soak_s, layers=layers, kernels=kernels,
+                              indexer_dtype=indexer_dtype, compute_dtype=compute_dtype,
+                              gates_file=str(gates) if gates else None)
 
     def reused(name: str, why: str) -> None:
         if not as_json:
@@ -703,7 +712,7 @@ def demo(
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Tokens to generate.")] = 8,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run the pipeline on the embedded tiny DeepSeek-V3.2 model (tiny-dsa) into <output>/demo/."""
+    """Run stages 1-5 on the embedded tiny DeepSeek-V3.2 model (tiny-dsa) into <output>/demo/."""
     from adapt.stages.demo import run_demo
 
     say = (lambda text: None) if as_json else (lambda text: console.print(f"[cyan]demo:[/cyan] {escape(text)}"))
@@ -716,8 +725,50 @@ def demo(
         if "generations" in summary:
             agree = "agree" if summary["runtime_paths_agree"] else "DIFFER"
             console.print(f"reference and kernel paths {agree}; reports in {summary['run']}", markup=False)
+        if "precision_plot" in summary:
+            console.print(f"precision plot: {summary['precision_plot']}", markup=False, highlight=False)
     failed = any(v == "fail" for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
     raise typer.Exit(1 if failed else 0)
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Argument(help="Model directory or tiny model name.")],
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma list: adapt_mc, adapt_text, adapt_completion, "
+                                                         "or lm-eval task names.")] = "adapt_mc,adapt_text",
+    kernels: Annotated[str, typer.Option("--kernels", help="Adapted path: op families on adapt's kernels.")] = "all",
+    compute_dtype: Annotated[str, typer.Option("--compute-dtype", help="Adapted path: bf16 or fp32.")] = "bf16",
+    weights: WeightsOpt = "as-stored",
+    indexer_dtype: Annotated[str, typer.Option("--indexer-dtype", help="Adapted path: fp8 or bf16.")] = "fp8",
+    kv_dtype: KvDtypeOpt = "bf16",
+    endpoint: Annotated[str | None, typer.Option(
+        "--endpoint", help="Evaluate a served OpenAI-compatible endpoint (http://host:port) instead.")] = None,
+    serve: Annotated[bool, typer.Option("--serve", help="Start vLLM here for the model and evaluate it.")] = False,
+    limit: Annotated[int | None, typer.Option("--limit", help="Documents per task.")] = None,
+    max_drop: Annotated[list[str] | None, typer.Option(
+        "--max-drop", help="TASK=VALUE: allowed drop (points, or relative for perplexity) for one task.")] = None,
+    gates: GatesOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run lm-eval tasks on the float32 reference and on the adapted path (or an endpoint); apply the drop rule."""
+    from adapt.eval.compare import run_eval
+    from adapt.report import load_gates
+
+    overrides = {}
+    for item in max_drop or []:
+        task, _, value = item.partition("=")
+        try:
+            overrides[task] = float(value)
+        except ValueError:
+            raise InputError(f"expected TASK=NUMBER, got {item!r}", field="--max-drop") from None
+    report = run_eval(model, [t.strip() for t in tasks.split(",") if t.strip()], gates=load_gates(gates),
+                      kernels=kernels, dtype=compute_dtype, weights=weights, indexer_dtype=indexer_dtype,
+                      kv_dtype=kv_dtype, endpoint=endpoint, serve=serve, limit=limit, overrides=overrides)
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        render_report(report)
+    raise typer.Exit(report.exit_code)
 
 
 def main() -> None:

@@ -117,7 +117,13 @@ class GQAWeights:
 
 
 class GQAAttention:
-    """Grouped-query attention over the paged cache (pools 'k', 'v': [KV, D])."""
+    """Grouped-query attention over the paged cache (pools 'k', 'v': [KV, D]).
+
+    kv_round: None, or a function applied to k and v rows before they are cached (the FP8 KV
+    format of ``adapt.runtime.variants``).
+    """
+
+    kv_round = None
 
     def __init__(
         self,
@@ -162,6 +168,8 @@ class GQAAttention:
             q = rms_norm(q, self.w.q_norm, self.norm_eps, kernel=fused)
             k = rms_norm(k, self.w.k_norm, self.norm_eps, kernel=fused)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        if self.kv_round is not None:
+            k, v = self.kv_round(k), self.kv_round(v)
         write_rows(pools["k"], batch.slots, k)
         write_rows(pools["v"], batch.slots, v)
         from adapt.kernels import attention as gqa_kernels
@@ -244,7 +252,17 @@ class MLAAttention:
     keys 'index_k' [Di] (torch path) or e4m3 [Di] + 'index_scale' fp32 [] (kernel path).
     ``last_indices`` keeps the latest top-k selection
     (int32 [N, index_topk], absolute positions, -1 none) for inspection.
+
+    Precision variants (``adapt.runtime.variants.configure``): kv_round (applied to latent and rope
+    rows before caching), index_fp8 (the torch indexer rounds Hadamard-rotated q and k to e4m3
+    rows, as the kernel does); test hooks fault_index_head (the indexer kernel flips that head's
+    weight) and fault_plain_scale (the sparse MLA kernel drops YaRN's mscale**2).
     """
+
+    kv_round = None
+    index_fp8 = False
+    fault_index_head: int | None = None
+    fault_plain_scale = False
 
     def __init__(
         self,
@@ -297,6 +315,8 @@ class MLAAttention:
         latent, k_rope = apply_linear(x, self.w.kv_a).split([s.kv_lora, s.qk_rope], dim=-1)
         latent = rms_norm(latent, self.w.kv_a_norm, 1e-6, kernel=fused)
         k_rope = apply_rope(k_rope, cos, sin, pairs=s.rope_pairs, kernel=fused)
+        if self.kv_round is not None:
+            latent, k_rope = self.kv_round(latent), self.kv_round(k_rope)
         if "latent_scale" in pools:
             values, scales = quantize_fp8_groups(latent, s.kv_lora // pools["latent_scale"].shape[-1])
             write_rows(pools["latent_nope"], batch.slots, values)
@@ -343,6 +363,8 @@ class MLAAttention:
         q, k = self._index_qk(x, q_resid, cos, sin)
         if self.indexer_path == "kernel":
             return self._select_kernel(x, q, k, batch, pools)
+        if self.index_fp8:
+            q, k = self._round_index_fp8(q, k)
         write_rows(pools["index_k"], batch.slots, k)
         s = self.s
         weights = self._head_weights(x)
@@ -357,12 +379,26 @@ class MLAAttention:
             out[rows, :count] = torch.where(values == float("-inf"), -1, chosen).to(torch.int32)
         return out
 
+    def _rotation(self, device) -> torch.Tensor | None:
+        """The orthonormal Hadamard matrix [Di, Di] the FP8 indexer rotates q and k by (None: Di not a power of 2)."""
+        if self._hadamard is None and not self.s.index_dim & (self.s.index_dim - 1):
+            self._hadamard = hadamard_matrix(self.s.index_dim, device)
+        return self._hadamard
+
+    def _round_index_fp8(self, q, k) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, Hi, Di], k [N, Di] -> fp32 values of their rotated e4m3 rows (q . k is rotation invariant)."""
+        from adapt.runtime.variants import round_fp8_rows
+
+        rotation = self._rotation(q.device)
+        if rotation is not None:
+            q, k = q.float() @ rotation, k.float() @ rotation
+        return round_fp8_rows(q.float()), round_fp8_rows(k.float())
+
     def _select_kernel(self, x, q, k, batch, pools) -> torch.Tensor:
         from adapt.kernels import dsa
 
         s = self.s
-        if self._hadamard is None and not s.index_dim & (s.index_dim - 1):
-            self._hadamard = hadamard_matrix(s.index_dim, x.device)
+        self._rotation(x.device)
         if self._hadamard is not None:
             q, k = q.float() @ self._hadamard, k.float() @ self._hadamard
         q8, q_scale = dsa.quantize_fp8_rows(q.float().contiguous())
@@ -370,6 +406,8 @@ class MLAAttention:
         write_rows(pools["index_k"], batch.slots, k8)
         write_rows(pools["index_scale"], batch.slots, k_scale)
         raw = apply_linear(x.float(), self.w.index_weights_proj)
+        if self.fault_index_head is not None:
+            raw[:, self.fault_index_head] = -raw[:, self.fault_index_head]
         weights = dsa.fold_index_weights(raw, q_scale, s.index_dim)
         limits = (batch.positions + 1).to(torch.int32)
         indices, _ = dsa.index_topk(
@@ -434,7 +472,7 @@ class MLAAttention:
             batch.block_table,
             batch.token_seq,
             indices,
-            s.scale,
+            (s.qk_nope + s.qk_rope) ** -0.5 if self.fault_plain_scale else s.scale,
         )
         return torch.einsum("nhc,hvc->nhv", o_latent.float(), w_uv).to(q_nope.dtype)
 

@@ -154,6 +154,8 @@ class Engine:
         max_tokens: int = 4096,
         moe_workspace: int = 0,
         latent_fp8: bool = False,
+        formats=None,
+        faults=None,
     ) -> Engine:
         """Read config.json and the tensors of the chosen layers from ``path``.
 
@@ -162,6 +164,8 @@ class Engine:
         moe_workspace: with the MoE kernel, experts per chunk of the shared FP8 workspace (online
         MXFP4 -> e4m3 conversion of the active experts only, fp8 GEMMs); 0 decodes MXFP4 to bf16
         inside the GEMM instead; latent_fp8: MLA layers cache their latent as e4m3 + fp32 scales.
+        formats / faults: ``adapt.runtime.variants.Formats`` / ``Faults``
+        (precision variants and test hooks; None: as stored, no faults).
         """
         from adapt.runtime.weights import WeightStore
 
@@ -182,6 +186,10 @@ class Engine:
                                      max(f.expert_intermediate for f in moe), device=device)
         model = DecoderModel(spec, store, layer_ids, paths=paths, dtype=dtype, workspace=workspace,
                              latent_fp8=latent_fp8)
+        if formats is not None or faults is not None:
+            from adapt.runtime.variants import Formats, configure
+
+            configure(model, formats or Formats(), faults)
         engine = cls(model, max_tokens=max_tokens)
         engine.bytes_read = store.bytes_read
         return engine

@@ -80,7 +80,14 @@ class MoE:
     running), ``last_scores`` the scores the torch path ranks experts by (fp32 [T, E]:
     DeepSeek's biased sigmoid before the group mask, gpt-oss's logits, Qwen3's softmax; None
     otherwise and after a kernel forward).
+
+    Precision variants (``adapt.runtime.variants.configure``): expert_fp8 (the torch path computes
+    the FP8 workspace's numerics); test hook fault_expert_scale {expert: factor} (that expert's
+    down projection dequantized ``factor`` times too large, torch and kernel paths).
     """
+
+    expert_fp8 = False
+    fault_expert_scale: dict[int, float] | None = None
 
     def __init__(
         self,
@@ -160,16 +167,69 @@ class MoE:
         self.last_topk, self.last_scores = (ids, weights.float()), scores if self.keep_scores else None
         out = torch.zeros_like(x)
         hit = torch.unique(ids).tolist()
+        inputs = self._expert_inputs(x)
         for e in hit:
             token, slot = torch.where(ids == e)
-            gate_up, down, b1, b2 = self.experts.expert(e, x.dtype)
-            h = F.linear(x[token], gate_up, b1)
-            h = swiglu(h, self.experts.interleaved, self.clamped, self.alpha, self.limit)
-            y = F.linear(h, down, b2) * weights[token, slot, None]
+            y = self._apply_expert(inputs[token], e) * weights[token, slot, None]
             out.index_add_(0, token, y.to(x.dtype))
         if self.shared is not None:
             out = out + self.shared.forward(x)
         return out
+
+    def _expert_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.expert_fp8:
+            return x
+        from adapt.runtime.variants import round_fp8_rows
+
+        return round_fp8_rows(x)
+
+    def _apply_expert(self, inputs: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e`` (torch path) on rows ``inputs`` [n, hidden] (already rounded when ``expert_fp8``)."""
+        gate_up, down, b1, b2 = self._expert(e, inputs.dtype)
+        h = swiglu(F.linear(inputs, gate_up, b1), self.experts.interleaved, self.clamped, self.alpha, self.limit)
+        if self.expert_fp8:
+            from adapt.runtime.variants import round_fp8_rows
+
+            h = round_fp8_rows(h)
+        return F.linear(h, down, b2)
+
+    def expert_forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e`` alone on every row of x [T, hidden], on this layer's path and format -> [T, hidden]
+        (an operator-level check: two layers' experts compared on the same rows)."""
+        if self.path != "kernel":
+            return self._apply_expert(self._expert_inputs(x), e)
+        from adapt.kernels.moe_gemm import expert_mlp
+        from adapt.kernels.routing import combine, permute_by_expert
+
+        ids = torch.full((x.shape[0], 1), e, dtype=torch.int32, device=x.device)
+        perm = permute_by_expert(ids, self.experts.count)
+        y = expert_mlp(x.to(torch.bfloat16).contiguous(), perm, self.experts.mxfp4, top_k=1,
+                       activation="swiglu_clamped" if self.clamped else "swiglu", alpha=self.alpha,
+                       limit=self.limit, workspace=self.workspace)
+        factor = (self.fault_expert_scale or {}).get(e, 1.0)
+        ones = torch.full((x.shape[0], 1), factor, dtype=torch.float32, device=x.device)
+        return combine(y, ones, perm.slot_pos, None).to(x.dtype)
+
+    def _expert(self, e: int, dtype: torch.dtype):
+        """Expert ``e`` as the torch path multiplies it: as stored, or its FP8 fold (``expert_fp8``)."""
+        gate_up, down, b1, b2 = self.experts.expert(e, dtype)
+        if self.expert_fp8:
+            from adapt.runtime.variants import round_fp8_rows
+
+            w = self.experts.mxfp4
+            if w is not None:
+                from adapt.kernels.mxfp4 import mxfp4_to_fp8_torch
+
+                folded = []
+                for packed, scales in ((w.w1_packed[e], w.w1_scales[e]), (w.w2_packed[e], w.w2_scales[e])):
+                    f = mxfp4_to_fp8_torch(packed, scales, group_k=None, validate=False)
+                    folded.append((f.values.float() * torch.pow(2.0, f.exponents.float())).to(dtype))
+                gate_up, down = folded
+            else:
+                gate_up, down = round_fp8_rows(gate_up), round_fp8_rows(down)
+        if self.fault_expert_scale and e in self.fault_expert_scale:
+            down = down * self.fault_expert_scale[e]
+        return gate_up, down, b1, b2
 
     def _forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
         """Routing, permutation, fused MXFP4 expert GEMMs and combine from ``adapt.kernels``.
@@ -195,7 +255,14 @@ class MoE:
             gate_in = torch.cat([gate_in, gate_in.new_ones(x.shape[0], 1)], dim=1)
             gate = torch.cat([gate, self.gate.bias.float()[:, None]], dim=1)
         weights, ids = route(gate_logits(gate_in, gate), config, self.correction_bias)
+<<<<<<< HEAD
         self.last_topk, self.last_scores = (ids.long(), weights), None
+=======
+        self.last_topk = (ids.long(), weights)
+        if self.fault_expert_scale:  # a down projection k times too large scales its (bias-free) output k times
+            for expert, factor in self.fault_expert_scale.items():
+                weights = torch.where(ids == expert, weights * factor, weights)
+>>>>>>> issue-12
         perm = permute_by_expert(ids, self.experts.count)
         y = expert_mlp(
             x.to(torch.bfloat16).contiguous(),

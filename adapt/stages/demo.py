@@ -1,7 +1,9 @@
 """`adapt demo`: the whole pipeline on the embedded tiny DeepSeek-V3.2 model, on this machine.
 
 Builds tiny-dsa (deterministic, through transformers' own classes), describes it, runs the
-gates 1-4 for the ``cpu`` target into ``reports/demo/``, then generates a few greedy tokens with
+gates 1-5 for the ``cpu`` target into ``reports/demo/`` (stage 5: adapt's kernels, FP8 experts,
+indexer and KV cache in bf16 against the float32 reference, with its per-layer error plot), then
+generates a few greedy tokens with
 adapt's runtime twice: on the torch reference paths and on adapt's kernels (the Triton
 interpreter on a CPU), and says whether the two agree.
 """
@@ -31,10 +33,17 @@ def run_demo(output: Path, say: Callable[[str], None], on_report: Callable[[Stag
     say(f"{DEMO_MODEL}: {facts['model_type']}, {facts['layers']} layers, "
         f"{facts['parameters']['total']:,} parameters, checkpoint {facts['checkpoint']['total_bytes']:,} bytes")
     run = RunDir(output, "demo")
-    options = PipelineOptions(model=model_dir, target="cpu", devices=1, nodes=1, context=256, batch=2)
-    reports = validate(4, options, run, load_gates(), on_report=on_report)
+    options = PipelineOptions(model=model_dir, target="cpu", devices=1, nodes=1, context=256, batch=2,
+                              kv_dtype="fp8", weights="fp8", kernels="all", indexer_dtype="fp8",
+                              compute_dtype="bf16", run_path=str(run.path))
+    say("stage 5 runs adapt's Triton kernels under the CPU interpreter: about a minute")
+    reports = validate(5, options, run, load_gates(), on_report=on_report)
     summary: dict[str, Any] = {"model": model_dir, "run": str(run.path),
                                "gates": {r.stage: r.verdict for r in reports}}
+    plot = next((r.metrics.get("layer_error_plot") for r in reports if r.stage == "precision"), None)
+    if plot:
+        summary["precision_plot"] = plot
+        say(f"precision plot (per-layer error growth): {plot}")
     if any(r.verdict == "fail" for r in reports):
         return summary
     import torch

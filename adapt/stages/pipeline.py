@@ -63,7 +63,12 @@ class PipelineOptions:
     kv_dtype: str = "bf16"
     weights: str = "as-stored"
     stack: str | None = None
+    layers: str | None = None  # stage 5: decoder layers (count or comma list) for reduced depth
+    kernels: str = "all"  # stage 5: op families on adapt's kernels
+    indexer_dtype: str = "fp8"  # stage 5: DSA indexer format
+    compute_dtype: str = "bf16"  # stage 5: the adapted path's compute dtype
     run_path: str | None = None
+    gates_file: str | None = None  # the --gates file of the invocation (repeated in stage 5's advised commands)
     url: str | None = None
     soak_s: float = 60.0
 
@@ -104,6 +109,18 @@ def _parallel(o: PipelineOptions, gates: dict) -> StageReport:
                              batch=o.batch, kv_dtype=o.kv_dtype, weights=o.weights, gates=gates)
 
 
+def _precision(o: PipelineOptions, gates: dict) -> StageReport:
+    """Reads model, target, layers, kernels, weights, indexer_dtype, kv_dtype, compute_dtype, run_path (its plot)."""
+    from adapt.stages.precision import run_precision
+
+    return run_precision(o.model, o.target, gates=gates, layers=o.layers, kernels=o.kernels, weights=o.weights,
+                         indexer_dtype=o.indexer_dtype, kv_dtype=o.kv_dtype, compute_dtype=o.compute_dtype,
+                         report_dir=o.run_path, invocation=[
+                             "--devices", str(o.devices), "--nodes", str(o.nodes), "--context", str(o.context),
+                             "--batch", str(o.batch), *(["--stack", o.stack] if o.stack else []),
+                             *(["--gates", o.gates_file] if o.gates_file else [])])
+
+
 def _serve(o: PipelineOptions, gates: dict) -> StageReport:
     from adapt.stages.serve import ServeOptions, run_serve_stage
 
@@ -112,11 +129,14 @@ def _serve(o: PipelineOptions, gates: dict) -> StageReport:
 
 
 _PLAN_OPTIONS = ("devices", "nodes", "context", "batch", "kv_dtype", "weights")
+_PRECISION_OPTIONS = ("layers", "kernels", "weights", "indexer_dtype", "kv_dtype", "compute_dtype",
+                      "devices", "nodes", "context", "batch")  # the last four only enter the advised commands
 STAGES: dict[int, Stage] = {
     1: Stage("inventory", _inventory, reads=(), gates=("inventory",)),
     2: Stage("memory", _memory, reads=_PLAN_OPTIONS, gates=("memory",)),
     3: Stage("kernels", _kernels, reads=(), gates=("kernels",)),
     4: Stage("parallel", _parallel, reads=_PLAN_OPTIONS, gates=("memory", "parallel")),
+    5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",)),
     # stage 6 also reads the plan in stage 4's report of the same run directory (run_path)
     6: Stage("bench", _serve, reads=("url", "soak_s"), gates=("bench",)),
 }
@@ -262,6 +282,8 @@ def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str,
     numbers = [n for n in sorted(STAGES) if n <= stage]
     prints = {n: stage_fingerprint(n, options, gates) for n in numbers}
     reports = []
+    if options.run_path is None:
+        options.run_path = str(run.path)
     for number in numbers:
         name = STAGES[number].name
         if number < stage:
