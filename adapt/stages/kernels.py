@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapt.errors import InputError
+from adapt.kernels.formats import interpreting, use_interpreter
 from adapt.model.operators import ops_from_spec
 from adapt.model.spec import LayerSpec, ModelSpec, load_spec
 from adapt.report import EXIT_BAD_INPUT, Finding, StageReport, fingerprint, load_gates, now_iso
@@ -208,12 +209,8 @@ def interpreter_state() -> str:
     own ``@triton.jit`` helpers cannot be interpreted in this process.
     """
     if "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
-        return "interpreter"
-    import triton.language.standard as standard
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return "interpreter" if isinstance(standard.sum, InterpretedFunction) else "compiled"
+        use_interpreter(force=True)
+    return "interpreter" if interpreting() else "compiled"
 
 
 def _run_in_interpreter_process(model: str, target: str, stack: str | None, gates: dict) -> StageReport:
