@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ import triton
 
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _git_commit
-from adapt.bench.timer import graph_time_us
+from adapt.bench.timer import graph_time_us, time_cuda
 from adapt.errors import InputError
 from adapt.model.spec import load_spec
 
@@ -80,6 +81,17 @@ def _uniform_routing(t: int, e: int, k: int, device: str):
     return w / w.sum(-1, keepdim=True), ids
 
 
+def _point(t: int, e: int, k: int, h: int, device: str):
+    """One timed point's inputs: x [t, h] bf16, the permutation of uniform random routing, and the
+    number of experts it activates."""
+    from adapt.kernels.routing import permute_by_expert
+
+    x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+    _, ids = _uniform_routing(t, e, k, device)
+    perm = permute_by_expert(ids, e)
+    return x, perm, int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item())
+
+
 def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1.702, limit=7.0):
     """Baseline: torch._grouped_mm over dequantized bf16 weights (w*t: [E, K, N] views)."""
     from adapt.kernels.moe_gemm import swiglu_torch
@@ -94,6 +106,237 @@ def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1
 
     return run
 
+
+
+PEER_SOURCE = "triton_kernels (triton-lang/triton python/triton_kernels, tag v3.6.0), matmul_ogs"
+"""The peer timed beside adapt when ``triton_kernels`` is importable (e.g. ``PYTHONPATH=.peer``, a
+git-ignored copy; never part of adapt)."""
+
+
+def _peer_setup(routed, shape: dict, source: str = "codes"):
+    """The peer's weights for one shape, or the reason it cannot run (a string).
+
+    Reuses adapt's random MXFP4 codes: ``w*_packed`` [E, N, K/32, 16] uint8 (K packed two codes a
+    byte) viewed as the peer's [E, K/2, N] (K the MX axis) and ``w*_scales`` [E, N, K/32] E8M0 as
+    [E, K/32, N], then converted to the peer's Hopper value layout and to its Hopper scale layout for
+    4 and 8 warps (the peer's bench picks 4 warps up to 512 rows). source "downcast": instead, the
+    peer's own quantizer (``downcast_to_mxfp`` along K) applied to adapt's weights dequantized to
+    bf16 [E, K, N], as the peer's bench builds its weights. Returns a dict of the peer's inputs."""
+    try:
+        import triton_kernels.swiglu as tk_swiglu
+        from triton_kernels.matmul_ogs import FnSpecs, FusedActivation, PrecisionConfig, matmul_ogs
+        from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
+        from triton_kernels.tensor_details import layout
+    except ImportError as exc:
+        return f"triton_kernels not importable: {exc}"
+    try:
+        e, h, inter = shape["experts"], shape["hidden"], shape["intermediate"]
+
+        def weights(packed, scales, n, k):
+            if source == "downcast":
+                from triton_kernels.numerics_details.mxfp import downcast_to_mxfp
+
+                from adapt.kernels.mxfp4 import dequantize_mxfp4
+
+                dense = dequantize_mxfp4(packed.view(e, n, k // 2), scales, torch.bfloat16, validate=False)
+                packed_kn, scales_kn = downcast_to_mxfp(dense.transpose(1, 2), torch.uint8, axis=1)
+                del dense
+                packed, scales = packed_kn.transpose(1, 2), scales_kn.transpose(1, 2)
+            vals = wrap_torch_tensor(packed.reshape(e, n, k // 2).transpose(1, 2), dtype=FP4)
+            vl, vo = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+            w = convert_layout(vals, vl, **vo)
+            sc = {}
+            for warps in (4, 8):
+                sl, so = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=warps)
+                sc[warps] = convert_layout(wrap_torch_tensor(scales.transpose(1, 2)), sl, **so)
+            return w, sc
+
+        w1, s1 = weights(routed.w1_blocks, routed.w1_scales, 2 * inter, h)
+        w2, s2 = weights(routed.w2_blocks, routed.w2_scales, h, inter)
+        # the peer's SwiGLU is gpt-oss's (interleaved gate/up, alpha 1.702, clamp 7); the DeepSeek-V3
+        # shape runs it too: same bytes and MMAs, a different elementwise function
+        act = FusedActivation(FnSpecs("swiglu", tk_swiglu.swiglu_fn, ("alpha", "limit"), reduction_n=2), (1.702, 7.0))
+        b1 = routed.w1_bias.float() if routed.w1_bias is not None else None
+        b2 = routed.w2_bias.float() if routed.w2_bias is not None else None
+        return dict(matmul_ogs=matmul_ogs, PrecisionConfig=PrecisionConfig, w1=w1, s1=s1, w2=w2, s2=s2,
+                    act=act, b1=b1, b2=b2)
+    except Exception as exc:  # noqa: BLE001 - the peer's failure is recorded, adapt's rows go on
+        return f"triton_kernels setup failed: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.float32, parts: dict | None = None):
+    """The peer's MoE experts at one T: gate-up matmul_ogs (gather, SwiGLU fused) then down matmul_ogs
+    (scatter + weighted combine over the k experts), routing from the peer's own top-k over random
+    logits computed once outside the timed call (as adapt's variants get ``perm``)."""
+    from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
+    from triton_kernels.tensor import make_ragged_tensor_metadata
+    from triton_kernels.topk import topk
+
+    logits = torch.randn(t, e, device=x.device, dtype=logits_dtype)
+    sparse = topk(logits, k, apply_softmax=True)
+    if parts is not None:
+        parts["sparse"] = sparse
+    dispatch = sparse.mask_metadata.row_sorted_indx
+    combine = sparse.mask_metadata.col_sorted_indx
+    ragged = make_ragged_tensor_metadata(sparse.mask_metadata.col_sum, dispatch.shape[0])
+    rdata = RoutingData(sparse.vals.flatten()[combine], ragged.slice_sizes, e, k, ragged)
+    gather, scatter = GatherIndx(combine, dispatch), ScatterIndx(dispatch, combine)
+    warps = 4 if t <= 512 else 8
+    pc1 = peer["PrecisionConfig"](weight_scale=peer["s1"][warps])
+    pc2 = peer["PrecisionConfig"](weight_scale=peer["s2"][warps])
+    mm = peer["matmul_ogs"]
+
+    def run():
+        y = mm(x, peer["w1"], peer["b1"], rdata, gather_indx=gather, precision_config=pc1,
+               fused_activation=peer["act"])
+        if parts is not None:
+            parts["gemm1"] = y
+        return mm(y, peer["w2"], peer["b2"], rdata, scatter_indx=scatter, precision_config=pc2)
+
+    return run
+
+
+PEER_CANDIDATES = (("codes", torch.float32), ("codes", torch.bfloat16), ("downcast", torch.bfloat16))
+"""Peer setups tried in order until one gives finite outputs: adapt's MXFP4 codes re-laid out, with
+fp32 or bf16 router logits, then the peer's own quantizer over the same weights in bf16."""
+
+
+def _peer_reference_error(peer_out, parts: dict, x, routed, shape: dict) -> float:
+    """||peer - reference|| / ||reference|| for the peer's own routing: float32 torch over adapt's
+    dequantized experts with the peer's SwiGLU (interleaved gate/up, alpha 1.702, clamp 7, (up + 1)),
+    biases added per expert, outputs weighted by the peer's top-k weights and summed."""
+    from adapt.kernels.mxfp4 import dequantize_mxfp4
+
+    idx, vals = parts["sparse"].indx.long(), parts["sparse"].vals.float()
+    ref = torch.zeros(x.shape[0], shape["hidden"], device=x.device)
+    for ex in idx.unique().tolist():
+        rows, slot = (idx == ex).nonzero(as_tuple=True)
+        w1 = dequantize_mxfp4(routed.w1_packed[ex], routed.w1_scales[ex], torch.float32, validate=False)
+        w2 = dequantize_mxfp4(routed.w2_packed[ex], routed.w2_scales[ex], torch.float32, validate=False)
+        h1 = x[rows].float() @ w1.T
+        if routed.w1_bias is not None:
+            h1 = h1 + routed.w1_bias[ex].float()
+        g, u = h1[:, 0::2].clamp(max=7.0), h1[:, 1::2].clamp(-7.0, 7.0)
+        h = (g * torch.sigmoid(1.702 * g) * (u + 1)).to(torch.bfloat16).float()
+        y = h @ w2.T
+        if routed.w2_bias is not None:
+            y = y + routed.w2_bias[ex].float()
+        ref.index_add_(0, rows, y * vals[rows, slot, None])
+    return float((peer_out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[str] | None = None,
+                   budget_s: float = 1e9) -> dict:
+    """The peer beside adapt's planar kernel only (no other variant is built): same seed and so the
+    same MXFP4 codes as ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. At the first T of
+    each shape the setups of ``PEER_CANDIDATES`` are tried until one gives finite outputs (each try
+    recorded, GEMM1 and GEMM2 checked apart), and at T = 16 the peer is checked against a float32
+    reference of its own routing. Writes moe_bench.json / .md to out_dir after every T."""
+    from adapt.kernels.moe_gemm import expert_mlp
+    from adapt.kernels.moe_planar import PlanarExperts
+    from adapt.kernels.moe_weights import mxfp4_expert_bytes
+
+    start = time.monotonic()
+    tokens, shapes = tokens or DEFAULT_TOKENS, shapes or list(SHAPES)
+    ceil = measure_ceilings()
+    rows, tries = [], []
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": _git_commit(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "ceilings": ceil, "rows": rows, "memory": [], "sweep": [],
+        "peer": PEER_SOURCE, "peer_tries": tries,
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (out_dir / "moe_bench.json").write_text(json.dumps(result, indent=1))
+        (out_dir / "moe_bench.md").write_text(_markdown(result))
+
+    for name in shapes:
+        shape = SHAPES[name]
+        torch.manual_seed(0)
+        routed, _ = _random_layer(shape, DEVICE)
+        e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
+        planar = PlanarExperts.from_weights(routed)
+        expert_bytes = mxfp4_expert_bytes(h, inter)
+        peer, chosen, tried = None, None, False
+        for t in tokens:
+            if time.monotonic() > start + budget_s:
+                rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
+                continue
+            x, perm, active = _point(t, e, k, h, DEVICE)
+            flops, wbytes = 6 * t * k * h * inter, active * expert_bytes
+            floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
+            variants = {}
+            if t <= PLANAR_MAX_TOKENS:
+                variants["planar"] = partial(expert_mlp, x, perm, routed, compute="bf16", planar=planar, top_k=k,
+                                             activation=shape["activation"])
+            if chosen is None and not tried:
+                tried = True
+                for source, ldt in PEER_CANDIDATES:
+                    if peer is None or peer.get("source") != source:
+                        peer = None
+                        torch.cuda.empty_cache()
+                        got = _peer_setup(routed, shape, source)
+                        if isinstance(got, str):
+                            tries.append({"shape": name, "source": source, "error": got})
+                            continue
+                        peer = dict(got, source=source)
+                    parts = {}
+                    try:
+                        out = _peer_variant(peer, x, t, e, k, ldt, parts)()
+                        torch.cuda.synchronize()
+                        g1 = bool(torch.isfinite(parts["gemm1"]).all())
+                        g2 = bool(torch.isfinite(out).all())
+                        tries.append({"shape": name, "source": source, "logits": str(ldt), "tokens": t,
+                                      "gemm1_finite": g1, "gemm2_finite": g2,
+                                      "gemm1_absmax": float(parts["gemm1"].float().nan_to_num().abs().max())})
+                    except Exception as exc:  # noqa: BLE001 - recorded
+                        tries.append({"shape": name, "source": source, "logits": str(ldt),
+                                      "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                        continue
+                    print(f"{name} peer try {tries[-1]}", flush=True)
+                    if g1 and g2:
+                        chosen = (source, ldt)
+                        break
+                if chosen is None:
+                    peer = None
+            if chosen is not None:
+                parts = {}
+                variants["peer"] = _peer_variant(peer, x, t, e, k, chosen[1], parts)
+            for vname, fn in variants.items():
+                try:
+                    out = fn()
+                    torch.cuda.synchronize()
+                    if not bool(torch.isfinite(out).all()):
+                        raise ValueError("output not finite")
+                    err = None
+                    if vname == "peer" and t == 16:
+                        err = _peer_reference_error(out, parts, x, routed, shape)
+                    timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
+                except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row
+                    rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
+                    print(f"{name} T={t} {vname}: FAILED {str(exc)[:200]}", flush=True)
+                    continue
+                us = timing.median_us
+                row = {
+                    "shape": name, "tokens": t, "variant": vname, "time_us": us, "active_experts": active,
+                    "weight_tbps": wbytes / us / 1e6, "tflops": flops / us / 1e6, "byte_floor_us": floor_us,
+                    "x_floor": us / floor_us, "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
+                    "rel_err_vs_reference": err,
+                    "timer": timing.mode + (f" ({timing.fallback})" if timing.fallback else ""),
+                }
+                if vname == "peer":
+                    row["peer_setup"] = f"{chosen[0]}, logits {chosen[1]}"
+                rows.append(row)
+                print(f"{name:13s} T={t:6d} {vname:8s} {us:10.1f} us  {row['copy_fraction']:.2f} of copy  "
+                      f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+            save()
+        routed = planar = peer = None
+        torch.cuda.empty_cache()
+    save()
+    return result
 
 LAYER_MAX_TOKENS = 1024
 """The whole-layer variants are timed up to this T (above it the expert GEMMs dominate)."""
@@ -280,22 +523,28 @@ def _bench_shape(
     )
     expert_bytes = mxfp4_expert_bytes(h, inter)
     planar = PlanarExperts.from_weights(routed)
+    peer = _peer_setup(routed, shape) if only is None or "peer" in only else "not requested"
+    if isinstance(peer, str):
+        print(f"{name}: peer not timed: {peer}", flush=True)
+        rows.append({"shape": name, "tokens": 0, "variant": "peer", "error": peer})
     shape = dict(shape, name=name)
     for t in tokens:
         if time.monotonic() > deadline:
             print(f"{name} T={t}: skipped (time budget)", flush=True)
             rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
             continue
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-        _, ids = _uniform_routing(t, e, k, dev)
-        perm = permute_by_expert(ids, e)
-        active = int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item())
+        x, perm, active = _point(t, e, k, h, dev)
         flops = 6 * t * k * h * inter
         wbytes = active * expert_bytes
         floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
         variants = _variants(
             x, perm, routed, shared, offline, ws, w1t, w2t, gate, bias, router, shape, layer, planar
         )
+        if not isinstance(peer, str):
+            try:
+                variants["peer"] = _peer_variant(peer, x, t, e, k)
+            except Exception as exc:  # noqa: BLE001 - recorded; adapt's rows go on
+                rows.append({"shape": name, "tokens": t, "variant": "peer", "error": f"routing: {exc}"[:300]})
         if only is not None:
             variants = {n: f for n, f in variants.items() if n in only or n == "bf16"}
         ref = variants["bf16"]().float()
@@ -304,11 +553,18 @@ def _bench_shape(
         for vname, fn in variants.items():
             try:
                 err = None
-                if not vname.startswith("layer"):
+                if vname == "peer":
+                    # the peer routes by its own top-k, so its output is not comparable with ref:
+                    # check that it is finite and of the right shape only
+                    out = fn()
+                    if tuple(out.shape) != tuple(ref.shape) or not bool(torch.isfinite(out).all()):
+                        raise ValueError(f"peer output shape {tuple(out.shape)} or values not finite")
+                elif not vname.startswith("layer"):
                     out = fn().float()
                     err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-                us = graph_time_us(fn, reps=10 if t >= 4096 else 20)
-            except (RuntimeError, ValueError) as exc:
+                timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
+                us = timing.median_us
+            except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row, the others go on
                 rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
                 print(f"{name} T={t} {vname}: FAILED {str(exc)[:200]}", flush=True)
                 continue
@@ -324,6 +580,7 @@ def _bench_shape(
                 "x_floor": us / floor_us,
                 "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
                 "rel_diff_vs_bf16": err,
+                "timer": timing.mode + (f" ({timing.fallback})" if timing.fallback else ""),
             }
             rows.append(row)
             print(
@@ -638,7 +895,7 @@ def run_moe_bench(
         "rows": rows,
         "memory": mems,
         "sweep": sweep_rows,
-        "peer": "triton_kernels not timed: no copy of python/triton_kernels (v3.6.0) was available to this run",
+        "peer": PEER_SOURCE + " when importable (rows named peer); else a row with the reason",
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -690,7 +947,11 @@ if __name__ == "__main__":
         action="store_true",
         help="DeepSeek-V3 at T in 1, 64, 16384 only (the acceptance lines)",
     )
+    ap.add_argument("--peer-only", action="store_true", help="time only the peer beside adapt's planar kernel")
     args = ap.parse_args()
+    if args.peer_only:
+        run_peer_bench(args.out_dir, args.tokens, args.shapes, args.budget_s)
+        raise SystemExit(0)
     res = run_moe_bench(
         args.out_dir,
         args.tokens,
