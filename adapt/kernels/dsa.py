@@ -48,6 +48,7 @@ import triton.language as tl
 
 from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
+from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
 from adapt.kernels.topk import topk_indices, topk_indices_torch
 
 # Stacked prefill tile, fastest of the sweep on an H200 at 128K (2026-11-30, commit 0375b39: 4 rows x 64
@@ -59,6 +60,8 @@ PREFILL_WARPS = 8
 KEY_BLOCK = 128
 DEFAULT_PROGRAMS = 1024
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
+_E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @triton.jit
@@ -69,8 +72,8 @@ def _quantize_fp8_rows_kernel(x_ptr, out_ptr, scale_ptr, n_rows, dim,
     mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)
     offs = rows[:, None].to(tl.int64) * dim + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
-    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR) / _E4M3_MAX  # fp8.amax_scale, in the kernel
+    q = tl.clamp(x / scale[:, None], -_E4M3_MAX, _E4M3_MAX)
     if STORE_FP32:
         tl.store(out_ptr + offs, q, mask=mask)
     else:
@@ -81,8 +84,8 @@ def _quantize_fp8_rows_kernel(x_ptr, out_ptr, scale_ptr, n_rows, dim,
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each row (last axis) of ``x`` to e4m3 with one fp32 scale per row (Triton).
 
-    x: [..., D] any float dtype. Returns (e4m3 [..., D], fp32 scale [...]), scale =
-    max(amax, 1e-4) / 448. Bytes: read N * D * elt, write N * (D + 4).
+    x: [..., D] any float dtype. Returns (e4m3 [..., D], fp32 scale [...]), scale by
+    ``fp8.amax_scale`` (max(amax, 1e-4) / 448). Bytes: read N * D * elt, write N * (D + 4).
 
     Under the interpreter the kernel stores the scaled fp32 values and torch casts them:
     the interpreter's fp32 -> e4m3 conversion drops the carry when rounding crosses a power
@@ -104,11 +107,9 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_fp8_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of ``quantize_fp8_rows``."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(1e-4) / FP8_E4M3_MAX
-    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
-    return q, scale
+    """Torch twin of ``quantize_fp8_rows``: one ``fp8.amax_scale`` group per row."""
+    q, scale = quantize_fp8_groups(x, x.shape[-1], amax_scale)
+    return q, scale.squeeze(-1)
 
 
 def fold_index_weights(weights: torch.Tensor, q_scale: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ Slot addressing: token ``p`` of a sequence lives in page ``block_table[p // PAGE
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -26,5 +27,24 @@ def slots_of(block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
 
 
 def interpreting() -> bool:
-    """Whether Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``): no bf16 dots there."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton kernels run under the CPU interpreter (no bf16 dots there): the one check.
+
+    Before triton is imported: whether ``TRITON_INTERPRET=1`` is set (triton reads it then). After:
+    whether triton's own ``@triton.jit`` helpers were built for the interpreter, which is what
+    decides whether kernels can run here (setting the variable later changes nothing).
+    """
+    if "triton" not in sys.modules:
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.sum, InterpretedFunction)
+
+
+def use_interpreter(force: bool = False) -> None:
+    """Ask for the Triton interpreter (``TRITON_INTERPRET=1``) before triton is imported; ``force``
+    overrides a value already set. No effect on a triton imported earlier (see ``interpreting``)."""
+    if force:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")

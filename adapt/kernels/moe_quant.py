@@ -1,9 +1,11 @@
 """FP8 (e4m3) quantisation of MoE activations with power-of-two scales, per row or per 1x128 group.
 
 ``quantize_fp8_rows(x, group) -> (e4m3 [R, K], fp32 scales [R] or [R, K/group])`` and its twin
-``quantize_fp8_rows_torch``. The scale of a row (or group) is 2**e with the smallest integer e such
-that amax <= 448 * 2**e (448: the largest e4m3 normal), so x * 2**-e is exact before the single
-rounding to e4m3; e is clamped to [-126, 127] (all-zero rows get 2**-126).
+``quantize_fp8_rows_torch``. The scale rule is ``adapt.kernels.fp8.pow2_scale``: 2**e with the
+smallest integer e such that amax <= 448 * 2**e (448: the largest e4m3 normal), so x * 2**-e is
+exact before the single rounding to e4m3; e is clamped to [-126, 127] (all-zero rows get 2**-126).
+The Triton kernel computes the same e from the fp32 bits of amax: 448 = 1.75 * 2**E4M3_MAX_EXP, so
+e = exponent(amax) - E4M3_MAX_EXP, plus one when amax's mantissa exceeds 1.75.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
+from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX
+from adapt.kernels.fp8 import pow2_scale, quantize_fp8_groups
 from adapt.kernels.moe_tiles import num_sms
 from adapt.kernels.mxfp4 import pow2_f32, to_e4m3
 
@@ -20,21 +24,16 @@ FP8_GROUP = 128
 """Elements per activation scale group with act_quant='group128' (DeepSeek's 1x128)."""
 
 
-def _pow2_scale_exponent_torch(amax: torch.Tensor) -> torch.Tensor:
-    """Smallest e with amax <= 448 * 2**e, from fp32 bits (clamped to [-126, 127])."""
-    bits = amax.float().contiguous().view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).int()
-    return e.clamp(-126, 127)
+_E4M3_MAX_EXP = tl.constexpr(int(FP8_E4M3_MAX).bit_length() - 1)
+"""8: 448 = 1.75 * 2**8 (formats.FP8_E4M3_MAX)."""
+_E4M3_MAX_MANTISSA = tl.constexpr(int((FP8_E4M3_MAX / 2 ** _E4M3_MAX_EXP.value - 1) * (1 << 23)))
+"""0x600000: the fp32 mantissa bits of 1.75."""
 
 
 def quantize_fp8_rows_torch(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``quantize_fp8_rows``: x [R, K] -> (e4m3 [R, K], fp32 pow2 scales [R] or [R, K/group])."""
     r, k = x.shape
-    g = k if group is None else group
-    xf = x.float().reshape(r, k // g, g)
-    e = _pow2_scale_exponent_torch(xf.abs().amax(dim=-1))
-    q = (xf * torch.pow(2.0, -e.float()).unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(r, k)
-    scale = torch.pow(2.0, e.float())
+    q, scale = quantize_fp8_groups(x, k if group is None else group, pow2_scale)
     return q, (scale[:, 0].contiguous() if group is None else scale)
 
 
@@ -69,7 +68,8 @@ def _quantize_fp8_rows_kernel(
                 amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * k + kk, mask=m, other=0.0).to(tl.float32)))
             a = tl.max(amax, axis=0)
             bits = a.to(tl.int32, bitcast=True)
-            e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+            # fp8.pow2_scale, from the bits of amax
+            e = ((bits >> 23) & 0xFF) - 127 - _E4M3_MAX_EXP + ((bits & 0x7FFFFF) > _E4M3_MAX_MANTISSA).to(tl.int32)
             e = tl.minimum(tl.maximum(e, -126), 127)
             inv = pow2_f32(-e)
             for k0 in range(0, GROUP, BLOCK_K):
@@ -88,8 +88,8 @@ def quantize_fp8_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16/fp32 [R, K] -> (e4m3 [R, K], fp32 power-of-two scales [R] (group None) or [R, K/group]).
 
-    Scale 2**e with the smallest e such that amax <= 448 * 2**e, so x * 2**-e is exact before the
-    one e4m3 rounding. row_range: int32 [2] on the device, rows [lo, hi) to quantise (others are
+    Scale by ``fp8.pow2_scale`` (2**e, smallest e with amax <= 448 * 2**e), so x * 2**-e is exact
+    before the one e4m3 rounding. row_range: int32 [2] on the device, rows [lo, hi) to quantise (others are
     left untouched in ``out``). Bytes: reads 2*K (twice), writes K + 4*K/group per row.
     """
     r, k = x.shape
@@ -97,7 +97,7 @@ def quantize_fp8_rows(
     if k % g:
         raise InputError(f"activation group {group} does not divide K={k}", field="act_quant")
     if out is None:
-        q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
+        q = torch.empty(r, k, dtype=FP8_DTYPE, device=x.device)
         s = torch.empty((r,) if group is None else (r, k // g), dtype=torch.float32, device=x.device)
     else:
         q, s = out

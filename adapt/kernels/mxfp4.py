@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
-from adapt.kernels.formats import interpreting
+from adapt.kernels.formats import FP8_E4M3_MAX, interpreting
 
 MX_BLOCK = 32
 """Elements per E8M0 scale (OCP MX v1.0)."""
@@ -63,6 +63,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 INTERPRET = interpreting()
 """True when Triton kernels run under the CPU interpreter (no bf16 arithmetic there)."""
 SOFT_E4M3_ROUNDING = tl.constexpr(INTERPRET)
+_E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
 """The interpreter's fp32 -> e4m3 / bf16 casts mis-round; round in fp32 first there."""
 
 
@@ -241,7 +242,7 @@ def to_e4m3(v):
         e = tl.maximum(((f.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
         ulp = pow2_f32(e - 3)
         q = ((f / ulp + 12582912.0) - 12582912.0) * ulp
-        return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+        return tl.minimum(tl.maximum(q, -_E4M3_MAX), _E4M3_MAX).to(tl.float8e4nv)
     else:
         return v.to(tl.float8e4nv)
 

@@ -243,14 +243,11 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     batch-1 decode, and 1 when N x heads already fills the GPU). Extra bytes with splits > 1:
     N * splits * H * (R + 1) * 4 written and read back.
 
-    Shared memory per program, e4m3 latent, R 512, Dr 64 (H200 limit 227 KB), as Triton 3.6
-    reports it for sm_90 (ahead-of-time compile of this kernel): block_h 64, block_k 64, v_split
-    2, qk_chunk 128, 1 stage: 104 KB; block_h 128, block_k 32, v_split 4, 2 stages: 153 KB;
-    fused (v_split 1, qk_chunk 512), block_h 64, block_k 32, 1 or 2 stages: 105 KB, 128 KB with
-    splits > 1. Every one of these tiles uses 255 registers per thread and spills (0.1-3 KB of
-    stack per thread); the fewest spills: qk_chunk 512, v_split 2, block_k 32, 2 stages, split.
-    The defaults for an fp8 latent of rank 512 on the GPU are the fastest tile measured on an H200 at
-    batch 64 (fused, block_k 64, 1 stage: 139 KB shared, 255 registers, no stack).
+    Defaults: an fp8 latent of rank 512 on the GPU takes the fused tile (v_split 1, qk_chunk 512)
+    with block_k 64 and 1 stage; otherwise block_k 64 (16 under the interpreter), v_split 2 at
+    rank 512 (1 below it and under the interpreter), qk_chunk 128. Why these tiles (shared memory,
+    registers and times per tile on an H200): benchmarks/dsa/README.md, "Tile notes moved from the
+    kernel docstrings".
     """
     n_rows, n_heads, rank = q_nope.shape
     rope = q_rope.shape[-1]
@@ -261,9 +258,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fp8 = latent_scale is not None
     group = rank // latent_scale.shape[-1] if fp8 else rank
     interpreting = _interpreting()
-    # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage, fastest measured on an H200
-    # at batch 64 x 128K decode (2026-11-30, benchmarks/gpu-2026-11-30-dsa: 244 us at commit 0375b39; two
-    # stages 256-261 us; 32 positions 358 us; v_split 2 / qk_chunk 128 518 us).
+    # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage (the sweep: benchmarks/dsa/README.md)
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
     block_k = block_k or (16 if interpreting else 64)

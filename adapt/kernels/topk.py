@@ -26,10 +26,9 @@ Launches: 2 * 32 / digit_bits + 2, no host sync (capturable in a CUDA graph). By
 fit in it: a decode step's 64 x 128K scores are 32 MiB, under the H200's 50 MB L2), 4 * k written.
 A 2**b-bin ``tl.histogram`` costs about b warp ballots plus 2**b / 32 bin counts per 32 keys:
 4-bit digits (8 passes) are cheaper in issue slots when many rows fill the GPU, 8-bit digits
-(4 passes) need fewer launches when few rows leave it idle.
-
-First version (2026-11-30, H200, commit 8cbbe8e): one program per row, 8-bit digits, took
-441 us for one row and 443 us for 64 rows of 128K (torch.topk: 55 and 144 us): one SM per row.
+(4 passes) need fewer launches when few rows leave it idle. Programs per row: one per slice of
+``slice_size`` scores (a one-program-per-row form leaves all but one SM idle per row; its H200
+times are in benchmarks/gpu-2026-11-30-dsa/README.md).
 """
 
 from __future__ import annotations

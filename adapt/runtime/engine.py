@@ -19,7 +19,6 @@ no GPU is present; it must run before any Triton kernel module is imported).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 from adapt.errors import InputError
-from adapt.kernels.formats import PAGE_SIZE
+from adapt.kernels.formats import PAGE_SIZE, use_interpreter
 from adapt.model.spec import load_spec
 from adapt.runtime.model import OP_FAMILIES, Capture, DecoderModel
 from adapt.runtime.moe import MoE
@@ -40,7 +39,7 @@ ProgressFn = Callable[[str, int, int, float], None]
 def prepare_triton() -> None:
     """Run Triton kernels in the interpreter when there is no CUDA device (before importing kernels)."""
     if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        use_interpreter()
 
 
 def parse_kernels(spec: str | dict[str, str] | None) -> dict[str, str]:

@@ -29,15 +29,13 @@ top-k rows that disagree -> max_topk_mismatch_rows.
 On a machine without CUDA the kernels run under the Triton interpreter: ``TRITON_INTERPRET=1``
 is set before triton is first imported, and the report says so. Triton decides at import time;
 when this process imported it earlier without the flag (the CLI's stage 1 imports the kernel
-modules), the checks run in a fresh ``python -m adapt.stages.kernels`` with the flag set.
+modules), the checks run in a fresh ``python -m adapt.stages.kernels`` with the flag set
+(``adapt.runtime.interpreter_process``).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -45,9 +43,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapt.errors import InputError
+from adapt.kernels.formats import interpreting, use_interpreter
 from adapt.model.operators import ops_from_spec
 from adapt.model.spec import LayerSpec, ModelSpec, load_spec
-from adapt.report import EXIT_BAD_INPUT, Finding, StageReport, fingerprint, load_gates, now_iso
+from adapt.report import StageReport, fingerprint, load_gates, now_iso
+from adapt.runtime.interpreter_process import run_in_interpreter_process, serve_request
 from adapt.targets.support import GapRow, classify
 from adapt.targets.target import load_stack, load_target
 
@@ -208,48 +208,14 @@ def interpreter_state() -> str:
     own ``@triton.jit`` helpers cannot be interpreted in this process.
     """
     if "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
-        return "interpreter"
-    import triton.language.standard as standard
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return "interpreter" if isinstance(standard.sum, InterpretedFunction) else "compiled"
-
-
-def _run_in_interpreter_process(model: str, target: str, stack: str | None, gates: dict) -> StageReport:
-    """Run this stage in a fresh Python with TRITON_INTERPRET=1 (this one imported triton without
-    it) and rebuild its report."""
-    request = json.dumps({"model": model, "target": target, "stack": stack, "gates": gates})
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "adapt.stages.kernels"], input=request, capture_output=True,
-                          text=True, env=env, timeout=CHILD_TIMEOUT_S)
-    if done.returncode == EXIT_BAD_INPUT:
-        data = json.loads(done.stdout)
-        raise InputError(data["message"], file=data.get("file"), field=data.get("field"),
-                         hint=data.get("hint"))
-    if done.returncode != 0:
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        report = StageReport(stage="kernels", number=3, title=TITLE, started=now_iso())
-        report.add("error", "kernels.crashed", f"the interpreter process exited {done.returncode}: {tail}")
-        report.finished = now_iso()
-        return report
-    data = json.loads(done.stdout)
-    data.pop("schema", None)
-    data["findings"] = [Finding(**f) for f in data["findings"]]
-    return StageReport(**data)
+        use_interpreter(force=True)
+    return "interpreter" if interpreting() else "compiled"
 
 
 def _child_main() -> None:
-    """``python -m adapt.stages.kernels``: read a request (JSON on stdin), print the report's JSON."""
-    request = json.loads(sys.stdin.read())
-    try:
-        report = run_kernel_tests(request["model"], request["target"], stack=request["stack"],
-                                  gates=request["gates"], device="cpu")
-    except InputError as exc:
-        print(json.dumps({"message": exc.message, "file": str(exc.file) if exc.file else None,
-                          "field": exc.field, "hint": exc.hint}))
-        sys.exit(EXIT_BAD_INPUT)
-    print(report.to_json())
+    """``python -m adapt.stages.kernels``: the interpreter process of ``run_in_interpreter_process``."""
+    serve_request(lambda r: run_kernel_tests(r["model"], r["target"], stack=r["stack"], gates=r["gates"],
+                                             device="cpu"))
 
 
 # ---------------------------------------------------------------- comparisons
@@ -861,7 +827,9 @@ def run_kernel_tests(model: str, target: str, stack: str | None = None, gates: d
     ops, _ = ops_from_spec(spec)
     needs, others = needed_kernels(spec, [classify(op, table, tgt) for op in ops])
     if device == "cpu" and needs and not interpreting:
-        return _run_in_interpreter_process(model, target, stack, gates)
+        return run_in_interpreter_process("adapt.stages.kernels",
+                                          {"model": model, "target": target, "stack": stack, "gates": gates},
+                                          stage="kernels", number=3, title=TITLE, timeout_s=CHILD_TIMEOUT_S)
     for row in others:
         if row.status in ("native", "composable"):
             continue
