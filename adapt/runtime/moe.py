@@ -255,14 +255,10 @@ class MoE:
             gate_in = torch.cat([gate_in, gate_in.new_ones(x.shape[0], 1)], dim=1)
             gate = torch.cat([gate, self.gate.bias.float()[:, None]], dim=1)
         weights, ids = route(gate_logits(gate_in, gate), config, self.correction_bias)
-<<<<<<< HEAD
         self.last_topk, self.last_scores = (ids.long(), weights), None
-=======
-        self.last_topk = (ids.long(), weights)
         if self.fault_expert_scale:  # a down projection k times too large scales its (bias-free) output k times
             for expert, factor in self.fault_expert_scale.items():
                 weights = torch.where(ids == expert, weights * factor, weights)
->>>>>>> issue-12
         perm = permute_by_expert(ids, self.experts.count)
         y = expert_mlp(
             x.to(torch.bfloat16).contiguous(),
