@@ -52,3 +52,60 @@ def generate_reference(model_dir: Path, prompts: list[list[int]], max_new_tokens
     return {"model": str(model_dir), "model_type": spec.model_type, "layers": model.layer_ids,
             "path": "reference (torch)", "image": None if image is None else str(image),
             "image_tokens": len(model.image_prompt()) if pixels is not None else 0, "sequences": rows}
+
+
+def load_family_model(model_dir: Path, layers: list[int] | None, dtype, expert_scale=None):
+    """The reference model of ``model_dir`` (HybridModel or MultimodalModel) with every weight and the
+    compute in ``dtype`` (torch.float32: the reference; torch.bfloat16: the adapted compute dtype).
+    expert_scale: test hook (layer, expert, factor) multiplying that routed expert's down projection."""
+    from adapt.runtime.hybrid import HybridModel
+    from adapt.runtime.multimodal import MultimodalModel
+
+    spec = load_spec(model_dir)
+    model = (MultimodalModel if spec.model_type == "llama4" else HybridModel).from_dir(model_dir, layers, dtype)
+    if expert_scale is not None:
+        scale_expert(model, *expert_scale)
+    return model
+
+
+def scale_expert(model, layer: int, expert: int, factor: float) -> None:
+    """Multiply routed expert ``expert`` of decoder layer ``layer`` (its down projection) by ``factor``
+    (a test hook: ADAPT_TEST_FAULTS expert_scale=L:E:F), per-expert or fused [E, ...] tensors."""
+    keys = [k for k in model.w if f"layers.{layer}." in k and ".experts." in k and "down_proj" in k
+            and "shared" not in k]
+    own = [k for k in keys if f".experts.{expert}." in k]
+    if own:
+        for k in own:
+            model.w[k] = model.w[k] * factor
+    elif keys and all(model.w[k].dim() == 3 and expert < model.w[k].shape[0] for k in keys):
+        for k in keys:
+            tensor = model.w[k].clone()
+            tensor[expert] *= factor
+            model.w[k] = tensor
+    else:
+        raise InputError(f"layer {layer} has no routed expert {expert}", field="ADAPT_TEST_FAULTS",
+                         hint="expert_scale=L:E:F names an MoE layer and one of its experts")
+
+
+def family_forward(model, tokens: list[int]):
+    """One prefill of ``tokens`` from an empty state: fp32 logits [len(tokens), vocab] and each run
+    layer's output hidden states (fp32 [len(tokens), hidden], in ``model.layer_ids`` order)."""
+    import torch
+
+    from adapt.runtime.hybrid import HybridModel, HybridState
+    from adapt.runtime.multimodal import MultimodalState
+
+    state = HybridState() if isinstance(model, HybridModel) else MultimodalState()
+    model.captured = []
+    try:
+        with torch.no_grad():
+            logits = model.forward(tokens, state)
+        return logits.float(), model.captured
+    finally:
+        model.captured = None
+
+
+def family_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation of ``prompt`` (token ids) through the family's own decode loop."""
+    out = model.generate(list(prompt), max_new_tokens)
+    return out[0] if isinstance(out, tuple) else out

@@ -225,6 +225,8 @@ class HybridModel(ReferenceModel):
             x = x + h
             h = zero_centred_rms_norm(x, self._get(prefix + "post_attention_layernorm.weight"), self.eps)
             x = x + self._ffn(prefix, layer.ffn, h)
+            if self.captured is not None:
+                self.captured.append(x.float())
         state.length += len(tokens)
         x = zero_centred_rms_norm(x, self._get("model.norm.weight"), self.eps)
         head = self.w.get("lm_head.weight", self._get("model.embed_tokens.weight"))

@@ -234,6 +234,8 @@ class MultimodalModel(ReferenceModel):
                                                                  self.spec.norm_eps), state)
             x = x + self._ffn(i, layer.ffn, rms_norm(x, self._get(p + "post_attention_layernorm.weight"),
                                                      self.spec.norm_eps))
+            if self.captured is not None:
+                self.captured.append(x.float())
         state.length += len(tokens)
         x = rms_norm(x, self._get("language_model.model.norm.weight"), self.spec.norm_eps)
         return (x @ self._get("language_model.lm_head.weight").T).float()

@@ -21,6 +21,7 @@ class ReferenceModel:
         self.spec, self.dtype = spec, dtype
         self.w = {self._canonical(name): t.to(dtype) for name, t in weights.items()}
         self.layer_ids = list(range(spec.num_layers)) if layers is None else list(layers)
+        self.captured: list[torch.Tensor] | None = None  # a list: forward appends each layer's output (fp32)
 
     @staticmethod
     def _canonical(name: str) -> str:
