@@ -24,6 +24,8 @@ Attribution: when a gate fails, the adapted run is repeated with one component m
 time (each kernel family to its torch twin, experts as stored, indexer to bf16, KV cache to bf16);
 every move is reported with the gates it passes, its memory cost (stage 2's numbers in the run
 directory) and the exact command that applies it.
+
+qwen3_next and llama4 go through their own reference paths instead (``run_family_precision``).
 """
 
 from __future__ import annotations
