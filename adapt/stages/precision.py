@@ -663,11 +663,12 @@ def run_family_precision(model_dir: Path, adapted: Adapted, limits: dict[str, fl
                     "expose its router choices"),
         ("experts", "per-expert gain and relative error: not measured here; the family runtime has no per-expert "
                     "forward hook (an expert fault shows only through the layer and logits metrics)"),
-        ("kernels", f"adapt's Triton kernels ({adapted.kernels}): not measured here; {why}, so the adapted path is "
-                    f"torch in {adapted.dtype}"),
         ("reference-anchor", "reference vs transformers logits: not measured here; the family's runtime tests "
                              "compare it with transformers in float32"),
     ]
+    if adapted.kernels != "none":
+        unmeasured.append(("kernels", f"adapt's Triton kernels ({adapted.kernels}): not measured here; {why}, so "
+                                      f"the adapted path is torch in {adapted.dtype}"))
     if adapted.weights != "as-stored":
         unmeasured.append(("expert-format", f"experts as {adapted.weights}: not measured here; {why}"))
     if adapted.kv_dtype != "bf16":
