@@ -113,43 +113,59 @@ def length_probes(base_url: str, model: str, block_size: int, max_model_len: int
     return rows
 
 
-def cancel_probe(base_url: str, model: str, prompt_tokens: int, max_tokens: int, *, read_chunks: int = 3,
+def cancel_probe(base_url: str, model: str, prompt_tokens: int, max_tokens: int, *, read_chunks: int = 1,
                  timeout_s: float = 30.0) -> dict[str, Any]:
-    """Start a streamed completion, read at least ``read_chunks`` SSE chunks (more while the KV gauge has
-    not yet shown the request, up to ``timeout_s``), drop the connection, and check
-    that the server frees the request's KV: ``kv_cache_usage`` returns to its idle value and no
-    request is left running within ``timeout_s``.
+    """Start a streamed completion, read ``read_chunks`` SSE chunks (more while the KV gauge has not yet
+    shown the request), drop the connection, and check that the server frees the request's KV:
+    ``kv_cache_usage`` returns to its idle value and no request is left running within ``timeout_s``.
 
-    Returns idle / during / after KV usage (fractions), ``freed_after_s`` and ``ok``; ``ok`` is False
-    with a ``reason`` when the server exposes no KV gauge (nothing to check against).
+    A thread samples ``/metrics`` from the moment the request is sent, so ``kv_usage_during`` is the
+    highest usage seen while the stream was open (the gauge is published by the engine's stats loop).
+    When the server streams every token before the client drops the connection (a small model is
+    that fast), nothing was cancelled: ``exercised`` is False and ``ok`` False with that reason.
+
+    Returns idle / during / after KV usage (fractions), ``freed_after_s``, ``exercised`` and ``ok``;
+    ``ok`` is False with a ``reason`` when the server exposes no KV gauge (nothing to check against).
     """
+    import threading
+
     idle = server_metrics(base_url)
     if "kv_cache_usage" not in idle:
-        return {"ok": False, "reason": "the server's /metrics has no KV-cache usage gauge"}
+        return {"ok": False, "exercised": False, "reason": "the server's /metrics has no KV-cache usage gauge"}
+    peak = {"kv_cache_usage": 0.0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            usage = server_metrics(base_url).get("kv_cache_usage", 0.0)
+            peak["kv_cache_usage"] = max(peak["kv_cache_usage"], usage)
+            stop.wait(0.01)
+
     parts = urllib.parse.urlsplit(base_url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     body = json.dumps({"model": model, "prompt": prompt_ids(prompt_tokens, 7), "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True, "stream": True})
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     chunks = 0
-    during: dict[str, float] = {}
+    finished = False
+    deadline = time.monotonic() + timeout_s
     if response.status == 200:
-        # Read ``read_chunks`` chunks, then keep the stream alive chunk by chunk until /metrics shows the
-        # request's KV (the gauge is published by the engine's stats loop and can lag a few steps).
-        deadline = time.monotonic() + timeout_s
         while True:
             line = response.readline()
-            if not line:
+            if not line or b"[DONE]" in line:
+                finished = True
                 break
-            if not line.startswith(b"data: ") or b"[DONE]" in line:
+            if not line.startswith(b"data: "):
                 continue
             chunks += 1
-            if chunks < read_chunks:
-                continue
-            during = server_metrics(base_url)
-            if during.get("kv_cache_usage", 0.0) > idle["kv_cache_usage"] or time.monotonic() > deadline:
+            if chunks >= read_chunks and (peak["kv_cache_usage"] > idle["kv_cache_usage"]
+                                          or time.monotonic() > deadline):
                 break
+    stop.set()
+    sampler.join()
     conn.sock.close() if conn.sock else None
     conn.close()
     started = time.monotonic()
@@ -160,12 +176,17 @@ def cancel_probe(base_url: str, model: str, prompt_tokens: int, max_tokens: int,
             break
         time.sleep(0.25)
     freed = after.get("running", 1) == 0 and after.get("kv_cache_usage", 1.0) <= idle["kv_cache_usage"]
-    used = during.get("kv_cache_usage", 0.0) > idle["kv_cache_usage"]
+    used = peak["kv_cache_usage"] > idle["kv_cache_usage"]
+    exercised = response.status == 200 and not finished and chunks >= read_chunks
     out = {"status": response.status, "chunks_read": chunks, "kv_usage_idle": idle["kv_cache_usage"],
-           "kv_usage_during": during.get("kv_cache_usage"), "kv_usage_after": after.get("kv_cache_usage"),
+           "kv_usage_during": peak["kv_cache_usage"], "kv_usage_after": after.get("kv_cache_usage"),
            "running_after": after.get("running"), "freed_after_s": round(time.monotonic() - started, 2),
-           "ok": response.status == 200 and chunks >= read_chunks and used and freed}
-    if not used:
+           "exercised": exercised, "ok": exercised and used and freed}
+    if not exercised:
+        out["reason"] = (f"the server streamed all {chunks} tokens before the client dropped the stream, so "
+                         "nothing was cancelled (the model is faster than the probe)" if finished else
+                         f"the stream did not start (HTTP {response.status}, {chunks} chunks)")
+    elif not used:
         out["reason"] = "KV usage did not rise while the stream ran, so its release cannot be shown"
     elif not freed:
         out["reason"] = f"KV not back to idle within {timeout_s:.0f} s after the client left"
