@@ -75,10 +75,18 @@ def test_stage6_load_soak_probes_and_prediction(server, tmp_path):
     assert probes["over-limit"]["status"] == 400 and probes["max-model-len"]["prompt_tokens"] == 2047
     assert all(r["ok"] for r in probes.values())
     cancel = report["tables"]["cancelled stream"][0]
-    assert cancel["ok"] and cancel["kv_usage_during"] > cancel["kv_usage_idle"] == cancel["kv_usage_after"]
+    verdict = json.loads((run.path / "manifest.json").read_text())["stages"]["bench"]["verdict"]
+    if cancel["exercised"]:
+        assert cancel["ok"] and cancel["kv_usage_during"] > cancel["kv_usage_idle"] == cancel["kv_usage_after"]
+        assert verdict == "pass"
+    else:
+        # the tiny model can stream every token before the client drops the stream (it did under load):
+        # then nothing was cancelled, and stage 6 must say so as a warning, never pass silently
+        assert not cancel["ok"] and "nothing was cancelled" in cancel["reason"]
+        assert verdict == "warn"
+        assert [f["severity"] for f in report["findings"] if f["code"] == "bench.cancel"] == ["warn"]
     ratios = report["tables"]["prediction vs measurement"]
     assert [r["quantity"].split(" (")[0] for r in ratios] == ["decode step", "prefill"]
     assert all(r["ratio"] > 0 for r in ratios)
     assert (run.path / "bench" / "latency.png").stat().st_size > 0
     assert (run.path / "bench" / "throughput.png").stat().st_size > 0
-    assert json.loads((run.path / "manifest.json").read_text())["stages"]["bench"]["verdict"] == "pass"
