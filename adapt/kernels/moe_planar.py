@@ -357,6 +357,7 @@ def _planar_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_F32: tl.constexpr,
     ONE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
@@ -392,8 +393,11 @@ def _planar_gemm_kernel(
             s4 = tl.load(srow + st)  # the step's four scale bytes, block b in byte b
             xb = x_ptr + tok[:, None] * stride_x + st * 128
             if ONE_DOT:
-                kk = st * 128 + tl.arange(0, 128)
-                xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
+                if EVEN_K:  # K a multiple of 128: only the tile's rows are masked
+                    xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None], other=0.0)
+                else:
+                    kk = st * 128 + tl.arange(0, 128)
+                    xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
                 if DOT_F32:
                     xs = xs.to(tl.float32)
                 v = _tile(w0, w1, s4, TWO_MULS, DOT_F32, BLOCK_N)
@@ -559,6 +563,7 @@ def planar_gemm(
         GROUP_M=cfg.group_m,
         DOT_F32=interp_f32,
         ONE_DOT=cfg.one_dot,
+        EVEN_K=w.k % PLANAR_STEP == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg or None,
