@@ -470,21 +470,14 @@ PLANAR_MAX_TOKENS = 4096
 _PC = lambda bm, bn, split, stages=4, warps=4, dot1=True, cap=128: (bm, bn, split, 4, warps, stages, 0, dot1, cap)  # noqa: E731
 PLANAR_SWEEP = {
     # name: (T range, GEMM1 PlanarConfig fields, GEMM2 PlanarConfig fields); _PC(bm, bn, split, stages,
-    # warps, one_dot, register cap). Registers (ptxas, sm_90a, DeepSeek-V3 GEMM1) in the comments.
+    # warps, one_dot, register cap); the alternatives to moe_configs.PLANAR_TABLES' rows (measured in
+    # benchmarks/moe/2026-11-30-s2 call 1 with the row-major layout, re-timed on the tiled one)
     "p16x128": ((1, 256), _PC(16, 128, 1), _PC(16, 128, 1)),  # 126 regs: 4 programs / SM
-    "p16x64": ((1, 256), _PC(16, 64, 1), _PC(16, 64, 1)),  # 121
-    "p16x128_st6": ((1, 256), _PC(16, 128, 1, 6), _PC(16, 128, 1, 6)),  # 128, 68 KB shared
-    "p16x128_s2": ((1, 16), _PC(16, 128, 2), _PC(16, 128, 2)),
-    "p16x128_s4_2": ((1, 1), _PC(16, 128, 4), _PC(16, 128, 2)),
-    "p16x64_s1_2": ((1, 1), _PC(16, 64, 1), _PC(16, 64, 2)),
+    "p16x64": ((16, 256), _PC(16, 64, 1), _PC(16, 64, 1)),  # 101
     "p16x128_nocap": ((16, 256), _PC(16, 128, 1, cap=0), _PC(16, 128, 1, cap=0)),  # 156
-    "p16x256_nocap": ((16, 256), _PC(16, 256, 1, cap=0), _PC(16, 256, 1, cap=0)),  # 244: 2 / SM
-    "p32x128_nocap": ((256, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),  # 164
-    "p64x128_w4_st3": ((1024, 1024), _PC(64, 128, 1, 3, cap=0), _PC(64, 128, 1, 3, cap=0)),  # 239
-    "p64x256_w8_st3": ((1024, 4096), _PC(64, 256, 1, 3, 8, cap=0), _PC(64, 256, 1, 3, 8, cap=0)),  # 221
-    "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),  # 199
-    "p128x128_w8_st4": ((4096, 4096), _PC(128, 128, 1, 4, 8, cap=0), _PC(128, 128, 1, 4, 8, cap=0)),  # 206
-    "p128x256_w8_st3": ((4096, 4096), _PC(128, 256, 1, 3, 8, cap=0), _PC(128, 256, 1, 3, 8, cap=0)),  # 255
+    "p32x128_nocap": ((1024, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),  # 164
+    "p64x128_w8_st4": ((1024, 1024), _PC(64, 128, 1, 4, 8, cap=0), _PC(64, 128, 1, 4, 8, cap=0)),
+    "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),  # 197
 }
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
 
