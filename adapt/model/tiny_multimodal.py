@@ -67,6 +67,9 @@ TINY_KIMI_K25_TEXT = {
     "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1,
     "topk_group": 1,
     "num_nextn_predict_layers": 0, "max_position_embeddings": 512, "tie_word_embeddings": False,
+    # YaRN as the published config has it (factor 64 over 4096 there), scaled down to these positions
+    "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
 }
 TINY_KIMI_K25_VISION = {
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 14,
@@ -76,23 +79,42 @@ TINY_KIMI_K25_VISION = {
 
 def build_tiny_kimi_k25(out_dir: str | Path, *, seed: int = 0) -> Path:
     """A tiny Kimi K2.5 (MoonViT on an 8 x 8 position grid, 2 blocks; DeepSeek-V3 text of 2
-    layers) through transformers' Kimi_K25ForConditionalGeneration, weights drawn as above."""
+    layers) through transformers' Kimi_K25ForConditionalGeneration, weights drawn as above (the
+    router's correction bias N(0, 0.1^2)); ids 252, 253, 254 begin an image, end it and stand for
+    it. Tensors are stored under the published checkpoint's names (``_published_name``)."""
     import torch
+    from safetensors.torch import load_file, save_file
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
     config = Kimi_K25Config(text_config=dict(TINY_KIMI_K25_TEXT), vision_config=dict(TINY_KIMI_K25_VISION),
                             projection_hidden_size=TINY_KIMI_K25_VISION["hidden_size"], image_token_id=IMAGE,
-                            tie_word_embeddings=False)
+                            vision_start_token_id=BOI, vision_end_token_id=EOI, tie_word_embeddings=False)
     gen = torch.Generator().manual_seed(seed)
     model = Kimi_K25ForConditionalGeneration(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
+                scale = 3.0 if name.endswith("lm_head.weight") else 1.0
+                p.copy_(scale * torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
             elif "norm" in name and name.endswith("weight"):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     out = Path(out_dir)
     model.save_pretrained(out)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        save_file({_published_name(k): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
     return out
+
+
+def _published_name(name: str) -> str:
+    """transformers 5.19 saves three kinds of Kimi K2.5 tensor under other names than the published
+    checkpoints (moonshotai/Kimi-K2.5 model.safetensors.index.json; vLLM's loader reads those):
+    ``language_model.model.blocks.N`` (its reverse of the vision tower's blocks -> layers renaming),
+    ``model.mm_projector.pre_norm``, ``vision_tower.encoder.patch_embed``. transformers loads the
+    published names back to the same weights (tests/runtime/test_kimi_k25_vs_transformers.py)."""
+    if name.startswith("model.mm_projector."):
+        return name[len("model."):]
+    name = name.replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed.")
+    return name.replace("language_model.model.blocks.", "language_model.model.layers.")
