@@ -62,7 +62,7 @@ def build_tiny_llama4(out_dir: str | Path, *, seed: int = 0) -> Path:
 
 TINY_KIMI_K25_TEXT = {
     "model_type": "kimi_k2", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
-    "moe_intermediate_size": 32, "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4,
+    "moe_intermediate_size": 32, "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_attention_heads": 4,
     "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
     "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1,
     "topk_group": 1,
@@ -78,10 +78,12 @@ TINY_KIMI_K25_VISION = {
 
 
 def build_tiny_kimi_k25(out_dir: str | Path, *, seed: int = 0) -> Path:
-    """A tiny Kimi K2.5 (MoonViT on an 8 x 8 position grid, 2 blocks; DeepSeek-V3 text of 2
-    layers) through transformers' Kimi_K25ForConditionalGeneration, weights drawn as above (the
-    router's correction bias N(0, 0.1^2)); ids 252, 253, 254 begin an image, end it and stand for
-    it. Tensors are stored under the published checkpoint's names (``_published_name``)."""
+    """A tiny Kimi K2.5 (MoonViT on an 8 x 8 position grid, 2 blocks; DeepSeek-V3 text of 3 layers,
+    the first dense, then MoE with 4 experts top-2 and a shared expert; MLA with q_lora_rank, YaRN)
+    through transformers' Kimi_K25ForConditionalGeneration, weights drawn as above (matrices
+    N(0, 1/fan_in), the head 3x; norms 1 + N(0, 0.1^2); other vectors, the router's correction bias
+    among them, N(0, 0.1^2)); ids 252, 253, 254 begin an image, end it and stand for it. Tensors are
+    stored under the published checkpoint's names (``_published_name``)."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
@@ -110,7 +112,7 @@ def build_tiny_kimi_k25(out_dir: str | Path, *, seed: int = 0) -> Path:
 
 def _published_name(name: str) -> str:
     """transformers 5.19 saves three kinds of Kimi K2.5 tensor under other names than the published
-    checkpoints (moonshotai/Kimi-K2.5 model.safetensors.index.json; vLLM's loader reads those):
+    checkpoints use (adapt.model.spec's Kimi K2.5 names; vLLM's loader reads them):
     ``language_model.model.blocks.N`` (its reverse of the vision tower's blocks -> layers renaming),
     ``model.mm_projector.pre_norm``, ``vision_tower.encoder.patch_embed``. transformers loads the
     published names back to the same weights (tests/runtime/test_kimi_k25_vs_transformers.py)."""

@@ -307,7 +307,8 @@ class DecoderModel:
         text = spec.text_prefix  # "model." (Kimi K2.5: the language model under "language_model.model.")
         self.embed = store.get(text + "embed_tokens.weight")
         self.norm = store.get(text + "norm.weight")
-        self.head = Linear(self.embed) if spec.tie_embeddings else store.linear(spec.head_prefix + "lm_head", bias=False)
+        head = spec.head_prefix + "lm_head"
+        self.head = Linear(self.embed) if spec.tie_embeddings else store.linear(head, bias=False)
         self.layers = [self._layer(store, i, workspace) for i in layer_ids]
         self.inv_freq, self.rope_factor = rope_frequencies(spec.rope, spec.rope.rotary_dim, spec.max_position)
         self.inv_freq = self.inv_freq.to(self.device)

@@ -389,6 +389,11 @@ def load_image_patches(path: str | Path, spec: ModelSpec, mean: float = 0.5,
     return patches.reshape(ph * pw, 3, v.patch_size, v.patch_size), (ph, pw)
 
 
+KIMI_MEDIA_IDS = (163602, 163605, 163604)
+"""Kimi K2.5's <|media_begin|>, <|media_pad|> (the image placeholder) and <|media_end|> ids, for
+configs that do not name them (transformers' Kimi_K25Config defaults)."""
+
+
 class KimiK25Model:
     """Kimi K2.5 end to end: ``MoonViT`` encodes the images, adapt's decoder engine
     (adapt.runtime.engine: DeepSeek-V3 MLA + MoE, built from ModelSpec, under ``language_model.``)
@@ -402,7 +407,8 @@ class KimiK25Model:
 
     def __init__(self, vision: MoonViT, engine):
         self.vision, self.engine, self.spec = vision, engine, engine.spec
-        self.image_token = int(self.spec.config["image_token_id"])
+        cfg = self.spec.config  # the published config names it media_placeholder_token_id, transformers image_token_id
+        self.image_token = int(cfg.get("image_token_id", cfg.get("media_placeholder_token_id", KIMI_MEDIA_IDS[1])))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, layers: list[int] | None = None, dtype: torch.dtype = torch.float32,
@@ -462,4 +468,5 @@ class KimiK25Model:
         id (ids from config.json, so no tokenizer is needed; the chat template's "image" and
         <|media_content|> text tokens between begin and placeholder are left out)."""
         cfg = self.spec.config
-        return [int(cfg["vision_start_token_id"]), self.image_token, int(cfg["vision_end_token_id"])]
+        return [int(cfg.get("vision_start_token_id", KIMI_MEDIA_IDS[0])), self.image_token,
+                int(cfg.get("vision_end_token_id", KIMI_MEDIA_IDS[2]))]

@@ -104,21 +104,3 @@ def test_adapt_run_with_an_image_file(tiny, tmp_path):
     assert data["sequences"][0]["tokens"] == want and data["image_tokens"] == 6
     missing = CliRunner().invoke(app, ["run", str(tiny), "--token-ids", "5", "--image", str(tmp_path / "no.png")])
     assert missing.exit_code == 2 and "no such image file" in missing.output
-
-
-@pytest.mark.parametrize("grid", [(8, 8), (6, 10), (4, 4)])  # the 8 x 8 position grid, resampled for the others
-def test_kimi_moonvit_features_match_transformers(tmp_path_factory, grid):
-    from adapt.model.tiny_multimodal import build_tiny_kimi_k25
-    from adapt.runtime.multimodal import MoonViT
-
-    directory = tmp_path_factory.getbasetemp() / "tiny-kimi-k25"
-    if not directory.is_dir():
-        build_tiny_kimi_k25(directory)
-    reference = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
-    ph, pw = grid
-    pixels = torch.randn(ph * pw, 3, 14, 14, generator=torch.Generator().manual_seed(ph * 100 + pw))
-    with torch.no_grad():
-        want = reference.model.get_image_features(pixels, torch.tensor([[1, ph, pw]])).pooler_output[0]
-    got = MoonViT.from_dir(directory).encode_images(pixels, [grid])
-    assert got.shape == (ph * pw // 4, 64)
-    assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 1e-5
