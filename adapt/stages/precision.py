@@ -569,9 +569,11 @@ def _transformers_anchor(model_dir: Path, layer_ids, reference) -> float | None:
     size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     if layer_ids is not None or size > 2 * 1024**3 or reference["engine"].model.device.type != "cpu":
         return None
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # a multimodal checkpoint whose language model the engine runs (kimi_k25) loads as image-text-to-text
+    auto = AutoModelForImageTextToText if reference["engine"].spec.vision is not None else AutoModelForCausalLM
+    hf = auto.from_pretrained(model_dir, dtype=torch.float32)
     worst = 0.0
     with torch.no_grad():
         for seq, ref in zip(reference["sequences"], reference["logits"], strict=True):
