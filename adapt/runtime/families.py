@@ -122,3 +122,29 @@ def family_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation of ``prompt`` (token ids) through the family's own decode loop."""
     out = model.generate(list(prompt), max_new_tokens)
     return out[0] if isinstance(out, tuple) else out
+
+
+def image_prompt_runs(model_dir: Path, layers: list[int] | None, dtype, kernels: str, text: list[int],
+                      grid: tuple[int, int] = (16, 16)) -> tuple[float, object, object]:
+    """kimi_k25 image input for stage 5: one seeded synthetic image of ``grid`` patches (the position
+    grid resampled) before ``text`` (token ids), through the float32 torch path and through the
+    adapted one (``dtype``, the language model's ``kernels``). Returns (relative error of the adapted
+    image features, reference logits, adapted logits), logits fp32 [prompt rows, vocab]."""
+    import torch
+
+    from adapt.runtime.multimodal import KimiK25Model
+
+    ph, pw = grid
+    side = load_spec(model_dir).vision.patch_size
+    patches = torch.randn(ph * pw, 3, side, side, generator=torch.Generator().manual_seed(0))
+    images = [(patches, grid)]
+    runs = []
+    for run_dtype, run_kernels in ((torch.float32, "none"), (dtype, kernels)):
+        model = KimiK25Model.from_dir(model_dir, layers, run_dtype, kernels=run_kernels)
+        with torch.no_grad():
+            features = model.encode_images(images)[0].float()
+        runs.append((features, model.prompt_logits(model.image_prompt() + list(text), images)))
+        del model
+    (ref_features, ref_logits), (ad_features, ad_logits) = runs
+    error = float((ad_features - ref_features).norm() / ref_features.norm())
+    return error, ref_logits, ad_logits

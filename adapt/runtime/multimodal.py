@@ -413,11 +413,22 @@ class KimiK25Model:
     @classmethod
     def from_dir(cls, model_dir: str | Path, layers: list[int] | None = None, dtype: torch.dtype = torch.float32,
                  kernels: str = "none", max_tokens: int = 4096) -> KimiK25Model:
-        """The vision tower and the chosen language layers (None: all) of ``model_dir`` in ``dtype``."""
+        """The vision tower and the chosen language layers (None: all) of ``model_dir`` in ``dtype``;
+        ``kernels``: the language model's op families on adapt's kernels (``Engine.load``)."""
         from adapt.runtime.engine import Engine
 
         engine = Engine.load(model_dir, layers=layers, kernels=kernels, dtype=dtype, max_tokens=max_tokens)
         return cls(MoonViT.from_dir(model_dir, dtype=dtype), engine)
+
+    def prompt_logits(self, prompt: list[int], images: list[tuple[torch.Tensor, tuple[int, int]]]) -> torch.Tensor:
+        """One prefill of ``prompt`` with ``images`` from an empty cache: fp32 logits [expanded tokens, vocab]."""
+        tokens, embeddings = self.expand(list(prompt), self.encode_images(images))
+        seq = self.engine.start(1)
+        try:
+            with torch.no_grad():
+                return self.engine.step(seq, [tokens], embeddings=embeddings, all_logits=True)[0]
+        finally:
+            self.engine.release(seq)
 
     @property
     def layer_ids(self) -> list[int]:
