@@ -14,6 +14,7 @@ input rows, so the agreement below also checks the expansion (order, count, posi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -128,8 +129,14 @@ def test_image_file_becomes_padded_row_major_patches(tiny, tmp_path):
     assert torch.equal(patches[0, 0], torch.ones(14, 14)) and torch.equal(patches[0, 2], -torch.ones(14, 14))
     assert torch.equal(patches[1, 2], torch.ones(14, 14)) and torch.equal(patches[1, 0], -torch.ones(14, 14))
     assert torch.equal(patches[31], -torch.ones(3, 14, 14))  # rows 42-55, columns 98-111: all padding
-    assert torch.equal(patches[24, 0, :8], torch.ones(8, 14)) and torch.equal(patches[24, 0, 8:], -torch.ones(6, 14))
-    assert torch.equal(patches[6, 0, :, :6], torch.ones(14, 6)) and torch.equal(patches[6, 0, :, 6:], -torch.ones(14, 8))
+    red = patches[:, 0]
+    assert torch.equal(red[24, :8], torch.ones(8, 14)) and torch.equal(red[24, 8:], -torch.ones(6, 14))  # rows 42-49
+    assert torch.equal(red[6, :, :6], torch.ones(14, 6)) and torch.equal(red[6, :, 6:], -torch.ones(14, 8))  # 84-89
+    spec = load_spec(tiny)
+    small = replace(spec, vision=replace(spec.vision, max_side_patches=4))  # at most 56 pixels a side
+    patches, grid = load_image_patches(path, small)  # shrunk by 56 / 90 to 55 x 31 pixels, padded to 56 x 56
+    assert grid == (4, 4) and torch.equal(patches[12], -torch.ones(3, 14, 14))  # rows 42-55: padding
+    assert torch.equal(patches[8, :, 3:], -torch.ones(3, 11, 14)) and (patches[8, 0, :3] > 0.9).all()  # 28-30 red
 
 
 def test_adapt_run_with_an_image_file(tiny, tmp_path):
