@@ -458,18 +458,23 @@ class KimiK25Model:
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int,
-                 images: list[tuple[torch.Tensor, tuple[int, int]]] | None = None) -> list[int]:
+                 images: list[tuple[torch.Tensor, tuple[int, int]]] | None = None,
+                 step_logits: list[torch.Tensor] | None = None) -> list[int]:
         """Greedy tokens after ``prompt`` (no stop id); ``images`` as ``encode_images`` takes them,
-        one per placeholder of ``prompt``."""
+        one per placeholder of ``prompt``; ``step_logits``: a list that receives the fp32 logits
+        [vocab] each token was chosen from."""
         tokens, embeddings = self.expand(list(prompt), self.encode_images(images or []))
         engine = self.engine
         seq = engine.start(1)
         out: list[int] = []
         try:
             logits = engine.step(seq, [tokens], embeddings=embeddings)[0]
-            for _ in range(max_new_tokens):
+            for step in range(max_new_tokens):
                 out.append(int(logits.argmax()))
-                logits = engine.step(seq, [[out[-1]]])[0]
+                if step_logits is not None:
+                    step_logits.append(logits)
+                if step + 1 < max_new_tokens:
+                    logits = engine.step(seq, [[out[-1]]])[0]
         finally:
             engine.release(seq)
         return out
