@@ -13,7 +13,6 @@ input rows, so the agreement below also checks the expansion (order, count, posi
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
@@ -26,6 +25,7 @@ from adapt.model.checkpoint import Checkpoint  # noqa: E402
 from adapt.model.spec import load_spec  # noqa: E402
 from adapt.model.tiny_multimodal import IMAGE, build_tiny_kimi_k25  # noqa: E402
 from adapt.runtime.multimodal import KimiK25Model, MoonViT, load_image_patches  # noqa: E402
+from tests.runtime.run_json import adapt_run_json  # noqa: E402
 
 NEW_TOKENS = 8
 TEXT = [5, 17, 99, 3, 250, 42, 7, 11, 13, 60, 70, 31, 8]
@@ -141,22 +141,14 @@ def test_image_file_becomes_padded_row_major_patches(tiny, tmp_path):
 
 def test_adapt_run_with_an_image_file(tiny, tmp_path):
     from PIL import Image
-    from typer.testing import CliRunner
-
-    from adapt.cli import app
 
     path = tmp_path / "picture.png"
     Image.new("RGB", (60, 40), (30, 160, 220)).save(path)
-    result = CliRunner().invoke(app, ["run", str(tiny), "--token-ids", "5,17,99", "--image", str(path),
-                                      "--max-new-tokens", "4", "--dtype", "float32", "--json"])
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    data = adapt_run_json(tiny, "--token-ids", "5,17,99", "--image", str(path))
     ours = KimiK25Model.from_dir(tiny)
     want = ours.generate(ours.image_prompt() + [5, 17, 99], 4, [load_image_patches(path, ours.spec)])
     assert data["sequences"][0]["tokens"] == want
     # 40 x 60 pixels -> 4 x 6 patches -> 6 image rows, between the media begin and end ids
     assert data["image_tokens"] == 6 + 2 and data["sequences"][0]["prompt_tokens"] == 3 + 8
-    text = CliRunner().invoke(app, ["run", str(tiny), "--token-ids", "5,17,99", "--max-new-tokens", "4",
-                                    "--dtype", "float32", "--json"])
-    assert text.exit_code == 0, text.output
-    assert json.loads(text.stdout)["sequences"][0]["tokens"] == ours.generate([5, 17, 99], 4)
+    text = adapt_run_json(tiny, "--token-ids", "5,17,99")  # text only: the decoder engine by itself
+    assert text["sequences"][0]["tokens"] == ours.generate([5, 17, 99], 4)

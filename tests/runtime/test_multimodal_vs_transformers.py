@@ -13,6 +13,7 @@ from adapt.model.checkpoint import Checkpoint  # noqa: E402
 from adapt.model.spec import load_spec  # noqa: E402
 from adapt.model.tiny_multimodal import build_tiny_llama4  # noqa: E402
 from adapt.runtime.multimodal import MultimodalModel, MultimodalState, load_image_tile  # noqa: E402
+from tests.runtime.run_json import adapt_run_json  # noqa: E402
 
 NEW_TOKENS = 8
 TEXT = [5, 17, 99, 3, 250, 42, 7, 11, 13, 60, 70]
@@ -86,8 +87,6 @@ def test_image_file_becomes_one_normalised_tile(tmp_path):
 
 
 def test_adapt_run_with_an_image_file(tiny, tmp_path):
-    import json
-
     from PIL import Image
     from typer.testing import CliRunner
 
@@ -95,10 +94,7 @@ def test_adapt_run_with_an_image_file(tiny, tmp_path):
 
     path = tmp_path / "picture.png"
     Image.new("RGB", (90, 50), (30, 160, 220)).save(path)
-    result = CliRunner().invoke(app, ["run", str(tiny), "--token-ids", "5,17,99", "--image", str(path),
-                                      "--max-new-tokens", "4", "--dtype", "float32", "--json"])
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    data = adapt_run_json(tiny, "--token-ids", "5,17,99", "--image", str(path))
     ours = MultimodalModel.from_dir(tiny)
     want = ours.generate(ours.image_prompt() + [5, 17, 99], 4, load_image_tile(path, 56))
     assert data["sequences"][0]["tokens"] == want and data["image_tokens"] == 6
