@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.nn.functional as F
@@ -358,9 +359,10 @@ class MoonViT(ReferenceModel):
         return y @ self._get(q + "proj.2.weight").T + self._get(q + "proj.2.bias")
 
 
-def load_image_patches(path: str | Path, spec: ModelSpec, mean: float = 0.5,
+def load_image_patches(path: str | Path | BinaryIO, spec: ModelSpec, mean: float = 0.5,
                        std: float = 0.5) -> tuple[torch.Tensor, tuple[int, int]]:
-    """An image file as MoonViT's input: (patches [ph * pw, 3, p, p] row-major, (ph, pw)).
+    """An image file (a path or an open binary file) as MoonViT's input: (patches [ph * pw, 3, p, p]
+    row-major, (ph, pw)).
 
     As Kimi K2.5's processor does it: RGB; shrunk (bicubic) only when a side exceeds
     ``max_side_patches`` patches; zero-padded at the bottom and right to whole merge windows
