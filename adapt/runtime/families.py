@@ -125,11 +125,12 @@ def family_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def image_prompt_runs(model_dir: Path, layers: list[int] | None, dtype, kernels: str, text: list[int],
-                      grid: tuple[int, int] = (16, 16)) -> tuple[float, object, object]:
+                      device: str = "cpu", grid: tuple[int, int] = (16, 16)) -> tuple[float, object, object]:
     """kimi_k25 image input for stage 5: one seeded synthetic image of ``grid`` patches (the position
     grid resampled) before ``text`` (token ids), through the float32 torch path and through the
-    adapted one (``dtype``, the language model's ``kernels``). Returns (relative error of the adapted
-    image features, reference logits, adapted logits), logits fp32 [prompt rows, vocab]."""
+    adapted one (``dtype``, the language model's ``kernels``), both on ``device``. Returns (relative
+    error of the adapted image features, reference logits, adapted logits), logits fp32 on the CPU
+    [prompt rows, vocab]."""
     import torch
 
     from adapt.runtime.multimodal import KimiK25Model
@@ -140,10 +141,10 @@ def image_prompt_runs(model_dir: Path, layers: list[int] | None, dtype, kernels:
     images = [(patches, grid)]
     runs = []
     for run_dtype, run_kernels in ((torch.float32, "none"), (dtype, kernels)):
-        model = KimiK25Model.from_dir(model_dir, layers, run_dtype, kernels=run_kernels)
+        model = KimiK25Model.from_dir(model_dir, layers, run_dtype, kernels=run_kernels, device=device)
         with torch.no_grad():
-            features = model.encode_images(images)[0].float()
-        runs.append((features, model.prompt_logits(model.image_prompt() + list(text), images)))
+            features = model.encode_images(images)[0].float().cpu()
+        runs.append((features, model.prompt_logits(model.image_prompt() + list(text), images).cpu()))
         del model
     (ref_features, ref_logits), (ad_features, ad_logits) = runs
     error = float((ad_features - ref_features).norm() / ref_features.norm())

@@ -300,12 +300,12 @@ class MoonViT(ReferenceModel):
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, layers: list[int] | None = None,
-                 dtype: torch.dtype = torch.float32) -> MoonViT:
-        """Only the vision tower's and projector's tensors of ``model_dir`` (read one by one from
-        the safetensors headers' byte spans: the language model's terabyte stays on disk)."""
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MoonViT:
+        """Only the vision tower's and projector's tensors of ``model_dir``, on ``device`` (read one by
+        one from the safetensors headers' byte spans: the language model's terabyte stays on disk)."""
         from adapt.runtime.weights import WeightStore
 
-        store = WeightStore(model_dir)
+        store = WeightStore(model_dir, device=device)
         names = [n for n in store.checkpoint.tensors if n.startswith(("vision_tower.", "mm_projector."))]
         return cls(load_spec(model_dir), {n: store.get(n) for n in names}, layers, dtype)
 
@@ -323,7 +323,8 @@ class MoonViT(ReferenceModel):
         """pixel_values [sum of ph*pw, 3, p, p] (row-major patches of each image, normalised);
         grids: (ph, pw) per image -> features [sum of ph*pw / 4, text hidden] in image order."""
         v, p = self.spec.vision, "vision_tower."
-        x = F.conv2d(pixel_values.to(self.dtype), self._get(p + "patch_embed.proj.weight"),
+        weight = self._get(p + "patch_embed.proj.weight")
+        x = F.conv2d(pixel_values.to(weight.device, self.dtype), weight,
                      self._get(p + "patch_embed.proj.bias"), stride=v.patch_size).flatten(1)
         table = self._get(p + "patch_embed.pos_emb.weight")  # [gh, gw, hidden]
         out, start = [], 0
@@ -334,7 +335,7 @@ class MoonViT(ReferenceModel):
             pos = table if (ph, pw) == tuple(table.shape[:2]) else F.interpolate(
                 table.permute(2, 0, 1)[None], size=(ph, pw), mode="bicubic", align_corners=False)[0].permute(1, 2, 0)
             h = h + pos.reshape(ph * pw, -1)
-            angles = self._angles(ph, pw)
+            angles = self._angles(ph, pw).to(h.device)
             for n in range(v.layers):
                 b = f"{p}encoder.blocks.{n}."
                 y = F.layer_norm(h, (v.hidden,), self._get(b + "norm0.weight"), self._get(b + "norm0.bias"), 1e-5)
@@ -414,13 +415,14 @@ class KimiK25Model:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, layers: list[int] | None = None, dtype: torch.dtype = torch.float32,
-                 kernels: str = "none", max_tokens: int = 4096) -> KimiK25Model:
-        """The vision tower and the chosen language layers (None: all) of ``model_dir`` in ``dtype``;
-        ``kernels``: the language model's op families on adapt's kernels (``Engine.load``)."""
+                 kernels: str = "none", max_tokens: int = 4096, device: str | torch.device = "cpu") -> KimiK25Model:
+        """The vision tower and the chosen language layers (None: all) of ``model_dir`` in ``dtype`` on
+        ``device``; ``kernels``: the language model's op families on adapt's kernels (``Engine.load``)."""
         from adapt.runtime.engine import Engine
 
-        engine = Engine.load(model_dir, layers=layers, kernels=kernels, dtype=dtype, max_tokens=max_tokens)
-        return cls(MoonViT.from_dir(model_dir, dtype=dtype), engine)
+        engine = Engine.load(model_dir, layers=layers, kernels=kernels, dtype=dtype, max_tokens=max_tokens,
+                             device=device)
+        return cls(MoonViT.from_dir(model_dir, dtype=dtype, device=device), engine)
 
     def prompt_logits(self, prompt: list[int], images: list[tuple[torch.Tensor, tuple[int, int]]]) -> torch.Tensor:
         """One prefill of ``prompt`` with ``images`` from an empty cache: fp32 logits [expanded tokens, vocab]."""
@@ -446,7 +448,7 @@ class KimiK25Model:
         if not features:
             return list(prompt), None
         model = self.engine.model
-        embeddings = model.embed[torch.tensor(prompt)].to(model.dtype)
+        embeddings = model.embed[torch.tensor(prompt, device=model.device)].to(model.dtype)
         pieces, tokens, images = [], [], iter(features)
         for position, token in enumerate(prompt):
             rows = next(images).to(model.dtype) if token == self.image_token else embeddings[position:position + 1]

@@ -518,7 +518,7 @@ def run_precision(model: str, target: str, *, gates: dict, layers: str | None = 
         if anchor > limits["max_reference_logit_error"]:
             result["failures"].append(("reference", f"the float32 reference differs from transformers by {anchor:.3g}"))
     if config.model_type == "kimi_k25":
-        result["failures"] += _image_input(report, model_dir, layer_ids, adapted, limits, config.vocab)
+        result["failures"] += _image_input(report, model_dir, layer_ids, adapted, limits, config.vocab, device)
     if report_dir is not None:
         png = plot_layers(result["layer_rows"], Path(report_dir) / "precision_layers.png",
                           f"{model_dir.name}: adapted ({kernels}, {compute_dtype}) vs float32 reference")
@@ -586,14 +586,14 @@ def _transformers_anchor(model_dir: Path, layer_ids, reference) -> float | None:
 
 
 def _image_input(report: StageReport, model_dir: Path, layer_ids, adapted: Adapted, limits: dict[str, float],
-                 vocab: int) -> list[tuple[str, str]]:
+                 vocab: int, device: str) -> list[tuple[str, str]]:
     """kimi_k25 (MoonViT in front of the decoder engine): an image prompt through the adapted path vs
     the float32 one (``adapt.runtime.families.image_prompt_runs``), gated like the text: image features by
     max_rel_error_layer, the prompt's logits by max_kl and min_top1_agreement. Returns the failures."""
     from adapt.runtime.families import image_prompt_runs
 
     feature_error, ref, ad = image_prompt_runs(model_dir, layer_ids, _dtype(adapted.dtype), adapted.kernels,
-                                               _encode(model_dir, vocab)[0][:32])
+                                               _encode(model_dir, vocab)[0][:32], device)
     logits = compare_logits([ref], [ad])
     report.metrics.update(image_feature_rel_error=feature_error, image_prompt_kl_mean=logits["kl_mean"],
                           image_prompt_top1_agreement=logits["top1_agreement"])
