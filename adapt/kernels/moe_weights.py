@@ -135,8 +135,8 @@ class StackedExperts:
     w1_scale fp32 [E, ceil(2I/128), ceil(H/128)] and w2_scale fp32 [E, ceil(H/128), ceil(I/128)]
     (weight = e4m3 value * scale of its block, DeepSeek's ``weight_scale_inv``); w1_bias [E, 2I],
     w2_bias [E, H] or None; gate_up_interleaved as in ``MoEWeights``. The blocks tile the stacked
-    [2I, H] matrix, so with gate rows then up rows I must be a multiple of 128 (the checkpoint's
-    gate and up blocks then stack exactly).
+    [2I, H] matrix (a checkpoint's separate gate and up scales stack only when I is a multiple of 128:
+    ``adapt.runtime.weights`` checks that at load).
     """
 
     w1: torch.Tensor
@@ -164,17 +164,10 @@ class StackedExperts:
         if fp8 != (self.w1_scale is not None) or fp8 != (self.w2_scale is not None):
             raise InputError("FP8 experts need block scales for w1 and w2 (bf16 experts none)", field="w1_scale")
         if fp8:
-            inter = self.w2.shape[2]
             for name, w, sc in (("w1_scale", self.w1, self.w1_scale), ("w2_scale", self.w2, self.w2_scale)):
                 want = (e, -(-w.shape[1] // FP8_BLOCK), -(-w.shape[2] // FP8_BLOCK))
                 if tuple(sc.shape) != want:
                     raise InputError(f"{name} {tuple(sc.shape)} does not match {want} blocks", field=name)
-            if not self.gate_up_interleaved and inter % FP8_BLOCK:
-                raise InputError(
-                    f"FP8 expert width {inter} is not a multiple of the {FP8_BLOCK}-row scale block",
-                    field="w1_scale",
-                    hint="stacking gate and up needs block-aligned widths",
-                )
 
     @property
     def format(self) -> str:
@@ -200,6 +193,34 @@ class StackedExperts:
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1, w2) as fp32 (FP8 values times their block scales)."""
         return _dequant_blocks(self.w1, self.w1_scale), _dequant_blocks(self.w2, self.w2_scale)
+
+
+def fp8_block_copy(weights: StackedExperts, rule=None) -> StackedExperts:
+    """bf16 experts -> an FP8-block copy: e4m3 values with one fp32 scale per 128 x 128 block by ``rule``
+    (``adapt.kernels.fp8.amax_scale`` by default: amax / 448, an all-zero block 1e-4 / 448; or
+    ``pow2_scale``: DeepSeek-V3.2's ue8m0 power-of-two scales). Made one expert at a time (transient:
+    one expert in fp32)."""
+    from adapt.kernels.fp8 import amax_scale
+
+    rule = rule or amax_scale
+
+    def quantize(w):
+        e, n, k = w.shape
+        q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
+        scales = torch.empty(e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK), dtype=torch.float32, device=w.device)
+        for ex in range(e):
+            wf = w[ex].float()
+            pn, pk = scales.shape[1] * FP8_BLOCK - n, scales.shape[2] * FP8_BLOCK - k
+            blocks = torch.nn.functional.pad(wf, (0, pk, 0, pn)).reshape(
+                scales.shape[1], FP8_BLOCK, scales.shape[2], FP8_BLOCK)
+            scales[ex] = rule(blocks.abs().amax(dim=(1, 3)))
+            full = scales[ex].repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+            q[ex] = (wf / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return q, scales
+
+    q1, s1 = quantize(weights.w1)
+    q2, s2 = quantize(weights.w2)
+    return StackedExperts(q1, q2, s1, s2, weights.w1_bias, weights.w2_bias, weights.gate_up_interleaved)
 
 
 def _dequant_blocks(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
