@@ -57,9 +57,10 @@ def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, 
     """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both).
 
     compute: "bf16" (MXFP4 decoded to bf16), "fp8" (MXFP4 decoded to e4m3 in the GEMM),
-    "fp8_stored" (e4m3 weights read from memory: offline copy, workspace, FP8-block experts) or
-    "bf16_stored" (bf16 experts, or FP8-block experts widened to bf16: the fp8_stored tiles with
-    the same bytes per row and step, so K steps of 128 (swap) or 64).
+    "fp8_stored" (e4m3 weights read from memory: offline copy or workspace), "fp8_block" (FP8-block
+    experts, W8A8: K steps of 128, one per scale block) or "bf16_stored" (bf16 experts, or FP8-block
+    experts widened to bf16: the fp8_stored tiles with the same bytes per row and step, so K steps of
+    128 (swap) or 64).
     """
     if INTERPRET:
         c = GemmConfig(
@@ -69,6 +70,13 @@ def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, 
     if compute == "bf16_stored":
         c1, c2 = pick_configs(slots, n_experts, "fp8_stored")
         return replace(c1, block_k=128 if c1.swap_ab else 64), replace(c2, block_k=128 if c2.swap_ab else 64)
+    if compute == "fp8_block":
+        # each K step's partial sum is scaled before it joins the accumulator (a second [M, N] fp32
+        # tile live): at large T half the fp8_stored n-tile keeps that within the register file
+        c1, c2 = pick_configs(slots, n_experts, "fp8_stored")
+        if not c1.swap_ab and c1.block_m == 128:
+            return replace(c1, block_n=64), replace(c2, block_n=128)
+        return replace(c1, block_k=128), replace(c2, block_k=128)
     per_expert = slots / max(1, n_experts)
     bk_small = 256
     if per_expert <= 16 and compute == "bf16":

@@ -671,7 +671,7 @@ def _stacked_mlp(hidden, perm, weights: StackedExperts, top_k, act, alpha, limit
         raise InputError("bf16 experts compute in bf16", field="compute", hint="use compute='bf16'")
     s = hidden.shape[0] * top_k
     e, h, inter = weights.n_experts, weights.hidden, weights.intermediate
-    c1, c2 = config if config is not None else pick_configs(s, e, "fp8_stored" if fp8 else "bf16_stored")
+    c1, c2 = config if config is not None else pick_configs(s, e, "fp8_block" if fp8 else "bf16_stored")
     if c1.block_m != c2.block_m:
         raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
     tiles = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))

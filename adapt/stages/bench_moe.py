@@ -934,12 +934,13 @@ def run_moe_bench(
 # ----------------------------------------------------------------------------------------------
 
 FORMAT_VARIANTS = ("fp8_block_w8a8", "bf16_experts", "torch_grouped_bf16", "torch_fp8_block_scaled_mm",
-                   "fp8_block_w8a16")
+                   "fp8_block_w8a16", "fp8_block_w8a8_stored_tiles")
 """Timed in this order at every T (a variant the time budget cuts is recorded as skipped):
 adapt's grouped GEMMs on FP8-block experts with e4m3 activations per 1x128 group (DeepSeek-V3's W8A8),
 on bf16 experts, torch ``_grouped_mm`` on the same bf16 experts, torch ``_scaled_mm`` (1x128 x 128x128
 block scales) per active expert on the FP8-block experts, and adapt on FP8-block experts with bf16
-activations (W8A16)."""
+activations (W8A16); at T >= 4096 also W8A8 on the fp8_stored tiles (the offline FP8 path's configs) to
+compare with the default's narrower n-tile."""
 
 
 def format_bytes(variant: str, active: int, hidden: int, inter: int) -> int:
@@ -1091,6 +1092,8 @@ def run_format_bench(out_dir: Path, tokens: list[int] | None = None, shape_name:
             except Exception as exc:  # noqa: BLE001 - the variant's own row records the failure
                 print(f"T={t} {base}: reference failed: {str(exc)[:200]}", flush=True)
         for vname in FORMAT_VARIANTS:
+            if vname == "fp8_block_w8a8_stored_tiles" and vname not in variants:
+                continue
             row = _format_row(vname, variants, refs, t, active, shape, ceil, start, budget_s, layout)
             rows.append(row)
             if "time_us" in row:
@@ -1120,6 +1123,12 @@ def _format_variants(x, perm, bf, fp8w, shape: dict, layout) -> dict:
     }
     if isinstance(layout, int):
         variants["torch_fp8_block_scaled_mm"] = _torch_fp8_block(x, perm, fp8w, shape, layout)
+    if x.shape[0] >= 4096:
+        from adapt.kernels.moe_configs import pick_configs
+
+        wide = pick_configs(x.shape[0] * k, fp8w.n_experts, "fp8_stored")
+        variants["fp8_block_w8a8_stored_tiles"] = lambda: expert_mlp(
+            x, perm, fp8w, compute="fp8", act_quant="group128", config=wide, **kw)
     return variants
 
 
