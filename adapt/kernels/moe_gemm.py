@@ -1,4 +1,6 @@
-"""Fused MoE expert path: grouped GEMMs over expert-sorted tokens with MXFP4 weights decoded in-kernel.
+"""Fused MoE expert path: grouped GEMMs over expert-sorted tokens with MXFP4 weights decoded in-kernel,
+and the same GEMMs on bf16 or FP8-block experts (``StackedExperts``: the weight-load step of the kernel
+switches on the format, W_MODE 3 / 4; tile map, routing and epilogues are shared).
 
 Entry point (the runtime calls this once per MoE layer)::
 
@@ -11,7 +13,9 @@ Entry point (the runtime calls this once per MoE layer)::
     weights       MoEWeights: w1 (gate+up) blocks uint8 [E, 2I, H/32, 16], scales uint8 [E, 2I, H/32];
                   w2 (down) blocks uint8 [E, H, I/32, 16], scales [E, H, I/32]; optional biases
                   w1_bias [E, 2I], w2_bias [E, H]; gate_up_interleaved (gpt-oss: rows alternate
-                  gate/up; DeepSeek: gate rows then up rows)
+                  gate/up; DeepSeek: gate rows then up rows); or StackedExperts: w1 [E, 2I, H], w2 [E, H, I]
+                  bf16, or e4m3 with fp32 128 x 128 block scales (compute "fp8": e4m3 activations per
+                  token or 1x128 group, W8A8; "bf16": FP8 weights widened to bf16 in registers, W8A16)
     router        RouterConfig (softmax or DeepSeek sigmoid group-limited, k, scaling)
     correction_bias fp32 [E] | None (DeepSeek-V3 e_score_correction_bias)
     shared        MoEWeights | None: shared experts, every token, weight 1
