@@ -1,6 +1,6 @@
 """Tiny embedded models: small checkpoints that transformers itself loads, built offline.
 
-Three models, each a directory with ``config.json``, ``model.safetensors``,
+Four models, each a directory with ``config.json``, ``model.safetensors``,
 ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``:
 
   tiny-dsa    deepseek_v32: MLA + DSA indexer (index_topk 16), 3 layers (layer 0 dense,
@@ -11,6 +11,9 @@ Three models, each a directory with ``config.json``, ``model.safetensors``,
               8 experts top-2 stored MXFP4 in the gpt-oss layout (``*_blocks`` uint8
               [E, N, K/32, 16], ``*_scales`` uint8 [E, N, K/32]); everything else bf16.
   tiny-qwen3  qwen3_moe: GQA with q/k norms, 2 layers of 8 experts top-2; bf16.
+  tiny-dsa-fp8  tiny-dsa with expert width 128 and its routed experts stored as DeepSeek-V3.2 ships
+              them: e4m3 ``weight`` with an fp32 ``weight_scale_inv`` per 128 x 128 block (power-of-two,
+              "ue8m0"), DeepSeek's fp8 ``quantization_config``; everything else bf16.
 
 Every model is created through transformers' own model class (so the tensor names and the
 config are the ones transformers expects), then every tensor is re-initialised from a
