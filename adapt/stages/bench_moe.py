@@ -82,14 +82,14 @@ def _uniform_routing(t: int, e: int, k: int, device: str):
 
 
 def _point(t: int, e: int, k: int, h: int, device: str):
-    """One timed point's inputs: x [t, h] bf16, the permutation of uniform random routing, and the
-    number of experts it activates."""
+    """One timed point's inputs: x [t, h] bf16, the permutation of uniform random routing, the
+    number of experts it activates and the routing weights fp32 [t, k]."""
     from adapt.kernels.routing import permute_by_expert
 
     x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
-    _, ids = _uniform_routing(t, e, k, device)
+    topw, ids = _uniform_routing(t, e, k, device)
     perm = permute_by_expert(ids, e)
-    return x, perm, int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item())
+    return x, perm, int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item()), topw
 
 
 def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1.702, limit=7.0):
@@ -166,7 +166,7 @@ def _peer_setup(routed, shape: dict, source: str = "codes"):
 
 def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.float32, parts: dict | None = None):
     """The peer's MoE experts at one T: gate-up matmul_ogs (gather, SwiGLU fused) then down matmul_ogs
-    (scatter + weighted combine over the k experts), routing from the peer's own top-k over random
+    (routing weights as ``gammas``, scatter + reduce over the k experts), routing from the peer's own top-k over random
     logits computed once outside the timed call (as adapt's variants get ``perm``)."""
     from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
     from triton_kernels.tensor import make_ragged_tensor_metadata
@@ -191,7 +191,10 @@ def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.floa
                fused_activation=peer["act"])
         if parts is not None:
             parts["gemm1"] = y
-        return mm(y, peer["w2"], peer["b2"], rdata, scatter_indx=scatter, precision_config=pc2)
+        # the routing weights as its own integrations pass them: gammas scale each slot's row before
+        # the scatter + reduce over the k experts
+        return mm(y, peer["w2"], peer["b2"], rdata, scatter_indx=scatter, precision_config=pc2,
+                  gammas=rdata.gate_scal)
 
     return run
 
@@ -225,16 +228,29 @@ def _peer_reference_error(peer_out, parts: dict, x, routed, shape: dict) -> floa
     return float((peer_out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def _combined(mlp, topw, perm):
+    """mlp() (expert outputs in sorted slot order) then the weighted combine back to tokens [T, H]."""
+    from adapt.kernels.routing import combine
+
+    return lambda: combine(mlp(), topw, perm.slot_pos)
+
+
 def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[str] | None = None,
-                   budget_s: float = 1e9) -> dict:
-    """The peer beside adapt's planar kernel only (no other variant is built): same seed and so the
-    same MXFP4 codes as ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. At the first T of
+                   budget_s: float = 1e9, sweep: bool = False, large: bool = False) -> dict:
+    """The peer beside adapt's MXFP4-storage paths only: same seed and so the same MXFP4 codes as
+    ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. adapt's rows include the weighted
+    combine of the k expert outputs (``routing.combine``), as the peer's rows include its scatter +
+    reduce: ``planar_combine`` up to PLANAR_MAX_TOKENS, and with ``large`` above it the online FP8
+    workspace and the offline FP8 copy (``fp8_ws_combine``, ``fp8_offline_combine``). sweep: time the
+    PLANAR_SWEEP configs of each T's range too (expert GEMMs only, into ``sweep``). At the first T of
     each shape the setups of ``PEER_CANDIDATES`` are tried until one gives finite outputs (each try
     recorded, GEMM1 and GEMM2 checked apart), and at T = 16 the peer is checked against a float32
-    reference of its own routing. Writes moe_bench.json / .md to out_dir after every T."""
+    reference of its own routing (``rel_err_vs_reference``). Writes moe_bench.json / .md to out_dir
+    after every T."""
     from adapt.kernels.moe_gemm import expert_mlp
     from adapt.kernels.moe_planar import PlanarExperts
-    from adapt.kernels.moe_weights import mxfp4_expert_bytes
+    from adapt.kernels.moe_weights import FP8Weights, mxfp4_expert_bytes
+    from adapt.kernels.workspace import FP8Workspace
 
     start = time.monotonic()
     tokens, shapes = tokens or DEFAULT_TOKENS, shapes or list(SHAPES)
@@ -260,18 +276,23 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
         e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
         planar = PlanarExperts.from_weights(routed)
         expert_bytes = mxfp4_expert_bytes(h, inter)
-        peer, chosen, tried = None, None, False
+        peer, chosen, tried, fp8 = None, None, False, None
         for t in tokens:
             if time.monotonic() > start + budget_s:
                 rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
                 continue
-            x, perm, active = _point(t, e, k, h, DEVICE)
+            x, perm, active, topw = _point(t, e, k, h, DEVICE)
             flops, wbytes = 6 * t * k * h * inter, active * expert_bytes
             floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
             variants = {}
+            mlp = partial(expert_mlp, x, perm, routed, top_k=k, activation=shape["activation"])
             if t <= PLANAR_MAX_TOKENS:
-                variants["planar"] = partial(expert_mlp, x, perm, routed, compute="bf16", planar=planar, top_k=k,
-                                             activation=shape["activation"])
+                variants["planar_combine"] = _combined(partial(mlp, compute="bf16", planar=planar), topw, perm)
+            elif large:
+                if fp8 is None:
+                    fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
+                variants["fp8_ws_combine"] = _combined(partial(mlp, workspace=fp8[1]), topw, perm)
+                variants["fp8_offline_combine"] = _combined(partial(mlp, fp8_weights=fp8[0]), topw, perm)
             if chosen is None and not tried:
                 tried = True
                 for source, ldt in PEER_CANDIDATES:
@@ -332,8 +353,12 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 rows.append(row)
                 print(f"{name:13s} T={t:6d} {vname:8s} {us:10.1f} us  {row['copy_fraction']:.2f} of copy  "
                       f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+            if sweep and t <= PLANAR_MAX_TOKENS:
+                configs = {n: ("planar", a, b) for n, ((lo, hi), a, b) in PLANAR_SWEEP.items() if lo <= t <= hi}
+                result["sweep"] += _sweep(x, perm, routed, None, dict(shape, name=name), flops, start + budget_s,
+                                          configs, wbytes, ceil["copy_tbps"], planar)
             save()
-        routed = planar = peer = None
+        routed = planar = peer = fp8 = None
         torch.cuda.empty_cache()
     save()
     return result
@@ -533,7 +558,7 @@ def _bench_shape(
             print(f"{name} T={t}: skipped (time budget)", flush=True)
             rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
             continue
-        x, perm, active = _point(t, e, k, h, dev)
+        x, perm, active, _ = _point(t, e, k, h, dev)
         flops = 6 * t * k * h * inter
         wbytes = active * expert_bytes
         floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
@@ -1202,14 +1227,16 @@ if __name__ == "__main__":
         action="store_true",
         help="DeepSeek-V3 at T in 1, 64, 16384 only (the acceptance lines)",
     )
-    ap.add_argument("--peer-only", action="store_true", help="time only the peer beside adapt's planar kernel")
+    ap.add_argument("--peer-only", action="store_true",
+                    help="time only the peer beside adapt's MXFP4-storage paths (with --planar-sweep: the configs too)")
+    ap.add_argument("--large", action="store_true", help="with --peer-only: the FP8 paths above PLANAR_MAX_TOKENS")
     ap.add_argument("--formats", action="store_true", help="FP8-block and bf16 experts beside torch (first shape)")
     args = ap.parse_args()
     if args.formats:
         run_format_bench(args.out_dir, args.tokens, (args.shapes or ["deepseek-v3"])[0], args.budget_s)
         raise SystemExit(0)
     if args.peer_only:
-        run_peer_bench(args.out_dir, args.tokens, args.shapes, args.budget_s)
+        run_peer_bench(args.out_dir, args.tokens, args.shapes, args.budget_s, args.planar_sweep, args.large)
         raise SystemExit(0)
     res = run_moe_bench(
         args.out_dir,

@@ -546,8 +546,11 @@ def test_planar_layout_round_trip_and_word_bits(k):
         assert p.words.shape[-1] * 8 % 128 == 0 and p.k == k
         a, b = mp.planar_to_mxfp4_torch(p, interleaved=il)
         assert torch.equal(a, packed) and torch.equal(b, scales)
-    # the definition: word h*8 + c of a 128-step, nibble at bits 4p (16 + 4p) = element 16(4h+p) + 2c (+1)
+    # the definition: word h*8 + c of a 128-step, code bits (m, e0, e1, sign) of element 16(4h+p) + 2c
+    # (+1) at bits NIBBLE_BITS[p] of the low (high) half; scale bytes biased by 126 when all are <= 128
     p = mp.planar_from_mxfp4(packed, scales)
+    if not p.two_muls:
+        assert torch.equal(p.scales[..., : k // 32].int(), scales.int() + 126)
     codes = torch.stack((packed.long() & 0xF, packed.long() >> 4), -1).reshape(2, 6, k)
     w = p.words.long() & 0xFFFFFFFF
     for kk in range(k):
@@ -555,7 +558,8 @@ def test_planar_layout_round_trip_and_word_bits(k):
         plane, col = divmod(r, 16)
         h, pp = divmod(plane, 4)
         c, half = divmod(col, 2)
-        nib = (w[:, :, step * 16 + h * 8 + c] >> (4 * pp + 16 * half)) & 0xF
+        word = w[:, :, step * 16 + h * 8 + c] >> (16 * half)
+        nib = sum(((word >> pos) & 1) << b for b, pos in enumerate(mp.NIBBLE_BITS[pp]))
         assert torch.equal(nib, codes[:, :, kk])
     assert p.two_muls == bool(scales.max() > 128)
 
