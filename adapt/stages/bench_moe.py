@@ -1108,7 +1108,7 @@ def run_format_bench(out_dir: Path, tokens: list[int] | None = None, shape_name:
         (out_dir / "moe_formats.md").write_text(_format_markdown(result))
 
     for t in tokens:
-        x, perm, active = _point(t, e, k, h, DEVICE)
+        x, perm, active, _ = _point(t, e, k, h, DEVICE)
         variants = _format_variants(x, perm, bf, fp8w, shape, layout)
         refs = {}
         for fmt, base in (("bf16", "torch_grouped_bf16"), ("fp8", "torch_fp8_block_scaled_mm")):

@@ -217,3 +217,20 @@ def test_stacked_experts_reject_bad_input():
     perm = rt.permute_by_expert(torch.zeros(3, 1, dtype=torch.int32, device=DEV), 2)
     with pytest.raises(InputError):
         mg.expert_mlp(x, perm, b, top_k=1, compute="fp8")
+
+
+def test_format_bench_variants_compute_the_same_layer():
+    # the benchmark's callables (adapt on both formats, torch grouped bf16) at a tiny shape, and its byte count
+    from adapt.stages import bench_moe as bm
+
+    shape = dict(experts=4, top_k=2, hidden=256, intermediate=128, activation="swiglu", interleaved=False)
+    torch.manual_seed(0)
+    bf, fp8w = bm._format_layer(shape, DEV)
+    x, perm, active, _ = bm._point(3, 4, 2, 256, DEV)
+    variants = bm._format_variants(x, perm, bf, fp8w, shape, layout="not timed here")
+    assert "torch_fp8_block_scaled_mm" not in variants
+    assert _rel(variants["bf16_experts"](), variants["torch_grouped_bf16"]()) < GATES["max_rel_error_bf16"]
+    twin = mg.expert_mlp_torch(x, perm, fp8w, top_k=2, compute="fp8", act_quant="group128")
+    assert _rel(variants["fp8_block_w8a8"](), twin) < TWIN
+    assert bm.format_bytes("bf16_experts", active, 256, 128) == active * 6 * 256 * 128
+    assert bm.format_bytes("fp8_block_w8a8", 1, 256, 128) == 3 * 256 * 128 + 4 * (2 * 2 + 2 * 1)
