@@ -1089,24 +1089,10 @@ def run_format_bench(out_dir: Path, tokens: list[int] | None = None, shape_name:
     bf, fp8w = _format_layer(shape, DEVICE)
     layout = _scaled_mm_layout(fp8w, DEVICE)
     rows: list[dict] = []
-    result = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "shape": dict(shape, name=shape_name),
-        "ceilings": ceil,
-        "scaled_mm_layout": layout,
-        "rows": rows,
-    }
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    def save():
-        (out_dir / "moe_formats.json").write_text(json.dumps(result, indent=1))
-        (out_dir / "moe_formats.md").write_text(_format_markdown(result))
-
+    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": _git_commit(),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "shape": dict(shape, name=shape_name), "ceilings": ceil, "scaled_mm_layout": layout, "rows": rows}
+    save = _saver(Path(out_dir), "moe_formats", result, _format_markdown)
     for t in tokens:
         x, perm, active, _ = _point(t, e, k, h, DEVICE)
         variants = _format_variants(x, perm, bf, fp8w, shape, layout)
@@ -1131,6 +1117,17 @@ def run_format_bench(out_dir: Path, tokens: list[int] | None = None, shape_name:
         save()
     save()
     return result
+
+
+def _saver(out_dir: Path, stem: str, result: dict, markdown):
+    """A function that writes ``result`` as out_dir/stem.json and its ``markdown(result)`` as stem.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (out_dir / f"{stem}.md").write_text(markdown(result))
+
+    return save
 
 
 def _format_variants(x, perm, bf, fp8w, shape: dict, layout) -> dict:
