@@ -20,6 +20,11 @@ each scale byte pre-biased as ``s + 126``, the bf16 exponent of the factor, so t
 masks place four factors into two bf16x2 registers; layers with a larger scale keep the E8M0 bytes
 and take the two-multiply decode (``TWO_MULS``). Bytes are the MXFP4 bytes (K/2 + K/32 per row).
 
+Tiles: rows are grouped in blocks of ``ROW_BLOCK`` (N padded to a multiple with zero codes) and
+stored block-major, step-major inside a block: ``words[e, n // 64, step, n % 64, 16]``, so the 64 rows
+of one step are 4 KB contiguous in memory (scales likewise: 256 B); a row-major copy would put each
+row's 64 bytes of a step 3.5 KB (DeepSeek-V3 GEMM1) from the next row's, one short burst per DRAM page.
+
 Rows: GEMM1 (gate + up, 2I rows) is stored with gate and up rows interleaved (row 2i gate i,
 row 2i + 1 up i) whatever the checkpoint's order, so one tile of BLOCK_N rows yields BLOCK_N / 2
 SwiGLU outputs; GEMM2 (down, H rows) keeps its order.
@@ -50,6 +55,8 @@ from adapt.kernels.mxfp4 import INTERPRET, dequantize_mxfp4_torch, to_bf16
 
 PLANAR_STEP = 128
 """K elements per step of the planar layout (16 words per row)."""
+ROW_BLOCK = 64
+"""Rows per block of the tiled layout (one step of a block is 64 x 16 words, contiguous)."""
 FAST_SCALE_MAX = 128
 """Largest E8M0 byte for which 2**126 * scale is a finite bf16 (one multiply per pair)."""
 SCALE_BIAS = FAST_SCALE_MAX - 2
@@ -63,25 +70,41 @@ exponent low bit, exponent high bit and sign."""
 class PlanarMXFP4:
     """One GEMM's experts in the planar layout (see the module docstring).
 
-    words  int32 [E, N, Kp/8]   (Kp = K rounded up to 128; same bytes as the MXFP4 codes)
-    scales uint8 [E, N, Kp/32]  the MXFP4 block scales, E8M0 + SCALE_BIAS unless two_muls, else
-           E8M0 (a padded block: 127 before the bias)
-    k      logical K; gate_up: rows are interleaved gate/up pairs (GEMM1)
+    words  int32 [E, Np/64, Kp/128, 64, 16] (Np = N rounded up to ROW_BLOCK, Kp = K rounded up to
+           128, both with zero codes; the MXFP4 code bytes of the rows and steps)
+    scales uint8 [E, Np/64, Kp/128, 64, 4]  the MXFP4 block scales, E8M0 + SCALE_BIAS unless
+           two_muls, else E8M0 (a padded block: 127 before the bias)
+    n, k   logical rows and K; gate_up: rows are interleaved gate/up pairs (GEMM1)
     two_muls: some scale byte exceeds FAST_SCALE_MAX (decode with two multiplies)
     """
 
     words: torch.Tensor
     scales: torch.Tensor
+    n: int
     k: int
     gate_up: bool
     two_muls: bool
 
     @property
     def k_padded(self) -> int:
-        return self.words.shape[-1] * 8
+        return self.words.shape[2] * PLANAR_STEP
 
     def nbytes(self) -> int:
         return self.words.numel() * 4 + self.scales.numel()
+
+
+def _tiled(t: torch.Tensor, np_: int, per_step: int, fill: int) -> torch.Tensor:
+    """Row-major [N, steps * per_step] -> [Np/64, steps, 64, per_step], rows N..Np set to ``fill``."""
+    n, cols = t.shape
+    out = torch.full((np_, cols), fill, dtype=t.dtype, device=t.device)
+    out[:n] = t
+    return out.reshape(np_ // ROW_BLOCK, ROW_BLOCK, cols // per_step, per_step).permute(0, 2, 1, 3).contiguous()
+
+
+def _untiled(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of ``_tiled`` over a leading expert dim: [E, Np/64, steps, 64, w] -> [E, n, steps * w]."""
+    e, nb, steps, rb, w = t.shape
+    return t.permute(0, 1, 3, 2, 4).reshape(e, nb * rb, steps * w)[:, :n]
 
 
 def _interleave_gate_up(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -109,23 +132,28 @@ def planar_from_mxfp4(
         packed = _interleave_gate_up(packed, interleaved)
         scales = _interleave_gate_up(scales, interleaved)
     kp = -(-k // PLANAR_STEP) * PLANAR_STEP
-    words = torch.empty(e, n, kp // 8, dtype=torch.int32, device=packed.device)
+    np_ = -(-n // ROW_BLOCK) * ROW_BLOCK
+    steps = kp // PLANAR_STEP
+    words = torch.empty(e, np_ // ROW_BLOCK, steps, ROW_BLOCK, 16, dtype=torch.int32, device=packed.device)
     lut = _nibble_lut(packed.device).reshape(1, 1, 4, 16, 1, 1)
     for ex in range(e):  # one expert at a time: the int64 transient is 16x one expert's codes
         codes = torch.zeros(n, kp, dtype=torch.uint8, device=packed.device)
         codes[:, 0:k:2] = packed[ex] & 0xF
         codes[:, 1:k:2] = packed[ex] >> 4
         # codes[n, step, plane j = 4h + p, col = 2c + half] -> word (step, h, c), half's bits NIBBLE_BITS[p]
-        c = codes.reshape(n * (kp // PLANAR_STEP), 2, 4, 1, 8, 2).to(torch.int64)  # h, p, -, c, half
+        c = codes.reshape(n * steps, 2, 4, 1, 8, 2).to(torch.int64)  # h, p, -, c, half
         spread = torch.take_along_dim(lut.expand(c.shape[0], 2, 4, 16, 8, 2), c, dim=3)
         wd = (spread.squeeze(3) << (16 * torch.arange(2, device=packed.device))).sum(dim=(2, 4))  # [n*steps, 2, 8]
-        words[ex] = torch.where(wd >= 2**31, wd - 2**32, wd).to(torch.int32).reshape(n, kp // 8)
+        wd = torch.where(wd >= 2**31, wd - 2**32, wd).to(torch.int32).reshape(n, kp // 8)
+        words[ex] = _tiled(wd, np_, 16, 0)
     two = bool((scales.int().amax() > FAST_SCALE_MAX).item()) if scales.numel() else False
-    sc = torch.full((e, n, kp // 32), 127, dtype=torch.uint8, device=packed.device)
-    sc[..., : k // 32] = scales
-    if not two:
-        sc += SCALE_BIAS
-    return PlanarMXFP4(words.contiguous(), sc.contiguous(), k, gate_up, two)
+    pad = 127 if two else 127 + SCALE_BIAS
+    sc = torch.empty(e, np_ // ROW_BLOCK, steps, ROW_BLOCK, 4, dtype=torch.uint8, device=packed.device)
+    for ex in range(e):
+        rows = torch.full((n, kp // 32), pad, dtype=torch.uint8, device=packed.device)
+        rows[:, : k // 32] = scales[ex] if two else scales[ex] + SCALE_BIAS
+        sc[ex] = _tiled(rows, np_, 4, pad)
+    return PlanarMXFP4(words, sc, n, k, gate_up, two)
 
 
 def _nibble_lut(device) -> torch.Tensor:
@@ -137,15 +165,14 @@ def _nibble_lut(device) -> torch.Tensor:
 
 def planar_to_mxfp4_torch(p: PlanarMXFP4, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``planar_from_mxfp4``: -> (packed uint8 [E, N, K/2], scales uint8 [E, N, K/32])."""
-    e, n, kw = p.words.shape
-    kp = kw * 8
-    w = p.words.long().bitwise_and(0xFFFFFFFF).reshape(e, n, kp // PLANAR_STEP, 2, 1, 8, 1, 1)
+    e, n, kp = p.words.shape[0], p.n, p.k_padded
+    w = _untiled(p.words, n).long().bitwise_and(0xFFFFFFFF).reshape(e, n, kp // PLANAR_STEP, 2, 1, 8, 1, 1)
     half = 16 * torch.arange(2, device=w.device).reshape(1, 1, 1, 1, 1, 1, 2, 1)
     pos = torch.tensor(NIBBLE_BITS, device=w.device).reshape(1, 1, 1, 1, 4, 1, 1, 4)
     bits = (w >> (pos + half)) & 1  # [e, n, step, h, p, c, half, code bit]
     codes = (bits << torch.arange(4, device=w.device)).sum(-1).reshape(e, n, kp)[..., : p.k].to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    scales = p.scales[..., : p.k // 32]
+    scales = _untiled(p.scales, n)[..., : p.k // 32]
     if not p.two_muls:
         scales = scales - SCALE_BIAS
     if p.gate_up and not interleaved:
@@ -357,13 +384,14 @@ def _planar_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_F32: tl.constexpr,
     ONE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
 
     x bf16 [rows, K] (GATHER: row = sorted_slot // TOPK, else the sorted position); W planar
-    (words [E, N, Kp/8], scales [E, N, Kp/32]). SPLIT_K == 1: out bf16 [S, n_out] (ACTIVATION 0:
-    n_out = n_rows, + bias; 1 / 2: n_out = n_rows / 2, SwiGLU of the interleaved gate/up rows,
+    (tiled words [E, Np/64, Kp/128, 64, 16], scales the same with 4 bytes). SPLIT_K == 1: out bf16
+    [S, n_out] (ACTIVATION 0: n_out = n_rows, + bias; 1 / 2: n_out = n_rows / 2, SwiGLU of the interleaved gate/up rows,
     plain / gpt-oss clamped). SPLIT_K > 1: part fp32 [SPLIT_K, S, n_rows], raw sums (no bias).
     """
     n_m = tl.load(tile_start_ptr + n_experts)
@@ -381,19 +409,24 @@ def _planar_gemm_kernel(
         n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_rows
         nc = tl.minimum(n, n_rows - 1).to(tl.int64)  # clamped rows: loads need no mask
-        wrow = w_ptr + e.to(tl.int64) * stride_we + nc * k_words
-        srow = sc_ptr + e.to(tl.int64) * stride_se + nc * k_steps
+        # tiled layout: row block nc // 64 holds its steps back to back, 64 x 16 words (64 scale words) each
+        rb, ri = nc // 64, nc % 64
+        wrow = w_ptr + e.to(tl.int64) * stride_we + rb * (k_words * 64) + ri * 16
+        srow = sc_ptr + e.to(tl.int64) * stride_se + rb * (k_steps * 64) + ri
         c8 = tl.arange(0, 8)
         c16 = tl.arange(0, 16)
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for st in range(s_lo, s_hi):
-            w0 = tl.load(wrow[:, None] + (st * 16 + c8)[None, :])
-            w1 = tl.load(wrow[:, None] + (st * 16 + 8 + c8)[None, :])
-            s4 = tl.load(srow + st)  # the step's four scale bytes, block b in byte b
+            w0 = tl.load(wrow[:, None] + (st * 1024 + c8)[None, :])
+            w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :])
+            s4 = tl.load(srow + st * 64)  # the step's four scale bytes, block b in byte b
             xb = x_ptr + tok[:, None] * stride_x + st * 128
             if ONE_DOT:
-                kk = st * 128 + tl.arange(0, 128)
-                xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
+                if EVEN_K:  # K a multiple of 128: only the tile's rows are masked
+                    xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None], other=0.0)
+                else:
+                    kk = st * 128 + tl.arange(0, 128)
+                    xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
                 if DOT_F32:
                     xs = xs.to(tl.float32)
                 v = _tile(w0, w1, s4, TWO_MULS, DOT_F32, BLOCK_N)
@@ -510,7 +543,7 @@ def planar_gemm(
     [S, n_out] in sorted order (see ``_planar_gemm_kernel``). bias: float [E, N] in the planar row
     order (GEMM1: interleaved gate/up) or None. tiles: ``moe_tiles.TileMap`` with block_m = cfg.block_m.
     """
-    e, n_rows, k_words = w.words.shape
+    e, n_rows, k_words = w.words.shape[0], w.n, w.k_padded // 8
     s = out.shape[0]
     n_n = triton.cdiv(n_rows, cfg.block_n)
     n_work = tiles.max_tiles * n_n
@@ -559,6 +592,7 @@ def planar_gemm(
         GROUP_M=cfg.group_m,
         DOT_F32=interp_f32,
         ONE_DOT=cfg.one_dot,
+        EVEN_K=w.k % PLANAR_STEP == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg or None,

@@ -228,6 +228,44 @@ def _peer_reference_error(peer_out, parts: dict, x, routed, shape: dict) -> floa
     return float((peer_out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+TWIN_CHECK_TOKENS = (1, 16, 256, 4096)
+"""T at which the peer runner checks adapt's combined output against the twin's arithmetic."""
+
+
+def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
+    """||out - twin|| / ||twin|| for adapt's combined output out [T, H]: per active expert the twin's
+    arithmetic (``moe_gemm.expert_mlp_torch``: fp32 matmuls on the dequantized MXFP4 weights, SwiGLU,
+    h and y rounded to bf16), weighted by ``topw``, summed in fp32 and rounded to bf16 as ``combine``
+    does, one expert at a time."""
+    from adapt.kernels.moe_gemm import _split_gate_up, swiglu_torch
+    from adapt.kernels.mxfp4 import dequantize_mxfp4
+
+    k = topw.shape[1]
+    offs = perm.expert_offsets.tolist()
+    slots = perm.sorted_slot.long()
+    ref = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for ex in range(len(offs) - 1):
+        a, b = offs[ex], offs[ex + 1]
+        if a == b:
+            continue
+        tok, j = slots[a:b] // k, slots[a:b] % k
+        w1 = dequantize_mxfp4(routed.w1_packed[ex], routed.w1_scales[ex], torch.float32, validate=False)
+        w2 = dequantize_mxfp4(routed.w2_packed[ex], routed.w2_scales[ex], torch.float32, validate=False)
+        wg, wu = _split_gate_up(w1[None], routed.gate_up_interleaved)
+        xs = x[tok].float()
+        g, u = xs @ wg[0].t(), xs @ wu[0].t()
+        if routed.w1_bias is not None:
+            bg, bu = _split_gate_up(routed.w1_bias[ex].float()[None, :, None], routed.gate_up_interleaved)
+            g, u = g + bg[0, :, 0], u + bu[0, :, 0]
+        h = swiglu_torch(g, u, shape["activation"], 1.702, 7.0).to(torch.bfloat16).float()
+        y = h @ w2.t()
+        if routed.w2_bias is not None:
+            y = y + routed.w2_bias[ex].float()
+        ref.index_add_(0, tok, y.to(torch.bfloat16).float() * topw[tok, j, None])
+    ref = ref.to(torch.bfloat16).float()  # the combine's bf16 output
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def _combined(mlp, topw, perm):
     """mlp() (expert outputs in sorted slot order) then the weighted combine back to tokens [T, H]."""
     from adapt.kernels.routing import combine
@@ -335,6 +373,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     err = None
                     if vname == "peer" and t == 16:
                         err = _peer_reference_error(out, parts, x, routed, shape)
+                    if vname == "planar_combine" and t in TWIN_CHECK_TOKENS:
+                        err = _twin_error(out, x, perm, topw, routed, shape)
                     timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
                 except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row
                     rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
@@ -345,7 +385,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     "shape": name, "tokens": t, "variant": vname, "time_us": us, "active_experts": active,
                     "weight_tbps": wbytes / us / 1e6, "tflops": flops / us / 1e6, "byte_floor_us": floor_us,
                     "x_floor": us / floor_us, "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
-                    "rel_err_vs_reference": err,
+                    "rel_err_vs_reference" if vname == "peer" else "rel_err_vs_twin": err,
                     "timer": timing.mode + (f" ({timing.fallback})" if timing.fallback else ""),
                 }
                 if vname == "peer":
@@ -429,16 +469,15 @@ PLANAR_MAX_TOKENS = 4096
 
 _PC = lambda bm, bn, split, stages=4, warps=4, dot1=True, cap=128: (bm, bn, split, 4, warps, stages, 0, dot1, cap)  # noqa: E731
 PLANAR_SWEEP = {
-    # name: (T range, GEMM1 PlanarConfig fields, GEMM2 PlanarConfig fields); one_dot unless "8dots"
-    "p16x128_s1": ((1, 1), _PC(16, 128, 1), _PC(16, 128, 1)),
-    "p16x128_s8_4": ((1, 1), _PC(16, 128, 8), _PC(16, 128, 4)),
-    "p16x128_s2": ((16, 16), _PC(16, 128, 2), _PC(16, 128, 2)),
-    "p16x256_w8_s1": ((64, 64), _PC(16, 256, 1, 4, 8, cap=0), _PC(16, 256, 1, 4, 8, cap=0)),
-    "p16x128_s1_nocap": ((16, 256), _PC(16, 128, 1, cap=0), _PC(16, 128, 1, cap=0)),
-    "p16x128_s1_8dots": ((64, 64), _PC(16, 128, 1, dot1=False, cap=0), _PC(16, 128, 1, dot1=False, cap=0)),
-    "p32x128_s1": ((256, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),
-    "p64x128_w4_st3": ((1024, 4096), _PC(64, 128, 1, 3, cap=0), _PC(64, 128, 1, 3, cap=0)),
-    "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),
+    # name: (T range, GEMM1 PlanarConfig fields, GEMM2 PlanarConfig fields); _PC(bm, bn, split, stages,
+    # warps, one_dot, register cap); the alternatives to moe_configs.PLANAR_TABLES' rows (measured in
+    # benchmarks/moe/2026-11-30-s2 call 1 with the row-major layout, re-timed on the tiled one)
+    "p16x128": ((1, 256), _PC(16, 128, 1), _PC(16, 128, 1)),  # 126 regs: 4 programs / SM
+    "p16x64": ((16, 256), _PC(16, 64, 1), _PC(16, 64, 1)),  # 101
+    "p16x128_nocap": ((16, 256), _PC(16, 128, 1, cap=0), _PC(16, 128, 1, cap=0)),  # 156
+    "p32x128_nocap": ((1024, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),  # 164
+    "p64x128_w8_st4": ((1024, 1024), _PC(64, 128, 1, 4, 8, cap=0), _PC(64, 128, 1, 4, 8, cap=0)),
+    "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),  # 197
 }
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
 
