@@ -485,7 +485,7 @@ def handoff_command(
 @app.command("run")
 def run_command(
     model: Annotated[str, typer.Argument(
-        help="Checkpoint directory or a tiny model (tiny-dsa, tiny-oss, tiny-qwen3).")],
+        help="Checkpoint directory or a tiny model (tiny-dsa, tiny-oss, tiny-qwen3, tiny-dsa-fp8).")],
     prompt: Annotated[list[str] | None, typer.Option(
         "--prompt", "-p", help="Prompt text (repeat for a batch).")] = None,
     token_ids: Annotated[list[str] | None, typer.Option(

@@ -446,8 +446,6 @@ def _active_families(model_dir: Path, adapted: Adapted, layers) -> list[str]:
         active = [f for f in active if f != "indexer"]
     if "moe" in active and not config.moe_layers:
         active.remove("moe")
-    if "moe" in active and "quantization_config" not in (model_dir / "config.json").read_text():
-        active.remove("moe")  # the MoE kernel takes MXFP4 experts only (MoE.kernel_refusal)
     return active
 
 
