@@ -10,7 +10,7 @@ every pick is a small tile, so tests stay fast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adapt.kernels.mxfp4 import INTERPRET
 
@@ -56,14 +56,27 @@ class PlanarConfig:
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
     """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both).
 
-    compute: "bf16" (MXFP4 decoded to bf16), "fp8" (MXFP4 decoded to e4m3 in the GEMM) or
-    "fp8_stored" (e4m3 weights read from memory: offline copy or workspace).
+    compute: "bf16" (MXFP4 decoded to bf16), "fp8" (MXFP4 decoded to e4m3 in the GEMM),
+    "fp8_stored" (e4m3 weights read from memory: offline copy or workspace), "fp8_block" (FP8-block
+    experts, W8A8: K steps of 128, one per scale block) or "bf16_stored" (bf16 experts, or FP8-block
+    experts widened to bf16: the fp8_stored tiles with the same bytes per row and step, so K steps of
+    128 (swap) or 64).
     """
     if INTERPRET:
         c = GemmConfig(
             block_m=16, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1, programs_per_sm=1
         )
         return c, c
+    if compute == "bf16_stored":
+        c1, c2 = pick_configs(slots, n_experts, "fp8_stored")
+        return replace(c1, block_k=128 if c1.swap_ab else 64), replace(c2, block_k=128 if c2.swap_ab else 64)
+    if compute == "fp8_block":
+        # each K step's partial sum is scaled before it joins the accumulator (a second [M, N] fp32
+        # tile live): at large T half the fp8_stored n-tile keeps that within the register file
+        c1, c2 = pick_configs(slots, n_experts, "fp8_stored")
+        if not c1.swap_ab and c1.block_m == 128:
+            return replace(c1, block_n=64), replace(c2, block_n=128)
+        return replace(c1, block_k=128), replace(c2, block_k=128)
     per_expert = slots / max(1, n_experts)
     bk_small = 256
     if per_expert <= 16 and compute == "bf16":

@@ -1006,6 +1006,258 @@ def run_moe_bench(
     return result
 
 
+# ----------------------------------------------------------------------------------------------
+# expert formats: FP8-block and bf16 experts through the same grouped kernels, beside torch
+# ----------------------------------------------------------------------------------------------
+
+FORMAT_VARIANTS = ("fp8_block_w8a8", "bf16_experts", "torch_grouped_bf16", "torch_fp8_block_scaled_mm",
+                   "fp8_block_w8a16", "fp8_block_w8a8_stored_tiles")
+"""Timed in this order at every T (a variant the time budget cuts is recorded as skipped):
+adapt's grouped GEMMs on FP8-block experts with e4m3 activations per 1x128 group (DeepSeek-V3's W8A8),
+on bf16 experts, torch ``_grouped_mm`` on the same bf16 experts, torch ``_scaled_mm`` (1x128 x 128x128
+block scales) per active expert on the FP8-block experts, and adapt on FP8-block experts with bf16
+activations (W8A16); at T >= 4096 also W8A8 on the fp8_stored tiles (the offline FP8 path's configs) to
+compare with the default's narrower n-tile."""
+
+
+def format_bytes(variant: str, active: int, hidden: int, inter: int) -> int:
+    """Weight bytes a variant must read: each active expert's three matrices once; bf16 2 bytes per
+    weight, FP8-block 1 byte plus one fp32 scale per 128 x 128 block."""
+    if variant.startswith(("fp8_block", "torch_fp8")):
+        blocks = -(-2 * inter // 128) * -(-hidden // 128) + -(-hidden // 128) * -(-inter // 128)
+        return active * (3 * hidden * inter + 4 * blocks)
+    return active * 6 * hidden * inter
+
+
+def _format_layer(shape: dict, device: str):
+    """Random experts of one shape in both formats: bf16 N(0, 0.02) [E, 2I, H] / [E, H, I], and FP8 with
+    128 x 128 block scales: random e4m3 bytes (NaN codes replaced by 0) times scales 2**-14..2**-10."""
+    from adapt.kernels.moe_weights import StackedExperts
+
+    e, h, i = shape["experts"], shape["hidden"], shape["intermediate"]
+    il = shape["interleaved"]
+    bf = StackedExperts(torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16) * 0.02,
+                        torch.randn(e, h, i, device=device, dtype=torch.bfloat16) * 0.02, gate_up_interleaved=il)
+
+    def fp8(n, k):
+        b = torch.randint(0, 256, (e, n, k), dtype=torch.uint8, device=device)
+        b[(b & 0x7F) == 0x7F] = 0
+        sc = torch.pow(2.0, torch.randint(-14, -9, (e, -(-n // 128), -(-k // 128)), device=device).float())
+        return b.view(torch.float8_e4m3fn), sc
+
+    q1, s1 = fp8(2 * i, h)
+    q2, s2 = fp8(h, i)
+    return bf, StackedExperts(q1, q2, s1, s2, gate_up_interleaved=il)
+
+
+def _scaled_mm_block(a, sa, w, sw, layout: int):
+    """torch ``_scaled_mm`` with DeepSeek block scales: a e4m3 [m, K] (scales fp32 [m, K/128]) times
+    w e4m3 [N, K] (scales [N/128, K/128]) -> bf16 [m, N]; m padded to a multiple of 4 (cuBLASLt).
+    layout: which memory order of the scale tensors to pass (0: a's scales column-major, w's as the
+    transpose of [N/128, K/128]; 1: both contiguous)."""
+    m = a.shape[0]
+    pad = (-m) % 4
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+        sa = torch.cat([sa, sa.new_ones(pad, sa.shape[1])])
+    if layout == 0:
+        sa_arg, sw_arg = sa.t().contiguous().t(), sw.t()
+    else:
+        sa_arg, sw_arg = sa.contiguous(), sw.t().contiguous()
+    out = torch._scaled_mm(a, w.t(), scale_a=sa_arg, scale_b=sw_arg, out_dtype=torch.bfloat16)
+    return out[:m]
+
+
+def _torch_fp8_block(x, perm, fp8w, shape, layout: int):
+    """Baseline: per active expert, torch ``_scaled_mm`` with 1x128 activation and 128x128 weight scales
+    (GEMM1), SwiGLU in fp32, e4m3 1x128 again, ``_scaled_mm`` (GEMM2); expert ranges read once on the host
+    (outside the timed call), so the per-expert launches are captured in the CUDA graph."""
+    from adapt.kernels.fp8 import amax_scale, quantize_fp8_groups
+    from adapt.kernels.moe_gemm import swiglu_torch
+
+    k, act, il = shape["top_k"], shape["activation"], shape["interleaved"]
+    offs = perm.expert_offsets.tolist()
+    spans = [(e, offs[e], offs[e + 1]) for e in range(len(offs) - 1) if offs[e + 1] > offs[e]]
+    rows = perm.sorted_slot.long() // k
+    i = fp8w.intermediate
+
+    def run():
+        xq, xs = quantize_fp8_groups(x[rows], 128, amax_scale)
+        outs = []
+        for e, a, b in spans:
+            h1 = _scaled_mm_block(xq[a:b], xs[a:b], fp8w.w1[e], fp8w.w1_scale[e], layout).float()
+            g, u = (h1[:, 0::2], h1[:, 1::2]) if il else (h1[:, :i], h1[:, i:])
+            hq, hs = quantize_fp8_groups(swiglu_torch(g, u, act, 1.702, 7.0), 128, amax_scale)
+            outs.append(_scaled_mm_block(hq, hs, fp8w.w2[e], fp8w.w2_scale[e], layout))
+        return torch.cat(outs)
+
+    return run
+
+
+def _scaled_mm_layout(fp8w, device) -> int | str:
+    """The scale layout ``_scaled_mm`` accepts here (checked against dequantized weights on one expert),
+    or why none works."""
+    from adapt.kernels.fp8 import amax_scale, quantize_fp8_groups
+
+    x = torch.randn(8, fp8w.hidden, device=device)
+    xq, xs = quantize_fp8_groups(x, 128, amax_scale)
+    w1 = fp8w.dense()[0][0] if fp8w.n_experts <= 8 else _dense_one(fp8w, 0)
+    ref = (xq.float() * xs.repeat_interleave(128, 1)) @ w1.t()
+    why = []
+    for layout in (0, 1):
+        try:
+            got = _scaled_mm_block(xq, xs, fp8w.w1[0], fp8w.w1_scale[0], layout).float()
+            err = float((got - ref).norm() / ref.norm())
+            if err < 1e-2:
+                return layout
+            why.append(f"layout {layout}: rel error {err:.3g}")
+        except Exception as exc:  # noqa: BLE001 - recorded as the reason the baseline is missing
+            why.append(f"layout {layout}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    return "; ".join(why)
+
+
+def _dense_one(w, e: int) -> torch.Tensor:
+    """fp32 w1 of expert e (FP8 values times block scales)."""
+    n, k = w.w1.shape[1:]
+    s = w.w1_scale[e].repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return w.w1[e].float() * s
+
+
+def run_format_bench(out_dir: Path, tokens: list[int] | None = None, shape_name: str = "deepseek-v3",
+                     budget_s: float = 1e9) -> dict:
+    """FP8-block and bf16 experts at one shape (default DeepSeek-V3) beside torch, CUDA-graph medians,
+    same-run ceilings; writes moe_formats.json / .md to out_dir after every T. Rows: time_us,
+    weight bytes (``format_bytes``), TB/s and fraction of copy on them, TFLOP/s on 6*T*k*H*I, x of the
+    byte floor, and the relative difference to torch on the same weights (rel_diff_vs_torch)."""
+    start = time.monotonic()
+    if not torch.cuda.is_available():
+        raise InputError("the MoE benchmark needs a CUDA GPU", hint="run it on the target machine")
+    tokens = tokens or DEFAULT_TOKENS
+    shape = SHAPES[shape_name]
+    e, k, h = shape["experts"], shape["top_k"], shape["hidden"]
+    ceil = measure_ceilings(copy_gib=2, reps=10, matmul_reps=5)
+    print(json.dumps(ceil), flush=True)
+    torch.manual_seed(0)
+    bf, fp8w = _format_layer(shape, DEVICE)
+    layout = _scaled_mm_layout(fp8w, DEVICE)
+    rows: list[dict] = []
+    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": _git_commit(),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "shape": dict(shape, name=shape_name), "ceilings": ceil, "scaled_mm_layout": layout, "rows": rows}
+    save = _saver(Path(out_dir), "moe_formats", result, _format_markdown)
+    for t in tokens:
+        x, perm, active, _ = _point(t, e, k, h, DEVICE)
+        variants = _format_variants(x, perm, bf, fp8w, shape, layout)
+        refs = {}
+        for fmt, base in (("bf16", "torch_grouped_bf16"), ("fp8", "torch_fp8_block_scaled_mm")):
+            try:
+                refs[fmt] = variants[base]().float() if base in variants else None
+            except Exception as exc:  # noqa: BLE001 - the variant's own row records the failure
+                print(f"T={t} {base}: reference failed: {str(exc)[:200]}", flush=True)
+        for vname in FORMAT_VARIANTS:
+            if vname == "fp8_block_w8a8_stored_tiles" and vname not in variants:
+                continue
+            row = _format_row(vname, variants, refs, t, active, shape, ceil, start, budget_s, layout)
+            rows.append(row)
+            if "time_us" in row:
+                err = row["rel_diff_vs_torch"]
+                print(f"T={t:6d} {vname:26s} {row['time_us']:10.1f} us {row['weight_tbps']:5.2f} TB/s "
+                      f"({row['copy_fraction']:.2f} of copy) {row['tflops']:7.1f} TFLOP/s"
+                      + (f" diff {err:.2e}" if err is not None else ""), flush=True)
+            else:
+                print(f"T={t} {vname}: {row['error'][:200]}", flush=True)
+        save()
+    save()
+    return result
+
+
+def _saver(out_dir: Path, stem: str, result: dict, markdown):
+    """A function that writes ``result`` as out_dir/stem.json and its ``markdown(result)`` as stem.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (out_dir / f"{stem}.md").write_text(markdown(result))
+
+    return save
+
+
+def _format_variants(x, perm, bf, fp8w, shape: dict, layout) -> dict:
+    """The timed callables of one T (see ``FORMAT_VARIANTS``)."""
+    from adapt.kernels.moe_gemm import expert_mlp
+
+    k, act = shape["top_k"], shape["activation"]
+    kw = dict(top_k=k, activation=act)
+    variants = {
+        "fp8_block_w8a8": lambda: expert_mlp(x, perm, fp8w, compute="fp8", act_quant="group128", **kw),
+        "bf16_experts": lambda: expert_mlp(x, perm, bf, compute="bf16", **kw),
+        "torch_grouped_bf16": _torch_grouped(lambda: x[perm.sorted_slot.long() // k], bf.w1.transpose(1, 2),
+                                             bf.w2.transpose(1, 2), perm.expert_offsets[1:], act, shape["interleaved"]),
+        "fp8_block_w8a16": lambda: expert_mlp(x, perm, fp8w, compute="bf16", **kw),
+    }
+    if isinstance(layout, int):
+        variants["torch_fp8_block_scaled_mm"] = _torch_fp8_block(x, perm, fp8w, shape, layout)
+    if x.shape[0] >= 4096:
+        from adapt.kernels.moe_configs import pick_configs
+
+        wide = pick_configs(x.shape[0] * k, fp8w.n_experts, "fp8_stored")
+        variants["fp8_block_w8a8_stored_tiles"] = lambda: expert_mlp(
+            x, perm, fp8w, compute="fp8", act_quant="group128", config=wide, **kw)
+    return variants
+
+
+def _format_row(vname, variants, refs, t, active, shape, ceil, start, budget_s, layout) -> dict:
+    """One timed row (or a row with the error or the reason it was skipped)."""
+    h, inter = shape["hidden"], shape["intermediate"]
+    if vname not in variants:
+        return {"tokens": t, "variant": vname, "error": f"no _scaled_mm block layout: {layout}"}
+    if time.monotonic() - start > budget_s:
+        return {"tokens": t, "variant": vname, "error": "skipped: time budget"}
+    fn = variants[vname]
+    try:
+        out = fn().float()
+        ref = refs.get("fp8" if "fp8" in vname else "bf16")
+        err = None if ref is None else float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+        timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
+    except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row, the others go on
+        return {"tokens": t, "variant": vname, "error": str(exc)[:300]}
+    us = timing.median_us
+    wbytes = format_bytes(vname, active, h, inter)
+    flops = 6 * t * shape["top_k"] * h * inter
+    floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
+    return {
+        "tokens": t, "variant": vname, "time_us": us, "active_experts": active, "weight_bytes": wbytes,
+        "flops": flops, "weight_tbps": wbytes / us / 1e6, "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
+        "tflops": flops / us / 1e6, "byte_floor_us": floor_us, "x_floor": us / floor_us, "rel_diff_vs_torch": err,
+        "timer": timing.mode + (f" ({timing.fallback})" if timing.fallback else ""),
+    }
+
+
+def _format_markdown(result: dict) -> str:
+    c = result["ceilings"]
+    s = result["shape"]
+    lines = [
+        f"# MoE expert formats at {s['name']} (E={s['experts']}, k={s['top_k']}, {s['hidden']}, {s['intermediate']})\n",
+        f"- date: {result['date']}; commit: {result['commit']}; GPU: {result['gpu']}, torch {result['torch']}, "
+        f"triton {result['triton']}",
+        f"- same-run ceilings: copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s, "
+        f"fp8 _scaled_mm {c['fp8_matmul_tflops']:.0f} TFLOP/s",
+        f"- torch _scaled_mm block layout: {result['scaled_mm_layout']}",
+        "",
+        "| T | variant | time us | weight bytes | TB/s | of copy | TFLOP/s | x floor | diff vs torch |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "time_us" not in r:
+            lines.append(f"| {r['tokens']} | {r['variant']} | {r['error'][:90]} | | | | | | |")
+            continue
+        d = f"{r['rel_diff_vs_torch']:.1e}" if r["rel_diff_vs_torch"] is not None else ""
+        lines.append(f"| {r['tokens']} | {r['variant']} | {r['time_us']:.1f} | {r['weight_bytes']:.3e} | "
+                     f"{r['weight_tbps']:.2f} | {r['copy_fraction']:.2f} | {r['tflops']:.1f} | "
+                     f"{r['x_floor']:.2f} | {d} |")
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -1027,7 +1279,11 @@ if __name__ == "__main__":
     ap.add_argument("--peer-only", action="store_true",
                     help="time only the peer beside adapt's MXFP4-storage paths (with --planar-sweep: the configs too)")
     ap.add_argument("--large", action="store_true", help="with --peer-only: the FP8 paths above PLANAR_MAX_TOKENS")
+    ap.add_argument("--formats", action="store_true", help="FP8-block and bf16 experts beside torch (first shape)")
     args = ap.parse_args()
+    if args.formats:
+        run_format_bench(args.out_dir, args.tokens, (args.shapes or ["deepseek-v3"])[0], args.budget_s)
+        raise SystemExit(0)
     if args.peer_only:
         run_peer_bench(args.out_dir, args.tokens, args.shapes, args.budget_s, args.planar_sweep, args.large)
         raise SystemExit(0)
