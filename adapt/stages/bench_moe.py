@@ -491,6 +491,13 @@ PLANAR_SWEEP = {
     "p32x128_nocap": ((1024, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),  # 164
     "p64x128_w8_st4": ((1024, 1024), _PC(64, 128, 1, 4, 8, cap=0), _PC(64, 128, 1, 4, 8, cap=0)),
     "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),  # 197
+    # added after call 3 of 2026-11-30-s2, not timed yet: GEMM2 at T = 1 in one wave (448 programs of
+    # block_n 128 where block_n 64 gives 896, 1.7 waves of 4 a SM), pipeline depth at T = 16..256,
+    # 256 tokens a tile at T = 4096 (255 registers, 209 KB shared)
+    "p16x64_128": ((1, 1), _PC(16, 64, 1), _PC(16, 128, 1)),
+    "p16x128_st3": ((16, 256), _PC(16, 128, 1, 3), _PC(16, 128, 1, 3)),  # 125, 29 KB
+    "p16x128_st5": ((16, 256), _PC(16, 128, 1, 5), _PC(16, 128, 1, 5)),  # 128, 54 KB
+    "p256x128_w8_st3": ((4096, 4096), _PC(256, 128, 1, 3, 8, cap=0), _PC(256, 128, 1, 3, 8, cap=0)),
 }
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
 
