@@ -70,12 +70,24 @@ def _dequant_cols(kv, scale_ptr, slot, valid, col0, RANK: tl.constexpr, WIDTH: t
 
 
 @triton.jit
+def _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, BLOCK_K: tl.constexpr,
+                PAGE: tl.constexpr):
+    """Cache slots (int64 [BLOCK_K]) of the row's selected positions k0 .. k0 + BLOCK_K (before ``last``)
+    and which of them are valid (index >= 0)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    idx = tl.load(idx_ptr + row * topk + kk, mask=kk < last, other=-1)
+    valid = idx >= 0
+    page = tl.load(block_table_ptr + seq * bt_stride + idx // PAGE, mask=valid, other=0)
+    return page.to(tl.int64) * PAGE + idx % PAGE, valid
+
+
+@triton.jit
 def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
                        out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                        RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr,
                        QK_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        PAGE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       UPCAST: tl.constexpr, PREFETCH: tl.constexpr = 0):
     """One program: one query row, BLOCK_H heads (the MMA M dimension: all heads of a row share
     its gathered latent rows), RANK / V_SPLIT output columns, and one slice of the row's
     selected positions (``program_id(2) // V_SPLIT``; the whole list when SPLIT is false).
@@ -85,6 +97,10 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
       latent tile [BLOCK_K, RANK] is dequantized once and used for both q.k and p @ v.
     - sliced: q.k is summed over QK_CHUNK-wide slices (q slices re-read from cache each tile) and
       the tile's output slice is gathered once more for p @ v (less shared memory per stage).
+
+    PREFETCH (software pipelining by hand; the default one-stage loop has none): 1 reads the next
+    tile's positions and cache slots (the dependent index -> block-table loads) while the current
+    tile is multiplied; 2 also issues the next tile's latent row loads (fused fp8 form only).
 
     SPLIT: writes the slice's normalised partial output (fp32 [rows, splits, H, RANK]) and its
     log2-sum-exp (fp32 [rows, splits, H], -inf when the slice has no valid position) for
@@ -115,18 +131,33 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, VDIM], tl.float32)
+    if PREFETCH > 0:
+        slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K,
+                                      PAGE)
+        if PREFETCH > 1:
+            kv_n = tl.load(nope_ptr + slot_n[:, None] * RANK + ccols[None, :], mask=valid_n[:, None], other=0.0)
     for k0 in range(first, last, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + row * topk + kk, mask=kk < last, other=-1)
-        valid = idx >= 0
-        page = tl.load(block_table_ptr + seq * bt_stride + idx // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + idx % PAGE
+        if PREFETCH > 0:
+            slot = slot_n
+            valid = valid_n
+        else:
+            slot, valid = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, BLOCK_K, PAGE)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
+        if FUSED:
+            if PREFETCH > 1:
+                kv = kv_n
+            else:
+                kv = tl.load(nope_ptr + slot[:, None] * RANK + ccols[None, :], mask=valid[:, None], other=0.0)
+        if PREFETCH > 0:
+            slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0 + BLOCK_K, last, topk, bt_stride,
+                                          BLOCK_K, PAGE)
+            if PREFETCH > 1:
+                kv_n = tl.load(nope_ptr + slot_n[:, None] * RANK + ccols[None, :], mask=valid_n[:, None],
+                               other=0.0)
         if UPCAST:
             k_rope = k_rope.to(tl.float32)
         s = tl.dot(q_rope, tl.trans(k_rope))
         if FUSED:
-            kv = tl.load(nope_ptr + slot[:, None] * RANK + ccols[None, :], mask=valid[:, None], other=0.0)
             if FP8:
                 kv = _dequant_cols(kv, nscale_ptr, slot, valid, 0, RANK, RANK, GROUP, BLOCK_K, UPCAST)
             if UPCAST:
@@ -178,6 +209,123 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
 
 
 @triton.jit
+def _dequant_chunk(nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.constexpr, GROUP: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """bf16 [BLOCK_K, GROUP]: scale group ``c`` (columns c * GROUP ..) of the gathered e4m3 rows, dequantized."""
+    cols = c * GROUP + tl.arange(0, GROUP)
+    kv = tl.load(nope_ptr + slot[:, None] * RANK + cols[None, :], mask=valid[:, None], other=0.0)
+    sc = tl.load(scale_ptr + slot * (RANK // GROUP) + c, mask=valid, other=0.0)
+    out = _to_bf16(kv.to(tl.float32) * sc[:, None], UPCAST)
+    if UPCAST:
+        out = out.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _q_chunk(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
+    q = tl.load(qn_ptr + q_base + c * GROUP + tl.arange(0, GROUP)[None, :], mask=hmask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr):
+    if UPCAST:
+        return acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # fp32 p: no tf32 rounding
+    return acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
+
+
+@triton.jit
+def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
+                             out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
+                             RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                             PREFETCH: tl.constexpr):
+    """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
+    per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
+    and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
+    groups and p @ v writes four [BLOCK_H, GROUP] accumulators. Same grid, outputs and PREFETCH (0 or 1)
+    as ``_sparse_mla_kernel`` with V_SPLIT 1."""
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    hmask = heads < n_heads
+    rcols = tl.arange(0, ROPE)
+    q_base = (row * n_heads + heads[:, None]) * RANK
+    q_rope = tl.load(qr_ptr + (row * n_heads + heads[:, None]) * ROPE + rcols[None, :], mask=hmask[:, None],
+                     other=0.0)
+    if UPCAST:
+        q_rope = q_rope.to(tl.float32)
+    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
+    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
+    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
+    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+    seq = tl.load(seq_ptr + row).to(tl.int64)
+    first = split * positions_per_split
+    last = tl.minimum(first + positions_per_split, topk)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    if PREFETCH > 0:
+        slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K,
+                                      PAGE)
+    for k0 in range(first, last, BLOCK_K):
+        if PREFETCH > 0:
+            slot = slot_n
+            valid = valid_n
+        else:
+            slot, valid = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, BLOCK_K, PAGE)
+        k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
+        kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
+        kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
+        kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
+        kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+        if PREFETCH > 0:
+            slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0 + BLOCK_K, last, topk, bt_stride,
+                                          BLOCK_K, PAGE)
+        if UPCAST:
+            k_rope = k_rope.to(tl.float32)
+        s = tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.dot(q0, tl.trans(kv0), s)
+        s = tl.dot(q1, tl.trans(kv1), s)
+        s = tl.dot(q2, tl.trans(kv2), s)
+        s = tl.dot(q3, tl.trans(kv3), s)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
+        acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
+        acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
+        acc3 = _pv(acc3, p, kv3, alpha, UPCAST)
+        m_i = m_new
+    inv = tl.where(l_i > 0, l_i, 1.0)[:, None]
+    cols = tl.arange(0, GROUP)
+    if SPLIT:
+        n_splits = tl.num_programs(2)
+        part = (row * n_splits + split) * n_heads + heads
+        base = out_ptr + part[:, None] * RANK + cols[None, :]
+        tl.store(base, acc0 / inv, mask=hmask[:, None])
+        tl.store(base + GROUP, acc1 / inv, mask=hmask[:, None])
+        tl.store(base + 2 * GROUP, acc2 / inv, mask=hmask[:, None])
+        tl.store(base + 3 * GROUP, acc3 / inv, mask=hmask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=hmask)
+    else:
+        base = out_ptr + q_base + cols[None, :]
+        tl.store(base, _to_bf16(acc0 / inv, UPCAST), mask=hmask[:, None])
+        tl.store(base + GROUP, _to_bf16(acc1 / inv, UPCAST), mask=hmask[:, None])
+        tl.store(base + 2 * GROUP, _to_bf16(acc2 / inv, UPCAST), mask=hmask[:, None])
+        tl.store(base + 3 * GROUP, _to_bf16(acc3 / inv, UPCAST), mask=hmask[:, None])
+
+
+@triton.jit
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_C: tl.constexpr, UPCAST: tl.constexpr):
     """One program: one row, BLOCK_H heads, BLOCK_C output columns. Merges the n_splits partial
@@ -225,7 +373,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None) -> torch.Tensor:
+               num_stages: int | None = None, prefetch: int | None = None, groups4: bool | None = None
+               ) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -275,6 +424,9 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                                  f"(a power-of-two multiple or a divisor of it)")
     num_warps = num_warps or (4 if interpreting else 8)
     num_stages = num_stages or 1
+    prefetch = prefetch or 0
+    if prefetch not in (0, 1, 2) or (prefetch == 2 and not (qk_chunk == rank and v_split == 1)):
+        raise ValueError(f"prefetch {prefetch}: 0, 1, or 2 with the fused tile (qk_chunk == rank, v_split 1)")
     head_blocks = triton.cdiv(n_heads, block_h)
     splits = splits or _default_splits(q_nope.device, n_rows * head_blocks * v_split, topk, block_k)
     positions_per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
@@ -285,15 +437,27 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     else:
         partial, lse = out, out
     latent_scale_arg = latent_scale if fp8 else latent_nope
-    _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
-        q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale_arg, latent_rope,
-        block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
-        partial, lse,
-        n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
-        RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k,
-        PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, SPLIT=splits > 1, UPCAST=interpreting, num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    if groups4:
+        if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank and prefetch < 2):
+            raise ValueError("groups4 needs an fp8 latent of four scale groups, the fused tile and prefetch 0 or 1")
+        _sparse_mla_fp8x4_kernel[(n_rows, head_blocks, splits)](
+            q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale, latent_rope,
+            block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
+            partial, lse,
+            n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
+            RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
+            UPCAST=interpreting, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
+            q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale_arg, latent_rope,
+            block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
+            partial, lse,
+            n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
+            RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k,
+            PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, SPLIT=splits > 1, UPCAST=interpreting, PREFETCH=prefetch,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     if splits > 1:
         combine_c = min(rank, 128)
         combine_h = min(triton.next_power_of_2(n_heads), 4)

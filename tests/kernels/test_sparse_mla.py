@@ -16,9 +16,10 @@ from adapt.runtime.kv_cache import PagedKVCache, mla_layout
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def setup(lengths, *, heads, rank, rope, topk, latent_format, device, seed=0):
+def setup(lengths, *, heads, rank, rope, topk, latent_format, device, seed=0, scale_groups=2):
     gen = torch.Generator().manual_seed(seed)
-    layout = mla_layout(rank, rope, 16, latent_format=latent_format, latent_scale_group=min(128, rank // 2))
+    layout = mla_layout(rank, rope, 16, latent_format=latent_format,
+                        latent_scale_group=min(128, rank // scale_groups))
     cache = PagedKVCache(sum(-(-n // 64) for n in lengths) + 2, {0: layout}, device)
     seqs = [cache.add_sequence() for _ in lengths]
     batch = cache.append_tokens(seqs, list(lengths))
@@ -61,10 +62,15 @@ TWIN_REL_TOL = {"cpu": 1e-6, "cuda": 5e-3}
     ("fp8", {"v_split": 2}),                           # sliced output, q held once
     ("fp8", {"qk_chunk": 16, "splits": 3}),            # q.k summed over slices; 3 position slices
     ("bf16", {"splits": 4, "block_h": 16}),            # flash-decoding combine, fused form
+    ("fp8", {"prefetch": 1}),                          # next tile's slots read ahead
+    ("bf16", {"prefetch": 2, "splits": 2}),            # next tile's rows read ahead too
+    ("fp8", {"groups4": True, "prefetch": 1}),        # the four-scale-group kernel
+    ("fp8", {"groups4": True, "splits": 3}),
 ])
 def test_sparse_mla_matches_twin_and_reference(device, latent_format, tiles):
-    layer, batch, indices, q_nope, q_rope = setup((9, 40), heads=3, rank=32, rope=16, topk=24,
-                                                  latent_format=latent_format, device=device)
+    rank, groups = (64, 4) if tiles.get("groups4") else (32, 2)
+    layer, batch, indices, q_nope, q_rope = setup((9, 40), heads=3, rank=rank, rope=16, topk=24,
+                                                  latent_format=latent_format, device=device, scale_groups=groups)
     args = (q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, batch.block_table,
             batch.token_seq, indices, 0.15)
     got = sparse_mla(*args, **tiles)
@@ -103,9 +109,13 @@ def test_rows_without_positions_are_zero_and_masked_slots_unread(device, splits)
     {"v_split": 1, "qk_chunk": 512, "block_k": 32, "num_stages": 2},
     {"v_split": 1, "qk_chunk": 512, "block_k": 32, "splits": 8},
     {"v_split": 2, "qk_chunk": 512, "block_k": 32, "num_stages": 2, "splits": 2},
+    {"prefetch": 1}, {"prefetch": 2, "block_k": 32},
+    {"groups4": True, "prefetch": 1}, {"groups4": True, "num_stages": 2, "prefetch": 1, "splits": 8},
 ])
 def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
     """128 heads, latent 512 + 64, top-2048 over 5000 cached tokens, against float64."""
+    if tiles.get("groups4") and latent_format != "fp8":
+        pytest.skip("the four-scale-group kernel reads an fp8 latent")
     layer, batch, indices, q_nope, q_rope = setup((4000, 1000), heads=128, rank=512, rope=64, topk=2048,
                                                   latent_format=latent_format, device="cuda")
     rows = torch.tensor([0, 63, 64, 2047, 2048, 3999, 4000, 4999]).cuda()
