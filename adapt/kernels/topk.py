@@ -21,7 +21,7 @@ Ties at the threshold go to the lowest positions; a row with fewer than k visibl
 all of them followed by -1. Output int32 [N, k], ascending positions then -1: the same function
 as ``topk_indices_torch`` (stable descending sort), so the two agree exactly.
 
-Launches: 2 * 32 / digit_bits + 2, no host sync (capturable in a CUDA graph). Bytes per row:
+Launches: 2 * 32 / digit_bits + 2 (32 / digit_bits + 2 with the pick fused), no host sync (capturable in a CUDA graph). Bytes per row:
 (32 / digit_bits + 2) reads of 4 * limits[r] bytes (from L2 when the rows were just written and
 fit in it: a decode step's 64 x 128K scores are 32 MiB, under the H200's 50 MB L2), 4 * k written.
 A 2**b-bin ``tl.histogram`` costs about b warp ballots plus 2**b / 32 bin counts per 32 keys:
@@ -40,6 +40,9 @@ import triton.language as tl
 from adapt.kernels.formats import interpreting as _interpreting
 
 TOPK_BLOCK = 1024
+# Pick each pass's digit in the row's last histogram program instead of a separate launch (not yet
+# measured on a GPU: off by default until it is).
+FUSE_PICK = False
 
 
 @triton.jit
@@ -68,9 +71,13 @@ def _slice_keys(base, pos, n, n_read):
 
 
 @triton.jit
-def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_cols,
+def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_cols, topk,
                        SLICE: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, PASS: tl.constexpr,
-                       ALIGNED: tl.constexpr):
+                       ALIGNED: tl.constexpr, FUSE_PICK: tl.constexpr):
+    """One (row, slice) program: adds the slice's digit histogram to the row's (``hist_ptr``: int32
+    [rows, BINS + 1], the last column the row's ticket counter). FUSE_PICK: the row's
+    last program to finish (a ticket counter per row, taken after its histogram atomics completed) also
+    picks the digit (``_pick_digit``) and resets the ticket, instead of a separate pick launch."""
     row = tl.program_id(0).to(tl.int64)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
     BINS: tl.constexpr = 1 << BITS
@@ -89,19 +96,34 @@ def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_co
         if PASS > 0:
             match = match & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
         hist += tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
-    tl.atomic_add(hist_ptr + row * BINS + bins, hist, mask=hist > 0, sem="relaxed")
+    if FUSE_PICK:
+        # acq_rel: each thread's atomics complete before the barrier, the ticket orders them for the last program
+        tl.atomic_add(hist_ptr + row * (BINS + 1) + bins, hist, mask=hist > 0, sem="acq_rel")
+        tl.debug_barrier()
+        ticket_ptr = hist_ptr + row * (BINS + 1) + BINS
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(1) - 1:
+            tl.store(ticket_ptr, 0)
+            _pick_digit(hist_ptr, state_ptr, row, topk, BITS, PASS, True)
+    else:
+        tl.atomic_add(hist_ptr + row * (BINS + 1) + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
 def _digit_pick_kernel(hist_ptr, state_ptr, topk, BITS: tl.constexpr, PASS: tl.constexpr):
+    _pick_digit(hist_ptr, state_ptr, tl.program_id(0).to(tl.int64), topk, BITS, PASS, False)
+
+
+@triton.jit
+def _pick_digit(hist_ptr, state_ptr, row, topk, BITS: tl.constexpr, PASS: tl.constexpr, VOLATILE: tl.constexpr):
     """Row state (int32 [4]): threshold key bits fixed so far, keys still to take at the
-    threshold, settled (every visible key taken: fewer than k), unused."""
-    row = tl.program_id(0).to(tl.int64)
+    threshold, settled (every visible key taken: fewer than k), unused. VOLATILE: the histogram is
+    read past the L1 cache (other programs of the same launch wrote it by atomics)."""
     BINS: tl.constexpr = 1 << BITS
     shift = 32 - (PASS + 1) * BITS
     bins = tl.arange(0, BINS)
-    hist = tl.load(hist_ptr + row * BINS + bins)
-    tl.store(hist_ptr + row * BINS + bins, tl.zeros([BINS], tl.int32))
+    hist = tl.load(hist_ptr + row * (BINS + 1) + bins, volatile=VOLATILE)
+    tl.store(hist_ptr + row * (BINS + 1) + bins, tl.zeros([BINS], tl.int32))
     total = tl.sum(hist, axis=0)
     if PASS == 0:
         prefix = tl.zeros([], tl.uint32)
@@ -176,7 +198,7 @@ def _slice_write_kernel(scores_ptr, limits_ptr, state_ptr, counts_ptr, out_ptr, 
 
 def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
                  digit_bits: int | None = None, slice_size: int | None = None, block: int | None = None,
-                 num_warps: int | None = None) -> torch.Tensor:
+                 num_warps: int | None = None, fuse_pick: bool | None = None) -> torch.Tensor:
     """Positions of the ``topk`` largest scores of each row among its visible columns (Triton).
 
     scores: fp32 [N, C] (row stride free, unit column stride); limits: int [N], row r sees columns
@@ -187,7 +209,9 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     interpreter, else 4);
     ``slice_size`` scores per program (default: 4096, or 1024 when fewer than 264 programs would
     run); ``block`` scores per loop step (default 1024); ``num_warps`` per program (default 4).
-    Workspace: N * (2**digit_bits + 4 + 2 * C / slice_size) int32.
+    ``fuse_pick``: the row's last histogram program of each pass picks the digit (one launch per pass
+    instead of two; default ``FUSE_PICK``).
+    Workspace: N * (2**digit_bits + 5 + 2 * C / slice_size) int32.
     """
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
@@ -204,16 +228,19 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     size = slice_size or (4096 if n_rows * triton.cdiv(n_cols, 4096) >= 264 else 1024)
     size = max(block, triton.cdiv(size, block) * block)
     parts = max(1, triton.cdiv(n_cols, size))
-    hist = torch.zeros(n_rows, 1 << bits, dtype=torch.int32, device=scores.device)
+    fuse_pick = FUSE_PICK if fuse_pick is None else fuse_pick
+    work = torch.zeros(n_rows, (1 << bits) + 1, dtype=torch.int32, device=scores.device)  # histogram, ticket
     state = torch.empty(n_rows, 4, dtype=torch.int32, device=scores.device)
     counts = torch.empty(n_rows, parts, 2, dtype=torch.int32, device=scores.device)
     limits = limits.to(torch.int32).contiguous()
     aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
     warps = num_warps or 4
     for p in range(32 // bits):
-        _digit_hist_kernel[(n_rows, parts)](scores, limits, state, hist, scores.stride(0), n_cols, SLICE=size,
-                                            BLOCK=block, BITS=bits, PASS=p, ALIGNED=aligned, num_warps=warps)
-        _digit_pick_kernel[(n_rows,)](hist, state, topk, BITS=bits, PASS=p, num_warps=1)
+        _digit_hist_kernel[(n_rows, parts)](scores, limits, state, work, scores.stride(0), n_cols, topk,
+                                            SLICE=size, BLOCK=block, BITS=bits, PASS=p, ALIGNED=aligned,
+                                            FUSE_PICK=fuse_pick, num_warps=warps)
+        if not fuse_pick:
+            _digit_pick_kernel[(n_rows,)](work, state, topk, BITS=bits, PASS=p, num_warps=1)
     _slice_count_kernel[(n_rows, parts)](scores, limits, state, counts, scores.stride(0), n_cols, parts, SLICE=size,
                                          BLOCK=block, ALIGNED=aligned, num_warps=warps)
     _slice_write_kernel[(n_rows, parts)](scores, limits, state, counts, out, scores.stride(0), n_cols, parts, topk,
