@@ -230,10 +230,13 @@ def _q_chunk(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST
 
 
 @triton.jit
-def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr):
+def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr, RESCALE: tl.constexpr = True):
+    """acc * alpha + p @ kv (no multiply when RESCALE is false)."""
+    if RESCALE:
+        acc = acc * alpha[:, None]
     if UPCAST:
-        return acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # fp32 p: no tf32 rounding
-    return acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
+        return tl.dot(p, kv, acc, input_precision="ieee")  # fp32 p: no tf32 rounding
+    return tl.dot(p.to(tl.bfloat16), kv, acc)
 
 
 @triton.jit
@@ -241,12 +244,14 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
                              out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                             PREFETCH: tl.constexpr):
+                             PREFETCH: tl.constexpr, LAZY: tl.constexpr):
     """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
     per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
     and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
     groups and p @ v writes four [BLOCK_H, GROUP] accumulators. Same grid, outputs and PREFETCH (0 or 1)
-    as ``_sparse_mla_kernel`` with V_SPLIT 1."""
+    as ``_sparse_mla_kernel`` with V_SPLIT 1. LAZY: the online softmax keeps a stale running maximum (the
+    probabilities of a tile may reach 2**8) and rescales the accumulators only when a head's maximum grows
+    by more than 8 (log2 units), the same result up to rounding."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -296,15 +301,36 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
         s = tl.dot(q3, tl.trans(kv3), s)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
-        acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
-        acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
-        acc3 = _pv(acc3, p, kv3, alpha, UPCAST)
-        m_i = m_new
+        if LAZY:
+            # keep the running maximum until some head's grows by more than 8 (p stays <= 2**8): the
+            # accumulators are rescaled only on those tiles, not on every one
+            grow = tl.where(m_new > m_i, m_new - m_i, 0.0)
+            if tl.max(grow, axis=0) > 8.0:
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_new
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i + tl.sum(p, axis=1)
+            acc0 = _pv(acc0, p, kv0, m_i, UPCAST, False)
+            acc1 = _pv(acc1, p, kv1, m_i, UPCAST, False)
+            acc2 = _pv(acc2, p, kv2, m_i, UPCAST, False)
+            acc3 = _pv(acc3, p, kv3, m_i, UPCAST, False)
+        else:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
+            acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
+            acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
+            acc3 = _pv(acc3, p, kv3, alpha, UPCAST)
+            m_i = m_new
     inv = tl.where(l_i > 0, l_i, 1.0)[:, None]
     cols = tl.arange(0, GROUP)
     if SPLIT:
@@ -373,8 +399,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, prefetch: int | None = None, groups4: bool | None = None
-               ) -> torch.Tensor:
+               num_stages: int | None = None, prefetch: int | None = None, groups4: bool | None = None,
+               lazy: bool | None = None) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -437,6 +463,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     else:
         partial, lse = out, out
     latent_scale_arg = latent_scale if fp8 else latent_nope
+    if lazy and not groups4:
+        raise ValueError("lazy rescaling is a tile option of the four-scale-group kernel (groups4)")
     if groups4:
         if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank and prefetch < 2):
             raise ValueError("groups4 needs an fp8 latent of four scale groups, the fused tile and prefetch 0 or 1")
@@ -446,7 +474,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
-            UPCAST=interpreting, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+            UPCAST=interpreting, PREFETCH=prefetch, LAZY=bool(lazy), num_warps=num_warps, num_stages=num_stages,
         )
     else:
         _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
