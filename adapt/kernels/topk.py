@@ -21,7 +21,8 @@ Ties at the threshold go to the lowest positions; a row with fewer than k visibl
 all of them followed by -1. Output int32 [N, k], ascending positions then -1: the same function
 as ``topk_indices_torch`` (stable descending sort), so the two agree exactly.
 
-Launches: 2 * 32 / digit_bits + 2 (32 / digit_bits + 2 with the pick fused), no host sync (capturable in a CUDA graph). Bytes per row:
+Launches: 2 * 32 / digit_bits + 2 (32 / digit_bits + 2 with the pick fused), no host sync (capturable
+in a CUDA graph). Bytes per row:
 (32 / digit_bits + 2) reads of 4 * limits[r] bytes (from L2 when the rows were just written and
 fit in it: a decode step's 64 x 128K scores are 32 MiB, under the H200's 50 MB L2), 4 * k written.
 A 2**b-bin ``tl.histogram`` costs about b warp ballots plus 2**b / 32 bin counts per 32 keys:

@@ -38,6 +38,7 @@ from adapt.bench.timer import time_eager_ms as _time_ms
 from adapt.bench.timer import time_graph_ms as _time_graph_ms
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
+from adapt.kernels import topk as topk_module
 from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
 from adapt.kernels.topk import topk_indices, topk_indices_torch
 from adapt.model.spec import load_spec
@@ -128,7 +129,6 @@ def _decode_case(
             **attend_tiles,
         )
 
-    index_ms = _time_graph_ms(index, reps)
     scores = dsa.index_scores(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits,
                               context, rows_per_tile=1, **tiles["decode_index"])
     scores_ms = _time_graph_ms(
@@ -148,13 +148,21 @@ def _decode_case(
     )
     selected = torch.empty(batch, topk, dtype=torch.int32, device="cuda")
     select_ms = _time_graph_ms(lambda: topk_indices(scores, limits, topk, out=selected), reps)
-    select_by_bits = {bits: 1e3 * _time_graph_ms(lambda b=bits: topk_indices(scores, limits, topk, out=selected,
-                                                                             digit_bits=b), reps)
-                      for bits in (4, 8)}
+    select_by_bits = {f"{bits}{'_fused_pick' if fuse else ''}": 1e3 * _time_graph_ms(
+        lambda b=bits, f=fuse: topk_indices(scores, limits, topk, out=selected, digit_bits=b, fuse_pick=f), reps)
+        for bits in (4, 8) for fuse in (False, True)}
     torch_topk_ms = _time_graph_ms(lambda: torch.topk(scores, topk, dim=-1, sorted=False), reps)
+    twin_idx = topk_indices_torch(scores, limits, topk)
+    fused_equal = all(bool(torch.equal(topk_indices(scores, limits, topk, fuse_pick=True), twin_idx))
+                      for _ in range(3))
+    bits = 8 if batch <= 8 else 4  # topk_indices' default digit width for this many rows
+    if fused_equal and select_by_bits[f"{bits}_fused_pick"] < select_by_bits[str(bits)]:
+        topk_module.FUSE_PICK = True  # measured faster and identical: the step below runs it
+    index_ms = _time_graph_ms(index, reps)
     checks = {
-        "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk), topk_indices_torch(scores, limits,
-                                                                                                    topk))),
+        "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk, fuse_pick=False), twin_idx)),
+        "topk_fused_pick_equals_twin_3_runs": fused_equal,
+        "topk_fuse_pick_in_step": topk_module.FUSE_PICK,
         "index_scores_rel_err_vs_twin": _rel_err(scores[:2], dsa.index_scores_torch(
             q8[:2], weights[:2], layer.index_k, layer.index_scale, block_table, token_seq[:2], limits[:2], context)),
     }
@@ -542,7 +550,7 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
         "index_scores decode": ("key_block", "num_stages", "num_warps", "programs"),
         "index_scores prefill 4096": ("rows_per_tile", "num_stages", "num_warps"),
         "sparse_mla decode b64": ("block_h", "block_k", "v_split", "qk_chunk", "num_warps", "num_stages",
-                                  "splits"),
+                                  "splits", "prefetch", "groups4", "lazy"),
     }
     names = {
         "index_scores decode": "decode_index",
@@ -611,11 +619,12 @@ def _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, options, reps
 
 
 def run_dsa_acceptance(
-    out_dir: Path, *, topk: int = 2048, latent_format: str = "fp8", reps: int = 10
+    out_dir: Path, *, topk: int = 2048, latent_format: str = "fp8", reps: int = 10, sweep: bool = True
 ) -> dict:
     """The acceptance subset: same-run ceilings (torch and Triton 16-byte copy), a sparse MLA tile
     sweep at batch 64 x 128K, decode at batch 1 and 64 x 128K, prefill 128K (indexer + top-k +
-    sparse MLA and dense causal SDPA). Writes ``dsa_bench.json`` / ``.md`` into ``out_dir``."""
+    sparse MLA and dense causal SDPA). ``sweep=False``: the kernels' default tiles only (one row in
+    each sweep). Writes ``dsa_bench.json`` / ``.md`` into ``out_dir``."""
     if not torch.cuda.is_available():
         raise InputError(
             "the DSA benchmark needs a CUDA GPU and none is visible",
@@ -646,7 +655,8 @@ def run_dsa_acceptance(
     token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
     _, _, q_nope, q_rope = _queries(batch)
     idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).int()
-    sweep = _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, ACCEPTANCE_MLA_SWEEP, reps)
+    sweep = _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, ACCEPTANCE_MLA_SWEEP if sweep else ({},),
+                       reps)
     del cache, layer
     torch.cuda.empty_cache()
     tiles = {**RUN2_INDEX_TILES, **{"mla": _fastest_tiles(sweep)["mla"]}}
@@ -663,7 +673,7 @@ def run_dsa_acceptance(
         _write(out_dir, result)
     try:
         result["prefill"].append(_prefill_case(context, topk, latent_format, 2, 2 << 30, 16384, tiles,
-                                               index_sweep=PREFILL_INDEX_SWEEP))
+                                               index_sweep=PREFILL_INDEX_SWEEP if sweep else ({},)))
     except Exception as err:  # recorded, as above
         result["errors"].append(f"prefill: {type(err).__name__}: {str(err)[:300]}")
     result["acceptance"] = acceptance_lines(result)
@@ -672,25 +682,34 @@ def run_dsa_acceptance(
 
 
 # Indexer prefill tiles timed in the acceptance run, all the stacked form (one MMA over rows x 64
-# heads per key tile). sm_90 AOT, Triton 3.6, registers per thread / stack bytes: 2 rows x 128 keys,
-# 4 warps (218 / 0; fastest on 2026-11-30 at 578 TFLOP/s, the per-row form at 4 rows 492); 2 x 128,
-# 8 warps (124 / 0); 2 x 64, 4 warps (125 / 0); 4 x 64, 8 warps (123 / 0); 2 x 256, 8 warps (202 / 0);
-# 2 x 128, 4 warps, 4 stages (218 / 0).
+# heads per key tile). sm_90 AOT, Triton 3.6, registers per thread / stack bytes / shared KB:
+# 4 rows x 64 keys, 8 warps (123 / 0 / 50; fastest on 2026-11-30 at 646 TFLOP/s on the last 4096 rows, the
+# default); 8 x 64, 8 warps (230 / 0 / 83); 4 x 128, 8 warps (242 / 0 / 68); 4 x 64, 4 warps (232 / 0 / 50);
+# 2 x 64, 4 warps (125 / 0 / 33; 566 TFLOP/s on 2026-11-30).
 PREFILL_INDEX_SWEEP = (
-    dict(rows_per_tile=2, key_block=128, num_stages=3, num_warps=4),
-    dict(rows_per_tile=2, key_block=128, num_stages=3, num_warps=8),
-    dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
     dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8),
-    dict(rows_per_tile=2, key_block=256, num_stages=3, num_warps=8),
-    dict(rows_per_tile=2, key_block=128, num_stages=4, num_warps=4),
+    dict(rows_per_tile=8, key_block=64, num_stages=3, num_warps=8),
+    dict(rows_per_tile=4, key_block=128, num_stages=3, num_warps=8),
+    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=4),
+    dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
 )
 
-# Sparse MLA decode tiles for the acceptance run: the fused tile with 64-position tiles, fastest on
-# 2026-11-30 (256 us at batch 64; 358 us with 32 positions), with 2 and 1 stages (sm_90 AOT: 190 and
-# 139 KB shared, 255 registers, no stack; 128-position tiles spill 592-792 B of stack).
+# Sparse MLA decode tiles for the acceptance run (batch 64 x 128K), 64 heads x 8 warps each. sm_90 AOT,
+# Triton 3.6, registers / stack bytes / shared KB: the fused tile, 64 positions, 1 stage (255 / 0 / 139;
+# 247 us on 2026-11-30, the default), the same with the next tile's slots prefetched (255 / 72 / 139); the
+# four-scale-group kernel (groups4): 64 positions 1 stage (255 / 48 / 147), prefetch (255 / 56 / 147),
+# 2 stages + prefetch (255 / 0 / 189), 32 positions 2 stages + prefetch (224 / 0 / 131), 128 positions
+# 1 stage (255 / 120 / 221), 64 positions 2 stages + prefetch + lazy rescaling (255 / 656 / 189).
+_FUSED = dict(block_h=64, v_split=1, qk_chunk=512, num_warps=8)
 ACCEPTANCE_MLA_SWEEP = (
-    dict(block_h=64, block_k=64, v_split=1, qk_chunk=512, num_warps=8, num_stages=2),
-    dict(block_h=64, block_k=64, v_split=1, qk_chunk=512, num_warps=8, num_stages=1),
+    dict(_FUSED, block_k=64, num_stages=1),
+    dict(_FUSED, block_k=64, num_stages=1, prefetch=1),
+    dict(_FUSED, block_k=64, num_stages=1, groups4=True),
+    dict(_FUSED, block_k=64, num_stages=1, groups4=True, prefetch=1),
+    dict(_FUSED, block_k=64, num_stages=2, groups4=True, prefetch=1),
+    dict(_FUSED, block_k=32, num_stages=2, groups4=True, prefetch=1),
+    dict(_FUSED, block_k=128, num_stages=1, groups4=True),
+    dict(_FUSED, block_k=64, num_stages=2, groups4=True, prefetch=1, lazy=True),
 )
 
 
@@ -952,9 +971,10 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="small grid for a smoke run")
     parser.add_argument("--acceptance", action="store_true",
                         help="decode 1 and 64 x 128K, prefill 128K, same-run ceilings only (under 2 minutes)")
+    parser.add_argument("--no-sweep", action="store_true", help="with --acceptance: the kernels' default tiles only")
     args = parser.parse_args()
     if args.acceptance:
-        summary = run_dsa_acceptance(args.out)
+        summary = run_dsa_acceptance(args.out, sweep=not args.no_sweep)
     elif args.quick:
         summary = run_dsa_bench(
             args.out, decode_batches=(1, 4), contexts=(8192,), prefill_lengths=(8192,), reps=3, prefill_reps=2
