@@ -97,6 +97,17 @@ def _decode_case(
     limits = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     q8, weights, q_nope, q_rope = _queries(batch)
     holder = {}
+    tiles = dict(tiles)
+    programs_sweep = []
+    if batch < SWEEP_BATCH:  # few rows: time how many programs split the context, keep the fastest
+        for programs in DECODE_INDEX_PROGRAMS:
+            opt = {**tiles["decode_index"], "programs": programs}
+            ms = _time_graph_ms(lambda o=opt: dsa.index_scores(q8, weights, layer.index_k, layer.index_scale,
+                                                               block_table, token_seq, limits, context,
+                                                               rows_per_tile=1, **o), reps)
+            programs_sweep.append({"programs": programs, "us": ms * 1e3})
+        best = min(programs_sweep, key=lambda row: row["us"])["programs"]
+        tiles["decode_index"] = {**tiles["decode_index"], "programs": best}
 
     def index():
         holder["idx"], _ = dsa.index_topk(
@@ -212,6 +223,8 @@ def _decode_case(
         "sparse_mla_us": attend_ms * 1e3,
         "sparse_mla_tiles": mla_tiles,
         "sparse_mla_splits_sweep": splits_sweep,
+        "index_programs_sweep": programs_sweep,
+        "index_tiles": tiles["decode_index"],
         "step_us": step_ms * 1e3,
         "floor_bytes": floor_bytes,
         "floor_us": floor_us,
@@ -581,6 +594,9 @@ SWEEP_BATCH = 64
 # Position-split counts timed for sparse MLA decode below SWEEP_BATCH rows (batch 1: 2 programs of
 # 64 heads per split with the fused tile); the fastest is kept for the step.
 MLA_DECODE_SPLITS = (4, 8, 16, 32, 64)
+# Indexer programs (context splits) timed for decode below SWEEP_BATCH rows (batch 1 x 128K: 1024 key
+# tiles of 128, so 2048 programs give one tile each, 264 give four); the fastest is kept for the step.
+DECODE_INDEX_PROGRAMS = (264, 528, 1056, 2048)
 
 # Index tiles measured fastest on the H200 in run 2 (benchmarks/dsa/2026-11-29-run2-grid.json);
 # the acceptance mode uses them instead of re-sweeping.
@@ -904,6 +920,9 @@ def render_markdown(result: dict) -> str:
             lines.append(f"|  | kernels vs twins: top-k identical {d['topk_equals_twin']}, scores rel. error "
                          f"{d['index_scores_rel_err_vs_twin']:.1e}, sparse MLA rel. error "
                          f"{d['sparse_mla_rel_err_vs_twin']:.1e} |")
+        if d.get("index_programs_sweep"):
+            sweep = ", ".join(f"{r['programs']}: {_fmt(r['us'])}" for r in d["index_programs_sweep"])
+            lines.append(f"|  | indexer programs (us): {sweep} |")
         if d.get("sparse_mla_splits_sweep"):
             sweep = ", ".join(f"{r['splits']}: {_fmt(r.get('us'))}" for r in d["sparse_mla_splits_sweep"])
             lines.append(f"|  | sparse MLA position splits (us): {sweep} |")
