@@ -418,11 +418,17 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     batch-1 decode, and 1 when N x heads already fills the GPU). Extra bytes with splits > 1:
     N * splits * H * (R + 1) * 4 written and read back.
 
-    Defaults: an fp8 latent of rank 512 on the GPU takes the fused tile (v_split 1, qk_chunk 512)
-    with block_k 64 and 1 stage; otherwise block_k 64 (16 under the interpreter), v_split 2 at
-    rank 512 (1 below it and under the interpreter), qk_chunk 128. Why these tiles (shared memory,
-    registers and times per tile on an H200): benchmarks/dsa/README.md, "Tile notes moved from the
-    kernel docstrings".
+    ``prefetch`` (0, 1, 2): reads the next tile's slots (1) and latent rows (2, fused tile only) ahead by
+    hand. ``groups4``: the fused fp8 tile as ``_sparse_mla_fp8x4_kernel`` (four scale groups of
+    R / 4 columns, no reshape); ``lazy`` (groups4 only): rescale the accumulators only when a head's
+    running maximum grows by more than 2**8.
+
+    Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
+    (groups4) with block_k 128 and 1 stage (H200 sweep of 2026-11-30, batch 64 x 128K: 218 us against
+    247-263 us for the fused tile with block_k 64: benchmarks/gpu-2026-11-30-dsa-s2/README.md); another
+    fp8 latent of rank 512 on the GPU the fused tile (v_split 1, qk_chunk 512) with block_k 64 and 1
+    stage; otherwise block_k 64 (16 under the interpreter), v_split 2 at rank 512 (1 below it and under
+    the interpreter), qk_chunk 128. Older tile notes: benchmarks/dsa/README.md.
     """
     n_rows, n_heads, rank = q_nope.shape
     rope = q_rope.shape[-1]
@@ -436,7 +442,10 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage (the sweep: benchmarks/dsa/README.md)
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
-    block_k = block_k or (16 if interpreting else 64)
+    if groups4 is None:  # the measured-fastest tile where it applies (see Defaults)
+        groups4 = (fused_fp8 and rank == 4 * group and v_split in (None, 1) and qk_chunk in (None, rank)
+                   and prefetch != 2)
+    block_k = block_k or (16 if interpreting else 128 if groups4 else 64)
     v_split = v_split or (1 if interpreting or rank < 512 or fused_fp8 else 2)
     qk_chunk = min(rank, qk_chunk or (512 if fused_fp8 else 128))
     vdim = rank // v_split
