@@ -10,7 +10,9 @@ exactly and write the positions of the k largest:
    program per (row, slice): ``_digit_hist_kernel`` counts the next digit (2**digit_bits bins,
    ``tl.histogram``) among the keys that share the digits fixed so far and adds its counts to the
    row's histogram (one atomic per bin); ``_digit_pick_kernel`` (one program per row) takes the
-   suffix sum over the bins, fixes the digit that holds the k-th key and clears the histogram.
+   suffix sum over the bins, fixes the digit that holds the k-th key and clears the histogram
+   (``fuse_pick``: no pick launch; each pass's histogram is kept and every later program replays
+   the picks from them, ``_replay_state``, a few hundred integer operations per program).
    After the last pass the threshold key T and the number of T-valued keys still to take are exact;
 3. ``_slice_count_kernel`` counts, per slice, the keys above T and equal to T;
    ``_slice_write_kernel`` writes each slice's positions at the offset its earlier slices leave:
@@ -21,7 +23,7 @@ Ties at the threshold go to the lowest positions; a row with fewer than k visibl
 all of them followed by -1. Output int32 [N, k], ascending positions then -1: the same function
 as ``topk_indices_torch`` (stable descending sort), so the two agree exactly.
 
-Launches: 2 * 32 / digit_bits + 2 (32 / digit_bits + 2 with the pick fused), no host sync (capturable
+Launches: 2 * 32 / digit_bits + 2 (32 / digit_bits + 2 with fuse_pick), no host sync (capturable
 in a CUDA graph). Bytes per row:
 (32 / digit_bits + 2) reads of 4 * limits[r] bytes (from L2 when the rows were just written and
 fit in it: a decode step's 64 x 128K scores are 32 MiB, under the H200's 50 MB L2), 4 * k written.
@@ -41,8 +43,8 @@ import triton.language as tl
 from adapt.kernels.formats import interpreting as _interpreting
 
 TOPK_BLOCK = 1024
-# Pick each pass's digit in the row's last histogram program instead of a separate launch (not yet
-# measured on a GPU: off by default until it is).
+# Keep every pass's histogram and let the next kernels replay the picks (no pick launches) instead of a
+# pick launch per pass (not yet measured on a GPU: off by default until it is).
 FUSE_PICK = False
 
 
@@ -74,11 +76,11 @@ def _slice_keys(base, pos, n, n_read):
 @triton.jit
 def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_cols, topk,
                        SLICE: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, PASS: tl.constexpr,
-                       ALIGNED: tl.constexpr, FUSE_PICK: tl.constexpr):
-    """One (row, slice) program: adds the slice's digit histogram to the row's (``hist_ptr``: int32
-    [rows, BINS + 1], the last column the row's ticket counter). FUSE_PICK: the row's
-    last program to finish (a ticket counter per row, taken after its histogram atomics completed) also
-    picks the digit (``_pick_digit``) and resets the ticket, instead of a separate pick launch."""
+                       ALIGNED: tl.constexpr, REPLAY: tl.constexpr):
+    """One (row, slice) program: adds the slice's histogram of digit PASS (among the keys that match the
+    digits fixed so far) to the row's. REPLAY: the histograms of all passes are kept (int32 [rows,
+    32 / BITS, BINS]) and the program replays the earlier passes' picks from them (``_replay_state``)
+    instead of reading a state that a separate pick launch wrote (int32 [rows, BINS] then)."""
     row = tl.program_id(0).to(tl.int64)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
     BINS: tl.constexpr = 1 << BITS
@@ -89,67 +91,95 @@ def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_co
     lo = tl.program_id(1) * SLICE
     hi = tl.minimum(lo + SLICE, n_read)
     if PASS > 0:
-        prefix = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
-        hi = tl.where(tl.load(state_ptr + row * 4 + 2) != 0, lo, hi)  # row already settled
+        if REPLAY:
+            prefix, _rem, settled = _replay_state(hist_ptr, row, topk, BITS, PASS)
+            hi = tl.where(settled, lo, hi)
+        else:
+            prefix = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
+            hi = tl.where(tl.load(state_ptr + row * 4 + 2) != 0, lo, hi)  # row already settled
     hist = tl.zeros([BINS], tl.int32)
     for start in range(lo, hi, BLOCK):
         key, match = _slice_keys(base, start + offs, n, n_read)
         if PASS > 0:
             match = match & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
         hist += tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
-    if FUSE_PICK:
-        # acq_rel: each thread's atomics complete before the barrier, the ticket orders them for the last program
-        tl.atomic_add(hist_ptr + row * (BINS + 1) + bins, hist, mask=hist > 0, sem="acq_rel")
-        tl.debug_barrier()
-        ticket_ptr = hist_ptr + row * (BINS + 1) + BINS
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-        if ticket == tl.num_programs(1) - 1:
-            tl.store(ticket_ptr, 0)
-            _pick_digit(hist_ptr, state_ptr, row, topk, BITS, PASS, True)
+    if REPLAY:
+        tl.atomic_add(hist_ptr + (row * (32 // BITS) + PASS) * BINS + bins, hist, mask=hist > 0, sem="relaxed")
     else:
-        tl.atomic_add(hist_ptr + row * (BINS + 1) + bins, hist, mask=hist > 0, sem="relaxed")
+        tl.atomic_add(hist_ptr + row * BINS + bins, hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _pick_step(hist, bins, prefix, rem, shift):
+    """One radix pick from a row's digit histogram: the digit d holding the rem-th largest key among
+    those left (bins counted from the top), the keys still to take inside it, and prefix | d << shift.
+    Returns (prefix, rem, total keys counted)."""
+    total = tl.sum(hist, axis=0)
+    at_least = total - tl.cumsum(hist, axis=0) + hist  # keys whose digit >= bin
+    d = tl.maximum(tl.max(tl.where(at_least >= rem, bins, -1), axis=0), 0)
+    rem = rem - tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
+    return prefix | (d.to(tl.uint32) << shift), rem, total
+
+
+@triton.jit
+def _replay_state(hist_ptr, row, topk, BITS: tl.constexpr, UPTO: tl.constexpr):
+    """(threshold bits fixed by passes 0 .. UPTO - 1, keys still to take at the threshold, settled) of a
+    row from its kept histograms (int32 [rows, 32 / BITS, BINS]); settled rows (fewer than topk visible
+    keys) give 0, 0, True as ``_digit_pick_kernel``'s state does."""
+    BINS: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, BINS)
+    prefix = tl.zeros([], tl.uint32)
+    rem = tl.zeros([], tl.int32) + topk
+    total0 = tl.zeros([], tl.int32)
+    for q in tl.static_range(UPTO):
+        hist = tl.load(hist_ptr + (row * (32 // BITS) + q) * BINS + bins)
+        prefix, rem, total = _pick_step(hist, bins, prefix, rem, 32 - (q + 1) * BITS)
+        if q == 0:
+            total0 = total
+    settled = total0 <= topk
+    return tl.where(settled, 0, prefix), tl.where(settled, 0, rem), settled
 
 
 @triton.jit
 def _digit_pick_kernel(hist_ptr, state_ptr, topk, BITS: tl.constexpr, PASS: tl.constexpr):
-    _pick_digit(hist_ptr, state_ptr, tl.program_id(0).to(tl.int64), topk, BITS, PASS, False)
-
-
-@triton.jit
-def _pick_digit(hist_ptr, state_ptr, row, topk, BITS: tl.constexpr, PASS: tl.constexpr, VOLATILE: tl.constexpr):
     """Row state (int32 [4]): threshold key bits fixed so far, keys still to take at the
-    threshold, settled (every visible key taken: fewer than k), unused. VOLATILE: the histogram is
-    read past the L1 cache (other programs of the same launch wrote it by atomics)."""
+    threshold, settled (every visible key taken: fewer than k), unused."""
+    row = tl.program_id(0).to(tl.int64)
     BINS: tl.constexpr = 1 << BITS
-    shift = 32 - (PASS + 1) * BITS
     bins = tl.arange(0, BINS)
-    hist = tl.load(hist_ptr + row * (BINS + 1) + bins, volatile=VOLATILE)
-    tl.store(hist_ptr + row * (BINS + 1) + bins, tl.zeros([BINS], tl.int32))
-    total = tl.sum(hist, axis=0)
+    hist = tl.load(hist_ptr + row * BINS + bins)
+    tl.store(hist_ptr + row * BINS + bins, tl.zeros([BINS], tl.int32))
     if PASS == 0:
         prefix = tl.zeros([], tl.uint32)
         rem = tl.zeros([], tl.int32) + topk
-        settled = total <= topk
+        settled = tl.sum(hist, axis=0) <= topk
     else:
         prefix = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
         rem = tl.load(state_ptr + row * 4 + 1)
         settled = tl.load(state_ptr + row * 4 + 2) != 0
-    at_least = total - tl.cumsum(hist, axis=0) + hist  # keys whose digit >= bin
-    d = tl.maximum(tl.max(tl.where(at_least >= rem, bins, -1), axis=0), 0)
-    rem = rem - tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
-    prefix = prefix | (d.to(tl.uint32) << shift)
+    prefix, rem, _total = _pick_step(hist, bins, prefix, rem, 32 - (PASS + 1) * BITS)
     tl.store(state_ptr + row * 4, tl.where(settled, 0, prefix.to(tl.int32, bitcast=True)))
     tl.store(state_ptr + row * 4 + 1, tl.where(settled, 0, rem))
     tl.store(state_ptr + row * 4 + 2, settled.to(tl.int32))
 
 
 @triton.jit
-def _slice_count_kernel(scores_ptr, limits_ptr, state_ptr, counts_ptr, stride, n_cols, n_parts,
-                        SLICE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+def _threshold(state_ptr, hist_ptr, row, topk, BITS: tl.constexpr, REPLAY: tl.constexpr):
+    """(threshold key, keys to take at it) of a row after the last pass."""
+    if REPLAY:
+        threshold, rem, _settled = _replay_state(hist_ptr, row, topk, BITS, 32 // BITS)
+        return threshold, rem
+    return tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True), tl.load(state_ptr + row * 4 + 1)
+
+
+@triton.jit
+def _slice_count_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, counts_ptr, stride, n_cols, n_parts, topk,
+                        SLICE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, BITS: tl.constexpr,
+                        REPLAY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
-    threshold = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
+    threshold, _rem = _threshold(state_ptr, hist_ptr, row, topk, BITS, REPLAY)
     offs = tl.arange(0, BLOCK)
     base = scores_ptr + row * stride
     lo = part * SLICE
@@ -164,13 +194,13 @@ def _slice_count_kernel(scores_ptr, limits_ptr, state_ptr, counts_ptr, stride, n
 
 
 @triton.jit
-def _slice_write_kernel(scores_ptr, limits_ptr, state_ptr, counts_ptr, out_ptr, stride, n_cols, n_parts, topk,
-                        SLICE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, ALIGNED: tl.constexpr):
+def _slice_write_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, counts_ptr, out_ptr, stride, n_cols, n_parts,
+                        topk, SLICE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, ALIGNED: tl.constexpr,
+                        BITS: tl.constexpr, REPLAY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
-    threshold = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
-    rem = tl.load(state_ptr + row * 4 + 1)
+    threshold, rem = _threshold(state_ptr, hist_ptr, row, topk, BITS, REPLAY)
     parts = tl.arange(0, PARTS)
     c_above = tl.load(counts_ptr + (row * n_parts + parts) * 2, mask=parts < n_parts, other=0)
     c_ties = tl.load(counts_ptr + (row * n_parts + parts) * 2 + 1, mask=parts < n_parts, other=0)
@@ -210,9 +240,9 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     interpreter, else 4);
     ``slice_size`` scores per program (default: 4096, or 1024 when fewer than 264 programs would
     run); ``block`` scores per loop step (default 1024); ``num_warps`` per program (default 4).
-    ``fuse_pick``: the row's last histogram program of each pass picks the digit (one launch per pass
-    instead of two; default ``FUSE_PICK``).
-    Workspace: N * (2**digit_bits + 5 + 2 * C / slice_size) int32.
+    ``fuse_pick``: no pick launches; the histograms of all passes are kept and every later program
+    replays the picks from them (one launch per pass instead of two; default ``FUSE_PICK``).
+    Workspace: N * (2**digit_bits [* 32 / digit_bits with fuse_pick] + 4 + 2 * C / slice_size) int32.
     """
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
@@ -230,23 +260,25 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     size = max(block, triton.cdiv(size, block) * block)
     parts = max(1, triton.cdiv(n_cols, size))
     fuse_pick = FUSE_PICK if fuse_pick is None else fuse_pick
-    work = torch.zeros(n_rows, (1 << bits) + 1, dtype=torch.int32, device=scores.device)  # histogram, ticket
-    state = torch.empty(n_rows, 4, dtype=torch.int32, device=scores.device)
+    passes = 32 // bits
+    hist = torch.zeros(n_rows, passes if fuse_pick else 1, 1 << bits, dtype=torch.int32, device=scores.device)
+    state = hist if fuse_pick else torch.empty(n_rows, 4, dtype=torch.int32, device=scores.device)
     counts = torch.empty(n_rows, parts, 2, dtype=torch.int32, device=scores.device)
     limits = limits.to(torch.int32).contiguous()
     aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
     warps = num_warps or 4
-    for p in range(32 // bits):
-        _digit_hist_kernel[(n_rows, parts)](scores, limits, state, work, scores.stride(0), n_cols, topk,
-                                            SLICE=size, BLOCK=block, BITS=bits, PASS=p, ALIGNED=aligned,
-                                            FUSE_PICK=fuse_pick, num_warps=warps)
+    for p in range(passes):
+        _digit_hist_kernel[(n_rows, parts)](scores, limits, state, hist, scores.stride(0), n_cols, topk, SLICE=size,
+                                            BLOCK=block, BITS=bits, PASS=p, ALIGNED=aligned, REPLAY=fuse_pick,
+                                            num_warps=warps)
         if not fuse_pick:
-            _digit_pick_kernel[(n_rows,)](work, state, topk, BITS=bits, PASS=p, num_warps=1)
-    _slice_count_kernel[(n_rows, parts)](scores, limits, state, counts, scores.stride(0), n_cols, parts, SLICE=size,
-                                         BLOCK=block, ALIGNED=aligned, num_warps=warps)
-    _slice_write_kernel[(n_rows, parts)](scores, limits, state, counts, out, scores.stride(0), n_cols, parts, topk,
-                                         SLICE=size, BLOCK=block, PARTS=triton.next_power_of_2(parts),
-                                         ALIGNED=aligned, num_warps=warps)
+            _digit_pick_kernel[(n_rows,)](hist, state, topk, BITS=bits, PASS=p, num_warps=1)
+    _slice_count_kernel[(n_rows, parts)](scores, limits, state, hist, counts, scores.stride(0), n_cols, parts, topk,
+                                         SLICE=size, BLOCK=block, ALIGNED=aligned, BITS=bits, REPLAY=fuse_pick,
+                                         num_warps=warps)
+    _slice_write_kernel[(n_rows, parts)](scores, limits, state, hist, counts, out, scores.stride(0), n_cols, parts,
+                                         topk, SLICE=size, BLOCK=block, PARTS=triton.next_power_of_2(parts),
+                                         ALIGNED=aligned, BITS=bits, REPLAY=fuse_pick, num_warps=warps)
     return out
 
 

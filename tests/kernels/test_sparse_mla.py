@@ -111,7 +111,7 @@ def test_rows_without_positions_are_zero_and_masked_slots_unread(device, splits)
     {"v_split": 1, "qk_chunk": 512, "block_k": 32, "splits": 8},
     {"v_split": 2, "qk_chunk": 512, "block_k": 32, "num_stages": 2, "splits": 2},
     {"prefetch": 1}, {"prefetch": 2, "block_k": 32, "v_split": 1, "qk_chunk": 512},
-    {"groups4": True, "prefetch": 1}, {"groups4": True, "num_stages": 2, "prefetch": 1, "splits": 8},
+    {"groups4": True, "prefetch": 1}, {"groups4": True, "block_k": 64, "num_stages": 2, "prefetch": 1, "splits": 8},
     {"groups4": True, "lazy": True, "block_k": 128},
 ])
 def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
