@@ -87,7 +87,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
                        RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr,
                        QK_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        PAGE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
-                       UPCAST: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                       UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False):
     """One program: one query row, BLOCK_H heads (the MMA M dimension: all heads of a row share
     its gathered latent rows), RANK / V_SPLIT output columns, and one slice of the row's
     selected positions (``program_id(2) // V_SPLIT``; the whole list when SPLIT is false).
@@ -98,9 +98,9 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     - sliced: q.k is summed over QK_CHUNK-wide slices (q slices re-read from cache each tile) and
       the tile's output slice is gathered once more for p @ v (less shared memory per stage).
 
-    PREFETCH (software pipelining by hand; the default one-stage loop has none): 1 reads the next
+    PREFETCH (software pipelining by hand; the default one-stage loop has none): reads the next
     tile's positions and cache slots (the dependent index -> block-table loads) while the current
-    tile is multiplied; 2 also issues the next tile's latent row loads (fused fp8 form only).
+    tile is multiplied.
 
     SPLIT: writes the slice's normalised partial output (fp32 [rows, splits, H, RANK]) and its
     log2-sum-exp (fp32 [rows, splits, H], -inf when the slice has no valid position) for
@@ -131,33 +131,24 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, VDIM], tl.float32)
-    if PREFETCH > 0:
+    if PREFETCH:
         slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K,
                                       PAGE)
-        if PREFETCH > 1:
-            kv_n = tl.load(nope_ptr + slot_n[:, None] * RANK + ccols[None, :], mask=valid_n[:, None], other=0.0)
     for k0 in range(first, last, BLOCK_K):
-        if PREFETCH > 0:
+        if PREFETCH:
             slot = slot_n
             valid = valid_n
         else:
             slot, valid = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, BLOCK_K, PAGE)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
-        if FUSED:
-            if PREFETCH > 1:
-                kv = kv_n
-            else:
-                kv = tl.load(nope_ptr + slot[:, None] * RANK + ccols[None, :], mask=valid[:, None], other=0.0)
-        if PREFETCH > 0:
+        if PREFETCH:
             slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0 + BLOCK_K, last, topk, bt_stride,
                                           BLOCK_K, PAGE)
-            if PREFETCH > 1:
-                kv_n = tl.load(nope_ptr + slot_n[:, None] * RANK + ccols[None, :], mask=valid_n[:, None],
-                               other=0.0)
         if UPCAST:
             k_rope = k_rope.to(tl.float32)
         s = tl.dot(q_rope, tl.trans(k_rope))
         if FUSED:
+            kv = tl.load(nope_ptr + slot[:, None] * RANK + ccols[None, :], mask=valid[:, None], other=0.0)
             if FP8:
                 kv = _dequant_cols(kv, nscale_ptr, slot, valid, 0, RANK, RANK, GROUP, BLOCK_K, UPCAST)
             if UPCAST:
@@ -230,10 +221,9 @@ def _q_chunk(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST
 
 
 @triton.jit
-def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr, RESCALE: tl.constexpr = True):
-    """acc * alpha + p @ kv (no multiply when RESCALE is false)."""
-    if RESCALE:
-        acc = acc * alpha[:, None]
+def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr):
+    """acc * alpha + p @ kv (fp32 accumulator [BLOCK_H, cols])."""
+    acc = acc * alpha[:, None]
     if UPCAST:
         return tl.dot(p, kv, acc, input_precision="ieee")  # fp32 p: no tf32 rounding
     return tl.dot(p.to(tl.bfloat16), kv, acc)
@@ -244,14 +234,12 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
                              out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                             PREFETCH: tl.constexpr, LAZY: tl.constexpr):
+                             PREFETCH: tl.constexpr):
     """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
     per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
     and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
-    groups and p @ v writes four [BLOCK_H, GROUP] accumulators. Same grid, outputs and PREFETCH (0 or 1)
-    as ``_sparse_mla_kernel`` with V_SPLIT 1. LAZY: the online softmax keeps a stale running maximum (the
-    probabilities of a tile may reach 2**8) and rescales the accumulators only when a head's maximum grows
-    by more than 8 (log2 units), the same result up to rounding."""
+    groups and p @ v writes four [BLOCK_H, GROUP] accumulators. Same grid, outputs and PREFETCH as
+    ``_sparse_mla_kernel`` with V_SPLIT 1."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -275,11 +263,11 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
     acc1 = tl.zeros([BLOCK_H, GROUP], tl.float32)
     acc2 = tl.zeros([BLOCK_H, GROUP], tl.float32)
     acc3 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    if PREFETCH > 0:
+    if PREFETCH:
         slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K,
                                       PAGE)
     for k0 in range(first, last, BLOCK_K):
-        if PREFETCH > 0:
+        if PREFETCH:
             slot = slot_n
             valid = valid_n
         else:
@@ -289,7 +277,7 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
         kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
         kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
         kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
-        if PREFETCH > 0:
+        if PREFETCH:
             slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0 + BLOCK_K, last, topk, bt_stride,
                                           BLOCK_K, PAGE)
         if UPCAST:
@@ -301,54 +289,33 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
         s = tl.dot(q3, tl.trans(kv3), s)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if LAZY:
-            # keep the running maximum until some head's grows by more than 8 (p stays <= 2**8): the
-            # accumulators are rescaled only on those tiles, not on every one
-            grow = tl.where(m_new > m_i, m_new - m_i, 0.0)
-            if tl.max(grow, axis=0) > 8.0:
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha
-                acc0 = acc0 * alpha[:, None]
-                acc1 = acc1 * alpha[:, None]
-                acc2 = acc2 * alpha[:, None]
-                acc3 = acc3 * alpha[:, None]
-                m_i = m_new
-            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i + tl.sum(p, axis=1)
-            acc0 = _pv(acc0, p, kv0, m_i, UPCAST, False)
-            acc1 = _pv(acc1, p, kv1, m_i, UPCAST, False)
-            acc2 = _pv(acc2, p, kv2, m_i, UPCAST, False)
-            acc3 = _pv(acc3, p, kv3, m_i, UPCAST, False)
-        else:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
-            acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
-            acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
-            acc3 = _pv(acc3, p, kv3, alpha, UPCAST)
-            m_i = m_new
-    inv = tl.where(l_i > 0, l_i, 1.0)[:, None]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
+        acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
+        acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
+        acc3 = _pv(acc3, p, kv3, alpha, UPCAST)
+        m_i = m_new
+    denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
     cols = tl.arange(0, GROUP)
     if SPLIT:
         n_splits = tl.num_programs(2)
         part = (row * n_splits + split) * n_heads + heads
         base = out_ptr + part[:, None] * RANK + cols[None, :]
-        tl.store(base, acc0 / inv, mask=hmask[:, None])
-        tl.store(base + GROUP, acc1 / inv, mask=hmask[:, None])
-        tl.store(base + 2 * GROUP, acc2 / inv, mask=hmask[:, None])
-        tl.store(base + 3 * GROUP, acc3 / inv, mask=hmask[:, None])
+        tl.store(base, acc0 / denom, mask=hmask[:, None])
+        tl.store(base + GROUP, acc1 / denom, mask=hmask[:, None])
+        tl.store(base + 2 * GROUP, acc2 / denom, mask=hmask[:, None])
+        tl.store(base + 3 * GROUP, acc3 / denom, mask=hmask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=hmask)
     else:
         base = out_ptr + q_base + cols[None, :]
-        tl.store(base, _to_bf16(acc0 / inv, UPCAST), mask=hmask[:, None])
-        tl.store(base + GROUP, _to_bf16(acc1 / inv, UPCAST), mask=hmask[:, None])
-        tl.store(base + 2 * GROUP, _to_bf16(acc2 / inv, UPCAST), mask=hmask[:, None])
-        tl.store(base + 3 * GROUP, _to_bf16(acc3 / inv, UPCAST), mask=hmask[:, None])
+        tl.store(base, _to_bf16(acc0 / denom, UPCAST), mask=hmask[:, None])
+        tl.store(base + GROUP, _to_bf16(acc1 / denom, UPCAST), mask=hmask[:, None])
+        tl.store(base + 2 * GROUP, _to_bf16(acc2 / denom, UPCAST), mask=hmask[:, None])
+        tl.store(base + 3 * GROUP, _to_bf16(acc3 / denom, UPCAST), mask=hmask[:, None])
 
 
 @triton.jit
@@ -399,8 +366,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, prefetch: int | None = None, groups4: bool | None = None,
-               lazy: bool | None = None) -> torch.Tensor:
+               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None
+               ) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -418,10 +385,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     batch-1 decode, and 1 when N x heads already fills the GPU). Extra bytes with splits > 1:
     N * splits * H * (R + 1) * 4 written and read back.
 
-    ``prefetch`` (0, 1, 2): reads the next tile's slots (1) and latent rows (2, fused tile only) ahead by
-    hand. ``groups4``: the fused fp8 tile as ``_sparse_mla_fp8x4_kernel`` (four scale groups of
-    R / 4 columns, no reshape); ``lazy`` (groups4 only): rescale the accumulators only when a head's
-    running maximum grows by more than 2**8.
+    ``prefetch``: reads the next tile's slots ahead by hand. ``groups4``: the fused fp8 tile as
+    ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
 
     Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
     (groups4) with block_k 128 and 1 stage (H200 sweep of 2026-11-30, batch 64 x 128K: 218 us against
@@ -443,8 +408,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
     if groups4 is None:  # the measured-fastest tile where it applies (see Defaults)
-        groups4 = (fused_fp8 and rank == 4 * group and v_split in (None, 1) and qk_chunk in (None, rank)
-                   and prefetch != 2)
+        groups4 = fused_fp8 and rank == 4 * group and v_split in (None, 1) and qk_chunk in (None, rank)
     block_k = block_k or (16 if interpreting else 128 if groups4 else 64)
     v_split = v_split or (1 if interpreting or rank < 512 or fused_fp8 else 2)
     qk_chunk = min(rank, qk_chunk or (512 if fused_fp8 else 128))
@@ -459,9 +423,6 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                                  f"(a power-of-two multiple or a divisor of it)")
     num_warps = num_warps or (4 if interpreting else 8)
     num_stages = num_stages or 1
-    prefetch = prefetch or 0
-    if prefetch not in (0, 1, 2) or (prefetch == 2 and not (qk_chunk == rank and v_split == 1)):
-        raise ValueError(f"prefetch {prefetch}: 0, 1, or 2 with the fused tile (qk_chunk == rank, v_split 1)")
     head_blocks = triton.cdiv(n_heads, block_h)
     splits = splits or _default_splits(q_nope.device, n_rows * head_blocks * v_split, topk, block_k)
     positions_per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
@@ -472,18 +433,16 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     else:
         partial, lse = out, out
     latent_scale_arg = latent_scale if fp8 else latent_nope
-    if lazy and not groups4:
-        raise ValueError("lazy rescaling is a tile option of the four-scale-group kernel (groups4)")
     if groups4:
-        if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank and prefetch < 2):
-            raise ValueError("groups4 needs an fp8 latent of four scale groups, the fused tile and prefetch 0 or 1")
+        if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank):
+            raise ValueError("groups4 needs an fp8 latent of four scale groups and the fused tile")
         _sparse_mla_fp8x4_kernel[(n_rows, head_blocks, splits)](
             q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
-            UPCAST=interpreting, PREFETCH=prefetch, LAZY=bool(lazy), num_warps=num_warps, num_stages=num_stages,
+            UPCAST=interpreting, PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
         )
     else:
         _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
@@ -492,7 +451,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k,
-            PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, SPLIT=splits > 1, UPCAST=interpreting, PREFETCH=prefetch,
+            PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, SPLIT=splits > 1, UPCAST=interpreting, PREFETCH=bool(prefetch),
             num_warps=num_warps, num_stages=num_stages,
         )
     if splits > 1:

@@ -10,9 +10,7 @@ exactly and write the positions of the k largest:
    program per (row, slice): ``_digit_hist_kernel`` counts the next digit (2**digit_bits bins,
    ``tl.histogram``) among the keys that share the digits fixed so far and adds its counts to the
    row's histogram (one atomic per bin); ``_digit_pick_kernel`` (one program per row) takes the
-   suffix sum over the bins, fixes the digit that holds the k-th key and clears the histogram
-   (``fuse_pick``: no pick launch; each pass's histogram is kept and every later program replays
-   the picks from them, ``_replay_state``, a few hundred integer operations per program).
+   suffix sum over the bins, fixes the digit that holds the k-th key and clears the histogram.
    After the last pass the threshold key T and the number of T-valued keys still to take are exact;
 3. ``_slice_count_kernel`` counts, per slice, the keys above T and equal to T;
    ``_slice_write_kernel`` writes each slice's positions at the offset its earlier slices leave:
@@ -23,8 +21,7 @@ Ties at the threshold go to the lowest positions; a row with fewer than k visibl
 all of them followed by -1. Output int32 [N, k], ascending positions then -1: the same function
 as ``topk_indices_torch`` (stable descending sort), so the two agree exactly.
 
-Launches: 2 * 32 / digit_bits + 2 (32 / digit_bits + 2 with fuse_pick), no host sync (capturable
-in a CUDA graph). Bytes per row:
+Launches: 2 * 32 / digit_bits + 2, no host sync (capturable in a CUDA graph). Bytes per row:
 (32 / digit_bits + 2) reads of 4 * limits[r] bytes (from L2 when the rows were just written and
 fit in it: a decode step's 64 x 128K scores are 32 MiB, under the H200's 50 MB L2), 4 * k written.
 A 2**b-bin ``tl.histogram`` costs about b warp ballots plus 2**b / 32 bin counts per 32 keys:
@@ -43,9 +40,6 @@ import triton.language as tl
 from adapt.kernels.formats import interpreting as _interpreting
 
 TOPK_BLOCK = 1024
-# Keep every pass's histogram and let the next kernels replay the picks (no pick launches) instead of a
-# pick launch per pass (not yet measured on a GPU: off by default until it is).
-FUSE_PICK = False
 
 
 @triton.jit
@@ -74,13 +68,9 @@ def _slice_keys(base, pos, n, n_read):
 
 
 @triton.jit
-def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_cols, topk,
+def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_cols,
                        SLICE: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, PASS: tl.constexpr,
-                       ALIGNED: tl.constexpr, REPLAY: tl.constexpr):
-    """One (row, slice) program: adds the slice's histogram of digit PASS (among the keys that match the
-    digits fixed so far) to the row's. REPLAY: the histograms of all passes are kept (int32 [rows,
-    32 / BITS, BINS]) and the program replays the earlier passes' picks from them (``_replay_state``)
-    instead of reading a state that a separate pick launch wrote (int32 [rows, BINS] then)."""
+                       ALIGNED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
     BINS: tl.constexpr = 1 << BITS
@@ -91,53 +81,15 @@ def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_co
     lo = tl.program_id(1) * SLICE
     hi = tl.minimum(lo + SLICE, n_read)
     if PASS > 0:
-        if REPLAY:
-            prefix, _rem, settled = _replay_state(hist_ptr, row, topk, BITS, PASS)
-            hi = tl.where(settled, lo, hi)
-        else:
-            prefix = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
-            hi = tl.where(tl.load(state_ptr + row * 4 + 2) != 0, lo, hi)  # row already settled
+        prefix = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
+        hi = tl.where(tl.load(state_ptr + row * 4 + 2) != 0, lo, hi)  # row already settled
     hist = tl.zeros([BINS], tl.int32)
     for start in range(lo, hi, BLOCK):
         key, match = _slice_keys(base, start + offs, n, n_read)
         if PASS > 0:
             match = match & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
         hist += tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
-    if REPLAY:
-        tl.atomic_add(hist_ptr + (row * (32 // BITS) + PASS) * BINS + bins, hist, mask=hist > 0, sem="relaxed")
-    else:
-        tl.atomic_add(hist_ptr + row * BINS + bins, hist, mask=hist > 0, sem="relaxed")
-
-
-@triton.jit
-def _pick_step(hist, bins, prefix, rem, shift):
-    """One radix pick from a row's digit histogram: the digit d holding the rem-th largest key among
-    those left (bins counted from the top), the keys still to take inside it, and prefix | d << shift.
-    Returns (prefix, rem, total keys counted)."""
-    total = tl.sum(hist, axis=0)
-    at_least = total - tl.cumsum(hist, axis=0) + hist  # keys whose digit >= bin
-    d = tl.maximum(tl.max(tl.where(at_least >= rem, bins, -1), axis=0), 0)
-    rem = rem - tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
-    return prefix | (d.to(tl.uint32) << shift), rem, total
-
-
-@triton.jit
-def _replay_state(hist_ptr, row, topk, BITS: tl.constexpr, UPTO: tl.constexpr):
-    """(threshold bits fixed by passes 0 .. UPTO - 1, keys still to take at the threshold, settled) of a
-    row from its kept histograms (int32 [rows, 32 / BITS, BINS]); settled rows (fewer than topk visible
-    keys) give 0, 0, True as ``_digit_pick_kernel``'s state does."""
-    BINS: tl.constexpr = 1 << BITS
-    bins = tl.arange(0, BINS)
-    prefix = tl.zeros([], tl.uint32)
-    rem = tl.zeros([], tl.int32) + topk
-    total0 = tl.zeros([], tl.int32)
-    for q in tl.static_range(UPTO):
-        hist = tl.load(hist_ptr + (row * (32 // BITS) + q) * BINS + bins)
-        prefix, rem, total = _pick_step(hist, bins, prefix, rem, 32 - (q + 1) * BITS)
-        if q == 0:
-            total0 = total
-    settled = total0 <= topk
-    return tl.where(settled, 0, prefix), tl.where(settled, 0, rem), settled
+    tl.atomic_add(hist_ptr + row * BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
@@ -146,40 +98,35 @@ def _digit_pick_kernel(hist_ptr, state_ptr, topk, BITS: tl.constexpr, PASS: tl.c
     threshold, settled (every visible key taken: fewer than k), unused."""
     row = tl.program_id(0).to(tl.int64)
     BINS: tl.constexpr = 1 << BITS
+    shift = 32 - (PASS + 1) * BITS
     bins = tl.arange(0, BINS)
     hist = tl.load(hist_ptr + row * BINS + bins)
     tl.store(hist_ptr + row * BINS + bins, tl.zeros([BINS], tl.int32))
+    total = tl.sum(hist, axis=0)
     if PASS == 0:
         prefix = tl.zeros([], tl.uint32)
         rem = tl.zeros([], tl.int32) + topk
-        settled = tl.sum(hist, axis=0) <= topk
+        settled = total <= topk
     else:
         prefix = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
         rem = tl.load(state_ptr + row * 4 + 1)
         settled = tl.load(state_ptr + row * 4 + 2) != 0
-    prefix, rem, _total = _pick_step(hist, bins, prefix, rem, 32 - (PASS + 1) * BITS)
+    at_least = total - tl.cumsum(hist, axis=0) + hist  # keys whose digit >= bin
+    d = tl.maximum(tl.max(tl.where(at_least >= rem, bins, -1), axis=0), 0)
+    rem = rem - tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
+    prefix = prefix | (d.to(tl.uint32) << shift)
     tl.store(state_ptr + row * 4, tl.where(settled, 0, prefix.to(tl.int32, bitcast=True)))
     tl.store(state_ptr + row * 4 + 1, tl.where(settled, 0, rem))
     tl.store(state_ptr + row * 4 + 2, settled.to(tl.int32))
 
 
 @triton.jit
-def _threshold(state_ptr, hist_ptr, row, topk, BITS: tl.constexpr, REPLAY: tl.constexpr):
-    """(threshold key, keys to take at it) of a row after the last pass."""
-    if REPLAY:
-        threshold, rem, _settled = _replay_state(hist_ptr, row, topk, BITS, 32 // BITS)
-        return threshold, rem
-    return tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True), tl.load(state_ptr + row * 4 + 1)
-
-
-@triton.jit
-def _slice_count_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, counts_ptr, stride, n_cols, n_parts, topk,
-                        SLICE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, BITS: tl.constexpr,
-                        REPLAY: tl.constexpr):
+def _slice_count_kernel(scores_ptr, limits_ptr, state_ptr, counts_ptr, stride, n_cols, n_parts,
+                        SLICE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
-    threshold, _rem = _threshold(state_ptr, hist_ptr, row, topk, BITS, REPLAY)
+    threshold = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
     offs = tl.arange(0, BLOCK)
     base = scores_ptr + row * stride
     lo = part * SLICE
@@ -194,13 +141,13 @@ def _slice_count_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, counts_ptr,
 
 
 @triton.jit
-def _slice_write_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, counts_ptr, out_ptr, stride, n_cols, n_parts,
-                        topk, SLICE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, ALIGNED: tl.constexpr,
-                        BITS: tl.constexpr, REPLAY: tl.constexpr):
+def _slice_write_kernel(scores_ptr, limits_ptr, state_ptr, counts_ptr, out_ptr, stride, n_cols, n_parts, topk,
+                        SLICE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, ALIGNED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
-    threshold, rem = _threshold(state_ptr, hist_ptr, row, topk, BITS, REPLAY)
+    threshold = tl.load(state_ptr + row * 4).to(tl.uint32, bitcast=True)
+    rem = tl.load(state_ptr + row * 4 + 1)
     parts = tl.arange(0, PARTS)
     c_above = tl.load(counts_ptr + (row * n_parts + parts) * 2, mask=parts < n_parts, other=0)
     c_ties = tl.load(counts_ptr + (row * n_parts + parts) * 2 + 1, mask=parts < n_parts, other=0)
@@ -229,7 +176,7 @@ def _slice_write_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, counts_ptr,
 
 def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
                  digit_bits: int | None = None, slice_size: int | None = None, block: int | None = None,
-                 num_warps: int | None = None, fuse_pick: bool | None = None) -> torch.Tensor:
+                 num_warps: int | None = None) -> torch.Tensor:
     """Positions of the ``topk`` largest scores of each row among its visible columns (Triton).
 
     scores: fp32 [N, C] (row stride free, unit column stride); limits: int [N], row r sees columns
@@ -240,9 +187,7 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     interpreter, else 4);
     ``slice_size`` scores per program (default: 4096, or 1024 when fewer than 264 programs would
     run); ``block`` scores per loop step (default 1024); ``num_warps`` per program (default 4).
-    ``fuse_pick``: no pick launches; the histograms of all passes are kept and every later program
-    replays the picks from them (one launch per pass instead of two; default ``FUSE_PICK``).
-    Workspace: N * (2**digit_bits [* 32 / digit_bits with fuse_pick] + 4 + 2 * C / slice_size) int32.
+    Workspace: N * (2**digit_bits + 4 + 2 * C / slice_size) int32.
     """
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
@@ -259,26 +204,21 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     size = slice_size or (4096 if n_rows * triton.cdiv(n_cols, 4096) >= 264 else 1024)
     size = max(block, triton.cdiv(size, block) * block)
     parts = max(1, triton.cdiv(n_cols, size))
-    fuse_pick = FUSE_PICK if fuse_pick is None else fuse_pick
-    passes = 32 // bits
-    hist = torch.zeros(n_rows, passes if fuse_pick else 1, 1 << bits, dtype=torch.int32, device=scores.device)
-    state = hist if fuse_pick else torch.empty(n_rows, 4, dtype=torch.int32, device=scores.device)
+    hist = torch.zeros(n_rows, 1 << bits, dtype=torch.int32, device=scores.device)
+    state = torch.empty(n_rows, 4, dtype=torch.int32, device=scores.device)
     counts = torch.empty(n_rows, parts, 2, dtype=torch.int32, device=scores.device)
     limits = limits.to(torch.int32).contiguous()
     aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
     warps = num_warps or 4
-    for p in range(passes):
-        _digit_hist_kernel[(n_rows, parts)](scores, limits, state, hist, scores.stride(0), n_cols, topk, SLICE=size,
-                                            BLOCK=block, BITS=bits, PASS=p, ALIGNED=aligned, REPLAY=fuse_pick,
-                                            num_warps=warps)
-        if not fuse_pick:
-            _digit_pick_kernel[(n_rows,)](hist, state, topk, BITS=bits, PASS=p, num_warps=1)
-    _slice_count_kernel[(n_rows, parts)](scores, limits, state, hist, counts, scores.stride(0), n_cols, parts, topk,
-                                         SLICE=size, BLOCK=block, ALIGNED=aligned, BITS=bits, REPLAY=fuse_pick,
-                                         num_warps=warps)
-    _slice_write_kernel[(n_rows, parts)](scores, limits, state, hist, counts, out, scores.stride(0), n_cols, parts,
-                                         topk, SLICE=size, BLOCK=block, PARTS=triton.next_power_of_2(parts),
-                                         ALIGNED=aligned, BITS=bits, REPLAY=fuse_pick, num_warps=warps)
+    for p in range(32 // bits):
+        _digit_hist_kernel[(n_rows, parts)](scores, limits, state, hist, scores.stride(0), n_cols, SLICE=size,
+                                            BLOCK=block, BITS=bits, PASS=p, ALIGNED=aligned, num_warps=warps)
+        _digit_pick_kernel[(n_rows,)](hist, state, topk, BITS=bits, PASS=p, num_warps=1)
+    _slice_count_kernel[(n_rows, parts)](scores, limits, state, counts, scores.stride(0), n_cols, parts, SLICE=size,
+                                         BLOCK=block, ALIGNED=aligned, num_warps=warps)
+    _slice_write_kernel[(n_rows, parts)](scores, limits, state, counts, out, scores.stride(0), n_cols, parts, topk,
+                                         SLICE=size, BLOCK=block, PARTS=triton.next_power_of_2(parts),
+                                         ALIGNED=aligned, num_warps=warps)
     return out
 
 

@@ -38,7 +38,6 @@ from adapt.bench.timer import time_eager_ms as _time_ms
 from adapt.bench.timer import time_graph_ms as _time_graph_ms
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
-from adapt.kernels import topk as topk_module
 from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
 from adapt.kernels.topk import topk_indices, topk_indices_torch
 from adapt.model.spec import load_spec
@@ -159,21 +158,14 @@ def _decode_case(
     )
     selected = torch.empty(batch, topk, dtype=torch.int32, device="cuda")
     select_ms = _time_graph_ms(lambda: topk_indices(scores, limits, topk, out=selected), reps)
-    select_by_bits = {f"{bits}{'_fused_pick' if fuse else ''}": 1e3 * _time_graph_ms(
-        lambda b=bits, f=fuse: topk_indices(scores, limits, topk, out=selected, digit_bits=b, fuse_pick=f), reps)
-        for bits in (4, 8) for fuse in (False, True)}
+    select_by_bits = {bits: 1e3 * _time_graph_ms(lambda b=bits: topk_indices(scores, limits, topk, out=selected,
+                                                                             digit_bits=b), reps)
+                      for bits in (4, 8)}
     torch_topk_ms = _time_graph_ms(lambda: torch.topk(scores, topk, dim=-1, sorted=False), reps)
-    twin_idx = topk_indices_torch(scores, limits, topk)
-    fused_equal = all(bool(torch.equal(topk_indices(scores, limits, topk, fuse_pick=True), twin_idx))
-                      for _ in range(3))
-    bits = 8 if batch <= 8 else 4  # topk_indices' default digit width for this many rows
-    if fused_equal and select_by_bits[f"{bits}_fused_pick"] < select_by_bits[str(bits)]:
-        topk_module.FUSE_PICK = True  # measured faster and identical: the step below runs it
     index_ms = _time_graph_ms(index, reps)
     checks = {
-        "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk, fuse_pick=False), twin_idx)),
-        "topk_fused_pick_equals_twin_3_runs": fused_equal,
-        "topk_fuse_pick_in_step": topk_module.FUSE_PICK,
+        "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk), topk_indices_torch(scores, limits,
+                                                                                                    topk))),
         "index_scores_rel_err_vs_twin": _rel_err(scores[:2], dsa.index_scores_torch(
             q8[:2], weights[:2], layer.index_k, layer.index_scale, block_table, token_seq[:2], limits[:2], context)),
     }
@@ -597,7 +589,7 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
         "index_scores decode": ("key_block", "num_stages", "num_warps", "programs"),
         "index_scores prefill 4096": ("rows_per_tile", "num_stages", "num_warps"),
         "sparse_mla decode b64": ("block_h", "block_k", "v_split", "qk_chunk", "num_warps", "num_stages",
-                                  "splits", "prefetch", "groups4", "lazy"),
+                                  "splits", "prefetch", "groups4"),
     }
     names = {
         "index_scores decode": "decode_index",
@@ -705,12 +697,12 @@ def run_dsa_acceptance(
     token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
     _, _, q_nope, q_rope = _queries(batch)
     idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).int()
-    sweep = _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, ACCEPTANCE_MLA_SWEEP if sweep else ({},),
-                       reps)
+    mla_rows = _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx,
+                          ACCEPTANCE_MLA_SWEEP if sweep else ({},), reps)
     del cache, layer
     torch.cuda.empty_cache()
-    tiles = {**RUN2_INDEX_TILES, **{"mla": _fastest_tiles(sweep)["mla"]}}
-    result.update(tile_sweep=sweep, tiles_used=tiles)
+    tiles = {**RUN2_INDEX_TILES, **{"mla": _fastest_tiles(mla_rows)["mla"]}}
+    result.update(tile_sweep=mla_rows, tiles_used=tiles)
     _write(out_dir, result)
     result["errors"] = []
     for b in (1, batch):
@@ -750,18 +742,16 @@ PREFILL_INDEX_SWEEP = (
 # (255 / 72 / 139); the four-scale-group kernel (groups4): 64 positions 1 stage (255 / 48 / 147), prefetch
 # (255 / 56 / 147),
 # 2 stages + prefetch (255 / 0 / 189), 32 positions 2 stages + prefetch (224 / 0 / 131), 128 positions
-# 1 stage (255 / 120 / 221; the default, fastest at 218 us in call 1 of benchmarks/gpu-2026-11-30-dsa-s2),
-# 64 positions 2 stages + prefetch + lazy rescaling (255 / 656 / 189).
+# 1 stage (255 / 120 / 221; the default, fastest at 218 us in call 1 of benchmarks/gpu-2026-11-30-dsa-s2).
 _FUSED = dict(block_h=64, v_split=1, qk_chunk=512, num_warps=8)
 ACCEPTANCE_MLA_SWEEP = (
     dict(_FUSED, block_k=64, num_stages=1, groups4=False),
-    dict(_FUSED, block_k=64, num_stages=1, prefetch=1, groups4=False),
+    dict(_FUSED, block_k=64, num_stages=1, prefetch=True, groups4=False),
     dict(_FUSED, block_k=64, num_stages=1, groups4=True),
-    dict(_FUSED, block_k=64, num_stages=1, groups4=True, prefetch=1),
-    dict(_FUSED, block_k=64, num_stages=2, groups4=True, prefetch=1),
-    dict(_FUSED, block_k=32, num_stages=2, groups4=True, prefetch=1),
+    dict(_FUSED, block_k=64, num_stages=1, groups4=True, prefetch=True),
+    dict(_FUSED, block_k=64, num_stages=2, groups4=True, prefetch=True),
+    dict(_FUSED, block_k=32, num_stages=2, groups4=True, prefetch=True),
     dict(_FUSED, block_k=128, num_stages=1, groups4=True),
-    dict(_FUSED, block_k=64, num_stages=2, groups4=True, prefetch=1, lazy=True),
 )
 
 

@@ -43,9 +43,7 @@ def score_rows(gen):
 
 
 # 8-bit digits over 4 slices of 64; 4-bit digits over 2 slices of 128 in 64-score steps; defaults (one slice).
-# The same with each pass's digit picked by the row's last histogram program (fuse_pick).
-TILES = [dict(digit_bits=8, slice_size=64, block=32), dict(digit_bits=4, slice_size=128, block=64), {},
-         dict(digit_bits=8, slice_size=64, block=32, fuse_pick=True), dict(digit_bits=4, fuse_pick=True)]
+TILES = [dict(digit_bits=8, slice_size=64, block=32), dict(digit_bits=4, slice_size=128, block=64), {}]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -78,8 +76,7 @@ def test_topk_writes_into_a_strided_chunk_and_reads_only_visible_columns(device)
 
 @pytest.mark.gpu
 def test_topk_deepseek_v32_decode_shape_on_gpu():
-    """4 and 16 rows x 128K keys, top-2048, fp32 scores with ties: identical to the twin (both digit widths,
-    pick fused or not)."""
+    """4 and 16 rows x 128K keys, top-2048, fp32 scores with ties: identical to the twin (both digit widths)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     s = torch.randn(16, 131072, device="cuda", generator=gen)
     s[1] = torch.round(s[1] * 4)
@@ -88,7 +85,4 @@ def test_topk_deepseek_v32_decode_shape_on_gpu():
     for rows in (4, 16):
         want = topk_indices_torch(s[:rows], limits[:rows], 2048)
         for bits in (4, 8):
-            for fuse in (False, True):
-                for _ in range(3 if fuse else 1):  # the fused pick hands a histogram between programs: repeat
-                    got = topk_indices(s[:rows], limits[:rows], 2048, digit_bits=bits, fuse_pick=fuse)
-                    assert torch.equal(got, want), (rows, bits, fuse)
+            assert torch.equal(topk_indices(s[:rows], limits[:rows], 2048, digit_bits=bits), want)
