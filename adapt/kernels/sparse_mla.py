@@ -82,6 +82,57 @@ def _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, B
 
 
 @triton.jit
+def _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K: tl.constexpr,
+                 PAGE: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PREFETCH the first tile's (slots, valid), read before the loop; else placeholders never read."""
+    if PREFETCH:
+        slot, valid = _tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE)
+    else:
+        slot = tl.zeros([BLOCK_K], tl.int64)
+        valid = slot < 0
+    return slot, valid
+
+
+@triton.jit
+def _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, slot_n, valid_n,
+                BLOCK_K: tl.constexpr, PAGE: tl.constexpr, PREFETCH: tl.constexpr):
+    """(slots, valid) of the tile at k0, then those of the next tile: with PREFETCH the current ones were
+    read one step earlier (slot_n, valid_n) and the next ones are read now; else the current ones are read
+    now and slot_n, valid_n pass through."""
+    if PREFETCH:
+        slot = slot_n
+        valid = valid_n
+        slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0 + BLOCK_K, last, topk, bt_stride,
+                                      BLOCK_K, PAGE)
+    else:
+        slot, valid = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, BLOCK_K, PAGE)
+    return slot, valid, slot_n, valid_n
+
+
+@triton.jit
+def _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE: tl.constexpr, UPCAST: tl.constexpr):
+    """The row's rotated query part [BLOCK_H, ROPE] (fp32 under the interpreter)."""
+    q_rope = tl.load(qr_ptr + (row * n_heads + heads[:, None]) * ROPE + tl.arange(0, ROPE)[None, :],
+                     mask=hmask[:, None], other=0.0)
+    if UPCAST:
+        q_rope = q_rope.to(tl.float32)
+    return q_rope
+
+
+@triton.jit
+def _softmax_step(s, valid, scale_log2, m_i, l_i):
+    """One online-softmax step over a tile of logits s [BLOCK_H, BLOCK_K] (log2 units after scale_log2;
+    invalid positions -inf): (probabilities against the new running maximum, the factor that rescales
+    the earlier sums, the new maximum, the new sum)."""
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
                        out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                        RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr,
@@ -117,10 +168,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     ccols = tl.arange(0, QK_CHUNK)
     rcols = tl.arange(0, ROPE)
     q_base = (row * n_heads + heads[:, None]) * RANK
-    q_rope = tl.load(qr_ptr + (row * n_heads + heads[:, None]) * ROPE + rcols[None, :], mask=hmask[:, None],
-                     other=0.0)
-    if UPCAST:
-        q_rope = q_rope.to(tl.float32)
+    q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
     if QK_CHUNK == RANK:
         q_all = tl.load(qn_ptr + q_base + ccols[None, :], mask=hmask[:, None], other=0.0)
         if UPCAST:
@@ -131,19 +179,12 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, VDIM], tl.float32)
-    if PREFETCH:
-        slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K,
-                                      PAGE)
+    slot_n, valid_n = _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE,
+                                   PREFETCH)
     for k0 in range(first, last, BLOCK_K):
-        if PREFETCH:
-            slot = slot_n
-            valid = valid_n
-        else:
-            slot, valid = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, BLOCK_K, PAGE)
+        slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
+                                                   slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
-        if PREFETCH:
-            slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0 + BLOCK_K, last, topk, bt_stride,
-                                          BLOCK_K, PAGE)
         if UPCAST:
             k_rope = k_rope.to(tl.float32)
         s = tl.dot(q_rope, tl.trans(k_rope))
@@ -176,12 +217,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
                 kv = _dequant_cols(kv, nscale_ptr, slot, valid, vpart * VDIM, RANK, VDIM, GROUP, BLOCK_K, UPCAST)
             if UPCAST:
                 kv = kv.to(tl.float32)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
         if UPCAST:
             acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # fp32 p: no tf32 rounding
         else:
@@ -246,10 +282,7 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
     hmask = heads < n_heads
     rcols = tl.arange(0, ROPE)
     q_base = (row * n_heads + heads[:, None]) * RANK
-    q_rope = tl.load(qr_ptr + (row * n_heads + heads[:, None]) * ROPE + rcols[None, :], mask=hmask[:, None],
-                     other=0.0)
-    if UPCAST:
-        q_rope = q_rope.to(tl.float32)
+    q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
     q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
     q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
     q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
@@ -263,23 +296,16 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
     acc1 = tl.zeros([BLOCK_H, GROUP], tl.float32)
     acc2 = tl.zeros([BLOCK_H, GROUP], tl.float32)
     acc3 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    if PREFETCH:
-        slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K,
-                                      PAGE)
+    slot_n, valid_n = _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE,
+                                   PREFETCH)
     for k0 in range(first, last, BLOCK_K):
-        if PREFETCH:
-            slot = slot_n
-            valid = valid_n
-        else:
-            slot, valid = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, BLOCK_K, PAGE)
+        slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
+                                                   slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
         kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
         kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
         kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
         kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
-        if PREFETCH:
-            slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0 + BLOCK_K, last, topk, bt_stride,
-                                          BLOCK_K, PAGE)
         if UPCAST:
             k_rope = k_rope.to(tl.float32)
         s = tl.dot(q_rope, tl.trans(k_rope))
@@ -287,12 +313,7 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
         s = tl.dot(q1, tl.trans(kv1), s)
         s = tl.dot(q2, tl.trans(kv2), s)
         s = tl.dot(q3, tl.trans(kv3), s)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
         acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
         acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
         acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
