@@ -371,15 +371,20 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.cons
 
 
 def _default_splits(device: torch.device, programs: int, topk: int, block_k: int) -> int:
-    """Position slices per row so that about two programs per SM run (one when the rows x head
-    blocks x output slices already fill the GPU), each slice at least one BLOCK_K tile (batch-1
-    decode, 128 heads, top-2048: 4 programs x 32 slices of 64 positions = 128 programs)."""
+    """Position slices per row, from a one-program-per-SM wave model (the fp8 tiles take a whole SM:
+    255 registers x 256 threads): the count s that minimises waves x tiles per slice,
+    ceil(s * programs / SMs) * ceil(tiles / s), the fewest slices on a tie (each extra slice costs
+    partial-output bytes and the combine); 1 from one program per SM up. Batch-1 decode, 128 heads in
+    2 blocks, top-2048 in 16 tiles of 128: 16 slices (32 programs, one tile each); batch 64 (128
+    programs on 132 SMs): 1, where the former rule (about two programs per SM) took 3 slices in 3
+    waves plus a combine (16 us in the 2026-11-30 profile)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= sms:
+    if programs >= sms:  # one wave or more already: slices would only add partial outputs and a combine
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), topk // block_k))
+    tiles = max(1, triton.cdiv(topk, block_k))
+    return min(range(1, tiles + 1), key=lambda s: (triton.cdiv(s * programs, sms) * triton.cdiv(tiles, s), s))
 
 
 def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,
@@ -402,8 +407,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     column slices (1 with ``qk_chunk == R`` is the fused form: q loaded once, each latent tile
     dequantized once for q.k and p @ v); ``splits`` slices of the K positions per row
     (flash-decoding: each slice writes a partial output + log-sum-exp, ``_combine_kernel``
-    merges them; default: enough slices for about two programs per SM when N is small, e.g.
-    batch-1 decode, and 1 when N x heads already fills the GPU). Extra bytes with splits > 1:
+    merges them; default ``_default_splits``: many slices for batch-1 decode, 1 once the rows x head
+    blocks fill the GPU's SMs). Extra bytes with splits > 1:
     N * splits * H * (R + 1) * 4 written and read back.
 
     ``prefetch``: reads the next tile's slots ahead by hand. ``groups4``: the fused fp8 tile as
