@@ -238,7 +238,9 @@ def _decode_case(
 
 
 # Layers per CUDA graph for the per-layer decode time below batch 64: a serving engine replays one graph
-# for all layers of a step (DeepSeek-V3.2: 61), so a one-layer graph also times the graph launch once per layer.
+# for all layers of a step (DeepSeek-V3.2: 61), where a one-layer graph also times one graph launch per
+# layer (H200, 2026-11-30, batch 1: 53.9-56.1 us per layer in 8 against 53.6-54.7 us alone, within the
+# run-to-run spread).
 GRAPH_LAYERS = 8
 
 
@@ -740,9 +742,9 @@ PREFILL_INDEX_SWEEP = (
 # Triton 3.6, registers / stack bytes / shared KB: the fused tile, 64 positions, 1 stage (255 / 0 / 139;
 # 247 us on 2026-11-30, the default before groups4), the same with the next tile's slots prefetched
 # (255 / 72 / 139); the four-scale-group kernel (groups4): 64 positions 1 stage (255 / 48 / 147), prefetch
-# (255 / 56 / 147),
-# 2 stages + prefetch (255 / 0 / 189), 32 positions 2 stages + prefetch (224 / 0 / 131), 128 positions
-# 1 stage (255 / 120 / 221; the default, fastest at 218 us in call 1 of benchmarks/gpu-2026-11-30-dsa-s2).
+# (255 / 56 / 147), 2 stages + prefetch (255 / 0 / 189), 32 positions 2 stages + prefetch (224 / 0 / 131),
+# 128 positions 1 stage (255 / 120 / 221; the default, fastest at 218 us in call 1 of
+# benchmarks/gpu-2026-11-30-dsa-s2).
 _FUSED = dict(block_h=64, v_split=1, qk_chunk=512, num_warps=8)
 ACCEPTANCE_MLA_SWEEP = (
     dict(_FUSED, block_k=64, num_stages=1, groups4=False),
