@@ -380,7 +380,11 @@ def _default_splits(device: torch.device, programs: int, topk: int, block_k: int
     waves plus a combine (16 us in the 2026-11-30 profile)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return wave_splits(programs, topk, block_k, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def wave_splits(programs: int, topk: int, block_k: int, sms: int) -> int:
+    """``_default_splits``' rule for ``sms`` multiprocessors (host arithmetic only)."""
     if programs >= sms:  # one wave or more already: slices would only add partial outputs and a combine
         return 1
     tiles = max(1, triton.cdiv(topk, block_k))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adapt.kernels.reference import sparse_mla_reference
-from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch
+from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch, wave_splits
 from adapt.runtime.kv_cache import PagedKVCache, mla_layout
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -128,3 +128,13 @@ def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
                             batch.block_table, batch.token_seq[rows], indices[rows], 0.07)
     assert rel(got, want) < 1e-2
     assert rel(got, twin) <= TWIN_REL_TOL["cuda"]
+
+
+def test_position_splits_fill_one_wave_of_the_sms():
+    """H200 (132 SMs), top-2048 in 128-position tiles: batch 1 (2 head blocks) takes 16 slices of one tile,
+    batch 16 takes 4 (one wave of 128 programs), batch 64 (128 programs) and prefill take none."""
+    assert wave_splits(2, 2048, 128, 132) == 16
+    assert wave_splits(32, 2048, 128, 132) == 4
+    assert wave_splits(128, 2048, 128, 132) == 1
+    assert wave_splits(32768, 2048, 128, 132) == 1
+    assert wave_splits(2, 2048, 64, 132) == 32
