@@ -1,0 +1,128 @@
+"""Red-team audit of the gates added after #11 (stage 5 precision, stage 6 bench, the hand-off of both):
+a green gate must not stand on stale, mismatched, half-written or unmeasured evidence."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from adapt.errors import InputError
+from adapt.handoff.bundle import check_gates
+from adapt.report import RunDir, StageReport, load_gates
+from adapt.stages import pipeline
+from adapt.stages.pipeline import stage_fingerprint, stamp, validate
+from tests.test_provenance import BASE, _model_dir, _stamped_run, fake_stages  # noqa: F401 (fixture)
+
+
+def _rewrite_weights(model: str) -> None:
+    """Other tensor values, same names, shapes and dtypes: the safetensors header is byte-identical."""
+    shard = Path(model) / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-2] + b"\x01\x02")
+
+
+def _later(run: RunDir, number: int, options, error: bool = False) -> None:
+    name = pipeline.STAGES[number].name
+    report = StageReport(name, number, name)
+    if error:
+        report.add("error", "x", "gate failed")
+    stamp(report, stage_fingerprint(number, options, load_gates()))
+    run.write(report)
+
+
+# ---------------------------------------------------------------- stale evidence: the weights themselves
+
+
+def test_other_weights_with_the_same_header_run_stage_5_again(tmp_path, fake_stages):  # noqa: F811
+    """A rebuilt (retrained) tiny model keeps config and safetensors header; its old stage 5 pass must not count."""
+    options = replace(BASE, model=_model_dir(tmp_path))
+    run = RunDir(tmp_path, "r")
+    validate(6, options, run, load_gates())
+    fake_stages.clear()
+    _rewrite_weights(options.model)
+    validate(6, options, run, load_gates())
+    assert "precision" in fake_stages
+    assert not {"inventory", "memory", "kernels", "parallel"} & set(fake_stages)  # they read the header only
+
+
+def test_another_tokenizer_runs_stage_5_again(tmp_path, fake_stages):  # noqa: F811
+    """Stage 5 encodes its bundled text with the model directory's tokenizer."""
+    options = replace(BASE, model=_model_dir(tmp_path))
+    (Path(options.model) / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    run = RunDir(tmp_path, "r")
+    validate(6, options, run, load_gates())
+    fake_stages.clear()
+    (Path(options.model) / "tokenizer.json").write_text('{"model": {"vocab": {"b": 0}}}')
+    validate(6, options, run, load_gates())
+    assert "precision" in fake_stages
+
+
+def test_handoff_refuses_a_stage_5_made_on_other_weights(tmp_path):
+    options = replace(BASE, model=_model_dir(tmp_path))
+    run = _stamped_run(tmp_path, options)
+    _later(run, 5, options)
+    check_gates(run, model=options.model, target="h200", devices=8, nodes=1, force=False)
+    _rewrite_weights(options.model)
+    with pytest.raises(InputError, match=r"precision: checkpoint_data: recorded"):
+        check_gates(run, model=options.model, target="h200", devices=8, nodes=1, force=True)
+
+
+# ---------------------------------------------------------------- failed later stages
+
+
+@pytest.mark.parametrize("number", [5, 6])
+def test_handoff_refuses_a_failed_stage_5_or_6(tmp_path, number):
+    """Stages 5-6 are optional for the hand-off, but one that ran here and failed must not be handed off."""
+    run = _stamped_run(tmp_path, BASE)
+    _later(run, number, BASE, error=True)
+    name = pipeline.STAGES[number].name
+    with pytest.raises(InputError, match=rf"{name}: fail"):
+        check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=False)
+    assert f"{name}: fail" in check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
+
+
+def test_handoff_refuses_a_bench_measured_on_another_plan(tmp_path):
+    """Stage 6 serves stage 4's plan from the run directory; stage 4 run again with another plan makes the
+    bench stale."""
+    run = _stamped_run(tmp_path, BASE)
+    plan = {"engine_args": {"tensor_parallel_size": 8}, "top_plans": [{"label": "tp8", "cost": {}}]}
+    data = json.loads((run.path / "parallel.json").read_text())
+    data["metrics"] = plan
+    (run.path / "parallel.json").write_text(json.dumps(data))
+    _later(run, 6, replace(BASE, run_path=str(run.path)))
+    check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=False)
+    data["metrics"] = {"engine_args": {"tensor_parallel_size": 4, "data_parallel_size": 2},
+                       "top_plans": [{"label": "tp4-dp2", "cost": {}}]}
+    (run.path / "parallel.json").write_text(json.dumps(data))
+    with pytest.raises(InputError, match=r"bench: .*plan"):
+        check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
+
+
+# ---------------------------------------------------------------- half-written reports
+
+
+def test_a_report_killed_mid_write_leaves_no_old_pass_behind(tmp_path, monkeypatch):
+    """The new report's Markdown/JUnit land before its JSON; a kill between them must not leave the
+    old JSON's PASS standing beside a new FAIL."""
+    import adapt.report as report_module
+
+    run = RunDir(tmp_path, "r")
+    run.write(StageReport("precision", 5, "precision"))
+    assert run.verdict_of("precision") == "pass"
+    real = report_module.atomic_write
+
+    def dies_on_the_json(path, text, executable=False):
+        if Path(path).name == "precision.json":
+            raise KeyboardInterrupt  # the process dies here
+        real(path, text, executable)
+
+    monkeypatch.setattr(report_module, "atomic_write", dies_on_the_json)
+    failed = StageReport("precision", 5, "precision")
+    failed.add("error", "kl", "KL too large")
+    with pytest.raises(KeyboardInterrupt):
+        run.write(failed)
+    assert "FAIL" in (run.path / "precision.md").read_text()
+    assert run.verdict_of("precision") != "pass"
