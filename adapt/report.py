@@ -471,6 +471,9 @@ class RunDir:
             pause_for_test("write")
             check_interrupt()
             try:
+                # the old JSON goes first: a process killed before the new one lands leaves no report
+                # (the stage did not run here), never the old verdict beside the new Markdown and JUnit
+                (self.path / f"{report.stage}.json").unlink(missing_ok=True)
                 for name, text in files.items():
                     if name == f"{report.stage}.json":
                         continue

@@ -25,7 +25,8 @@ from adapt.report import RunDir, StageReport, fingerprint, markdown_table
 
 STAGE_NUMBER = 0  # the schema numbers gate stages 1-6; 0 marks reports outside that sequence
 REQUIRED_STAGES = ("inventory", "memory", "kernels", "parallel")
-LATER_STAGES = ("precision", "bench")
+LATER_STAGES = ("precision", "bench")  # optional for the hand-off; one that ran in the run must not have failed
+STAGE_OF = {"inventory": 1, "memory": 2, "kernels": 3, "parallel": 4, "precision": 5, "bench": 6}
 BUNDLE_DIR = "handoff"
 
 
@@ -41,15 +42,23 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
     model (config and checkpoint digests), this target profile and this adapt version; stages
     that read ``devices``/``nodes`` must have planned for these; and the stages must agree with
     each other on every option they share (stage 2's context, batch, KV dtype and weights are
-    stage 4's). The answer names the stage
-    and the field that differs.
+    stage 4's). A stage that ran the weights (5, 6) must have run these very files
+    (``checkpoint_data``), and stage 6 must have served the plan stage 4's report holds now
+    (``options.plan``). The answer names the stage and the field that differs.
     """
-    from adapt.stages.pipeline import PipelineOptions, fingerprint_mismatch, stage_fingerprint
+    from adapt.stages.pipeline import (
+        PipelineOptions,
+        checkpoint_data_digest,
+        fingerprint_mismatch,
+        plan_digest,
+        stage_fingerprint,
+    )
 
     expected = stage_fingerprint(1, PipelineOptions(model=model, target=target, devices=devices, nodes=nodes), {})
     shared_fields = ("model", "checkpoint", "target", "adapt_version")
     seen_options: dict[str, tuple[str, object]] = {}
     seen_stack: tuple[str, object] | None = None
+    data_digest: dict[str, str | None] | None = None  # computed once, when a stage 5/6 report needs it
     for stage in REQUIRED_STAGES + LATER_STAGES:
         data = run.stage_report(stage)
         if data is None:
@@ -62,7 +71,17 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
         differs = fingerprint_mismatch(recorded, expected, shared_fields)
         if differs:
             return f"{stage}: {differs}"
+        if stage in LATER_STAGES and "checkpoint_data" not in recorded:
+            return f"{stage}: its fingerprint does not cover the weights it ran (made by an older adapt); run it again"
+        if recorded.get("checkpoint_data") is not None:
+            data_digest = data_digest or {"checkpoint_data": checkpoint_data_digest(model)}
+            differs = fingerprint_mismatch(recorded, data_digest, ("checkpoint_data",))
+            if differs:
+                return f"{stage}: {differs}"
         options = recorded["options"]
+        if "plan" in options and options["plan"] != plan_digest(run.path):
+            return (f"{stage}: options.plan: it served stage 4's plan {options['plan']}, and the run's parallel.json "
+                    f"now holds {plan_digest(run.path)}; run stage {STAGE_OF[stage]} again")
         for key, want in (("devices", devices), ("nodes", nodes)):
             if key in options and options[key] != want:
                 return f"{stage}: options.{key}: recorded {options[key]!r}, now {want!r}"
@@ -70,7 +89,8 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
             if key in seen_options and seen_options[key][1] != value:
                 other, was = seen_options[key]
                 return f"{stage}: options.{key} is {value!r} but {other} planned with {was!r}"
-            seen_options.setdefault(key, (stage, value))
+            if key != "plan":
+                seen_options.setdefault(key, (stage, value))
         if seen_stack is not None and recorded.get("stack") != seen_stack[1]:
             return f"{stage}: stack {recorded.get('stack')} differs from {seen_stack[0]}'s {seen_stack[1]}"
         seen_stack = seen_stack or (stage, recorded.get("stack"))
@@ -79,8 +99,8 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
 
 def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: int, force: bool) -> list[str]:
     """Refuse (InputError) unless stages 1-4 passed or warned in ``run`` for this model, target,
-    devices and nodes; with ``force``, return the list of gates that had not passed instead
-    (recorded in the bundle). A provenance mismatch is refused even with ``force``."""
+    devices and nodes, and stages 5-6, where they ran, did not fail; with ``force``, return the list of
+    gates that had not passed instead (recorded in the bundle). A provenance mismatch is refused even with ``force``."""
     differs = provenance_mismatch(run, model=model, target=target, devices=devices, nodes=nodes)
     if differs:
         raise InputError(f"hand-off refused: the run's reports were made for other inputs ({differs})",
@@ -91,11 +111,13 @@ def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: in
             problems.append(f"{stage}: not run")
         elif verdict not in ("pass", "warn"):
             problems.append(f"{stage}: {verdict}")
+    problems += [f"{stage}: fail" for stage in LATER_STAGES if run.verdict_of(stage) == "fail"]
     if problems and not force:
-        command = (f"adapt validate {shlex.quote(model)} --stage 4 --target {shlex.quote(target)} "
+        last = max(STAGE_OF[p.split(":")[0]] for p in problems)
+        command = (f"adapt validate {shlex.quote(model)} --stage {max(last, 4)} --target {shlex.quote(target)} "
                    f"--devices {devices} --nodes {nodes} --run {run.run_id} "
                    f"--output {shlex.quote(str(run.path.parent))}")
-        raise InputError(f"hand-off refused: gates up to stage 4 have not passed in {run.path} ("
+        raise InputError(f"hand-off refused: gates up to stage {max(last, 4)} have not passed in {run.path} ("
                          + "; ".join(problems) + ")", hint=f"run `{command}`, or pass --force (recorded)")
     return problems
 

@@ -17,9 +17,15 @@ A fingerprint (``report.fingerprint``) holds:
 
   model          sha256 of the model's config.json (preset file, config path or directory's)
   checkpoint     digest of every safetensors header of a model directory (None without shards)
+  checkpoint_data  stages that run the weights (5, 6: ``Stage.reads_data``): digest of the model
+                 directory's files themselves (tensor bytes, tokenizer; ``checkpoint_data_digest``),
+                 so a rebuilt or retrained model with the same config and header is not taken for
+                 the old one; None for the other stages
   target         target name and sha256 of its profile YAML
   stack          the stack table in force (``--stack`` or the target's default) and its YAML's sha256
-  options        the ``PipelineOptions`` fields the stage reads (``Stage.reads``), by value
+  options        the ``PipelineOptions`` fields the stage reads (``Stage.reads``), by value; a stage
+                 that serves stage 4's plan from the run directory (6: ``Stage.reads_plan``) adds
+                 ``plan``, the digest of that plan (``plan_digest``)
   gates          sha256 of the effective (defaults + ``--gates``) sections the stage reads
   adapt_version  ``adapt.__version__``
 
@@ -39,7 +45,7 @@ import adapt
 from adapt.errors import InputError, check_interrupt
 from adapt.report import RunDir, StageReport, digest, git_commit, pause_for_test
 
-COMPARED_FIELDS = ("model", "checkpoint", "target", "stack", "options", "gates", "adapt_version")
+COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "gates", "adapt_version")
 
 
 @dataclass
@@ -75,12 +81,15 @@ class PipelineOptions:
 
 @dataclass(frozen=True)
 class Stage:
-    """One gate stage: its report name, its runner and what it reads (options and gates sections)."""
+    """One gate stage: its report name, its runner and what it reads (options and gates sections;
+    reads_data: the checkpoint's tensors and tokenizer; reads_plan: stage 4's plan in the run directory)."""
 
     name: str
     run: Callable[[PipelineOptions, dict], StageReport]
     reads: tuple[str, ...]
     gates: tuple[str, ...]
+    reads_data: bool = False
+    reads_plan: bool = False
 
 
 def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
@@ -136,9 +145,9 @@ STAGES: dict[int, Stage] = {
     2: Stage("memory", _memory, reads=_PLAN_OPTIONS, gates=("memory",)),
     3: Stage("kernels", _kernels, reads=(), gates=("kernels",)),
     4: Stage("parallel", _parallel, reads=_PLAN_OPTIONS, gates=("memory", "parallel")),
-    5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",)),
-    # stage 6 also reads the plan in stage 4's report of the same run directory (run_path)
-    6: Stage("bench", _serve, reads=("url", "soak_s"), gates=("bench",)),
+    5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",), reads_data=True),
+    # stage 6 also serves the plan in stage 4's report of the same run directory (run_path)
+    6: Stage("bench", _serve, reads=("url", "soak_s"), gates=("bench",), reads_data=True, reads_plan=True),
 }
 STAGE_NAMES = {n: s.name for n, s in STAGES.items()}
 
@@ -184,6 +193,47 @@ def checkpoint_digest(model: str) -> str | None:
     return h.hexdigest()[:16]
 
 
+CONTENT_DIGEST_MAX_BYTES = 2 * 1024**3  # checkpoints up to this size are hashed whole (tiny models: a few MiB)
+
+
+def checkpoint_data_digest(model: str) -> str | None:
+    """Digest of a model directory's top-level files themselves (tensors, tokenizer, config), or None
+    when ``model`` is not a directory. Up to ``CONTENT_DIGEST_MAX_BYTES`` in all, sha256 of every byte;
+    above, files over 64 MiB enter by name, size and modification time (a rebuild rewrites them) and
+    smaller ones by content, so a 700 GB checkpoint is not read for a fingerprint."""
+    directory = Path(model)
+    if not directory.is_dir():
+        return None
+    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+    whole = sum(p.stat().st_size for p in files) <= CONTENT_DIGEST_MAX_BYTES
+    h = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        h.update(path.name.encode() + b"\0")
+        if whole or stat.st_size <= 64 * 2**20:
+            with open(path, "rb") as handle:
+                while chunk := handle.read(16 * 2**20):
+                    h.update(chunk)
+        else:
+            h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+        h.update(b"\0")
+    return ("sha256:" if whole else "stat:") + h.hexdigest()[:16]
+
+
+def plan_digest(run_path: str | Path | None) -> str | None:
+    """Digest of what stage 6 takes from stage 4's report (``parallel.json`` in the run directory): its
+    engine arguments, best plan, batch and context; None when the run has no stage-4 report."""
+    path = None if run_path is None else Path(run_path) / "parallel.json"
+    if path is None or not path.is_file():
+        return None
+    try:
+        metrics = json.loads(path.read_text()).get("metrics") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return "unreadable"
+    return digest({key: metrics.get(key) for key in ("engine_args", "batch", "context")}
+                  | {"plan": (metrics.get("top_plans") or [None])[0]})
+
+
 def _file_digest(path: str | Path) -> str:
     try:
         return _sha(Path(path).read_bytes())
@@ -198,12 +248,16 @@ def stage_fingerprint(number: int, options: PipelineOptions, gates: dict[str, An
     stage = STAGES[number]
     target = load_target(options.target)
     stack = load_stack(options.stack or target.default_stack)
+    read = {name: getattr(options, name) for name in stage.reads}
+    if stage.reads_plan:
+        read["plan"] = plan_digest(options.run_path)
     return {
         "model": _file_digest(config_path(options.model)),
         "checkpoint": checkpoint_digest(options.model),
+        "checkpoint_data": checkpoint_data_digest(options.model) if stage.reads_data else None,
         "target": {"name": target.name, "profile": _file_digest(target.path)},
         "stack": {"name": stack.name, "table": _file_digest(stack.path)},
-        "options": {name: getattr(options, name) for name in stage.reads},
+        "options": read,
         "gates": digest({section: gates.get(section) for section in stage.gates}),
         "adapt_version": adapt.__version__,
         "git_commit": git_commit(),
@@ -294,6 +348,8 @@ def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str,
                     on_reuse(name, f"{recorded['verdict']} at {recorded.get('finished')}, same fingerprint")
                 continue
         check_interrupt()
+        if STAGES[number].reads_plan:  # stage 4 may have run again just now
+            prints[number] = stage_fingerprint(number, options, gates)
         report = STAGES[number].run(options, gates)
         stamp(report, prints[number])
         pause_for_test(f"before-write-{name}")

@@ -77,7 +77,7 @@ def test_handoff_refuses_a_stage_5_made_on_other_weights(tmp_path):
 def test_handoff_refuses_a_failed_stage_5_or_6(tmp_path, number):
     """Stages 5-6 are optional for the hand-off, but one that ran here and failed must not be handed off."""
     run = _stamped_run(tmp_path, BASE)
-    _later(run, number, BASE, error=True)
+    _later(run, number, replace(BASE, run_path=str(run.path)), error=True)
     name = pipeline.STAGES[number].name
     with pytest.raises(InputError, match=rf"{name}: fail"):
         check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=False)
