@@ -126,3 +126,40 @@ def test_a_report_killed_mid_write_leaves_no_old_pass_behind(tmp_path, monkeypat
         run.write(failed)
     assert "FAIL" in (run.path / "precision.md").read_text()
     assert run.verdict_of("precision") != "pass"
+
+
+# ---------------------------------------------------------------- unmeasured is not pass (stage 5)
+
+
+@pytest.fixture(scope="module")
+def one_moe_layer(tmp_path_factory):
+    """Stage 5 as ``validate`` runs it on tiny-qwen3 reduced to its first layer (an MoE layer), for target h200
+    (8 greedy tokens to keep it short)."""
+    from adapt.model.tiny import tiny_path
+    from adapt.stages.pipeline import PipelineOptions
+
+    gates_file = tmp_path_factory.mktemp("gates") / "gates.yaml"
+    gates_file.write_text("precision:\n  greedy_tokens: 8\n")
+    options = PipelineOptions(model=str(tiny_path("tiny-qwen3")), target="h200", layers="1", kernels="none")
+    return pipeline.STAGES[5].run(options, load_gates(gates_file))
+
+
+def test_stage_5_measured_off_the_target_device_is_not_a_plain_pass(one_moe_layer):
+    """Stage 3's rule for stage 5: measured on this CPU for an H200 target is a warning, not a silent pass."""
+    from adapt.stages.kernels import target_device
+    from adapt.targets.target import load_target
+
+    report = one_moe_layer
+    if target_device(load_target("h200"))[0] is None:
+        assert report.decide() != "pass"
+        assert any(f.code == "not-on-target-device" and f.severity == "warn" for f in report.findings)
+
+
+def test_stage_5_with_no_expert_measured_does_not_pass_the_expert_gates(one_moe_layer):
+    """Layer 0 is the first layer kept, so no captured hidden state feeds its experts: no expert is compared.
+    Gain and error must then read 'not measured', not 0.0 and a pass."""
+    report = one_moe_layer
+    assert report.tables["experts (worst 8 by |gain - 1|)"] == []
+    assert report.metrics["expert_gain_error_max"] is None and report.metrics["expert_rel_error_max"] is None
+    assert any(f.code == "not-measured-experts" and f.severity == "warn" for f in report.findings)
+    assert report.decide() != "pass"
