@@ -119,9 +119,26 @@ def _parallel(o: PipelineOptions, gates: dict) -> StageReport:
 
 
 def _precision(o: PipelineOptions, gates: dict) -> StageReport:
-    """Reads model, target, layers, kernels, weights, indexer_dtype, kv_dtype, compute_dtype, run_path (its plot)."""
-    from adapt.stages.precision import run_precision
+    """Reads model, target, layers, kernels, weights, indexer_dtype, kv_dtype, compute_dtype, run_path (its plot).
 
+    Measured on another device than the target's (an H200 target on this CPU), the report gets stage 3's
+    "not run here" rule: a warning naming both devices, never a plain pass."""
+    from adapt.stages.kernels import target_device
+    from adapt.stages.precision import run_precision
+    from adapt.targets.target import load_target
+
+    report = _run_precision(o, gates, run_precision)
+    wanted, why = target_device(load_target(o.target))
+    measured = report.metrics.get("device")
+    if wanted is None or measured != wanted:
+        report.verdict = "" if report.verdict == "pass" else report.verdict
+        report.add("warn", "not-on-target-device",
+                   f"measured on {measured}, not on the target's device ({why if wanted is None else wanted}); "
+                   "kernel rounding on the target can differ", hint="run stage 5 on a machine with the target")
+    return report
+
+
+def _run_precision(o: PipelineOptions, gates: dict, run_precision) -> StageReport:
     return run_precision(o.model, o.target, gates=gates, layers=o.layers, kernels=o.kernels, weights=o.weights,
                          indexer_dtype=o.indexer_dtype, kv_dtype=o.kv_dtype, compute_dtype=o.compute_dtype,
                          report_dir=o.run_path, invocation=[
