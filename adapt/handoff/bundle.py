@@ -97,6 +97,18 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
     return None
 
 
+def carried_warnings(run: RunDir) -> dict[str, list[str]]:
+    """Stage -> "code: message" of every warning in a stage report of the run (stages 1-6) that passed
+    with warnings: WARN passes the chain, so the hand-off states what was warned about."""
+    out = {}
+    for stage in REQUIRED_STAGES + LATER_STAGES:
+        data = run.stage_report(stage)
+        if data and data["verdict"] == "warn":
+            out[stage] = [f"{f.get('code')}: {f.get('message')}" for f in data.get("findings") or []
+                          if isinstance(f, dict) and f.get("severity") == "warn"]
+    return out
+
+
 def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: int, force: bool) -> list[str]:
     """Refuse (InputError) unless stages 1-4 passed or warned in ``run`` for this model, target,
     devices and nodes, and stages 5-6, where they ran, did not fail; with ``force``, return the list of
@@ -224,7 +236,8 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     report.metrics.update({"engine_args": args, "serve_command": argv, "ray_steps": steps, "nodes": nodes,
                            "devices": devices, "forced": bool(force and overridden),
                            "overridden_gates": overridden, "engine_args_source": source,
-                           "weights": {"plan": weights, "vllm": how, "engine_args": quantization}})
+                           "weights": {"plan": weights, "vllm": how, "engine_args": quantization},
+                           "warnings": carried_warnings(run)})
     if not Path(model_path).is_dir():
         report.add("info", "model-name",
                    f"'{model_path}' is not a directory here: the serve command names it as given",
@@ -294,6 +307,11 @@ def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
     rows += [{"stage": s, "verdict": manifest[s]["verdict"], "finished": manifest[s].get("finished", "-")}
              for s in LATER_STAGES if s in manifest]
     lines += markdown_table(rows) + [""]
+    warned = carried_warnings(run)
+    if warned:
+        lines += ["## Warnings", "", "WARN passes a gate; these are what the passing stages warned about "
+                  "(a \"not measured\" warning means that part was not checked):", ""]
+        lines += [f"- {stage}: {item}" for stage, items in warned.items() for item in items] + [""]
     if overridden:
         lines += ["**Forced:** the hand-off was made with `--force` past: " + "; ".join(overridden) + ".", ""]
     lines += ["## Not validated", ""]
