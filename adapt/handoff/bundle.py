@@ -71,6 +71,8 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
         differs = fingerprint_mismatch(recorded, expected, shared_fields)
         if differs:
             return f"{stage}: {differs}"
+        if recorded.get("env"):  # made with test hooks (injected faults) set: evidence about them, not the model
+            return f"{stage}: env: recorded {json.dumps(recorded['env'])}, now {{}}"
         if stage in LATER_STAGES and "checkpoint_data" not in recorded:
             return f"{stage}: its fingerprint does not cover the weights it ran (made by an older adapt); run it again"
         if recorded.get("checkpoint_data") is not None:

@@ -26,6 +26,9 @@ A fingerprint (``report.fingerprint``) holds:
   options        the ``PipelineOptions`` fields the stage reads (``Stage.reads``), by value; a stage
                  that serves stage 4's plan from the run directory (6: ``Stage.reads_plan``) adds
                  ``plan``, the digest of that plan (``plan_digest``)
+  env            the environment variables the stage reads (``Stage.reads_env``) that are set, by value:
+                 stage 5's ``ADAPT_TEST_FAULTS`` (a report made with injected faults is not the model's
+                 evidence; the hand-off refuses one)
   gates          sha256 of the effective (defaults + ``--gates``) sections the stage reads
   adapt_version  ``adapt.__version__``
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +49,8 @@ import adapt
 from adapt.errors import InputError, check_interrupt
 from adapt.report import RunDir, StageReport, digest, git_commit, pause_for_test
 
-COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "gates", "adapt_version")
+COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "env", "gates",
+                   "adapt_version")
 
 
 @dataclass
@@ -90,6 +95,7 @@ class Stage:
     gates: tuple[str, ...]
     reads_data: bool = False
     reads_plan: bool = False
+    reads_env: tuple[str, ...] = ()
 
 
 def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
@@ -162,7 +168,8 @@ STAGES: dict[int, Stage] = {
     2: Stage("memory", _memory, reads=_PLAN_OPTIONS, gates=("memory",)),
     3: Stage("kernels", _kernels, reads=(), gates=("kernels",)),
     4: Stage("parallel", _parallel, reads=_PLAN_OPTIONS, gates=("memory", "parallel")),
-    5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",), reads_data=True),
+    5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",), reads_data=True,
+             reads_env=("ADAPT_TEST_FAULTS",)),  # adapt.runtime.variants.FAULTS_ENV
     # stage 6 also serves the plan in stage 4's report of the same run directory (run_path)
     6: Stage("bench", _serve, reads=("url", "soak_s"), gates=("bench",), reads_data=True, reads_plan=True),
 }
@@ -275,6 +282,7 @@ def stage_fingerprint(number: int, options: PipelineOptions, gates: dict[str, An
         "target": {"name": target.name, "profile": _file_digest(target.path)},
         "stack": {"name": stack.name, "table": _file_digest(stack.path)},
         "options": read,
+        "env": {name: os.environ[name] for name in stage.reads_env if os.environ.get(name)},
         "gates": digest({section: gates.get(section) for section in stage.gates}),
         "adapt_version": adapt.__version__,
         "git_commit": git_commit(),
