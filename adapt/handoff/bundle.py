@@ -306,8 +306,10 @@ def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
     lines += ["## Validated", ""]
     rows = [{"stage": s, "verdict": v or "not run", "finished": manifest.get(s, {}).get("finished", "-")}
             for s, v in verdicts.items()]
-    rows += [{"stage": s, "verdict": manifest[s]["verdict"], "finished": manifest[s].get("finished", "-")}
-             for s in LATER_STAGES if s in manifest]
+    untied = " (no fingerprint: not tied to this model; e.g. `bench serve --url` measured whatever answered)"
+    rows += [{"stage": s, "verdict": manifest[s]["verdict"] + ("" if "options" in (manifest[s].get("fingerprint") or {})
+                                                               else untied),
+              "finished": manifest[s].get("finished", "-")} for s in LATER_STAGES if s in manifest]
     lines += markdown_table(rows) + [""]
     warned = carried_warnings(run)
     if warned:
