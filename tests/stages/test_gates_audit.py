@@ -222,3 +222,33 @@ def test_a_bench_with_no_fingerprint_is_not_listed_as_validated(tmp_path):
     _, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
     row = next(line for line in files["handoff/README.md"].splitlines() if line.startswith("| bench"))
     assert "| pass |" not in row and "not tied" in row
+
+
+# ---------------------------------------------------------------- checks that held (kept so they stay held)
+
+STAGE_5_CHANGES = {
+    "options.kernels": lambda o, t: (replace(o, kernels="none"), load_gates()),
+    "options.weights": lambda o, t: (replace(o, weights="fp8"), load_gates()),
+    "options.layers": lambda o, t: (replace(o, layers="2"), load_gates()),
+    "options.indexer_dtype": lambda o, t: (replace(o, indexer_dtype="bf16"), load_gates()),
+    "options.kv_dtype": lambda o, t: (replace(o, kv_dtype="fp8"), load_gates()),
+    "options.compute_dtype": lambda o, t: (replace(o, compute_dtype="float32"), load_gates()),
+    "gates.precision": lambda o, t: (o, load_gates(_gates(t, "precision:\n  max_kl: 0.5\n"))),
+}
+
+
+def _gates(tmp_path, text: str) -> Path:
+    path = tmp_path / "gates.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("field", list(STAGE_5_CHANGES))
+def test_each_stage_5_input_runs_stage_5_again(tmp_path, fake_stages, field):  # noqa: F811
+    options = replace(BASE, model=_model_dir(tmp_path))
+    run = RunDir(tmp_path, "r")
+    validate(6, options, run, load_gates())
+    fake_stages.clear()
+    options, gates = STAGE_5_CHANGES[field](options, tmp_path)
+    validate(6, options, run, gates)
+    assert "precision" in fake_stages
