@@ -252,3 +252,17 @@ def test_each_stage_5_input_runs_stage_5_again(tmp_path, fake_stages, field):  #
     options, gates = STAGE_5_CHANGES[field](options, tmp_path)
     validate(6, options, run, gates)
     assert "precision" in fake_stages
+
+
+def test_the_bundle_says_which_stages_passed_under_loosened_gates(tmp_path):
+    """A --gates file may loosen any key (max_kl 10); the hand-off passes on it, and must say so."""
+    from adapt.handoff.bundle import write_bundle
+    from tests.handoff.test_bundle import options, passed_run
+
+    run = passed_run(tmp_path)
+    report = StageReport("precision", 5, "precision")
+    stamp(report, stage_fingerprint(5, options(), load_gates(_gates(tmp_path, "precision:\n  max_kl: 10\n"))))
+    run.write(report)
+    handoff, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    assert handoff.metrics["non_default_gates"] == ["precision"]
+    assert "precision" in files["handoff/README.md"].split("not adapt's default gates")[1].splitlines()[0]
