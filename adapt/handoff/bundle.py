@@ -111,6 +111,22 @@ def carried_warnings(run: RunDir) -> dict[str, list[str]]:
     return out
 
 
+def non_default_gates(run: RunDir) -> list[str]:
+    """Stages of the run whose recorded gates digest is not that of adapt's default gates (a ``--gates``
+    file changed a threshold they read), in stage order."""
+    from adapt.report import digest, load_gates
+    from adapt.stages.pipeline import STAGES
+
+    defaults = load_gates()
+    out = []
+    for _, stage in sorted(STAGES.items()):
+        data = run.stage_report(stage.name)
+        recorded = (data or {}).get("fingerprint") or {}
+        if "gates" in recorded and recorded["gates"] != digest({s: defaults.get(s) for s in stage.gates}):
+            out.append(stage.name)
+    return out
+
+
 def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: int, force: bool) -> list[str]:
     """Refuse (InputError) unless stages 1-4 passed or warned in ``run`` for this model, target,
     devices and nodes, and stages 5-6, where they ran, did not fail; with ``force``, return the list of
@@ -239,7 +255,7 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
                            "devices": devices, "forced": bool(force and overridden),
                            "overridden_gates": overridden, "engine_args_source": source,
                            "weights": {"plan": weights, "vllm": how, "engine_args": quantization},
-                           "warnings": carried_warnings(run)})
+                           "warnings": carried_warnings(run), "non_default_gates": non_default_gates(run)})
     if not Path(model_path).is_dir():
         report.add("info", "model-name",
                    f"'{model_path}' is not a directory here: the serve command names it as given",
@@ -311,6 +327,10 @@ def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
                                                                else untied),
               "finished": manifest[s].get("finished", "-")} for s in LATER_STAGES if s in manifest]
     lines += markdown_table(rows) + [""]
+    loosened = non_default_gates(run)
+    if loosened:
+        lines += ["Judged under a `--gates` file, not adapt's default gates: " + ", ".join(loosened)
+                  + " (each report's `fingerprint.gates`; compare the thresholds with adapt/gates.yaml).", ""]
     warned = carried_warnings(run)
     if warned:
         lines += ["## Warnings", "", "WARN passes a gate; these are what the passing stages warned about "
