@@ -266,3 +266,13 @@ def test_the_bundle_says_which_stages_passed_under_loosened_gates(tmp_path):
     handoff, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
     assert handoff.metrics["non_default_gates"] == ["precision"]
     assert "precision" in files["handoff/README.md"].split("not adapt's default gates")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("change, named", [(dict(target="h100-sxm"), "precision: target:"),
+                                           (dict(kv_dtype="fp8"), "options.kv_dtype is"),
+                                           (dict(devices=4), "precision: options.devices:")])
+def test_handoff_refuses_a_stage_5_made_for_another_target_or_plan(tmp_path, change, named):
+    run = _stamped_run(tmp_path, BASE)
+    _later(run, 5, replace(BASE, **change))
+    with pytest.raises(InputError, match=named):
+        check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
