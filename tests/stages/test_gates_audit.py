@@ -276,3 +276,15 @@ def test_handoff_refuses_a_stage_5_made_for_another_target_or_plan(tmp_path, cha
     _later(run, 5, replace(BASE, **change))
     with pytest.raises(InputError, match=named):
         check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
+
+
+def test_the_bundle_says_when_stage_5_ran_on_part_of_the_model(tmp_path):
+    """`--layers 2` checks two decoder layers of DeepSeek-V3.2's 61; the bundle must not list it as a plain pass."""
+    from adapt.handoff.bundle import write_bundle
+    from tests.handoff.test_bundle import options, passed_run
+
+    run = passed_run(tmp_path)
+    _later(run, 5, replace(options(), layers="2"))
+    _, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    row = next(line for line in files["handoff/README.md"].splitlines() if line.startswith("| precision"))
+    assert "layers 2" in row
