@@ -308,6 +308,22 @@ def _preflight_checks(run: RunDir) -> dict[str, Any] | None:
     return {key: data.get(key) for key in ("verdict", "summary", "metrics", "findings", "tables", "finished")}
 
 
+def _scope(recorded: dict[str, Any]) -> str:
+    """What narrows a stage 5/6 verdict, for the bundle's table: no pipeline fingerprint (``bench serve
+    --url``), reduced depth (``--layers``), adapt's kernels left out, another server (``--url``)."""
+    if "options" not in recorded:
+        return " (no fingerprint: not tied to this model; e.g. `bench serve --url` measured whatever answered)"
+    options = recorded["options"]
+    notes = []
+    if options.get("layers"):
+        notes.append(f"layers {options['layers']} only")
+    if options.get("kernels") not in (None, "all"):
+        notes.append(f"kernels {options['kernels']}")
+    if options.get("url"):
+        notes.append(f"server at {options['url']}")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
             verdicts: dict[str, str | None],
             source: str, overridden: list[str], preflight: dict[str, Any] | None, export_note: str | None,
@@ -322,9 +338,7 @@ def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
     lines += ["## Validated", ""]
     rows = [{"stage": s, "verdict": v or "not run", "finished": manifest.get(s, {}).get("finished", "-")}
             for s, v in verdicts.items()]
-    untied = " (no fingerprint: not tied to this model; e.g. `bench serve --url` measured whatever answered)"
-    rows += [{"stage": s, "verdict": manifest[s]["verdict"] + ("" if "options" in (manifest[s].get("fingerprint") or {})
-                                                               else untied),
+    rows += [{"stage": s, "verdict": manifest[s]["verdict"] + _scope(manifest[s].get("fingerprint") or {}),
               "finished": manifest[s].get("finished", "-")} for s in LATER_STAGES if s in manifest]
     lines += markdown_table(rows) + [""]
     loosened = non_default_gates(run)
