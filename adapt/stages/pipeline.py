@@ -26,7 +26,8 @@ A fingerprint (``report.fingerprint``) holds:
   options        the ``PipelineOptions`` fields the stage reads (``Stage.reads``), by value; a stage
                  that serves stage 4's plan from the run directory (6: ``Stage.reads_plan``) adds
                  ``plan``, the digest of that plan (``plan_digest``)
-  env            the environment variables the stage reads (``Stage.reads_env``) that are set, by value:
+  env            the environment variables the stage reads (``Stage.reads_env``) that are set, by value
+                 (None when none is):
                  stage 5's ``ADAPT_TEST_FAULTS`` (a report made with injected faults is not the model's
                  evidence; the hand-off refuses one)
   gates          sha256 of the effective (defaults + ``--gates``) sections the stage reads
@@ -282,7 +283,7 @@ def stage_fingerprint(number: int, options: PipelineOptions, gates: dict[str, An
         "target": {"name": target.name, "profile": _file_digest(target.path)},
         "stack": {"name": stack.name, "table": _file_digest(stack.path)},
         "options": read,
-        "env": {name: os.environ[name] for name in stage.reads_env if os.environ.get(name)},
+        "env": {name: os.environ[name] for name in stage.reads_env if os.environ.get(name)} or None,
         "gates": digest({section: gates.get(section) for section in stage.gates}),
         "adapt_version": adapt.__version__,
         "git_commit": git_commit(),
