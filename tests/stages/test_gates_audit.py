@@ -288,3 +288,18 @@ def test_the_bundle_says_when_stage_5_ran_on_part_of_the_model(tmp_path):
     _, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
     row = next(line for line in files["handoff/README.md"].splitlines() if line.startswith("| precision"))
     assert "layers 2" in row
+
+
+def test_another_torch_triton_or_transformers_runs_stages_3_and_5_again(tmp_path, fake_stages, monkeypatch):  # noqa: F811
+    """Stage 3 measures Triton kernels and torch ops, stage 5 the runtime on torch (anchored to transformers):
+    an upgraded package can change either verdict without changing adapt's version."""
+    import importlib.metadata
+
+    options = replace(BASE, model=_model_dir(tmp_path))
+    run = RunDir(tmp_path, "r")
+    validate(6, options, run, load_gates())
+    fake_stages.clear()
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == "triton" else real(name))
+    validate(6, options, run, load_gates())
+    assert {"kernels", "precision"} <= set(fake_stages) and not {"inventory", "memory", "parallel"} & set(fake_stages)
