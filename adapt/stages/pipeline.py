@@ -30,6 +30,8 @@ A fingerprint (``report.fingerprint``) holds:
                  (None when none is):
                  stage 5's ``ADAPT_TEST_FAULTS`` (a report made with injected faults is not the model's
                  evidence; the hand-off refuses one)
+  packages       stages that measure numerics (3, 5: ``Stage.reads_packages``): the installed versions of
+                 ``NUMERIC_PACKAGES`` (torch, triton, transformers); None for the other stages
   gates          sha256 of the effective (defaults + ``--gates``) sections the stage reads
   adapt_version  ``adapt.__version__``
 
@@ -50,8 +52,8 @@ import adapt
 from adapt.errors import InputError, check_interrupt
 from adapt.report import RunDir, StageReport, digest, git_commit, pause_for_test
 
-COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "env", "gates",
-                   "adapt_version")
+COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "env", "packages",
+                   "gates", "adapt_version")
 
 
 @dataclass
@@ -97,6 +99,7 @@ class Stage:
     reads_data: bool = False
     reads_plan: bool = False
     reads_env: tuple[str, ...] = ()
+    reads_packages: bool = False
 
 
 def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
@@ -167,10 +170,10 @@ _PRECISION_OPTIONS = ("layers", "kernels", "weights", "indexer_dtype", "kv_dtype
 STAGES: dict[int, Stage] = {
     1: Stage("inventory", _inventory, reads=(), gates=("inventory",)),
     2: Stage("memory", _memory, reads=_PLAN_OPTIONS, gates=("memory",)),
-    3: Stage("kernels", _kernels, reads=(), gates=("kernels",)),
+    3: Stage("kernels", _kernels, reads=(), gates=("kernels",), reads_packages=True),
     4: Stage("parallel", _parallel, reads=_PLAN_OPTIONS, gates=("memory", "parallel")),
     5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",), reads_data=True,
-             reads_env=("ADAPT_TEST_FAULTS",)),  # adapt.runtime.variants.FAULTS_ENV
+             reads_env=("ADAPT_TEST_FAULTS",), reads_packages=True),  # adapt.runtime.variants.FAULTS_ENV
     # stage 6 also serves the plan in stage 4's report of the same run directory (run_path)
     6: Stage("bench", _serve, reads=("url", "soak_s"), gates=("bench",), reads_data=True, reads_plan=True),
 }
@@ -259,6 +262,22 @@ def plan_digest(run_path: str | Path | None) -> str | None:
                   | {"plan": (metrics.get("top_plans") or [None])[0]})
 
 
+NUMERIC_PACKAGES = ("torch", "triton", "transformers")  # what stages 3 and 5 compute with or anchor to
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed version of each of ``NUMERIC_PACKAGES`` (None: not installed)."""
+    import importlib.metadata
+
+    out: dict[str, str | None] = {}
+    for name in NUMERIC_PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def _file_digest(path: str | Path) -> str:
     try:
         return _sha(Path(path).read_bytes())
@@ -284,6 +303,7 @@ def stage_fingerprint(number: int, options: PipelineOptions, gates: dict[str, An
         "stack": {"name": stack.name, "table": _file_digest(stack.path)},
         "options": read,
         "env": {name: os.environ[name] for name in stage.reads_env if os.environ.get(name)} or None,
+        "packages": package_versions() if stage.reads_packages else None,
         "gates": digest({section: gates.get(section) for section in stage.gates}),
         "adapt_version": adapt.__version__,
         "git_commit": git_commit(),
