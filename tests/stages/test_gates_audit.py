@@ -303,3 +303,18 @@ def test_another_torch_triton_or_transformers_runs_stages_3_and_5_again(tmp_path
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == "triton" else real(name))
     validate(6, options, run, load_gates())
     assert {"kernels", "precision"} <= set(fake_stages) and not {"inventory", "memory", "parallel"} & set(fake_stages)
+
+
+def test_a_stage_3_or_5_measured_without_the_device_runs_again_where_it_is(tmp_path, fake_stages, monkeypatch):  # noqa: F811
+    """Stage 3's "not run here" warning (and stage 5's "not-on-target-device") made on a CPU machine must not be
+    reused by `validate` on the machine that has the target's GPU: there the stage can measure what it could not."""
+    import adapt.stages.kernels as kernels_stage
+
+    options = replace(BASE, model=_model_dir(tmp_path))
+    run = RunDir(tmp_path, "r")
+    monkeypatch.setattr(kernels_stage, "target_device", lambda target: (None, "no GPU is visible here"))
+    validate(6, options, run, load_gates())
+    fake_stages.clear()
+    monkeypatch.setattr(kernels_stage, "target_device", lambda target: ("cuda", "NVIDIA H200 (9.0)"))
+    validate(6, options, run, load_gates())
+    assert {"kernels", "precision"} <= set(fake_stages) and not {"inventory", "memory", "parallel"} & set(fake_stages)
