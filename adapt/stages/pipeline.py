@@ -32,6 +32,9 @@ A fingerprint (``report.fingerprint``) holds:
                  evidence; the hand-off refuses one)
   packages       stages that measure numerics (3, 5: ``Stage.reads_packages``): the installed versions of
                  ``NUMERIC_PACKAGES`` (torch, triton, transformers); None for the other stages
+  device         the same stages: the target's device as this machine offers it (``kernels.target_device``:
+                 e.g. "cuda: NVIDIA H200 (9.0)", or "absent"), so a "not run here" made without the GPU
+                 runs again where it is; None for the other stages
   gates          sha256 of the effective (defaults + ``--gates``) sections the stage reads
   adapt_version  ``adapt.__version__``
 
@@ -53,7 +56,7 @@ from adapt.errors import InputError, check_interrupt
 from adapt.report import RunDir, StageReport, digest, git_commit, pause_for_test
 
 COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "env", "packages",
-                   "gates", "adapt_version")
+                   "device", "gates", "adapt_version")
 
 
 @dataclass
@@ -99,7 +102,7 @@ class Stage:
     reads_data: bool = False
     reads_plan: bool = False
     reads_env: tuple[str, ...] = ()
-    reads_packages: bool = False
+    reads_packages: bool = False  # numerics measured here: torch/triton/transformers versions and the device
 
 
 def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
@@ -278,6 +281,14 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+def _device_here(target) -> str:
+    """The target's device on this machine, as stages 3 and 5 would measure on it."""
+    from adapt.stages import kernels
+
+    device, description = kernels.target_device(target)
+    return f"{device}: {description}" if device else "absent"
+
+
 def _file_digest(path: str | Path) -> str:
     try:
         return _sha(Path(path).read_bytes())
@@ -304,6 +315,7 @@ def stage_fingerprint(number: int, options: PipelineOptions, gates: dict[str, An
         "options": read,
         "env": {name: os.environ[name] for name in stage.reads_env if os.environ.get(name)} or None,
         "packages": package_versions() if stage.reads_packages else None,
+        "device": _device_here(target) if stage.reads_packages else None,
         "gates": digest({section: gates.get(section) for section in stage.gates}),
         "adapt_version": adapt.__version__,
         "git_commit": git_commit(),
