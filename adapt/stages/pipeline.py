@@ -131,11 +131,21 @@ def _parallel(o: PipelineOptions, gates: dict) -> StageReport:
                              batch=o.batch, kv_dtype=o.kv_dtype, weights=o.weights, gates=gates)
 
 
+PRECISION_UNMEASURED_WEIGHTS = {  # plan formats (adapt.plan.layout.tensor_format) stage 5's runtime cannot run
+    "mxfp4-online": "the plan stores routed experts as MXFP4 (E2M1, one E8M0 scale per 32); stage 5 ran them as "
+                    "FP8 e4m3 (adapt.runtime.variants), whose error is smaller (gates.yaml kernels: "
+                    "max_rel_error_fp8 vs max_rel_error_mxfp4)",
+    "fp8": "the plan also stores attention, indexer, shared-expert and dense-FFN matrices as FP8 blocks; stage 5 "
+           "converted the routed experts only",
+}
+
+
 def _precision(o: PipelineOptions, gates: dict) -> StageReport:
     """Reads model, target, layers, kernels, weights, indexer_dtype, kv_dtype, compute_dtype, run_path (its plot).
 
     Measured on another device than the target's (an H200 target on this CPU), the report gets stage 3's
-    "not run here" rule: a warning naming both devices, never a plain pass."""
+    "not run here" rule: a warning naming both devices, never a plain pass; so does a planned weight format
+    the runtime cannot run (``PRECISION_UNMEASURED_WEIGHTS``)."""
     from adapt.stages.kernels import target_device
     from adapt.stages.precision import run_precision
     from adapt.targets.target import load_target
@@ -148,6 +158,10 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
         report.add("warn", "not-on-target-device",
                    f"measured on {measured}, not on the target's device ({why if wanted is None else wanted}); "
                    "kernel rounding on the target can differ", hint="run stage 5 on a machine with the target")
+    if o.weights in PRECISION_UNMEASURED_WEIGHTS:
+        report.verdict = "" if report.verdict == "pass" else report.verdict
+        report.add("warn", "not-measured-weights", f"--weights {o.weights}: not measured here; "
+                   + PRECISION_UNMEASURED_WEIGHTS[o.weights])
     return report
 
 
