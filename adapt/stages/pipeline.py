@@ -131,13 +131,24 @@ def _parallel(o: PipelineOptions, gates: dict) -> StageReport:
                              batch=o.batch, kv_dtype=o.kv_dtype, weights=o.weights, gates=gates)
 
 
-PRECISION_UNMEASURED_WEIGHTS = {  # plan formats (adapt.plan.layout.tensor_format) stage 5's runtime cannot run
-    "mxfp4-online": "the plan stores routed experts as MXFP4 (E2M1, one E8M0 scale per 32); stage 5 ran them as "
-                    "FP8 e4m3 (adapt.runtime.variants), whose error is smaller (gates.yaml kernels: "
-                    "max_rel_error_fp8 vs max_rel_error_mxfp4)",
-    "fp8": "the plan also stores attention, indexer, shared-expert and dense-FFN matrices as FP8 blocks; stage 5 "
-           "converted the routed experts only",
-}
+def precision_unmeasured_formats(model: str, weights: str) -> list[str]:
+    """The plan's conversions (``adapt.plan.layout.tensor_format`` under ``weights``) that stage 5's runtime
+    does not run: it converts routed experts to FP8 e4m3 (``adapt.runtime.variants``) and runs every other
+    matrix as stored. Routed experts to FP8 and anything to bf16 (from a coarser format) count as run;
+    e.g. ``["attention as fp8_block", "routed_experts as mxfp4"]``."""
+    from adapt.model.spec import load_spec
+    from adapt.plan.layout import tensor_format
+
+    spec = load_spec(model)
+    out = set()
+    for tensor in spec.tensors(include_mtp=False):
+        planned = tensor_format(spec, tensor, weights)
+        if planned == spec.tensor_format(tensor) or planned.method == "bf16":
+            continue
+        if tensor.component == "routed_experts" and planned.method.startswith("fp8"):
+            continue
+        out.add(f"{tensor.component} as {planned.method}")
+    return sorted(out)
 
 
 def _precision(o: PipelineOptions, gates: dict) -> StageReport:
@@ -145,7 +156,7 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
 
     Measured on another device than the target's (an H200 target on this CPU), the report gets stage 3's
     "not run here" rule: a warning naming both devices, never a plain pass; so does a planned weight format
-    the runtime cannot run (``PRECISION_UNMEASURED_WEIGHTS``)."""
+    the runtime cannot run (``precision_unmeasured_formats``)."""
     from adapt.stages.kernels import target_device
     from adapt.stages.precision import run_precision
     from adapt.targets.target import load_target
@@ -158,10 +169,12 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
         report.add("warn", "not-on-target-device",
                    f"measured on {measured}, not on the target's device ({why if wanted is None else wanted}); "
                    "kernel rounding on the target can differ", hint="run stage 5 on a machine with the target")
-    if o.weights in PRECISION_UNMEASURED_WEIGHTS:
+    unmeasured = precision_unmeasured_formats(o.model, o.weights)
+    if unmeasured:
         report.verdict = "" if report.verdict == "pass" else report.verdict
-        report.add("warn", "not-measured-weights", f"--weights {o.weights}: not measured here; "
-                   + PRECISION_UNMEASURED_WEIGHTS[o.weights])
+        report.add("warn", "not-measured-weights", f"--weights {o.weights} plans {', '.join(unmeasured)}: not "
+                   "measured here; stage 5's runtime converts routed experts to FP8 e4m3 only and runs the rest "
+                   "as stored (an MXFP4 error is larger: gates.yaml kernels max_rel_error_mxfp4)")
     return report
 
 

@@ -323,9 +323,9 @@ def test_a_stage_3_or_5_measured_without_the_device_runs_again_where_it_is(tmp_p
 @pytest.mark.parametrize("weights, unmeasured", [("as-stored", False), ("mxfp4-offline-fp8", False),
                                                  ("mxfp4-online", True), ("fp8", True)])
 def test_stage_5_says_which_planned_weight_formats_it_did_not_run(tmp_path, monkeypatch, weights, unmeasured):
-    """The runtime converts routed experts to FP8 e4m3 only. The plan's mxfp4-online stores them as MXFP4
-    (a larger error), and its fp8 stores attention and dense matrices as FP8 too: a plain pass would claim
-    the planned format was measured."""
+    """The runtime converts routed experts to FP8 e4m3 only. For Qwen3-30B-A3B (bf16) the plan's mxfp4-online
+    stores them as MXFP4 (a larger error), and its fp8 stores attention as FP8 blocks too: a plain pass would
+    claim the planned format was measured."""
     import adapt.stages.kernels as kernels_stage
     import adapt.stages.precision as precision_stage
     from adapt.stages.pipeline import PipelineOptions
@@ -337,6 +337,6 @@ def test_stage_5_says_which_planned_weight_formats_it_did_not_run(tmp_path, monk
 
     monkeypatch.setattr(precision_stage, "run_precision", measured)
     monkeypatch.setattr(kernels_stage, "target_device", lambda target: ("cpu", "this machine's CPU"))
-    report = pipeline.STAGES[5].run(PipelineOptions(model="m", target="cpu", weights=weights), load_gates())
+    report = pipeline.STAGES[5].run(PipelineOptions(model=BASE.model, target="cpu", weights=weights), load_gates())
     warned = [f for f in report.findings if f.code == "not-measured-weights" and f.severity == "warn"]
     assert bool(warned) == unmeasured and (report.decide() == "warn") == unmeasured
