@@ -22,7 +22,9 @@ class GemmConfig:
     (0: one program per work item, so kernels on other streams can take SMs as programs retire),
     and the MMA orientation: swap_ab True puts weight rows in the MMA's M (small T), False puts
     tokens in M and the weight tile in the B operand (large T: the decoded tile goes through shared
-    memory the way wgmma wants it)."""
+    memory the way wgmma wants it). reserve_sms: SMs a persistent grid leaves free (programs = SMs *
+    programs_per_sm - reserve_sms, at least one), so a kernel on another stream has whole SMs: the
+    FP8 workspace's conversion beside the GEMMs (``FP8Workspace(schedule="split")``)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -32,6 +34,7 @@ class GemmConfig:
     num_stages: int = 3
     programs_per_sm: int = 4
     swap_ab: bool = True
+    reserve_sms: int = 0
 
 
 @dataclass(frozen=True)

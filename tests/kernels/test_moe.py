@@ -267,6 +267,38 @@ def test_offline_and_workspace_paths():
     assert ws.record_fold_loss(w) == 0 and ws.lost.item() == 0
 
 
+@pytest.mark.parametrize("schedule", ["serial", "side", "split"])
+def test_workspace_schedules_match_offline(schedule):
+    """Every conversion / GEMM order gives the offline path's output bit for bit; split leaves SMs
+    free (on the interpreter's 2 SMs a reserve of 5 still runs one persistent program)."""
+    g = _gen(9)
+    w = make_layer(5, 64, 32, bias=True, seed=9)
+    x = torch.randn(7, 64, generator=g, device=DEV).bfloat16()
+    ids = torch.randint(0, 5, (7, 2), generator=g, device=DEV).int()
+    perm = rt.permute_by_expert(ids, 5)
+    off = mg.expert_mlp(x, perm, w, top_k=2, fp8_weights=mg.FP8Weights.from_mxfp4(w))
+    ws = FP8Workspace(2, 64, 32, DEV, schedule=schedule, reserve_sms=5)
+    assert torch.equal(mg.expert_mlp(x, perm, w, top_k=2, workspace=ws), off)
+
+
+def test_workspace_schedule_and_memory_bound():
+    """A bad schedule is one InputError naming the field; the online path's expert memory (MXFP4
+    experts of every MoE layer + one workspace of two 32-expert chunks) is at most 0.55x the offline
+    FP8 copy at both real shapes."""
+    from adapt.kernels.workspace import online_memory_ratio
+    from adapt.model.spec import load_spec
+
+    with pytest.raises(InputError, match="schedule"):
+        FP8Workspace(2, 64, 32, DEV, schedule="overlap")
+    for model in ("deepseek-v3.2", "gpt-oss-120b"):
+        spec = load_spec(model)
+        ffn = spec.moe_layers[0].ffn
+        ratio = online_memory_ratio(len(spec.moe_layers), ffn.num_experts, spec.hidden, ffn.expert_intermediate, 32)
+        assert 0.5 < ratio <= 0.55, (model, ratio)
+    # one layer alone with a workspace of 2 x 32 experts would not meet the bound
+    assert online_memory_ratio(1, 128, 2880, 2880, 32) > 0.55
+
+
 def test_workspace_records_fold_loss_once():
     # one block per row 2**20 times larger than the rest: the small blocks fall out of e4m3's range
     g = _gen(18)
