@@ -299,6 +299,20 @@ def test_workspace_schedule_and_memory_bound():
     assert online_memory_ratio(1, 128, 2880, 2880, 32) > 0.55
 
 
+def test_bench_convert_only_fills_the_workspace_as_run_layer_does():
+    """bench_moe's conversion-alone row converts every active expert into the slots run_layer uses:
+    the last chunk (experts 4, in buffer 0 after chunks (0,2), (2,4), (4,5)) holds the offline e4m3 rows."""
+    from adapt.stages import bench_moe as bm
+
+    w = make_layer(5, 64, 32, bias=True, seed=10)
+    perm = rt.permute_by_expert(torch.arange(5, device=DEV).int()[:, None], 5)
+    ws = FP8Workspace(2, 64, 32, DEV)
+    assert bm._convert_all(w, ws, perm).shape == (64,)
+    off = mg.FP8Weights.from_mxfp4(w)
+    assert torch.equal(ws.w1[0].float(), off.w1[4].float())  # values (the word decode may write -0 for 0)
+    assert torch.equal(ws.w2_exp[0], off.w2_exp[4]) and torch.equal(ws.w1[2].float(), off.w1[2].float())
+
+
 def test_workspace_records_fold_loss_once():
     # one block per row 2**20 times larger than the rest: the small blocks fall out of e4m3's range
     g = _gen(18)
