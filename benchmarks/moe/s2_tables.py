@@ -2,8 +2,9 @@
 
 Usage: python benchmarks/moe/s2_tables.py benchmarks/moe/2026-11-30-s2 [call prefix ...]
 For each call prefix (file name start, e.g. call1_36a06da) and shape: adapt's MXFP4-storage rows
-(planar_combine; the fp8 workspace schedules, offline fp8 and the conversion alone above 4096) beside the peer, the ratio peer / adapt (>= 1: adapt
-at least as fast), copy fractions, x byte floor, twin / reference errors; then the config sweep.
+(planar_combine; the fp8 workspace schedules, offline fp8 and the conversion alone above 4096)
+beside the peer, the ratio peer / adapt (>= 1: adapt at least as fast),
+copy fractions, x byte floor, twin / reference errors; then the config sweep.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-
 
 VARIANTS = ("planar_combine", "fp8_ws_combine", "fp8_ws_side_combine", "fp8_ws_split16_combine",
             "fp8_ws_split32_combine", "fp8_offline_combine", "ws_convert_only")
