@@ -2,9 +2,14 @@
 
 One ``FP8Workspace`` serves every MoE layer of a model: a layer's experts are processed in chunks
 of ``chunk_experts``; the experts of a chunk that have tokens are converted (per-row exponent fold,
-the rule of ``mxfp4.mxfp4_to_fp8(group_k=None)``) into one of two slot buffers while the previous
-chunk's GEMMs run on the main stream, so conversion of chunk c+1 overlaps the GEMMs of chunk c.
-Its size follows the experts computed at once (2 * chunk_experts), never the expert count.
+the rule of ``mxfp4.mxfp4_to_fp8(group_k=None)``) into one of two slot buffers, then that chunk's
+GEMMs run. ``schedule`` orders the two: "serial" (default) on one stream with the offline path's
+persistent GEMMs; "side" converts chunk c+1 on a side stream while chunk c's GEMMs run one program
+per tile; "split" does the same with persistent GEMMs on a high-priority stream that leave
+``reserve_sms`` SMs to the conversion. (The fp8 GEMM tiles at large T take the whole register file
+of an SM (GEMM1 255 registers x 256 threads, sm_90 compile), so a conversion block cannot share an
+SM with a GEMM program: overlap needs SMs of its own.) Its size follows the experts computed at
+once (2 * chunk_experts), never the expert count; ``online_memory_ratio`` gives the model's bound.
 
     ws = FP8Workspace(chunk_experts=16, hidden=7168, intermediate=2048, device="cuda")
     y = expert_mlp(hidden, perm, weights, top_k=8, workspace=ws)   # or moe_forward(..., workspace=ws)
@@ -14,8 +19,6 @@ Its size follows the experts computed at once (2 * chunk_experts), never the exp
 
 The per-step conversion does no loss counting (``count_loss=False``, the default): the fold of a
 layer is fixed by its weights, so its loss is counted once by ``record_fold_loss``.
-The GEMMs of the workspace path run one program per work item (no persistent grid), so the
-side-stream conversion of the next chunk takes SMs as GEMM programs retire.
 
 Buffers: w1 e4m3 [2C, 2I, H], w1_exp int32 [2C, 2I], w2 e4m3 [2C, H, I], w2_exp int32 [2C, H].
 Conversion kernel bytes per active expert: reads 3*H*I*17/32 (+ the scales once more for the row
