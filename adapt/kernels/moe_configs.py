@@ -122,9 +122,11 @@ PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfi
     # each the fastest config of the H200 sweep in _H200_RECORD at the token counts of its range
     ("NVIDIA H200", "7168x2048"): [
         (0.1, _N64, _N64),  # T = 1: 88.8 us with the combine (block_n 128: 91.6 without)
-        # T = 16 / 64 (call 4 sweep, expert GEMMs): 3 stages 761 / 1536 us, 4 stages 763 / 1578, 5 stages 758 / 1544
+        # T = 16 / 64 (call 4 sweep, expert GEMMs): 3 stages 761 / 1536 us, 4 stages 763 / 1578, 5 stages 758 / 1544;
+        # with the combine (call 5) 750 / 1604 us (call 4, 4 stages: 752 / 1591): within the spread between calls
         (2.0, _ST3, _ST3),
-        # T = 256 (call 4 sweep): 5 stages 1913 us, 3 stages 1937, 4 stages 2084 (call 2: 4 stages 1907)
+        # T = 256 (call 4 sweep): 5 stages 1913 us, 3 stages 1937, 4 stages 2084 (call 2: 4 stages 1907);
+        # with the combine (call 5) 1853 us (call 4, 4 stages: 1865)
         (16.0, _ST5, _ST5),
         (64.0, _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),  # T = 1024: 3037 with combine
         (float("inf"), _BIG, _BIG),  # T = 4096: 7830 us with combine (128 x 128: 8329 without)

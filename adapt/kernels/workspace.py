@@ -3,12 +3,13 @@
 One ``FP8Workspace`` serves every MoE layer of a model: a layer's experts are processed in chunks
 of ``chunk_experts``; the experts of a chunk that have tokens are converted (per-row exponent fold,
 the rule of ``mxfp4.mxfp4_to_fp8(group_k=None)``) into one of two slot buffers, then that chunk's
-GEMMs run. ``schedule`` orders the two: "serial" (default) on one stream with the offline path's
-persistent GEMMs; "side" converts chunk c+1 on a side stream while chunk c's GEMMs run one program
-per tile; "split" does the same with persistent GEMMs on a high-priority stream that leave
-``reserve_sms`` SMs to the conversion. (The fp8 GEMM tiles at large T take the whole register file
-of an SM (GEMM1 255 registers x 256 threads, sm_90 compile), so a conversion block cannot share an
-SM with a GEMM program: overlap needs SMs of its own.) Its size follows the experts computed at
+GEMMs run. ``schedule`` orders the two: "serial" (default: the fastest on the H200 at T = 16384,
+benchmarks/moe/2026-11-30-s2 call 5) on one stream with the offline path's persistent GEMMs;
+"side" converts chunk c+1 on a side stream while chunk c's GEMMs run one program per tile; "split"
+does the same with persistent GEMMs on a high-priority stream that leave ``reserve_sms`` SMs to the
+conversion. Neither overlapped (call 5: online = conversion + GEMMs): the fp8 GEMM tiles at large T
+take an SM's whole register file (GEMM1 255 registers x 256 threads, sm_90 compile), so a conversion
+block never shares an SM with a GEMM program. Its size follows the experts computed at
 once (2 * chunk_experts), never the expert count; ``online_memory_ratio`` gives the model's bound.
 
     ws = FP8Workspace(chunk_experts=16, hidden=7168, intermediate=2048, device="cuda")
