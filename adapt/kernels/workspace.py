@@ -119,8 +119,6 @@ def _convert_experts_words_kernel(
     e_lo,
     slot_base,
     n_rows,
-    k,
-    k_words,
     k_scales,
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -133,7 +131,13 @@ def _convert_experts_words_kernel(
     (8 e4m3 bytes per word; out_ptr is the same memory as e4m3), exp int32 [slots, N]. A step of
     BLOCK_R rows x BLOCK_B 32-blocks whose fold shifts are all >= MIN_SHIFT is decoded with integer
     ops on words (``e2m1_words_to_e4m3``); any other step takes the per-byte decode (exact rounding).
+    K = 32 * k_scales and K/8 = 4 * k_scales are formed here, so the compiler knows the row pitches are
+    multiples of 4 words and 32 bytes and keeps 16-byte loads and stores when k_scales is not a multiple
+    of 16 (gpt-oss: K = 2880, 90 blocks; passed as integers, K/8 = 360 lost them: 4-byte word loads,
+    8-byte stores, sm_90 PTX).
     """
+    k = k_scales * 32
+    k_words = k_scales * 4
     i = tl.program_id(0)
     e = e_lo + i
     if tl.load(offsets_ptr + e + 1) > tl.load(offsets_ptr + e):
@@ -230,8 +234,6 @@ def convert_experts(
         lo,
         slot_base,
         n,
-        k,
-        k // 8,
         k // 32,
         BLOCK_R=br,
         BLOCK_B=bb,

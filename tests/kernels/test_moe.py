@@ -313,6 +313,24 @@ def test_bench_convert_only_fills_the_workspace_as_run_layer_does():
     assert torch.equal(ws.w2_exp[0], off.w2_exp[4]) and torch.equal(ws.w1[2].float(), off.w1[2].float())
 
 
+def test_workspace_word_conversion_partial_step_k2880():
+    # gpt-oss's K = 2880: 90 scale blocks, six steps of 16 with the last one 10/16 full, row pitches
+    # that are not multiples of 16 words (the kernel forms them from k_scales)
+    from adapt.kernels.workspace import convert_experts
+
+    g = _gen(11)
+    n, k = 9, 2880
+    packed = torch.randint(0, 256, (2, n, k // 2), generator=g, device=DEV, dtype=torch.uint8)
+    sc = torch.randint(118, 123, (2, n, k // 32), generator=g, device=DEV, dtype=torch.uint8)
+    out = torch.zeros(2, n, k, dtype=torch.float8_e4m3fn, device=DEV)
+    exps = torch.zeros(2, n, dtype=torch.int32, device=DEV)
+    offsets = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    convert_experts(packed, sc, out, exps, torch.zeros(1, dtype=torch.int64, device=DEV), offsets, (0, 2), 0,
+                    count_loss=False)
+    ref = mx.mxfp4_to_fp8_torch(packed, sc, group_k=None)
+    assert torch.equal(out.float(), ref.values.float())
+
+
 def test_workspace_records_fold_loss_once():
     # one block per row 2**20 times larger than the rest: the small blocks fall out of e4m3's range
     g = _gen(18)
