@@ -48,6 +48,7 @@ the weight tile and the activation rows stay in L2.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -458,21 +459,12 @@ def moe_gemm(
     act_fp8 = x.dtype == torch.float8_e4m3fn
     act_group = act_fp8 and x_scale is not None and x_scale.dim() == 2
     if (act_group and cfg.block_k != FP8_GROUP) or (op.mode == 3 and FP8_GROUP % cfg.block_k):
-        cfg = GemmConfig(
-            cfg.block_m,
-            cfg.block_n,
-            FP8_GROUP,
-            cfg.group_m,
-            cfg.num_warps,
-            cfg.num_stages,
-            cfg.programs_per_sm,
-            cfg.swap_ab,
-        )
+        cfg = dataclasses.replace(cfg, block_k=FP8_GROUP)
     n_work = min(tiles.max_tiles, max_m_tiles(out.shape[0], e_hi - e_lo, cfg.block_m)) * triton.cdiv(
         n_out, cfg.block_n
     )
     if cfg.programs_per_sm > 0:
-        n_work = min(n_work, num_sms(x.device) * cfg.programs_per_sm)
+        n_work = min(n_work, max(1, num_sms(x.device) * cfg.programs_per_sm - cfg.reserve_sms))
     grid = (max(1, n_work),)
     xs = x_scale if x_scale is not None else x
     stride_xs = x_scale.stride(0) if x_scale is not None else 0
