@@ -41,6 +41,8 @@ def test_other_weights_with_the_same_header_run_stage_5_again(tmp_path, fake_sta
     options = replace(BASE, model=_model_dir(tmp_path))
     run = RunDir(tmp_path, "r")
     validate(6, options, run, load_gates())
+    # stage 6's fingerprint names the plan stage 4 wrote in this same invocation: the hand-off takes it
+    check_gates(run, model=options.model, target="h200", devices=8, nodes=1, force=False)
     fake_stages.clear()
     _rewrite_weights(options.model)
     validate(6, options, run, load_gates())
