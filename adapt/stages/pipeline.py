@@ -161,7 +161,12 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
     from adapt.stages.precision import run_precision
     from adapt.targets.target import load_target
 
-    report = _run_precision(o, gates, run_precision)
+    report = run_precision(o.model, o.target, gates=gates, layers=o.layers, kernels=o.kernels, weights=o.weights,
+                           indexer_dtype=o.indexer_dtype, kv_dtype=o.kv_dtype, compute_dtype=o.compute_dtype,
+                           report_dir=o.run_path, invocation=[
+                               "--devices", str(o.devices), "--nodes", str(o.nodes), "--context", str(o.context),
+                               "--batch", str(o.batch), *(["--stack", o.stack] if o.stack else []),
+                               *(["--gates", o.gates_file] if o.gates_file else [])])
     wanted, why = target_device(load_target(o.target))
     measured = report.metrics.get("device")
     if wanted is None or measured != wanted:
@@ -176,15 +181,6 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
                    "measured here; stage 5's runtime converts routed experts to FP8 e4m3 only and runs the rest "
                    "as stored (an MXFP4 error is larger: gates.yaml kernels max_rel_error_mxfp4)")
     return report
-
-
-def _run_precision(o: PipelineOptions, gates: dict, run_precision) -> StageReport:
-    return run_precision(o.model, o.target, gates=gates, layers=o.layers, kernels=o.kernels, weights=o.weights,
-                         indexer_dtype=o.indexer_dtype, kv_dtype=o.kv_dtype, compute_dtype=o.compute_dtype,
-                         report_dir=o.run_path, invocation=[
-                             "--devices", str(o.devices), "--nodes", str(o.nodes), "--context", str(o.context),
-                             "--batch", str(o.batch), *(["--stack", o.stack] if o.stack else []),
-                             *(["--gates", o.gates_file] if o.gates_file else [])])
 
 
 def _serve(o: PipelineOptions, gates: dict) -> StageReport:
