@@ -342,3 +342,20 @@ def test_stage_5_says_which_planned_weight_formats_it_did_not_run(tmp_path, monk
     report = pipeline.STAGES[5].run(PipelineOptions(model=BASE.model, target="cpu", weights=weights), load_gates())
     warned = [f for f in report.findings if f.code == "not-measured-weights" and f.severity == "warn"]
     assert bool(warned) == unmeasured and (report.decide() == "warn") == unmeasured
+
+
+def test_the_bundle_does_not_take_a_preflight_made_for_another_target(tmp_path):
+    """The bundle copies the run's preflight checks as the environment checks of this hand-off; a preflight
+    of MI300X in the run must not stand as H200's."""
+    from adapt.handoff.bundle import write_bundle
+    from adapt.report import fingerprint
+    from tests.handoff.test_bundle import passed_run
+
+    run = passed_run(tmp_path)
+    run.write(StageReport("preflight", 0, "preflight", fingerprint=fingerprint(target="mi300x", model="deepseek-v3.2")))
+    report, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    assert "handoff/preflight.json" not in files
+    assert "mi300x" in files["handoff/README.md"] and "preflight verdict: pass" not in files["handoff/README.md"]
+    run.write(StageReport("preflight", 0, "preflight", fingerprint=fingerprint(target="h200", model="deepseek-v3.2")))
+    _, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    assert "handoff/preflight.json" in files
