@@ -264,7 +264,7 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
         report.add("warn", "forced",
                    "hand-off forced past gates that had not passed: " + "; ".join(overridden))
     verdicts = gate_verdicts(run)
-    preflight = _preflight_checks(run)
+    preflight, foreign = _preflight_checks(run, model, resolved_target.name)
     files = {
         f"{BUNDLE_DIR}/engine_args.json": json.dumps({
             "model": model_path, "source_model": model, "target": resolved_target.name, "devices": devices,
@@ -276,7 +276,7 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
         + "\nexec " + shlex.join(argv) + "\n",
         f"{BUNDLE_DIR}/README.md": _readme(model, model_path, resolved_target.name, devices, nodes, verdicts,
                                           source, overridden, preflight, export_note, run,
-                                          report.metrics["weights"]),
+                                          report.metrics["weights"], foreign),
     }
     if steps:
         files[f"{BUNDLE_DIR}/ray.sh"] = shell_script(
@@ -284,9 +284,8 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     if preflight is not None:
         files[f"{BUNDLE_DIR}/preflight.json"] = json.dumps(preflight, indent=2) + "\n"
     else:
-        report.add("info", "no-preflight",
-                   "the run has no preflight report; the bundle lists no environment checks",
-                   hint="run `adapt preflight` in this run directory")
+        report.add("info", "no-preflight", foreign or "the run has no preflight report; the bundle lists no "
+                   "environment checks", hint="run `adapt preflight` for this model and target in this run directory")
     report.metrics["bundle_files"] = sorted(files)
     if export_note:
         report.add("warn", "dequantized-export", export_note)
@@ -296,16 +295,21 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     return report, files
 
 
-def _preflight_checks(run: RunDir) -> dict[str, Any] | None:
-    """The run's preflight report (``preflight.json``): its verdict, findings and tables, or None."""
+def _preflight_checks(run: RunDir, model: str, target: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The run's preflight report (``preflight.json``): its verdict, findings and tables, or None; and,
+    when the report was made for another target or model (its fingerprint), None with the reason."""
     path = run.path / "preflight.json"
     if not path.is_file():
-        return None
+        return None, None
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError:
         raise InputError("preflight report is not valid JSON", file=path) from None
-    return {key: data.get(key) for key in ("verdict", "summary", "metrics", "findings", "tables", "finished")}
+    made = (data.get("fingerprint") or {}) if isinstance(data, dict) else {}
+    if made.get("target") != target or made.get("model") not in (None, model):
+        return None, (f"preflight.json in the run was made for target {made.get('target')} and model "
+                      f"{made.get('model')}, not for this hand-off: not included")
+    return {key: data.get(key) for key in ("verdict", "summary", "metrics", "findings", "tables", "finished")}, None
 
 
 def _scope(recorded: dict[str, Any]) -> str:
@@ -327,7 +331,7 @@ def _scope(recorded: dict[str, Any]) -> str:
 def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
             verdicts: dict[str, str | None],
             source: str, overridden: list[str], preflight: dict[str, Any] | None, export_note: str | None,
-            run: RunDir, weights: dict[str, Any]) -> str:
+            run: RunDir, weights: dict[str, Any], foreign_preflight: str | None = None) -> str:
     manifest = run.manifest()["stages"]
     lines = [f"# vLLM hand-off: {model}", "",
              f"Target: {devices} x {target}" + (f" over {nodes} nodes (Ray)" if nodes > 1 else "") + ".",
@@ -361,7 +365,8 @@ def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
     if nodes > 1:
         lines.append("- the Ray bring-up (ray.sh) follows vLLM's multi-node guide; adapt has not run it")
     if preflight is None:
-        lines.append("- no preflight report: driver, library and interconnect checks were not recorded")
+        lines.append(f"- {foreign_preflight or 'no preflight report'}: driver, library and interconnect checks "
+                     "were not recorded")
     else:
         lines.append(f"- preflight verdict: {preflight.get('verdict')} (preflight.json)")
     start = "sh serve.sh" if nodes == 1 else "# run ray.sh's lines first; then on the head node: sh serve.sh"
