@@ -702,7 +702,8 @@ def bench_runtime(
     parse_kernels(kernels)
     report = run_runtime_bench(models, batches=batch or [1, 16, 64], prompt_tokens=prompt_tokens,
                                decode_steps=decode_steps, kernels=kernels, device=device, tiny=tiny,
-                               budget_s=budget_s, gates=load_gates(gates), out_dir=output)
+                               budget_s=budget_s, gates=load_gates(gates), out_dir=output,
+                               progress=lambda message: typer.echo(f"bench runtime: {message}", err=True))
     finish(report, as_json)
 
 
