@@ -23,7 +23,7 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)";
 echo "== 1. runtime"
 RT_S=${RT_S:-150}
 timeout "$RT_S" env PYTHONPATH=. python3 -m adapt.cli bench runtime -m gpt-oss-120b -m deepseek-v3.2 \
-  --budget-s $((RT_S - 25)) -o /tmp/rt --json ${RT_ARGS:-} > /tmp/rt_stdout.json
+  --budget-s $((RT_S - 10)) -o /tmp/rt --json ${RT_ARGS:-} > /tmp/rt_stdout.json
 echo "runtime rc=$? at $(($(date +%s) - T0)) s"
 cp /tmp/rt/runtime_bench.json /tmp/rt/runtime_bench.md "$OUT/" 2>/dev/null
 echo "== 2. one-source numbers"
