@@ -604,19 +604,22 @@ def bench_kernels(
     if not torch.cuda.is_available():
         raise InputError("kernel benchmarks need a CUDA GPU; none is visible here",
                          hint="run `make bench-gpu` on the target machine")
-    results = {}
+    reports = {}
     if moe:
-        from adapt.stages.bench_moe import run_moe_bench
+        from adapt.stages.bench_moe import moe_report, run_moe_bench
 
-        results["moe"] = run_moe_bench(output / "moe", tokens or None)
+        reports["moe"] = moe_report(run_moe_bench(output / "moe", tokens or None))
     if dsa:
-        from adapt.stages.bench_dsa import run_dsa_bench
+        from adapt.stages.bench_dsa import dsa_report, run_dsa_bench
 
-        results["dsa"] = run_dsa_bench(output / "dsa")
+        reports["dsa"] = dsa_report(run_dsa_bench(output / "dsa"))
     if as_json:
-        print_json(results)
+        print_json({name: report.to_dict() for name, report in reports.items()})
     else:
-        console.print(f"results written under {output}")
+        for report in reports.values():
+            render_report(report)
+        console.print(f"results and reports written under {output}")
+    raise typer.Exit(max(report.exit_code for report in reports.values()))
 
 
 @bench_app.command("serve")
