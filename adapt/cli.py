@@ -249,6 +249,9 @@ def validate(
     url: Annotated[str | None, typer.Option(
         "--url", help="Stage 6: load this OpenAI-compatible server instead of launching the model.")] = None,
     soak_s: Annotated[float, typer.Option("--soak-s", help="Stage 6: soak length in seconds.")] = 60.0,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="Stage 6: tokenizer path or id for the load (default: the model's; a byte-level "
+                            "stand-in when the model directory has none).")] = None,
     output: OutputOpt = Path("reports"),
     run_id: RunOpt = None,
     gates: GatesOpt = None,
@@ -263,7 +266,8 @@ def validate(
     run = RunDir(output, run_id)
     options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
                               batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack,
-                              run_path=str(run.path), url=url, soak_s=soak_s, layers=layers, kernels=kernels,
+                              run_path=str(run.path), url=url, soak_s=soak_s, tokenizer=tokenizer,
+                              layers=layers, kernels=kernels,
                               indexer_dtype=indexer_dtype, compute_dtype=compute_dtype,
                               gates_file=str(gates) if gates else None)
 
@@ -632,7 +636,8 @@ def bench_serve(
     served_model: Annotated[str | None, typer.Option(
         "--served-model", help="With --url: the model name the server answers to (default: MODEL).")] = None,
     tokenizer: Annotated[str | None, typer.Option(
-        "--tokenizer", help="Tokenizer path or id for the load generator (default: MODEL).")] = None,
+        "--tokenizer", help="Tokenizer path or id for the load generator (default: MODEL's; a byte-level "
+                            "stand-in when MODEL is a directory without one).")] = None,
     server_pid: Annotated[int | None, typer.Option(
         "--server-pid", help="With --url: the server's root process id, to sample its memory.")] = None,
     input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens of long-in workloads.")] = 256,

