@@ -1,0 +1,90 @@
+"""Compile adapt's planar MoE kernel for sm_90 on a machine without a GPU and count its SASS.
+
+Usage: PYTHONPATH=. python benchmarks/moe/sass_report.py ['[{"BLOCK_N": 64}, {"BLOCK_M": 64, "warps": 8, "cap": 0}]']
+
+Each JSON object overrides the kernel's constexprs (upper-case keys; the default is the DeepSeek-V3
+T = 16 GEMM1: gather, SwiGLU, block 16 x 128, one MMA chain per step) and the launch options
+(warps, stages, cap = register cap, 0 for none). For each: shared memory, ptxas registers and
+spills, and the opcode counts of the innermost loop that holds the wgmma (one 128-K step), so load
+width, decode cost and spills can be read before any device time is spent. Uses the ptxas and
+cuobjdump that the triton wheel carries.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from adapt.kernels import moe_planar as mp
+
+BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
+BASE = dict(TOPK=8, GATHER=True, ACTIVATION=1, HAS_BIAS=False, SPLIT_K=1, TWO_MULS=False, BLOCK_M=16, BLOCK_N=128,
+            GROUP_M=4, DOT_F32=False, ONE_DOT=True, EVEN_K=True)
+PTRS = dict(x_ptr="bf16", w_ptr="i32", sc_ptr="i32", bias_ptr="fp32", out_ptr="bf16", part_ptr="fp32",
+            sorted_slot_ptr="i32", offsets_ptr="i32", tile_expert_ptr="i32", tile_row_ptr="i32", tile_start_ptr="i32")
+DIV16 = ("stride_x", "stride_we", "stride_se", "stride_o", "k_words", "n_rows", "k")
+
+
+def compile_planar(const: dict, num_warps: int, num_stages: int, maxnreg: int):
+    """``_planar_gemm_kernel`` compiled for sm_90 with the given constexprs (pointers and strides
+    marked 16-divisible, as the launcher's arguments are at the real shapes)."""
+    kern = mp._planar_gemm_kernel
+    sig = {}
+    for name in kern.arg_names:
+        sig[name] = ("constexpr" if name in const else "*" + PTRS[name] if name in PTRS
+                     else "fp32" if name in ("alpha", "limit") else "i32")
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in PTRS or n in DIV16}
+    opts = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=opts)
+
+
+def report(ck, maxnreg: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(ck.asm["cubin"])
+        sass = subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", str(cubin)], capture_output=True,
+                              text=True).stdout
+        ptx = Path(d) / "k.ptx"
+        ptx.write_text(ck.asm["ptx"])
+        args = [str(BIN / "ptxas"), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(Path(d) / "o.cubin")]
+        if maxnreg:
+            args[1:1] = ["--maxrregcount", str(maxnreg)]
+        info = subprocess.run(args, capture_output=True, text=True).stderr
+    ops = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    at = {a: i for i, (a, _, _) in enumerate(ops)}
+    loop = None
+    for i, (a, op, rest) in enumerate(ops):
+        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if t and int(t.group(1), 16) < a and int(t.group(1), 16) in at:
+            body = ops[at[int(t.group(1), 16)]: i + 1]
+            if any("GMMA" in o for _, o, _ in body) and (loop is None or len(body) < len(loop)):
+                loop = body
+    regs = re.findall(r"Used (\d+) registers", info)
+    spill = re.findall(r"(\d+) bytes spill stores", info)
+    return dict(shared=ck.metadata.shared, regs=int(regs[-1]) if regs else None,
+                spill_bytes=int(spill[-1]) if spill else None, loop_len=len(loop or []),
+                loop_ops=dict(collections.Counter(o.split(".")[0] for _, o, _ in loop or []).most_common(16)))
+
+
+if __name__ == "__main__":
+    for c in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
+        const = dict(BASE, **{k: v for k, v in c.items() if k.isupper()})
+        cap = c.get("cap", 128)
+        ck = compile_planar(const, c.get("warps", 4), c.get("stages", 4), cap)
+        print(json.dumps(dict(config=c, **report(ck, cap))), flush=True)
