@@ -52,7 +52,8 @@ def test_moe_report_fails_a_row_over_its_twin_tolerance_and_warns_for_a_baseline
 
 
 def dsa_result(**prefill):
-    decode = [dict(batch=b, context=131072, step_us=us, step_over_floor=ratio, sparse_mla_TFLOPs=tf,
+    decode = [dict(batch=b, context=131072, step_us=us, step_us_per_layer_in_graph_of_layers=us, step_over_floor=ratio,
+                   sparse_mla_TFLOPs=tf,
                    topk_equals_twin=True, index_scores_rel_err_vs_twin=1e-4, sparse_mla_rel_err_vs_twin=2e-3)
               for b, us, ratio, tf in ((1, 30.0, 6.0, 50.0), (64, 400.0, 1.4, 320.0))]
     pre = dict(tokens=131072, total_ms=400.0, index_scores_all_TFLOPs=950.0, speedup_vs_dense=3.2,
@@ -71,8 +72,8 @@ def test_dsa_report_lines_twins_and_missing_rows():
     result = dsa_result()
     result["prefill"], result["errors"] = [], ["prefill: OutOfMemoryError: ..."]
     lines = bench_dsa.acceptance_lines(result)
-    assert [line["met"] for line in lines] == [True, True, True, False, False]
-    assert lines[3]["measured"] is None
+    assert [line["met"] for line in lines] == [True, True, True, True, False, False]
+    assert lines[4]["measured"] is None
     assert bench_dsa.dsa_report(result).verdict == "fail"
 
 
