@@ -237,7 +237,7 @@ def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
     arithmetic (``moe_gemm.expert_mlp_torch``: fp32 matmuls on the dequantized MXFP4 weights, SwiGLU,
     h and y rounded to bf16), weighted by ``topw``, summed in fp32 and rounded to bf16 as ``combine``
     does, one expert at a time."""
-    from adapt.kernels.moe_gemm import _split_gate_up, swiglu_torch
+    from adapt.kernels.moe_gemm import split_gate_up, swiglu_torch
     from adapt.kernels.mxfp4 import dequantize_mxfp4
 
     k = topw.shape[1]
@@ -251,11 +251,11 @@ def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
         tok, j = slots[a:b] // k, slots[a:b] % k
         w1 = dequantize_mxfp4(routed.w1_packed[ex], routed.w1_scales[ex], torch.float32, validate=False)
         w2 = dequantize_mxfp4(routed.w2_packed[ex], routed.w2_scales[ex], torch.float32, validate=False)
-        wg, wu = _split_gate_up(w1[None], routed.gate_up_interleaved)
+        wg, wu = split_gate_up(w1[None], routed.gate_up_interleaved)
         xs = x[tok].float()
         g, u = xs @ wg[0].t(), xs @ wu[0].t()
         if routed.w1_bias is not None:
-            bg, bu = _split_gate_up(routed.w1_bias[ex].float()[None, :, None], routed.gate_up_interleaved)
+            bg, bu = split_gate_up(routed.w1_bias[ex].float()[None, :, None], routed.gate_up_interleaved)
             g, u = g + bg[0, :, 0], u + bu[0, :, 0]
         h = swiglu_torch(g, u, shape["activation"], 1.702, 7.0).to(torch.bfloat16).float()
         y = h @ w2.t()
