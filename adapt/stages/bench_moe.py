@@ -288,7 +288,7 @@ def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
     arithmetic (``moe_gemm.expert_mlp_torch``: fp32 matmuls on the dequantized MXFP4 weights, SwiGLU,
     h and y rounded to bf16), weighted by ``topw``, summed in fp32 and rounded to bf16 as ``combine``
     does, one expert at a time."""
-    from adapt.kernels.moe_gemm import _split_gate_up, swiglu_torch
+    from adapt.kernels.moe_gemm import split_gate_up, swiglu_torch
     from adapt.kernels.mxfp4 import dequantize_mxfp4
 
     k = topw.shape[1]
@@ -302,11 +302,11 @@ def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
         tok, j = slots[a:b] // k, slots[a:b] % k
         w1 = dequantize_mxfp4(routed.w1_packed[ex], routed.w1_scales[ex], torch.float32, validate=False)
         w2 = dequantize_mxfp4(routed.w2_packed[ex], routed.w2_scales[ex], torch.float32, validate=False)
-        wg, wu = _split_gate_up(w1[None], routed.gate_up_interleaved)
+        wg, wu = split_gate_up(w1[None], routed.gate_up_interleaved)
         xs = x[tok].float()
         g, u = xs @ wg[0].t(), xs @ wu[0].t()
         if routed.w1_bias is not None:
-            bg, bu = _split_gate_up(routed.w1_bias[ex].float()[None, :, None], routed.gate_up_interleaved)
+            bg, bu = split_gate_up(routed.w1_bias[ex].float()[None, :, None], routed.gate_up_interleaved)
             g, u = g + bg[0, :, 0], u + bu[0, :, 0]
         h = swiglu_torch(g, u, shape["activation"], 1.702, 7.0).to(torch.bfloat16).float()
         y = h @ w2.t()
@@ -356,6 +356,30 @@ def _planar_parts(x, perm, planar, shape: dict) -> dict:
                            **common)
 
     return {"planar_gemm1": gemm1, "planar_gemm2": gemm2}
+
+
+WS_SCHEDULES = {
+    "fp8_ws_side_combine": dict(schedule="side"),
+    "fp8_ws_split16_combine": dict(schedule="split", reserve_sms=16),
+    "fp8_ws_split32_combine": dict(schedule="split", reserve_sms=32),
+}
+"""The other ``FP8Workspace`` schedules timed beside the default one at the large T (``--large``)."""
+
+
+def _convert_all(routed, ws, perm) -> torch.Tensor:
+    """The workspace's conversion alone: every active expert of the layer, chunk by chunk, as
+    ``run_layer`` converts them (no GEMMs). Returns one converted row (float32) for the finite check."""
+    from adapt.kernels.workspace import convert_experts
+
+    e, c = routed.n_experts, ws.chunk_experts
+    for n, lo in enumerate(range(0, e, c)):
+        for packed, scales, out, exps in (
+            (routed.w1_packed, routed.w1_scales, ws.w1, ws.w1_exp),
+            (routed.w2_packed, routed.w2_scales, ws.w2, ws.w2_exp),
+        ):
+            convert_experts(packed, scales, out, exps, ws.lost, perm.expert_offsets, (lo, min(e, lo + c)),
+                            (n % 2) * c, count_loss=False)
+    return ws.w1[0, 0].float()
 
 
 def _combined(mlp, topw, perm):
@@ -424,8 +448,12 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
             elif large:
                 if fp8 is None:
                     fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
+                    fp8 += tuple(FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE, **kw) for kw in WS_SCHEDULES.values())
                 variants["fp8_ws_combine"] = _combined(partial(mlp, workspace=fp8[1]), topw, perm)
                 variants["fp8_offline_combine"] = _combined(partial(mlp, fp8_weights=fp8[0]), topw, perm)
+                for wname, ws_other in zip(WS_SCHEDULES, fp8[2:], strict=True):
+                    variants[wname] = _combined(partial(mlp, workspace=ws_other), topw, perm)
+                variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
             if chosen is None and not tried:
                 tried = True
                 for source, ldt in PEER_CANDIDATES:
