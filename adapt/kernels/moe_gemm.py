@@ -779,7 +779,7 @@ def swiglu_torch(
     return g * torch.sigmoid(alpha * g) * (u + 1.0)
 
 
-def _split_gate_up(w1: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def split_gate_up(w1: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., 2I, ...] rows -> (gate rows, up rows)."""
     if interleaved:
         return w1[:, 0::2], w1[:, 1::2]
@@ -820,10 +820,10 @@ def expert_mlp_torch(
     else:
         w1 = dequantize_mxfp4_torch(weights.w1_packed, weights.w1_scales, validate=False)
         w2 = dequantize_mxfp4_torch(weights.w2_packed, weights.w2_scales, validate=False)
-    wg, wu = _split_gate_up(w1, weights.gate_up_interleaved)
+    wg, wu = split_gate_up(w1, weights.gate_up_interleaved)
     bg = bu = None
     if weights.w1_bias is not None:
-        bg, bu = _split_gate_up(weights.w1_bias.float().unsqueeze(-1), weights.gate_up_interleaved)
+        bg, bu = split_gate_up(weights.w1_bias.float().unsqueeze(-1), weights.gate_up_interleaved)
         bg, bu = bg[..., 0], bu[..., 0]
     group = FP8_GROUP if act_quant == "group128" else None
     s = hidden.shape[0] * top_k
