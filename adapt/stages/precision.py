@@ -571,7 +571,9 @@ def _transformers_anchor(model_dir: Path, layer_ids, reference) -> float | None:
         return None
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # transformers dequantizes MXFP4 experts (gpt-oss) to bf16 whatever dtype is asked for; every E2M1 value
+    # times its power-of-two scale is exact in bf16, so .float() restores the float32 model exactly
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).float()
     worst = 0.0
     with torch.no_grad():
         for seq, ref in zip(reference["sequences"], reference["logits"], strict=True):
