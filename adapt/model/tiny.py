@@ -61,7 +61,7 @@ TEXT_FILES = ("corpus.txt", "sample.txt")  # appended to _TOKENIZER_TEXT: the tr
 # The training recipe (part of the cache key). Chosen on 2 shared CPU cores, 2026-11-30: 300 steps of
 # 8 windows of 64 tokens take 5-15 s per model and bring the training loss from ~6 to below 0.5 nats.
 TRAINING = {"steps": 120, "batch": 8, "window": 64, "lr": 5e-3, "warmup": 10, "clip": 1.0,
-            "router_margin": 0.15, "router_margin_weight": 1.0}
+            "router_margin": 0.25, "router_margin_weight": 1.0}
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -359,7 +359,7 @@ def _train(model, tokens: list[int], seed: int) -> dict[str, Any]:
     data = torch.tensor(tokens)
     gen = torch.Generator().manual_seed(_tensor_seed(seed, "training"))
     optimizer = torch.optim.Adam(model.parameters(), lr=TRAINING["lr"], betas=(0.9, 0.95))
-    top_k = model.config.num_experts_per_tok
+    top_k, family = model.config.num_experts_per_tok, model.config.model_type
     logits: list[torch.Tensor] = []  # every router's logits [tokens, experts] of the current step
     routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
     hooks = [r.register_forward_hook(lambda _m, _i, out: logits.append(out[0])) for r in routers]
@@ -376,7 +376,7 @@ def _train(model, tokens: list[int], seed: int) -> dict[str, Any]:
             x = torch.stack([data[o : o + window + 1] for o in offsets.tolist()])
             logits.clear()
             loss = model(input_ids=x, labels=x).loss
-            loss = loss + TRAINING["router_margin_weight"] * _router_margin_loss(logits, top_k)
+            loss = loss + TRAINING["router_margin_weight"] * _router_margin_loss(logits, top_k, family)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), TRAINING["clip"])
             optimizer.step()
@@ -391,11 +391,13 @@ def _train(model, tokens: list[int], seed: int) -> dict[str, Any]:
             "loss_first_20": round(sum(losses[:20]) / 20, 3), "loss_last_20": round(sum(losses[-20:]) / 20, 3)}
 
 
-def _router_margin_loss(logits: list, top_k: int):
-    """Mean over routers and tokens of relu(margin - gap): gap = (k-th largest logit - (k+1)-th) / (max - min).
+def _router_margin_loss(logits: list, top_k: int, family: str):
+    """Mean over routers and tokens of relu(margin - gap), gap = (k-th largest score - (k+1)-th) / (max - min).
 
-    Stage 5 calls a routing flip a near tie when the swapped experts' scores differ by a small fraction of
-    the row's range; this term keeps the top-k boundary ``TRAINING['router_margin']`` of the range apart.
+    Scores as the router ranks experts (DeepSeek: sigmoid of the logits; Qwen3: softmax; gpt-oss: the
+    logits). Stage 5 calls a routing flip a near tie when the swapped experts' scores differ by a small
+    fraction of the row's range; this term keeps the top-k boundary ``TRAINING['router_margin']`` of the
+    range apart, as a trained router's decisive choices are.
     """
     if not logits:
         return 0.0
@@ -403,7 +405,9 @@ def _router_margin_loss(logits: list, top_k: int):
 
     terms = []
     for row in logits:
-        ranked = row.float().sort(-1, descending=True).values
+        row = row.float()
+        scores = row.sigmoid() if family.startswith("deepseek") else row.softmax(-1) if family == "qwen3_moe" else row
+        ranked = scores.sort(-1, descending=True).values
         gap = (ranked[:, top_k - 1] - ranked[:, top_k]) / (ranked[:, 0] - ranked[:, -1] + 1e-6)
         terms.append(torch.relu(TRAINING["router_margin"] - gap).mean())
     return torch.stack(terms).mean()
