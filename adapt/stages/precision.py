@@ -108,10 +108,10 @@ def _encode(model_dir: Path, vocab: int) -> tuple[list[int], list[list[int]]]:
     text = (DATA / "sample.txt").read_text().strip()
     prompts = [p for p in (DATA / "prompts.txt").read_text().splitlines() if p.strip()][:2]
     if (model_dir / "tokenizer.json").exists():
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer  # the tokenizer file alone: no config.json parsing (transformers versions differ)
 
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        encode = lambda s: tok(s, add_special_tokens=False).input_ids
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        encode = lambda s: tok.encode(s, add_special_tokens=False).ids
     else:
         encode = lambda s: [3 + b % max(vocab - 3, 1) for b in s.encode()]
     return encode(text)[:SAMPLE_TOKENS], [encode(p) for p in prompts]
