@@ -122,7 +122,8 @@ def evaluate_lm(lm, names: list[str], limit: int | None, *, allow_code_execution
         kwargs.update(model=lm[0], model_args=lm[1])
     else:
         kwargs.update(model=lm)
-    out = simple_evaluate(tasks=task_entries(names, allow_code_execution=allow_code_execution), limit=limit, log_samples=False, bootstrap_iters=0,
+    entries = task_entries(names, allow_code_execution=allow_code_execution)
+    out = simple_evaluate(tasks=entries, limit=limit, log_samples=False, bootstrap_iters=0,
                           **kwargs)
     types = {name: cfg.get("output_type") for name, cfg in (out.get("configs") or {}).items()}
     return {name: {**res, "_output_type": types.get(name)} for name, res in out["results"].items()}

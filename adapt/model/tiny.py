@@ -28,9 +28,10 @@ text embedded below, then ``adapt/eval/data/corpus.txt`` and ``sample.txt``, all
 adapt), every parameter, Adam with a linear warm-up and cosine decay, in float32 on one CPU
 thread (so a build is bit-identical across runs on one machine; other CPUs may round the
 training differently in the last bits). Routers learn through the loss, plus a margin term
-(``_router_margin_loss``) that keeps each token's k-th and (k+1)-th expert apart, as a trained router's
-decisive choices are; DeepSeek's correction bias stays 0 as at initialisation. The DSA indexer runs without gradients in transformers (DeepSeek
-trains it with a separate distillation loss), so its own weights keep their initial values.
+(``_router_margin_loss``) that keeps each token's k-th and (k+1)-th expert apart, as a trained
+router's decisive choices are; DeepSeek's correction bias stays 0 as at initialisation. The DSA
+indexer runs without gradients in transformers (DeepSeek trains it with a separate distillation
+loss), so its own weights keep their initial values.
 Cost and losses go to ``adapt-training.json`` in the model directory.
 
 The tokenizer is a byte-level BPE of 512 tokens trained (``tokenizers``, offline) on the

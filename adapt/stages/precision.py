@@ -108,7 +108,8 @@ def _encode(model_dir: Path, vocab: int) -> tuple[list[int], list[list[int]]]:
     text = (DATA / "sample.txt").read_text().strip()
     prompts = [p for p in (DATA / "prompts.txt").read_text().splitlines() if p.strip()][:2]
     if (model_dir / "tokenizer.json").exists():
-        from tokenizers import Tokenizer  # the tokenizer file alone: no config.json parsing (transformers versions differ)
+        # the tokenizer file alone: AutoTokenizer would parse config.json, which older transformers may refuse
+        from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         encode = lambda s: tok.encode(s, add_special_tokens=False).ids
