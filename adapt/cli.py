@@ -485,7 +485,7 @@ def handoff_command(
 @app.command("run")
 def run_command(
     model: Annotated[str, typer.Argument(
-        help="Checkpoint directory or a tiny model (tiny-dsa, tiny-oss, tiny-qwen3).")],
+        help="Checkpoint directory or a tiny model (tiny-dsa, tiny-oss, tiny-qwen3, tiny-dsa-fp8).")],
     prompt: Annotated[list[str] | None, typer.Option(
         "--prompt", "-p", help="Prompt text (repeat for a batch).")] = None,
     token_ids: Annotated[list[str] | None, typer.Option(
@@ -505,7 +505,8 @@ def run_command(
         "(online MXFP4 -> FP8 of active experts); 0 decodes MXFP4 to bf16 in the GEMM.")] = 0,
     as_json: JsonOpt = False,
     image: Annotated[Path | None, typer.Option(
-        "--image", help="Image file for a multimodal model (llama4): one tile before each prompt.")] = None,
+        "--image", help="Image file for a multimodal model (llama4: one tile; kimi_k25: native resolution), "
+        "placed before each prompt.")] = None,
 ) -> None:
     """Generate with adapt's runtime (torch reference or adapt kernels per op family), any depth."""
     if image is not None or _reference_family(model):
@@ -550,7 +551,8 @@ def _reference_family(model: str) -> bool:
 
 
 def _run_reference(model, token_ids, prompt, max_new_tokens, layers, dtype, image, as_json) -> None:
-    """`adapt run` for qwen3_next and llama4 (adapt.runtime.families): token ids in, tokens out."""
+    """`adapt run` for qwen3_next, llama4 and image prompts of kimi_k25 (adapt.runtime.families): token ids
+    in, tokens out."""
     import torch
 
     from adapt.runtime.engine import parse_layers

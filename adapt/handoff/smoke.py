@@ -6,6 +6,10 @@ Three sources of greedy continuations for the same prompt token ids:
   transformers  ``generate`` on the same checkpoint (greedy, EOS disabled, raw logits per step);
   adapt         adapt's own runtime, where one exists for the architecture.
 
+A Kimi K2.5 directory with a chat template also gets one image prompt: a chat message of text, a
+generated picture and text (``/v1/chat/completions``), compared with adapt's runtime
+(``adapt.runtime.multimodal.KimiK25Model``) on the prompt token ids vLLM built and the same picture.
+
 Per prompt we measure the position of the first differing token (0-based index into the
 generated tokens; ``None`` when all agree) and, at every step up to and including that
 position (the steps whose contexts are identical), the overlap of the two top-5 token sets
@@ -31,6 +35,8 @@ PROMPTS: tuple[str, ...] = (
     "Hello, world! How are you",
 )
 TOP_K = 5
+IMAGE_PROMPT = ("Look:", "What is it?")  # the text before and after the picture of the image prompt
+IMAGE_PIXELS = (60, 40)  # width, height of that picture: two colour halves, so its patches differ
 
 
 @dataclass
@@ -137,9 +143,11 @@ def transformers_traces(model_dir: str | Path, prompt_ids: list[list[int]], max_
     import copy
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    multimodal = hasattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config")  # text prompts only here
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    model = auto.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model.eval()
     config = copy.deepcopy(model.generation_config)
     config.update(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=None, eos_token_id=None,
@@ -207,6 +215,72 @@ def vllm_trace(base_url: str, model_name: str, ids: list[int], max_tokens: int,
         ranked = sorted(((float(v), _token_id(k)) for k, v in entry.items()), reverse=True)[:TOP_K]
         top.append({token: value for value, token in ranked})
     return Trace(tokens=tokens, logprobs=[float(v) for v in logprobs["token_logprobs"]], top=top)
+
+
+def smoke_picture() -> bytes:
+    """PNG bytes of the image prompt's picture (``IMAGE_PIXELS``; left half sky blue, right half orange)."""
+    import io
+
+    from PIL import Image
+
+    width, height = IMAGE_PIXELS
+    picture = Image.new("RGB", IMAGE_PIXELS, (30, 160, 220))
+    picture.paste((240, 140, 20), (width // 2, 0, width, height))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def takes_image_prompt(model_dir: str | Path) -> bool:
+    """Whether the smoke test sends the image prompt: a kimi_k25 directory whose tokenizer has a chat template."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        tokenizer = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("model_type") == "kimi_k25" and bool(tokenizer.get("chat_template"))
+
+
+def vllm_image_trace(base_url: str, model_name: str, picture: bytes, max_tokens: int,
+                     timeout_s: float = 120.0) -> tuple[list[int], Trace]:
+    """Greedy continuation of the image prompt (``IMAGE_PROMPT`` around ``picture``, PNG bytes) from a vLLM
+    server's ``/v1/chat/completions``: (the prompt token ids vLLM built, images expanded; its Trace)."""
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(picture).decode()
+    content = [{"type": "text", "text": IMAGE_PROMPT[0]}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": IMAGE_PROMPT[1]}]
+    answer = post_json(f"{base_url}/v1/chat/completions", {
+        "model": model_name, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+        "temperature": 0.0, "ignore_eos": True, "logprobs": True, "top_logprobs": TOP_K,
+        "return_tokens_as_token_ids": True, "return_token_ids": True}, timeout_s)
+    steps = answer["choices"][0]["logprobs"]["content"]
+    top = []
+    for step in steps:
+        ranked = sorted(((float(t["logprob"]), _token_id(t["token"])) for t in step["top_logprobs"]), reverse=True)
+        top.append({token: value for value, token in ranked[:TOP_K]})
+    trace = Trace(tokens=[_token_id(step["token"]) for step in steps],
+                  logprobs=[float(step["logprob"]) for step in steps], top=top)
+    return answer["prompt_token_ids"], trace
+
+
+def adapt_image_trace(model_dir: str | Path, prompt_ids: list[int], picture: bytes, max_tokens: int,
+                      dtype: str) -> Trace:
+    """adapt's runtime (``KimiK25Model``, torch reference ops) on ``prompt_ids`` as vLLM built them, each run
+    of image placeholders folded back to the one the chat template wrote, with the same ``picture``."""
+    import io
+
+    import torch
+
+    from adapt.runtime.multimodal import KimiK25Model, load_image_patches
+
+    model = KimiK25Model.from_dir(model_dir, dtype=getattr(torch, dtype))
+    image = model.image_token
+    folded = [t for i, t in enumerate(prompt_ids) if t != image or i == 0 or prompt_ids[i - 1] != image]
+    images = [load_image_patches(io.BytesIO(picture), model.spec)] * folded.count(image)
+    logits: list[torch.Tensor] = []
+    tokens = model.generate(folded, max_tokens, images, step_logits=logits)
+    return _trace_from_logits(tokens, logits)
 
 
 def gate(comparisons: list[Comparison], gates: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -373,11 +447,14 @@ def launch_and_compare(model_dir: str | Path, engine_args: dict[str, Any], *, vl
 
     previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
     served: list[Trace] = []
+    picture, image_served = (smoke_picture() if takes_image_prompt(model_dir) else None), None
     try:
         server.start()
         result.metrics["health_s"] = round(server.wait_healthy(health_timeout_s), 2)
         started = time.monotonic()
         served = [vllm_trace(server.base_url, "adapt-handoff", ids, max_tokens) for ids in prompt_ids]
+        if picture is not None:
+            image_served = vllm_image_trace(server.base_url, "adapt-handoff", picture, max_tokens)
         result.metrics["requests_s"] = round(time.monotonic() - started, 2)
     except ServerFailed as exc:
         result.findings.append(("error", "server-failed", str(exc)))
@@ -411,6 +488,14 @@ def launch_and_compare(model_dir: str | Path, engine_args: dict[str, Any], *, vl
     result.tables["vllm vs adapt runtime"] = [c.row() for c in vs_adapt]
     result.metrics["vllm_vs_adapt"] = [c.to_dict() for c in vs_adapt]
     result.findings += [(s, f"adapt-{code}", msg) for s, code, msg in gate(vs_adapt, gates)]
+    if image_served is not None:
+        image_ids, image_trace = image_served
+        name = f"{IMAGE_PROMPT[0]} <{IMAGE_PIXELS[0]}x{IMAGE_PIXELS[1]} picture> {IMAGE_PROMPT[1]}"
+        ours_image = adapt_image_trace(model_dir, image_ids, picture, max_tokens, dtype)
+        vs_image = compare(name, len(image_ids), ours_image, image_trace)
+        result.tables["image prompt: vllm vs adapt runtime"] = [vs_image.row()]
+        result.metrics["image_prompt"] = {**vs_image.to_dict(), "prompt_token_ids": image_ids}
+        result.findings += [(s, f"image-{code}", msg) for s, code, msg in gate([vs_image], gates)]
     return result
 
 

@@ -10,7 +10,7 @@ every pick is a small tile, so tests stay fast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adapt.kernels.mxfp4 import INTERPRET
 
@@ -56,14 +56,27 @@ class PlanarConfig:
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
     """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both).
 
-    compute: "bf16" (MXFP4 decoded to bf16), "fp8" (MXFP4 decoded to e4m3 in the GEMM) or
-    "fp8_stored" (e4m3 weights read from memory: offline copy or workspace).
+    compute: "bf16" (MXFP4 decoded to bf16), "fp8" (MXFP4 decoded to e4m3 in the GEMM),
+    "fp8_stored" (e4m3 weights read from memory: offline copy or workspace), "fp8_block" (FP8-block
+    experts, W8A8: K steps of 128, one per scale block) or "bf16_stored" (bf16 experts, or FP8-block
+    experts widened to bf16: the fp8_stored tiles with the same bytes per row and step, so K steps of
+    128 (swap) or 64).
     """
     if INTERPRET:
         c = GemmConfig(
             block_m=16, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1, programs_per_sm=1
         )
         return c, c
+    if compute == "bf16_stored":
+        c1, c2 = pick_configs(slots, n_experts, "fp8_stored")
+        return replace(c1, block_k=128 if c1.swap_ab else 64), replace(c2, block_k=128 if c2.swap_ab else 64)
+    if compute == "fp8_block":
+        # each K step's partial sum is scaled before it joins the accumulator (a second [M, N] fp32
+        # tile live): at large T half the fp8_stored n-tile keeps that within the register file
+        c1, c2 = pick_configs(slots, n_experts, "fp8_stored")
+        if not c1.swap_ab and c1.block_m == 128:
+            return replace(c1, block_n=64), replace(c2, block_n=128)
+        return replace(c1, block_k=128), replace(c2, block_k=128)
     per_expert = slots / max(1, n_experts)
     bk_small = 256
     if per_expert <= 16 and compute == "bf16":
@@ -95,22 +108,24 @@ def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, 
 
 
 _P = PlanarConfig
-_SMALL = _P(16, 128, 1, 4, 4, 4, 0, True, 128)
-_H200_RECORD = "benchmarks/moe/2026-11-30-planar (call 2, commit 2f8c751)"
+_N64 = _P(16, 64, 1, 4, 4, 4, 0, True, 128)
+_NOCAP = _P(16, 128, 1, 4, 4, 4, 0, True)
+_BIG = _P(128, 256, 1, 4, 8, 3, 0, True)
+_H200_RECORD = "benchmarks/moe/2026-11-30-s2 (call 1, commit 36a06da)"
 PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfig]]] = {
     # (device name, "hidden x intermediate") -> rows (largest mean slots per expert, GEMM1, GEMM2),
     # each the fastest config of the H200 sweep in _H200_RECORD at the token counts of its range
     ("NVIDIA H200", "7168x2048"): [
-        (0.1, _SMALL, _SMALL),  # T = 1: 102 us (split-K 8/4: 115)
-        (16.0, _SMALL, _SMALL),  # T = 16..256: 0.63-0.64 of copy
-        (64.0, _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),  # T = 1024: 3663 us
-        (float("inf"), _P(128, 128, 1, 4, 8, 3, 0, True), _P(128, 128, 1, 4, 8, 3, 0, True)),  # T = 4096: 8792
+        (0.1, _N64, _N64),  # T = 1: 100 us (block_n 128: 102; split 2: 110)
+        (16.0, _N64, _N64),  # T = 16..256: 965 / 2021 / 2527 us (block_n 128: 1000 / 2133 / 2539)
+        (64.0, _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),  # T = 1024: 3569 with combine
+        (float("inf"), _BIG, _BIG),  # T = 4096: 7935 us (128 x 128: 8674)
     ],
     ("NVIDIA H200", "2880x2880"): [
-        (0.1, _P(16, 128, 4, 4, 4, 4, 0, True, 128), _P(16, 128, 2, 4, 4, 4, 0, True, 128)),  # T = 1: 54 us
-        (16.0, _SMALL, _SMALL),  # T = 16..256: 0.58-0.63 of copy
-        (64.0, _P(64, 128, 1, 4, 4, 3, 0, True), _P(64, 128, 1, 4, 4, 3, 0, True)),  # T = 1024: 1142 us
-        (float("inf"), _P(128, 128, 1, 4, 8, 3, 0, True), _P(128, 128, 1, 4, 8, 3, 0, True)),  # T = 4096: 2717
+        (0.1, _N64, _N64),  # T = 1: 48 us (block_n 128: 50)
+        (16.0, _NOCAP, _NOCAP),  # T = 16..256: 282 / 611 / 698 us (register cap 128: 290 / 624 / 713)
+        (64.0, _P(32, 128, 1, 4, 4, 4, 0, True), _P(32, 128, 1, 4, 4, 4, 0, True)),  # T = 1024: 1092 us
+        (float("inf"), _BIG, _BIG),  # T = 4096: 2335 us (128 x 128: 2471)
     ],
 }
 """Planar GEMM configs keyed by (``torch.cuda.get_device_name``, "HxI"); unknown keys take the

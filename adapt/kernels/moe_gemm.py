@@ -1,4 +1,6 @@
-"""Fused MoE expert path: grouped GEMMs over expert-sorted tokens with MXFP4 weights decoded in-kernel.
+"""Fused MoE expert path: grouped GEMMs over expert-sorted tokens with MXFP4 weights decoded in-kernel,
+and the same GEMMs on bf16 or FP8-block experts (``StackedExperts``: the weight-load step of the kernel
+switches on the format, W_MODE 3 / 4; tile map, routing and epilogues are shared).
 
 Entry point (the runtime calls this once per MoE layer)::
 
@@ -11,7 +13,9 @@ Entry point (the runtime calls this once per MoE layer)::
     weights       MoEWeights: w1 (gate+up) blocks uint8 [E, 2I, H/32, 16], scales uint8 [E, 2I, H/32];
                   w2 (down) blocks uint8 [E, H, I/32, 16], scales [E, H, I/32]; optional biases
                   w1_bias [E, 2I], w2_bias [E, H]; gate_up_interleaved (gpt-oss: rows alternate
-                  gate/up; DeepSeek: gate rows then up rows)
+                  gate/up; DeepSeek: gate rows then up rows); or StackedExperts: w1 [E, 2I, H], w2 [E, H, I]
+                  bf16, or e4m3 with fp32 128 x 128 block scales (compute "fp8": e4m3 activations per
+                  token or 1x128 group, W8A8; "bf16": FP8 weights widened to bf16 in registers, W8A16)
     router        RouterConfig (softmax or DeepSeek sigmoid group-limited, k, scaling)
     correction_bias fp32 [E] | None (DeepSeek-V3 e_score_correction_bias)
     shared        MoEWeights | None: shared experts, every token, weight 1
@@ -56,7 +60,7 @@ from adapt.kernels.moe_configs import GemmConfig, PlanarConfig, pick_configs, pi
 from adapt.kernels.moe_planar import PlanarExperts, planar_gemm
 from adapt.kernels.moe_quant import FP8_GROUP, quantize_fp8_rows, quantize_fp8_rows_torch
 from adapt.kernels.moe_tiles import TileMap, max_m_tiles, num_sms, tile_map, tile_slots
-from adapt.kernels.moe_weights import FP8Weights, MoEWeights, moe_flops, mxfp4_expert_bytes
+from adapt.kernels.moe_weights import FP8Weights, MoEWeights, StackedExperts, moe_flops, mxfp4_expert_bytes
 from adapt.kernels.mxfp4 import (
     INTERPRET,
     decode_mxfp4_tile_fp8,
@@ -84,6 +88,7 @@ __all__ = [
     "GemmConfig",
     "MoEWeights",
     "PlanarExperts",
+    "StackedExperts",
     "expert_mlp",
     "expert_mlp_torch",
     "moe_flops",
@@ -133,19 +138,26 @@ def _load_w_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    ACT_FP8: tl.constexpr = False,
 ):
     """One weight tile [BLOCK_N, BLOCK_K] in the MMA's operand type.
 
     W_MODE 0: MXFP4 read as int32 words (8 codes each) -> bf16 (fp32 under the interpreter), columns
     in ``word_k_order`` (k_words = K/8, passed so its divisibility gives 16-byte loads);
-    1: MXFP4 bytes -> e4m3 folded relative to g_row; 2: e4m3 weights read as they are.
-    w_ptr / sc_ptr already point at the expert (or slot).
+    1: MXFP4 bytes -> e4m3 folded relative to g_row; 2: e4m3 weights read as they are;
+    3: e4m3 weights of 128 x 128 block scales (the scale is applied to the block's partial sum),
+    as they are for e4m3 activations (ACT_FP8), else widened to bf16; 4: bf16 weights as they are.
+    Widened to fp32 under the interpreter (DOT_F32). w_ptr / sc_ptr already point at the expert (or slot).
     """
-    if W_MODE == 2:
+    if W_MODE >= 2:
         kk = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(
-            w_ptr + wrow[:, None] * k + kk[None, :], mask=n_ok[:, None] & (kk < k)[None, :], other=0.0
-        )
+        w = tl.load(w_ptr + wrow[:, None] * k + kk[None, :], mask=n_ok[:, None] & (kk < k)[None, :], other=0.0)
+        if W_MODE == 2 or (W_MODE == 3 and ACT_FP8):
+            return w
+        elif DOT_F32:
+            return w.to(tl.float32)
+        else:
+            return w.to(tl.bfloat16)
     elif W_MODE == 0:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -195,6 +207,40 @@ def _row_exponent(sc_ptr, wrow, n_ok, k, W_MODE: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
+def _block_scale(sc_ptr, wrow, n_ok, k0, stride_sn, W_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 [BLOCK_N]: the 128 x 128 block scale of rows ``wrow`` at K offset k0 (W_MODE 3), else ones."""
+    if W_MODE == 3:
+        return tl.load(sc_ptr + (wrow // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+    else:
+        return tl.full((BLOCK_N,), 1.0, tl.float32)
+
+
+@triton.jit
+def _mma(w, x, acc, ws, xs, SWAP: tl.constexpr, W_BLOCK: tl.constexpr, ACT_GROUP: tl.constexpr):
+    """acc + W x^T (SWAP: acc [BLOCK_N, BLOCK_M]) or acc + x W^T ([BLOCK_M, BLOCK_N]) for one K step,
+    the step's partial sum scaled by the weight rows' block scales ws [BLOCK_N] (W_BLOCK) and the
+    activation rows' group scales xs [BLOCK_M] (ACT_GROUP); unscaled steps accumulate in the MMA."""
+    if SWAP:
+        if W_BLOCK and ACT_GROUP:
+            return acc + tl.dot(w, tl.trans(x)) * (ws[:, None] * xs[None, :])
+        elif W_BLOCK:
+            return acc + tl.dot(w, tl.trans(x)) * ws[:, None]
+        elif ACT_GROUP:
+            return acc + tl.dot(w, tl.trans(x)) * xs[None, :]
+        else:
+            return tl.dot(w, tl.trans(x), acc)
+    else:
+        if W_BLOCK and ACT_GROUP:
+            return acc + tl.dot(x, tl.trans(w)) * (xs[:, None] * ws[None, :])
+        elif W_BLOCK:
+            return acc + tl.dot(x, tl.trans(w)) * ws[None, :]
+        elif ACT_GROUP:
+            return acc + tl.dot(x, tl.trans(w)) * xs[:, None]
+        else:
+            return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     x_ptr,
     xs_ptr,
@@ -223,6 +269,7 @@ def _moe_gemm_kernel(
     up_off,
     alpha,
     limit,
+    stride_sn,
     TOPK: tl.constexpr,
     GATHER: tl.constexpr,
     W_MODE: tl.constexpr,
@@ -247,7 +294,8 @@ def _moe_gemm_kernel(
     or read in sorted order; W: see _load_w_tile; out bf16 [S, n_out] in sorted order.
     ACTIVATION 0: out = acc (+bias); 1/2: gate rows n*gate_mult, up rows n*gate_mult + up_off,
     out = swiglu(gate, up) (plain / gpt-oss clamped). Experts [e_lo, e_hi) only; weight slot of
-    expert e is e - e_lo + slot_base (W_MODE 2) or e (MXFP4).
+    expert e is e - e_lo + slot_base (W_MODE 2) or e (MXFP4, W_MODE 3 / 4). W_MODE 3: sc_ptr holds fp32
+    block scales [E, ceil(N/128), ceil(K/128)] (row stride stride_sn), BLOCK_K divides 128.
     """
     m_lo = tl.load(tile_start_ptr + e_lo)
     n_m = tl.load(tile_start_ptr + e_hi) - m_lo
@@ -273,7 +321,7 @@ def _moe_gemm_kernel(
             ru = n * gate_mult + up_off
         g_g = tl.zeros((BLOCK_N,), tl.int32)
         g_u = tl.zeros((BLOCK_N,), tl.int32)
-        if W_MODE != 0:
+        if W_MODE == 1 or W_MODE == 2:
             g_g = _row_exponent(sbase, rg, n_ok, k, W_MODE, BLOCK_N)
             if ACTIVATION != 0:
                 g_u = _row_exponent(sbase, ru, n_ok, k, W_MODE, BLOCK_N)
@@ -292,38 +340,25 @@ def _moe_gemm_kernel(
             )
             if DOT_F32:
                 x = x.to(tl.float32)
-            wg = _load_w_tile(wbase, sbase, rg, n_ok, k0, k, k_words, g_g, W_MODE, BLOCK_N, BLOCK_K, DOT_F32)
+            wg = _load_w_tile(
+                wbase, sbase, rg, n_ok, k0, k, k_words, g_g, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8
+            )
             if ACT_GROUP:
                 xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=row_ok, other=0.0)
-            if SWAP:
-                xt = tl.trans(x)
-                if ACT_GROUP:
-                    acc_g += tl.dot(wg, xt) * xs[None, :]
-                else:
-                    acc_g = tl.dot(wg, xt, acc_g)
             else:
-                if ACT_GROUP:
-                    acc_g += tl.dot(x, tl.trans(wg)) * xs[:, None]
-                else:
-                    acc_g = tl.dot(x, tl.trans(wg), acc_g)
+                xs = tl.full((BLOCK_M,), 1.0, tl.float32)
+            ws = _block_scale(sbase, rg, n_ok, k0, stride_sn, W_MODE, BLOCK_N)
+            acc_g = _mma(wg, x, acc_g, ws, xs, SWAP, W_MODE == 3, ACT_GROUP)
             if ACTIVATION != 0:
                 wu = _load_w_tile(
-                    wbase, sbase, ru, n_ok, k0, k, k_words, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32
+                    wbase, sbase, ru, n_ok, k0, k, k_words, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8
                 )
-                if SWAP:
-                    if ACT_GROUP:
-                        acc_u += tl.dot(wu, xt) * xs[None, :]
-                    else:
-                        acc_u = tl.dot(wu, xt, acc_u)
-                else:
-                    if ACT_GROUP:
-                        acc_u += tl.dot(x, tl.trans(wu)) * xs[:, None]
-                    else:
-                        acc_u = tl.dot(x, tl.trans(wu), acc_u)
+                ws = _block_scale(sbase, ru, n_ok, k0, stride_sn, W_MODE, BLOCK_N)
+                acc_u = _mma(wu, x, acc_u, ws, xs, SWAP, W_MODE == 3, ACT_GROUP)
         if not SWAP:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
-        if W_MODE != 0:
+        if W_MODE == 1 or W_MODE == 2:
             acc_g = acc_g * pow2_f32(g_g)[:, None]
             acc_u = acc_u * pow2_f32(g_u)[:, None]
         if ACT_FP8 and not ACT_GROUP:
@@ -364,6 +399,7 @@ class _WeightOperand:
     bias: torch.Tensor | None
     mode: int
     k: int
+    stride_sn: int = 0
 
 
 def _mxfp4_operand(packed: torch.Tensor, scales: torch.Tensor, bias, fp8: bool) -> _WeightOperand:
@@ -375,6 +411,13 @@ def _mxfp4_operand(packed: torch.Tensor, scales: torch.Tensor, bias, fp8: bool) 
 
 def fp8_operand(w: torch.Tensor, exps: torch.Tensor, bias) -> _WeightOperand:
     return _WeightOperand(w, exps, w.stride(0), exps.stride(0), bias, 2, w.shape[-1])
+
+
+def stacked_operand(w: torch.Tensor, scale: torch.Tensor | None, bias) -> _WeightOperand:
+    """bf16 weights [E, N, K] (W_MODE 4) or e4m3 with fp32 128 x 128 block scales (W_MODE 3)."""
+    if scale is None:
+        return _WeightOperand(w, w, w.stride(0), 0, bias, 4, w.shape[-1])
+    return _WeightOperand(w, scale, w.stride(0), scale.stride(0), bias, 3, w.shape[-1], scale.stride(1))
 
 
 def moe_gemm(
@@ -414,7 +457,7 @@ def moe_gemm(
         gate_mult, up_off = 1, n_out
     act_fp8 = x.dtype == torch.float8_e4m3fn
     act_group = act_fp8 and x_scale is not None and x_scale.dim() == 2
-    if act_group and cfg.block_k != FP8_GROUP:
+    if (act_group and cfg.block_k != FP8_GROUP) or (op.mode == 3 and FP8_GROUP % cfg.block_k):
         cfg = GemmConfig(
             cfg.block_m,
             cfg.block_n,
@@ -462,6 +505,7 @@ def moe_gemm(
         up_off,
         float(alpha),
         float(limit),
+        op.stride_sn,
         TOPK=top_k,
         GATHER=gather,
         W_MODE=op.mode,
@@ -473,7 +517,7 @@ def moe_gemm(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
-        DOT_F32=INTERPRET and op.mode == 0,
+        DOT_F32=INTERPRET and (op.mode in (0, 4) or (op.mode == 3 and not act_fp8)),
         SWAP=cfg.swap_ab,
         WORD_ORDER_OUT=op.mode == 0 and activation != 0,
         num_warps=cfg.num_warps,
@@ -539,6 +583,8 @@ def expert_mlp(
     e, h, inter = weights.n_experts, weights.hidden, weights.intermediate
     s = hidden.shape[0] * top_k
     act = ACTIVATIONS[activation]
+    if isinstance(weights, StackedExperts):
+        return _stacked_mlp(hidden, perm, weights, top_k, act, alpha, limit, compute, act_quant, config)
     use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
     if planar is not None and not use_fp8:
         return _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config)
@@ -613,6 +659,41 @@ def expert_mlp(
         **common,
     )
     quantize_fp8_rows(hbuf, group, out=(hq, hs))
+    moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
+    return y
+
+
+def _stacked_mlp(hidden, perm, weights: StackedExperts, top_k, act, alpha, limit, compute, act_quant, config):
+    """``expert_mlp`` on bf16 or FP8-block experts: the same grouped GEMMs (tile map, gather, SwiGLU and
+    sorted-order epilogues) with the weights read as stored (W_MODE 4 / 3). compute "bf16": bf16
+    activations (FP8 weights widened to bf16 in registers, each 128 x 128 block's partial sum times its
+    scale); "fp8" (FP8-block experts only): activations in e4m3 per token or per 1x128 group
+    (``act_quant``), fp8 MMA, partial sums times weight block scale and activation group scale
+    (DeepSeek-V3's W8A8 numerics). Weight bytes per active expert: 6*H*I (bf16) or 3*H*I (+ scales)."""
+    fp8 = compute == "fp8"
+    if fp8 and weights.format != "fp8_block":
+        raise InputError("bf16 experts compute in bf16", field="compute", hint="use compute='bf16'")
+    s = hidden.shape[0] * top_k
+    e, h, inter = weights.n_experts, weights.hidden, weights.intermediate
+    c1, c2 = config if config is not None else pick_configs(s, e, "fp8_block" if fp8 else "bf16_stored")
+    if c1.block_m != c2.block_m:
+        raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
+    tiles = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
+    dev = hidden.device
+    op1 = stacked_operand(weights.w1, weights.w1_scale, weights.w1_bias)
+    op2 = stacked_operand(weights.w2, weights.w2_scale, weights.w2_bias)
+    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
+    common = dict(top_k=top_k, alpha=alpha, limit=limit)
+    il = weights.gate_up_interleaved
+    if not fp8:
+        moe_gemm(hidden, None, op1, perm, tiles, hbuf, gather=True, activation=act, interleaved=il, cfg=c1, **common)
+        moe_gemm(hbuf, None, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
+        return y
+    group = FP8_GROUP if act_quant == "group128" else None
+    xq, xs = quantize_fp8_rows(hidden, group)
+    moe_gemm(xq, xs, op1, perm, tiles, hbuf, gather=True, activation=act, interleaved=il, cfg=c1, **common)
+    hq, hs = quantize_fp8_rows(hbuf, group)
     moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
     return y
 
@@ -739,7 +820,9 @@ def expert_mlp_torch(
     """Twin of ``expert_mlp``: per-expert fp32 loops on the same quantised operands -> bf16 [S, H]
     (``planar`` holds the same values as ``weights``: the twin reads ``weights``)."""
     use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
-    if use_fp8:
+    if isinstance(weights, StackedExperts):
+        w1, w2 = weights.dense()  # bf16 or FP8 values times their block scales, exactly, in fp32
+    elif use_fp8:
         w1 = _fp8_row_weights_torch(weights.w1_packed, weights.w1_scales)
         w2 = _fp8_row_weights_torch(weights.w2_packed, weights.w2_scales)
     else:

@@ -6,15 +6,24 @@ The planar layout, made once at load time, arranges the nibbles so that each dec
 pair is already one bf16x2 register of the operand: two adjacent K columns of one K plane.
 
 Layout (``PlanarMXFP4``), per row, per step of 128 K elements (K padded to a multiple of 128 with
-zero codes): 16 int32 words, word ``h * 8 + c`` (h in {0, 1}, c in 0..7); its nibble at bits
-``4p`` (p in 0..3) holds element ``16 * (4h + p) + 2c`` and its nibble at bits ``16 + 4p`` holds
+zero codes): 16 int32 words, word ``h * 8 + c`` (h in {0, 1}, c in 0..7); each 16-bit half holds four
+codes, one per plane ``p`` in 0..3, the low half element ``16 * (4h + p) + 2c`` and the high half
 element ``16 * (4h + p) + 2c + 1`` of the step. So plane ``j = 4h + p`` is the K range
-``[16j, 16j + 16)`` of the step, and decoding plane j of the 8 words of half h is, per word,
-two shifts and one bitwise select (the code's magnitude bits to bf16 bits 6..8 and 22..24, its
-sign to bits 15 and 31: the bf16 pair of value * 2**-126), then one bf16x2 multiply by
-``2**(s - 1) = 2**126 * 2**(s - 127)`` (E8M0 scale s; plane j uses the step's 32-block j // 2).
-That single multiply needs s <= 128 (the factor stays a finite bf16); layers with larger scales
-take the two-multiply decode (``TWO_MULS``). Bytes are the MXFP4 bytes (K/2 + K/32 per row).
+``[16j, 16j + 16)`` of the step. Inside a half, the code bits (mantissa, exponent low, exponent
+high, sign) of plane p sit at ``NIBBLE_BITS[p]``: chosen so that plane 0 and 1 decode with one
+shift and one mask, plane 2 with one shift and two masks, plane 3 with two shifts and two masks
+(15 integer operations per word, 3.75 per bf16x2 register; the magnitude lands in bf16 bits 6..8,
+the sign in bit 15, in both halves at once: the bf16 pair of value * 2**-126), then one bf16x2
+multiply by ``2**(s - 1) = 2**126 * 2**(s - 127)`` (E8M0 scale s; plane j uses the step's 32-block
+j // 2). That single multiply needs s <= 128 (the factor stays a finite bf16): such layers store
+each scale byte pre-biased as ``s + 126``, the bf16 exponent of the factor, so two shifts and two
+masks place four factors into two bf16x2 registers; layers with a larger scale keep the E8M0 bytes
+and take the two-multiply decode (``TWO_MULS``). Bytes are the MXFP4 bytes (K/2 + K/32 per row).
+
+Tiles: rows are grouped in blocks of ``ROW_BLOCK`` (N padded to a multiple with zero codes) and
+stored block-major, step-major inside a block: ``words[e, n // 64, step, n % 64, 16]``, so the 64 rows
+of one step are 4 KB contiguous in memory (scales likewise: 256 B); a row-major copy would put each
+row's 64 bytes of a step 3.5 KB (DeepSeek-V3 GEMM1) from the next row's, one short burst per DRAM page.
 
 Rows: GEMM1 (gate + up, 2I rows) is stored with gate and up rows interleaved (row 2i gate i,
 row 2i + 1 up i) whatever the checkpoint's order, so one tile of BLOCK_N rows yields BLOCK_N / 2
@@ -46,32 +55,56 @@ from adapt.kernels.mxfp4 import INTERPRET, dequantize_mxfp4_torch, to_bf16
 
 PLANAR_STEP = 128
 """K elements per step of the planar layout (16 words per row)."""
+ROW_BLOCK = 64
+"""Rows per block of the tiled layout (one step of a block is 64 x 16 words, contiguous)."""
 FAST_SCALE_MAX = 128
 """Largest E8M0 byte for which 2**126 * scale is a finite bf16 (one multiply per pair)."""
+SCALE_BIAS = FAST_SCALE_MAX - 2
+"""Added to every scale byte of a one-multiply layer: s + 126 is the bf16 exponent of 2**(s - 1)."""
+NIBBLE_BITS = ((0, 1, 2, 9), (3, 4, 5, 12), (6, 7, 8, 10), (13, 14, 15, 11))
+"""Per plane p: the bit positions, inside a 16-bit half of a planar word, of the code's mantissa,
+exponent low bit, exponent high bit and sign."""
 
 
 @dataclass
 class PlanarMXFP4:
     """One GEMM's experts in the planar layout (see the module docstring).
 
-    words  int32 [E, N, Kp/8]   (Kp = K rounded up to 128; same bytes as the MXFP4 codes)
-    scales uint8 [E, N, Kp/32]  E8M0, the MXFP4 block scales (127 in the padding)
-    k      logical K; gate_up: rows are interleaved gate/up pairs (GEMM1)
+    words  int32 [E, Np/64, Kp/128, 64, 16] (Np = N rounded up to ROW_BLOCK, Kp = K rounded up to
+           128, both with zero codes; the MXFP4 code bytes of the rows and steps)
+    scales uint8 [E, Np/64, Kp/128, 64, 4]  the MXFP4 block scales, E8M0 + SCALE_BIAS unless
+           two_muls, else E8M0 (a padded block: 127 before the bias)
+    n, k   logical rows and K; gate_up: rows are interleaved gate/up pairs (GEMM1)
     two_muls: some scale byte exceeds FAST_SCALE_MAX (decode with two multiplies)
     """
 
     words: torch.Tensor
     scales: torch.Tensor
+    n: int
     k: int
     gate_up: bool
     two_muls: bool
 
     @property
     def k_padded(self) -> int:
-        return self.words.shape[-1] * 8
+        return self.words.shape[2] * PLANAR_STEP
 
     def nbytes(self) -> int:
         return self.words.numel() * 4 + self.scales.numel()
+
+
+def _tiled(t: torch.Tensor, np_: int, per_step: int, fill: int) -> torch.Tensor:
+    """Row-major [N, steps * per_step] -> [Np/64, steps, 64, per_step], rows N..Np set to ``fill``."""
+    n, cols = t.shape
+    out = torch.full((np_, cols), fill, dtype=t.dtype, device=t.device)
+    out[:n] = t
+    return out.reshape(np_ // ROW_BLOCK, ROW_BLOCK, cols // per_step, per_step).permute(0, 2, 1, 3).contiguous()
+
+
+def _untiled(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of ``_tiled`` over a leading expert dim: [E, Np/64, steps, 64, w] -> [E, n, steps * w]."""
+    e, nb, steps, rb, w = t.shape
+    return t.permute(0, 1, 3, 2, 4).reshape(e, nb * rb, steps * w)[:, :n]
 
 
 def _interleave_gate_up(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -99,35 +132,49 @@ def planar_from_mxfp4(
         packed = _interleave_gate_up(packed, interleaved)
         scales = _interleave_gate_up(scales, interleaved)
     kp = -(-k // PLANAR_STEP) * PLANAR_STEP
-    words = torch.empty(e, n, kp // 8, dtype=torch.int32, device=packed.device)
-    shift = (4 * torch.arange(4, device=packed.device)).reshape(1, 1, 4, 1, 1) + 16 * torch.arange(
-        2, device=packed.device
-    ).reshape(1, 1, 1, 1, 2)
+    np_ = -(-n // ROW_BLOCK) * ROW_BLOCK
+    steps = kp // PLANAR_STEP
+    words = torch.empty(e, np_ // ROW_BLOCK, steps, ROW_BLOCK, 16, dtype=torch.int32, device=packed.device)
+    lut = _nibble_lut(packed.device).reshape(1, 1, 4, 16, 1, 1)
     for ex in range(e):  # one expert at a time: the int64 transient is 16x one expert's codes
         codes = torch.zeros(n, kp, dtype=torch.uint8, device=packed.device)
         codes[:, 0:k:2] = packed[ex] & 0xF
         codes[:, 1:k:2] = packed[ex] >> 4
-        # codes[n, step, plane j = 4h + p, col = 2c + half] -> word (step, h, c), nibble (half, p)
-        c = codes.reshape(n * (kp // PLANAR_STEP), 2, 4, 8, 2).to(torch.int64)  # h, p, c, half
-        wd = (c << shift).sum(dim=(2, 4))  # [n * steps, 2, 8], < 2**32
-        words[ex] = torch.where(wd >= 2**31, wd - 2**32, wd).to(torch.int32).reshape(n, kp // 8)
-    sc = torch.full((e, n, kp // 32), 127, dtype=torch.uint8, device=packed.device)
-    sc[..., : k // 32] = scales
+        # codes[n, step, plane j = 4h + p, col = 2c + half] -> word (step, h, c), half's bits NIBBLE_BITS[p]
+        c = codes.reshape(n * steps, 2, 4, 1, 8, 2).to(torch.int64)  # h, p, -, c, half
+        spread = torch.take_along_dim(lut.expand(c.shape[0], 2, 4, 16, 8, 2), c, dim=3)
+        wd = (spread.squeeze(3) << (16 * torch.arange(2, device=packed.device))).sum(dim=(2, 4))  # [n*steps, 2, 8]
+        wd = torch.where(wd >= 2**31, wd - 2**32, wd).to(torch.int32).reshape(n, kp // 8)
+        words[ex] = _tiled(wd, np_, 16, 0)
     two = bool((scales.int().amax() > FAST_SCALE_MAX).item()) if scales.numel() else False
-    return PlanarMXFP4(words.contiguous(), sc.contiguous(), k, gate_up, two)
+    pad = 127 if two else 127 + SCALE_BIAS
+    sc = torch.empty(e, np_ // ROW_BLOCK, steps, ROW_BLOCK, 4, dtype=torch.uint8, device=packed.device)
+    for ex in range(e):
+        rows = torch.full((n, kp // 32), pad, dtype=torch.uint8, device=packed.device)
+        rows[:, : k // 32] = scales[ex] if two else scales[ex] + SCALE_BIAS
+        sc[ex] = _tiled(rows, np_, 4, pad)
+    return PlanarMXFP4(words, sc, n, k, gate_up, two)
+
+
+def _nibble_lut(device) -> torch.Tensor:
+    """int64 [4, 16]: code v of plane p spread to its bits ``NIBBLE_BITS[p]`` of a 16-bit half."""
+    v = torch.arange(16, device=device)
+    pos = torch.tensor(NIBBLE_BITS, device=device)  # [4 planes, 4 code bits]
+    return (((v[None, :, None] >> torch.arange(4, device=device)) & 1) << pos[:, None, :]).sum(-1)
 
 
 def planar_to_mxfp4_torch(p: PlanarMXFP4, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``planar_from_mxfp4``: -> (packed uint8 [E, N, K/2], scales uint8 [E, N, K/32])."""
-    e, n, kw = p.words.shape
-    kp = kw * 8
-    w = p.words.long().bitwise_and(0xFFFFFFFF).reshape(e, n, kp // PLANAR_STEP, 2, 1, 8, 1)
-    shift = (4 * torch.arange(4, device=w.device)).reshape(1, 1, 1, 1, 4, 1, 1) + 16 * torch.arange(
-        2, device=w.device
-    ).reshape(1, 1, 1, 1, 1, 1, 2)
-    codes = ((w >> shift) & 0xF).reshape(e, n, kp)[..., : p.k].to(torch.uint8)
+    e, n, kp = p.words.shape[0], p.n, p.k_padded
+    w = _untiled(p.words, n).long().bitwise_and(0xFFFFFFFF).reshape(e, n, kp // PLANAR_STEP, 2, 1, 8, 1, 1)
+    half = 16 * torch.arange(2, device=w.device).reshape(1, 1, 1, 1, 1, 1, 2, 1)
+    pos = torch.tensor(NIBBLE_BITS, device=w.device).reshape(1, 1, 1, 1, 4, 1, 1, 4)
+    bits = (w >> (pos + half)) & 1  # [e, n, step, h, p, c, half, code bit]
+    codes = (bits << torch.arange(4, device=w.device)).sum(-1).reshape(e, n, kp)[..., : p.k].to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    scales = p.scales[..., : p.k // 32]
+    scales = _untiled(p.scales, n)[..., : p.k // 32]
+    if not p.two_muls:
+        scales = scales - SCALE_BIAS
     if p.gate_up and not interleaved:
         packed = torch.cat((packed[:, 0::2], packed[:, 1::2]), dim=1)
         scales = torch.cat((scales[:, 0::2], scales[:, 1::2]), dim=1)
@@ -135,117 +182,169 @@ def planar_to_mxfp4_torch(p: PlanarMXFP4, interleaved: bool = False) -> tuple[to
 
 
 @triton.jit
-def _plane(w, f, P: tl.constexpr, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Plane p of words w int32 [BLOCK_N, 8] -> [BLOCK_N, 16] (bf16, or fp32 when DOT_F32), times
-    f [BLOCK_N] (bf16 2**(s-1), or 2**(s-127) with TWO_MULS / DOT_F32)."""
+def _plane(w, f, P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Plane p of words w int32 [BLOCK_N, 8] -> fp32 [BLOCK_N, 16] times f fp32 [BLOCK_N] (2**(s-127)):
+    the bit moves of ``_plane_ptx`` in plain Triton (the interpreter's path)."""
     u = w.to(tl.uint32, bitcast=True)
     if P == 0:
-        pair = ((u << 6) & 0x01C001C0) | ((u << 12) & 0x80008000)
+        pair = (u << 6) & 0x81C081C0
     elif P == 1:
-        pair = ((u << 2) & 0x01C001C0) | ((u << 8) & 0x80008000)
+        pair = (u << 3) & 0x81C081C0
     elif P == 2:
-        pair = ((u >> 2) & 0x01C001C0) | ((u << 4) & 0x80008000)
+        pair = (u & 0x01C001C0) | ((u << 5) & 0x80008000)
     else:
-        pair = ((u >> 6) & 0x01C001C0) | (u & 0x80008000)
-    if DOT_F32:
-        lo = (pair << 16).to(tl.float32, bitcast=True)
-        hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
-        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, 16))
-        return v * 8.507059173023462e37 * f[:, None]  # 2**126
-    else:
-        lo = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        hi = (pair >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, 16))
-        if TWO_MULS:
-            two126 = tl.full((BLOCK_N, 16), (126 + 127) << 7, tl.uint16).to(tl.bfloat16, bitcast=True)
-            v = v * two126
-        return v * f[:, None]
+        pair = ((u >> 7) & 0x01C001C0) | ((u << 4) & 0x80008000)
+    lo = (pair << 16).to(tl.float32, bitcast=True)
+    hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+    v = tl.reshape(tl.join(lo, hi), (BLOCK_N, 16))
+    return v * 8.507059173023462e37 * f[:, None]  # 2**126
 
 
-def _plane_ptx(p: int, two_muls: bool) -> str:
-    """PTX of plane p on one 32-bit word ($1; $2 is its duplicate) times the bf16x2 scale $3: two
-    shifts move nibble p's magnitude bits 0..2 to bf16 bits 6..8 (22..24 in the high half) and
-    its bit 3 to bit 15 (31), one select (and/and/or: one LOP3) joins them, and one bf16x2
-    multiply applies 2**126 * scale (two multiplies with two_muls)."""
-    mag = ("shl.b32 a, $1, 6;", "shl.b32 a, $1, 2;", "shr.u32 a, $1, 2;", "shr.u32 a, $1, 6;")[p]
-    sign = ("shl.b32 b, $1, 12;", "shl.b32 b, $1, 8;", "shl.b32 b, $1, 4;", "mov.b32 b, $1;")[p]
+def _plane_ptx(p: int, two_muls: bool, hi: bool) -> str:
+    """PTX of plane p (``NIBBLE_BITS``) on one 32-bit word ($1; $2 is its duplicate), times one bf16
+    of the packed factor pair $3 (its high half when ``hi``) broadcast to both lanes. Plane 0 and 1:
+    one shift and one mask put the magnitude bits at bf16 bits 6..8 and the sign at bit 15 of both
+    halves; plane 2: a mask and a shifted sign; plane 3: both shifted. One select per term (LOP3)
+    and one bf16x2 multiply applies 2**126 * scale (two multiplies with two_muls)."""
+    bits = (
+        "shl.b32 a, $1, 6; and.b32 a, a, 0x81C081C0; ",
+        "shl.b32 a, $1, 3; and.b32 a, a, 0x81C081C0; ",
+        "and.b32 a, $1, 0x01C001C0; shl.b32 b, $1, 5; and.b32 b, b, 0x80008000; or.b32 a, a, b; ",
+        "shr.b32 a, $1, 7; and.b32 a, a, 0x01C001C0; shl.b32 b, $1, 4; and.b32 b, b, 0x80008000; "
+        "or.b32 a, a, b; ",
+    )[p]
     fix = "mov.b32 b, 0x7E807E80; mul.rn.bf16x2 a, a, b; " if two_muls else ""
+    lane = "{h, h}" if hi else "{l, l}"
     return (
-        "{ .reg .b32 a, b; " + mag + " " + sign + " and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; "
-        "or.b32 a, a, b; " + fix + "mul.rn.bf16x2 $0, a, $3; }"
+        "{ .reg .b32 a, b, f; .reg .b16 l, h; " + bits + fix + "mov.b32 {l, h}, $3; mov.b32 f, " + lane + "; "
+        "mul.rn.bf16x2 $0, a, f; }"
     )
 
 
-_PTX = [[tl.constexpr(_plane_ptx(p, t)) for t in (False, True)] for p in range(4)]
-_PTX0, _PTX1, _PTX2, _PTX3 = (_PTX[p][0] for p in range(4))
-_PTX0T, _PTX1T, _PTX2T, _PTX3T = (_PTX[p][1] for p in range(4))
+_PTX = [[[tl.constexpr(_plane_ptx(p, t, h)) for h in (False, True)] for t in (False, True)] for p in range(4)]
+_PTX0L, _PTX1L, _PTX2L, _PTX3L = (_PTX[p][0][0] for p in range(4))
+_PTX0H, _PTX1H, _PTX2H, _PTX3H = (_PTX[p][0][1] for p in range(4))
+_PTX0LT, _PTX1LT, _PTX2LT, _PTX3LT = (_PTX[p][1][0] for p in range(4))
+_PTX0HT, _PTX1HT, _PTX2HT, _PTX3HT = (_PTX[p][1][1] for p in range(4))
 
 
 @triton.jit
-def _plane_asm(w, f, P: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``_plane`` in PTX (``_plane_ptx``): each word becomes one bf16x2 register of the operand."""
+def _plane_asm(w, fp, P: tl.constexpr, HI: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_plane`` in PTX (``_plane_ptx``): each word becomes one bf16x2 register of the operand;
+    fp int32 [BLOCK_N]: two bf16 factors (``_scale_pairs``), the high one when HI."""
     w2 = tl.reshape(tl.join(w, w), (BLOCK_N, 16))
-    f2 = tl.broadcast_to(f[:, None], (BLOCK_N, 16))
+    f2 = tl.broadcast_to(fp[:, None], (BLOCK_N, 16))
     if TWO_MULS:
-        if P == 0:
-            asm: tl.constexpr = _PTX0T
-        elif P == 1:
-            asm: tl.constexpr = _PTX1T
-        elif P == 2:
-            asm: tl.constexpr = _PTX2T
+        if HI:
+            if P == 0:
+                asm: tl.constexpr = _PTX0HT
+            elif P == 1:
+                asm: tl.constexpr = _PTX1HT
+            elif P == 2:
+                asm: tl.constexpr = _PTX2HT
+            else:
+                asm: tl.constexpr = _PTX3HT
         else:
-            asm: tl.constexpr = _PTX3T
+            if P == 0:
+                asm: tl.constexpr = _PTX0LT
+            elif P == 1:
+                asm: tl.constexpr = _PTX1LT
+            elif P == 2:
+                asm: tl.constexpr = _PTX2LT
+            else:
+                asm: tl.constexpr = _PTX3LT
     else:
-        if P == 0:
-            asm: tl.constexpr = _PTX0
-        elif P == 1:
-            asm: tl.constexpr = _PTX1
-        elif P == 2:
-            asm: tl.constexpr = _PTX2
+        if HI:
+            if P == 0:
+                asm: tl.constexpr = _PTX0H
+            elif P == 1:
+                asm: tl.constexpr = _PTX1H
+            elif P == 2:
+                asm: tl.constexpr = _PTX2H
+            else:
+                asm: tl.constexpr = _PTX3H
         else:
-            asm: tl.constexpr = _PTX3
-    return tl.inline_asm_elementwise(asm, "=r,r,r,r", [w2, f2], dtype=tl.bfloat16, is_pure=True, pack=2)
+            if P == 0:
+                asm: tl.constexpr = _PTX0L
+            elif P == 1:
+                asm: tl.constexpr = _PTX1L
+            elif P == 2:
+                asm: tl.constexpr = _PTX2L
+            else:
+                asm: tl.constexpr = _PTX3L
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [w2, f2], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 @triton.jit
-def _pair_plane(w, f, P: tl.constexpr, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Plane p of words w [BLOCK_N, 8] as [BLOCK_N, 16] (word c, half s -> column 2c + s)."""
+def _plane_any(w, s4, P: tl.constexpr, H: tl.constexpr, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Plane p of words w [BLOCK_N, 8] of half h of the step (word c, half s -> column 2c + s), with
+    the step's scale word s4 int32 [BLOCK_N] (block b in byte b; plane p of half h uses block
+    2h + p // 2)."""
     if DOT_F32:
-        return _plane(w, f, P, TWO_MULS, DOT_F32, BLOCK_N)
+        f = _scale_factor((s4 >> (8 * (2 * H + P // 2))) & 0xFF, TWO_MULS)
+        return _plane(w, f, P, BLOCK_N)
     else:
-        return _plane_asm(w, f, P, TWO_MULS, BLOCK_N)
+        if P < 2:
+            fp = _scale_pairs(s4, 0, TWO_MULS)
+        else:
+            fp = _scale_pairs(s4, 1, TWO_MULS)
+        return _plane_asm(w, fp, P, H == 1, TWO_MULS, BLOCK_N)
 
 
 @triton.jit
-def _tile(w0, w1, f0, f1, f2, f3, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+def _half_planes(w, s4, H: tl.constexpr, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The four planes of words w [BLOCK_N, 8] (half H of the step) joined: [BLOCK_N, 16, 2, 2]."""
+    p0 = _plane_any(w, s4, 0, H, TWO_MULS, DOT_F32, BLOCK_N)
+    p1 = _plane_any(w, s4, 1, H, TWO_MULS, DOT_F32, BLOCK_N)
+    p2 = _plane_any(w, s4, 2, H, TWO_MULS, DOT_F32, BLOCK_N)
+    p3 = _plane_any(w, s4, 3, H, TWO_MULS, DOT_F32, BLOCK_N)
+    return tl.join(tl.join(p0, p1), tl.join(p2, p3))
+
+
+@triton.jit
+def _tile(w0, w1, s4, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
     """The step's whole operand [BLOCK_N, 128] in natural K order from words w0 (h = 0) and w1
-    (h = 1), int32 [BLOCK_N, 8], and the four block multipliers f0..f3 [BLOCK_N].
+    (h = 1), int32 [BLOCK_N, 8], and the step's scale word s4 [BLOCK_N].
 
     Word (h, c = 4 * posb + t), pair p, half s holds element 16 * (4h + p) + 8 * posb + 2t + s: the
     joins below only name registers (h, p, s) and the final permute puts each name at its place in
     K, so with the MMA's register layout no data moves between threads."""
-    a0 = tl.join(
-        tl.join(_pair_plane(w0, f0, 0, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w0, f0, 1, TWO_MULS, DOT_F32, BLOCK_N)),
-        tl.join(_pair_plane(w0, f1, 2, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w0, f1, 3, TWO_MULS, DOT_F32, BLOCK_N)),
-    )
-    a1 = tl.join(
-        tl.join(_pair_plane(w1, f2, 0, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w1, f2, 1, TWO_MULS, DOT_F32, BLOCK_N)),
-        tl.join(_pair_plane(w1, f3, 2, TWO_MULS, DOT_F32, BLOCK_N), _pair_plane(w1, f3, 3, TWO_MULS, DOT_F32, BLOCK_N)),
-    )
+    a0 = _half_planes(w0, s4, 0, TWO_MULS, DOT_F32, BLOCK_N)
+    a1 = _half_planes(w1, s4, 1, TWO_MULS, DOT_F32, BLOCK_N)
     # [BN, 16 = (c, s), q0, q1] x h -> (BN, posb, t, s, q0, q1, h) -> (BN, h, q1, q0, posb, t, s)
     a = tl.reshape(tl.join(a0, a1), (BLOCK_N, 2, 4, 2, 2, 2, 2))
     return tl.reshape(tl.permute(a, (0, 6, 5, 4, 1, 2, 3)), (BLOCK_N, 128))
 
 
 @triton.jit
-def _scale_factor(s32, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr):
-    """E8M0 bytes (int32, 0..255) -> the per-row multiplier of ``_plane``."""
-    if DOT_F32:
-        return tl.where(s32 == 0, 0x00400000, s32 << 23).to(tl.float32, bitcast=True)
-    elif TWO_MULS:
-        return tl.where(s32 == 0, 0x0040, s32 << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+def _scale_factor(b, TWO_MULS: tl.constexpr):
+    """One stored scale byte (int32, 0..255) -> 2**(s - 127) as fp32 (s: the E8M0 byte; stored
+    biased by SCALE_BIAS unless TWO_MULS)."""
+    if TWO_MULS:
+        s = b
     else:
-        return ((s32 + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        s = b - 126
+    return tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_pairs(s4, ODD: tl.constexpr, TWO_MULS: tl.constexpr):
+    """The step's scale word s4 int32 [BLOCK_N] -> int32 [BLOCK_N] holding two bf16 factors: blocks
+    0 (low half) and 2 (high half), or with ODD blocks 1 and 3. One-multiply layers (bytes s + 126):
+    the bf16 2**(s-1), one shift and one mask for both. TWO_MULS (E8M0 bytes): 2**(s-127), the
+    subnormal 2**-127 for s = 0."""
+    u = s4.to(tl.uint32, bitcast=True)
+    if ODD:
+        u = u >> 8
+    if TWO_MULS:
+        lo = u & 0xFF
+        hi = (u >> 16) & 0xFF
+        lo = tl.where(lo == 0, 0x40, lo << 7)
+        hi = tl.where(hi == 0, 0x40, hi << 7)
+        return (lo | (hi << 16)).to(tl.int32, bitcast=True)
+    else:
+        return ((u << 7) & 0x7F807F80).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -285,13 +384,14 @@ def _planar_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_F32: tl.constexpr,
     ONE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
 
     x bf16 [rows, K] (GATHER: row = sorted_slot // TOPK, else the sorted position); W planar
-    (words [E, N, Kp/8], scales [E, N, Kp/32]). SPLIT_K == 1: out bf16 [S, n_out] (ACTIVATION 0:
-    n_out = n_rows, + bias; 1 / 2: n_out = n_rows / 2, SwiGLU of the interleaved gate/up rows,
+    (tiled words [E, Np/64, Kp/128, 64, 16], scales the same with 4 bytes). SPLIT_K == 1: out bf16
+    [S, n_out] (ACTIVATION 0: n_out = n_rows, + bias; 1 / 2: n_out = n_rows / 2, SwiGLU of the interleaved gate/up rows,
     plain / gpt-oss clamped). SPLIT_K > 1: part fp32 [SPLIT_K, S, n_rows], raw sums (no bias).
     """
     n_m = tl.load(tile_start_ptr + n_experts)
@@ -309,26 +409,27 @@ def _planar_gemm_kernel(
         n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_rows
         nc = tl.minimum(n, n_rows - 1).to(tl.int64)  # clamped rows: loads need no mask
-        wrow = w_ptr + e.to(tl.int64) * stride_we + nc * k_words
-        srow = sc_ptr + e.to(tl.int64) * stride_se + nc * k_steps
+        # tiled layout: row block nc // 64 holds its steps back to back, 64 x 16 words (64 scale words) each
+        rb, ri = nc // 64, nc % 64
+        wrow = w_ptr + e.to(tl.int64) * stride_we + rb * (k_words * 64) + ri * 16
+        srow = sc_ptr + e.to(tl.int64) * stride_se + rb * (k_steps * 64) + ri
         c8 = tl.arange(0, 8)
         c16 = tl.arange(0, 16)
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for st in range(s_lo, s_hi):
-            w0 = tl.load(wrow[:, None] + (st * 16 + c8)[None, :])
-            w1 = tl.load(wrow[:, None] + (st * 16 + 8 + c8)[None, :])
-            s4 = tl.load(srow + st)  # the step's four E8M0 bytes, block b in byte b
-            f0 = _scale_factor(s4 & 0xFF, TWO_MULS, DOT_F32)
-            f1 = _scale_factor((s4 >> 8) & 0xFF, TWO_MULS, DOT_F32)
-            f2 = _scale_factor((s4 >> 16) & 0xFF, TWO_MULS, DOT_F32)
-            f3 = _scale_factor((s4 >> 24) & 0xFF, TWO_MULS, DOT_F32)
+            w0 = tl.load(wrow[:, None] + (st * 1024 + c8)[None, :])
+            w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :])
+            s4 = tl.load(srow + st * 64)  # the step's four scale bytes, block b in byte b
             xb = x_ptr + tok[:, None] * stride_x + st * 128
             if ONE_DOT:
-                kk = st * 128 + tl.arange(0, 128)
-                xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
+                if EVEN_K:  # K a multiple of 128: only the tile's rows are masked
+                    xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None], other=0.0)
+                else:
+                    kk = st * 128 + tl.arange(0, 128)
+                    xs = tl.load(xb + tl.arange(0, 128)[None, :], mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
                 if DOT_F32:
                     xs = xs.to(tl.float32)
-                v = _tile(w0, w1, f0, f1, f2, f3, TWO_MULS, DOT_F32, BLOCK_N)
+                v = _tile(w0, w1, s4, TWO_MULS, DOT_F32, BLOCK_N)
                 acc = tl.dot(v, tl.trans(xs), acc)
             else:
                 for j in tl.static_range(8):
@@ -338,24 +439,10 @@ def _planar_gemm_kernel(
                     )
                     if DOT_F32:
                         xj = xj.to(tl.float32)
-                    if j < 2:
-                        f = f0
-                    elif j < 4:
-                        f = f1
-                    elif j < 6:
-                        f = f2
+                    if j < 4:
+                        v = _plane_any(w0, s4, j % 4, 0, TWO_MULS, DOT_F32, BLOCK_N)
                     else:
-                        f = f3
-                    if DOT_F32:
-                        if j < 4:
-                            v = _plane(w0, f, j % 4, TWO_MULS, DOT_F32, BLOCK_N)
-                        else:
-                            v = _plane(w1, f, j % 4, TWO_MULS, DOT_F32, BLOCK_N)
-                    else:
-                        if j < 4:
-                            v = _plane_asm(w0, f, j % 4, TWO_MULS, BLOCK_N)
-                        else:
-                            v = _plane_asm(w1, f, j % 4, TWO_MULS, BLOCK_N)
+                        v = _plane_any(w1, s4, j % 4, 1, TWO_MULS, DOT_F32, BLOCK_N)
                     acc = tl.dot(v, tl.trans(xj), acc)
         if SPLIT_K > 1:
             pptr = part_ptr + (tl.program_id(1) * n_slots + rows[None, :]).to(tl.int64) * n_rows + n[:, None]
@@ -456,7 +543,7 @@ def planar_gemm(
     [S, n_out] in sorted order (see ``_planar_gemm_kernel``). bias: float [E, N] in the planar row
     order (GEMM1: interleaved gate/up) or None. tiles: ``moe_tiles.TileMap`` with block_m = cfg.block_m.
     """
-    e, n_rows, k_words = w.words.shape
+    e, n_rows, k_words = w.words.shape[0], w.n, w.k_padded // 8
     s = out.shape[0]
     n_n = triton.cdiv(n_rows, cfg.block_n)
     n_work = tiles.max_tiles * n_n
@@ -505,6 +592,7 @@ def planar_gemm(
         GROUP_M=cfg.group_m,
         DOT_F32=interp_f32,
         ONE_DOT=cfg.one_dot,
+        EVEN_K=w.k % PLANAR_STEP == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg or None,

@@ -1,4 +1,5 @@
-"""float64 references of adapt's DSA, routing, MXFP4 and MoE kernels, computed from the dequantized operands on the CPU.
+"""float64 references of adapt's DSA, routing, MXFP4, FP8-block and MoE kernels, computed from the
+dequantized operands on the CPU.
 
 Shared by stage 3 (``adapt.stages.kernels``) and the kernel tests: a kernel is judged against these,
 never only against its own torch twin. Tensors only (cache pools as [pages, 64, ...] with the slot
@@ -98,13 +99,48 @@ def mxfp4_decode_reference(packed: torch.Tensor, scales: torch.Tensor) -> torch.
     return values * scale
 
 
+def e4m3_decode_reference(values: torch.Tensor) -> torch.Tensor:
+    """float64 value of every float8_e4m3fn element from its bits (OCP FP8 E4M3): sign bit 7, exponent
+    bits 3..6 (bias 7), mantissa bits 0..2; exponent 0 is subnormal (m/8 * 2**-6); S.1111.111 is NaN
+    (no infinities). values: float8_e4m3fn (or its uint8 bits) [...]. Returns float64 [...] on the CPU."""
+    bits = values.cpu().view(torch.uint8).long() if values.dtype != torch.uint8 else values.cpu().long()
+    sign = torch.where(bits >= 128, -1.0, 1.0).double()
+    exponent = (bits >> 3) & 0xF
+    mantissa = (bits & 7).double()
+    normal = (1.0 + mantissa / 8) * torch.pow(2.0, exponent.double() - 7)
+    value = torch.where(exponent == 0, mantissa / 8 * 2.0**-6, normal) * sign
+    return torch.where((bits & 0x7F) == 0x7F, torch.full_like(value, math.nan), value)
+
+
+def fp8_block_decode_reference(values: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """float64 FP8 block-scaled weights (DeepSeek-V3 ``weight`` e4m3 with ``weight_scale_inv``): element
+    [..., n, k] times scales[..., n // block, k // block]. values e4m3 [..., N, K]; scales fp32
+    [..., ceil(N / block), ceil(K / block)]. Returns float64 [..., N, K] on the CPU."""
+    n, k = values.shape[-2:]
+    rows = torch.arange(n) // block
+    cols = torch.arange(k) // block
+    s = scales.double().cpu()[..., rows, :][..., cols]
+    return e4m3_decode_reference(values) * s
+
+
+def expert_weights_reference(weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1 [E, 2I, H], w2 [E, H, I]) float64 of a layer's experts from their format's definition:
+    MXFP4 (``MoEWeights``), FP8 with 128 x 128 block scales or bf16 (``StackedExperts``)."""
+    if hasattr(weights, "w1_packed"):
+        return (mxfp4_decode_reference(weights.w1_packed, weights.w1_scales),
+                mxfp4_decode_reference(weights.w2_packed, weights.w2_scales))
+    if weights.w1_scale is not None:
+        return (fp8_block_decode_reference(weights.w1, weights.w1_scale),
+                fp8_block_decode_reference(weights.w2, weights.w2_scale))
+    return weights.w1.double().cpu(), weights.w2.double().cpu()
+
+
 def moe_reference(hidden: torch.Tensor, logits: torch.Tensor, weights, config, bias: torch.Tensor | None,
                   activation: str, limit: float | None, alpha: float = 1.702) -> torch.Tensor:
-    """float64 MoE layer on the exactly decoded MXFP4 weights (``adapt.kernels.moe_gemm.MoEWeights``):
-    hidden [T, H], gate logits [T, E] -> [T, H]. activation "swiglu" or "swiglu_clamped" (gpt-oss: clamp
-    at ``limit``, gate * sigmoid(alpha * gate) * (up + 1))."""
-    w1 = mxfp4_decode_reference(weights.w1_packed, weights.w1_scales)
-    w2 = mxfp4_decode_reference(weights.w2_packed, weights.w2_scales)
+    """float64 MoE layer on the exactly decoded expert weights (``expert_weights_reference``: MXFP4
+    ``MoEWeights``, FP8-block or bf16 ``StackedExperts``): hidden [T, H], gate logits [T, E] -> [T, H].
+    activation "swiglu" or "swiglu_clamped" (gpt-oss: clamp at ``limit``, gate * sigmoid(alpha * gate) * (up + 1))."""
+    w1, w2 = expert_weights_reference(weights)
     if weights.gate_up_interleaved:
         wg, wu = w1[:, 0::2], w1[:, 1::2]
     else:

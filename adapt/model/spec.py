@@ -1555,6 +1555,9 @@ def _kimi_k25(f: _Fields, model_type: str) -> ModelSpec:
     vc = f.mapping("vision_config")
     if vc is None:
         raise f.error("vision_config", "the MoonViT vision tower's config object")
+    if not (text.has("torch_dtype") or text.has("dtype")) and (f.has("torch_dtype") or f.has("dtype")):
+        # transformers 5 writes the dtype at the top level only
+        text = _Fields({**text.config, "torch_dtype": _common_dtype(f)}, text.source, text.prefix)
     base = _deepseek(text, "kimi_k2")
 
     def pick(name: str, default: Any = _MISSING) -> int:

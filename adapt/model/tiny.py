@@ -1,6 +1,6 @@
 """Tiny embedded models: small checkpoints that transformers itself loads, built offline.
 
-Three models, each a directory with ``config.json``, ``model.safetensors``,
+Four models, each a directory with ``config.json``, ``model.safetensors``,
 ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``:
 
   tiny-dsa    deepseek_v32: MLA + DSA indexer (index_topk 16), 3 layers (layer 0 dense,
@@ -11,6 +11,9 @@ Three models, each a directory with ``config.json``, ``model.safetensors``,
               8 experts top-2 stored MXFP4 in the gpt-oss layout (``*_blocks`` uint8
               [E, N, K/32, 16], ``*_scales`` uint8 [E, N, K/32]); everything else bf16.
   tiny-qwen3  qwen3_moe: GQA with q/k norms, 2 layers of 8 experts top-2; bf16.
+  tiny-dsa-fp8  tiny-dsa with expert width 128 and its routed experts stored as DeepSeek-V3.2 ships
+              them: e4m3 ``weight`` with an fp32 ``weight_scale_inv`` per 128 x 128 block (power-of-two,
+              "ue8m0"), DeepSeek's fp8 ``quantization_config``; everything else bf16.
 
 Every model is created through transformers' own model class (so the tensor names and the
 config are the ones transformers expects), then every tensor is initialised from a
@@ -169,6 +172,12 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+
+# tiny-dsa with DeepSeek-V3's expert format: routed experts in e4m3 with one fp32 weight_scale_inv per
+# 128 x 128 block (expert width 128 so gate and up each fill whole blocks); everything else as tiny-dsa.
+_CONFIGS["tiny-dsa-fp8"] = {**_CONFIGS["tiny-dsa"], "moe_intermediate_size": 128}
+FP8_BLOCK_EXPERTS = ("tiny-dsa-fp8",)
+"""Tiny models whose routed experts are stored FP8 with 128 x 128 block scales."""
 
 TINY_MODELS: tuple[str, ...] = tuple(_CONFIGS)
 
@@ -332,6 +341,8 @@ def _write_model(name: str, out_dir: Path, seed: int) -> None:
     model.save_pretrained(out_dir)
     if family == "gpt_oss":
         _store_gpt_oss_experts_mxfp4(out_dir)
+    if name in FP8_BLOCK_EXPERTS:
+        _store_experts_fp8_block(out_dir)
 
 
 def _training_tokens(out_dir: Path) -> list[int]:
@@ -439,6 +450,48 @@ def _store_gpt_oss_experts_mxfp4(out_dir: Path) -> None:
     save_file(converted, path, metadata={"format": "pt"})
     config = json.loads((out_dir / "config.json").read_text())
     config["quantization_config"] = GPT_OSS_QUANTIZATION
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _store_experts_fp8_block(out_dir: Path) -> None:
+    """Replace the bf16 routed-expert projections in ``out_dir`` by e4m3 ``weight`` and fp32
+    ``weight_scale_inv`` [ceil(out/128), ceil(in/128)] (DeepSeek-V3's layout: weight = e4m3 value times
+    the scale of its block), and add DeepSeek-V3.2's fp8 quantization_config (power-of-two "ue8m0" scales:
+    the smallest 2**e with block amax <= 448 * 2**e) with every other module left unconverted. Power-of-two
+    scales keep every weight exact in bf16, so transformers' CPU dequantization to bf16 loses nothing."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from adapt.kernels.fp8 import pow2_scale
+
+    path = out_dir / "model.safetensors"
+    tensors = load_file(path)
+    converted = {}
+    block = 128
+    for tensor_name, tensor in tensors.items():
+        if ".mlp.experts." in tensor_name and tensor_name.endswith("_proj.weight"):
+            w = tensor.float()
+            n, k = w.shape
+            rows, cols = -(-n // block), -(-k // block)
+            padded = torch.nn.functional.pad(w, (0, cols * block - k, 0, rows * block - n))
+            scale = pow2_scale(padded.reshape(rows, block, cols, block).abs().amax(dim=(1, 3)))
+            full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+            converted[tensor_name] = (w / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            converted[tensor_name.removesuffix("weight") + "weight_scale_inv"] = scale.contiguous()
+        else:
+            converted[tensor_name] = tensor
+    save_file(converted, path, metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+        "scale_fmt": "ue8m0",
+        "modules_to_not_convert": ["lm_head", "model.embed_tokens", "model.layers.*.self_attn",
+                                   "model.layers.*.mlp.gate", "model.layers.0.mlp",
+                                   "model.layers.*.mlp.shared_experts"],
+    }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

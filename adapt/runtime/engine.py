@@ -233,12 +233,14 @@ class Engine:
 
     @torch.no_grad()
     def step(
-        self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], *, all_logits: bool = False
+        self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], *, all_logits: bool = False,
+        embeddings: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Append ``tokens[i]`` to sequence ``seq_ids[i]`` and run them (prefill or decode alike).
 
-        Returns per sequence fp32 logits: [vocab] of its last new token, or [n_i, vocab] for
-        every new token when ``all_logits``.
+        embeddings: [sum of len(tokens[i]), hidden] model inputs in place of the token embeddings
+        (multimodal prompts), or None. Returns per sequence fp32 logits: [vocab] of its last new
+        token, or [n_i, vocab] for every new token when ``all_logits``.
         """
         counts = [len(t) for t in tokens]
         if any(c == 0 for c in counts):
@@ -247,7 +249,9 @@ class Engine:
         flat = torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64, device=self.model.device)
         if int(flat.max()) >= self.spec.vocab or int(flat.min()) < 0:
             raise InputError(f"token id outside the vocabulary of {self.spec.vocab}", field="tokens")
-        hidden = self.model.forward(flat, batch, self.cache.pools)
+        if embeddings is not None and embeddings.shape != (flat.numel(), self.spec.hidden):
+            raise ValueError(f"embeddings {tuple(embeddings.shape)} do not match {flat.numel()} tokens x hidden")
+        hidden = self.model.forward(flat, batch, self.cache.pools, embeddings)
         ends = batch.query_starts.tolist()
         if all_logits:
             logits = self.model.logits(hidden)

@@ -1,6 +1,8 @@
 """Generation through the reference paths of the families the decoder engine does not build:
 hybrid linear attention (qwen3_next, adapt.runtime.hybrid) and multimodal MoE (llama4 with a
-vision tower, adapt.runtime.multimodal). Greedy, one sequence at a time, token ids in and out."""
+vision tower, adapt.runtime.multimodal); and image prompts of kimi_k25 (MoonViT in front of the
+decoder engine, which runs its text-only prompts by itself). Greedy, one sequence at a time,
+token ids in and out."""
 
 from __future__ import annotations
 
@@ -26,32 +28,43 @@ def uses_reference_path(model_dir: Path) -> bool:
 
 def generate_reference(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, layers: list[int] | None,
                        image: Path | None, dtype) -> dict:
-    """Greedy tokens for each prompt (token ids); with ``image`` (multimodal only) one tile of it
-    goes before each prompt. Returns a JSON-able summary (tokens, seconds, layers, image tokens)."""
+    """Greedy tokens for each prompt (token ids); with ``image`` (multimodal only) the image goes
+    before each prompt (llama4: one tile; kimi_k25: native resolution through MoonViT, the language
+    model on the decoder engine). Returns a JSON-able summary (tokens, seconds, layers, image tokens)."""
     from adapt.runtime.hybrid import HybridModel
-    from adapt.runtime.multimodal import MultimodalModel, load_image_tile
+    from adapt.runtime.multimodal import KimiK25Model, MultimodalModel, load_image_patches, load_image_tile
 
     spec = load_spec(model_dir)
     if spec.model_type == "llama4":
         model = MultimodalModel.from_dir(model_dir, layers, dtype)
+    elif spec.model_type == "kimi_k25":
+        model = KimiK25Model.from_dir(model_dir, layers, dtype)
     elif image is not None:
         raise InputError(f"{spec.model_type} takes no images", field="--image",
-                         hint="--image needs a multimodal model (llama4)")
+                         hint="--image needs a multimodal model (llama4, kimi_k25)")
     else:
         model = HybridModel.from_dir(model_dir, layers, dtype)
-    pixels = None if image is None else load_image_tile(image, spec.vision.image_size)
+    pixels, image_tokens = None, 0
+    if image is not None and isinstance(model, KimiK25Model):
+        pixels = [load_image_patches(image, spec)]
+        (ph, pw), (kh, kw) = pixels[0][1], spec.vision.merge
+        image_tokens = ph * pw // (kh * kw) + len(model.image_prompt()) - 1
+    elif image is not None:
+        pixels = load_image_tile(image, spec.vision.image_size)
+        image_tokens = len(model.image_prompt())
     rows = []
     for prompt in prompts:
         ids = (model.image_prompt() + prompt) if pixels is not None else prompt
         started = time.perf_counter()
-        if isinstance(model, MultimodalModel):
-            tokens = model.generate(ids, max_new_tokens, pixels)
-        else:
+        if isinstance(model, HybridModel):
             tokens, _ = model.generate(ids, max_new_tokens)
-        rows.append({"prompt_tokens": len(ids), "tokens": tokens, "seconds": time.perf_counter() - started})
+        else:
+            tokens = model.generate(ids, max_new_tokens, pixels)
+        expanded = len(ids) + (image_tokens - len(model.image_prompt()) if pixels is not None else 0)
+        rows.append({"prompt_tokens": expanded, "tokens": tokens, "seconds": time.perf_counter() - started})
     return {"model": str(model_dir), "model_type": spec.model_type, "layers": model.layer_ids,
             "path": "reference (torch)", "image": None if image is None else str(image),
-            "image_tokens": len(model.image_prompt()) if pixels is not None else 0, "sequences": rows}
+            "image_tokens": image_tokens, "sequences": rows}
 
 
 def load_family_model(model_dir: Path, layers: list[int] | None, dtype, expert_scale=None):
@@ -109,3 +122,30 @@ def family_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation of ``prompt`` (token ids) through the family's own decode loop."""
     out = model.generate(list(prompt), max_new_tokens)
     return out[0] if isinstance(out, tuple) else out
+
+
+def image_prompt_runs(model_dir: Path, layers: list[int] | None, dtype, kernels: str, text: list[int],
+                      device: str = "cpu", grid: tuple[int, int] = (16, 16)) -> tuple[float, object, object]:
+    """kimi_k25 image input for stage 5: one seeded synthetic image of ``grid`` patches (the position
+    grid resampled) before ``text`` (token ids), through the float32 torch path and through the
+    adapted one (``dtype``, the language model's ``kernels``), both on ``device``. Returns (relative
+    error of the adapted image features, reference logits, adapted logits), logits fp32 on the CPU
+    [prompt rows, vocab]."""
+    import torch
+
+    from adapt.runtime.multimodal import KimiK25Model
+
+    ph, pw = grid
+    side = load_spec(model_dir).vision.patch_size
+    patches = torch.randn(ph * pw, 3, side, side, generator=torch.Generator().manual_seed(0))
+    images = [(patches, grid)]
+    runs = []
+    for run_dtype, run_kernels in ((torch.float32, "none"), (dtype, kernels)):
+        model = KimiK25Model.from_dir(model_dir, layers, run_dtype, kernels=run_kernels, device=device)
+        with torch.no_grad():
+            features = model.encode_images(images)[0].float().cpu()
+        runs.append((features, model.prompt_logits(model.image_prompt() + list(text), images).cpu()))
+        del model
+    (ref_features, ref_logits), (ad_features, ad_logits) = runs
+    error = float((ad_features - ref_features).norm() / ref_features.norm())
+    return error, ref_logits, ad_logits

@@ -304,9 +304,11 @@ class DecoderModel:
         self.dtype = dtype
         self.device = store.device
         self.paths = paths
-        self.embed = store.get("model.embed_tokens.weight")
-        self.norm = store.get("model.norm.weight")
-        self.head = Linear(self.embed) if spec.tie_embeddings else store.linear("lm_head", bias=False)
+        text = spec.text_prefix  # "model." (Kimi K2.5: the language model under "language_model.model.")
+        self.embed = store.get(text + "embed_tokens.weight")
+        self.norm = store.get(text + "norm.weight")
+        head = spec.head_prefix + "lm_head"
+        self.head = Linear(self.embed) if spec.tie_embeddings else store.linear(head, bias=False)
         self.layers = [self._layer(store, i, workspace) for i in layer_ids]
         self.inv_freq, self.rope_factor = rope_frequencies(spec.rope, spec.rope.rotary_dim, spec.max_position)
         self.inv_freq = self.inv_freq.to(self.device)
@@ -325,7 +327,7 @@ class DecoderModel:
         spec = self.spec
         layer = spec.layers[i]
         at, ffn = layer.attention, layer.ffn
-        p = f"model.layers.{i}."
+        p = f"{spec.text_prefix}layers.{i}."
         fused = self.paths["norm_rope"] == "kernel"
         if at.kind in ("gqa", "mha", "sliding"):
             weights = GQAWeights(
@@ -458,10 +460,14 @@ class DecoderModel:
         )
 
     def forward(
-        self, tokens: torch.Tensor, batch: DSABatch, pools: dict[int, dict[str, torch.Tensor]]
+        self, tokens: torch.Tensor, batch: DSABatch, pools: dict[int, dict[str, torch.Tensor]],
+        embeddings: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens int64 [N] (ordered as ``batch``) -> final-normed hidden states [N, hidden]."""
-        x = self.embed[tokens].to(self.dtype)
+        """tokens int64 [N] (ordered as ``batch``) -> final-normed hidden states [N, hidden].
+
+        embeddings: [N, hidden] inputs in place of the token embeddings (a multimodal prompt whose
+        image placeholders already hold the image features), or None."""
+        x = (self.embed[tokens] if embeddings is None else embeddings).to(self.dtype)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_factor, batch.positions, self.dtype)
         for layer in self.layers:
             h = x + layer.attention.forward(

@@ -16,10 +16,18 @@ up to +-limit, ``gate * sigmoid(alpha * gate) * (up + 1)``), then down; outputs 
 routing weights and summed per token.
 
 Paths: ``torch`` loops over the experts that received tokens, dequantizing one expert at a time
-(MXFP4 or fp8 blocks) to the compute dtype. ``kernel`` hands MXFP4 layers to
-``adapt.kernels.moe_gemm.moe_forward`` (routing, fused MXFP4 GEMMs, combine; with the shared FP8
-workspace when one is given), whose output is bf16. Layers whose experts are not MXFP4 have no
-kernel; ``MoE.kernel_refusal`` says why, and they run the torch path.
+(MXFP4 or fp8 blocks) to the compute dtype. ``kernel`` runs adapt's kernels: routing and permutation
+(``adapt.kernels.routing``), the grouped GEMMs of ``adapt.kernels.moe_gemm.expert_mlp`` (gate_up +
+SwiGLU, down) and the weighted combine, whose output is bf16. The experts' format is chosen once, at
+load (``Experts.kernel_weights``):
+
+- MXFP4 (gpt-oss): decoded in the GEMM to bf16, or through the shared FP8 workspace when one is given;
+- FP8 with 128 x 128 block scales (DeepSeek-V3/V3.2, Kimi K2): e4m3 weights read as stored, activations
+  in e4m3 per 1x128 group, fp8 MMA, each block's partial sum times its scales (DeepSeek-V3's W8A8);
+- bf16 (Qwen3, Mixtral, GLM): read as stored, bf16 activations; with the 'fp8' expert format
+  (``expert_fp8``) an FP8-block copy of them made at the first kernel call (e4m3, amax / 448 per block).
+
+Only experts stored in fp16 / fp32 have no kernel; ``MoE.kernel_refusal`` says so and they run the torch path.
 """
 
 from __future__ import annotations
@@ -111,6 +119,8 @@ class MoE:
         self.clamped, self.alpha, self.limit = clamped, alpha, limit
         self.path = path if path == "torch" or self.kernel_refusal is None else "torch"
         self.workspace = workspace
+        self.kernel_experts = experts.kernel_weights() if self.path == "kernel" else None
+        self._fp8_copy = None
         self.last_topk: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_scores: torch.Tensor | None = None
         self.keep_scores = False
@@ -118,8 +128,9 @@ class MoE:
     @property
     def kernel_refusal(self) -> str | None:
         """Why adapt's MoE kernel cannot run this layer (None when it can)."""
-        if self.experts.mxfp4 is None:
-            return "experts are not stored MXFP4 (adapt.kernels.moe_gemm takes MXFP4 experts)"
+        if self.experts.kernel_format is None:
+            return (f"experts are stored {self.experts.gate_up.dtype} (adapt.kernels.moe_gemm takes MXFP4, "
+                    "FP8-block or bf16 experts)")
         return None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,14 +209,11 @@ class MoE:
         (an operator-level check: two layers' experts compared on the same rows)."""
         if self.path != "kernel":
             return self._apply_expert(self._expert_inputs(x), e)
-        from adapt.kernels.moe_gemm import expert_mlp
         from adapt.kernels.routing import combine, permute_by_expert
 
         ids = torch.full((x.shape[0], 1), e, dtype=torch.int32, device=x.device)
         perm = permute_by_expert(ids, self.experts.count)
-        y = expert_mlp(x.to(torch.bfloat16).contiguous(), perm, self.experts.mxfp4, top_k=1,
-                       activation="swiglu_clamped" if self.clamped else "swiglu", alpha=self.alpha,
-                       limit=self.limit, workspace=self.workspace)
+        y = self._expert_mlp(x.to(torch.bfloat16).contiguous(), perm, 1)
         factor = (self.fault_expert_scale or {}).get(e, 1.0)
         ones = torch.full((x.shape[0], 1), factor, dtype=torch.float32, device=x.device)
         return combine(y, ones, perm.slot_pos, None).to(x.dtype)
@@ -231,13 +239,34 @@ class MoE:
             down = down * self.fault_expert_scale[e]
         return gate_up, down, b1, b2
 
+    def _expert_mlp(self, x: torch.Tensor, perm, top_k: int) -> torch.Tensor:
+        """The grouped expert GEMMs on bf16 rows x [T, hidden] in this layer's kernel format -> bf16
+        [T * top_k, hidden] in sorted order (see the module docstring)."""
+        from adapt.kernels.moe_gemm import expert_mlp
+        from adapt.kernels.moe_quant import FP8_GROUP
+
+        weights = self.kernel_experts
+        kw = dict(top_k=top_k, activation="swiglu_clamped" if self.clamped else "swiglu", alpha=self.alpha,
+                  limit=self.limit)
+        if self.experts.kernel_format == "mxfp4":
+            return expert_mlp(x, perm, weights, workspace=self.workspace, **kw)
+        if weights.format == "bf16" and self.expert_fp8:
+            if self._fp8_copy is None:
+                from adapt.kernels.moe_weights import fp8_block_copy
+
+                self._fp8_copy = fp8_block_copy(weights)
+            weights = self._fp8_copy
+        if weights.format == "bf16":
+            return expert_mlp(x, perm, weights, compute="bf16", **kw)
+        group = weights.hidden % FP8_GROUP == 0 and weights.intermediate % FP8_GROUP == 0
+        return expert_mlp(x, perm, weights, compute="fp8", act_quant="group128" if group else "token", **kw)
+
     def _forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """Routing, permutation, fused MXFP4 expert GEMMs and combine from ``adapt.kernels``.
+        """Routing, permutation, the grouped expert GEMMs and combine from ``adapt.kernels``.
 
         The router runs as ``gate_logits`` (fp32); gpt-oss's router bias joins as one extra input
         column of ones, so logits = [x, 1] [W, b]^T.
         """
-        from adapt.kernels.moe_gemm import expert_mlp
         from adapt.kernels.routing import RouterConfig, combine, gate_logits, permute_by_expert, route
 
         r = self.router
@@ -260,16 +289,7 @@ class MoE:
             for expert, factor in self.fault_expert_scale.items():
                 weights = torch.where(ids == expert, weights * factor, weights)
         perm = permute_by_expert(ids, self.experts.count)
-        y = expert_mlp(
-            x.to(torch.bfloat16).contiguous(),
-            perm,
-            self.experts.mxfp4,
-            top_k=r.top_k,
-            activation="swiglu_clamped" if self.clamped else "swiglu",
-            alpha=self.alpha,
-            limit=self.limit,
-            workspace=self.workspace,
-        )
+        y = self._expert_mlp(x.to(torch.bfloat16).contiguous(), perm, r.top_k)
         out = combine(y, weights, perm.slot_pos, None).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared.forward(x)

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.nn.functional as F
 
 from adapt.errors import InputError
-from adapt.model.spec import AttentionSpec, FFNSpec, ModelSpec
+from adapt.model.spec import AttentionSpec, FFNSpec, ModelSpec, load_spec
 from adapt.runtime.reference import ReferenceModel
 
 
@@ -279,7 +280,7 @@ def load_image_tile(path: str | Path, size: int, mean: float = 0.5, std: float =
 
 class MoonViT(ReferenceModel):
     """Kimi K2.5's vision tower and projector (MoonViT + patch merger), images in, language-width
-    features out (the language model is DeepSeek-V3's).
+    features out (the language model is DeepSeek-V3's: ``KimiK25Model``).
 
     Per image of ph x pw patches (row-major): Conv patch embedding, plus the learned position grid
     resampled bicubically to (ph, pw); blocks of LayerNorm, bidirectional attention with 2D
@@ -287,8 +288,7 @@ class MoonViT(ReferenceModel):
     layout, which transformers permutes into rotated halves when it loads), LayerNorm and a
     tanh-GELU MLP; final LayerNorm; each 2x2 window of patches concatenated (pre-normed) into one
     token; two linears with GELU between into the language width.
-    Weights under the checkpoint names (vision_tower.*, mm_projector.*). Wiring its features into
-    the DeepSeek-V3 language model for generation waits on the runtime that builds from ModelSpec.
+    Weights under the published checkpoint names (vision_tower.*, mm_projector.*).
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], layers: list[int] | None = None,
@@ -298,13 +298,16 @@ class MoonViT(ReferenceModel):
                              file=spec.source, field="model_type")
         super().__init__(spec, weights, layers, dtype)
 
-    @staticmethod
-    def _canonical(name: str) -> str:
-        """transformers 5.19 saves two Kimi tensors under other names than the published
-        checkpoints (and vLLM) use: model.mm_projector.pre_norm.*, vision_tower.encoder.patch_embed.*."""
-        if name.startswith("model.mm_projector."):
-            return name[len("model."):]
-        return name.replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed.")
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, layers: list[int] | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MoonViT:
+        """Only the vision tower's and projector's tensors of ``model_dir``, on ``device`` (read one by
+        one from the safetensors headers' byte spans: the language model's terabyte stays on disk)."""
+        from adapt.runtime.weights import WeightStore
+
+        store = WeightStore(model_dir, device=device)
+        names = [n for n in store.checkpoint.tensors if n.startswith(("vision_tower.", "mm_projector."))]
+        return cls(load_spec(model_dir), {n: store.get(n) for n in names}, layers, dtype)
 
     def _angles(self, ph: int, pw: int) -> torch.Tensor:
         """Rotary angles [ph * pw, head_dim / 2] of row-major patches: (column, row) per frequency."""
@@ -320,7 +323,8 @@ class MoonViT(ReferenceModel):
         """pixel_values [sum of ph*pw, 3, p, p] (row-major patches of each image, normalised);
         grids: (ph, pw) per image -> features [sum of ph*pw / 4, text hidden] in image order."""
         v, p = self.spec.vision, "vision_tower."
-        x = F.conv2d(pixel_values.to(self.dtype), self._get(p + "patch_embed.proj.weight"),
+        weight = self._get(p + "patch_embed.proj.weight")
+        x = F.conv2d(pixel_values.to(weight.device, self.dtype), weight,
                      self._get(p + "patch_embed.proj.bias"), stride=v.patch_size).flatten(1)
         table = self._get(p + "patch_embed.pos_emb.weight")  # [gh, gw, hidden]
         out, start = [], 0
@@ -331,7 +335,7 @@ class MoonViT(ReferenceModel):
             pos = table if (ph, pw) == tuple(table.shape[:2]) else F.interpolate(
                 table.permute(2, 0, 1)[None], size=(ph, pw), mode="bicubic", align_corners=False)[0].permute(1, 2, 0)
             h = h + pos.reshape(ph * pw, -1)
-            angles = self._angles(ph, pw)
+            angles = self._angles(ph, pw).to(h.device)
             for n in range(v.layers):
                 b = f"{p}encoder.blocks.{n}."
                 y = F.layer_norm(h, (v.hidden,), self._get(b + "norm0.weight"), self._get(b + "norm0.bias"), 1e-5)
@@ -354,3 +358,135 @@ class MoonViT(ReferenceModel):
         y = F.layer_norm(merged, (v.hidden,), self._get(q + "pre_norm.weight"), self._get(q + "pre_norm.bias"), 1e-5)
         y = F.gelu(y.reshape(merged.shape[0], -1) @ self._get(q + "proj.0.weight").T + self._get(q + "proj.0.bias"))
         return y @ self._get(q + "proj.2.weight").T + self._get(q + "proj.2.bias")
+
+
+def load_image_patches(path: str | Path | BinaryIO, spec: ModelSpec, mean: float = 0.5,
+                       std: float = 0.5) -> tuple[torch.Tensor, tuple[int, int]]:
+    """An image file (a path or an open binary file) as MoonViT's input: (patches [ph * pw, 3, p, p]
+    row-major, (ph, pw)).
+
+    As Kimi K2.5's processor does it: RGB; shrunk (bicubic) only when a side exceeds
+    ``max_side_patches`` patches; zero-padded at the bottom and right to whole merge windows
+    (p x merge pixels); scaled to [0, 1], then (x - mean) / std (0.5 / 0.5, so padding is -1).
+    The processor's total cap (16384 patches) is not applied.
+    """
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    v = spec.vision
+    try:
+        image = Image.open(path).convert("RGB")
+    except (OSError, UnidentifiedImageError) as err:
+        raise InputError(f"cannot read the image: {err}", file=str(path), field="--image") from None
+    width, height = image.size
+    scale = min(1.0, v.max_side_patches * v.patch_size / height, v.max_side_patches * v.patch_size / width)
+    if scale < 1.0:
+        width, height = max(1, int(width * scale)), max(1, int(height * scale))
+        image = image.resize((width, height), Image.BICUBIC)
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1)  # [3, H, W], 0..255
+    step_h, step_w = v.patch_size * v.merge[0], v.patch_size * v.merge[1]
+    pixels = F.pad(pixels, (0, -width % step_w, 0, -height % step_h))
+    pixels = (pixels / 255.0 - mean) / std
+    ph, pw = pixels.shape[1] // v.patch_size, pixels.shape[2] // v.patch_size
+    patches = pixels.view(3, ph, v.patch_size, pw, v.patch_size).permute(1, 3, 0, 2, 4)
+    return patches.reshape(ph * pw, 3, v.patch_size, v.patch_size), (ph, pw)
+
+
+KIMI_MEDIA_IDS = (163602, 163605, 163604)
+"""Kimi K2.5's <|media_begin|>, <|media_pad|> (the image placeholder) and <|media_end|> ids, for
+configs that do not name them (transformers' Kimi_K25Config defaults)."""
+
+
+class KimiK25Model:
+    """Kimi K2.5 end to end: ``MoonViT`` encodes the images, adapt's decoder engine
+    (adapt.runtime.engine: DeepSeek-V3 MLA + MoE, built from ModelSpec, under ``language_model.``)
+    runs the language model over a paged cache.
+
+    Prompts carry ONE image placeholder (``image_token_id``, <|media_pad|>) per image, as the chat
+    template writes it; each is expanded to that image's (ph / 2) x (pw / 2) feature rows in
+    prompt order, as the published modeling code (moonshotai/Kimi-K2.5 modeling_kimi_k25.py,
+    ``_merge_input_ids_with_image_features`` at inference) and vLLM's prompt replacement do.
+    """
+
+    def __init__(self, vision: MoonViT, engine):
+        self.vision, self.engine, self.spec = vision, engine, engine.spec
+        cfg = self.spec.config  # the published config names it media_placeholder_token_id, transformers image_token_id
+        self.image_token = int(cfg.get("image_token_id", cfg.get("media_placeholder_token_id", KIMI_MEDIA_IDS[1])))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, layers: list[int] | None = None, dtype: torch.dtype = torch.float32,
+                 kernels: str = "none", max_tokens: int = 4096, device: str | torch.device = "cpu") -> KimiK25Model:
+        """The vision tower and the chosen language layers (None: all) of ``model_dir`` in ``dtype`` on
+        ``device``; ``kernels``: the language model's op families on adapt's kernels (``Engine.load``)."""
+        from adapt.runtime.engine import Engine
+
+        engine = Engine.load(model_dir, layers=layers, kernels=kernels, dtype=dtype, max_tokens=max_tokens,
+                             device=device)
+        return cls(MoonViT.from_dir(model_dir, dtype=dtype, device=device), engine)
+
+    def prompt_logits(self, prompt: list[int], images: list[tuple[torch.Tensor, tuple[int, int]]]) -> torch.Tensor:
+        """One prefill of ``prompt`` with ``images`` from an empty cache: fp32 logits [expanded tokens, vocab]."""
+        tokens, embeddings = self.expand(list(prompt), self.encode_images(images))
+        seq = self.engine.start(1)
+        try:
+            with torch.no_grad():
+                return self.engine.step(seq, [tokens], embeddings=embeddings, all_logits=True)[0]
+        finally:
+            self.engine.release(seq)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [layer.index for layer in self.engine.model.layers]
+
+    def expand(self, prompt: list[int], features: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+        """(tokens with each image placeholder repeated once per feature row, input embeddings
+        [len(tokens), hidden] with the features in those rows; None without images)."""
+        count = sum(1 for t in prompt if t == self.image_token)
+        if count != len(features):
+            raise InputError(f"the prompt has {count} image placeholders for {len(features)} images", field="--image",
+                             hint=f"one token {self.image_token} per image")
+        if not features:
+            return list(prompt), None
+        model = self.engine.model
+        embeddings = model.embed[torch.tensor(prompt, device=model.device)].to(model.dtype)
+        pieces, tokens, images = [], [], iter(features)
+        for position, token in enumerate(prompt):
+            rows = next(images).to(model.dtype) if token == self.image_token else embeddings[position:position + 1]
+            pieces.append(rows)
+            tokens += [token] * rows.shape[0]
+        return tokens, torch.cat(pieces)
+
+    def encode_images(self, images: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:
+        """(patches [ph * pw, 3, p, p], (ph, pw)) per image -> features [ph * pw / 4, hidden] per image."""
+        return [self.vision.encode_images(patches, [grid]) for patches, grid in images]
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int,
+                 images: list[tuple[torch.Tensor, tuple[int, int]]] | None = None,
+                 step_logits: list[torch.Tensor] | None = None) -> list[int]:
+        """Greedy tokens after ``prompt`` (no stop id); ``images`` as ``encode_images`` takes them,
+        one per placeholder of ``prompt``; ``step_logits``: a list that receives the fp32 logits
+        [vocab] each token was chosen from."""
+        tokens, embeddings = self.expand(list(prompt), self.encode_images(images or []))
+        engine = self.engine
+        seq = engine.start(1)
+        out: list[int] = []
+        try:
+            logits = engine.step(seq, [tokens], embeddings=embeddings)[0]
+            for step in range(max_new_tokens):
+                out.append(int(logits.argmax()))
+                if step_logits is not None:
+                    step_logits.append(logits)
+                if step + 1 < max_new_tokens:
+                    logits = engine.step(seq, [[out[-1]]])[0]
+        finally:
+            engine.release(seq)
+        return out
+
+    def image_prompt(self) -> list[int]:
+        """Token ids around one image in a prompt: the media begin id, the placeholder, the media end
+        id (ids from config.json, so no tokenizer is needed; the chat template's "image" and
+        <|media_content|> text tokens between begin and placeholder are left out)."""
+        cfg = self.spec.config
+        return [int(cfg.get("vision_start_token_id", KIMI_MEDIA_IDS[0])), self.image_token,
+                int(cfg.get("vision_end_token_id", KIMI_MEDIA_IDS[2]))]

@@ -147,6 +147,34 @@ class Experts:
         return gate_up, down, b1, b2
 
     @property
+    def kernel_format(self) -> str | None:
+        """The format adapt's grouped MoE kernels read these experts in: 'mxfp4', 'fp8_block' or 'bf16'
+        (None: stored in a dtype the kernels do not take, fp16 / fp32)."""
+        if self.mxfp4 is not None:
+            return "mxfp4"
+        if self.gate_up_scale is not None:
+            return "fp8_block"
+        return "bf16" if self.gate_up.dtype == torch.bfloat16 else None
+
+    def kernel_weights(self):
+        """The experts as the grouped kernels take them, without a copy: the MXFP4 ``MoEWeights``, or a
+        ``StackedExperts`` over the stacked bf16 / FP8 tensors (block scales as fp32)."""
+        if self.mxfp4 is not None:
+            return self.mxfp4
+        from adapt.kernels.moe_weights import StackedExperts
+
+        fp8 = self.gate_up_scale is not None
+        return StackedExperts(
+            self.gate_up,
+            self.down,
+            self.gate_up_scale.float() if fp8 else None,
+            self.down_scale.float() if fp8 else None,
+            self.gate_up_bias,
+            self.down_bias,
+            self.interleaved,
+        )
+
+    @property
     def nbytes(self) -> int:
         if self.mxfp4 is not None:
             return self.mxfp4.nbytes()

@@ -82,14 +82,14 @@ def _uniform_routing(t: int, e: int, k: int, device: str):
 
 
 def _point(t: int, e: int, k: int, h: int, device: str):
-    """One timed point's inputs: x [t, h] bf16, the permutation of uniform random routing, and the
-    number of experts it activates."""
+    """One timed point's inputs: x [t, h] bf16, the permutation of uniform random routing, the
+    number of experts it activates and the routing weights fp32 [t, k]."""
     from adapt.kernels.routing import permute_by_expert
 
     x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
-    _, ids = _uniform_routing(t, e, k, device)
+    topw, ids = _uniform_routing(t, e, k, device)
     perm = permute_by_expert(ids, e)
-    return x, perm, int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item())
+    return x, perm, int(((perm.expert_offsets[1:] - perm.expert_offsets[:-1]) > 0).sum().item()), topw
 
 
 def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1.702, limit=7.0):
@@ -166,7 +166,7 @@ def _peer_setup(routed, shape: dict, source: str = "codes"):
 
 def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.float32, parts: dict | None = None):
     """The peer's MoE experts at one T: gate-up matmul_ogs (gather, SwiGLU fused) then down matmul_ogs
-    (scatter + weighted combine over the k experts), routing from the peer's own top-k over random
+    (routing weights as ``gammas``, scatter + reduce over the k experts), routing from the peer's own top-k over random
     logits computed once outside the timed call (as adapt's variants get ``perm``)."""
     from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
     from triton_kernels.tensor import make_ragged_tensor_metadata
@@ -191,7 +191,10 @@ def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.floa
                fused_activation=peer["act"])
         if parts is not None:
             parts["gemm1"] = y
-        return mm(y, peer["w2"], peer["b2"], rdata, scatter_indx=scatter, precision_config=pc2)
+        # the routing weights as its own integrations pass them: gammas scale each slot's row before
+        # the scatter + reduce over the k experts
+        return mm(y, peer["w2"], peer["b2"], rdata, scatter_indx=scatter, precision_config=pc2,
+                  gammas=rdata.gate_scal)
 
     return run
 
@@ -225,16 +228,67 @@ def _peer_reference_error(peer_out, parts: dict, x, routed, shape: dict) -> floa
     return float((peer_out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+TWIN_CHECK_TOKENS = (1, 16, 256, 4096)
+"""T at which the peer runner checks adapt's combined output against the twin's arithmetic."""
+
+
+def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
+    """||out - twin|| / ||twin|| for adapt's combined output out [T, H]: per active expert the twin's
+    arithmetic (``moe_gemm.expert_mlp_torch``: fp32 matmuls on the dequantized MXFP4 weights, SwiGLU,
+    h and y rounded to bf16), weighted by ``topw``, summed in fp32 and rounded to bf16 as ``combine``
+    does, one expert at a time."""
+    from adapt.kernels.moe_gemm import _split_gate_up, swiglu_torch
+    from adapt.kernels.mxfp4 import dequantize_mxfp4
+
+    k = topw.shape[1]
+    offs = perm.expert_offsets.tolist()
+    slots = perm.sorted_slot.long()
+    ref = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for ex in range(len(offs) - 1):
+        a, b = offs[ex], offs[ex + 1]
+        if a == b:
+            continue
+        tok, j = slots[a:b] // k, slots[a:b] % k
+        w1 = dequantize_mxfp4(routed.w1_packed[ex], routed.w1_scales[ex], torch.float32, validate=False)
+        w2 = dequantize_mxfp4(routed.w2_packed[ex], routed.w2_scales[ex], torch.float32, validate=False)
+        wg, wu = _split_gate_up(w1[None], routed.gate_up_interleaved)
+        xs = x[tok].float()
+        g, u = xs @ wg[0].t(), xs @ wu[0].t()
+        if routed.w1_bias is not None:
+            bg, bu = _split_gate_up(routed.w1_bias[ex].float()[None, :, None], routed.gate_up_interleaved)
+            g, u = g + bg[0, :, 0], u + bu[0, :, 0]
+        h = swiglu_torch(g, u, shape["activation"], 1.702, 7.0).to(torch.bfloat16).float()
+        y = h @ w2.t()
+        if routed.w2_bias is not None:
+            y = y + routed.w2_bias[ex].float()
+        ref.index_add_(0, tok, y.to(torch.bfloat16).float() * topw[tok, j, None])
+    ref = ref.to(torch.bfloat16).float()  # the combine's bf16 output
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _combined(mlp, topw, perm):
+    """mlp() (expert outputs in sorted slot order) then the weighted combine back to tokens [T, H]."""
+    from adapt.kernels.routing import combine
+
+    return lambda: combine(mlp(), topw, perm.slot_pos)
+
+
 def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[str] | None = None,
-                   budget_s: float = 1e9) -> dict:
-    """The peer beside adapt's planar kernel only (no other variant is built): same seed and so the
-    same MXFP4 codes as ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. At the first T of
+                   budget_s: float = 1e9, sweep: bool = False, large: bool = False) -> dict:
+    """The peer beside adapt's MXFP4-storage paths only: same seed and so the same MXFP4 codes as
+    ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. adapt's rows include the weighted
+    combine of the k expert outputs (``routing.combine``), as the peer's rows include its scatter +
+    reduce: ``planar_combine`` up to PLANAR_MAX_TOKENS, and with ``large`` above it the online FP8
+    workspace and the offline FP8 copy (``fp8_ws_combine``, ``fp8_offline_combine``). sweep: time the
+    PLANAR_SWEEP configs of each T's range too (expert GEMMs only, into ``sweep``). At the first T of
     each shape the setups of ``PEER_CANDIDATES`` are tried until one gives finite outputs (each try
     recorded, GEMM1 and GEMM2 checked apart), and at T = 16 the peer is checked against a float32
-    reference of its own routing. Writes moe_bench.json / .md to out_dir after every T."""
+    reference of its own routing (``rel_err_vs_reference``). Writes moe_bench.json / .md to out_dir
+    after every T."""
     from adapt.kernels.moe_gemm import expert_mlp
     from adapt.kernels.moe_planar import PlanarExperts
-    from adapt.kernels.moe_weights import mxfp4_expert_bytes
+    from adapt.kernels.moe_weights import FP8Weights, mxfp4_expert_bytes
+    from adapt.kernels.workspace import FP8Workspace
 
     start = time.monotonic()
     tokens, shapes = tokens or DEFAULT_TOKENS, shapes or list(SHAPES)
@@ -260,18 +314,23 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
         e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
         planar = PlanarExperts.from_weights(routed)
         expert_bytes = mxfp4_expert_bytes(h, inter)
-        peer, chosen, tried = None, None, False
+        peer, chosen, tried, fp8 = None, None, False, None
         for t in tokens:
             if time.monotonic() > start + budget_s:
                 rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
                 continue
-            x, perm, active = _point(t, e, k, h, DEVICE)
+            x, perm, active, topw = _point(t, e, k, h, DEVICE)
             flops, wbytes = 6 * t * k * h * inter, active * expert_bytes
             floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
             variants = {}
+            mlp = partial(expert_mlp, x, perm, routed, top_k=k, activation=shape["activation"])
             if t <= PLANAR_MAX_TOKENS:
-                variants["planar"] = partial(expert_mlp, x, perm, routed, compute="bf16", planar=planar, top_k=k,
-                                             activation=shape["activation"])
+                variants["planar_combine"] = _combined(partial(mlp, compute="bf16", planar=planar), topw, perm)
+            elif large:
+                if fp8 is None:
+                    fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
+                variants["fp8_ws_combine"] = _combined(partial(mlp, workspace=fp8[1]), topw, perm)
+                variants["fp8_offline_combine"] = _combined(partial(mlp, fp8_weights=fp8[0]), topw, perm)
             if chosen is None and not tried:
                 tried = True
                 for source, ldt in PEER_CANDIDATES:
@@ -314,6 +373,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     err = None
                     if vname == "peer" and t == 16:
                         err = _peer_reference_error(out, parts, x, routed, shape)
+                    if vname == "planar_combine" and t in TWIN_CHECK_TOKENS:
+                        err = _twin_error(out, x, perm, topw, routed, shape)
                     timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
                 except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row
                     rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
@@ -324,7 +385,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     "shape": name, "tokens": t, "variant": vname, "time_us": us, "active_experts": active,
                     "weight_tbps": wbytes / us / 1e6, "tflops": flops / us / 1e6, "byte_floor_us": floor_us,
                     "x_floor": us / floor_us, "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
-                    "rel_err_vs_reference": err,
+                    "rel_err_vs_reference" if vname == "peer" else "rel_err_vs_twin": err,
                     "timer": timing.mode + (f" ({timing.fallback})" if timing.fallback else ""),
                 }
                 if vname == "peer":
@@ -332,8 +393,12 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 rows.append(row)
                 print(f"{name:13s} T={t:6d} {vname:8s} {us:10.1f} us  {row['copy_fraction']:.2f} of copy  "
                       f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+            if sweep and t <= PLANAR_MAX_TOKENS:
+                configs = {n: ("planar", a, b) for n, ((lo, hi), a, b) in PLANAR_SWEEP.items() if lo <= t <= hi}
+                result["sweep"] += _sweep(x, perm, routed, None, dict(shape, name=name), flops, start + budget_s,
+                                          configs, wbytes, ceil["copy_tbps"], planar)
             save()
-        routed = planar = peer = None
+        routed = planar = peer = fp8 = None
         torch.cuda.empty_cache()
     save()
     return result
@@ -404,16 +469,15 @@ PLANAR_MAX_TOKENS = 4096
 
 _PC = lambda bm, bn, split, stages=4, warps=4, dot1=True, cap=128: (bm, bn, split, 4, warps, stages, 0, dot1, cap)  # noqa: E731
 PLANAR_SWEEP = {
-    # name: (T range, GEMM1 PlanarConfig fields, GEMM2 PlanarConfig fields); one_dot unless "8dots"
-    "p16x128_s1": ((1, 1), _PC(16, 128, 1), _PC(16, 128, 1)),
-    "p16x128_s8_4": ((1, 1), _PC(16, 128, 8), _PC(16, 128, 4)),
-    "p16x128_s2": ((16, 16), _PC(16, 128, 2), _PC(16, 128, 2)),
-    "p16x256_w8_s1": ((64, 64), _PC(16, 256, 1, 4, 8, cap=0), _PC(16, 256, 1, 4, 8, cap=0)),
-    "p16x128_s1_nocap": ((16, 256), _PC(16, 128, 1, cap=0), _PC(16, 128, 1, cap=0)),
-    "p16x128_s1_8dots": ((64, 64), _PC(16, 128, 1, dot1=False, cap=0), _PC(16, 128, 1, dot1=False, cap=0)),
-    "p32x128_s1": ((256, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),
-    "p64x128_w4_st3": ((1024, 4096), _PC(64, 128, 1, 3, cap=0), _PC(64, 128, 1, 3, cap=0)),
-    "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),
+    # name: (T range, GEMM1 PlanarConfig fields, GEMM2 PlanarConfig fields); _PC(bm, bn, split, stages,
+    # warps, one_dot, register cap); the alternatives to moe_configs.PLANAR_TABLES' rows (measured in
+    # benchmarks/moe/2026-11-30-s2 call 1 with the row-major layout, re-timed on the tiled one)
+    "p16x128": ((1, 256), _PC(16, 128, 1), _PC(16, 128, 1)),  # 126 regs: 4 programs / SM
+    "p16x64": ((16, 256), _PC(16, 64, 1), _PC(16, 64, 1)),  # 101
+    "p16x128_nocap": ((16, 256), _PC(16, 128, 1, cap=0), _PC(16, 128, 1, cap=0)),  # 156
+    "p32x128_nocap": ((1024, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),  # 164
+    "p64x128_w8_st4": ((1024, 1024), _PC(64, 128, 1, 4, 8, cap=0), _PC(64, 128, 1, 4, 8, cap=0)),
+    "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),  # 197
 }
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
 
@@ -533,7 +597,7 @@ def _bench_shape(
             print(f"{name} T={t}: skipped (time budget)", flush=True)
             rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
             continue
-        x, perm, active = _point(t, e, k, h, dev)
+        x, perm, active, _ = _point(t, e, k, h, dev)
         flops = 6 * t * k * h * inter
         wbytes = active * expert_bytes
         floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
@@ -929,6 +993,258 @@ def run_moe_bench(
     return result
 
 
+# ----------------------------------------------------------------------------------------------
+# expert formats: FP8-block and bf16 experts through the same grouped kernels, beside torch
+# ----------------------------------------------------------------------------------------------
+
+FORMAT_VARIANTS = ("fp8_block_w8a8", "bf16_experts", "torch_grouped_bf16", "torch_fp8_block_scaled_mm",
+                   "fp8_block_w8a16", "fp8_block_w8a8_stored_tiles")
+"""Timed in this order at every T (a variant the time budget cuts is recorded as skipped):
+adapt's grouped GEMMs on FP8-block experts with e4m3 activations per 1x128 group (DeepSeek-V3's W8A8),
+on bf16 experts, torch ``_grouped_mm`` on the same bf16 experts, torch ``_scaled_mm`` (1x128 x 128x128
+block scales) per active expert on the FP8-block experts, and adapt on FP8-block experts with bf16
+activations (W8A16); at T >= 4096 also W8A8 on the fp8_stored tiles (the offline FP8 path's configs) to
+compare with the default's narrower n-tile."""
+
+
+def format_bytes(variant: str, active: int, hidden: int, inter: int) -> int:
+    """Weight bytes a variant must read: each active expert's three matrices once; bf16 2 bytes per
+    weight, FP8-block 1 byte plus one fp32 scale per 128 x 128 block."""
+    if variant.startswith(("fp8_block", "torch_fp8")):
+        blocks = -(-2 * inter // 128) * -(-hidden // 128) + -(-hidden // 128) * -(-inter // 128)
+        return active * (3 * hidden * inter + 4 * blocks)
+    return active * 6 * hidden * inter
+
+
+def _format_layer(shape: dict, device: str):
+    """Random experts of one shape in both formats: bf16 N(0, 0.02) [E, 2I, H] / [E, H, I], and FP8 with
+    128 x 128 block scales: random e4m3 bytes (NaN codes replaced by 0) times scales 2**-14..2**-10."""
+    from adapt.kernels.moe_weights import StackedExperts
+
+    e, h, i = shape["experts"], shape["hidden"], shape["intermediate"]
+    il = shape["interleaved"]
+    bf = StackedExperts(torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16) * 0.02,
+                        torch.randn(e, h, i, device=device, dtype=torch.bfloat16) * 0.02, gate_up_interleaved=il)
+
+    def fp8(n, k):
+        b = torch.randint(0, 256, (e, n, k), dtype=torch.uint8, device=device)
+        b[(b & 0x7F) == 0x7F] = 0
+        sc = torch.pow(2.0, torch.randint(-14, -9, (e, -(-n // 128), -(-k // 128)), device=device).float())
+        return b.view(torch.float8_e4m3fn), sc
+
+    q1, s1 = fp8(2 * i, h)
+    q2, s2 = fp8(h, i)
+    return bf, StackedExperts(q1, q2, s1, s2, gate_up_interleaved=il)
+
+
+def _scaled_mm_block(a, sa, w, sw, layout: int):
+    """torch ``_scaled_mm`` with DeepSeek block scales: a e4m3 [m, K] (scales fp32 [m, K/128]) times
+    w e4m3 [N, K] (scales [N/128, K/128]) -> bf16 [m, N]; m padded to a multiple of 4 (cuBLASLt).
+    layout: which memory order of the scale tensors to pass (0: a's scales column-major, w's as the
+    transpose of [N/128, K/128]; 1: both contiguous)."""
+    m = a.shape[0]
+    pad = (-m) % 4
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+        sa = torch.cat([sa, sa.new_ones(pad, sa.shape[1])])
+    if layout == 0:
+        sa_arg, sw_arg = sa.t().contiguous().t(), sw.t()
+    else:
+        sa_arg, sw_arg = sa.contiguous(), sw.t().contiguous()
+    out = torch._scaled_mm(a, w.t(), scale_a=sa_arg, scale_b=sw_arg, out_dtype=torch.bfloat16)
+    return out[:m]
+
+
+def _torch_fp8_block(x, perm, fp8w, shape, layout: int):
+    """Baseline: per active expert, torch ``_scaled_mm`` with 1x128 activation and 128x128 weight scales
+    (GEMM1), SwiGLU in fp32, e4m3 1x128 again, ``_scaled_mm`` (GEMM2); expert ranges read once on the host
+    (outside the timed call), so the per-expert launches are captured in the CUDA graph."""
+    from adapt.kernels.fp8 import amax_scale, quantize_fp8_groups
+    from adapt.kernels.moe_gemm import swiglu_torch
+
+    k, act, il = shape["top_k"], shape["activation"], shape["interleaved"]
+    offs = perm.expert_offsets.tolist()
+    spans = [(e, offs[e], offs[e + 1]) for e in range(len(offs) - 1) if offs[e + 1] > offs[e]]
+    rows = perm.sorted_slot.long() // k
+    i = fp8w.intermediate
+
+    def run():
+        xq, xs = quantize_fp8_groups(x[rows], 128, amax_scale)
+        outs = []
+        for e, a, b in spans:
+            h1 = _scaled_mm_block(xq[a:b], xs[a:b], fp8w.w1[e], fp8w.w1_scale[e], layout).float()
+            g, u = (h1[:, 0::2], h1[:, 1::2]) if il else (h1[:, :i], h1[:, i:])
+            hq, hs = quantize_fp8_groups(swiglu_torch(g, u, act, 1.702, 7.0), 128, amax_scale)
+            outs.append(_scaled_mm_block(hq, hs, fp8w.w2[e], fp8w.w2_scale[e], layout))
+        return torch.cat(outs)
+
+    return run
+
+
+def _scaled_mm_layout(fp8w, device) -> int | str:
+    """The scale layout ``_scaled_mm`` accepts here (checked against dequantized weights on one expert),
+    or why none works."""
+    from adapt.kernels.fp8 import amax_scale, quantize_fp8_groups
+
+    x = torch.randn(8, fp8w.hidden, device=device)
+    xq, xs = quantize_fp8_groups(x, 128, amax_scale)
+    w1 = fp8w.dense()[0][0] if fp8w.n_experts <= 8 else _dense_one(fp8w, 0)
+    ref = (xq.float() * xs.repeat_interleave(128, 1)) @ w1.t()
+    why = []
+    for layout in (0, 1):
+        try:
+            got = _scaled_mm_block(xq, xs, fp8w.w1[0], fp8w.w1_scale[0], layout).float()
+            err = float((got - ref).norm() / ref.norm())
+            if err < 1e-2:
+                return layout
+            why.append(f"layout {layout}: rel error {err:.3g}")
+        except Exception as exc:  # noqa: BLE001 - recorded as the reason the baseline is missing
+            why.append(f"layout {layout}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    return "; ".join(why)
+
+
+def _dense_one(w, e: int) -> torch.Tensor:
+    """fp32 w1 of expert e (FP8 values times block scales)."""
+    n, k = w.w1.shape[1:]
+    s = w.w1_scale[e].repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return w.w1[e].float() * s
+
+
+def run_format_bench(out_dir: Path, tokens: list[int] | None = None, shape_name: str = "deepseek-v3",
+                     budget_s: float = 1e9) -> dict:
+    """FP8-block and bf16 experts at one shape (default DeepSeek-V3) beside torch, CUDA-graph medians,
+    same-run ceilings; writes moe_formats.json / .md to out_dir after every T. Rows: time_us,
+    weight bytes (``format_bytes``), TB/s and fraction of copy on them, TFLOP/s on 6*T*k*H*I, x of the
+    byte floor, and the relative difference to torch on the same weights (rel_diff_vs_torch)."""
+    start = time.monotonic()
+    if not torch.cuda.is_available():
+        raise InputError("the MoE benchmark needs a CUDA GPU", hint="run it on the target machine")
+    tokens = tokens or DEFAULT_TOKENS
+    shape = SHAPES[shape_name]
+    e, k, h = shape["experts"], shape["top_k"], shape["hidden"]
+    ceil = measure_ceilings(copy_gib=2, reps=10, matmul_reps=5)
+    print(json.dumps(ceil), flush=True)
+    torch.manual_seed(0)
+    bf, fp8w = _format_layer(shape, DEVICE)
+    layout = _scaled_mm_layout(fp8w, DEVICE)
+    rows: list[dict] = []
+    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": _git_commit(),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "shape": dict(shape, name=shape_name), "ceilings": ceil, "scaled_mm_layout": layout, "rows": rows}
+    save = _saver(Path(out_dir), "moe_formats", result, _format_markdown)
+    for t in tokens:
+        x, perm, active, _ = _point(t, e, k, h, DEVICE)
+        variants = _format_variants(x, perm, bf, fp8w, shape, layout)
+        refs = {}
+        for fmt, base in (("bf16", "torch_grouped_bf16"), ("fp8", "torch_fp8_block_scaled_mm")):
+            try:
+                refs[fmt] = variants[base]().float() if base in variants else None
+            except Exception as exc:  # noqa: BLE001 - the variant's own row records the failure
+                print(f"T={t} {base}: reference failed: {str(exc)[:200]}", flush=True)
+        for vname in FORMAT_VARIANTS:
+            if vname == "fp8_block_w8a8_stored_tiles" and vname not in variants:
+                continue
+            row = _format_row(vname, variants, refs, t, active, shape, ceil, start, budget_s, layout)
+            rows.append(row)
+            if "time_us" in row:
+                err = row["rel_diff_vs_torch"]
+                print(f"T={t:6d} {vname:26s} {row['time_us']:10.1f} us {row['weight_tbps']:5.2f} TB/s "
+                      f"({row['copy_fraction']:.2f} of copy) {row['tflops']:7.1f} TFLOP/s"
+                      + (f" diff {err:.2e}" if err is not None else ""), flush=True)
+            else:
+                print(f"T={t} {vname}: {row['error'][:200]}", flush=True)
+        save()
+    save()
+    return result
+
+
+def _saver(out_dir: Path, stem: str, result: dict, markdown):
+    """A function that writes ``result`` as out_dir/stem.json and its ``markdown(result)`` as stem.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (out_dir / f"{stem}.md").write_text(markdown(result))
+
+    return save
+
+
+def _format_variants(x, perm, bf, fp8w, shape: dict, layout) -> dict:
+    """The timed callables of one T (see ``FORMAT_VARIANTS``)."""
+    from adapt.kernels.moe_gemm import expert_mlp
+
+    k, act = shape["top_k"], shape["activation"]
+    kw = dict(top_k=k, activation=act)
+    variants = {
+        "fp8_block_w8a8": lambda: expert_mlp(x, perm, fp8w, compute="fp8", act_quant="group128", **kw),
+        "bf16_experts": lambda: expert_mlp(x, perm, bf, compute="bf16", **kw),
+        "torch_grouped_bf16": _torch_grouped(lambda: x[perm.sorted_slot.long() // k], bf.w1.transpose(1, 2),
+                                             bf.w2.transpose(1, 2), perm.expert_offsets[1:], act, shape["interleaved"]),
+        "fp8_block_w8a16": lambda: expert_mlp(x, perm, fp8w, compute="bf16", **kw),
+    }
+    if isinstance(layout, int):
+        variants["torch_fp8_block_scaled_mm"] = _torch_fp8_block(x, perm, fp8w, shape, layout)
+    if x.shape[0] >= 4096:
+        from adapt.kernels.moe_configs import pick_configs
+
+        wide = pick_configs(x.shape[0] * k, fp8w.n_experts, "fp8_stored")
+        variants["fp8_block_w8a8_stored_tiles"] = lambda: expert_mlp(
+            x, perm, fp8w, compute="fp8", act_quant="group128", config=wide, **kw)
+    return variants
+
+
+def _format_row(vname, variants, refs, t, active, shape, ceil, start, budget_s, layout) -> dict:
+    """One timed row (or a row with the error or the reason it was skipped)."""
+    h, inter = shape["hidden"], shape["intermediate"]
+    if vname not in variants:
+        return {"tokens": t, "variant": vname, "error": f"no _scaled_mm block layout: {layout}"}
+    if time.monotonic() - start > budget_s:
+        return {"tokens": t, "variant": vname, "error": "skipped: time budget"}
+    fn = variants[vname]
+    try:
+        out = fn().float()
+        ref = refs.get("fp8" if "fp8" in vname else "bf16")
+        err = None if ref is None else float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+        timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
+    except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row, the others go on
+        return {"tokens": t, "variant": vname, "error": str(exc)[:300]}
+    us = timing.median_us
+    wbytes = format_bytes(vname, active, h, inter)
+    flops = 6 * t * shape["top_k"] * h * inter
+    floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
+    return {
+        "tokens": t, "variant": vname, "time_us": us, "active_experts": active, "weight_bytes": wbytes,
+        "flops": flops, "weight_tbps": wbytes / us / 1e6, "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
+        "tflops": flops / us / 1e6, "byte_floor_us": floor_us, "x_floor": us / floor_us, "rel_diff_vs_torch": err,
+        "timer": timing.mode + (f" ({timing.fallback})" if timing.fallback else ""),
+    }
+
+
+def _format_markdown(result: dict) -> str:
+    c = result["ceilings"]
+    s = result["shape"]
+    lines = [
+        f"# MoE expert formats at {s['name']} (E={s['experts']}, k={s['top_k']}, {s['hidden']}, {s['intermediate']})\n",
+        f"- date: {result['date']}; commit: {result['commit']}; GPU: {result['gpu']}, torch {result['torch']}, "
+        f"triton {result['triton']}",
+        f"- same-run ceilings: copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s, "
+        f"fp8 _scaled_mm {c['fp8_matmul_tflops']:.0f} TFLOP/s",
+        f"- torch _scaled_mm block layout: {result['scaled_mm_layout']}",
+        "",
+        "| T | variant | time us | weight bytes | TB/s | of copy | TFLOP/s | x floor | diff vs torch |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "time_us" not in r:
+            lines.append(f"| {r['tokens']} | {r['variant']} | {r['error'][:90]} | | | | | | |")
+            continue
+        d = f"{r['rel_diff_vs_torch']:.1e}" if r["rel_diff_vs_torch"] is not None else ""
+        lines.append(f"| {r['tokens']} | {r['variant']} | {r['time_us']:.1f} | {r['weight_bytes']:.3e} | "
+                     f"{r['weight_tbps']:.2f} | {r['copy_fraction']:.2f} | {r['tflops']:.1f} | "
+                     f"{r['x_floor']:.2f} | {d} |")
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -947,10 +1263,16 @@ if __name__ == "__main__":
         action="store_true",
         help="DeepSeek-V3 at T in 1, 64, 16384 only (the acceptance lines)",
     )
-    ap.add_argument("--peer-only", action="store_true", help="time only the peer beside adapt's planar kernel")
+    ap.add_argument("--peer-only", action="store_true",
+                    help="time only the peer beside adapt's MXFP4-storage paths (with --planar-sweep: the configs too)")
+    ap.add_argument("--large", action="store_true", help="with --peer-only: the FP8 paths above PLANAR_MAX_TOKENS")
+    ap.add_argument("--formats", action="store_true", help="FP8-block and bf16 experts beside torch (first shape)")
     args = ap.parse_args()
+    if args.formats:
+        run_format_bench(args.out_dir, args.tokens, (args.shapes or ["deepseek-v3"])[0], args.budget_s)
+        raise SystemExit(0)
     if args.peer_only:
-        run_peer_bench(args.out_dir, args.tokens, args.shapes, args.budget_s)
+        run_peer_bench(args.out_dir, args.tokens, args.shapes, args.budget_s, args.planar_sweep, args.large)
         raise SystemExit(0)
     res = run_moe_bench(
         args.out_dir,

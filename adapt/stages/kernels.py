@@ -57,6 +57,8 @@ ADAPT_KERNEL_FOR_OP = {
     "attention_mla_sparse": "adapt.kernels.sparse_mla.sparse_mla",
     "kv_cache_indexer": "adapt.runtime.kv_cache.PagedKVCache",
     "moe_grouped_gemm_mxfp4": "adapt.kernels.moe_gemm.moe_forward",
+    "moe_grouped_gemm_fp8_block": "adapt.kernels.moe_gemm.moe_forward",
+    "moe_grouped_gemm_bf16": "adapt.kernels.moe_gemm.moe_forward",
     "mxfp4_decode": "adapt.kernels.mxfp4.dequantize_mxfp4",
     "moe_permute": "adapt.kernels.routing.permute_by_expert",
     "routing_softmax_topk": "adapt.kernels.routing.route",
@@ -618,32 +620,69 @@ def check_mxfp4_codec(ctx: Context, op: str) -> list[CheckResult]:
     ]
 
 
+def _stacked_layer(ctx: Context, gen, fmt: str, hidden: int, inter: int):
+    """Random MoE layer stored as ``fmt`` ('fp8_block': e4m3 values with one power-of-two scale per
+    128 x 128 block, DeepSeek-V3.2's ue8m0 rule, so value times scale is exact in any summation order
+    and the twin's fp32 sums match the kernel's; 'bf16'), experts as in the spec's layout -> ``StackedExperts``."""
+    import torch
+
+    from adapt.kernels.fp8 import pow2_scale
+    from adapt.kernels.moe_weights import StackedExperts, fp8_block_copy
+
+    s, ffn = ctx.shapes, _first_moe(ctx.spec).ffn
+    w1 = torch.randn(s.experts, 2 * inter, hidden, generator=gen) * 0.1
+    w2 = torch.randn(s.experts, hidden, inter, generator=gen) * 0.1
+    b1 = _randn(ctx, s.experts, 2 * inter, gen=gen, scale=0.1) if ffn.bias else None
+    b2 = _randn(ctx, s.experts, hidden, gen=gen, scale=0.1) if ffn.bias else None
+    weights = StackedExperts(w1.bfloat16().to(ctx.device), w2.bfloat16().to(ctx.device), None, None, b1, b2,
+                             gate_up_interleaved=ctx.spec.model_type == "gpt_oss")
+    return fp8_block_copy(weights, pow2_scale) if fmt == "fp8_block" else weights
+
+
+def moe_format(op: str) -> str:
+    """The expert format of a grouped-GEMM operator: 'fp8_block', 'bf16' or 'mxfp4'."""
+    return next((f for f in ("fp8_block", "bf16") if op.endswith(f)), "mxfp4")
+
+
 def check_mxfp4_moe(ctx: Context, op: str) -> list[CheckResult]:
-    """moe_forward (routing, permutation, fused MXFP4 grouped GEMMs, combine) vs moe_forward_torch
-    and a float64 layer on the dequantized weights; the bf16 path, and the fp8 path on fp8 targets."""
+    """moe_forward (routing, permutation, grouped GEMMs, combine) vs moe_forward_torch and a float64
+    layer on the weights decoded from their format's definition (``reference.moe_reference``), in the
+    expert format of ``op``: MXFP4 (bf16 path, and the fp8 path on fp8 targets), FP8 with 128 x 128
+    block scales (bf16 activations, and e4m3 activations per 1x128 group on fp8 targets; widths of at
+    least 256 x 128 so several blocks and both gate and up blocks are read) or bf16."""
     import torch
 
     from adapt.kernels import moe_gemm, reference, routing
 
     s, ffn = ctx.shapes, _first_moe(ctx.spec).ffn
     gen = ctx.gen(60)
-    weights, _, _ = _mxfp4_layer(ctx, gen)
-    hidden = _randn(ctx, s.tokens, s.hidden, gen=gen).bfloat16()
-    gate = _randn(ctx, s.experts, s.hidden, gen=gen, scale=s.hidden ** -0.5)
+    fmt = moe_format(op)
+    hidden_size = s.hidden
+    if fmt == "mxfp4":
+        weights, _, _ = _mxfp4_layer(ctx, gen)
+    else:
+        hidden_size = max(s.hidden, 256) if fmt == "fp8_block" else s.hidden
+        weights = _stacked_layer(ctx, gen, fmt, hidden_size, max(s.intermediate, 128) if fmt == "fp8_block"
+                                 else s.intermediate)
+    hidden = _randn(ctx, s.tokens, hidden_size, gen=gen).bfloat16()
+    gate = _randn(ctx, s.experts, hidden_size, gen=gen, scale=hidden_size ** -0.5)
     bias = _randn(ctx, s.experts, gen=gen, scale=0.1) if ffn.correction_bias else None
     config = _router_config(ctx)
     activation = ffn.activation
     limit = ffn.swiglu_limit or 7.0
     kw = dict(correction_bias=bias, activation=activation, limit=limit)
+    if fmt == "fp8_block":
+        kw["act_quant"] = "group128"
     ref = reference.moe_reference(hidden, routing.gate_logits(hidden, gate), weights, config, bias, activation, limit)
     results = []
-    for compute in ("bf16", "fp8") if ctx.fp8_compute else ("bf16",):
+    computes = ("bf16", "fp8") if ctx.fp8_compute and fmt != "bf16" else ("bf16",)
+    for compute in computes:
         got = moe_gemm.moe_forward(hidden, gate, weights, config, compute=compute, **kw)
         twin = moe_gemm.moe_forward_torch(hidden, gate, weights, config, compute=compute, **kw)
         results.append(CheckResult(
             op, "adapt.kernels.moe_gemm.moe_forward",
-            f"MoE layer, {s.experts} experts top-{config.top_k}, {activation}, {compute} compute", compute,
-            rel_error(got, twin), rel_error(got, ref), ctx.tol(compute),
+            f"MoE layer, {fmt} experts, {s.experts} experts top-{config.top_k}, {activation}, {compute} compute",
+            compute, rel_error(got, twin), rel_error(got, ref), ctx.tol(compute),
             finite=bool(torch.isfinite(got).all())))
     return results
 
@@ -927,7 +966,10 @@ def _run_checks(ctx: Context, needs: list[Need], report: StageReport) -> list[Ch
     results: list[CheckResult] = []
     done: set[str] = set()
     for need in needs:
-        for kernel in (need.kernel, *PARTS.get(need.kernel, ())):
+        parts = PARTS.get(need.kernel, ())
+        if moe_format(need.row.op.name) != "mxfp4":  # no MXFP4 codec inside FP8-block / bf16 expert layers
+            parts = tuple(p for p in parts if p != "adapt.kernels.mxfp4.dequantize_mxfp4")
+        for kernel in (need.kernel, *parts):
             if kernel in done:
                 continue
             done.add(kernel)

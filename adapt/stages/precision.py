@@ -447,8 +447,6 @@ def _active_families(model_dir: Path, adapted: Adapted, layers) -> list[str]:
         active = [f for f in active if f != "indexer"]
     if "moe" in active and not config.moe_layers:
         active.remove("moe")
-    if "moe" in active and "quantization_config" not in (model_dir / "config.json").read_text():
-        active.remove("moe")  # the MoE kernel takes MXFP4 experts only (MoE.kernel_refusal)
     return active
 
 
@@ -518,6 +516,8 @@ def run_precision(model: str, target: str, *, gates: dict, layers: str | None = 
         report.metrics["reference_vs_transformers_logit_error"] = anchor
         if anchor > limits["max_reference_logit_error"]:
             result["failures"].append(("reference", f"the float32 reference differs from transformers by {anchor:.3g}"))
+    if config.model_type == "kimi_k25":
+        result["failures"] += _image_input(report, model_dir, layer_ids, adapted, limits, config.vocab, device)
     if report_dir is not None:
         png = plot_layers(result["layer_rows"], Path(report_dir) / "precision_layers.png",
                           f"{model_dir.name}: adapted ({kernels}, {compute_dtype}) vs float32 reference")
@@ -570,11 +570,13 @@ def _transformers_anchor(model_dir: Path, layer_ids, reference) -> float | None:
     size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     if layer_ids is not None or size > 2 * 1024**3 or reference["engine"].model.device.type != "cpu":
         return None
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    # transformers dequantizes MXFP4 experts (gpt-oss) to bf16 whatever dtype is asked for; every E2M1 value
+    # a multimodal checkpoint whose language model the engine runs (kimi_k25) loads as image-text-to-text;
+    # transformers dequantizes MXFP4 experts (gpt-oss) to bf16 whatever dtype is asked for: every E2M1 value
     # times its power-of-two scale is exact in bf16, so .float() restores the float32 model exactly
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).float()
+    auto = AutoModelForImageTextToText if reference["engine"].spec.vision is not None else AutoModelForCausalLM
+    hf = auto.from_pretrained(model_dir, dtype=torch.float32).float()
     worst = 0.0
     with torch.no_grad():
         for seq, ref in zip(reference["sequences"], reference["logits"], strict=True):
@@ -582,6 +584,28 @@ def _transformers_anchor(model_dir: Path, layer_ids, reference) -> float | None:
             worst = max(worst, _rel(ref, out))
     reference["transformers_anchor"] = worst
     return worst
+
+
+def _image_input(report: StageReport, model_dir: Path, layer_ids, adapted: Adapted, limits: dict[str, float],
+                 vocab: int, device: str) -> list[tuple[str, str]]:
+    """kimi_k25 (MoonViT in front of the decoder engine): an image prompt through the adapted path vs
+    the float32 one (``adapt.runtime.families.image_prompt_runs``), gated like the text: image features by
+    max_rel_error_layer, the prompt's logits by max_kl and min_top1_agreement. Returns the failures."""
+    from adapt.runtime.families import image_prompt_runs
+
+    feature_error, ref, ad = image_prompt_runs(model_dir, layer_ids, _dtype(adapted.dtype), adapted.kernels,
+                                               _encode(model_dir, vocab)[0][:32], device)
+    logits = compare_logits([ref], [ad])
+    report.metrics.update(image_feature_rel_error=feature_error, image_prompt_kl_mean=logits["kl_mean"],
+                          image_prompt_top1_agreement=logits["top1_agreement"])
+    failures = []
+    if feature_error > limits["max_rel_error_layer"]:
+        failures.append(("image-features", f"image feature relative error {feature_error:.3g} > "
+                                           f"{limits['max_rel_error_layer']:g}"))
+    if logits["kl_mean"] > limits["max_kl"] or logits["top1_agreement"] < limits["min_top1_agreement"]:
+        failures.append(("image-prompt", f"image prompt: KL {logits['kl_mean']:.3g}, top-1 agreement "
+                                         f"{logits['top1_agreement']:.3f}"))
+    return failures
 
 
 def run_family_precision(model_dir: Path, adapted: Adapted, limits: dict[str, float], layer_ids, faults,

@@ -543,11 +543,19 @@ def test_planar_layout_round_trip_and_word_bits(k):
     scales = torch.randint(100, 140, (2, 6, k // 32), generator=g, device=DEV, dtype=torch.uint8)
     for gate_up, il in ((False, False), (True, False), (True, True)):
         p = mp.planar_from_mxfp4(packed, scales, gate_up=gate_up, interleaved=il)
-        assert p.words.shape[-1] * 8 % 128 == 0 and p.k == k
+        assert p.k_padded % 128 == 0 and p.k == k and p.words.shape[1:] == (1, p.k_padded // 128, 64, 16)
         a, b = mp.planar_to_mxfp4_torch(p, interleaved=il)
         assert torch.equal(a, packed) and torch.equal(b, scales)
-    # the definition: word h*8 + c of a 128-step, nibble at bits 4p (16 + 4p) = element 16(4h+p) + 2c (+1)
+    # the definition: row r, step st in words[e, r // 64, st, r % 64, :]; word h*8 + c holds the code bits
+    # (m, e0, e1, sign) of element 16(4h+p) + 2c (+1) at bits NIBBLE_BITS[p] of its low (high) half;
+    # scale bytes biased by 126 when all are <= 128; padded rows hold zero codes
+    for sc, bias in ((scales, 0), (scales.clamp(max=128), 126)):
+        q = mp.planar_from_mxfp4(packed, sc)
+        assert q.two_muls == (bias == 0)
+        for kb in range(k // 32):
+            assert torch.equal(q.scales[:, 0, kb // 4, :6, kb % 4].int(), sc[:, :, kb].int() + bias)
     p = mp.planar_from_mxfp4(packed, scales)
+    assert not p.words[:, 0, :, 6:].any()
     codes = torch.stack((packed.long() & 0xF, packed.long() >> 4), -1).reshape(2, 6, k)
     w = p.words.long() & 0xFFFFFFFF
     for kk in range(k):
@@ -555,7 +563,8 @@ def test_planar_layout_round_trip_and_word_bits(k):
         plane, col = divmod(r, 16)
         h, pp = divmod(plane, 4)
         c, half = divmod(col, 2)
-        nib = (w[:, :, step * 16 + h * 8 + c] >> (4 * pp + 16 * half)) & 0xF
+        word = w[:, 0, step, :6, h * 8 + c] >> (16 * half)
+        nib = sum(((word >> pos) & 1) << b for b, pos in enumerate(mp.NIBBLE_BITS[pp]))
         assert torch.equal(nib, codes[:, :, kk])
     assert p.two_muls == bool(scales.max() > 128)
 

@@ -13,6 +13,7 @@ from adapt.model.checkpoint import Checkpoint  # noqa: E402
 from adapt.model.spec import load_spec  # noqa: E402
 from adapt.model.tiny_multimodal import build_tiny_llama4  # noqa: E402
 from adapt.runtime.multimodal import MultimodalModel, MultimodalState, load_image_tile  # noqa: E402
+from tests.runtime.run_json import adapt_run_json  # noqa: E402
 
 NEW_TOKENS = 8
 TEXT = [5, 17, 99, 3, 250, 42, 7, 11, 13, 60, 70]
@@ -86,8 +87,6 @@ def test_image_file_becomes_one_normalised_tile(tmp_path):
 
 
 def test_adapt_run_with_an_image_file(tiny, tmp_path):
-    import json
-
     from PIL import Image
     from typer.testing import CliRunner
 
@@ -95,30 +94,9 @@ def test_adapt_run_with_an_image_file(tiny, tmp_path):
 
     path = tmp_path / "picture.png"
     Image.new("RGB", (90, 50), (30, 160, 220)).save(path)
-    result = CliRunner().invoke(app, ["run", str(tiny), "--token-ids", "5,17,99", "--image", str(path),
-                                      "--max-new-tokens", "4", "--dtype", "float32", "--json"])
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    data = adapt_run_json(tiny, "--token-ids", "5,17,99", "--image", str(path))
     ours = MultimodalModel.from_dir(tiny)
     want = ours.generate(ours.image_prompt() + [5, 17, 99], 4, load_image_tile(path, 56))
     assert data["sequences"][0]["tokens"] == want and data["image_tokens"] == 6
     missing = CliRunner().invoke(app, ["run", str(tiny), "--token-ids", "5", "--image", str(tmp_path / "no.png")])
     assert missing.exit_code == 2 and "no such image file" in missing.output
-
-
-@pytest.mark.parametrize("grid", [(8, 8), (6, 10), (4, 4)])  # the 8 x 8 position grid, resampled for the others
-def test_kimi_moonvit_features_match_transformers(tmp_path_factory, grid):
-    from adapt.model.tiny_multimodal import build_tiny_kimi_k25
-    from adapt.runtime.multimodal import MoonViT
-
-    directory = tmp_path_factory.getbasetemp() / "tiny-kimi-k25"
-    if not directory.is_dir():
-        build_tiny_kimi_k25(directory)
-    reference = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
-    ph, pw = grid
-    pixels = torch.randn(ph * pw, 3, 14, 14, generator=torch.Generator().manual_seed(ph * 100 + pw))
-    with torch.no_grad():
-        want = reference.model.get_image_features(pixels, torch.tensor([[1, ph, pw]])).pooler_output[0]
-    got = MoonViT.from_dir(directory).encode_images(pixels, [grid])
-    assert got.shape == (ph * pw // 4, 64)
-    assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 1e-5

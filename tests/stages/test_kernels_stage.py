@@ -241,3 +241,40 @@ def test_twin_error_forgives_only_a_rounding_flip_at_a_midpoint():
     off_midpoint[0] = torch.tensor(1.0 + 2**-7).bfloat16()  # one step, but 1.0 is no midpoint
     assert twin_error(off_midpoint, twin, 1e-6) > 1e-3
     assert twin_error((got.float() * 1.005).bfloat16(), twin, 1e-6) > 1e-3  # drift below one step
+
+
+def _stack_without(tmp_path, op: str):
+    """vllm-cpu with ``op`` missing (as on an accelerator whose stack lacks it)."""
+    import yaml
+
+    table = yaml.safe_load((STACKS / "vllm-cpu.yaml").read_text())
+    ops = next(v for v in table.values() if isinstance(v, dict) and op in v)
+    ops[op] = {"status": "missing", "reason": "test: not in this stack"}
+    custom = tmp_path / "custom.yaml"
+    custom.write_text(yaml.safe_dump(table))
+    return str(custom)
+
+
+def test_bf16_experts_are_checked_through_adapts_moe_kernel_when_the_stack_lacks_them(tmp_path):
+    report = run_kernel_tests("qwen3-30b-a3b", "cpu", stack=_stack_without(tmp_path, "moe_grouped_gemm_bf16"))
+    assert report.verdict == "pass", [f.message for f in errors(report)]
+    assert "moe_grouped_gemm_bf16" in checked_ops(report) and "mxfp4_decode" not in checked_ops(report)
+    moe = next(r for r in report.tables["kernel checks"] if r["op"] == "moe_grouped_gemm_bf16")
+    assert moe["kernel"] == "adapt.kernels.moe_gemm.moe_forward" and "bf16 experts" in moe["check"]
+
+
+@pytest.mark.slow
+def test_fp8_block_expert_check_runs_bf16_and_fp8_compute_within_the_gates():
+    # stage 3's check of FP8-block experts at DeepSeek-V3.2's scaled shapes, on an fp8 target: W8A16 and
+    # W8A8 against float64 (bf16 / fp8 gates) and the twin (interpreter gate); a kernel reading a wrong
+    # block scale fails tests/kernels/test_moe_formats.py::test_fp8_block_scales_are_applied_per_block
+    from adapt.model.spec import load_spec
+    from adapt.report import load_gates
+
+    spec = load_spec("deepseek-v3.2")
+    ctx = stage.Context(spec, stage.scaled_shapes(spec), "cpu", load_gates()["kernels"], fp8_compute=True)
+    results = stage.check_mxfp4_moe(ctx, "moe_grouped_gemm_fp8_block")
+    assert [r.dtype_path for r in results] == ["bf16", "fp8"] and all("fp8_block experts" in r.check for r in results)
+    for r in results:
+        r.twin_tolerance = ctx.tolerances["max_twin_rel_error_interpreter"]
+        assert r.passed, r.row()
