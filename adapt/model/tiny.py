@@ -394,7 +394,7 @@ def _train(model, tokens: list[int], seed: int) -> dict[str, Any]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), TRAINING["clip"])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     finally:
         torch.set_num_threads(threads)
         model.eval()
