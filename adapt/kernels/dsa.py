@@ -141,22 +141,28 @@ def _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HE
 
 
 @triton.jit
-def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, seq_ptr, out_ptr,
                          n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                          ROWS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         UPCAST: tl.constexpr, STACKED: tl.constexpr):
+                         UPCAST: tl.constexpr, STACKED: tl.constexpr, DIRECT: tl.constexpr = False):
     """One program: one query tile (up to ROWS consecutive rows of one sequence) against
     ``tiles_per_split`` consecutive BLOCK_S-key tiles (split ``program_id(1)`` of the
     context). Key tiles stream through a NUM_STAGES-deep software pipeline; each is read
     once and scored against every row of the query tile. With ROWS == 1 (decode) the query
     [H, D] and its weights stay in registers for the whole scan. STACKED (ROWS > 1): the tile's
     ROWS x BLOCK_H query heads are loaded once as one [ROWS * BLOCK_H, D] operand and each key tile
-    takes one MMA with N = ROWS * BLOCK_H (instead of ROWS MMAs of N = BLOCK_H re-reading q)."""
+    takes one MMA with N = ROWS * BLOCK_H (instead of ROWS MMAs of N = BLOCK_H re-reading q).
+    DIRECT (ROWS == 1): program_id(0) is the row and its sequence is read from ``seq_ptr`` (no tile table)."""
     tile = tl.program_id(0)
-    row0 = tl.load(tiles_ptr + tile * 3)
-    n_rows = tl.load(tiles_ptr + tile * 3 + 1)
-    seq = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
+    if DIRECT:
+        row0 = tile
+        n_rows = 1
+        seq = tl.load(seq_ptr + tile).to(tl.int64)
+    else:
+        row0 = tl.load(tiles_ptr + tile * 3)
+        n_rows = tl.load(tiles_ptr + tile * 3 + 1)
+        seq = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
     tile_limit = tl.load(limit_ptr + row0 + n_rows - 1)
     heads = tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
@@ -224,12 +230,9 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
 
 def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
     """int32 [tiles, 3] of (first row, rows, sequence): runs of consecutive rows of one
-    sequence, cut every ``rows_per_tile`` rows. One row per tile is built without a host sync."""
+    sequence, cut every ``rows_per_tile`` rows (prefill; decode rows need no table)."""
     n = token_seq.shape[0]
     rows = torch.arange(n, device=token_seq.device)
-    if rows_per_tile == 1:
-        tiles = torch.stack([rows, torch.ones_like(rows), token_seq.long()], dim=1)
-        return tiles.to(torch.int32).contiguous()
     new_run = torch.ones(n, dtype=torch.bool, device=token_seq.device)
     new_run[1:] = token_seq[1:] != token_seq[:-1]
     run_start = torch.cummax(torch.where(new_run, rows, 0), dim=0).values
@@ -268,9 +271,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         return out
     decode = rows_per_tile == 1 or (rows_per_tile is None and bool((token_seq[1:] != token_seq[:-1]).all()))
     per_tile = 1 if decode else (rows_per_tile or PREFILL_ROWS_PER_TILE)
-    tiles = _query_tiles(token_seq, per_tile)
-    if not decode:
-        tiles = tiles.flip(0).contiguous()  # causal: the longest rows start first, not last
+    token_seq = token_seq.to(torch.int32).contiguous()
+    if decode:  # one row per program, sequence read in the kernel: no tile table (no extra launches)
+        tiles = token_seq
+    else:
+        tiles = _query_tiles(token_seq, per_tile).flip(0).contiguous()  # causal: the longest rows start first
     block_s = key_block or (KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     key_tiles = triton.cdiv(num_cols, block_s)
     splits = min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS, tiles.shape[0])))
@@ -278,10 +283,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     grid = (tiles.shape[0], triton.cdiv(key_tiles, tiles_per_split))
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
-        limits.to(torch.int32).contiguous(), tiles, out,
+        limits.to(torch.int32).contiguous(), tiles, token_seq, out,
         n_heads, block_table.stride(0), out.stride(0), num_cols, tiles_per_split,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s, ROWS=per_tile,
         PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
+        DIRECT=decode,
         num_warps=num_warps or (4 if decode else PREFILL_WARPS),
     )
     return out

@@ -108,24 +108,24 @@ def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, 
 
 
 _P = PlanarConfig
+_SMALL = _P(16, 128, 1, 4, 4, 4, 0, True, 128)
 _N64 = _P(16, 64, 1, 4, 4, 4, 0, True, 128)
-_NOCAP = _P(16, 128, 1, 4, 4, 4, 0, True)
 _BIG = _P(128, 256, 1, 4, 8, 3, 0, True)
-_H200_RECORD = "benchmarks/moe/2026-11-30-s2 (call 1, commit 36a06da)"
+_H200_RECORD = "benchmarks/moe/2026-11-30-s2 (call 2, commit 3f78ab0, tiled layout)"
 PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfig]]] = {
     # (device name, "hidden x intermediate") -> rows (largest mean slots per expert, GEMM1, GEMM2),
     # each the fastest config of the H200 sweep in _H200_RECORD at the token counts of its range
     ("NVIDIA H200", "7168x2048"): [
-        (0.1, _N64, _N64),  # T = 1: 100 us (block_n 128: 102; split 2: 110)
-        (16.0, _N64, _N64),  # T = 16..256: 965 / 2021 / 2527 us (block_n 128: 1000 / 2133 / 2539)
-        (64.0, _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),  # T = 1024: 3569 with combine
-        (float("inf"), _BIG, _BIG),  # T = 4096: 7935 us (128 x 128: 8674)
+        (0.1, _N64, _N64),  # T = 1: 88.8 us with the combine (block_n 128: 91.6 without)
+        (16.0, _SMALL, _SMALL),  # T = 16 / 64 / 256: 738 / 1526 / 1907 us (block_n 64: 826 / 1723 / 2230)
+        (64.0, _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),  # T = 1024: 3037 with combine
+        (float("inf"), _BIG, _BIG),  # T = 4096: 7830 us with combine (128 x 128: 8329 without)
     ],
     ("NVIDIA H200", "2880x2880"): [
-        (0.1, _N64, _N64),  # T = 1: 48 us (block_n 128: 50)
-        (16.0, _NOCAP, _NOCAP),  # T = 16..256: 282 / 611 / 698 us (register cap 128: 290 / 624 / 713)
-        (64.0, _P(32, 128, 1, 4, 4, 4, 0, True), _P(32, 128, 1, 4, 4, 4, 0, True)),  # T = 1024: 1092 us
-        (float("inf"), _BIG, _BIG),  # T = 4096: 2335 us (128 x 128: 2471)
+        (0.1, _N64, _N64),  # T = 1: 48.3 us with the combine (block_n 128: 49.4 without)
+        (16.0, _SMALL, _SMALL),  # T = 16 / 64 / 256: 238 / 513 / 575 us (no register cap: 246 / 543 / 612)
+        (64.0, _P(32, 128, 1, 4, 4, 4, 0, True), _P(32, 128, 1, 4, 4, 4, 0, True)),  # T = 1024: 989 with combine
+        (float("inf"), _BIG, _BIG),  # T = 4096: 2316 us with combine (128 x 128: 2478 without)
     ],
 }
 """Planar GEMM configs keyed by (``torch.cuda.get_device_name``, "HxI"); unknown keys take the

@@ -22,15 +22,16 @@ and take the two-multiply decode (``TWO_MULS``). Bytes are the MXFP4 bytes (K/2 
 
 Tiles: rows are grouped in blocks of ``ROW_BLOCK`` (N padded to a multiple with zero codes) and
 stored block-major, step-major inside a block: ``words[e, n // 64, step, n % 64, 16]``, so the 64 rows
-of one step are 4 KB contiguous in memory (scales likewise: 256 B); a row-major copy would put each
-row's 64 bytes of a step 3.5 KB (DeepSeek-V3 GEMM1) from the next row's, one short burst per DRAM page.
+of one step are 4 KB contiguous in memory (scales likewise: 256 B), where a row-major copy puts each
+row's 64 bytes of a step at the row pitch (3.5 KB on DeepSeek-V3 GEMM1).
 
 Rows: GEMM1 (gate + up, 2I rows) is stored with gate and up rows interleaved (row 2i gate i,
 row 2i + 1 up i) whatever the checkpoint's order, so one tile of BLOCK_N rows yields BLOCK_N / 2
 SwiGLU outputs; GEMM2 (down, H rows) keeps its order.
 
-Kernel (``planar_gemm``): swap-AB (weight rows in the MMA's M, tokens in N, block_m >= 16), eight
-``tl.dot`` of K = 16 per step, one per plane, each against the 16 activation columns of the plane;
+Kernel (``planar_gemm``): swap-AB (weight rows in the MMA's M, tokens in N, block_m >= 16), one MMA
+chain of K = 128 per step (``one_dot``: the decoded planes joined into the operand) or eight
+``tl.dot`` of K = 16, one per plane, each against the 16 activation columns of the plane;
 an optional split along K (``split_k``) for T = 1..16 so that every SM streams weights, the partial
 sums reduced by ``_split_k_epilogue_kernel`` (bias, SwiGLU). FLOPs 2 * S * N * K per GEMM; bytes:
 the active experts' MXFP4 once (per GROUP_M m-tiles), activations, bf16 outputs, and with split_k

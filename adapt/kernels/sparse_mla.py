@@ -70,12 +70,75 @@ def _dequant_cols(kv, scale_ptr, slot, valid, col0, RANK: tl.constexpr, WIDTH: t
 
 
 @triton.jit
+def _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, BLOCK_K: tl.constexpr,
+                PAGE: tl.constexpr):
+    """Cache slots (int64 [BLOCK_K]) of the row's selected positions k0 .. k0 + BLOCK_K (before ``last``)
+    and which of them are valid (index >= 0)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    idx = tl.load(idx_ptr + row * topk + kk, mask=kk < last, other=-1)
+    valid = idx >= 0
+    page = tl.load(block_table_ptr + seq * bt_stride + idx // PAGE, mask=valid, other=0)
+    return page.to(tl.int64) * PAGE + idx % PAGE, valid
+
+
+@triton.jit
+def _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K: tl.constexpr,
+                 PAGE: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PREFETCH the first tile's (slots, valid), read before the loop; else placeholders never read."""
+    if PREFETCH:
+        slot, valid = _tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE)
+    else:
+        slot = tl.zeros([BLOCK_K], tl.int64)
+        valid = slot < 0
+    return slot, valid
+
+
+@triton.jit
+def _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, slot_n, valid_n,
+                BLOCK_K: tl.constexpr, PAGE: tl.constexpr, PREFETCH: tl.constexpr):
+    """(slots, valid) of the tile at k0, then those of the next tile: with PREFETCH the current ones were
+    read one step earlier (slot_n, valid_n) and the next ones are read now; else the current ones are read
+    now and slot_n, valid_n pass through."""
+    if PREFETCH:
+        slot = slot_n
+        valid = valid_n
+        slot_n, valid_n = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0 + BLOCK_K, last, topk, bt_stride,
+                                      BLOCK_K, PAGE)
+    else:
+        slot, valid = _tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, BLOCK_K, PAGE)
+    return slot, valid, slot_n, valid_n
+
+
+@triton.jit
+def _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE: tl.constexpr, UPCAST: tl.constexpr):
+    """The row's rotated query part [BLOCK_H, ROPE] (fp32 under the interpreter)."""
+    q_rope = tl.load(qr_ptr + (row * n_heads + heads[:, None]) * ROPE + tl.arange(0, ROPE)[None, :],
+                     mask=hmask[:, None], other=0.0)
+    if UPCAST:
+        q_rope = q_rope.to(tl.float32)
+    return q_rope
+
+
+@triton.jit
+def _softmax_step(s, valid, scale_log2, m_i, l_i):
+    """One online-softmax step over a tile of logits s [BLOCK_H, BLOCK_K] (log2 units after scale_log2;
+    invalid positions -inf): (probabilities against the new running maximum, the factor that rescales
+    the earlier sums, the new maximum, the new sum)."""
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
                        out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                        RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr,
                        QK_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        PAGE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False):
     """One program: one query row, BLOCK_H heads (the MMA M dimension: all heads of a row share
     its gathered latent rows), RANK / V_SPLIT output columns, and one slice of the row's
     selected positions (``program_id(2) // V_SPLIT``; the whole list when SPLIT is false).
@@ -85,6 +148,10 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
       latent tile [BLOCK_K, RANK] is dequantized once and used for both q.k and p @ v.
     - sliced: q.k is summed over QK_CHUNK-wide slices (q slices re-read from cache each tile) and
       the tile's output slice is gathered once more for p @ v (less shared memory per stage).
+
+    PREFETCH (software pipelining by hand; the default one-stage loop has none): reads the next
+    tile's positions and cache slots (the dependent index -> block-table loads) while the current
+    tile is multiplied.
 
     SPLIT: writes the slice's normalised partial output (fp32 [rows, splits, H, RANK]) and its
     log2-sum-exp (fp32 [rows, splits, H], -inf when the slice has no valid position) for
@@ -101,10 +168,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     ccols = tl.arange(0, QK_CHUNK)
     rcols = tl.arange(0, ROPE)
     q_base = (row * n_heads + heads[:, None]) * RANK
-    q_rope = tl.load(qr_ptr + (row * n_heads + heads[:, None]) * ROPE + rcols[None, :], mask=hmask[:, None],
-                     other=0.0)
-    if UPCAST:
-        q_rope = q_rope.to(tl.float32)
+    q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
     if QK_CHUNK == RANK:
         q_all = tl.load(qn_ptr + q_base + ccols[None, :], mask=hmask[:, None], other=0.0)
         if UPCAST:
@@ -115,12 +179,11 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, VDIM], tl.float32)
+    slot_n, valid_n = _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE,
+                                   PREFETCH)
     for k0 in range(first, last, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + row * topk + kk, mask=kk < last, other=-1)
-        valid = idx >= 0
-        page = tl.load(block_table_ptr + seq * bt_stride + idx // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + idx % PAGE
+        slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
+                                                   slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
         if UPCAST:
             k_rope = k_rope.to(tl.float32)
@@ -154,12 +217,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
                 kv = _dequant_cols(kv, nscale_ptr, slot, valid, vpart * VDIM, RANK, VDIM, GROUP, BLOCK_K, UPCAST)
             if UPCAST:
                 kv = kv.to(tl.float32)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
         if UPCAST:
             acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # fp32 p: no tf32 rounding
         else:
@@ -175,6 +233,110 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     else:
         tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + vcols[None, :], _to_bf16(out, UPCAST),
                  mask=hmask[:, None])
+
+
+@triton.jit
+def _dequant_chunk(nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.constexpr, GROUP: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """bf16 [BLOCK_K, GROUP]: scale group ``c`` (columns c * GROUP ..) of the gathered e4m3 rows, dequantized."""
+    cols = c * GROUP + tl.arange(0, GROUP)
+    kv = tl.load(nope_ptr + slot[:, None] * RANK + cols[None, :], mask=valid[:, None], other=0.0)
+    sc = tl.load(scale_ptr + slot * (RANK // GROUP) + c, mask=valid, other=0.0)
+    out = _to_bf16(kv.to(tl.float32) * sc[:, None], UPCAST)
+    if UPCAST:
+        out = out.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _q_chunk(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
+    q = tl.load(qn_ptr + q_base + c * GROUP + tl.arange(0, GROUP)[None, :], mask=hmask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr):
+    """acc * alpha + p @ kv (fp32 accumulator [BLOCK_H, cols])."""
+    acc = acc * alpha[:, None]
+    if UPCAST:
+        return tl.dot(p, kv, acc, input_precision="ieee")  # fp32 p: no tf32 rounding
+    return tl.dot(p.to(tl.bfloat16), kv, acc)
+
+
+@triton.jit
+def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
+                             out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
+                             RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                             PREFETCH: tl.constexpr):
+    """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
+    per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
+    and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
+    groups and p @ v writes four [BLOCK_H, GROUP] accumulators. Same grid, outputs and PREFETCH as
+    ``_sparse_mla_kernel`` with V_SPLIT 1."""
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    hmask = heads < n_heads
+    rcols = tl.arange(0, ROPE)
+    q_base = (row * n_heads + heads[:, None]) * RANK
+    q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
+    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
+    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
+    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
+    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+    seq = tl.load(seq_ptr + row).to(tl.int64)
+    first = split * positions_per_split
+    last = tl.minimum(first + positions_per_split, topk)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    slot_n, valid_n = _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE,
+                                   PREFETCH)
+    for k0 in range(first, last, BLOCK_K):
+        slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
+                                                   slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
+        k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
+        kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
+        kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
+        kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
+        kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+        if UPCAST:
+            k_rope = k_rope.to(tl.float32)
+        s = tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.dot(q0, tl.trans(kv0), s)
+        s = tl.dot(q1, tl.trans(kv1), s)
+        s = tl.dot(q2, tl.trans(kv2), s)
+        s = tl.dot(q3, tl.trans(kv3), s)
+        p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
+        acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
+        acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
+        acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
+        acc3 = _pv(acc3, p, kv3, alpha, UPCAST)
+        m_i = m_new
+    denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+    cols = tl.arange(0, GROUP)
+    if SPLIT:
+        n_splits = tl.num_programs(2)
+        part = (row * n_splits + split) * n_heads + heads
+        base = out_ptr + part[:, None] * RANK + cols[None, :]
+        tl.store(base, acc0 / denom, mask=hmask[:, None])
+        tl.store(base + GROUP, acc1 / denom, mask=hmask[:, None])
+        tl.store(base + 2 * GROUP, acc2 / denom, mask=hmask[:, None])
+        tl.store(base + 3 * GROUP, acc3 / denom, mask=hmask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=hmask)
+    else:
+        base = out_ptr + q_base + cols[None, :]
+        tl.store(base, _to_bf16(acc0 / denom, UPCAST), mask=hmask[:, None])
+        tl.store(base + GROUP, _to_bf16(acc1 / denom, UPCAST), mask=hmask[:, None])
+        tl.store(base + 2 * GROUP, _to_bf16(acc2 / denom, UPCAST), mask=hmask[:, None])
+        tl.store(base + 3 * GROUP, _to_bf16(acc3 / denom, UPCAST), mask=hmask[:, None])
 
 
 @triton.jit
@@ -209,15 +371,24 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.cons
 
 
 def _default_splits(device: torch.device, programs: int, topk: int, block_k: int) -> int:
-    """Position slices per row so that about two programs per SM run (one when the rows x head
-    blocks x output slices already fill the GPU), each slice at least one BLOCK_K tile (batch-1
-    decode, 128 heads, top-2048: 4 programs x 32 slices of 64 positions = 128 programs)."""
+    """Position slices per row, from a one-program-per-SM wave model (the fp8 tiles take a whole SM:
+    255 registers x 256 threads): the count s that minimises waves x tiles per slice,
+    ceil(s * programs / SMs) * ceil(tiles / s), the fewest slices on a tie (each extra slice costs
+    partial-output bytes and the combine); 1 from one program per SM up. Batch-1 decode, 128 heads in
+    2 blocks, top-2048 in 16 tiles of 128: 16 slices (32 programs, one tile each); batch 64 (128
+    programs on 132 SMs): 1, where the former rule (about two programs per SM) took 3 slices in 3
+    waves plus a combine (16 us in the 2026-11-30 profile)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= sms:
+    return wave_splits(programs, topk, block_k, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def wave_splits(programs: int, topk: int, block_k: int, sms: int) -> int:
+    """``_default_splits``' rule for ``sms`` multiprocessors (host arithmetic only)."""
+    if programs >= sms:  # one wave or more already: slices would only add partial outputs and a combine
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), topk // block_k))
+    tiles = max(1, triton.cdiv(topk, block_k))
+    return min(range(1, tiles + 1), key=lambda s: (triton.cdiv(s * programs, sms) * triton.cdiv(tiles, s), s))
 
 
 def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,
@@ -225,7 +396,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None) -> torch.Tensor:
+               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None
+               ) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -239,15 +411,19 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     column slices (1 with ``qk_chunk == R`` is the fused form: q loaded once, each latent tile
     dequantized once for q.k and p @ v); ``splits`` slices of the K positions per row
     (flash-decoding: each slice writes a partial output + log-sum-exp, ``_combine_kernel``
-    merges them; default: enough slices for about two programs per SM when N is small, e.g.
-    batch-1 decode, and 1 when N x heads already fills the GPU). Extra bytes with splits > 1:
+    merges them; default ``_default_splits``: many slices for batch-1 decode, 1 once the rows x head
+    blocks fill the GPU's SMs). Extra bytes with splits > 1:
     N * splits * H * (R + 1) * 4 written and read back.
 
-    Defaults: an fp8 latent of rank 512 on the GPU takes the fused tile (v_split 1, qk_chunk 512)
-    with block_k 64 and 1 stage; otherwise block_k 64 (16 under the interpreter), v_split 2 at
-    rank 512 (1 below it and under the interpreter), qk_chunk 128. Why these tiles (shared memory,
-    registers and times per tile on an H200): benchmarks/dsa/README.md, "Tile notes moved from the
-    kernel docstrings".
+    ``prefetch``: reads the next tile's slots ahead by hand. ``groups4``: the fused fp8 tile as
+    ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
+
+    Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
+    (groups4) with block_k 128 and 1 stage (H200 sweep of 2026-11-30, batch 64 x 128K: 218 us against
+    247-263 us for the fused tile with block_k 64: benchmarks/gpu-2026-11-30-dsa-s2/README.md); another
+    fp8 latent of rank 512 on the GPU the fused tile (v_split 1, qk_chunk 512) with block_k 64 and 1
+    stage; otherwise block_k 64 (16 under the interpreter), v_split 2 at rank 512 (1 below it and under
+    the interpreter), qk_chunk 128. Older tile notes: benchmarks/dsa/README.md.
     """
     n_rows, n_heads, rank = q_nope.shape
     rope = q_rope.shape[-1]
@@ -261,7 +437,9 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage (the sweep: benchmarks/dsa/README.md)
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
-    block_k = block_k or (16 if interpreting else 64)
+    if groups4 is None:  # the measured-fastest tile where it applies (see Defaults)
+        groups4 = fused_fp8 and rank == 4 * group and v_split in (None, 1) and qk_chunk in (None, rank)
+    block_k = block_k or (16 if interpreting else 128 if groups4 else 64)
     v_split = v_split or (1 if interpreting or rank < 512 or fused_fp8 else 2)
     qk_chunk = min(rank, qk_chunk or (512 if fused_fp8 else 128))
     vdim = rank // v_split
@@ -285,15 +463,27 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     else:
         partial, lse = out, out
     latent_scale_arg = latent_scale if fp8 else latent_nope
-    _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
-        q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale_arg, latent_rope,
-        block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
-        partial, lse,
-        n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
-        RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k,
-        PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, SPLIT=splits > 1, UPCAST=interpreting, num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    if groups4:
+        if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank):
+            raise ValueError("groups4 needs an fp8 latent of four scale groups and the fused tile")
+        _sparse_mla_fp8x4_kernel[(n_rows, head_blocks, splits)](
+            q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale, latent_rope,
+            block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
+            partial, lse,
+            n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
+            RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
+            UPCAST=interpreting, PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
+            q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale_arg, latent_rope,
+            block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
+            partial, lse,
+            n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
+            RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k,
+            PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, SPLIT=splits > 1, UPCAST=interpreting, PREFETCH=bool(prefetch),
+            num_warps=num_warps, num_stages=num_stages,
+        )
     if splits > 1:
         combine_c = min(rank, 128)
         combine_h = min(triton.next_power_of_2(n_heads), 4)

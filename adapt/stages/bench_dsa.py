@@ -96,6 +96,17 @@ def _decode_case(
     limits = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     q8, weights, q_nope, q_rope = _queries(batch)
     holder = {}
+    tiles = dict(tiles)
+    programs_sweep = []
+    if batch < SWEEP_BATCH:  # few rows: time how many programs split the context, keep the fastest
+        for programs in DECODE_INDEX_PROGRAMS:
+            opt = {**tiles["decode_index"], "programs": programs}
+            ms = _time_graph_ms(lambda o=opt: dsa.index_scores(q8, weights, layer.index_k, layer.index_scale,
+                                                               block_table, token_seq, limits, context,
+                                                               rows_per_tile=1, **o), reps)
+            programs_sweep.append({"programs": programs, "us": ms * 1e3})
+        best = min(programs_sweep, key=lambda row: row["us"])["programs"]
+        tiles["decode_index"] = {**tiles["decode_index"], "programs": best}
 
     def index():
         holder["idx"], _ = dsa.index_topk(
@@ -128,7 +139,6 @@ def _decode_case(
             **attend_tiles,
         )
 
-    index_ms = _time_graph_ms(index, reps)
     scores = dsa.index_scores(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits,
                               context, rows_per_tile=1, **tiles["decode_index"])
     scores_ms = _time_graph_ms(
@@ -152,6 +162,7 @@ def _decode_case(
                                                                              digit_bits=b), reps)
                       for bits in (4, 8)}
     torch_topk_ms = _time_graph_ms(lambda: torch.topk(scores, topk, dim=-1, sorted=False), reps)
+    index_ms = _time_graph_ms(index, reps)
     checks = {
         "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk), topk_indices_torch(scores, limits,
                                                                                                     topk))),
@@ -181,14 +192,16 @@ def _decode_case(
         holder["idx"][:4], 0.1))
     attend_ms = _time_graph_ms(attend, reps)
     step_ms = _time_graph_ms(lambda: (index(), attend()), reps)
+    cache = layer = None
+    torch.cuda.empty_cache()
+    layered = (_layered_step_us(batch, context, topk, latent_format, block_table, tiles["decode_index"], mla_tiles,
+                                reps, GRAPH_LAYERS) if batch < SWEEP_BATCH else None)
     key_bytes = batch * context * (INDEX_DIM + 4)
     latent_bytes = batch * topk * _latent_row_bytes(latent_format)
     floor_bytes = key_bytes + latent_bytes
     floor_us = floor_bytes / copy_tbps / 1e6
     index_flops = 2 * INDEX_HEADS * INDEX_DIM * context * batch
     attend_flops = 2 * batch * HEADS * topk * (RANK + ROPE + RANK)
-    cache = layer = None
-    torch.cuda.empty_cache()
     dense = _dense_decode(batch, context, reps, copy_tbps)
     torch.cuda.empty_cache()
     return {
@@ -204,7 +217,11 @@ def _decode_case(
         "sparse_mla_us": attend_ms * 1e3,
         "sparse_mla_tiles": mla_tiles,
         "sparse_mla_splits_sweep": splits_sweep,
+        "index_programs_sweep": programs_sweep,
+        "index_tiles": tiles["decode_index"],
         "step_us": step_ms * 1e3,
+        "step_us_per_layer_in_graph_of_layers": layered,
+        "graph_layers": GRAPH_LAYERS if layered is not None else None,
         "floor_bytes": floor_bytes,
         "floor_us": floor_us,
         "step_over_floor": step_ms * 1e3 / floor_us,
@@ -218,6 +235,38 @@ def _decode_case(
         **dense,
         "dense_over_step": None if dense["dense_us"] is None else dense["dense_us"] / (step_ms * 1e3),
     }
+
+
+# Layers per CUDA graph for the per-layer decode time below batch 64: a serving engine replays one graph
+# for all layers of a step (DeepSeek-V3.2: 61), where a one-layer graph also times one graph launch per
+# layer (H200, 2026-11-30, batch 1: 53.9-56.1 us per layer in 8 against 53.6-54.7 us alone, within the
+# run-to-run spread).
+GRAPH_LAYERS = 8
+
+
+def _layered_step_us(batch: int, context: int, topk: int, latent_format: str, block_table: torch.Tensor,
+                     index_tiles: dict, mla_tiles: dict, reps: int, layers: int) -> float:
+    """Microseconds per layer of one CUDA graph that runs the decode step (index + top-k + sparse MLA) of
+    ``layers`` layers in sequence, each over its own random cache and queries (no layer reads another's
+    data from L2). Median of graph replays / layers."""
+    token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
+    limits = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    stack = []
+    for _ in range(layers):
+        layer = _random_cache(batch * context, latent_format).dsa_layer(0)
+        stack.append((layer, *_queries(batch)))
+
+    def step():
+        for layer, q8, weights, q_nope, q_rope in stack:
+            idx, _ = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits,
+                                    topk, max_keys=context, rows_per_tile=1, **index_tiles)
+            sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
+                                  block_table, token_seq, idx, 0.1, **mla_tiles)
+
+    us = _time_graph_ms(step, reps) * 1e3 / layers
+    stack = None
+    torch.cuda.empty_cache()
+    return us
 
 
 def _mla_tiles(tiles: dict, rows: int) -> dict:
@@ -542,7 +591,7 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
         "index_scores decode": ("key_block", "num_stages", "num_warps", "programs"),
         "index_scores prefill 4096": ("rows_per_tile", "num_stages", "num_warps"),
         "sparse_mla decode b64": ("block_h", "block_k", "v_split", "qk_chunk", "num_warps", "num_stages",
-                                  "splits"),
+                                  "splits", "prefetch", "groups4"),
     }
     names = {
         "index_scores decode": "decode_index",
@@ -564,7 +613,7 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
 # 227 KB): 104 KB, 105 KB (128 KB when split), 105 KB.
 MLA_SWEEP = (
     dict(block_h=64, block_k=64, v_split=2, num_warps=8, num_stages=1),  # run 2's fastest (593 us events)
-    dict(block_h=64, block_k=32, v_split=1, qk_chunk=512, num_warps=8, num_stages=2),  # fused
+    dict(block_h=64, block_k=32, v_split=1, qk_chunk=512, num_warps=8, num_stages=2, groups4=False),  # fused
     # q loaded once, one q.k dot over the whole latent, output in 2 slices, partials through the
     # split path (its fp32 epilogue compiled with the fewest register spills, sm_90 AOT: 16 B stack).
     dict(block_h=64, block_k=32, v_split=2, qk_chunk=512, num_warps=8, num_stages=2, splits=2),
@@ -573,6 +622,9 @@ SWEEP_BATCH = 64
 # Position-split counts timed for sparse MLA decode below SWEEP_BATCH rows (batch 1: 2 programs of
 # 64 heads per split with the fused tile); the fastest is kept for the step.
 MLA_DECODE_SPLITS = (4, 8, 16, 32, 64)
+# Indexer programs (context splits) timed for decode below SWEEP_BATCH rows (batch 1 x 128K: 1024 key
+# tiles of 128, so 2048 programs give one tile each, 264 give four); the fastest is kept for the step.
+DECODE_INDEX_PROGRAMS = (264, 528, 1056, 2048)
 
 # Index tiles measured fastest on the H200 in run 2 (benchmarks/dsa/2026-11-29-run2-grid.json);
 # the acceptance mode uses them instead of re-sweeping.
@@ -611,11 +663,12 @@ def _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, options, reps
 
 
 def run_dsa_acceptance(
-    out_dir: Path, *, topk: int = 2048, latent_format: str = "fp8", reps: int = 10
+    out_dir: Path, *, topk: int = 2048, latent_format: str = "fp8", reps: int = 10, sweep: bool = True
 ) -> dict:
     """The acceptance subset: same-run ceilings (torch and Triton 16-byte copy), a sparse MLA tile
     sweep at batch 64 x 128K, decode at batch 1 and 64 x 128K, prefill 128K (indexer + top-k +
-    sparse MLA and dense causal SDPA). Writes ``dsa_bench.json`` / ``.md`` into ``out_dir``."""
+    sparse MLA and dense causal SDPA). ``sweep=False``: the kernels' default tiles only (one row in
+    each sweep). Writes ``dsa_bench.json`` / ``.md`` into ``out_dir``."""
     if not torch.cuda.is_available():
         raise InputError(
             "the DSA benchmark needs a CUDA GPU and none is visible",
@@ -646,11 +699,12 @@ def run_dsa_acceptance(
     token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
     _, _, q_nope, q_rope = _queries(batch)
     idx = torch.stack([torch.randperm(context, device="cuda")[:topk] for _ in range(batch)]).int()
-    sweep = _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, ACCEPTANCE_MLA_SWEEP, reps)
+    mla_rows = _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx,
+                          ACCEPTANCE_MLA_SWEEP if sweep else ({},), reps)
     del cache, layer
     torch.cuda.empty_cache()
-    tiles = {**RUN2_INDEX_TILES, **{"mla": _fastest_tiles(sweep)["mla"]}}
-    result.update(tile_sweep=sweep, tiles_used=tiles)
+    tiles = {**RUN2_INDEX_TILES, **{"mla": _fastest_tiles(mla_rows)["mla"]}}
+    result.update(tile_sweep=mla_rows, tiles_used=tiles)
     _write(out_dir, result)
     result["errors"] = []
     for b in (1, batch):
@@ -663,7 +717,7 @@ def run_dsa_acceptance(
         _write(out_dir, result)
     try:
         result["prefill"].append(_prefill_case(context, topk, latent_format, 2, 2 << 30, 16384, tiles,
-                                               index_sweep=PREFILL_INDEX_SWEEP))
+                                               index_sweep=PREFILL_INDEX_SWEEP if sweep else ({},)))
     except Exception as err:  # recorded, as above
         result["errors"].append(f"prefill: {type(err).__name__}: {str(err)[:300]}")
     result["acceptance"] = acceptance_lines(result)
@@ -672,25 +726,34 @@ def run_dsa_acceptance(
 
 
 # Indexer prefill tiles timed in the acceptance run, all the stacked form (one MMA over rows x 64
-# heads per key tile). sm_90 AOT, Triton 3.6, registers per thread / stack bytes: 2 rows x 128 keys,
-# 4 warps (218 / 0; fastest on 2026-11-30 at 578 TFLOP/s, the per-row form at 4 rows 492); 2 x 128,
-# 8 warps (124 / 0); 2 x 64, 4 warps (125 / 0); 4 x 64, 8 warps (123 / 0); 2 x 256, 8 warps (202 / 0);
-# 2 x 128, 4 warps, 4 stages (218 / 0).
+# heads per key tile). sm_90 AOT, Triton 3.6, registers per thread / stack bytes / shared KB:
+# 4 rows x 64 keys, 8 warps (123 / 0 / 50; fastest on 2026-11-30 at 646 TFLOP/s on the last 4096 rows, the
+# default); 8 x 64, 8 warps (230 / 0 / 83); 4 x 128, 8 warps (242 / 0 / 68); 4 x 64, 4 warps (232 / 0 / 50);
+# 2 x 64, 4 warps (125 / 0 / 33; 566 TFLOP/s on 2026-11-30).
 PREFILL_INDEX_SWEEP = (
-    dict(rows_per_tile=2, key_block=128, num_stages=3, num_warps=4),
-    dict(rows_per_tile=2, key_block=128, num_stages=3, num_warps=8),
-    dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
     dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8),
-    dict(rows_per_tile=2, key_block=256, num_stages=3, num_warps=8),
-    dict(rows_per_tile=2, key_block=128, num_stages=4, num_warps=4),
+    dict(rows_per_tile=8, key_block=64, num_stages=3, num_warps=8),
+    dict(rows_per_tile=4, key_block=128, num_stages=3, num_warps=8),
+    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=4),
+    dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
 )
 
-# Sparse MLA decode tiles for the acceptance run: the fused tile with 64-position tiles, fastest on
-# 2026-11-30 (256 us at batch 64; 358 us with 32 positions), with 2 and 1 stages (sm_90 AOT: 190 and
-# 139 KB shared, 255 registers, no stack; 128-position tiles spill 592-792 B of stack).
+# Sparse MLA decode tiles for the acceptance run (batch 64 x 128K), 64 heads x 8 warps each. sm_90 AOT,
+# Triton 3.6, registers / stack bytes / shared KB: the fused tile, 64 positions, 1 stage (255 / 0 / 139;
+# 247 us on 2026-11-30, the default before groups4), the same with the next tile's slots prefetched
+# (255 / 72 / 139); the four-scale-group kernel (groups4): 64 positions 1 stage (255 / 48 / 147), prefetch
+# (255 / 56 / 147), 2 stages + prefetch (255 / 0 / 189), 32 positions 2 stages + prefetch (224 / 0 / 131),
+# 128 positions 1 stage (255 / 120 / 221; the default, fastest at 218 us in call 1 of
+# benchmarks/gpu-2026-11-30-dsa-s2).
+_FUSED = dict(block_h=64, v_split=1, qk_chunk=512, num_warps=8)
 ACCEPTANCE_MLA_SWEEP = (
-    dict(block_h=64, block_k=64, v_split=1, qk_chunk=512, num_warps=8, num_stages=2),
-    dict(block_h=64, block_k=64, v_split=1, qk_chunk=512, num_warps=8, num_stages=1),
+    dict(_FUSED, block_k=64, num_stages=1, groups4=False),
+    dict(_FUSED, block_k=64, num_stages=1, prefetch=True, groups4=False),
+    dict(_FUSED, block_k=64, num_stages=1, groups4=True),
+    dict(_FUSED, block_k=64, num_stages=1, groups4=True, prefetch=True),
+    dict(_FUSED, block_k=64, num_stages=2, groups4=True, prefetch=True),
+    dict(_FUSED, block_k=32, num_stages=2, groups4=True, prefetch=True),
+    dict(_FUSED, block_k=128, num_stages=1, groups4=True),
 )
 
 
@@ -708,6 +771,10 @@ def acceptance_lines(result: dict) -> list[dict]:
         line("decode batch 64 x 128K: step / byte floor", b64 and b64["step_over_floor"], "<= 1.5",
              b64 and b64["step_over_floor"] <= 1.5),
         line("decode batch 1 x 128K: step us per layer", b1 and b1["step_us"], "<= 40", b1 and b1["step_us"] <= 40),
+        line(f"decode batch 1 x 128K: step us per layer in a graph of {GRAPH_LAYERS} layers",
+             b1 and b1.get("step_us_per_layer_in_graph_of_layers"), "<= 40",
+             b1 and b1.get("step_us_per_layer_in_graph_of_layers") is not None
+             and b1["step_us_per_layer_in_graph_of_layers"] <= 40),
         line("sparse MLA decode TFLOP/s (best batch)", max(mla_rates) if mla_rates else None, ">= 300",
              mla_rates and max(mla_rates) >= 300),
         line("indexer prefill scoring TFLOP/s (all 128K rows)", prefill and prefill["index_scores_all_TFLOPs"],
@@ -885,6 +952,12 @@ def render_markdown(result: dict) -> str:
             lines.append(f"|  | kernels vs twins: top-k identical {d['topk_equals_twin']}, scores rel. error "
                          f"{d['index_scores_rel_err_vs_twin']:.1e}, sparse MLA rel. error "
                          f"{d['sparse_mla_rel_err_vs_twin']:.1e} |")
+        if d.get("step_us_per_layer_in_graph_of_layers") is not None:
+            lines.append(f"|  | step per layer in one graph of {d['graph_layers']} layers (own caches): "
+                         f"{_fmt(d['step_us_per_layer_in_graph_of_layers'])} us |")
+        if d.get("index_programs_sweep"):
+            sweep = ", ".join(f"{r['programs']}: {_fmt(r['us'])}" for r in d["index_programs_sweep"])
+            lines.append(f"|  | indexer programs (us): {sweep} |")
         if d.get("sparse_mla_splits_sweep"):
             sweep = ", ".join(f"{r['splits']}: {_fmt(r.get('us'))}" for r in d["sparse_mla_splits_sweep"])
             lines.append(f"|  | sparse MLA position splits (us): {sweep} |")
@@ -952,9 +1025,10 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="small grid for a smoke run")
     parser.add_argument("--acceptance", action="store_true",
                         help="decode 1 and 64 x 128K, prefill 128K, same-run ceilings only (under 2 minutes)")
+    parser.add_argument("--no-sweep", action="store_true", help="with --acceptance: the kernels' default tiles only")
     args = parser.parse_args()
     if args.acceptance:
-        summary = run_dsa_acceptance(args.out)
+        summary = run_dsa_acceptance(args.out, sweep=not args.no_sweep)
     elif args.quick:
         summary = run_dsa_bench(
             args.out, decode_batches=(1, 4), contexts=(8192,), prefill_lengths=(8192,), reps=3, prefill_reps=2

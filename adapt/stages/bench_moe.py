@@ -266,6 +266,47 @@ def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def _warm(fn, seconds: float) -> None:
+    """Call fn (synchronizing) for about ``seconds`` so the GPU leaves its idle clocks before timing."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        fn()
+        torch.cuda.synchronize()
+
+
+PARTS_TOKENS = (1, 64)
+"""T at which the peer runner also times the planar path's two GEMMs apart (``planar_gemm1/2``)."""
+
+
+def _planar_parts(x, perm, planar, shape: dict) -> dict:
+    """The planar path's GEMM1 (gather + SwiGLU, tile map included) and GEMM2 as separate callables,
+    with the table's configs: where the time of ``planar_combine`` goes (the rest: the combine). Their
+    rows' rates count both GEMMs' bytes and FLOPs, like the whole path's."""
+    from adapt.kernels.moe_configs import pick_planar_configs
+    from adapt.kernels.moe_gemm import ACTIVATIONS
+    from adapt.kernels.moe_planar import planar_gemm
+    from adapt.kernels.moe_tiles import max_m_tiles, tile_map
+
+    e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
+    s = x.shape[0] * k
+    c1, c2 = pick_planar_configs(s, e, torch.cuda.get_device_name(x.device) if x.is_cuda else "", h, inter)
+    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(s, h, dtype=torch.bfloat16, device=x.device)
+    tiles = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
+    common = dict(top_k=k, alpha=1.702, limit=7.0)
+    act = ACTIVATIONS[shape["activation"]]
+
+    def gemm1():
+        t = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
+        return planar_gemm(x, planar.w1, planar.w1_bias, perm, t, hbuf, gather=True, activation=act, cfg=c1, **common)
+
+    def gemm2():
+        return planar_gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2,
+                           **common)
+
+    return {"planar_gemm1": gemm1, "planar_gemm2": gemm2}
+
+
 def _combined(mlp, topw, perm):
     """mlp() (expert outputs in sorted slot order) then the weighted combine back to tokens [T, H]."""
     from adapt.kernels.routing import combine
@@ -278,7 +319,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
     """The peer beside adapt's MXFP4-storage paths only: same seed and so the same MXFP4 codes as
     ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. adapt's rows include the weighted
     combine of the k expert outputs (``routing.combine``), as the peer's rows include its scatter +
-    reduce: ``planar_combine`` up to PLANAR_MAX_TOKENS, and with ``large`` above it the online FP8
+    reduce: ``planar_combine`` up to PLANAR_MAX_TOKENS (at PARTS_TOKENS also its two GEMMs apart), and
+    with ``large`` above it the online FP8
     workspace and the offline FP8 copy (``fp8_ws_combine``, ``fp8_offline_combine``). sweep: time the
     PLANAR_SWEEP configs of each T's range too (expert GEMMs only, into ``sweep``). At the first T of
     each shape the setups of ``PEER_CANDIDATES`` are tried until one gives finite outputs (each try
@@ -314,7 +356,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
         e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
         planar = PlanarExperts.from_weights(routed)
         expert_bytes = mxfp4_expert_bytes(h, inter)
-        peer, chosen, tried, fp8 = None, None, False, None
+        peer, chosen, tried, fp8, warmed = None, None, False, None, False
         for t in tokens:
             if time.monotonic() > start + budget_s:
                 rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
@@ -326,6 +368,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
             mlp = partial(expert_mlp, x, perm, routed, top_k=k, activation=shape["activation"])
             if t <= PLANAR_MAX_TOKENS:
                 variants["planar_combine"] = _combined(partial(mlp, compute="bf16", planar=planar), topw, perm)
+                if t in PARTS_TOKENS:
+                    variants |= _planar_parts(x, perm, planar, shape)
             elif large:
                 if fp8 is None:
                     fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
@@ -364,6 +408,11 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
             if chosen is not None:
                 parts = {}
                 variants["peer"] = _peer_variant(peer, x, t, e, k, chosen[1], parts)
+            if not warmed and variants:
+                # the first point of a shape ran ~8% slow in call 1 of 2026-11-30-s2 (T = 64 first: DeepSeek-V3
+                # 2,324 us, the same kernel 2,133 us a few seconds later): a second of work first
+                _warm(next(iter(variants.values())), 1.0)
+                warmed = True
             for vname, fn in variants.items():
                 try:
                     out = fn()
@@ -478,6 +527,13 @@ PLANAR_SWEEP = {
     "p32x128_nocap": ((1024, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),  # 164
     "p64x128_w8_st4": ((1024, 1024), _PC(64, 128, 1, 4, 8, cap=0), _PC(64, 128, 1, 4, 8, cap=0)),
     "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),  # 197
+    # added after call 3 of 2026-11-30-s2, not timed yet: GEMM2 at T = 1 in one wave (448 programs of
+    # block_n 128 where block_n 64 gives 896, 1.7 waves of 4 a SM), pipeline depth at T = 16..256,
+    # 256 tokens a tile at T = 4096 (255 registers, 209 KB shared)
+    "p16x64_128": ((1, 1), _PC(16, 64, 1), _PC(16, 128, 1)),
+    "p16x128_st3": ((16, 256), _PC(16, 128, 1, 3), _PC(16, 128, 1, 3)),  # 125, 29 KB
+    "p16x128_st5": ((16, 256), _PC(16, 128, 1, 5), _PC(16, 128, 1, 5)),  # 128, 54 KB
+    "p256x128_w8_st3": ((4096, 4096), _PC(256, 128, 1, 3, 8, cap=0), _PC(256, 128, 1, 3, 8, cap=0)),
 }
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
 

@@ -632,6 +632,27 @@ def test_planar_gemm_split_k_matches_unsplit():
     assert rel(b, a) < TWIN_TOL
 
 
+def test_bench_twin_check_of_the_combined_planar_output():
+    # the peer runner's check of adapt's timed output (expert GEMMs + weighted combine) against the
+    # twin's arithmetic: the kernel's output passes at the twin tolerance, an unweighted combine fails
+    from adapt.kernels import moe_planar as mp
+    from adapt.stages import bench_moe as bm
+
+    e, k = 4, 2
+    w, x, ids = _planar_case(e, 128, 64, 5, k, seed=44, bias=True, interleaved=True)
+    perm = rt.permute_by_expert(ids, e)
+    topw = torch.rand(5, k, generator=_gen(45), device=DEV)
+    cfg = mc.PlanarConfig(block_m=16, block_n=32, split_k=1, group_m=2, num_warps=4, num_stages=1, one_dot=True)
+    mlp = lambda: mg.expert_mlp(x, perm, w, top_k=k, activation="swiglu_clamped",  # noqa: E731
+                                planar=mp.PlanarExperts.from_weights(w), config=(cfg, cfg))
+    shape = {"activation": "swiglu_clamped"}
+    out = bm._combined(mlp, topw, perm)()
+    assert out.shape == (5, 128)
+    assert bm._twin_error(out, x, perm, topw, w, shape) < TWIN_TOL
+    flat = rt.combine(mlp(), torch.ones_like(topw), perm.slot_pos)
+    assert bm._twin_error(flat, x, perm, topw, w, shape) > 0.1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b"])
 @pytest.mark.parametrize("t", [1, 16, 200])

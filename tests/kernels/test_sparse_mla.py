@@ -10,15 +10,16 @@ import pytest
 import torch
 
 from adapt.kernels.reference import sparse_mla_reference
-from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch
+from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch, wave_splits
 from adapt.runtime.kv_cache import PagedKVCache, mla_layout
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def setup(lengths, *, heads, rank, rope, topk, latent_format, device, seed=0):
+def setup(lengths, *, heads, rank, rope, topk, latent_format, device, seed=0, scale_groups=2):
     gen = torch.Generator().manual_seed(seed)
-    layout = mla_layout(rank, rope, 16, latent_format=latent_format, latent_scale_group=min(128, rank // 2))
+    layout = mla_layout(rank, rope, 16, latent_format=latent_format,
+                        latent_scale_group=min(128, rank // scale_groups))
     cache = PagedKVCache(sum(-(-n // 64) for n in lengths) + 2, {0: layout}, device)
     seqs = [cache.add_sequence() for _ in lengths]
     batch = cache.append_tokens(seqs, list(lengths))
@@ -61,10 +62,14 @@ TWIN_REL_TOL = {"cpu": 1e-6, "cuda": 5e-3}
     ("fp8", {"v_split": 2}),                           # sliced output, q held once
     ("fp8", {"qk_chunk": 16, "splits": 3}),            # q.k summed over slices; 3 position slices
     ("bf16", {"splits": 4, "block_h": 16}),            # flash-decoding combine, fused form
+    ("fp8", {"prefetch": True}),                       # next tile's slots read ahead
+    ("fp8", {"groups4": True, "prefetch": True}),     # the four-scale-group kernel
+    ("fp8", {"groups4": True, "splits": 3}),
 ])
 def test_sparse_mla_matches_twin_and_reference(device, latent_format, tiles):
-    layer, batch, indices, q_nope, q_rope = setup((9, 40), heads=3, rank=32, rope=16, topk=24,
-                                                  latent_format=latent_format, device=device)
+    rank, groups = (64, 4) if tiles.get("groups4") else (32, 2)
+    layer, batch, indices, q_nope, q_rope = setup((9, 40), heads=3, rank=rank, rope=16, topk=24,
+                                                  latent_format=latent_format, device=device, scale_groups=groups)
     args = (q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, batch.block_table,
             batch.token_seq, indices, 0.15)
     got = sparse_mla(*args, **tiles)
@@ -100,12 +105,17 @@ def test_rows_without_positions_are_zero_and_masked_slots_unread(device, splits)
 @pytest.mark.parametrize("latent_format", ["bf16", "fp8"])
 @pytest.mark.parametrize("tiles", [
     {}, {"v_split": 4, "block_h": 64}, {"block_h": 32, "num_warps": 4}, {"splits": 16},
-    {"v_split": 1, "qk_chunk": 512, "block_k": 32, "num_stages": 2},
+    {"v_split": 1, "qk_chunk": 512, "block_k": 32, "num_stages": 2, "groups4": False},
     {"v_split": 1, "qk_chunk": 512, "block_k": 32, "splits": 8},
     {"v_split": 2, "qk_chunk": 512, "block_k": 32, "num_stages": 2, "splits": 2},
+    {"prefetch": True},
+    {"groups4": True, "prefetch": True},
+    {"groups4": True, "block_k": 64, "num_stages": 2, "prefetch": True, "splits": 8},
 ])
 def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
     """128 heads, latent 512 + 64, top-2048 over 5000 cached tokens, against float64."""
+    if tiles.get("groups4") and latent_format != "fp8":
+        pytest.skip("the four-scale-group kernel reads an fp8 latent")
     layer, batch, indices, q_nope, q_rope = setup((4000, 1000), heads=128, rank=512, rope=64, topk=2048,
                                                   latent_format=latent_format, device="cuda")
     rows = torch.tensor([0, 63, 64, 2047, 2048, 3999, 4000, 4999]).cuda()
@@ -118,3 +128,13 @@ def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
                             batch.block_table, batch.token_seq[rows], indices[rows], 0.07)
     assert rel(got, want) < 1e-2
     assert rel(got, twin) <= TWIN_REL_TOL["cuda"]
+
+
+def test_position_splits_fill_one_wave_of_the_sms():
+    """H200 (132 SMs), top-2048 in 128-position tiles: batch 1 (2 head blocks) takes 16 slices of one tile,
+    batch 16 takes 4 (one wave of 128 programs), batch 64 (128 programs) and prefill take none."""
+    assert wave_splits(2, 2048, 128, 132) == 16
+    assert wave_splits(32, 2048, 128, 132) == 4
+    assert wave_splits(128, 2048, 128, 132) == 1
+    assert wave_splits(32768, 2048, 128, 132) == 1
+    assert wave_splits(2, 2048, 64, 132) == 32
