@@ -249,6 +249,9 @@ def validate(
     url: Annotated[str | None, typer.Option(
         "--url", help="Stage 6: load this OpenAI-compatible server instead of launching the model.")] = None,
     soak_s: Annotated[float, typer.Option("--soak-s", help="Stage 6: soak length in seconds.")] = 60.0,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="Stage 6: tokenizer path or id for the load (default: the model's; a byte-level "
+                            "stand-in when the model directory has none).")] = None,
     output: OutputOpt = Path("reports"),
     run_id: RunOpt = None,
     gates: GatesOpt = None,
@@ -263,7 +266,8 @@ def validate(
     run = RunDir(output, run_id)
     options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
                               batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack,
-                              run_path=str(run.path), url=url, soak_s=soak_s, layers=layers, kernels=kernels,
+                              run_path=str(run.path), url=url, soak_s=soak_s, tokenizer=tokenizer,
+                              layers=layers, kernels=kernels,
                               indexer_dtype=indexer_dtype, compute_dtype=compute_dtype,
                               gates_file=str(gates) if gates else None)
 
@@ -606,19 +610,22 @@ def bench_kernels(
     if not torch.cuda.is_available():
         raise InputError("kernel benchmarks need a CUDA GPU; none is visible here",
                          hint="run `make bench-gpu` on the target machine")
-    results = {}
+    reports = {}
     if moe:
-        from adapt.stages.bench_moe import run_moe_bench
+        from adapt.stages.bench_moe import moe_report, run_moe_bench
 
-        results["moe"] = run_moe_bench(output / "moe", tokens or None)
+        reports["moe"] = moe_report(run_moe_bench(output / "moe", tokens or None))
     if dsa:
-        from adapt.stages.bench_dsa import run_dsa_bench
+        from adapt.stages.bench_dsa import dsa_report, run_dsa_bench
 
-        results["dsa"] = run_dsa_bench(output / "dsa")
+        reports["dsa"] = dsa_report(run_dsa_bench(output / "dsa"))
     if as_json:
-        print_json(results)
+        print_json({name: report.to_dict() for name, report in reports.items()})
     else:
-        console.print(f"results written under {output}")
+        for report in reports.values():
+            render_report(report)
+        console.print(f"results and reports written under {output}")
+    raise typer.Exit(max(report.exit_code for report in reports.values()))
 
 
 @bench_app.command("serve")
@@ -631,7 +638,8 @@ def bench_serve(
     served_model: Annotated[str | None, typer.Option(
         "--served-model", help="With --url: the model name the server answers to (default: MODEL).")] = None,
     tokenizer: Annotated[str | None, typer.Option(
-        "--tokenizer", help="Tokenizer path or id for the load generator (default: MODEL).")] = None,
+        "--tokenizer", help="Tokenizer path or id for the load generator (default: MODEL's; a byte-level "
+                            "stand-in when MODEL is a directory without one).")] = None,
     server_pid: Annotated[int | None, typer.Option(
         "--server-pid", help="With --url: the server's root process id, to sample its memory.")] = None,
     input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens of long-in workloads.")] = 256,
@@ -704,7 +712,8 @@ def bench_runtime(
     parse_kernels(kernels)
     report = run_runtime_bench(models, batches=batch or [1, 16, 64], prompt_tokens=prompt_tokens,
                                decode_steps=decode_steps, kernels=kernels, device=device, tiny=tiny,
-                               budget_s=budget_s, gates=load_gates(gates), out_dir=output)
+                               budget_s=budget_s, gates=load_gates(gates), out_dir=output,
+                               progress=lambda message: typer.echo(f"bench runtime: {message}", err=True))
     finish(report, as_json)
 
 

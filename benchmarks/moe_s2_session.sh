@@ -3,7 +3,7 @@
 # (git-ignored .peer, carried), both in one process per shape with the same-run ceilings.
 # Usage (from the carried copy of the branch, GPU machine):
 #   ADAPT_COMMIT=<sha> OUT=<dir> PEER=<dir holding triton_kernels> bash benchmarks/moe_s2_session.sh
-# Env: PARTS ("test bench"), TEST_S / TEST_K (gpu-marked pytest subset), SHAPES, TOKENS, BENCH_S (per
+# Env: PARTS ("test bench"), TEST_S / TEST_K / TEST_M (pytest subset: -k TEST_K, -m TEST_M, default gpu), SHAPES, TOKENS, BENCH_S (per
 # shape), SWEEP=1 (--planar-sweep: the PLANAR_SWEEP configs at each T), LARGE=1 (--large: the fp8
 # online / offline paths above 4096). Files under $OUT: session.log, pytest_gpu.log, bench_<shape>.log,
 # moe_<shape>.json (at most 8 with two shapes).
@@ -15,8 +15,8 @@ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clock
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 PARTS=" ${PARTS:-test bench} "
 if [[ "$PARTS" == *" test "* ]]; then
-  echo "== pytest -m gpu -k '${TEST_K:-planar}'"
-  timeout "${TEST_S:-60}" python3 -m pytest -m gpu -q -p no:cacheprovider -k "${TEST_K:-planar}" \
+  echo "== pytest -m '${TEST_M:-gpu}' -k '${TEST_K:-planar}'"
+  timeout "${TEST_S:-60}" python3 -m pytest -m "${TEST_M:-gpu}" -q -p no:cacheprovider -k "${TEST_K:-planar}" \
     tests/kernels/test_moe.py tests/kernels/test_mxfp4.py > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest rc=$?"; tail -4 "$OUT/pytest_gpu.log"
 fi

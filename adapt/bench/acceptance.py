@@ -4,8 +4,11 @@ A benchmark yields rows (dicts; a timed row has ``time_us``) and a list of ``Cri
 criterion computes its value from the rows; a value it cannot compute (its row is missing, was
 skipped or failed) makes the line unmet, never silently absent. A timed row must carry
 ``twin_rel_error`` (||kernel - twin|| / ||twin|| of the output it timed, against the torch twin with
-the same signature); one that lacks it, or whose error exceeds its ``twin_tolerance``, is an error:
-a fast wrong kernel is not a result.
+the same signature); one that lacks it, or whose error exceeds its ``twin_tolerance``, or that
+carries ``twin_mismatch`` (a check that is not a norm, e.g. a top-k selection that differs), is an
+error: a fast wrong kernel is not a result. A row with ``baseline`` set (torch or a peer library timed
+beside adapt) gets the same checks as warnings: a baseline that computes something else makes its
+comparison doubtful, but it is not adapt's kernel failing.
 """
 
 from __future__ import annotations
@@ -41,13 +44,8 @@ def find_row(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
     return None
 
 
-def benchmark_report(name: str, title: str, rows: list[dict[str, Any]], criteria: list[Criterion], *,
-                     provenance: dict[str, Any], ceilings: dict[str, Any] | None = None,
-                     started: str = "") -> StageReport:
-    """A StageReport (stage ``bench-<name>``, number 6) with the rows as a table, one line per
-    criterion (met / unmet with its measured value), and the twin-error check of every timed row."""
-    report = StageReport(stage=f"bench-{name}", number=6, title=title, started=started or now_iso(),
-                         fingerprint=dict(provenance))
+def evaluate(criteria: list[Criterion], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per criterion: criterion (its text), value (None when its row is missing), bound, met."""
     lines = []
     for c in criteria:
         if c.op not in _OPS:
@@ -57,22 +55,39 @@ def benchmark_report(name: str, title: str, rows: list[dict[str, Any]], criteria
         except (KeyError, TypeError, ZeroDivisionError):
             value = None
         met = value is not None and not math.isnan(value) and _OPS[c.op](value, c.bound)
-        lines.append({"criterion": c.text, "value": value, "bound": f"{c.op} {c.bound:g}", "met": met})
+        lines.append({"criterion": c.text, "value": value, "bound": f"{c.op} {c.bound:g}", "met": bool(met)})
+    return lines
+
+
+def benchmark_report(name: str, title: str, rows: list[dict[str, Any]], criteria: list[Criterion], *,
+                     provenance: dict[str, Any], ceilings: dict[str, Any] | None = None,
+                     started: str = "") -> StageReport:
+    """A StageReport (stage ``bench-<name>``, number 6) with the rows as a table, one line per
+    criterion (met / unmet with its measured value), and the twin-error check of every timed row."""
+    report = StageReport(stage=f"bench-{name}", number=6, title=title, started=started or now_iso(),
+                         fingerprint=dict(provenance))
+    lines = evaluate(criteria, rows)
+    for line in lines:
+        c, value, met = line["criterion"], line["value"], line["met"]
         if value is None:
-            report.add("error", "bench.acceptance", f"{c.text}: unmet, its measured row is missing")
+            report.add("error", "bench.acceptance", f"{c}: unmet, its measured row is missing")
         elif not met:
-            report.add("error", "bench.acceptance", f"{c.text}: unmet, measured {value:.4g}")
+            report.add("error", "bench.acceptance", f"{c}: unmet, measured {value:.4g}")
         else:
-            report.add("info", "bench.acceptance", f"{c.text}: met, measured {value:.4g}")
+            report.add("info", "bench.acceptance", f"{c}: met, measured {value:.4g}")
     for row in rows:
         if "time_us" not in row or "error" in row or row.get("skipped"):
             continue
-        label = ", ".join(f"{k}={row[k]}" for k in ("shape", "tokens", "batch", "variant", "phase") if k in row)
+        label = ", ".join(f"{k}={row[k]}" for k in ("shape", "tokens", "context", "batch", "variant", "phase")
+                          if k in row)
+        severity = "warn" if row.get("baseline") else "error"
         err = row.get("twin_rel_error")
+        if row.get("twin_mismatch"):
+            report.add(severity, "bench.twin", f"{label}: differs from the twin: {row['twin_mismatch']}")
         if err is None:
-            report.add("error", "bench.untwinned", f"{label}: timed without its error against the twin")
+            report.add(severity, "bench.untwinned", f"{label}: timed without its error against the twin")
         elif math.isnan(err) or ("twin_tolerance" in row and err > row["twin_tolerance"]):
-            report.add("error", "bench.twin", f"{label}: error against the twin {err:.3g} "
+            report.add(severity, "bench.twin", f"{label}: error against the twin {err:.3g} "
                        f"(tolerance {row.get('twin_tolerance')})")
     report.tables["acceptance"] = lines
     report.tables["rows"] = rows

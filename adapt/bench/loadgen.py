@@ -188,3 +188,67 @@ def summarize(result: dict[str, Any], requested: int) -> dict[str, Any]:
     errors = sorted({str(e).strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})
     out["errors"] = errors[:5]
     return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+"""Files of a Hugging Face tokenizer; a model directory holding none of them has no tokenizer."""
+BYTE_TOKENIZER_VOCAB = 256
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def write_byte_tokenizer(directory: Path) -> Path:
+    """A byte-level tokenizer of 256 tokens (one per byte, no merges, no special tokens) written to
+    ``directory`` (tokenizer.json + tokenizer_config.json, the ``PreTrainedTokenizerFast`` layout that
+    vLLM and ``vllm bench serve`` load). Any text round-trips through it, and every id it produces is
+    below 256, so it serves a model of any vocabulary of at least 256 tokens with random prompts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={symbol: i for i, symbol in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
+              "clean_up_tokenization_spaces": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def model_vocab(directory: Path) -> int | None:
+    """vocab_size of a model directory's config.json (a multimodal config's text_config), else None."""
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if vocab else None
+
+
+def choose_tokenizer(model: str, tokenizer: str | None, scratch: Path) -> tuple[str, str]:
+    """The tokenizer for the load generator (and for a server adapt launches): (path or id, source).
+
+    source: "given" (``--tokenizer``), "model" (the model directory has one, or MODEL is no directory:
+    a hub id or a served name the generator resolves itself), or "byte-level" (the model directory
+    has none: a byte-level tokenizer written under ``scratch``; the workloads are random token ids, so
+    what the text says does not matter, only that the server and the generator agree on the ids).
+    """
+    if tokenizer:
+        if tokenizer.startswith((".", "/", "~")) and not Path(tokenizer).expanduser().exists():
+            raise InputError("no such tokenizer directory", file=tokenizer, field="--tokenizer",
+                             hint="give a tokenizer directory or a hub id")
+        return tokenizer, "given"
+    directory = Path(model)
+    if not directory.is_dir() or has_tokenizer(directory):
+        return model, "model"
+    vocab = model_vocab(directory)
+    if vocab is None or vocab < BYTE_TOKENIZER_VOCAB:
+        raise InputError(f"the model directory has no tokenizer and a vocabulary of {vocab} tokens "
+                         f"(a byte-level stand-in needs {BYTE_TOKENIZER_VOCAB})", file=str(directory / "config.json"),
+                         field="--tokenizer", hint="pass --tokenizer with a tokenizer whose ids fit the model")
+    return str(write_byte_tokenizer(scratch)), "byte-level"

@@ -19,8 +19,9 @@ from typing import Any
 
 
 def prompt_ids(length: int, salt: int = 0) -> list[int]:
-    """A deterministic prompt of ``length`` token ids in [3, 259) (inside any real vocabulary)."""
-    return [3 + (7 * i + 13 * salt) % 256 for i in range(length)]
+    """A deterministic prompt of ``length`` token ids in [3, 256) (inside any vocabulary of 256 tokens or
+    more: the tiny hybrid and multimodal models have exactly 256)."""
+    return [3 + (7 * i + 13 * salt) % 253 for i in range(length)]
 
 
 def post_json(base_url: str, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, Any]:

@@ -10,7 +10,12 @@ in the gpt-oss fused layout, bf16 elsewhere), written to a temporary directory a
 
 Per (model, batch B): prefill of B prompts of ``prompt_tokens`` tokens in one step, then
 ``decode_steps`` decode steps of B tokens; tokens/s from wall time around CUDA-synchronised
-steps. Roofline per step from the bytes and FLOPs of those layers (below) and the same run's
+steps. Before the timed pass, one untimed pass at the same shapes (the prefill and two decode
+steps) compiles the kernels for them; its seconds are kept in the row (``warmup_s``), as are the
+engine's load and the twin check (``load_s``, ``twin_s``; the checkpoint's writing in the metrics), so
+a run cut short shows where its time went. The checkpoint goes to /dev/shm when it has room (no disk
+round trip). The report is rewritten after every batch, so a run killed from outside keeps the rows
+it measured. Roofline per step from the bytes and FLOPs of those layers (below) and the same run's
 ceilings (read bandwidth, bf16 matmul): decode reads the non-expert weights, the LM head and the
 experts that B tokens activate (expected count E * (1 - (1 - k/E)^B) per MoE layer under uniform
 routing); prefill reads every expert. FLOPs = 2 * tokens * (non-expert + k * per-expert parameters);
@@ -25,6 +30,7 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,22 +225,35 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+WARMUP_DECODE_STEPS = 2
+"""Decode steps of the untimed pass: the first compiles the decode kernels, the second runs them
+on a cache that already holds a decoded token."""
+
+
 def measure_model(model: str, directory: Path, info: LayerBytes, *, batches: list[int], prompt_tokens: int,
-                  decode_steps: int, kernels: str, device: str, deadline: float, ceilings: dict) -> list[dict]:
-    """Rows for one model: twin error at batch 1, then prefill and decode rows per batch."""
+                  decode_steps: int, kernels: str, device: str, deadline: float, ceilings: dict,
+                  rows: list[dict] | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Rows for one model: twin error at batch 1, then prefill and decode rows per batch, appended to
+    ``rows`` (returned); ``progress(message)`` is called after the load, the twin check and each batch."""
     import torch
 
     from adapt.kernels.formats import PAGE_SIZE
     from adapt.runtime.engine import Engine
 
+    rows = [] if rows is None else rows
+    progress = progress or (lambda message: None)
     # every sequence holds whole pages: batch * pages per sequence, plus the twin check's sequence
     max_tokens = (max(batches) + 1) * PAGE_SIZE * -(-(prompt_tokens + decode_steps + 4) // PAGE_SIZE)
+    t0 = time.perf_counter()
     engine = Engine.load(directory, layers=list(LAYERS[model]), kernels=kernels, dtype=torch.bfloat16,
                          device=device, max_tokens=max_tokens)
+    load_s = time.perf_counter() - t0
+    progress(f"{model}: engine loaded in {load_s:.1f} s")
     vocab = engine.spec.vocab
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
     twin = None
+    t0 = time.perf_counter()
     if kernels != "none":
         reference = Engine.load(directory, layers=list(LAYERS[model]), kernels="none", dtype=torch.bfloat16,
                                 device=device, max_tokens=prompt_tokens + 64)
@@ -245,8 +264,29 @@ def measure_model(model: str, directory: Path, info: LayerBytes, *, batches: lis
         got = engine.step(ids, [prompt])[0].float()
         engine.release(ids)
         twin = float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref))
-    rows = []
-    common = {"model": model, "layers": list(LAYERS[model]), "kernels": kernels, "paths": dict(engine.model.paths)}
+    twin_s = time.perf_counter() - t0
+    progress(f"{model}: twin check {twin_s:.1f} s, error {twin}")
+    common = {"model": model, "layers": list(LAYERS[model]), "kernels": kernels, "paths": dict(engine.model.paths),
+              "load_s": round(load_s, 1), "twin_s": round(twin_s, 1)}
+
+    def run_pass(engine, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+        """(prefill seconds, seconds of ``steps`` decode steps) of one pass over fresh sequences."""
+        ids = engine.start(len(prompts))
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = engine.step(ids, prompts)
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+        logits = engine.step(ids, [[int(torch.argmax(x))] for x in logits])
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits = engine.step(ids, [[int(torch.argmax(x))] for x in logits])
+        _sync(device)
+        decode_s = time.perf_counter() - t0
+        engine.release(ids)
+        return prefill_s, decode_s
+
     for batch in batches:
         if time.monotonic() > deadline:
             rows += [{**common, "batch": batch, "phase": ph, "skipped": "time budget spent"}
@@ -254,26 +294,14 @@ def measure_model(model: str, directory: Path, info: LayerBytes, *, batches: lis
             continue
         prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
         try:
-            for _attempt in range(2):  # the first run compiles kernels for these shapes
-                ids = engine.start(batch)
-                _sync(device)
-                t0 = time.perf_counter()
-                logits = engine.step(ids, prompts)
-                _sync(device)
-                prefill_s = time.perf_counter() - t0
-                tokens = [[int(torch.argmax(x))] for x in logits]
-                logits = engine.step(ids, tokens)
-                _sync(device)
-                t0 = time.perf_counter()
-                for _ in range(decode_steps):
-                    tokens = [[int(torch.argmax(x))] for x in logits]
-                    logits = engine.step(ids, tokens)
-                _sync(device)
-                decode_s = time.perf_counter() - t0
-                engine.release(ids)
+            t0 = time.perf_counter()
+            run_pass(engine, prompts, min(WARMUP_DECODE_STEPS, decode_steps))  # compiles the kernels for these shapes
+            warmup_s = time.perf_counter() - t0
+            prefill_s, decode_s = run_pass(engine, prompts, decode_steps)
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             rows += [{**common, "batch": batch, "phase": ph, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                      for ph in ("prefill", "decode")]
+            progress(f"{model} batch {batch}: {rows[-1]['error']}")
             continue
         for phase, tokens_done, seconds, nbytes, flops in (
                 ("prefill", batch * prompt_tokens, prefill_s, info.prefill_bytes(), info.flops(batch * prompt_tokens)),
@@ -285,48 +313,101 @@ def measure_model(model: str, directory: Path, info: LayerBytes, *, batches: lis
                          "time_us": seconds * 1e6, "tokens_per_s": tokens_done / seconds,
                          "roofline_tokens_per_s": tokens_done / floor_s if floor_s else None,
                          "fraction_of_roofline": floor_s / seconds if floor_s else None,
-                         "bytes": nbytes, "flops": flops, "twin_rel_error": twin, "twin_tolerance": 0.05})
+                         "bytes": nbytes, "flops": flops, "twin_rel_error": twin, "twin_tolerance": 0.05,
+                         "warmup_s": round(warmup_s, 1)})
+        progress(f"{model} batch {batch}: warm-up {warmup_s:.1f} s, prefill {prefill_s * 1e3:.1f} ms, "
+                 f"decode {decode_s * 1e3:.1f} ms for {decode_steps} steps")
     del engine
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
 
 
+def _scratch_directory(model: str, need_bytes: int) -> Path:
+    """A fresh directory for the synthetic checkpoint: under /dev/shm when that has ``need_bytes`` free
+    (the checkpoint is written and read back without touching a disk), else the default temp root."""
+    shm = Path("/dev/shm")
+    root = None
+    if shm.is_dir():
+        try:
+            root = str(shm) if shutil.disk_usage(shm).free > need_bytes else None
+        except OSError:
+            root = None
+    return Path(tempfile.mkdtemp(prefix=f"adapt-bench-{model}-", dir=root))
+
+
+CHECKPOINT_BYTES = {"deepseek-v3.2": 11 << 30, "gpt-oss-120b": 6 << 30}
+"""Upper bounds of the synthetic checkpoints at full width (measured 2026-11-30: 9.82 GiB and 5.2 GiB)."""
+
+
 def run_runtime_bench(models: list[str], *, batches: list[int], prompt_tokens: int = 128, decode_steps: int = 16,
                       kernels: str = "all", device: str = "cuda", tiny: bool = False, budget_s: float = 150.0,
-                      gates: dict | None = None, out_dir: Path | None = None):
+                      gates: dict | None = None, out_dir: Path | None = None,
+                      progress: Callable[[str], None] | None = None):
     """Run every model; returns the StageReport (stage ``bench-runtime``). ``tiny``: the CPU dry run
-    at reduced width (same code path). Rows missing for lack of time or memory are unmet lines."""
+    at reduced width (same code path). Rows missing for lack of time or memory are unmet lines. Each
+    model gets an equal share of what is left of ``budget_s`` (a model that ends early leaves its time
+    to the next). With ``out_dir`` the report is written there after every batch (and at the end)."""
     import torch
 
-    from adapt.bench.acceptance import Criterion, benchmark_report, find_row
     from adapt.bench.provenance import provenance
 
     if device == "cuda" and not torch.cuda.is_available():
         raise InputError("no CUDA device here", field="--device", hint="use --device cpu --tiny for a dry run")
     started = time.monotonic()
+    say = progress or (lambda message: None)
+
+    def note(message: str) -> None:
+        say(f"[{time.monotonic() - started:5.1f} s] {message}")
+
     if device == "cuda":
         from adapt.bench.ceilings import measure_ceilings
 
         ceilings = measure_ceilings(copy_gib=2, reps=10, matmul_reps=5)
+        note("ceilings measured")
     else:
         ceilings = {}
     rows: list[dict] = []
-    layer_bytes = {}
+    layer_bytes: dict[str, dict] = {}
+    prov = {**provenance(), "tiny_width": tiny, "kernels": kernels, "prompt_tokens": prompt_tokens,
+            "decode_steps": decode_steps, "warmup_decode_steps": min(WARMUP_DECODE_STEPS, decode_steps)}
+    floor = float((gates or {}).get("bench", {}).get("min_fraction_of_roofline", 0.0))
+
+    def report_now():
+        report = runtime_report(rows, models, batches, floor, prov, ceilings)
+        report.metrics["layer_bytes"] = layer_bytes
+        report.metrics["seconds"] = round(time.monotonic() - started, 1)
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "runtime_bench.json").write_text(report.to_json())
+            (out_dir / "runtime_bench.md").write_text(report.to_markdown())
+        return report
+
+    def batch_done(message: str) -> None:
+        report_now()
+        note(message)
+
     for number, model in enumerate(models):
-        # each model gets an equal share of what is left of the budget (writing its weights included)
         deadline = time.monotonic() + (started + budget_s - time.monotonic()) / (len(models) - number)
-        directory = Path(tempfile.mkdtemp(prefix=f"adapt-bench-{model}-"))
+        directory = _scratch_directory(model, 0 if tiny else CHECKPOINT_BYTES[model])
         try:
             t0 = time.perf_counter()
             info = write_checkpoint(model, directory, device=device, tiny=tiny)
-            layer_bytes[model] = {**info.__dict__, "write_s": round(time.perf_counter() - t0, 1)}
-            rows += measure_model(model, directory, info, batches=batches, prompt_tokens=prompt_tokens,
-                                  decode_steps=decode_steps, kernels=kernels, device=device, deadline=deadline,
-                                  ceilings=ceilings)
+            layer_bytes[model] = {**info.__dict__, "write_s": round(time.perf_counter() - t0, 1),
+                                  "directory": str(directory.parent)}
+            note(f"{model}: checkpoint written in {layer_bytes[model]['write_s']} s under {directory.parent}")
+            measure_model(model, directory, info, batches=batches, prompt_tokens=prompt_tokens,
+                          decode_steps=decode_steps, kernels=kernels, device=device, deadline=deadline,
+                          ceilings=ceilings, rows=rows, progress=batch_done)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-    floor = float((gates or {}).get("bench", {}).get("min_fraction_of_roofline", 0.0))
+    return report_now()
+
+
+def runtime_report(rows: list[dict], models: list[str], batches: list[int], floor: float, prov: dict,
+                   ceilings: dict):
+    """The StageReport of the rows so far: one line per (model, batch, phase), unmet while its row is missing."""
+    from adapt.bench.acceptance import Criterion, benchmark_report, find_row
 
     def fraction(model: str, batch: int, phase: str):
         row = find_row(rows, model=model, batch=batch, phase=phase)
@@ -335,14 +416,5 @@ def run_runtime_bench(models: list[str], *, batches: list[int], prompt_tokens: i
     criteria = [Criterion(f"{m} {ph} batch {b}: measured, fraction of roofline >= {floor:g}",
                           lambda rs, m=m, b=b, ph=ph: fraction(m, b, ph), ">=", floor)
                 for m in models for b in batches for ph in ("prefill", "decode")]
-    prov = {**provenance(), "tiny_width": tiny, "kernels": kernels, "prompt_tokens": prompt_tokens,
-            "decode_steps": decode_steps}
-    report = benchmark_report("runtime", "Runtime at real width, reduced depth", rows, criteria,
-                              provenance=prov, ceilings=ceilings)
-    report.metrics["layer_bytes"] = layer_bytes
-    report.metrics["seconds"] = round(time.monotonic() - started, 1)
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "runtime_bench.json").write_text(report.to_json())
-        (out_dir / "runtime_bench.md").write_text(report.to_markdown())
-    return report
+    return benchmark_report("runtime", "Runtime at real width, reduced depth", rows, criteria,
+                            provenance=prov, ceilings=ceilings)

@@ -22,7 +22,9 @@ class GemmConfig:
     (0: one program per work item, so kernels on other streams can take SMs as programs retire),
     and the MMA orientation: swap_ab True puts weight rows in the MMA's M (small T), False puts
     tokens in M and the weight tile in the B operand (large T: the decoded tile goes through shared
-    memory the way wgmma wants it)."""
+    memory the way wgmma wants it). reserve_sms: SMs a persistent grid leaves free (programs = SMs *
+    programs_per_sm - reserve_sms, at least one), so a kernel on another stream has whole SMs: the
+    FP8 workspace's conversion beside the GEMMs (``FP8Workspace(schedule="split")``)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -32,6 +34,7 @@ class GemmConfig:
     num_stages: int = 3
     programs_per_sm: int = 4
     swap_ab: bool = True
+    reserve_sms: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,14 +113,21 @@ def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, 
 _P = PlanarConfig
 _SMALL = _P(16, 128, 1, 4, 4, 4, 0, True, 128)
 _N64 = _P(16, 64, 1, 4, 4, 4, 0, True, 128)
+_ST3 = _P(16, 128, 1, 4, 4, 3, 0, True, 128)
+_ST5 = _P(16, 128, 1, 4, 4, 5, 0, True, 128)
 _BIG = _P(128, 256, 1, 4, 8, 3, 0, True)
-_H200_RECORD = "benchmarks/moe/2026-11-30-s2 (call 2, commit 3f78ab0, tiled layout)"
+_H200_RECORD = "benchmarks/moe/2026-11-30-s2 (call 2, commit 3f78ab0, tiled layout; call 4, commit 92ae05f, stages)"
 PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfig]]] = {
     # (device name, "hidden x intermediate") -> rows (largest mean slots per expert, GEMM1, GEMM2),
     # each the fastest config of the H200 sweep in _H200_RECORD at the token counts of its range
     ("NVIDIA H200", "7168x2048"): [
         (0.1, _N64, _N64),  # T = 1: 88.8 us with the combine (block_n 128: 91.6 without)
-        (16.0, _SMALL, _SMALL),  # T = 16 / 64 / 256: 738 / 1526 / 1907 us (block_n 64: 826 / 1723 / 2230)
+        # T = 16 / 64 (call 4 sweep, expert GEMMs): 3 stages 761 / 1536 us, 4 stages 763 / 1578, 5 stages 758 / 1544;
+        # with the combine (call 5) 750 / 1604 us (call 4, 4 stages: 752 / 1591): within the spread between calls
+        (2.0, _ST3, _ST3),
+        # T = 256 (call 4 sweep): 5 stages 1913 us, 3 stages 1937, 4 stages 2084 (call 2: 4 stages 1907);
+        # with the combine (call 5) 1853 us (call 4, 4 stages: 1865)
+        (16.0, _ST5, _ST5),
         (64.0, _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),  # T = 1024: 3037 with combine
         (float("inf"), _BIG, _BIG),  # T = 4096: 7830 us with combine (128 x 128: 8329 without)
     ],

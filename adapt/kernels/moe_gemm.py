@@ -48,6 +48,7 @@ the weight tile and the activation rows stay in L2.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -458,21 +459,12 @@ def moe_gemm(
     act_fp8 = x.dtype == torch.float8_e4m3fn
     act_group = act_fp8 and x_scale is not None and x_scale.dim() == 2
     if (act_group and cfg.block_k != FP8_GROUP) or (op.mode == 3 and FP8_GROUP % cfg.block_k):
-        cfg = GemmConfig(
-            cfg.block_m,
-            cfg.block_n,
-            FP8_GROUP,
-            cfg.group_m,
-            cfg.num_warps,
-            cfg.num_stages,
-            cfg.programs_per_sm,
-            cfg.swap_ab,
-        )
+        cfg = dataclasses.replace(cfg, block_k=FP8_GROUP)
     n_work = min(tiles.max_tiles, max_m_tiles(out.shape[0], e_hi - e_lo, cfg.block_m)) * triton.cdiv(
         n_out, cfg.block_n
     )
     if cfg.programs_per_sm > 0:
-        n_work = min(n_work, num_sms(x.device) * cfg.programs_per_sm)
+        n_work = min(n_work, max(1, num_sms(x.device) * cfg.programs_per_sm - cfg.reserve_sms))
     grid = (max(1, n_work),)
     xs = x_scale if x_scale is not None else x
     stride_xs = x_scale.stride(0) if x_scale is not None else 0
@@ -787,7 +779,7 @@ def swiglu_torch(
     return g * torch.sigmoid(alpha * g) * (u + 1.0)
 
 
-def _split_gate_up(w1: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def split_gate_up(w1: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., 2I, ...] rows -> (gate rows, up rows)."""
     if interleaved:
         return w1[:, 0::2], w1[:, 1::2]
@@ -828,10 +820,10 @@ def expert_mlp_torch(
     else:
         w1 = dequantize_mxfp4_torch(weights.w1_packed, weights.w1_scales, validate=False)
         w2 = dequantize_mxfp4_torch(weights.w2_packed, weights.w2_scales, validate=False)
-    wg, wu = _split_gate_up(w1, weights.gate_up_interleaved)
+    wg, wu = split_gate_up(w1, weights.gate_up_interleaved)
     bg = bu = None
     if weights.w1_bias is not None:
-        bg, bu = _split_gate_up(weights.w1_bias.float().unsqueeze(-1), weights.gate_up_interleaved)
+        bg, bu = split_gate_up(weights.w1_bias.float().unsqueeze(-1), weights.gate_up_interleaved)
         bg, bu = bg[..., 0], bu[..., 0]
     group = FP8_GROUP if act_quant == "group128" else None
     s = hidden.shape[0] * top_k

@@ -419,7 +419,10 @@ def _planar_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for st in range(s_lo, s_hi):
             w0 = tl.load(wrow[:, None] + (st * 1024 + c8)[None, :])
-            w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :])
+            if EVEN_K:
+                w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :])
+            else:  # the second half of a last, half-padded step (K = 2880 = 22.5 steps) is not read
+                w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :], mask=st * 128 + 64 < k, other=0)
             s4 = tl.load(srow + st * 64)  # the step's four scale bytes, block b in byte b
             xb = x_ptr + tok[:, None] * stride_x + st * 128
             if ONE_DOT:

@@ -2,9 +2,15 @@
 
 One ``FP8Workspace`` serves every MoE layer of a model: a layer's experts are processed in chunks
 of ``chunk_experts``; the experts of a chunk that have tokens are converted (per-row exponent fold,
-the rule of ``mxfp4.mxfp4_to_fp8(group_k=None)``) into one of two slot buffers while the previous
-chunk's GEMMs run on the main stream, so conversion of chunk c+1 overlaps the GEMMs of chunk c.
-Its size follows the experts computed at once (2 * chunk_experts), never the expert count.
+the rule of ``mxfp4.mxfp4_to_fp8(group_k=None)``) into one of two slot buffers, then that chunk's
+GEMMs run. ``schedule`` orders the two: "serial" (default: the fastest on the H200 at T = 16384,
+benchmarks/moe/2026-11-30-s2 call 5) on one stream with the offline path's persistent GEMMs;
+"side" converts chunk c+1 on a side stream while chunk c's GEMMs run one program per tile; "split"
+does the same with persistent GEMMs on a high-priority stream that leave ``reserve_sms`` SMs to the
+conversion. Neither overlapped (call 5: online = conversion + GEMMs): the fp8 GEMM tiles at large T
+take an SM's whole register file (GEMM1 255 registers x 256 threads, sm_90 compile), so a conversion
+block never shares an SM with a GEMM program. Its size follows the experts computed at
+once (2 * chunk_experts), never the expert count; ``online_memory_ratio`` gives the model's bound.
 
     ws = FP8Workspace(chunk_experts=16, hidden=7168, intermediate=2048, device="cuda")
     y = expert_mlp(hidden, perm, weights, top_k=8, workspace=ws)   # or moe_forward(..., workspace=ws)
@@ -14,8 +20,6 @@ Its size follows the experts computed at once (2 * chunk_experts), never the exp
 
 The per-step conversion does no loss counting (``count_loss=False``, the default): the fold of a
 layer is fixed by its weights, so its loss is counted once by ``record_fold_loss``.
-The GEMMs of the workspace path run one program per work item (no persistent grid), so the
-side-stream conversion of the next chunk takes SMs as GEMM programs retire.
 
 Buffers: w1 e4m3 [2C, 2I, H], w1_exp int32 [2C, 2I], w2 e4m3 [2C, H, I], w2_exp int32 [2C, H].
 Conversion kernel bytes per active expert: reads 3*H*I*17/32 (+ the scales once more for the row
@@ -27,6 +31,7 @@ integer ops, 8 codes per lane, into 32 e4m3 bytes (``mxfp4.e2m1_words_to_e4m3``)
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
@@ -114,8 +119,6 @@ def _convert_experts_words_kernel(
     e_lo,
     slot_base,
     n_rows,
-    k,
-    k_words,
     k_scales,
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -128,7 +131,13 @@ def _convert_experts_words_kernel(
     (8 e4m3 bytes per word; out_ptr is the same memory as e4m3), exp int32 [slots, N]. A step of
     BLOCK_R rows x BLOCK_B 32-blocks whose fold shifts are all >= MIN_SHIFT is decoded with integer
     ops on words (``e2m1_words_to_e4m3``); any other step takes the per-byte decode (exact rounding).
+    K = 32 * k_scales and K/8 = 4 * k_scales are formed here, so the compiler knows the row pitches are
+    multiples of 4 words and 32 bytes and keeps 16-byte loads and stores when k_scales is not a multiple
+    of 16 (gpt-oss: K = 2880, 90 blocks; passed as integers, K/8 = 360 lost them: 4-byte word loads,
+    8-byte stores, sm_90 PTX).
     """
+    k = k_scales * 32
+    k_words = k_scales * 4
     i = tl.program_id(0)
     e = e_lo + i
     if tl.load(offsets_ptr + e + 1) > tl.load(offsets_ptr + e):
@@ -225,14 +234,26 @@ def convert_experts(
         lo,
         slot_base,
         n,
-        k,
-        k // 8,
         k // 32,
         BLOCK_R=br,
         BLOCK_B=bb,
         MIN_SHIFT=FOLD_WORD_MIN_SHIFT,
         num_warps=4,
     )
+
+
+SCHEDULES = ("serial", "side", "split")
+"""How ``FP8Workspace.run_layer`` orders conversion and GEMMs (see ``FP8Workspace``)."""
+
+
+def online_memory_ratio(n_layers: int, n_experts: int, hidden: int, intermediate: int, chunk_experts: int) -> float:
+    """Expert memory of the online path over the offline FP8 copy, for a model of ``n_layers`` MoE
+    layers of ``n_experts`` experts: (layers x MXFP4 experts + one shared workspace) / (layers x e4m3
+    experts with int32 row exponents). Biases are left out (the same bytes on both sides)."""
+    mx = math.ceil(3 * hidden * intermediate * 17 / 32)
+    fp8 = 3 * hidden * intermediate + 4 * (2 * intermediate + hidden)
+    ws = workspace_bytes(chunk_experts, hidden, intermediate)
+    return (n_layers * n_experts * mx + ws) / (n_layers * n_experts * fp8)
 
 
 class FP8Workspace:
@@ -245,9 +266,17 @@ class FP8Workspace:
         intermediate: int,
         device: str | torch.device,
         count_loss: bool = False,
+        schedule: str = "serial",
+        reserve_sms: int = 16,
     ):
         if chunk_experts < 1:
             raise InputError(f"chunk_experts must be >= 1, got {chunk_experts}", field="chunk_experts")
+        if schedule not in SCHEDULES:
+            raise InputError(
+                f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}", field="schedule"
+            )
+        self.schedule = schedule
+        self.reserve_sms = reserve_sms
         self.chunk_experts = chunk_experts
         self.hidden = hidden
         self.intermediate = intermediate
@@ -259,7 +288,11 @@ class FP8Workspace:
         self.w2 = torch.empty(slots, hidden, intermediate, dtype=torch.float8_e4m3fn, device=dev)
         self.w2_exp = torch.empty(slots, hidden, dtype=torch.int32, device=dev)
         self.lost = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        cuda = dev.type == "cuda"
+        self._side = torch.cuda.Stream(dev) if cuda and schedule != "serial" else None
+        # split: the GEMMs on a high-priority stream, so their persistent programs are placed before the
+        # conversion's blocks (torch instantiates graphs with per-node priorities)
+        self._gemm = torch.cuda.Stream(dev, priority=-1) if cuda and schedule == "split" else None
 
     @property
     def nbytes(self) -> int:
@@ -314,65 +347,80 @@ class FP8Workspace:
         """GEMM1 + SwiGLU + GEMM2 of one layer, chunk by chunk through the workspace (fp8 MMA).
 
         xq/xs: quantised hidden [T, H]; hbuf bf16 [S, I]; hq_hs: (e4m3 [S, I], scales); y bf16 [S, H].
+        Schedules: "serial" converts chunk c, then runs its GEMMs with the offline path's persistent
+        configs, on the caller's stream; "side" converts chunk c+1 on a side stream while chunk c's
+        GEMMs run one program per tile; "split" runs the GEMMs persistent on all SMs but
+        ``reserve_sms`` on a high-priority stream and chunk c+1's conversion on the side stream.
         """
-        from adapt.kernels.moe_gemm import fp8_operand, moe_gemm
-        from adapt.kernels.moe_quant import quantize_fp8_rows
-
         if (weights.hidden, weights.intermediate) != (self.hidden, self.intermediate):
             raise InputError(
                 f"workspace is for hidden {self.hidden} x {self.intermediate}, layer is "
                 f"{weights.hidden} x {weights.intermediate}",
                 field="workspace",
             )
-        c1, c2 = (dataclasses.replace(c, programs_per_sm=0) for c in configs)
+        if self.schedule == "side":
+            configs = tuple(dataclasses.replace(c, programs_per_sm=0) for c in configs)
+        elif self.schedule == "split":
+            configs = tuple(
+                dataclasses.replace(c, programs_per_sm=max(1, c.programs_per_sm), reserve_sms=self.reserve_sms)
+                for c in configs
+            )
         e = weights.n_experts
         chunks = [(lo, min(e, lo + self.chunk_experts)) for lo in range(0, e, self.chunk_experts)]
-        hq, hs = hq_hs
-        main = torch.cuda.current_stream(xq.device) if self._side is not None else None
+        gemms = dict(
+            weights=weights, perm=perm, tiles=tiles, xq=xq, xs=xs, hbuf=hbuf, hq_hs=hq_hs, y=y, group=group,
+            activation=activation, configs=configs, top_k=top_k, alpha=alpha, limit=limit,
+        )
+        if self._side is None:
+            for c, chunk in enumerate(chunks):
+                self._convert(weights, perm, chunk, c % 2)
+                self._chunk_gemms(chunk, c % 2, **gemms)
+            return
+        caller = torch.cuda.current_stream(xq.device)
+        main = self._gemm if self._gemm is not None else caller
+        main.wait_stream(caller)
+        self._side.wait_stream(caller)
         converted, done = [], []
-        if self._side is not None:
-            self._side.wait_stream(main)
         for c, chunk in enumerate(chunks):
             buf = c % 2
-            if self._side is None:
-                self._convert(weights, perm, chunk, buf)
-            else:
-                if c == 0:
-                    with torch.cuda.stream(self._side):
-                        self._convert(weights, perm, chunk, buf)
-                        converted.append(torch.cuda.Event())
-                        converted[-1].record(self._side)
-                main.wait_event(converted[c])
-                if c + 1 < len(chunks):
-                    with torch.cuda.stream(self._side):
-                        if c >= 1:
-                            self._side.wait_event(done[c - 1])
-                        self._convert(weights, perm, chunks[c + 1], 1 - buf)
-                        converted.append(torch.cuda.Event())
-                        converted[-1].record(self._side)
-            base = buf * self.chunk_experts
-            op1 = fp8_operand(self.w1, self.w1_exp, weights.w1_bias)
-            op2 = fp8_operand(self.w2, self.w2_exp, weights.w2_bias)
-            common = dict(top_k=top_k, alpha=alpha, limit=limit, experts=chunk, slot_base=base)
-            moe_gemm(
-                xq,
-                xs,
-                op1,
-                perm,
-                tiles,
-                hbuf,
-                gather=True,
-                activation=activation,
-                interleaved=weights.gate_up_interleaved,
-                cfg=c1,
-                **common,
-            )
-            quantize_fp8_rows(hbuf, group, row_range=(perm.expert_offsets, chunk[0], chunk[1]), out=(hq, hs))
-            moe_gemm(
-                hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common
-            )
-            if self._side is not None:
+            if c == 0:
+                with torch.cuda.stream(self._side):
+                    self._convert(weights, perm, chunk, buf)
+                    converted.append(torch.cuda.Event())
+                    converted[-1].record(self._side)
+            main.wait_event(converted[c])
+            if c + 1 < len(chunks):
+                with torch.cuda.stream(self._side):
+                    if c >= 1:
+                        self._side.wait_event(done[c - 1])
+                    self._convert(weights, perm, chunks[c + 1], 1 - buf)
+                    converted.append(torch.cuda.Event())
+                    converted[-1].record(self._side)
+            with torch.cuda.stream(main):
+                self._chunk_gemms(chunk, buf, **gemms)
                 done.append(torch.cuda.Event())
                 done[-1].record(main)
-        if self._side is not None:
-            main.wait_stream(self._side)
+        caller.wait_stream(main)
+        caller.wait_stream(self._side)
+
+    def _chunk_gemms(
+        self, chunk, buf, *, weights, perm, tiles, xq, xs, hbuf, hq_hs, y, group, activation, configs, top_k,
+        alpha, limit,
+    ) -> None:
+        """GEMM1 + SwiGLU, activation quantisation and GEMM2 of the experts of ``chunk``, whose e4m3
+        weights are in workspace buffer ``buf``, on the current stream."""
+        from adapt.kernels.moe_gemm import fp8_operand, moe_gemm
+        from adapt.kernels.moe_quant import quantize_fp8_rows
+
+        c1, c2 = configs
+        hq, hs = hq_hs
+        base = buf * self.chunk_experts
+        op1 = fp8_operand(self.w1, self.w1_exp, weights.w1_bias)
+        op2 = fp8_operand(self.w2, self.w2_exp, weights.w2_bias)
+        common = dict(top_k=top_k, alpha=alpha, limit=limit, experts=chunk, slot_base=base)
+        moe_gemm(
+            xq, xs, op1, perm, tiles, hbuf, gather=True, activation=activation,
+            interleaved=weights.gate_up_interleaved, cfg=c1, **common,
+        )
+        quantize_fp8_rows(hbuf, group, row_range=(perm.expert_offsets, chunk[0], chunk[1]), out=(hq, hs))
+        moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)

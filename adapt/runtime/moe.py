@@ -21,7 +21,12 @@ Paths: ``torch`` loops over the experts that received tokens, dequantizing one e
 SwiGLU, down) and the weighted combine, whose output is bf16. The experts' format is chosen once, at
 load (``Experts.kernel_weights``):
 
-- MXFP4 (gpt-oss): decoded in the GEMM to bf16, or through the shared FP8 workspace when one is given;
+- MXFP4 (gpt-oss): without a workspace, a planar copy of the experts made at load
+  (``moe_planar.PlanarExperts``, the layout the planar GEMM decodes in a few integer ops per word)
+  runs ``moe_planar.planar_gemm`` up to ``PLANAR_MAX_TOKENS`` tokens a call (the fastest measured
+  MXFP4-storage path there: benchmarks/moe/2026-11-30-s2, calls 2-4, T = 1..4096 at both real
+  shapes) and the MXFP4 decode in the GEMM above; with the shared FP8 workspace, the workspace path.
+  The planar copy holds the MXFP4 bytes once more (K padded to 128);
 - FP8 with 128 x 128 block scales (DeepSeek-V3/V3.2, Kimi K2): e4m3 weights read as stored, activations
   in e4m3 per 1x128 group, fp8 MMA, each block's partial sum times its scales (DeepSeek-V3's W8A8);
 - bf16 (Qwen3, Mixtral, GLM): read as stored, bf16 activations; with the 'fp8' expert format
@@ -38,6 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from adapt.runtime.weights import Experts, Linear, apply_linear
+
+PLANAR_MAX_TOKENS = 4096
+"""Largest tokens per call of the planar MXFP4 path (the largest T it was measured at on the H200)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,11 @@ class MoE:
         self.path = path if path == "torch" or self.kernel_refusal is None else "torch"
         self.workspace = workspace
         self.kernel_experts = experts.kernel_weights() if self.path == "kernel" else None
+        self.planar = None
+        if self.kernel_experts is not None and experts.kernel_format == "mxfp4" and workspace is None:
+            from adapt.kernels.moe_planar import PlanarExperts
+
+            self.planar = PlanarExperts.from_weights(self.kernel_experts)
         self._fp8_copy = None
         self.last_topk: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_scores: torch.Tensor | None = None
@@ -249,6 +262,8 @@ class MoE:
         kw = dict(top_k=top_k, activation="swiglu_clamped" if self.clamped else "swiglu", alpha=self.alpha,
                   limit=self.limit)
         if self.experts.kernel_format == "mxfp4":
+            if self.planar is not None and x.shape[0] <= PLANAR_MAX_TOKENS:
+                return expert_mlp(x, perm, weights, compute="bf16", planar=self.planar, **kw)
             return expert_mlp(x, perm, weights, workspace=self.workspace, **kw)
         if weights.format == "bf16" and self.expert_fp8:
             if self._fp8_copy is None:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from adapt.bench.acceptance import Criterion, benchmark_report, evaluate, find_row
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _commit
 from adapt.bench.timer import time_eager_ms as _time_ms
@@ -41,6 +42,7 @@ from adapt.kernels import dsa, sparse_mla
 from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
 from adapt.kernels.topk import topk_indices, topk_indices_torch
 from adapt.model.spec import load_spec
+from adapt.report import StageReport, load_gates
 from adapt.runtime.kv_cache import DSALayerCache, PagedKVCache, mla_layout
 
 _MLA = load_spec("deepseek-v3.2").layers[0].attention  # the benchmarked shape: DeepSeek-V3.2's MLA + DSA
@@ -414,6 +416,8 @@ def _prefill_case(
         reps,
     )
     attend_ms = _time_ms(attend, reps)
+    twin_checks = _prefill_twin_checks(q8, weights, q_nope, q_rope, layer, block_table, token_seq, limits,
+                                       holder["idx"], length, tiles, attend_rows)
     total_ms = index_ms + attend_ms
     selected = sum(min(t + 1, topk) for t in range(length))
     index_flops = 2 * INDEX_HEADS * INDEX_DIM * length * (length + 1) / 2
@@ -444,9 +448,32 @@ def _prefill_case(
         "index_tiles": tiles["prefill_index"],
         "topk_last4096_rows_ms": tail_select,
         "index_sweep": sweep_rows,
+        **twin_checks,
     }
     torch.cuda.empty_cache()
     return result
+
+
+def _prefill_twin_checks(q8, weights, q_nope, q_rope, layer, block_table, token_seq, limits, idx, length: int,
+                         tiles: dict, attend_rows: int, rows: int = 4) -> dict:
+    """The prefill kernels against their twins on the last ``rows`` query rows (full causal context):
+    index scores with the timed indexer tiles, sparse MLA with the timed tiles over the kernel's own
+    selection. A check that fails to run is recorded (``twin_check_error``), never raised."""
+    last = slice(length - rows, length)
+    out = {}
+    try:
+        got = dsa.index_scores(q8[last], weights[last], layer.index_k, layer.index_scale, block_table, token_seq[last],
+                               limits[last], length, **tiles["prefill_index"])
+        out["index_scores_rel_err_vs_twin"] = _rel_err(got, dsa.index_scores_torch(
+            q8[last], weights[last], layer.index_k, layer.index_scale, block_table, token_seq[last], limits[last],
+            length))
+        args = (q_nope[:rows], q_rope[:rows], layer.latent_nope, layer.latent_scale, layer.latent_rope, block_table,
+                token_seq[last], idx[last], 0.1)
+        out["sparse_mla_rel_err_vs_twin"] = _rel_err(sparse_mla.sparse_mla(*args, **_mla_tiles(tiles, attend_rows)),
+                                                     sparse_mla.sparse_mla_torch(*args))
+    except Exception as err:  # noqa: BLE001 - recorded: the row then counts as untwinned in the report
+        out["twin_check_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+    return out
 
 
 def _dense_prefill_ms(length: int, reps: int) -> tuple[float, str]:
@@ -757,37 +784,85 @@ ACCEPTANCE_MLA_SWEEP = (
 )
 
 
-def acceptance_lines(result: dict) -> list[dict]:
-    """Issue 16's acceptance lines computed from the measured rows; a missing row counts as unmet."""
-    decode = {d["batch"]: d for d in result["decode"]}
-    prefill = result["prefill"][0] if result["prefill"] else None
-    mla_rates = [d["sparse_mla_TFLOPs"] for d in result["decode"]]
+def dsa_rows(result: dict) -> list[dict]:
+    """The timed DSA steps as report rows: one per decode case (``time_us`` = the CUDA-graph step) and
+    per prefill case (indexer + top-k + sparse MLA), each with its error against the twins (the larger
+    of the index scores' and the sparse MLA's ||kernel - twin|| / ||twin||; a top-k selection that
+    differs from the twin's is a ``twin_mismatch``) and the tolerance of gates.yaml's
+    ``kernels.max_twin_rel_error_gpu``. Errors of the run are rows too (never timed)."""
+    tolerance = load_gates()["kernels"]["max_twin_rel_error_gpu"]
+    rows = []
+    for phase, cases in (("decode", result.get("decode", [])), ("prefill", result.get("prefill", []))):
+        for case in cases:
+            row = {k: v for k, v in case.items() if not isinstance(v, (dict, list))}
+            row["phase"] = phase
+            row["time_us"] = case["step_us"] if phase == "decode" else case["total_ms"] * 1e3
+            errors = [case[k] for k in ("index_scores_rel_err_vs_twin", "sparse_mla_rel_err_vs_twin") if k in case]
+            if errors:
+                row["twin_rel_error"] = max(errors)
+                row["twin_tolerance"] = tolerance
+            same = case.get("topk_equals_twin", case.get("topk_last4096_rows_ms", {}).get("triton_equals_twin_rows0_8"))
+            if same is False:
+                row["twin_mismatch"] = "the top-k selection differs from topk_indices_torch's"
+            if "twin_check_error" in case:
+                row["twin_error"] = case["twin_check_error"]
+            rows.append(row)
+    rows += [{"error": text} for text in result.get("errors", [])]
+    return rows
 
-    def line(name, value, target, ok):
-        return {"line": name, "measured": value, "target": target, "met": bool(ok) if value is not None else False}
 
-    b64, b1 = decode.get(64), decode.get(1)
+def _case(rows: list[dict], phase: str, **match) -> dict | None:
+    return find_row(rows, phase=phase, **match)
+
+
+def dsa_criteria() -> list[Criterion]:
+    """Issue 16's acceptance lines on the rows of ``dsa_rows`` (DeepSeek-V3.2 shapes, 128K context)."""
+
+    def field(phase, key, **match):
+        return lambda rows: (row := _case(rows, phase, **match)) and row[key]
+
+    def best_mla(rows):
+        rates = [r["sparse_mla_TFLOPs"] for r in rows if r.get("phase") == "decode" and "error" not in r]
+        return max(rates) if rates else None
+
     return [
-        line("decode batch 64 x 128K: step / byte floor", b64 and b64["step_over_floor"], "<= 1.5",
-             b64 and b64["step_over_floor"] <= 1.5),
-        line("decode batch 1 x 128K: step us per layer", b1 and b1["step_us"], "<= 40", b1 and b1["step_us"] <= 40),
-        line(f"decode batch 1 x 128K: step us per layer in a graph of {GRAPH_LAYERS} layers",
-             b1 and b1.get("step_us_per_layer_in_graph_of_layers"), "<= 40",
-             b1 and b1.get("step_us_per_layer_in_graph_of_layers") is not None
-             and b1["step_us_per_layer_in_graph_of_layers"] <= 40),
-        line("sparse MLA decode TFLOP/s (best batch)", max(mla_rates) if mla_rates else None, ">= 300",
-             mla_rates and max(mla_rates) >= 300),
-        line("indexer prefill scoring TFLOP/s (all 128K rows)", prefill and prefill["index_scores_all_TFLOPs"],
-             ">= 900", prefill and prefill["index_scores_all_TFLOPs"] >= 900),
-        line("prefill 128K: speedup over dense SDPA", prefill and prefill["speedup_vs_dense"], ">= 3",
-             prefill and prefill["speedup_vs_dense"] >= 3),
+        Criterion("decode batch 64 x 128K: step / byte floor", field("decode", "step_over_floor", batch=64,
+                                                                     context=131072), "<=", 1.5),
+        Criterion("decode batch 1 x 128K: step us per layer", field("decode", "step_us", batch=1, context=131072),
+                  "<=", 40),
+        Criterion(f"decode batch 1 x 128K: step us per layer in a graph of {GRAPH_LAYERS} layers",
+                  field("decode", "step_us_per_layer_in_graph_of_layers", batch=1, context=131072), "<=", 40),
+        Criterion("sparse MLA decode TFLOP/s (best batch)", best_mla, ">=", 300),
+        Criterion("indexer prefill scoring TFLOP/s (all 128K rows)", field("prefill", "index_scores_all_TFLOPs",
+                                                                           tokens=131072), ">=", 900),
+        Criterion("prefill 128K: speedup over dense SDPA", field("prefill", "speedup_vs_dense", tokens=131072),
+                  ">=", 3),
     ]
+
+
+def acceptance_lines(result: dict) -> list[dict]:
+    """Issue 16's acceptance lines computed from the measured rows (``adapt.bench.acceptance.evaluate``);
+    a missing row counts as unmet. Keys: line, measured, target, met."""
+    return [{"line": a["criterion"], "measured": a["value"], "target": a["bound"], "met": a["met"]}
+            for a in evaluate(dsa_criteria(), dsa_rows(result))]
+
+
+def dsa_report(result: dict) -> StageReport:
+    """The run as a stage-6 StageReport (stage ``bench-dsa``): the step rows, issue 16's lines and the
+    twin check of every timed row."""
+    prov = {k: result[k] for k in ("date", "commit", "torch", "triton") if k in result}
+    prov["device"] = result.get("gpu", "")
+    return benchmark_report("dsa", "DeepSeek Sparse Attention at DeepSeek-V3.2 shapes", dsa_rows(result),
+                            dsa_criteria(), provenance=prov, ceilings=result.get("ceilings"))
 
 
 def _write(out_dir: Path, result: dict) -> None:
     """Write what has been measured so far (a run cut short still leaves its finished cases)."""
     (out_dir / "dsa_bench.json").write_text(json.dumps(result, indent=2))
     (out_dir / "dsa_bench.md").write_text(render_markdown(result))
+    report = dsa_report(result)
+    (out_dir / "dsa_report.json").write_text(report.to_json())
+    (out_dir / "dsa_report.md").write_text(report.to_markdown())
 
 
 def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:

@@ -12,7 +12,10 @@ replays), for each shape and token count T with uniform random routing:
 
 and in the same run the ceilings: device-to-device copy bandwidth (bytes read + written), torch
 bf16 matmul and fp8 ``_scaled_mm`` at 8192^3. Rates: TB/s on the MXFP4 bytes of the active experts
-(3*H*I*17/32 each), TFLOP/s on 6*T*k*H*I. Writes ``moe_bench.json`` and ``moe_bench.md`` to out_dir.
+(3*H*I*17/32 each), TFLOP/s on 6*T*k*H*I. Every timed row carries its error against the torch twin
+of the same signature on the same operands (``twin_rel_error``: ``expert_mlp_torch`` /
+``moe_forward_torch``; the torch grouped baseline against the bf16 twin). Writes ``moe_bench.json``
+and ``moe_bench.md`` to out_dir, and the run as a StageReport (``moe_report.json`` / ``.md``).
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from pathlib import Path
 import torch
 import triton
 
+from adapt.bench.acceptance import Criterion, benchmark_report, evaluate, find_row
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _git_commit
 from adapt.bench.timer import graph_time_us, time_cuda
 from adapt.errors import InputError
 from adapt.model.spec import load_spec
+from adapt.report import StageReport, load_gates
 
 
 def moe_shape(model: str) -> dict:
@@ -106,6 +111,52 @@ def _torch_grouped(x_sorted_fn, w1t, w2t, offs, activation, interleaved, alpha=1
 
     return run
 
+
+
+TWIN_OF = {"planar": "bf16", "bf16": "bf16", "fp8": "fp8", "fp8_offline": "fp8", "fp8_ws": "fp8",
+           "torch_grouped_bf16": "bf16", "layer_bf16": "layer_bf16", "layer_fp8": "layer_fp8"}
+"""Variant -> its twin: the torch function of the same signature on the same quantised operands (the
+planar layout holds the MXFP4 values; offline and workspace e4m3 are the fp8 path's row fold)."""
+BASELINES = {"torch_grouped_bf16", "peer"}
+"""Rows timed beside adapt's kernels, not adapt's: their twin checks warn instead of failing."""
+
+
+def _twin_outputs(names, x, perm, routed, shared, gate, bias, router, shape) -> dict:
+    """Twin name -> its fp32 output at this point, or the reason it could not be computed."""
+    from adapt.kernels.moe_gemm import expert_mlp_torch, moe_forward_torch
+
+    kw = dict(top_k=shape["top_k"], activation=shape["activation"])
+    lw = dict(correction_bias=bias, shared=shared, activation=shape["activation"])
+    calls = {
+        "bf16": lambda: expert_mlp_torch(x, perm, routed, compute="bf16", **kw),
+        "fp8": lambda: expert_mlp_torch(x, perm, routed, compute="fp8", **kw),
+        "layer_bf16": lambda: moe_forward_torch(x, gate, routed, router, compute="bf16", **lw),
+        "layer_fp8": lambda: moe_forward_torch(x, gate, routed, router, compute="fp8", **lw),
+    }
+    out = {}
+    for name in sorted(set(names)):
+        try:
+            out[name] = calls[name]().float()
+        except Exception as exc:  # noqa: BLE001 - recorded in the rows (untwinned), the timings go on
+            out[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def _twin_fields(variant: str, out, twins: dict, tolerance: float) -> dict:
+    """A row's twin fields: twin_rel_error (None when no twin ran), twin_tolerance, baseline, and
+    twin_error (why the twin could not be compared)."""
+    fields = {"baseline": variant in BASELINES}
+    twin = twins.get(TWIN_OF.get(variant, ""))
+    if variant == "peer":
+        fields["twin_error"] = "the peer routes by its own top-k: checked for shape and finite values only"
+    elif isinstance(twin, str) or twin is None or out is None:
+        fields["twin_error"] = twin if isinstance(twin, str) else "no twin output"
+    else:
+        fields["twin_rel_error"] = float((out.float() - twin).norm() / twin.norm().clamp_min(1e-30))
+        fields["twin_tolerance"] = tolerance
+    return fields
 
 
 PEER_SOURCE = "triton_kernels (triton-lang/triton python/triton_kernels, tag v3.6.0), matmul_ogs"
@@ -237,7 +288,7 @@ def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
     arithmetic (``moe_gemm.expert_mlp_torch``: fp32 matmuls on the dequantized MXFP4 weights, SwiGLU,
     h and y rounded to bf16), weighted by ``topw``, summed in fp32 and rounded to bf16 as ``combine``
     does, one expert at a time."""
-    from adapt.kernels.moe_gemm import _split_gate_up, swiglu_torch
+    from adapt.kernels.moe_gemm import split_gate_up, swiglu_torch
     from adapt.kernels.mxfp4 import dequantize_mxfp4
 
     k = topw.shape[1]
@@ -251,11 +302,11 @@ def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
         tok, j = slots[a:b] // k, slots[a:b] % k
         w1 = dequantize_mxfp4(routed.w1_packed[ex], routed.w1_scales[ex], torch.float32, validate=False)
         w2 = dequantize_mxfp4(routed.w2_packed[ex], routed.w2_scales[ex], torch.float32, validate=False)
-        wg, wu = _split_gate_up(w1[None], routed.gate_up_interleaved)
+        wg, wu = split_gate_up(w1[None], routed.gate_up_interleaved)
         xs = x[tok].float()
         g, u = xs @ wg[0].t(), xs @ wu[0].t()
         if routed.w1_bias is not None:
-            bg, bu = _split_gate_up(routed.w1_bias[ex].float()[None, :, None], routed.gate_up_interleaved)
+            bg, bu = split_gate_up(routed.w1_bias[ex].float()[None, :, None], routed.gate_up_interleaved)
             g, u = g + bg[0, :, 0], u + bu[0, :, 0]
         h = swiglu_torch(g, u, shape["activation"], 1.702, 7.0).to(torch.bfloat16).float()
         y = h @ w2.t()
@@ -305,6 +356,30 @@ def _planar_parts(x, perm, planar, shape: dict) -> dict:
                            **common)
 
     return {"planar_gemm1": gemm1, "planar_gemm2": gemm2}
+
+
+WS_SCHEDULES = {
+    "fp8_ws_side_combine": dict(schedule="side"),
+    "fp8_ws_split16_combine": dict(schedule="split", reserve_sms=16),
+    "fp8_ws_split32_combine": dict(schedule="split", reserve_sms=32),
+}
+"""The other ``FP8Workspace`` schedules timed beside the default one at the large T (``--large``)."""
+
+
+def _convert_all(routed, ws, perm) -> torch.Tensor:
+    """The workspace's conversion alone: every active expert of the layer, chunk by chunk, as
+    ``run_layer`` converts them (no GEMMs). Returns one converted row (float32) for the finite check."""
+    from adapt.kernels.workspace import convert_experts
+
+    e, c = routed.n_experts, ws.chunk_experts
+    for n, lo in enumerate(range(0, e, c)):
+        for packed, scales, out, exps in (
+            (routed.w1_packed, routed.w1_scales, ws.w1, ws.w1_exp),
+            (routed.w2_packed, routed.w2_scales, ws.w2, ws.w2_exp),
+        ):
+            convert_experts(packed, scales, out, exps, ws.lost, perm.expert_offsets, (lo, min(e, lo + c)),
+                            (n % 2) * c, count_loss=False)
+    return ws.w1[0, 0].float()
 
 
 def _combined(mlp, topw, perm):
@@ -373,8 +448,12 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
             elif large:
                 if fp8 is None:
                     fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
+                    fp8 += tuple(FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE, **kw) for kw in WS_SCHEDULES.values())
                 variants["fp8_ws_combine"] = _combined(partial(mlp, workspace=fp8[1]), topw, perm)
                 variants["fp8_offline_combine"] = _combined(partial(mlp, fp8_weights=fp8[0]), topw, perm)
+                for wname, ws_other in zip(WS_SCHEDULES, fp8[2:], strict=True):
+                    variants[wname] = _combined(partial(mlp, workspace=ws_other), topw, perm)
+                variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
             if chosen is None and not tried:
                 tried = True
                 for source, ldt in PEER_CANDIDATES:
@@ -623,6 +702,7 @@ def _bench_shape(
     from adapt.kernels.workspace import FP8Workspace
 
     dev = DEVICE
+    twin_tolerance = load_gates()["kernels"]["max_twin_rel_error_gpu"]
     torch.manual_seed(0)
     routed, shared = _random_layer(shape, dev)
     e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
@@ -668,6 +748,8 @@ def _bench_shape(
         if only is not None:
             variants = {n: f for n, f in variants.items() if n in only or n == "bf16"}
         ref = variants["bf16"]().float()
+        twins = _twin_outputs({TWIN_OF[n] for n in variants if n in TWIN_OF}, x, perm, routed, shared, gate, bias,
+                              router, shape)
         if sweep is not None and t == max(tokens):
             sweep += _sweep(x, perm, routed, offline, shape, flops, deadline)
         for vname, fn in variants.items():
@@ -679,9 +761,10 @@ def _bench_shape(
                     out = fn()
                     if tuple(out.shape) != tuple(ref.shape) or not bool(torch.isfinite(out).all()):
                         raise ValueError(f"peer output shape {tuple(out.shape)} or values not finite")
-                elif not vname.startswith("layer"):
+                else:
                     out = fn().float()
-                    err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+                    if not vname.startswith("layer"):
+                        err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
                 timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
                 us = timing.median_us
             except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row, the others go on
@@ -701,6 +784,7 @@ def _bench_shape(
                 "copy_fraction": wbytes / us / 1e6 / ceil["copy_tbps"],
                 "rel_diff_vs_bf16": err,
                 "timer": timing.mode + (f" ({timing.fallback})" if timing.fallback else ""),
+                **_twin_fields(vname, out, twins, twin_tolerance),
             }
             rows.append(row)
             print(
@@ -805,69 +889,66 @@ QUICK = dict(shapes=["deepseek-v3"], tokens=[16384, 64, 1])
 time budget cuts the small-T config sweep, timed after each small T's variants, first)."""
 
 
+FUSED_MXFP4 = ("planar", "bf16", "fp8")
+"""Variants that read the MXFP4 experts inside the GEMM (issue 4's "fused MXFP4" lines take the best)."""
+
+
+def _best(rows: list[dict], tokens: int, names, key: str, low: bool) -> tuple[float | None, str | None]:
+    """(value, variant) of the best DeepSeek-V3 row at ``tokens`` among ``names`` (lowest when ``low``)."""
+    found = [(row[key], n) for n in names
+             if (row := find_row(rows, shape="deepseek-v3", tokens=tokens, variant=n)) is not None]
+    return (min if low else max)(found) if found else (None, None)
+
+
+def _field(rows: list[dict], tokens: int, variant: str, key: str) -> float | None:
+    row = find_row(rows, shape="deepseek-v3", tokens=tokens, variant=variant)
+    return None if row is None else row[key]
+
+
+def _time_ratio(rows: list[dict], tokens: int, num: str, den: str) -> float | None:
+    a, b = _field(rows, tokens, num, "time_us"), _field(rows, tokens, den, "time_us")
+    return None if a is None or b is None else a / b
+
+
+def moe_criteria() -> list[tuple[Criterion, str]]:
+    """Issue 4's acceptance lines on the DeepSeek-V3 rows, each with the variant(s) it reads."""
+    return [
+        (Criterion("T=64 fused MXFP4 >= 0.85 of copy on MXFP4 bytes",
+                   lambda rows: _best(rows, 64, FUSED_MXFP4, "copy_fraction", False)[0], ">=", 0.85), "best fused"),
+        (Criterion("T=1 fused within 1.6x of the byte floor",
+                   lambda rows: _best(rows, 1, FUSED_MXFP4, "x_floor", True)[0], "<=", 1.6), "best fused"),
+        (Criterion("T=16384 fp8 >= 800 TFLOP/s", lambda rows: _field(rows, 16384, "fp8_offline", "tflops"),
+                   ">=", 800), "fp8_offline"),
+        (Criterion("T=16384 >= 1.5x torch grouped bf16",
+                   lambda rows: _time_ratio(rows, 16384, "torch_grouped_bf16", "fp8_offline"), ">=", 1.5),
+         "fp8_offline"),
+        (Criterion("T=16384 online within 5% of offline",
+                   lambda rows: _time_ratio(rows, 16384, "fp8_ws", "fp8_offline"), "<=", 1.05), "fp8_ws"),
+    ]
+
+
 def acceptance(result: dict) -> list[dict]:
-    """The acceptance lines of issue 4 evaluated on the measured rows (DeepSeek-V3)."""
-    t = {
-        (r["tokens"], r["variant"]): r
-        for r in result["rows"]
-        if r.get("shape") == "deepseek-v3" and "time_us" in r
-    }
-    fused = ("bf16", "fp8")
+    """The acceptance lines evaluated on the measured rows (``adapt.bench.acceptance.evaluate``; a
+    missing row leaves its line unmet), each with the variant that gave the value (``path``)."""
+    rows = result["rows"]
+    criteria = moe_criteria()
+    lines = evaluate([c for c, _ in criteria], rows)
+    for line, (_, path) in zip(lines, criteria, strict=True):
+        if path == "best fused":
+            tokens, key, low = (64, "copy_fraction", False) if line["criterion"].startswith("T=64") else (
+                1, "x_floor", True)
+            path = _best(rows, tokens, FUSED_MXFP4, key, low)[1]
+        line["path"] = path
+    return lines
 
-    def best(tok, names, key, low):
-        vals = [(t[(tok, n)][key], n) for n in names if (tok, n) in t]
-        return (min if low else max)(vals) if vals else (None, None)
 
-    out = []
-    frac, name = best(64, fused, "copy_fraction", False)
-    out.append(
-        {
-            "criterion": "T=64 fused MXFP4 >= 0.85 of copy on MXFP4 bytes",
-            "value": frac,
-            "path": name,
-            "met": frac is not None and frac >= 0.85,
-        }
-    )
-    xf, name = best(1, fused, "x_floor", True)
-    out.append(
-        {
-            "criterion": "T=1 fused within 1.6x of the byte floor",
-            "value": xf,
-            "path": name,
-            "met": xf is not None and xf <= 1.6,
-        }
-    )
-    off, base, ws = (t.get((16384, n)) for n in ("fp8_offline", "torch_grouped_bf16", "fp8_ws"))
-    if off:
-        out.append(
-            {
-                "criterion": "T=16384 fp8 >= 800 TFLOP/s",
-                "value": off["tflops"],
-                "path": "fp8_offline",
-                "met": off["tflops"] >= 800,
-            }
-        )
-    if off and base:
-        sp = base["time_us"] / off["time_us"]
-        out.append(
-            {
-                "criterion": "T=16384 >= 1.5x torch grouped bf16",
-                "value": sp,
-                "path": "fp8_offline",
-                "met": sp >= 1.5,
-            }
-        )
-    if off and ws:
-        r = ws["time_us"] / off["time_us"]
-        out.append(
-            {
-                "criterion": "T=16384 online within 5% of offline",
-                "value": r,
-                "path": "fp8_ws",
-                "met": r <= 1.05,
-            }
-        )
-    return out
+def moe_report(result: dict) -> StageReport:
+    """The run as a stage-6 StageReport (stage ``bench-moe``): every row, issue 4's lines, and the twin
+    error of every timed row."""
+    prov = {k: result[k] for k in ("date", "commit", "torch", "triton") if k in result}
+    prov["device"] = result.get("gpu", "")
+    return benchmark_report("moe", "MoE experts at real shapes", result["rows"], [c for c, _ in moe_criteria()],
+                            provenance=prov, ceilings=result.get("ceilings"))
 
 
 def _markdown(result: dict) -> str:
@@ -987,7 +1068,8 @@ def run_moe_bench(
     (rewritten after every T, so a run cut short keeps what it measured). budget_s: seconds after
     which remaining points are recorded as skipped. sweep: time SWEEP_CONFIGS at the largest T of
     the first shape. quick: only the acceptance points (``QUICK``; no sweep, no whole-layer
-    variants) and an ``acceptance`` list in the result. planar_sweep: time PLANAR_SWEEP at every T
+    variants). Every save also sets the ``acceptance`` lines and writes the StageReport
+    (``moe_report.json`` / ``.md``, ``moe_report``). planar_sweep: time PLANAR_SWEEP at every T
     of every shape. layer / memory: time the whole-layer variants / measure expert memory.
     variants: names of the variants to time (all when None)."""
     start = time.monotonic()
@@ -1021,10 +1103,12 @@ def run_moe_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def save():
+        result["acceptance"] = acceptance(result)
         (out_dir / "moe_bench.json").write_text(json.dumps(result, indent=1))
-        if quick:
-            result["acceptance"] = acceptance(result)
         (out_dir / "moe_bench.md").write_text(_markdown(result))
+        report = moe_report(result)
+        (out_dir / "moe_report.json").write_text(report.to_json())
+        (out_dir / "moe_report.md").write_text(report.to_markdown())
 
     deadline = start + budget_s
     for i, s in enumerate(shapes):

@@ -52,6 +52,8 @@ class PipelineOptions:
     stack: stack table name or YAML path (None: the target's default)
     run_path: the run directory (stage 6 reads stage 4's prediction there and writes its artifacts)
     url: stage 6 loads this OpenAI-compatible server instead of launching the model; soak_s: soak seconds
+    tokenizer: stage 6's tokenizer path or id (None: the model directory's; a byte-level stand-in
+    when it has none)
     """
 
     model: str
@@ -71,6 +73,7 @@ class PipelineOptions:
     gates_file: str | None = None  # the --gates file of the invocation (repeated in stage 5's advised commands)
     url: str | None = None
     soak_s: float = 60.0
+    tokenizer: str | None = None  # stage 6: the load generator's tokenizer (None: the model's, else a stand-in)
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ def _serve(o: PipelineOptions, gates: dict) -> StageReport:
     from adapt.stages.serve import ServeOptions, run_serve_stage
 
     return run_serve_stage(o.model, target=o.target, run_path=Path(o.run_path) if o.run_path else None,
-                           gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url)
+                           gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url, tokenizer=o.tokenizer)
 
 
 _PLAN_OPTIONS = ("devices", "nodes", "context", "batch", "kv_dtype", "weights")
@@ -138,7 +141,7 @@ STAGES: dict[int, Stage] = {
     4: Stage("parallel", _parallel, reads=_PLAN_OPTIONS, gates=("memory", "parallel")),
     5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",)),
     # stage 6 also reads the plan in stage 4's report of the same run directory (run_path)
-    6: Stage("bench", _serve, reads=("url", "soak_s"), gates=("bench",)),
+    6: Stage("bench", _serve, reads=("url", "soak_s", "tokenizer"), gates=("bench",)),
 }
 STAGE_NAMES = {n: s.name for n, s in STAGES.items()}
 

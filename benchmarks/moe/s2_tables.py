@@ -2,8 +2,9 @@
 
 Usage: python benchmarks/moe/s2_tables.py benchmarks/moe/2026-11-30-s2 [call prefix ...]
 For each call prefix (file name start, e.g. call1_36a06da) and shape: adapt's MXFP4-storage rows
-(planar_combine; fp8_ws_combine above 4096) beside the peer, the ratio peer / adapt (>= 1: adapt
-at least as fast), copy fractions, x byte floor, twin / reference errors; then the config sweep.
+(planar_combine; the fp8 workspace schedules, offline fp8 and the conversion alone above 4096)
+beside the peer, the ratio peer / adapt (>= 1: adapt at least as fast),
+copy fractions, x byte floor, twin / reference errors; then the config sweep.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+VARIANTS = ("planar_combine", "fp8_ws_combine", "fp8_ws_side_combine", "fp8_ws_split16_combine",
+            "fp8_ws_split32_combine", "fp8_offline_combine", "ws_convert_only")
+"""Row variants tabled, in this order (the workspace schedules and the conversion alone from call 5)."""
 
 
 def tables(folder: Path, prefix: str) -> str:
@@ -29,7 +34,7 @@ def tables(folder: Path, prefix: str) -> str:
         rows = {(x["tokens"], x["variant"]): x for x in r["rows"] if "time_us" in x}
         for t in sorted({x["tokens"] for x in r["rows"]}):
             peer = rows.get((t, "peer"))
-            for v in ("planar_combine", "fp8_ws_combine", "fp8_offline_combine"):
+            for v in VARIANTS:
                 a = rows.get((t, v))
                 if not a:
                     continue

@@ -37,3 +37,30 @@ def test_bench_runtime_dry_run_on_cpu(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert result.exit_code == 1   # no ceilings on a CPU, so no fraction of roofline: unmet, not passed
     assert all(line["value"] is None and not line["met"] for line in report["tables"]["acceptance"])
+
+
+def test_rows_are_on_disk_after_each_batch_so_a_killed_run_keeps_them(tmp_path):
+    """The report is rewritten after every batch: a run stopped from outside (here: the progress
+    callback raises after the first batch, as a kill would land) leaves that batch's rows, and its
+    other lines unmet."""
+    import pytest
+
+    from adapt.bench.runtime import run_runtime_bench
+
+    messages = []
+
+    def progress(message):
+        messages.append(message)
+        if "batch 1:" in message:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_runtime_bench(["gpt-oss-120b"], batches=[1, 2], prompt_tokens=8, decode_steps=1, kernels="none",
+                          device="cpu", tiny=True, out_dir=tmp_path, progress=progress)
+    report = json.loads((tmp_path / "runtime_bench.json").read_text())
+    assert [(r["batch"], r["phase"]) for r in report["tables"]["rows"]] == [(1, "prefill"), (1, "decode")]
+    assert all(r["load_s"] >= 0 and r["warmup_s"] >= 0 for r in report["tables"]["rows"])
+    assert len(report["tables"]["acceptance"]) == 4   # batch 2's lines are there, unmet (no CPU roofline either)
+    assert not any(line["met"] for line in report["tables"]["acceptance"])
+    assert report["verdict"] == "fail"
+    assert any("checkpoint written" in m for m in messages)

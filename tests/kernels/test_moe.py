@@ -267,6 +267,70 @@ def test_offline_and_workspace_paths():
     assert ws.record_fold_loss(w) == 0 and ws.lost.item() == 0
 
 
+@pytest.mark.parametrize("schedule", ["serial", "side", "split"])
+def test_workspace_schedules_match_offline(schedule):
+    """Every conversion / GEMM order gives the offline path's output bit for bit; split leaves SMs
+    free (on the interpreter's 2 SMs a reserve of 5 still runs one persistent program)."""
+    g = _gen(9)
+    w = make_layer(5, 64, 32, bias=True, seed=9)
+    x = torch.randn(7, 64, generator=g, device=DEV).bfloat16()
+    ids = torch.randint(0, 5, (7, 2), generator=g, device=DEV).int()
+    perm = rt.permute_by_expert(ids, 5)
+    off = mg.expert_mlp(x, perm, w, top_k=2, fp8_weights=mg.FP8Weights.from_mxfp4(w))
+    ws = FP8Workspace(2, 64, 32, DEV, schedule=schedule, reserve_sms=5)
+    assert torch.equal(mg.expert_mlp(x, perm, w, top_k=2, workspace=ws), off)
+
+
+def test_workspace_schedule_and_memory_bound():
+    """A bad schedule is one InputError naming the field; the online path's expert memory (MXFP4
+    experts of every MoE layer + one workspace of two 32-expert chunks) is at most 0.55x the offline
+    FP8 copy at both real shapes."""
+    from adapt.kernels.workspace import online_memory_ratio
+    from adapt.model.spec import load_spec
+
+    with pytest.raises(InputError, match="schedule"):
+        FP8Workspace(2, 64, 32, DEV, schedule="overlap")
+    for model in ("deepseek-v3.2", "gpt-oss-120b"):
+        spec = load_spec(model)
+        ffn = spec.moe_layers[0].ffn
+        ratio = online_memory_ratio(len(spec.moe_layers), ffn.num_experts, spec.hidden, ffn.expert_intermediate, 32)
+        assert 0.5 < ratio <= 0.55, (model, ratio)
+    # one layer alone with a workspace of 2 x 32 experts would not meet the bound
+    assert online_memory_ratio(1, 128, 2880, 2880, 32) > 0.55
+
+
+def test_bench_convert_only_fills_the_workspace_as_run_layer_does():
+    """bench_moe's conversion-alone row converts every active expert into the slots run_layer uses:
+    the last chunk (experts 4, in buffer 0 after chunks (0,2), (2,4), (4,5)) holds the offline e4m3 rows."""
+    from adapt.stages import bench_moe as bm
+
+    w = make_layer(5, 64, 32, bias=True, seed=10)
+    perm = rt.permute_by_expert(torch.arange(5, device=DEV).int()[:, None], 5)
+    ws = FP8Workspace(2, 64, 32, DEV)
+    assert bm._convert_all(w, ws, perm).shape == (64,)
+    off = mg.FP8Weights.from_mxfp4(w)
+    assert torch.equal(ws.w1[0].float(), off.w1[4].float())  # values (the word decode may write -0 for 0)
+    assert torch.equal(ws.w2_exp[0], off.w2_exp[4]) and torch.equal(ws.w1[2].float(), off.w1[2].float())
+
+
+def test_workspace_word_conversion_partial_step_k2880():
+    # gpt-oss's K = 2880: 90 scale blocks, six steps of 16 with the last one 10/16 full, row pitches
+    # that are not multiples of 16 words (the kernel forms them from k_scales)
+    from adapt.kernels.workspace import convert_experts
+
+    g = _gen(11)
+    n, k = 9, 2880
+    packed = torch.randint(0, 256, (2, n, k // 2), generator=g, device=DEV, dtype=torch.uint8)
+    sc = torch.randint(118, 123, (2, n, k // 32), generator=g, device=DEV, dtype=torch.uint8)
+    out = torch.zeros(2, n, k, dtype=torch.float8_e4m3fn, device=DEV)
+    exps = torch.zeros(2, n, dtype=torch.int32, device=DEV)
+    offsets = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    convert_experts(packed, sc, out, exps, torch.zeros(1, dtype=torch.int64, device=DEV), offsets, (0, 2), 0,
+                    count_loss=False)
+    ref = mx.mxfp4_to_fp8_torch(packed, sc, group_k=None)
+    assert torch.equal(out.float(), ref.values.float())
+
+
 def test_workspace_records_fold_loss_once():
     # one block per row 2**20 times larger than the rest: the small blocks fall out of e4m3's range
     g = _gen(18)
