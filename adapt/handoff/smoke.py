@@ -149,6 +149,9 @@ def transformers_traces(model_dir: str | Path, prompt_ids: list[list[int]], max_
     auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
     model = auto.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model.eval()
+    # generate fills a passed config's unset fields (eos_token_id=None among them) from the model's own
+    # generation_config, so EOS is cleared there too; else it stops at the first EOS a trained model emits
+    model.generation_config.eos_token_id = None
     config = copy.deepcopy(model.generation_config)
     config.update(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=None, eos_token_id=None,
                   output_logits=True, return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)

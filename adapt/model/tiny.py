@@ -16,16 +16,29 @@ Four models, each a directory with ``config.json``, ``model.safetensors``,
               "ue8m0"), DeepSeek's fp8 ``quantization_config``; everything else bf16.
 
 Every model is created through transformers' own model class (so the tensor names and the
-config are the ones transformers expects), then every tensor is re-initialised from a
-generator seeded by (seed, tensor name), so a build is bit-identical across runs and
-machines. Scales: embeddings N(0, 1); a linear map with fan-in f is N(0, 1/f) (outputs
+config are the ones transformers expects), then every tensor is initialised from a
+generator seeded by (seed, tensor name), then the model is trained briefly (``TRAINING``)
+on the bundled text so that it behaves like a trained model: its greedy text follows the
+text, and its router and logit choices have margins instead of the near ties of random
+weights. Initial scales: embeddings N(0, 1); a linear map with fan-in f is N(0, 1/f) (outputs
 that feed the residual stream are halved); norm weights 1 + N(0, 0.1^2); biases
 N(0, 0.1^2); lm_head N(0, (3/sqrt(hidden))^2), giving logits of standard deviation ~3.
 gpt-oss expert gate/up weights get 3x the usual scale so that the SwiGLU clamp (limit 7)
 is actually reached by a few percent of the activations.
 
+Training (``_train``): next-token cross-entropy on random windows of the training text (the
+text embedded below, then ``adapt/eval/data/corpus.txt`` and ``sample.txt``, all written for
+adapt), every parameter, Adam with a linear warm-up and cosine decay, in float32 on one CPU
+thread (so a build is bit-identical across runs on one machine; other CPUs may round the
+training differently in the last bits). Routers learn through the loss, plus a margin term
+(``_router_margin_loss``) that keeps each token's k-th and (k+1)-th expert apart, as a trained
+router's decisive choices are; DeepSeek's correction bias stays 0 as at initialisation. The DSA
+indexer runs without gradients in transformers (DeepSeek trains it with a separate distillation
+loss), so its own weights keep their initial values.
+Cost and losses go to ``adapt-training.json`` in the model directory.
+
 The tokenizer is a byte-level BPE of 512 tokens trained (``tokenizers``, offline) on the
-text embedded below; ids 0, 1, 2 are ``<|bos|>``, ``<|eos|>``, ``<|pad|>``.
+training text; ids 0, 1, 2 are ``<|bos|>``, ``<|eos|>``, ``<|pad|>``.
 
 API: ``TINY_MODELS``, ``build_tiny(name, out_dir, seed=0)``, ``tiny_path(name)``.
 """
@@ -43,8 +56,17 @@ from typing import Any
 
 from adapt.errors import InputError
 
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 STAMP_FILE = "adapt-tiny.json"
+TRAINING_FILE = "adapt-training.json"
+TEXT_DIR = Path(__file__).resolve().parents[1] / "eval" / "data"
+TEXT_FILES = ("corpus.txt", "sample.txt")  # appended to _TOKENIZER_TEXT: the training text
+
+# The training recipe (part of the cache key). Measured on 2 shared CPU cores, 2026-11-30: 200 steps of 8 windows
+# of 64 tokens take 10-30 s per model (tiny-qwen3 fastest, tiny-oss slowest) and bring the loss (next-token plus
+# router margin) from ~5-6 to ~0.15 nats; 120 steps left tiny-dsa's greedy text garbled after a few words.
+TRAINING = {"steps": 200, "batch": 8, "window": 64, "lr": 5e-3, "warmup": 10, "clip": 1.0,
+            "router_margin": 0.25, "router_margin_weight": 1.0}
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -159,7 +181,7 @@ FP8_BLOCK_EXPERTS = ("tiny-dsa-fp8",)
 
 TINY_MODELS: tuple[str, ...] = tuple(_CONFIGS)
 
-# Training text for the tokenizer (written for this file).
+# The start of the training text (tokenizer and model), written for this file.
 _TOKENIZER_TEXT = """\
 The river ran past the mill and the mill wheel turned all day, slow and steady, while the
 miller counted sacks of grain and wrote the numbers in a small green book. In the evening
@@ -179,6 +201,11 @@ Hello, world! How are you today? I am fine, thank you. What time is it? It is ha
 """
 
 
+def training_text() -> str:
+    """The text the tokenizer and the model are trained on: the text above, then the bundled files."""
+    return _TOKENIZER_TEXT + "".join((TEXT_DIR / name).read_text() for name in TEXT_FILES)
+
+
 def _builder_hash(name: str, seed: int) -> str:
     """Short digest of everything that determines a build's bytes (12 hex characters)."""
     payload = json.dumps(
@@ -187,8 +214,9 @@ def _builder_hash(name: str, seed: int) -> str:
             "name": name,
             "seed": seed,
             "config": _CONFIGS[name],
-            "text": _TOKENIZER_TEXT,
+            "text": training_text(),
             "vocab": VOCAB_SIZE,
+            "training": TRAINING,
         },
         sort_keys=True,
     )
@@ -237,8 +265,8 @@ def build_tiny(name: str, out_dir: Path, *, seed: int = 0) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _write_model(name, tmp, seed)
         _write_tokenizer(tmp)
+        _write_model(name, tmp, seed)
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, sort_keys=True) + "\n")
         try:
             tmp.rename(out_dir)
@@ -303,6 +331,8 @@ def _write_model(name: str, out_dir: Path, seed: int) -> None:
             mean, std = _init_std(family, tensor_name, tuple(tensor.shape), hidden)
             gen = torch.Generator().manual_seed(_tensor_seed(seed, tensor_name))
             tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float32) * std + mean)
+    summary = _train(model, _training_tokens(out_dir), seed)
+    (out_dir / TRAINING_FILE).write_text(json.dumps({**TRAINING, **summary}, indent=1, sort_keys=True) + "\n")
     keep_fp32 = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
     model.to(torch.bfloat16)
     for module in keep_fp32:
@@ -313,6 +343,87 @@ def _write_model(name: str, out_dir: Path, seed: int) -> None:
         _store_gpt_oss_experts_mxfp4(out_dir)
     if name in FP8_BLOCK_EXPERTS:
         _store_experts_fp8_block(out_dir)
+
+
+def _training_tokens(out_dir: Path) -> list[int]:
+    """The training text as token ids of the tokenizer in ``out_dir``, one EOS after every line."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    ids: list[int] = []
+    for line in training_text().splitlines():
+        if line.strip():
+            ids += tokenizer.encode(line).ids + [EOS_ID]
+    return ids
+
+
+def _train(model, tokens: list[int], seed: int) -> dict[str, Any]:
+    """Train ``model`` (float32, in place) on windows of ``tokens`` by the ``TRAINING`` recipe.
+
+    Every step draws ``batch`` windows of ``window`` + 1 tokens at random offsets (generator seeded by
+    ``seed``); transformers shifts the labels. Runs on one thread and restores the thread count.
+    Returns the mean loss of the first and last 20 steps (nats per token) and the token count.
+    """
+    import math
+
+    import torch
+
+    steps, batch, window = TRAINING["steps"], TRAINING["batch"], TRAINING["window"]
+    data = torch.tensor(tokens)
+    gen = torch.Generator().manual_seed(_tensor_seed(seed, "training"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=TRAINING["lr"], betas=(0.9, 0.95))
+    top_k, family = model.config.num_experts_per_tok, model.config.model_type
+    logits: list[torch.Tensor] = []  # every router's logits [tokens, experts] of the current step
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+    hooks = [r.register_forward_hook(lambda _m, _i, out: logits.append(out[0])) for r in routers]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    losses: list[float] = []
+    model.train()
+    try:
+        for step in range(steps):
+            warm = min(1.0, (step + 1) / TRAINING["warmup"])
+            for group in optimizer.param_groups:
+                group["lr"] = TRAINING["lr"] * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
+            offsets = torch.randint(0, len(data) - window - 1, (batch,), generator=gen)
+            x = torch.stack([data[o : o + window + 1] for o in offsets.tolist()])
+            logits.clear()
+            loss = model(input_ids=x, labels=x).loss
+            loss = loss + TRAINING["router_margin_weight"] * _router_margin_loss(logits, top_k, family)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), TRAINING["clip"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+    finally:
+        torch.set_num_threads(threads)
+        model.eval()
+        for hook in hooks:
+            hook.remove()
+    return {"tokens": len(tokens),
+            "loss_first_20": round(sum(losses[:20]) / 20, 3), "loss_last_20": round(sum(losses[-20:]) / 20, 3)}
+
+
+def _router_margin_loss(logits: list, top_k: int, family: str):
+    """Mean over routers and tokens of relu(margin - gap), gap = (k-th largest score - (k+1)-th) / (max - min).
+
+    Scores as the router ranks experts (DeepSeek: sigmoid of the logits; Qwen3: softmax; gpt-oss: the
+    logits). Stage 5 calls a routing flip a near tie when the swapped experts' scores differ by a small
+    fraction of the row's range; this term keeps the top-k boundary ``TRAINING['router_margin']`` of the
+    range apart, as a trained router's decisive choices are.
+    """
+    if not logits:
+        return 0.0
+    import torch
+
+    terms = []
+    for row in logits:
+        row = row.float()
+        scores = row.sigmoid() if family.startswith("deepseek") else row.softmax(-1) if family == "qwen3_moe" else row
+        ranked = scores.sort(-1, descending=True).values
+        gap = (ranked[:, top_k - 1] - ranked[:, top_k]) / (ranked[:, 0] - ranked[:, -1] + 1e-6)
+        terms.append(torch.relu(TRAINING["router_margin"] - gap).mean())
+    return torch.stack(terms).mean()
 
 
 def _store_gpt_oss_experts_mxfp4(out_dir: Path) -> None:
@@ -396,7 +507,7 @@ def _write_tokenizer(out_dir: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_TOKENIZER_TEXT.splitlines(), trainer=trainer)
+    tokenizer.train_from_iterator(training_text().splitlines(), trainer=trainer)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

