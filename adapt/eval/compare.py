@@ -19,6 +19,7 @@ work where their datasets are available).
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ def task_entries(names: list[str], *, allow_code_execution: bool = False) -> lis
     local = local_tasks()
     for name in names:
         if name not in local:
+            if name not in lm_eval_task_names() and not Path(name).is_file():
+                raise InputError(f"unknown task {name!r}", field="--tasks",
+                                 hint=f"local tasks: {', '.join(local)}; or a task, group or tag lm-eval knows "
+                                      "(`lm-eval ls tasks`), or a task YAML file")
             entries.append(name)
             continue
         config = yaml.safe_load(local[name].read_text())
@@ -63,6 +68,14 @@ def task_entries(names: list[str], *, allow_code_execution: bool = False) -> lis
             config["process_results"] = humaneval_pass_at_1
         entries.append(config)
     return entries
+
+
+@functools.cache
+def lm_eval_task_names() -> frozenset[str]:
+    """Every task, group and tag name lm-eval registers (indexing its task files takes a few seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    return frozenset(TaskManager().all_tasks)
 
 
 def humaneval_subset(count: int = HUMANEVAL_PROBLEMS) -> Path:

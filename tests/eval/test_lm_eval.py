@@ -5,7 +5,9 @@ import os
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from adapt.cli import app
 from adapt.errors import InputError
 from adapt.eval.compare import (
     HUMANEVAL_PROBLEMS,
@@ -27,6 +29,14 @@ def test_local_tasks_resolve_their_data():
         (path,) = entry["dataset_kwargs"]["data_files"].values()
         assert os.path.isfile(path)
     assert task_entries(["mmlu"]) == ["mmlu"]  # standard names go to lm-eval's registry
+
+
+def test_an_unknown_task_is_refused_with_one_line():
+    with pytest.raises(InputError, match="unknown task 'nosuchtask'"):
+        task_entries(["adapt_cloze", "nosuchtask"])
+    result = CliRunner().invoke(app, ["eval", "tiny-qwen3", "--tasks", "nosuchtask"])
+    assert result.exit_code == 2 and "unknown task 'nosuchtask'" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_humaneval_task_needs_the_code_execution_flag():
