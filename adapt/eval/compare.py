@@ -95,7 +95,9 @@ def humaneval_subset(count: int = HUMANEVAL_PROBLEMS) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"humaneval-{count}.jsonl"
     keep = ("task_id", "prompt", "test", "entry_point")
-    path.write_text("".join(json.dumps({k: p[k] for k in keep}) + "\n" for p in problems))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # renamed into place: a reader never sees half a file
+    tmp.write_text("".join(json.dumps({k: p[k] for k in keep}) + "\n" for p in problems))
+    os.replace(tmp, path)
     return path
 
 
