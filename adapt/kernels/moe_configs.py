@@ -43,7 +43,9 @@ class PlanarConfig:
     GEMM1 yields block_n / 2 outputs), K splits, L2 grouping, warps, stages, programs per SM
     (0: one program per work item), one_dot: one MMA chain of K = 128 per step (the decoded
     planes joined into the operand) instead of eight dots of K = 16, and maxnreg: a register cap
-    per thread (0: none; 128 fits four 4-warp programs per SM where the compiler would take 156)."""
+    per thread (0: none; 128 fits four 4-warp programs per SM where the compiler would take 156),
+    flatten: with programs_per_sm > 0, the tile and K loops pipelined as one loop (loads run ahead
+    across a program's tiles)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -54,6 +56,7 @@ class PlanarConfig:
     programs_per_sm: int = 0
     one_dot: bool = False
     maxnreg: int = 0
+    flatten: bool = False
 
 
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
