@@ -513,7 +513,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     err = None
                     if vname == "peer" and t == 16:
                         err = _peer_reference_error(out, parts, x, routed, shape)
-                    if vname in ("planar_combine", "planar_fused") and t in TWIN_CHECK_TOKENS:
+                    if (vname == "planar_combine" and t in TWIN_CHECK_TOKENS) or (vname == "planar_fused" and t <= 256
+                                                                                  and t in TWIN_CHECK_TOKENS):
                         err = _twin_error(out, x, perm, topw, routed, shape, round_y=vname == "planar_combine")
                     timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
                 except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row
@@ -615,22 +616,23 @@ PLANAR_SWEEP = {
     # name: (T range, GEMM1, GEMM2): each a PlanarConfig field tuple (_PC(bm, bn, split, stages, warps,
     # one_dot, register cap, programs per SM, flatten)) or a dict of fields replaced in the table's
     # config at that T ({}: the table's own, moe_configs.PLANAR_TABLES). Names ending in FUSED_SUFFIX
-    # time ``planar_moe_combined`` (the combine in GEMM2's epilogue, so the row includes it); the others
-    # the expert GEMMs alone. Call 6 (benchmarks/moe/2026-11-30-s3): what the s2 README left untried.
-    "table": ((1, 1024), {}, {}),
-    # the tile and K loops as one pipelined loop in persistent programs (loads run across tiles)
-    "table_p4f": ((16, 1024), _FLAT4, _FLAT4),
-    "table_p5f": ((16, 256), {"programs_per_sm": 5, "flatten": True}, {"programs_per_sm": 5, "flatten": True}),
-    "table_p4f+fc": ((16, 1024), _FLAT4, _FLAT4),
+    # time ``planar_moe_combined`` (the combine in GEMM2's epilogue: compare with the ``planar_fused``
+    # row, the table's configs on the same path); the others the expert GEMMs alone.
+    # Call 6 (benchmarks/moe/2026-11-30-s3), what the s2 README left untried:
+    # the tile and K loops as one pipelined loop in persistent programs (loads run on across tiles)
+    "p4f+fc": ((16, 256), _FLAT4, _FLAT4),
+    "p5f+fc": ((64, 64), *[{"programs_per_sm": 5, "flatten": True, "num_stages": 3}] * 2),  # 38 KB shared each
     # gpt-oss T = 64 (GEMM1 K = 2880, 45 tiles of 128 rows an expert): GEMM1 block_n 64 with 3 stages, or split in 2
-    "g1n64st3": ((64, 64), {"block_n": 64, "num_stages": 3}, {}),
-    "g1s2": ((64, 64), {"split_k": 2}, {}),
+    "g1n64st3+fc": ((64, 64), {"block_n": 64, "num_stages": 3}, {}),
+    "g1s2+fc": ((64, 64), {"split_k": 2}, {}),
     # T = 1: GEMM2 split in 2 with its halves added by the fused combine (no epilogue kernel), GEMM2
-    # block_n 128 (448 programs, one wave), a deeper pipeline for the latency-bound single wave
+    # block_n 128 (448 programs, one wave), a deeper pipeline for the latency-bound single wave,
+    # GEMM1 split in 2 (1024 programs, twice the loads in flight; + its epilogue kernel)
     "t1_g2s2+fc": ((1, 1), {}, {"split_k": 2}),
     "t1_g2n128+fc": ((1, 1), {}, {"block_n": 128}),
-    "t1_st6": ((1, 1), {"num_stages": 6}, {"num_stages": 6}),
-    "t1_g1s2": ((1, 1), {"split_k": 2}, {}),
+    "t1_st6+fc": ((1, 1), {"num_stages": 6}, {"num_stages": 6}),
+    "t1_g1s2+fc": ((1, 1), {"split_k": 2}, {}),
+    "t1_g1s2_g2s2+fc": ((1, 1), {"split_k": 2}, {"split_k": 2}),
 }
 FUSED_SUFFIX = "+fc"
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
@@ -664,7 +666,7 @@ def _sweep(
     Kind "planar_fused" (with topw): the planar GEMMs with the combine in GEMM2's epilogue, output
     [T, H]. Planar rows record ``rel_err_vs_table``: their output against the same path with the
     table's configs (a config that computes something else shows here)."""
-    from adapt.kernels.moe_configs import GemmConfig, PlanarConfig
+    from adapt.kernels.moe_configs import GemmConfig
     from adapt.kernels.moe_gemm import expert_mlp
 
     rows = []
