@@ -619,20 +619,27 @@ PLANAR_SWEEP = {
     # time ``planar_moe_combined`` (the combine in GEMM2's epilogue: compare with the ``planar_fused``
     # row, the table's configs on the same path); the others the expert GEMMs alone.
     # Call 6 (benchmarks/moe/2026-11-30-s3), what the s2 README left untried:
-    # the tile and K loops as one pipelined loop in persistent programs (loads run on across tiles)
+    # the tile and K loops as one pipelined loop in persistent programs (loads run on across tiles;
+    # sm_90 SASS: each wgmma then waits for the one before, where the plain loop keeps 7 in flight)
     "p4f+fc": ((16, 256), _FLAT4, _FLAT4),
     "p5f+fc": ((64, 64), *[{"programs_per_sm": 5, "flatten": True, "num_stages": 3}] * 2),  # 38 KB shared each
-    # gpt-oss T = 64 (GEMM1 K = 2880, 45 tiles of 128 rows an expert): GEMM1 block_n 64 with 3 stages, or split in 2
+    # a 96-register cap: five 4-warp programs an SM where 128 fits four (no spills at 3 stages)
+    "c96st3+fc": ((16, 256), *[{"maxnreg": 96, "num_stages": 3}] * 2),
+    # gpt-oss T = 64 (GEMM1 K = 2880, 45 tiles of 128 rows an expert): GEMM1 block_n 64 with 3 stages, or
+    # split in 2; GEMM2 block_n 64 (N = 2880 = 45 x 64, where 128 leaves a half-empty last tile)
     "g1n64st3+fc": ((64, 64), {"block_n": 64, "num_stages": 3}, {}),
     "g1s2+fc": ((64, 64), {"split_k": 2}, {}),
-    # T = 1: GEMM2 split in 2 with its halves added by the fused combine (no epilogue kernel), GEMM2
-    # block_n 128 (448 programs, one wave), a deeper pipeline for the latency-bound single wave,
-    # GEMM1 split in 2 (1024 programs, twice the loads in flight; + its epilogue kernel)
+    "g2n64+fc": ((64, 64), {}, {"block_n": 64}),
+    # T = 1: GEMM2 split in 2 with its halves added by the fused combine (no epilogue kernel); GEMM2
+    # block_n 128 (448 programs: one wave, where 896 of 101 registers fill 1.7 waves of four an SM);
+    # 6 stages for the latency-bound single wave; GEMM1 split in 2 (+ its epilogue kernel); a 64-register
+    # cap with 3 stages (eight programs an SM: GEMM2's 896 and a split GEMM1's 1024 in one wave)
     "t1_g2s2+fc": ((1, 1), {}, {"split_k": 2}),
     "t1_g2n128+fc": ((1, 1), {}, {"block_n": 128}),
     "t1_st6+fc": ((1, 1), {"num_stages": 6}, {"num_stages": 6}),
     "t1_g1s2+fc": ((1, 1), {"split_k": 2}, {}),
-    "t1_g1s2_g2s2+fc": ((1, 1), {"split_k": 2}, {"split_k": 2}),
+    "t1_c64+fc": ((1, 1), *[{"maxnreg": 64, "num_stages": 3}] * 2),
+    "t1_g1s2_c64+fc": ((1, 1), {"split_k": 2, "maxnreg": 64, "num_stages": 3}, {"maxnreg": 64, "num_stages": 3}),
 }
 FUSED_SUFFIX = "+fc"
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
