@@ -2,7 +2,8 @@
 
 ``pick_configs(slots, n_experts, compute)`` returns the (GEMM1, GEMM2) ``GemmConfig`` of the plain
 MXFP4 / FP8 grouped GEMM (``moe_gemm``); ``pick_planar_configs(slots, n_experts, device, H, I)`` the
-``PlanarConfig`` pair of the planar small-T GEMM (``moe_planar``). The planar table ``PLANAR_TABLES``
+``PlanarConfig`` pair of the planar small-T GEMM (``moe_planar``), ``pick_planar_fused_combine`` whether
+its weighted combine runs in GEMM2's epilogue. The planar table ``PLANAR_TABLES``
 maps (device name, expert shape) to rows (largest mean slots per expert, GEMM1 config, GEMM2
 config), first match wins; each row's source is the benchmark record named beside it. Under the CPU interpreter
 every pick is a small tile, so tests stay fast.
@@ -144,6 +145,31 @@ PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfi
 """Planar GEMM configs keyed by (``torch.cuda.get_device_name``, "HxI"); unknown keys take the
 DeepSeek-V3 H200 rows (``PLANAR_DEFAULT``)."""
 PLANAR_DEFAULT = ("NVIDIA H200", "7168x2048")
+
+
+PLANAR_FUSED_COMBINE: dict[tuple[str, str], tuple[float, float]] = {
+    # (device name, "HxI") -> (lowest, highest) mean slots per expert at which the planar path runs the
+    # weighted combine in GEMM2's epilogue (``moe_planar.planar_moe_combined``) rather than GEMM2 then
+    # ``routing.combine``. benchmarks/moe/2026-11-30-s3 call 6 (commit 84a6321), same process, both
+    # paths on the table's tiles: DeepSeek-V3 T = 64 1,529.8 vs 1,617.2 us, T = 16 717.8 vs 716.3 (a tie,
+    # the same row of PLANAR_TABLES); slower at T = 1 (88.8 vs 86.4), 256 (1,848 vs 1,822), 1024 (3,483
+    # vs 3,100) and 4096 (8,253 vs 7,739: 4 fp32 atomics per output element of each slot). gpt-oss-120b:
+    # no T faster beyond the spread (T = 64 520.7 vs 522.6, T = 16 246.6 vs 244.9), so no entry.
+    ("NVIDIA H200", "7168x2048"): (0.1, 2.0),
+}
+"""Where the fused combine was measured faster; keys absent: never."""
+
+
+def pick_planar_fused_combine(
+    slots: int, n_experts: int, device_name: str = "", hidden: int = 0, intermediate: int = 0
+) -> bool:
+    """True when ``PLANAR_FUSED_COMBINE`` says the planar path at ``slots`` = T * k over ``n_experts``
+    runs its combine in GEMM2's epilogue on this device and expert shape (never under the interpreter)."""
+    if INTERPRET:
+        return False
+    span = PLANAR_FUSED_COMBINE.get((device_name, f"{hidden}x{intermediate}"))
+    per_expert = slots / max(1, n_experts)
+    return span is not None and span[0] < per_expert <= span[1]
 
 
 def pick_planar_configs(

@@ -740,14 +740,16 @@ def planar_moe_combined(
     limit: float = 7.0,
     config: tuple[PlanarConfig, PlanarConfig] | None = None,
     twin: bool = False,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts of one MoE layer with the weighted combine fused into GEMM2's epilogue:
     hidden bf16 [T, H], topw float [T, top_k] (routing weights), perm of the top_k experts -> bf16
     [T, H] in token order (``expert_mlp`` + ``routing.combine`` without the [T * k, H] bf16 expert
     outputs: the gamma-weighted fp32 rows are added into an fp32 [T, H] sum, rounded to bf16 once).
     activation: ``moe_gemm.ACTIVATIONS`` code (1 SwiGLU, 2 gpt-oss clamped). twin: the torch twin
-    (``planar_gemm_torch``) on the same operands. Extra bytes over the expert GEMMs: the fp32 sum,
-    zeroed, added into and read once (12 * T * H)."""
+    (``planar_gemm_torch``) on the same operands. shared: bf16 [T, H] added as ``combine`` adds it
+    (the fp32 sum starts from it). Extra bytes over the expert GEMMs: the fp32 sum, set, added into
+    and read once (12 * T * H)."""
     from adapt.kernels.moe_configs import pick_planar_configs
     from adapt.kernels.moe_tiles import max_m_tiles, tile_map, tile_map_torch
 
@@ -762,7 +764,7 @@ def planar_moe_combined(
     tm = tile_map_torch if twin else tile_map
     tiles = tm(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
     hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
-    acc = torch.zeros(t, h, dtype=torch.float32, device=dev)
+    acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
     gamma = topw.reshape(-1).float().contiguous()
     gemm = planar_gemm_torch if twin else planar_gemm
     common = dict(top_k=top_k, alpha=alpha, limit=limit)
@@ -770,3 +772,46 @@ def planar_moe_combined(
     gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, acc, gather=False, activation=0, cfg=c2, gamma=gamma,
          **common)
     return acc.to(torch.bfloat16)
+
+
+def planar_moe(
+    hidden: torch.Tensor,
+    perm,
+    planar: PlanarExperts,
+    topw: torch.Tensor,
+    *,
+    top_k: int,
+    activation: int,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    shared: torch.Tensor | None = None,
+    fused: bool | None = None,
+) -> torch.Tensor:
+    """Routed experts + weighted combine on planar weights, the faster measured way: hidden bf16 [T, H]
+    -> bf16 [T, H] in token order (what ``moe_gemm.expert_mlp(..., planar=...)`` then
+    ``routing.combine(y, topw, perm.slot_pos, shared)`` compute). fused None: the combine runs in
+    GEMM2's epilogue where ``moe_configs.pick_planar_fused_combine`` says it was measured faster
+    (``planar_moe_combined``), else GEMM2 writes the [T * k, H] expert outputs and ``routing.combine``
+    reduces them; True / False force one way."""
+    from adapt.kernels.moe_configs import pick_planar_configs, pick_planar_fused_combine
+    from adapt.kernels.moe_tiles import max_m_tiles, tile_map
+    from adapt.kernels.routing import combine
+
+    t, h = hidden.shape
+    e, inter = planar.w1.words.shape[0], planar.w2.k
+    s = t * top_k
+    dev = hidden.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    if fused is None:
+        fused = pick_planar_fused_combine(s, e, name, h, inter)
+    common = dict(top_k=top_k, activation=activation, alpha=alpha, limit=limit)
+    if fused:
+        return planar_moe_combined(hidden, perm, planar, topw, shared=shared, **common)
+    c1, c2 = pick_planar_configs(s, e, name, h, inter)
+    tiles = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
+    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
+    kw = dict(top_k=top_k, alpha=alpha, limit=limit)
+    planar_gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=activation, cfg=c1, **kw)
+    planar_gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2, **kw)
+    return combine(y, topw, perm.slot_pos, shared)

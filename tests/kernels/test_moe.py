@@ -766,6 +766,28 @@ def test_planar_combine_in_gemm2_epilogue_matches_twin():
                        cfg=base, gamma=topw.reshape(-1))
 
 
+def test_planar_moe_picks_the_measured_combine_and_adds_shared():
+    # planar_moe: both ways give expert_mlp + routing.combine (shared experts' output included); the
+    # pick follows moe_configs.PLANAR_FUSED_COMBINE (DeepSeek-V3's H200 T = 16 / 64 row only)
+    from adapt.kernels import moe_planar as mp
+
+    e, k, t = 4, 2, 5
+    w, x, ids = _planar_case(e, 128, 64, t, k, seed=50, bias=False, interleaved=False)
+    planar = mp.PlanarExperts.from_weights(w)
+    perm = rt.permute_by_expert(ids, e)
+    topw = torch.rand(t, k, generator=_gen(51), device=DEV)
+    shared = (torch.randn(t, 128, generator=_gen(52), device=DEV) * 0.1).bfloat16()
+    y = mg.expert_mlp(x, perm, w, top_k=k, activation="swiglu", planar=planar)
+    ref = rt.combine(y, topw, perm.slot_pos, shared)
+    for fused in (True, False):
+        got = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=1, shared=shared, fused=fused)
+        assert rel(got, ref) < (4e-3 if fused else TWIN_TOL), fused
+    assert mc.pick_planar_fused_combine(64 * 8, 256, "NVIDIA H200", 7168, 2048) == (not mx.INTERPRET)
+    span = mc.PLANAR_FUSED_COMBINE[("NVIDIA H200", "7168x2048")]
+    assert span[0] < 64 * 8 / 256 <= span[1] and not span[0] < 8 / 256 <= span[1]
+    assert ("NVIDIA H200", "2880x2880") not in mc.PLANAR_FUSED_COMBINE
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b"])
 def test_planar_combined_and_flattened_real_shapes_gpu(name):
