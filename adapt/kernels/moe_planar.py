@@ -728,6 +728,53 @@ class PlanarExperts:
         return self.w1.nbytes() + self.w2.nbytes() + bias
 
 
+
+def planar_experts_run(
+    hidden: torch.Tensor,
+    perm,
+    planar: PlanarExperts,
+    *,
+    top_k: int,
+    activation: int,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    config: tuple[PlanarConfig, PlanarConfig] | None = None,
+    topw: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
+    twin: bool = False,
+) -> torch.Tensor:
+    """GEMM1 (gather + SwiGLU) then GEMM2 on planar weights, the configs from ``pick_planar_configs``
+    unless given: hidden bf16 [T, H] -> y bf16 [T * top_k, H] in sorted order, or with topw (float
+    [T, top_k] routing weights) the weighted combine in GEMM2's epilogue -> bf16 [T, H] in token
+    order: the gamma-weighted fp32 rows added into an fp32 [T, H] sum that starts from shared (bf16
+    [T, H]) or zero, rounded to bf16 once. activation: ``moe_gemm.ACTIVATIONS`` code (1 SwiGLU, 2
+    gpt-oss clamped). twin: the torch twin (``planar_gemm_torch``) on the same operands."""
+    from adapt.kernels.moe_configs import pick_planar_configs
+    from adapt.kernels.moe_tiles import max_m_tiles, tile_map, tile_map_torch
+
+    t, h = hidden.shape
+    e, inter = planar.w1.words.shape[0], planar.w2.k
+    s = t * top_k
+    dev = hidden.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    c1, c2 = config if config is not None else pick_planar_configs(s, e, name, h, inter)
+    if c1.block_m != c2.block_m:
+        raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
+    tiles = (tile_map_torch if twin else tile_map)(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
+    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
+    gemm = planar_gemm_torch if twin else planar_gemm
+    common = dict(top_k=top_k, alpha=alpha, limit=limit)
+    gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=activation, cfg=c1, **common)
+    if topw is None:
+        y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
+        return gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2, **common)
+    acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
+    gamma = topw.reshape(-1).float().contiguous()
+    gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, acc, gather=False, activation=0, cfg=c2, gamma=gamma,
+         **common)
+    return acc.to(torch.bfloat16)
+
+
 def planar_moe_combined(
     hidden: torch.Tensor,
     perm,
@@ -743,35 +790,11 @@ def planar_moe_combined(
     shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts of one MoE layer with the weighted combine fused into GEMM2's epilogue:
-    hidden bf16 [T, H], topw float [T, top_k] (routing weights), perm of the top_k experts -> bf16
-    [T, H] in token order (``expert_mlp`` + ``routing.combine`` without the [T * k, H] bf16 expert
-    outputs: the gamma-weighted fp32 rows are added into an fp32 [T, H] sum, rounded to bf16 once).
-    activation: ``moe_gemm.ACTIVATIONS`` code (1 SwiGLU, 2 gpt-oss clamped). twin: the torch twin
-    (``planar_gemm_torch``) on the same operands. shared: bf16 [T, H] added as ``combine`` adds it
-    (the fp32 sum starts from it). Extra bytes over the expert GEMMs: the fp32 sum, set, added into
-    and read once (12 * T * H)."""
-    from adapt.kernels.moe_configs import pick_planar_configs
-    from adapt.kernels.moe_tiles import max_m_tiles, tile_map, tile_map_torch
-
-    t, h = hidden.shape
-    e, inter = planar.w1.words.shape[0], planar.w2.k
-    s = t * top_k
-    dev = hidden.device
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
-    c1, c2 = config if config is not None else pick_planar_configs(s, e, name, h, inter)
-    if c1.block_m != c2.block_m:
-        raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
-    tm = tile_map_torch if twin else tile_map
-    tiles = tm(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
-    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
-    acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
-    gamma = topw.reshape(-1).float().contiguous()
-    gemm = planar_gemm_torch if twin else planar_gemm
-    common = dict(top_k=top_k, alpha=alpha, limit=limit)
-    gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=activation, cfg=c1, **common)
-    gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, acc, gather=False, activation=0, cfg=c2, gamma=gamma,
-         **common)
-    return acc.to(torch.bfloat16)
+    hidden bf16 [T, H], topw float [T, top_k] -> bf16 [T, H] in token order (``expert_mlp`` +
+    ``routing.combine`` without the [T * k, H] bf16 expert outputs; see ``planar_experts_run``).
+    Extra bytes over the expert GEMMs: the fp32 sum, set, added into and read once (12 * T * H)."""
+    return planar_experts_run(hidden, perm, planar, top_k=top_k, activation=activation, alpha=alpha, limit=limit,
+                              config=config, topw=topw, shared=shared, twin=twin)
 
 
 def planar_moe(
@@ -793,25 +816,15 @@ def planar_moe(
     GEMM2's epilogue where ``moe_configs.pick_planar_fused_combine`` says it was measured faster
     (``planar_moe_combined``), else GEMM2 writes the [T * k, H] expert outputs and ``routing.combine``
     reduces them; True / False force one way."""
-    from adapt.kernels.moe_configs import pick_planar_configs, pick_planar_fused_combine
-    from adapt.kernels.moe_tiles import max_m_tiles, tile_map
+    from adapt.kernels.moe_configs import pick_planar_fused_combine
     from adapt.kernels.routing import combine
 
     t, h = hidden.shape
-    e, inter = planar.w1.words.shape[0], planar.w2.k
-    s = t * top_k
     dev = hidden.device
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
     if fused is None:
-        fused = pick_planar_fused_combine(s, e, name, h, inter)
-    common = dict(top_k=top_k, activation=activation, alpha=alpha, limit=limit)
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+        fused = pick_planar_fused_combine(t * top_k, planar.w1.words.shape[0], name, h, planar.w2.k)
+    kw = dict(top_k=top_k, activation=activation, alpha=alpha, limit=limit)
     if fused:
-        return planar_moe_combined(hidden, perm, planar, topw, shared=shared, **common)
-    c1, c2 = pick_planar_configs(s, e, name, h, inter)
-    tiles = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
-    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
-    kw = dict(top_k=top_k, alpha=alpha, limit=limit)
-    planar_gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=activation, cfg=c1, **kw)
-    planar_gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2, **kw)
-    return combine(y, topw, perm.slot_pos, shared)
+        return planar_experts_run(hidden, perm, planar, topw=topw, shared=shared, **kw)
+    return combine(planar_experts_run(hidden, perm, planar, **kw), topw, perm.slot_pos, shared)
