@@ -501,8 +501,13 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 variants["peer"] = _peer_variant(peer, x, t, e, k, chosen[1], parts)
             if not warmed and variants:
                 # the first point of a shape ran ~8% slow in call 1 of 2026-11-30-s2 (T = 64 first: DeepSeek-V3
-                # 2,324 us, the same kernel 2,133 us a few seconds later): a second of work first
+                # 2,324 us, the same kernel 2,133 us a few seconds later): a second of work first. In call 6
+                # (2026-11-30-s3) the first row, planar_combine, still read 87 us above the fused row timed next
+                # at DeepSeek-V3 T = 64: every adapt variant of the first point now gets its own half second
                 _warm(next(iter(variants.values())), 1.0)
+                for vname, fn in variants.items():
+                    if vname.startswith("planar"):
+                        _warm(fn, 0.5)
                 warmed = True
             for vname, fn in variants.items():
                 try:
