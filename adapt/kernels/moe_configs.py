@@ -160,7 +160,7 @@ PLANAR_DEFAULT = ("NVIDIA H200", "7168x2048")
 
 PLANAR_FUSED_COMBINE: dict[tuple[str, str], tuple[float, float]] = {
     # (device name, "HxI") -> (lowest, highest) mean slots per expert at which the planar path runs the
-    # weighted combine in GEMM2's epilogue (``moe_planar.planar_moe_combined``) rather than GEMM2 then
+    # weighted combine in GEMM2's epilogue (``moe_planar.planar_moe``) rather than GEMM2 then
     # ``routing.combine``. benchmarks/moe/2026-11-30-s3 call 6 (commit 84a6321), same process, both
     # paths on the table's tiles: DeepSeek-V3 T = 64 1,529.8 vs 1,617.2 us, T = 16 717.8 vs 716.3 (a tie,
     # the same row of PLANAR_TABLES); slower at T = 1 (88.8 vs 86.4), 256 (1,848 vs 1,822), 1024 (3,483

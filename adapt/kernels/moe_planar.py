@@ -775,28 +775,6 @@ def planar_experts_run(
     return acc.to(torch.bfloat16)
 
 
-def planar_moe_combined(
-    hidden: torch.Tensor,
-    perm,
-    planar: PlanarExperts,
-    topw: torch.Tensor,
-    *,
-    top_k: int,
-    activation: int,
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    config: tuple[PlanarConfig, PlanarConfig] | None = None,
-    twin: bool = False,
-    shared: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The routed experts of one MoE layer with the weighted combine fused into GEMM2's epilogue:
-    hidden bf16 [T, H], topw float [T, top_k] -> bf16 [T, H] in token order (``expert_mlp`` +
-    ``routing.combine`` without the [T * k, H] bf16 expert outputs; see ``planar_experts_run``).
-    Extra bytes over the expert GEMMs: the fp32 sum, set, added into and read once (12 * T * H)."""
-    return planar_experts_run(hidden, perm, planar, top_k=top_k, activation=activation, alpha=alpha, limit=limit,
-                              config=config, topw=topw, shared=shared, twin=twin)
-
-
 def planar_moe(
     hidden: torch.Tensor,
     perm,
@@ -809,13 +787,17 @@ def planar_moe(
     limit: float = 7.0,
     shared: torch.Tensor | None = None,
     fused: bool | None = None,
+    config: tuple[PlanarConfig, PlanarConfig] | None = None,
+    twin: bool = False,
 ) -> torch.Tensor:
-    """Routed experts + weighted combine on planar weights, the faster measured way: hidden bf16 [T, H]
-    -> bf16 [T, H] in token order (what ``moe_gemm.expert_mlp(..., planar=...)`` then
-    ``routing.combine(y, topw, perm.slot_pos, shared)`` compute). fused None: the combine runs in
-    GEMM2's epilogue where ``moe_configs.pick_planar_fused_combine`` says it was measured faster
-    (``planar_moe_combined``), else GEMM2 writes the [T * k, H] expert outputs and ``routing.combine``
-    reduces them; True / False force one way."""
+    """Routed experts + weighted combine on planar weights, the faster measured way: hidden bf16 [T, H],
+    topw float [T, top_k] -> bf16 [T, H] in token order (what ``moe_gemm.expert_mlp(..., planar=...)``
+    then ``routing.combine(y, topw, perm.slot_pos, shared)`` compute). fused None: the combine runs in
+    GEMM2's epilogue where ``moe_configs.pick_planar_fused_combine`` says it was measured faster, else
+    GEMM2 writes the [T * k, H] expert outputs and ``routing.combine`` reduces them; True / False force
+    one way. Fused, the extra bytes over the expert GEMMs are the fp32 sum, set, added into and read
+    once (12 * T * H) instead of the [T * k, H] bf16 outputs written and read. config, twin: as
+    ``planar_experts_run``."""
     from adapt.kernels.moe_configs import pick_planar_fused_combine
     from adapt.kernels.routing import combine
 
@@ -824,7 +806,7 @@ def planar_moe(
     if fused is None:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
         fused = pick_planar_fused_combine(t * top_k, planar.w1.words.shape[0], name, h, planar.w2.k)
-    kw = dict(top_k=top_k, activation=activation, alpha=alpha, limit=limit)
+    kw = dict(top_k=top_k, activation=activation, alpha=alpha, limit=limit, config=config, twin=twin)
     if fused:
         return planar_experts_run(hidden, perm, planar, topw=topw, shared=shared, **kw)
     return combine(planar_experts_run(hidden, perm, planar, **kw), topw, perm.slot_pos, shared)

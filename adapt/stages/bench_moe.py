@@ -289,7 +289,7 @@ def _twin_error(out, x, perm, topw, routed, shape: dict, round_y: bool = True) -
     arithmetic (``moe_gemm.expert_mlp_torch``: fp32 matmuls on the dequantized MXFP4 weights, SwiGLU,
     h and y rounded to bf16), weighted by ``topw``, summed in fp32 and rounded to bf16 as ``combine``
     does, one expert at a time. round_y False: y stays fp32 before the weighted sum (the fused
-    combine of ``moe_planar.planar_moe_combined``)."""
+    combine of ``moe_planar.planar_moe(fused=True)``)."""
     from adapt.kernels.moe_gemm import split_gate_up, swiglu_torch
     from adapt.kernels.mxfp4 import dequantize_mxfp4
 
@@ -385,12 +385,12 @@ def _convert_all(routed, ws, perm) -> torch.Tensor:
 
 
 def _fused(x, perm, planar, topw, shape: dict, config=None) -> torch.Tensor:
-    """The planar experts with the weighted combine in GEMM2's epilogue (``planar_moe_combined``) -> [T, H]."""
+    """The planar experts with the weighted combine in GEMM2's epilogue (``planar_moe(fused=True)``) -> [T, H]."""
     from adapt.kernels.moe_gemm import ACTIVATIONS
-    from adapt.kernels.moe_planar import planar_moe_combined
+    from adapt.kernels.moe_planar import planar_moe
 
-    return planar_moe_combined(x, perm, planar, topw, top_k=shape["top_k"], activation=ACTIVATIONS[shape["activation"]],
-                               config=config)
+    return planar_moe(x, perm, planar, topw, top_k=shape["top_k"], activation=ACTIVATIONS[shape["activation"]],
+                      fused=True, config=config)
 
 
 def _combined(mlp, topw, perm):
@@ -621,7 +621,7 @@ PLANAR_SWEEP = {
     # name: (T range, GEMM1, GEMM2): each a PlanarConfig field tuple (_PC(bm, bn, split, stages, warps,
     # one_dot, register cap, programs per SM, flatten)) or a dict of fields replaced in the table's
     # config at that T ({}: the table's own, moe_configs.PLANAR_TABLES). Names ending in FUSED_SUFFIX
-    # time ``planar_moe_combined`` (the combine in GEMM2's epilogue: compare with the ``planar_fused``
+    # time ``planar_moe(fused=True)`` (the combine in GEMM2's epilogue: compare with the ``planar_fused``
     # row, the table's configs on the same path); the others the expert GEMMs alone.
     # Call 6 (benchmarks/moe/2026-11-30-s3), what the s2 README left untried:
     # the tile and K loops as one pipelined loop in persistent programs (loads run on across tiles;

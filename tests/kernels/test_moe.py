@@ -717,14 +717,23 @@ def test_bench_twin_check_of_the_combined_planar_output():
     assert bm._twin_error(flat, x, perm, topw, w, shape) > 0.1
 
 
+def _routed_planar_case(e, k, t, *, seed, bias, interleaved):
+    """A small layer in the planar layout with routing weights: (weights, x, perm, planar, topw)."""
+    from adapt.kernels import moe_planar as mp
+
+    w, x, ids = _planar_case(e, 128, 64, t, k, seed=seed, bias=bias, interleaved=interleaved)
+    topw = torch.rand(t, k, generator=_gen(seed + 1), device=DEV)
+    return w, x, rt.permute_by_expert(ids, e), mp.PlanarExperts.from_weights(w), topw
+
+
 def _combined_cases(planar, x, perm, topw, k, act, cfgs):
     """(fused kernel, its twin, unfused kernel + routing.combine) outputs [T, H] for each config pair."""
     from adapt.kernels import moe_planar as mp
 
     code = mg.ACTIVATIONS[act]
     for cfg in cfgs:
-        got = mp.planar_moe_combined(x, perm, planar, topw, top_k=k, activation=code, config=cfg)
-        twin = mp.planar_moe_combined(x, perm, planar, topw, top_k=k, activation=code, config=cfg, twin=True)
+        got = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, config=cfg, fused=True)
+        twin = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, config=cfg, fused=True, twin=True)
         y = mg.expert_mlp(x, perm, planar_weights(planar), top_k=k, activation=act, planar=planar, config=cfg)
         yield cfg, got, twin, rt.combine(y, topw, perm.slot_pos)
 
@@ -746,10 +755,7 @@ def test_planar_combine_in_gemm2_epilogue_matches_twin():
     from adapt.kernels import moe_planar as mp
 
     e, k, t = 4, 2, 6
-    w, x, ids = _planar_case(e, 128, 64, t, k, seed=46, bias=True, interleaved=True)
-    planar = mp.PlanarExperts.from_weights(w)
-    perm = rt.permute_by_expert(ids, e)
-    topw = torch.rand(t, k, generator=_gen(47), device=DEV)
+    w, x, perm, planar, topw = _routed_planar_case(e, k, t, seed=46, bias=True, interleaved=True)
     base = mc.PlanarConfig(block_m=16, block_n=32, split_k=1, group_m=2, num_warps=4, num_stages=1, one_dot=True)
     cfgs = [(base, base), (base, dataclasses.replace(base, split_k=2)),
             (base, dataclasses.replace(base, programs_per_sm=1, flatten=True))]
@@ -758,7 +764,7 @@ def test_planar_combine_in_gemm2_epilogue_matches_twin():
         assert rel(got, twin) < TWIN_TOL, cfg
         assert 0 < rel(got, unfused) < 4e-3, cfg
     # the weights are applied: unit weights give another output
-    ones = mp.planar_moe_combined(x, perm, planar, torch.ones_like(topw), top_k=k, activation=2, config=cfgs[0])
+    ones = mp.planar_moe(x, perm, planar, torch.ones_like(topw), top_k=k, activation=2, config=cfgs[0], fused=True)
     assert rel(ones, twin) > 0.1
     hb = torch.empty(t * k, 64, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(InputError):
@@ -772,10 +778,7 @@ def test_planar_moe_picks_the_measured_combine_and_adds_shared():
     from adapt.kernels import moe_planar as mp
 
     e, k, t = 4, 2, 5
-    w, x, ids = _planar_case(e, 128, 64, t, k, seed=50, bias=False, interleaved=False)
-    planar = mp.PlanarExperts.from_weights(w)
-    perm = rt.permute_by_expert(ids, e)
-    topw = torch.rand(t, k, generator=_gen(51), device=DEV)
+    w, x, perm, planar, topw = _routed_planar_case(e, k, t, seed=50, bias=False, interleaved=False)
     shared = (torch.randn(t, 128, generator=_gen(52), device=DEV) * 0.1).bfloat16()
     y = mg.expert_mlp(x, perm, w, top_k=k, activation="swiglu", planar=planar)
     ref = rt.combine(y, topw, perm.slot_pos, shared)
