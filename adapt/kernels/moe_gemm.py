@@ -579,7 +579,7 @@ def expert_mlp(
         return _stacked_mlp(hidden, perm, weights, top_k, act, alpha, limit, compute, act_quant, config)
     use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
     if planar is not None and not use_fp8:
-        return _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config)
+        return _planar_mlp(hidden, perm, planar, top_k, act, alpha, limit, config)
     stored = fp8_weights is not None or workspace is not None
     kind = "fp8_stored" if stored else ("fp8" if use_fp8 else "bf16")
     c1, c2 = config if config is not None else pick_configs(s, e, kind)
@@ -690,7 +690,7 @@ def _stacked_mlp(hidden, perm, weights: StackedExperts, top_k, act, alpha, limit
     return y
 
 
-def _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config) -> torch.Tensor:
+def _planar_mlp(hidden, perm, planar, top_k, act, alpha, limit, config) -> torch.Tensor:
     """``expert_mlp`` on planar weights: gather + GEMM1 + SwiGLU, then GEMM2 (+ bias), sorted order."""
     return planar_experts_run(hidden, perm, planar, top_k=top_k, activation=act, alpha=alpha, limit=limit,
                               config=config)

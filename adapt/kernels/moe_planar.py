@@ -35,10 +35,14 @@ chain of K = 128 per step (``one_dot``: the decoded planes joined into the opera
 an optional split along K (``split_k``) for T = 1..16 so that every SM streams weights, the partial
 sums reduced by ``_split_k_epilogue_kernel`` (bias, SwiGLU). FLOPs 2 * S * N * K per GEMM; bytes:
 the active experts' MXFP4 once (per GROUP_M m-tiles), activations, bf16 outputs, and with split_k
-an fp32 partial of split_k * S * N * 4 bytes written and read once.
+an fp32 partial of split_k * S * N * 4 bytes written and read once. With routing weights (``gamma``)
+GEMM2 runs the weighted combine in its epilogue instead: atomic fp32 adds of gamma-weighted rows into
+a [T, H] sum (split-K partials added the same way, no epilogue kernel); ``planar_moe`` picks it where
+``moe_configs.PLANAR_FUSED_COMBINE`` says it was measured faster.
 
 ``planar_from_mxfp4`` / ``planar_to_mxfp4_torch`` convert between the layouts (the second is the
-inverse used by tests); ``planar_gemm_torch`` is the twin of ``planar_gemm``.
+inverse used by tests); ``planar_gemm_torch`` is the twin of ``planar_gemm``; ``planar_experts_run``
+runs both GEMMs of a layer (``expert_mlp``'s planar path), ``planar_moe`` the layer with its combine.
 """
 
 from __future__ import annotations
