@@ -405,10 +405,11 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
     """The peer beside adapt's MXFP4-storage paths only: same seed and so the same MXFP4 codes as
     ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. adapt's rows include the weighted
     combine of the k expert outputs (``routing.combine``), as the peer's rows include its scatter +
-    reduce: ``planar_combine`` up to PLANAR_MAX_TOKENS (at PARTS_TOKENS also its two GEMMs apart), and
-    with ``large`` above it the online FP8
-    workspace and the offline FP8 copy (``fp8_ws_combine``, ``fp8_offline_combine``). sweep: time the
-    PLANAR_SWEEP configs of each T's range too (expert GEMMs only, into ``sweep``). At the first T of
+    reduce: ``planar_combine`` and ``planar_fused`` (the combine in GEMM2's epilogue) up to
+    PLANAR_MAX_TOKENS (at PARTS_TOKENS also the two GEMMs apart), and with ``large`` above it the online
+    FP8 workspace and the offline FP8 copy (``fp8_ws_combine``, ``fp8_offline_combine``). sweep: time the
+    PLANAR_SWEEP configs of each T's range too (into ``sweep``: names ending in FUSED_SUFFIX with the
+    fused combine, the others the expert GEMMs alone). At the first T of
     each shape the setups of ``PEER_CANDIDATES`` are tried until one gives finite outputs (each try
     recorded, GEMM1 and GEMM2 checked apart), and at T = 16 the peer is checked against a float32
     reference of its own routing (``rel_err_vs_reference``). Writes moe_bench.json / .md to out_dir
