@@ -304,8 +304,14 @@ class MoE:
             for expert, factor in self.fault_expert_scale.items():
                 weights = torch.where(ids == expert, weights * factor, weights)
         perm = permute_by_expert(ids, self.experts.count)
-        y = self._expert_mlp(x.to(torch.bfloat16).contiguous(), perm, r.top_k)
-        out = combine(y, weights, perm.slot_pos, None).to(x.dtype)
+        xb = x.to(torch.bfloat16).contiguous()
+        if self.experts.kernel_format == "mxfp4" and self.planar is not None and x.shape[0] <= PLANAR_MAX_TOKENS:
+            from adapt.kernels.moe_planar import planar_moe  # routed experts + combine, the faster measured way
+
+            out = planar_moe(xb, perm, self.planar, weights, top_k=r.top_k, activation=2 if self.clamped else 1,
+                             alpha=self.alpha, limit=self.limit).to(x.dtype)
+        else:
+            out = combine(self._expert_mlp(xb, perm, r.top_k), weights, perm.slot_pos, None).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared.forward(x)
         return out
