@@ -60,6 +60,21 @@ class PlanarConfig:
     flatten: bool = False
 
 
+@dataclass(frozen=True)
+class PlanarMLPConfig:
+    """Tile of the one-kernel planar MLP (``moe_planar.planar_mlp_one_kernel``, T <= 16): tokens per
+    m-tile (block_m), intermediates per program (block_i: 64 = half a planar step of W2's K, or 128 =
+    one step; GEMM1 then reads 2 * block_i interleaved gate/up rows), W2 rows per inner tile
+    (block_n2), warps, stages, register cap (0: none)."""
+
+    block_m: int = 16
+    block_i: int = 64
+    block_n2: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+    maxnreg: int = 0
+
+
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
     """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both).
 
@@ -197,3 +212,10 @@ def pick_planar_configs(
         if per_expert <= limit:
             return c1, c2
     raise AssertionError("the last row of a planar table must have no limit")
+
+
+def pick_planar_mlp_config() -> PlanarMLPConfig:
+    """The one-kernel planar MLP's tile (a small one under the interpreter, so tests stay fast)."""
+    if INTERPRET:
+        return PlanarMLPConfig(block_m=16, block_i=64, block_n2=32, num_warps=4, num_stages=1)
+    return PlanarMLPConfig()

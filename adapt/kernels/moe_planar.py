@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
-from adapt.kernels.moe_configs import PlanarConfig
+from adapt.kernels.moe_configs import PlanarConfig, PlanarMLPConfig
 from adapt.kernels.moe_tiles import num_sms, tile_slots
 from adapt.kernels.mxfp4 import INTERPRET, dequantize_mxfp4_torch, to_bf16
 
@@ -550,6 +550,135 @@ def _split_k_epilogue_kernel(
         tl.store(out_ptr + r.to(tl.int64) * stride_o + no, to_bf16(_swiglu(g, u, alpha, limit, ACTIVATION)), mask=ok)
 
 
+@triton.jit
+def _half_tile(w, s4, HALF, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Half HALF (runtime 0 / 1) of a step as an operand [BLOCK_N, 64] in natural K order: words w
+    int32 [BLOCK_N, 8] of that half, the step's scale word s4 [BLOCK_N] (its blocks 2 * HALF and
+    2 * HALF + 1 moved to bytes 0 and 1, so the half decodes as half 0)."""
+    s4h = (s4.to(tl.uint32, bitcast=True) >> (16 * HALF)).to(tl.int32, bitcast=True)
+    a = _half_planes(w, s4h, 0, TWO_MULS, DOT_F32, BLOCK_N)  # [BN, 16 = (c, s), q0, q1], plane q0 + 2 q1
+    return tl.reshape(tl.permute(a, (0, 3, 2, 1)), (BLOCK_N, 64))
+
+
+@triton.jit
+def _planar_mlp_kernel(
+    x_ptr,
+    stride_x,
+    w1_ptr,
+    s1_ptr,
+    stride_w1e,
+    stride_s1e,
+    w2_ptr,
+    s2_ptr,
+    stride_w2e,
+    stride_s2e,
+    b1_ptr,
+    stride_b1e,
+    b2_ptr,
+    stride_b2e,
+    out_ptr,
+    stride_o,
+    gamma_ptr,
+    sorted_slot_ptr,
+    offsets_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    tile_start_ptr,
+    n_experts,
+    hidden,
+    inter,
+    k1_steps,
+    k2_steps,
+    alpha,
+    limit,
+    TOPK: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    TWO_MULS1: tl.constexpr,
+    TWO_MULS2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_N2: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K1: tl.constexpr,
+):
+    """Both GEMMs of a work item (m-tile, intermediate tile j) in one program, no grid-wide step:
+    h[i, m] = SwiGLU(W1[e, gate/up rows of i, :] . x[tok m, :]) for the BLOCK_I intermediates i of
+    tile j (full K = hidden; rounded to bf16 like the two-kernel path's h), then for every n-tile of
+    BLOCK_N2 output rows acc[n, m] = W2[e, n, K-slice j] . h[:, m], added times gamma[slot m] (+ the
+    bias, by tile 0) into out fp32 [T, hidden] at token slot // TOPK with relaxed atomic adds.
+
+    BLOCK_I 128: the K-slice is step j of W2's planar rows; 64: half j % 2 of step j // 2. Atomic
+    adds: (m-tiles x inter / BLOCK_I) x hidden x BLOCK_M lanes (masked to the tile's real rows)."""
+    n_m = tl.load(tile_start_ptr + n_experts)
+    n_j = tl.cdiv(inter, BLOCK_I)
+    n_n2 = tl.cdiv(hidden, BLOCK_N2)
+    c8 = tl.arange(0, 8)
+    for tile in tl.range(tl.program_id(0), n_m * n_j, tl.num_programs(0)):
+        mt = tile // n_j
+        j = tile % n_j
+        e = tl.load(tile_expert_ptr + mt)
+        rows = tl.load(tile_row_ptr + mt) + tl.arange(0, BLOCK_M)
+        row_ok = rows < tl.load(offsets_ptr + e + 1)
+        slot = tl.load(sorted_slot_ptr + rows, mask=row_ok, other=0)
+        tok = (slot // TOPK).to(tl.int64)
+        # GEMM1: 2 * BLOCK_I interleaved gate/up rows of tile j, full K
+        n1 = j * (2 * BLOCK_I) + tl.arange(0, 2 * BLOCK_I)
+        nc = tl.minimum(n1, 2 * inter - 1).to(tl.int64)
+        wrow = w1_ptr + e.to(tl.int64) * stride_w1e + (nc // 64) * (k1_steps * 1024) + (nc % 64) * 16
+        srow = s1_ptr + e.to(tl.int64) * stride_s1e + (nc // 64) * (k1_steps * 64) + nc % 64
+        acc = tl.zeros((2 * BLOCK_I, BLOCK_M), tl.float32)
+        for st in range(0, k1_steps):
+            w0 = tl.load(wrow[:, None] + (st * 1024 + c8)[None, :])
+            if EVEN_K1:
+                w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :])
+            else:
+                w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :], mask=st * 128 + 64 < hidden, other=0)
+            s4 = tl.load(srow + st * 64)
+            kk = st * 128 + tl.arange(0, 128)
+            xb = x_ptr + tok[:, None] * stride_x + kk[None, :]
+            if EVEN_K1:
+                xs = tl.load(xb, mask=row_ok[:, None], other=0.0)
+            else:
+                xs = tl.load(xb, mask=row_ok[:, None] & (kk < hidden)[None, :], other=0.0)
+            if DOT_F32:
+                xs = xs.to(tl.float32)
+            acc = tl.dot(_tile(w0, w1, s4, TWO_MULS1, DOT_F32, 2 * BLOCK_I), tl.trans(xs), acc)
+        if HAS_BIAS:
+            bv = tl.load(b1_ptr + e.to(tl.int64) * stride_b1e + n1, mask=n1 < 2 * inter, other=0.0).to(tl.float32)
+            acc += bv[:, None]
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_I, 2, BLOCK_M)), (0, 2, 1)))
+        i_ok = j * BLOCK_I + tl.arange(0, BLOCK_I) < inter
+        h = to_bf16(tl.where(i_ok[:, None], _swiglu(gate, up, alpha, limit, ACTIVATION), 0.0))  # [BLOCK_I, BLOCK_M]
+        if DOT_F32:
+            h = h.to(tl.float32)
+        gam = tl.load(gamma_ptr + slot, mask=row_ok, other=0.0)
+        # GEMM2: every n-tile of W2's rows on K-slice j, added into the token sums
+        if BLOCK_I == 128:
+            st2 = j
+        else:
+            st2 = j // 2
+        for nt in range(0, n_n2):
+            n2 = nt * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+            n2c = tl.minimum(n2, hidden - 1).to(tl.int64)
+            wrow2 = w2_ptr + e.to(tl.int64) * stride_w2e + (n2c // 64) * (k2_steps * 1024) + (n2c % 64) * 16
+            s4 = tl.load(s2_ptr + e.to(tl.int64) * stride_s2e + (n2c // 64) * (k2_steps * 64) + n2c % 64 + st2 * 64)
+            if BLOCK_I == 128:
+                v0 = tl.load(wrow2[:, None] + (st2 * 1024 + c8)[None, :])
+                v1 = tl.load(wrow2[:, None] + (st2 * 1024 + 8 + c8)[None, :])
+                v = _tile(v0, v1, s4, TWO_MULS2, DOT_F32, BLOCK_N2)
+            else:
+                half = j % 2
+                vh = tl.load(wrow2[:, None] + (st2 * 1024 + half * 8 + c8)[None, :])
+                v = _half_tile(vh, s4, half, TWO_MULS2, DOT_F32, BLOCK_N2)
+            acc2 = tl.dot(v, h)
+            if HAS_BIAS:
+                b2 = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + n2, mask=n2 < hidden, other=0.0).to(tl.float32)
+                acc2 += tl.where(j == 0, b2, 0.0)[:, None]
+            optr = out_ptr + tok[None, :] * stride_o + n2[:, None]
+            tl.atomic_add(optr, acc2 * gam[None, :], mask=(n2 < hidden)[:, None] & row_ok[None, :], sem="relaxed")
+
+
 def planar_gemm(
     x: torch.Tensor,
     w: PlanarMXFP4,
@@ -814,3 +943,93 @@ def planar_moe(
     if fused:
         return planar_experts_run(hidden, perm, planar, topw=topw, shared=shared, **kw)
     return combine(planar_experts_run(hidden, perm, planar, **kw), topw, perm.slot_pos, shared)
+
+
+def planar_mlp_one_kernel(
+    hidden: torch.Tensor,
+    perm,
+    planar: PlanarExperts,
+    topw: torch.Tensor,
+    *,
+    top_k: int,
+    activation: int,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    shared: torch.Tensor | None = None,
+    config: PlanarMLPConfig | None = None,
+    twin: bool = False,
+) -> torch.Tensor:
+    """Routed experts + weighted combine in ONE kernel (``_planar_mlp_kernel``): a program owns an
+    intermediate tile of one expert's m-tile, runs GEMM1 + SwiGLU for it over the full hidden K, then
+    its K-slice of GEMM2 for every output row, the gamma-weighted fp32 partials added atomically
+    into the [T, H] sum. hidden bf16 [T, H], topw float [T, top_k] -> bf16 [T, H] in token order
+    (the sum starts from shared bf16 [T, H] or zero, rounded to bf16 once); the same arithmetic as
+    ``planar_experts_run(..., topw=...)`` but for the order of the fp32 sums. Bytes: the active
+    experts' MXFP4 once, x once per intermediate tile (from L2), the fp32 sum set, added into and
+    read; atomics: m-tiles x ceil(I / block_i) x H x (real rows). twin: ``planar_experts_run``'s twin."""
+    from adapt.kernels.moe_configs import pick_planar_mlp_config
+    from adapt.kernels.moe_tiles import max_m_tiles, tile_map
+
+    if twin:
+        return planar_experts_run(hidden, perm, planar, top_k=top_k, activation=activation, alpha=alpha,
+                                  limit=limit, topw=topw, shared=shared, twin=True)
+    t, h = hidden.shape
+    w1, w2 = planar.w1, planar.w2
+    e, inter = w1.words.shape[0], w2.k
+    s = t * top_k
+    cfg = config or pick_planar_mlp_config()
+    if cfg.block_i not in (64, 128):
+        raise InputError(f"block_i {cfg.block_i} is not 64 or 128 (a half or a whole planar step)", field="block_i")
+    dev = hidden.device
+    tiles = tile_map(perm.expert_offsets, cfg.block_m, max_m_tiles(s, e, cfg.block_m))
+    acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
+    gamma = topw.reshape(-1).float().contiguous()
+    has_bias = planar.w1_bias is not None
+    b1 = planar.w1_bias if has_bias else acc
+    b2 = planar.w2_bias if planar.w2_bias is not None else acc
+    n_work = tiles.max_tiles * triton.cdiv(inter, cfg.block_i)
+    _planar_mlp_kernel[(max(1, n_work),)](
+        hidden,
+        hidden.stride(0),
+        w1.words,
+        w1.scales.view(torch.int32),
+        w1.words.stride(0),
+        w1.scales.stride(0) // 4,
+        w2.words,
+        w2.scales.view(torch.int32),
+        w2.words.stride(0),
+        w2.scales.stride(0) // 4,
+        b1,
+        b1.stride(0) if has_bias else 0,
+        b2,
+        b2.stride(0) if has_bias else 0,
+        acc,
+        acc.stride(0),
+        gamma,
+        perm.sorted_slot,
+        perm.expert_offsets,
+        tiles.tile_expert,
+        tiles.tile_row,
+        tiles.tile_start,
+        e,
+        h,
+        inter,
+        w1.k_padded // PLANAR_STEP,
+        w2.k_padded // PLANAR_STEP,
+        float(alpha),
+        float(limit),
+        TOPK=top_k,
+        ACTIVATION=activation,
+        HAS_BIAS=has_bias,
+        TWO_MULS1=w1.two_muls,
+        TWO_MULS2=w2.two_muls,
+        BLOCK_M=cfg.block_m,
+        BLOCK_I=cfg.block_i,
+        BLOCK_N2=cfg.block_n2,
+        DOT_F32=INTERPRET,
+        EVEN_K1=h % PLANAR_STEP == 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg or None,
+    )
+    return acc.to(torch.bfloat16)

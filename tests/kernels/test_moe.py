@@ -832,3 +832,30 @@ def test_planar_expert_mlp_real_shapes_gpu(name, t):
         cfg = tuple(dataclasses.replace(c, split_k=split, one_dot=one_dot) for c in (c1, c2))
         y = mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], planar=planar, config=cfg)
         assert rel(y, y_t) < TWIN_TOL, (split, one_dot)
+
+
+@pytest.mark.parametrize("block_i, bias, il, act, h, i", [
+    (64, True, True, "swiglu_clamped", 128, 64),
+    (128, False, False, "swiglu", 96, 192),  # K = 96: a half-padded GEMM1 step; 192 = 1.5 steps of W2's K
+])
+def test_planar_mlp_one_kernel_matches_twin(block_i, bias, il, act, h, i):
+    # GEMM1 + SwiGLU + GEMM2's K-slice + the weighted combine in one kernel, the shared sum added:
+    # against the planar twin (fp32 rows weighted expert by expert) and expert_mlp + routing.combine
+    from adapt.kernels import moe_planar as mp
+
+    e, k, t = 4, 2, 5
+    w, x, ids = _planar_case(e, h, i, t, k, seed=53, bias=bias, interleaved=il)
+    perm, planar = rt.permute_by_expert(ids, e), mp.PlanarExperts.from_weights(w)
+    topw = torch.rand(t, k, generator=_gen(54), device=DEV)
+    shared = (torch.randn(t, h, generator=_gen(55), device=DEV) * 0.1).bfloat16()
+    code = mg.ACTIVATIONS[act]
+    cfg = mc.PlanarMLPConfig(block_m=16, block_i=block_i, block_n2=32, num_stages=1)
+    got = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code, shared=shared, config=cfg)
+    twin = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code, shared=shared, twin=True)
+    ref = rt.combine(mg.expert_mlp(x, perm, w, top_k=k, activation=act, planar=planar), topw, perm.slot_pos, shared)
+    assert got.shape == (t, h) and got.dtype == torch.bfloat16
+    assert rel(got, twin) < TWIN_TOL
+    assert 0 < rel(got, ref) < 4e-3
+    with pytest.raises(InputError):
+        mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code,
+                                 config=dataclasses.replace(cfg, block_i=32))
