@@ -65,7 +65,8 @@ class PlanarMLPConfig:
     """Tile of the one-kernel planar MLP (``moe_planar.planar_mlp_one_kernel``, T <= 16): tokens per
     m-tile (block_m), intermediates per program (block_i: 64 = half a planar step of W2's K, or 128 =
     one step; GEMM1 then reads 2 * block_i interleaved gate/up rows), W2 rows per inner tile
-    (block_n2), warps, stages, register cap (0: none)."""
+    (block_n2, a multiple of 64), warps, stages, register cap (0: none), natural_half: with block_i 64,
+    W2's half-step operand permuted into K order (else h is permuted once to the decode's order)."""
 
     block_m: int = 16
     block_i: int = 64
@@ -73,6 +74,7 @@ class PlanarMLPConfig:
     num_warps: int = 4
     num_stages: int = 4
     maxnreg: int = 0
+    natural_half: bool = True
 
 
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
@@ -217,5 +219,5 @@ def pick_planar_configs(
 def pick_planar_mlp_config() -> PlanarMLPConfig:
     """The one-kernel planar MLP's tile (a small one under the interpreter, so tests stay fast)."""
     if INTERPRET:
-        return PlanarMLPConfig(block_m=16, block_i=64, block_n2=32, num_warps=4, num_stages=1)
+        return PlanarMLPConfig(block_m=16, block_i=64, block_n2=64, num_warps=4, num_stages=1)
     return PlanarMLPConfig()

@@ -551,13 +551,24 @@ def _split_k_epilogue_kernel(
 
 
 @triton.jit
-def _half_tile(w, s4, HALF, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+def _half_tile(w, s4, HALF, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+               NATURAL: tl.constexpr = True):
     """Half HALF (runtime 0 / 1) of a step as an operand [BLOCK_N, 64] in natural K order: words w
     int32 [BLOCK_N, 8] of that half, the step's scale word s4 [BLOCK_N] (its blocks 2 * HALF and
-    2 * HALF + 1 moved to bytes 0 and 1, so the half decodes as half 0)."""
+    2 * HALF + 1 moved to bytes 0 and 1, so the half decodes as half 0); NATURAL False: the columns
+    in the order the decode leaves them (no permute; the other operand takes ``_half_order``)."""
     s4h = (s4.to(tl.uint32, bitcast=True) >> (16 * HALF)).to(tl.int32, bitcast=True)
     a = _half_planes(w, s4h, 0, TWO_MULS, DOT_F32, BLOCK_N)  # [BN, 16 = (c, s), q0, q1], plane q0 + 2 q1
-    return tl.reshape(tl.permute(a, (0, 3, 2, 1)), (BLOCK_N, 64))
+    if NATURAL:
+        return tl.reshape(tl.permute(a, (0, 3, 2, 1)), (BLOCK_N, 64))
+    return tl.reshape(a, (BLOCK_N, 64))  # column 8c + 4s + 2q0 + q1 holds K 32 q1 + 16 q0 + 2c + s
+
+
+@triton.jit
+def _half_order(h, BLOCK_M: tl.constexpr):
+    """h [64, BLOCK_M] in K order -> the K order of ``_half_tile`` without NATURAL (row 8c + 4s + 2q0 + q1
+    holds K 32 q1 + 16 q0 + 2c + s)."""
+    return tl.reshape(tl.permute(tl.reshape(h, (2, 2, 8, 2, BLOCK_M)), (2, 3, 1, 0, 4)), (64, BLOCK_M))
 
 
 @triton.jit
@@ -601,6 +612,8 @@ def _planar_mlp_kernel(
     BLOCK_N2: tl.constexpr,
     DOT_F32: tl.constexpr,
     EVEN_K1: tl.constexpr,
+    EVEN_N2: tl.constexpr,
+    NATURAL_HALF: tl.constexpr = True,
 ):
     """Both GEMMs of a work item (m-tile, intermediate tile j) in one program, no grid-wide step:
     h[i, m] = SwiGLU(W1[e, gate/up rows of i, :] . x[tok m, :]) for the BLOCK_I intermediates i of
@@ -653,31 +666,47 @@ def _planar_mlp_kernel(
         if DOT_F32:
             h = h.to(tl.float32)
         gam = tl.load(gamma_ptr + slot, mask=row_ok, other=0.0)
-        # GEMM2: every n-tile of W2's rows on K-slice j, added into the token sums
+        # GEMM2: every n-tile of W2's rows on K-slice j, added into the token sums. Row r of an n-tile
+        # sits at block r // 64, row r % 64 of the tiled layout: a fixed offset, the tile adds a scalar
+        r2 = tl.arange(0, BLOCK_N2)
         if BLOCK_I == 128:
-            st2 = j
+            kofs = j * 1024
         else:
-            st2 = j // 2
+            kofs = (j // 2) * 1024 + (j % 2) * 8
+            if not NATURAL_HALF:
+                h = _half_order(h, BLOCK_M)
+        wofs = (r2 // 64) * (k2_steps * 1024) + (r2 % 64) * 16 + kofs
+        sofs = (r2 // 64) * (k2_steps * 64) + r2 % 64 + (kofs // 1024) * 64
+        w2e = w2_ptr + e.to(tl.int64) * stride_w2e
+        s2e = s2_ptr + e.to(tl.int64) * stride_s2e
+        orow = out_ptr + tok[None, :] * stride_o
         for nt in range(0, n_n2):
-            n2 = nt * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-            n2c = tl.minimum(n2, hidden - 1).to(tl.int64)
-            wrow2 = w2_ptr + e.to(tl.int64) * stride_w2e + (n2c // 64) * (k2_steps * 1024) + (n2c % 64) * 16
-            s4 = tl.load(s2_ptr + e.to(tl.int64) * stride_s2e + (n2c // 64) * (k2_steps * 64) + n2c % 64 + st2 * 64)
+            n2 = nt * BLOCK_N2 + r2
+            wb = w2e + nt * ((BLOCK_N2 // 64) * k2_steps * 1024)
+            sb = s2e + nt * ((BLOCK_N2 // 64) * k2_steps * 64)
+            if EVEN_N2:
+                s4 = tl.load(sb + sofs)
+                v0 = tl.load(wb + wofs[:, None] + c8[None, :])
+                if BLOCK_I == 128:
+                    v1 = tl.load(wb + wofs[:, None] + (8 + c8)[None, :])
+            else:  # rows past hidden (a last, part-filled n-tile) are not read
+                s4 = tl.load(sb + sofs, mask=n2 < hidden, other=0)
+                v0 = tl.load(wb + wofs[:, None] + c8[None, :], mask=(n2 < hidden)[:, None], other=0)
+                if BLOCK_I == 128:
+                    v1 = tl.load(wb + wofs[:, None] + (8 + c8)[None, :], mask=(n2 < hidden)[:, None], other=0)
             if BLOCK_I == 128:
-                v0 = tl.load(wrow2[:, None] + (st2 * 1024 + c8)[None, :])
-                v1 = tl.load(wrow2[:, None] + (st2 * 1024 + 8 + c8)[None, :])
                 v = _tile(v0, v1, s4, TWO_MULS2, DOT_F32, BLOCK_N2)
             else:
-                half = j % 2
-                vh = tl.load(wrow2[:, None] + (st2 * 1024 + half * 8 + c8)[None, :])
-                v = _half_tile(vh, s4, half, TWO_MULS2, DOT_F32, BLOCK_N2)
+                v = _half_tile(v0, s4, j % 2, TWO_MULS2, DOT_F32, BLOCK_N2, NATURAL_HALF)
             acc2 = tl.dot(v, h)
             if HAS_BIAS:
                 b2 = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + n2, mask=n2 < hidden, other=0.0).to(tl.float32)
                 acc2 += tl.where(j == 0, b2, 0.0)[:, None]
-            optr = out_ptr + tok[None, :] * stride_o + n2[:, None]
-            tl.atomic_add(optr, acc2 * gam[None, :], mask=(n2 < hidden)[:, None] & row_ok[None, :], sem="relaxed")
-
+            if EVEN_N2:
+                tl.atomic_add(orow + n2[:, None], acc2 * gam[None, :], mask=row_ok[None, :], sem="relaxed")
+            else:
+                tl.atomic_add(orow + n2[:, None], acc2 * gam[None, :], mask=(n2 < hidden)[:, None] & row_ok[None, :],
+                              sem="relaxed")
 
 def planar_gemm(
     x: torch.Tensor,
@@ -978,8 +1007,9 @@ def planar_mlp_one_kernel(
     e, inter = w1.words.shape[0], w2.k
     s = t * top_k
     cfg = config or pick_planar_mlp_config()
-    if cfg.block_i not in (64, 128):
-        raise InputError(f"block_i {cfg.block_i} is not 64 or 128 (a half or a whole planar step)", field="block_i")
+    if cfg.block_i not in (64, 128) or cfg.block_n2 % 64:
+        raise InputError(f"block_i {cfg.block_i} / block_n2 {cfg.block_n2}: block_i is 64 or 128 (a half or a whole planar "
+                         "step), block_n2 a multiple of 64 (whole row blocks)", field="config")
     dev = hidden.device
     tiles = tile_map(perm.expert_offsets, cfg.block_m, max_m_tiles(s, e, cfg.block_m))
     acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
@@ -1028,6 +1058,8 @@ def planar_mlp_one_kernel(
         BLOCK_N2=cfg.block_n2,
         DOT_F32=INTERPRET,
         EVEN_K1=h % PLANAR_STEP == 0,
+        EVEN_N2=h % cfg.block_n2 == 0,
+        NATURAL_HALF=cfg.natural_half,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg or None,

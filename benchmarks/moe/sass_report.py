@@ -79,7 +79,7 @@ def report(ck, maxnreg: int) -> dict:
     spill = re.findall(r"(\d+) bytes spill stores", info)
     return dict(shared=ck.metadata.shared, regs=int(regs[-1]) if regs else None,
                 spill_bytes=int(spill[-1]) if spill else None, loop_len=len(loop or []),
-                loop_ops=dict(collections.Counter(o.split(".")[0] for _, o, _ in loop or []).most_common(16)))
+                loop_ops=dict(collections.Counter(o.split(".")[0] for _, o, _ in loop or []).most_common(40)))
 
 
 if __name__ == "__main__":

@@ -834,11 +834,12 @@ def test_planar_expert_mlp_real_shapes_gpu(name, t):
         assert rel(y, y_t) < TWIN_TOL, (split, one_dot)
 
 
-@pytest.mark.parametrize("block_i, bias, il, act, h, i", [
-    (64, True, True, "swiglu_clamped", 128, 64),
-    (128, False, False, "swiglu", 96, 192),  # K = 96: a half-padded GEMM1 step; 192 = 1.5 steps of W2's K
+@pytest.mark.parametrize("block_i, natural, bias, il, act, h, i", [
+    (64, True, True, True, "swiglu_clamped", 128, 192),  # three K-slices of W2: halves of two steps
+    (64, False, False, False, "swiglu", 128, 64),  # h permuted to the decode's order instead
+    (128, True, False, False, "swiglu", 96, 192),  # H = 96: a half-padded GEMM1 step, a part-filled n-tile
 ])
-def test_planar_mlp_one_kernel_matches_twin(block_i, bias, il, act, h, i):
+def test_planar_mlp_one_kernel_matches_twin(block_i, natural, bias, il, act, h, i):
     # GEMM1 + SwiGLU + GEMM2's K-slice + the weighted combine in one kernel, the shared sum added:
     # against the planar twin (fp32 rows weighted expert by expert) and expert_mlp + routing.combine
     from adapt.kernels import moe_planar as mp
@@ -849,7 +850,7 @@ def test_planar_mlp_one_kernel_matches_twin(block_i, bias, il, act, h, i):
     topw = torch.rand(t, k, generator=_gen(54), device=DEV)
     shared = (torch.randn(t, h, generator=_gen(55), device=DEV) * 0.1).bfloat16()
     code = mg.ACTIVATIONS[act]
-    cfg = mc.PlanarMLPConfig(block_m=16, block_i=block_i, block_n2=32, num_stages=1)
+    cfg = mc.PlanarMLPConfig(block_m=16, block_i=block_i, block_n2=64, num_stages=1, natural_half=natural)
     got = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code, shared=shared, config=cfg)
     twin = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code, shared=shared, twin=True)
     ref = rt.combine(mg.expert_mlp(x, perm, w, top_k=k, activation=act, planar=planar), topw, perm.slot_pos, shared)
@@ -858,4 +859,4 @@ def test_planar_mlp_one_kernel_matches_twin(block_i, bias, il, act, h, i):
     assert 0 < rel(got, ref) < 4e-3
     with pytest.raises(InputError):
         mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code,
-                                 config=dataclasses.replace(cfg, block_i=32))
+                                 config=dataclasses.replace(cfg, block_n2=32))
