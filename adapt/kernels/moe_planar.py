@@ -1008,8 +1008,8 @@ def planar_mlp_one_kernel(
     s = t * top_k
     cfg = config or pick_planar_mlp_config()
     if cfg.block_i not in (64, 128) or cfg.block_n2 % 64:
-        raise InputError(f"block_i {cfg.block_i} / block_n2 {cfg.block_n2}: block_i is 64 or 128 (a half or a whole planar "
-                         "step), block_n2 a multiple of 64 (whole row blocks)", field="config")
+        raise InputError(f"block_i {cfg.block_i} / block_n2 {cfg.block_n2}: block_i is 64 or 128 (a half or a "
+                         "whole planar step), block_n2 a multiple of 64 (whole row blocks)", field="config")
     dev = hidden.device
     tiles = tile_map(perm.expert_offsets, cfg.block_m, max_m_tiles(s, e, cfg.block_m))
     acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)

@@ -393,6 +393,27 @@ def _fused(x, perm, planar, topw, shape: dict, config=None) -> torch.Tensor:
                       fused=True, config=config)
 
 
+ONE_KERNEL_TOKENS = 16
+"""Largest T at which the peer runner times the one-kernel planar MLP (``planar_onek*`` rows)."""
+ONE_KERNEL_CONFIGS = {
+    "planar_onek": {},
+    "planar_onek_i128": {"block_i": 128},
+    "planar_onek_n128": {"block_n2": 128},
+    "planar_onek_w8": {"num_warps": 8},
+}
+"""``PlanarMLPConfig`` fields (over its defaults) of each ``planar_onek*`` row."""
+
+
+def _one_kernel(x, perm, planar, topw, shape: dict, fields: dict) -> torch.Tensor:
+    """GEMM1 + SwiGLU + GEMM2 + the weighted combine in one kernel (``planar_mlp_one_kernel``) -> [T, H]."""
+    from adapt.kernels.moe_configs import PlanarMLPConfig
+    from adapt.kernels.moe_gemm import ACTIVATIONS
+    from adapt.kernels.moe_planar import planar_mlp_one_kernel
+
+    return planar_mlp_one_kernel(x, perm, planar, topw, top_k=shape["top_k"],
+                                 activation=ACTIVATIONS[shape["activation"]], config=PlanarMLPConfig(**fields))
+
+
 def _combined(mlp, topw, perm):
     """mlp() (expert outputs in sorted slot order) then the weighted combine back to tokens [T, H]."""
     from adapt.kernels.routing import combine
@@ -458,6 +479,9 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 variants["planar_fused"] = partial(_fused, x, perm, planar, topw, shape)
                 if t in PARTS_TOKENS:
                     variants |= _planar_parts(x, perm, planar, shape)
+                if t <= ONE_KERNEL_TOKENS:
+                    for oname, fields in ONE_KERNEL_CONFIGS.items():
+                        variants[oname] = partial(_one_kernel, x, perm, planar, topw, shape, fields)
             elif large:
                 if fp8 is None:
                     fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
@@ -519,8 +543,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     err = None
                     if vname == "peer" and t == 16:
                         err = _peer_reference_error(out, parts, x, routed, shape)
-                    if (vname == "planar_combine" and t in TWIN_CHECK_TOKENS) or (vname == "planar_fused" and t <= 256
-                                                                                  and t in TWIN_CHECK_TOKENS):
+                    if t in TWIN_CHECK_TOKENS and (vname == "planar_combine" or vname.startswith("planar_onek")
+                                                   or (vname == "planar_fused" and t <= 256)):
                         err = _twin_error(out, x, perm, topw, routed, shape, round_y=vname == "planar_combine")
                     timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
                 except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row

@@ -860,3 +860,23 @@ def test_planar_mlp_one_kernel_matches_twin(block_i, natural, bias, il, act, h, 
     with pytest.raises(InputError):
         mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code,
                                  config=dataclasses.replace(cfg, block_n2=32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b"])
+@pytest.mark.parametrize("t", [1, 16])
+def test_planar_mlp_one_kernel_real_shapes_gpu(name, t):
+    # the one-kernel MLP at the real H and I with every tile the bench times, against its twin
+    from adapt.kernels import moe_planar as mp
+    from adapt.stages.bench_moe import ONE_KERNEL_CONFIGS
+
+    s, e = GPU_SHAPES[name], 16
+    w, x, ids = _planar_case(e, s["h"], s["i"], t, s["k"], seed=56, bias=s["bias"], interleaved=s["interleaved"])
+    perm, planar = rt.permute_by_expert(ids, e), mp.PlanarExperts.from_weights(w)
+    topw = torch.rand(t, s["k"], generator=_gen(57), device=DEV)
+    code = mg.ACTIVATIONS[s["act"]]
+    twin = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=s["k"], activation=code, twin=True)
+    for fields in ONE_KERNEL_CONFIGS.values():
+        got = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=s["k"], activation=code,
+                                       config=mc.PlanarMLPConfig(**fields))
+        assert rel(got, twin) < TWIN_TOL, fields
