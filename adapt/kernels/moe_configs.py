@@ -70,7 +70,7 @@ class PlanarMLPConfig:
 
     block_m: int = 16
     block_i: int = 64
-    block_n2: int = 64
+    block_n2: int = 128
     num_warps: int = 4
     num_stages: int = 4
     maxnreg: int = 0

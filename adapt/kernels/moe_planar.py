@@ -559,8 +559,9 @@ def _half_tile(w, s4, HALF, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK
     in the order the decode leaves them (no permute; the other operand takes ``_half_order``)."""
     s4h = (s4.to(tl.uint32, bitcast=True) >> (16 * HALF)).to(tl.int32, bitcast=True)
     a = _half_planes(w, s4h, 0, TWO_MULS, DOT_F32, BLOCK_N)  # [BN, 16 = (c, s), q0, q1], plane q0 + 2 q1
-    if NATURAL:
-        return tl.reshape(tl.permute(a, (0, 3, 2, 1)), (BLOCK_N, 64))
+    if NATURAL:  # as ``_tile``: (BN, posb, t, s, q0, q1) -> (BN, q1, q0, posb, t, s), register names only
+        a = tl.reshape(a, (BLOCK_N, 2, 4, 2, 2, 2))
+        return tl.reshape(tl.permute(a, (0, 5, 4, 1, 2, 3)), (BLOCK_N, 64))
     return tl.reshape(a, (BLOCK_N, 64))  # column 8c + 4s + 2q0 + q1 holds K 32 q1 + 16 q0 + 2c + s
 
 

@@ -397,9 +397,10 @@ ONE_KERNEL_TOKENS = 16
 """Largest T at which the peer runner times the one-kernel planar MLP (``planar_onek*`` rows)."""
 ONE_KERNEL_CONFIGS = {
     "planar_onek": {},
+    "planar_onek_n64": {"block_n2": 64},
     "planar_onek_i128": {"block_i": 128},
-    "planar_onek_n128": {"block_n2": 128},
-    "planar_onek_w8": {"num_warps": 8},
+    "planar_onek_i128_n64": {"block_i": 128, "block_n2": 64},
+    "planar_onek_c168": {"maxnreg": 168},
 }
 """``PlanarMLPConfig`` fields (over its defaults) of each ``planar_onek*`` row."""
 
