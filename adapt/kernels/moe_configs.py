@@ -66,7 +66,8 @@ class PlanarMLPConfig:
     m-tile (block_m), intermediates per program (block_i: 64 = half a planar step of W2's K, or 128 =
     one step; GEMM1 then reads 2 * block_i interleaved gate/up rows), W2 rows per inner tile
     (block_n2, a multiple of 64), warps, stages, register cap (0: none), natural_half: with block_i 64,
-    W2's half-step operand permuted into K order (else h is permuted once to the decode's order)."""
+    W2's half-step operand permuted into K order (else h is permuted once to the decode's order),
+    stages2: pipeline depth of GEMM2's n-loop (0: num_stages; its stage is block_n2 x block_i / 2 bytes)."""
 
     block_m: int = 16
     block_i: int = 64
@@ -75,6 +76,7 @@ class PlanarMLPConfig:
     num_stages: int = 4
     maxnreg: int = 0
     natural_half: bool = True
+    stages2: int = 0
 
 
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:

@@ -615,6 +615,7 @@ def _planar_mlp_kernel(
     EVEN_K1: tl.constexpr,
     EVEN_N2: tl.constexpr,
     NATURAL_HALF: tl.constexpr = True,
+    STAGES2: tl.constexpr = 4,
 ):
     """Both GEMMs of a work item (m-tile, intermediate tile j) in one program, no grid-wide step:
     h[i, m] = SwiGLU(W1[e, gate/up rows of i, :] . x[tok m, :]) for the BLOCK_I intermediates i of
@@ -622,7 +623,8 @@ def _planar_mlp_kernel(
     BLOCK_N2 output rows acc[n, m] = W2[e, n, K-slice j] . h[:, m], added times gamma[slot m] (+ the
     bias, by tile 0) into out fp32 [T, hidden] at token slot // TOPK with relaxed atomic adds.
 
-    BLOCK_I 128: the K-slice is step j of W2's planar rows; 64: half j % 2 of step j // 2. Atomic
+    BLOCK_I 128: the K-slice is step j of W2's planar rows; 64: half j % 2 of step j // 2. STAGES2: the
+    pipeline depth of GEMM2's n-loop (GEMM1's loop takes the launch's num_stages). Atomic
     adds: (m-tiles x inter / BLOCK_I) x hidden x BLOCK_M lanes (masked to the tile's real rows)."""
     n_m = tl.load(tile_start_ptr + n_experts)
     n_j = tl.cdiv(inter, BLOCK_I)
@@ -681,7 +683,7 @@ def _planar_mlp_kernel(
         w2e = w2_ptr + e.to(tl.int64) * stride_w2e
         s2e = s2_ptr + e.to(tl.int64) * stride_s2e
         orow = out_ptr + tok[None, :] * stride_o
-        for nt in range(0, n_n2):
+        for nt in tl.range(0, n_n2, num_stages=STAGES2):
             n2 = nt * BLOCK_N2 + r2
             wb = w2e + nt * ((BLOCK_N2 // 64) * k2_steps * 1024)
             sb = s2e + nt * ((BLOCK_N2 // 64) * k2_steps * 64)
@@ -1061,6 +1063,7 @@ def planar_mlp_one_kernel(
         EVEN_K1=h % PLANAR_STEP == 0,
         EVEN_N2=h % cfg.block_n2 == 0,
         NATURAL_HALF=cfg.natural_half,
+        STAGES2=cfg.stages2 or cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg or None,

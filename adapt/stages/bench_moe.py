@@ -397,12 +397,16 @@ ONE_KERNEL_TOKENS = 16
 """Largest T at which the peer runner times the one-kernel planar MLP (``planar_onek*`` rows)."""
 ONE_KERNEL_CONFIGS = {
     "planar_onek": {},
-    "planar_onek_n64": {"block_n2": 64},
     "planar_onek_i128": {"block_i": 128},
-    "planar_onek_i128_n64": {"block_i": 128, "block_n2": 64},
     "planar_onek_c168": {"maxnreg": 168},
+    "planar_onek_c168_s8": {"maxnreg": 168, "stages2": 8},
+    "planar_onek_i128_s6": {"block_i": 128, "stages2": 6},
+    "planar_onek_n256_c168": {"block_n2": 256, "stages2": 6, "maxnreg": 168},
 }
-"""``PlanarMLPConfig`` fields (over its defaults) of each ``planar_onek*`` row."""
+"""``PlanarMLPConfig`` fields (over its defaults) of each ``planar_onek*`` row. benchmarks/moe/2026-11-30-s3 call 7
+(commit 4dfeca5, DeepSeek-V3, us at T = 1 / 16): the default 100.1 / 1,084, block_i 128 105.4 / 874, the 168-register
+cap 100.0 / 855; block_n2 64 125.8 / 1,433 and with block_i 128 109.2 / 1,020 (dropped). The ``_s*`` / n256 rows
+(GEMM2's n-loop pipelined deeper, more W2 bytes in flight) are not timed yet."""
 
 
 def _one_kernel(x, perm, planar, topw, shape: dict, fields: dict) -> torch.Tensor:

@@ -22,7 +22,7 @@ from sass_report import report  # noqa: E402
 from adapt.kernels import moe_planar as mp  # noqa: E402
 
 BASE = dict(TOPK=8, ACTIVATION=1, HAS_BIAS=False, TWO_MULS1=False, TWO_MULS2=False, BLOCK_M=16, BLOCK_I=64,
-            BLOCK_N2=64, DOT_F32=False, EVEN_K1=True, EVEN_N2=True, NATURAL_HALF=True)
+            BLOCK_N2=64, DOT_F32=False, EVEN_K1=True, EVEN_N2=True, NATURAL_HALF=True, STAGES2=4)
 PTRS = dict(x_ptr="bf16", w1_ptr="i32", s1_ptr="i32", w2_ptr="i32", s2_ptr="i32", b1_ptr="fp32", b2_ptr="fp32",
             out_ptr="fp32", gamma_ptr="fp32", sorted_slot_ptr="i32", offsets_ptr="i32", tile_expert_ptr="i32",
             tile_row_ptr="i32", tile_start_ptr="i32")
