@@ -38,8 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from adapt.kernels.formats import PAGE_SIZE
+from adapt.kernels.formats import FP8_E4M3_MAX, PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
+from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
+from adapt.kernels.mxfp4 import to_e4m3
+
+_E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @triton.jit
@@ -249,6 +254,43 @@ def _dequant_chunk(nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.c
 
 
 @triton.jit
+def _raw_chunk(nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.constexpr, GROUP: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """Scale group ``c`` of the gathered rows as stored: (e4m3 [BLOCK_K, GROUP] (fp32 under the
+    interpreter), fp32 scales [BLOCK_K]); masked rows read as 0."""
+    cols = c * GROUP + tl.arange(0, GROUP)
+    kv = tl.load(nope_ptr + slot[:, None] * RANK + cols[None, :], mask=valid[:, None], other=0.0)
+    sc = tl.load(scale_ptr + slot * (RANK // GROUP) + c, mask=valid, other=0.0)
+    if UPCAST:
+        kv = kv.to(tl.float32)
+    return kv, sc
+
+
+@triton.jit
+def _to_bf16_rows(kv, sc, UPCAST: tl.constexpr):
+    """bf16 of e4m3 rows ``kv`` [BLOCK_K, GROUP] times their scales ``sc`` [BLOCK_K] (fp32 under the
+    interpreter, rounded as bf16): the p @ v operand, the same values as ``_dequant_chunk``'s."""
+    out = _to_bf16(kv.to(tl.float32) * sc[:, None], UPCAST)
+    if UPCAST:
+        out = out.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _q_chunk_fp8(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
+    """Scale group ``c`` of q [BLOCK_H, GROUP] as e4m3 (fp32 values on the e4m3 grid under the
+    interpreter) with one fp32 scale per head, max(amax, 1e-4) / 448 (``fp8.amax_scale``, as
+    ``quantize_q_groups_torch``)."""
+    q = tl.load(qn_ptr + q_base + c * GROUP + tl.arange(0, GROUP)[None, :], mask=hmask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(q), axis=1), _AMAX_FLOOR) / _E4M3_MAX
+    q8 = to_e4m3(tl.clamp(q / scale[:, None], -_E4M3_MAX, _E4M3_MAX))
+    if UPCAST:
+        q8 = q8.to(tl.float32)
+    return q8, scale
+
+
+@triton.jit
 def _q_chunk(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
     q = tl.load(qn_ptr + q_base + c * GROUP + tl.arange(0, GROUP)[None, :], mask=hmask[:, None], other=0.0)
     if UPCAST:
@@ -270,12 +312,17 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
                              out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                             PREFETCH: tl.constexpr):
+                             PREFETCH: tl.constexpr, QK_FP8: tl.constexpr = False):
     """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
     per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
     and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
     groups and p @ v writes four [BLOCK_H, GROUP] accumulators. Same grid, outputs and PREFETCH as
-    ``_sparse_mla_kernel`` with V_SPLIT 1."""
+    ``_sparse_mla_kernel`` with V_SPLIT 1.
+
+    QK_FP8: q.k in e4m3 x e4m3. Each q slice is quantized once per program (``_q_chunk_fp8``: one fp32
+    scale per head and group), each gathered e4m3 group enters the q.k MMA as loaded (no dequantization
+    for q.k) and the group's logits [BLOCK_H, BLOCK_K] take the product of the two scales; the
+    dequantized bf16 rows still feed p @ v."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -283,10 +330,16 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
     rcols = tl.arange(0, ROPE)
     q_base = (row * n_heads + heads[:, None]) * RANK
     q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
-    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
-    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
-    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
-    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+    if QK_FP8:
+        q0, qs0 = _q_chunk_fp8(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
+        q1, qs1 = _q_chunk_fp8(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
+        q2, qs2 = _q_chunk_fp8(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
+        q3, qs3 = _q_chunk_fp8(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+    else:
+        q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
+        q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
+        q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
+        q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
     seq = tl.load(seq_ptr + row).to(tl.int64)
     first = split * positions_per_split
     last = tl.minimum(first + positions_per_split, topk)
@@ -302,17 +355,31 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
         slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
                                                    slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
-        kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
-        kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
-        kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
-        kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
         if UPCAST:
             k_rope = k_rope.to(tl.float32)
         s = tl.dot(q_rope, tl.trans(k_rope))
-        s = tl.dot(q0, tl.trans(kv0), s)
-        s = tl.dot(q1, tl.trans(kv1), s)
-        s = tl.dot(q2, tl.trans(kv2), s)
-        s = tl.dot(q3, tl.trans(kv3), s)
+        if QK_FP8:
+            c0, sc0 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
+            c1, sc1 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
+            c2, sc2 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
+            c3, sc3 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+            s += tl.dot(q0, tl.trans(c0)) * (qs0[:, None] * sc0[None, :])
+            s += tl.dot(q1, tl.trans(c1)) * (qs1[:, None] * sc1[None, :])
+            s += tl.dot(q2, tl.trans(c2)) * (qs2[:, None] * sc2[None, :])
+            s += tl.dot(q3, tl.trans(c3)) * (qs3[:, None] * sc3[None, :])
+            kv0 = _to_bf16_rows(c0, sc0, UPCAST)
+            kv1 = _to_bf16_rows(c1, sc1, UPCAST)
+            kv2 = _to_bf16_rows(c2, sc2, UPCAST)
+            kv3 = _to_bf16_rows(c3, sc3, UPCAST)
+        else:
+            kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
+            kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
+            kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
+            kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+            s = tl.dot(q0, tl.trans(kv0), s)
+            s = tl.dot(q1, tl.trans(kv1), s)
+            s = tl.dot(q2, tl.trans(kv2), s)
+            s = tl.dot(q3, tl.trans(kv3), s)
         p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
         acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
         acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
@@ -396,8 +463,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None
-               ) -> torch.Tensor:
+               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None,
+               qk_fp8: bool | None = None) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -417,6 +484,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
 
     ``prefetch``: reads the next tile's slots ahead by hand. ``groups4``: the fused fp8 tile as
     ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
+    ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized in the kernel with one scale per head and
+    scale group (the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v stays bf16.
 
     Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
     (groups4) with block_k 128 and 1 stage (H200 sweep of 2026-11-30, batch 64 x 128K: 218 us against
@@ -463,6 +532,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     else:
         partial, lse = out, out
     latent_scale_arg = latent_scale if fp8 else latent_nope
+    if qk_fp8 and not groups4:
+        raise ValueError("qk_fp8 needs the four-scale-group kernel (groups4)")
     if groups4:
         if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank):
             raise ValueError("groups4 needs an fp8 latent of four scale groups and the fused tile")
@@ -472,7 +543,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
-            UPCAST=interpreting, PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+            UPCAST=interpreting, PREFETCH=bool(prefetch), QK_FP8=bool(qk_fp8), num_warps=num_warps,
+            num_stages=num_stages,
         )
     else:
         _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
@@ -496,11 +568,14 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
 def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,
                      latent_scale: torch.Tensor | None, latent_rope: torch.Tensor, block_table: torch.Tensor,
                      token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
-                     out_dtype: torch.dtype = torch.bfloat16, **_tile_options) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, qk_fp8: bool = False, **_tile_options
+                     ) -> torch.Tensor:
     """Torch twin of ``sparse_mla`` (fp32 math on rows dequantized to bf16 as the kernel's MMA operand;
     the compiled kernel also rounds the softmax probabilities to bf16 for p @ v, which the twin does not
     (its running maximum is per tile); tile options ignored). Returns ``out_dtype`` (the kernel's bf16
-    by default; float32 gives the result before that rounding)."""
+    by default; float32 gives the result before that rounding). ``qk_fp8`` (e4m3 latent): q.k as the
+    kernel's option computes it, q_nope quantized to e4m3 per (row, head, scale group) by
+    ``fp8.quantize_fp8_groups`` and multiplied with the stored e4m3 rows, each group's dot times both scales."""
     n_rows, n_heads, rank = q_nope.shape
     out = torch.zeros(n_rows, n_heads, rank, dtype=torch.float32, device=q_nope.device)
     nope = latent_nope.reshape(-1, rank)
@@ -517,6 +592,18 @@ def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: to
         if scale is not None:  # dequantized to bf16, the kernel's MMA operand
             kv = kv.view(len(slots), scale.shape[-1], -1) * scale[slots].unsqueeze(-1)
             kv = kv.view(len(slots), rank).to(torch.bfloat16).float()
-        logits = (q_nope[row].float() @ kv.T + q_rope[row].float() @ rope[slots].float().T) * softmax_scale
+        if qk_fp8:
+            if scale is None:
+                raise ValueError("qk_fp8 needs an e4m3 latent with scales")
+            groups = scale.shape[-1]
+            q8, q_scale = quantize_fp8_groups(q_nope[row], rank // groups, amax_scale)
+            q8 = q8.float().view(n_heads, groups, -1)
+            c8 = nope[slots].float().view(len(slots), groups, -1)
+            logits = q_rope[row].float() @ rope[slots].float().T
+            for g in range(groups):  # the kernel's order: rope part, then each group's scaled dot
+                logits = logits + (q8[:, g] @ c8[:, g].T) * (q_scale[:, g, None] * scale[slots][None, :, g])
+        else:
+            logits = q_nope[row].float() @ kv.T + q_rope[row].float() @ rope[slots].float().T
+        logits = logits * softmax_scale
         out[row] = torch.softmax(logits, dim=-1) @ kv
     return out.to(out_dtype)
