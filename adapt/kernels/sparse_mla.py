@@ -38,13 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from adapt.kernels.formats import FP8_E4M3_MAX, PAGE_SIZE
+from adapt.kernels.dsa import quantize_fp8_rows
+from adapt.kernels.formats import PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
-from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
-from adapt.kernels.mxfp4 import to_e4m3
-
-_E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+from adapt.kernels.fp8 import amax_scale, quantize_fp8_groups
 
 
 @triton.jit
@@ -267,27 +264,16 @@ def _raw_chunk(nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.const
 
 
 @triton.jit
-def _to_bf16_rows(kv, sc, UPCAST: tl.constexpr):
-    """bf16 of e4m3 rows ``kv`` [BLOCK_K, GROUP] times their scales ``sc`` [BLOCK_K] (fp32 under the
-    interpreter, rounded as bf16): the p @ v operand, the same values as ``_dequant_chunk``'s."""
-    out = _to_bf16(kv.to(tl.float32) * sc[:, None], UPCAST)
+def _qk_fp8_group(s, q8, q_scale, nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.constexpr,
+                  GROUP: tl.constexpr, UPCAST: tl.constexpr):
+    """Scale group ``c`` of a tile with q.k in fp8: (s + (q8 . c8^T) * q_scale x row scale, the group's
+    rows dequantized to bf16 [BLOCK_K, GROUP] for p @ v: the values ``_dequant_chunk`` gives)."""
+    c8, sc = _raw_chunk(nope_ptr, scale_ptr, slot, valid, c, RANK, GROUP, UPCAST)
+    s += tl.dot(q8, tl.trans(c8)) * (q_scale[:, None] * sc[None, :])
+    kv = _to_bf16(c8.to(tl.float32) * sc[:, None], UPCAST)
     if UPCAST:
-        out = out.to(tl.float32)
-    return out
-
-
-@triton.jit
-def _q_chunk_fp8(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
-    """Scale group ``c`` of q [BLOCK_H, GROUP] as e4m3 (fp32 values on the e4m3 grid under the
-    interpreter) with one fp32 scale per head, max(amax, 1e-4) / 448 (``fp8.amax_scale``, as
-    ``quantize_q_groups_torch``)."""
-    q = tl.load(qn_ptr + q_base + c * GROUP + tl.arange(0, GROUP)[None, :], mask=hmask[:, None], other=0.0)
-    q = q.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(q), axis=1), _AMAX_FLOOR) / _E4M3_MAX
-    q8 = to_e4m3(tl.clamp(q / scale[:, None], -_E4M3_MAX, _E4M3_MAX))
-    if UPCAST:
-        q8 = q8.to(tl.float32)
-    return q8, scale
+        kv = kv.to(tl.float32)
+    return s, kv
 
 
 @triton.jit
@@ -308,8 +294,8 @@ def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
-                             out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
+def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr,
+                             idx_ptr, out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
                              PREFETCH: tl.constexpr, QK_FP8: tl.constexpr = False):
@@ -319,10 +305,12 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
     groups and p @ v writes four [BLOCK_H, GROUP] accumulators. Same grid, outputs and PREFETCH as
     ``_sparse_mla_kernel`` with V_SPLIT 1.
 
-    QK_FP8: q.k in e4m3 x e4m3. Each q slice is quantized once per program (``_q_chunk_fp8``: one fp32
-    scale per head and group), each gathered e4m3 group enters the q.k MMA as loaded (no dequantization
-    for q.k) and the group's logits [BLOCK_H, BLOCK_K] take the product of the two scales; the
-    dequantized bf16 rows still feed p @ v."""
+    QK_FP8: q.k in e4m3 x e4m3. ``qn_ptr`` holds q as e4m3 [rows, heads, RANK] and ``qscale_ptr`` its fp32
+    scales [rows, heads, RANK / GROUP] (``quantize_q_groups``; quantized outside the kernel so that the
+    MMA reads q from shared memory: quantized in the kernel, Triton kept the four e4m3 slices in registers
+    as the MMA's A operand and the sm_90 build spilled 2.7 KB). Each gathered e4m3 group enters the q.k
+    MMA as loaded (no dequantization for q.k) and the group's logits [BLOCK_H, BLOCK_K] take the product
+    of the two scales; the dequantized bf16 rows still feed p @ v."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -331,10 +319,15 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
     q_base = (row * n_heads + heads[:, None]) * RANK
     q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
     if QK_FP8:
-        q0, qs0 = _q_chunk_fp8(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
-        q1, qs1 = _q_chunk_fp8(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
-        q2, qs2 = _q_chunk_fp8(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
-        q3, qs3 = _q_chunk_fp8(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+        qs_base = (row * n_heads + heads) * (RANK // GROUP)
+        q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
+        q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
+        q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
+        q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+        qs0 = tl.load(qscale_ptr + qs_base, mask=hmask, other=0.0)
+        qs1 = tl.load(qscale_ptr + qs_base + 1, mask=hmask, other=0.0)
+        qs2 = tl.load(qscale_ptr + qs_base + 2, mask=hmask, other=0.0)
+        qs3 = tl.load(qscale_ptr + qs_base + 3, mask=hmask, other=0.0)
     else:
         q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
         q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
@@ -359,18 +352,10 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
             k_rope = k_rope.to(tl.float32)
         s = tl.dot(q_rope, tl.trans(k_rope))
         if QK_FP8:
-            c0, sc0 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
-            c1, sc1 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
-            c2, sc2 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
-            c3, sc3 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
-            s += tl.dot(q0, tl.trans(c0)) * (qs0[:, None] * sc0[None, :])
-            s += tl.dot(q1, tl.trans(c1)) * (qs1[:, None] * sc1[None, :])
-            s += tl.dot(q2, tl.trans(c2)) * (qs2[:, None] * sc2[None, :])
-            s += tl.dot(q3, tl.trans(c3)) * (qs3[:, None] * sc3[None, :])
-            kv0 = _to_bf16_rows(c0, sc0, UPCAST)
-            kv1 = _to_bf16_rows(c1, sc1, UPCAST)
-            kv2 = _to_bf16_rows(c2, sc2, UPCAST)
-            kv3 = _to_bf16_rows(c3, sc3, UPCAST)
+            s, kv0 = _qk_fp8_group(s, q0, qs0, nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
+            s, kv1 = _qk_fp8_group(s, q1, qs1, nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
+            s, kv2 = _qk_fp8_group(s, q2, qs2, nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
+            s, kv3 = _qk_fp8_group(s, q3, qs3, nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
         else:
             kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
             kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
@@ -537,8 +522,12 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     if groups4:
         if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank):
             raise ValueError("groups4 needs an fp8 latent of four scale groups and the fused tile")
+        if qk_fp8:
+            q_arg, q_scale = quantize_q_groups(q_nope, group)
+        else:
+            q_arg, q_scale = q_nope.contiguous(), latent_scale
         _sparse_mla_fp8x4_kernel[(n_rows, head_blocks, splits)](
-            q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale, latent_rope,
+            q_arg, q_rope.contiguous(), q_scale, latent_nope, latent_scale, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
@@ -563,6 +552,15 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, BLOCK_C=combine_c,
             UPCAST=interpreting, num_warps=4)
     return out
+
+
+def quantize_q_groups(q_nope: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_nope [N, H, R] as e4m3 with one fp32 scale per (row, head, ``group`` columns): (e4m3 [N, H, R],
+    fp32 [N, H, R / group]), the amax rule of ``fp8.quantize_fp8_groups`` through the Triton row quantizer
+    (one launch; bytes read N * H * R * 2, written N * H * (R + 4 * R / group))."""
+    n_rows, n_heads, rank = q_nope.shape
+    q8, scale = quantize_fp8_rows(q_nope.reshape(n_rows, n_heads, rank // group, group))
+    return q8.reshape(n_rows, n_heads, rank), scale.contiguous()
 
 
 def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,

@@ -1,0 +1,55 @@
+"""Compile adapt's sparse MLA decode kernels for sm_90 on a machine without a GPU and count their SASS.
+
+Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
+
+Each JSON object overrides the four-group kernel's constexprs (upper-case keys; the default is the
+DeepSeek-V3.2 decode tile: 64 heads, 128 positions, rank 512 in four e4m3 groups, rope 64) and the
+launch options (warps, stages). Prints, for each: shared memory (bytes), ptxas registers, spill bytes,
+and the opcode counts of the loop that holds the MMAs (HGMMA for bf16, QGMMA for fp8), with the ptxas
+and cuobjdump that the triton wheel carries (``benchmarks/moe/sass_report.report``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "moe"))
+from sass_report import report  # noqa: E402
+
+from adapt.kernels import sparse_mla as sm  # noqa: E402
+
+BASE = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=128, PAGE=64, SPLIT=False, UPCAST=False,
+            PREFETCH=False, QK_FP8=False)
+PTRS = dict(qn_ptr="bf16", qr_ptr="bf16", qscale_ptr="fp32", nope_ptr="fp8e4nv", nscale_ptr="fp32", rope_ptr="bf16",
+            block_table_ptr="i32", seq_ptr="i32", idx_ptr="i32", out_ptr="bf16", lse_ptr="fp32")
+
+
+def compile_groups4(const: dict, num_warps: int, num_stages: int):
+    """``_sparse_mla_fp8x4_kernel`` for sm_90 with the given constexprs (pointers 16-byte aligned)."""
+    kern = sm._sparse_mla_fp8x4_kernel
+    if const.get("SPLIT"):
+        PTRS["out_ptr"] = "fp32"
+    if const.get("QK_FP8"):
+        PTRS["qn_ptr"] = "fp8e4nv"
+    sig = {name: ("constexpr" if name in const else "*" + PTRS[name] if name in PTRS
+                  else "fp32" if name == "scale_log2" else "i32") for name in kern.arg_names}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in PTRS}
+    return triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+if __name__ == "__main__":
+    for c in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
+        const = dict(BASE, **{k: v for k, v in c.items() if k.isupper()})
+        try:
+            ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1))
+        except Exception as err:  # a variant that does not compile is printed, the others still run
+            print(json.dumps(dict(config=c, error=str(err).splitlines()[-1][:300])), flush=True)
+            continue
+        print(json.dumps(dict(config=c, **report(ck, 0))), flush=True)
