@@ -30,16 +30,15 @@ PTRS = dict(qn_ptr="bf16", qr_ptr="bf16", qscale_ptr="fp32", nope_ptr="fp8e4nv",
             block_table_ptr="i32", seq_ptr="i32", idx_ptr="i32", out_ptr="bf16", lse_ptr="fp32")
 
 
-def compile_groups4(const: dict, num_warps: int, num_stages: int):
-    """``_sparse_mla_fp8x4_kernel`` for sm_90 with the given constexprs (pointers 16-byte aligned)."""
-    kern = sm._sparse_mla_fp8x4_kernel
-    if const.get("SPLIT"):
-        PTRS["out_ptr"] = "fp32"
-    if const.get("QK_FP8"):
-        PTRS["qn_ptr"] = "fp8e4nv"
-    sig = {name: ("constexpr" if name in const else "*" + PTRS[name] if name in PTRS
+def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool = False):
+    """``_sparse_mla_fp8x4_kernel`` (``_sparse_mla_fp8x4t_kernel`` with swap_ab) for sm_90 with the given
+    constexprs (pointers 16-byte aligned)."""
+    kern = sm._sparse_mla_fp8x4t_kernel if swap_ab else sm._sparse_mla_fp8x4_kernel
+    ptrs = dict(PTRS, out_ptr="fp32" if const.get("SPLIT") else "bf16", qn_ptr="fp8e4nv" if const.get("QK_FP8")
+                else "bf16")
+    sig = {name: ("constexpr" if name in const else "*" + ptrs[name] if name in ptrs
                   else "fp32" if name == "scale_log2" else "i32") for name in kern.arg_names}
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in PTRS}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
     return triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
@@ -48,7 +47,7 @@ if __name__ == "__main__":
     for c in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
         const = dict(BASE, **{k: v for k, v in c.items() if k.isupper()})
         try:
-            ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1))
+            ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1), c.get("swap_ab", False))
         except Exception as err:  # a variant that does not compile is printed, the others still run
             print(json.dumps(dict(config=c, error=str(err).splitlines()[-1][:300])), flush=True)
             continue

@@ -392,6 +392,125 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
 
 
 @triton.jit
+def _qk_group_t(s_t, q, q_scale, nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.constexpr,
+                GROUP: tl.constexpr, QK_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """Scale group ``c`` of a tile in the swapped form: (s_t [BLOCK_K, BLOCK_H] + rows . q^T, the group's
+    dequantized rows bf16 [BLOCK_K, GROUP] for p @ v). QK_FP8: q is e4m3 and the stored e4m3 rows enter
+    the MMA as loaded, the product times the row scale x q's per-head scale."""
+    if QK_FP8:
+        c8, sc = _raw_chunk(nope_ptr, scale_ptr, slot, valid, c, RANK, GROUP, UPCAST)
+        s_t += tl.dot(c8, tl.trans(q)) * (sc[:, None] * q_scale[None, :])
+        kv = _to_bf16(c8.to(tl.float32) * sc[:, None], UPCAST)
+        if UPCAST:
+            kv = kv.to(tl.float32)
+    else:
+        kv = _dequant_chunk(nope_ptr, scale_ptr, slot, valid, c, RANK, GROUP, UPCAST)
+        s_t = tl.dot(kv, tl.trans(q), s_t)
+    return s_t, kv
+
+
+@triton.jit
+def _store_group(out_ptr, base, acc, denom, hmask, c: tl.constexpr, GROUP: tl.constexpr, TO_BF16: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """Output columns c * GROUP .. of [rows, heads, RANK] from acc [BLOCK_H, GROUP] / denom [BLOCK_H];
+    ``base`` [BLOCK_H] is the heads' row offset (elements)."""
+    ptrs = out_ptr + base[:, None] + c * GROUP + tl.arange(0, GROUP)[None, :]
+    out = acc / denom[:, None]
+    if TO_BF16:
+        tl.store(ptrs, _to_bf16(out, UPCAST), mask=hmask[:, None])
+    else:
+        tl.store(ptrs, out, mask=hmask[:, None])
+
+
+@triton.jit
+def _sparse_mla_fp8x4t_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr,
+                              idx_ptr, out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
+                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                              PREFETCH: tl.constexpr, QK_FP8: tl.constexpr):
+    """``_sparse_mla_fp8x4_kernel`` with the q.k MMA's operands swapped: positions on the MMA's M side.
+    Logits are s^T [BLOCK_K, BLOCK_H] = rows . q^T, softmax runs down the positions (axis 0), and p @ v
+    takes p = (p^T)^T [BLOCK_H, BLOCK_K] into four [BLOCK_H, GROUP] accumulators as there.
+
+    Why (read from the sm_90 build of the four-group kernel, Triton 3.6): with 64 heads on M and 8 warps,
+    Triton lays the chained q.k result out with all 8 warps along M (warpsPerCTA [8, 1]: 128 rows of
+    MMA for 64 heads), so both warpgroups compute the same q.k and the same softmax (104 HGMMA in the
+    loop of 128 positions); with 128 positions on M each warpgroup takes 64 of them (68 HGMMA). The cost:
+    the dequantized rows feed two MMAs in two layouts (q.k's A, p @ v's B), which the build converts
+    twice (528 F2FP against 288). Swapping p @ v too (rows^T as A) kept the rows in registers for a
+    transpose and spilled 2.2 KB, so it is not an option.
+    Same grid, arguments and outputs as ``_sparse_mla_fp8x4_kernel`` (QK_FP8 as there)."""
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    hmask = heads < n_heads
+    rcols = tl.arange(0, ROPE)
+    q_base = (row * n_heads + heads[:, None]) * RANK
+    q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
+    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
+    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
+    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
+    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+    if QK_FP8:
+        qs_base = (row * n_heads + heads) * (RANK // GROUP)
+        qs0 = tl.load(qscale_ptr + qs_base, mask=hmask, other=0.0)
+        qs1 = tl.load(qscale_ptr + qs_base + 1, mask=hmask, other=0.0)
+        qs2 = tl.load(qscale_ptr + qs_base + 2, mask=hmask, other=0.0)
+        qs3 = tl.load(qscale_ptr + qs_base + 3, mask=hmask, other=0.0)
+    else:
+        qs0 = tl.zeros([BLOCK_H], tl.float32)
+        qs1 = qs0
+        qs2 = qs0
+        qs3 = qs0
+    seq = tl.load(seq_ptr + row).to(tl.int64)
+    first = split * positions_per_split
+    last = tl.minimum(first + positions_per_split, topk)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    slot_n, valid_n = _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE,
+                                   PREFETCH)
+    for k0 in range(first, last, BLOCK_K):
+        slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
+                                                   slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
+        k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k_rope = k_rope.to(tl.float32)
+        s_t = tl.dot(k_rope, tl.trans(q_rope))
+        s_t, kv0 = _qk_group_t(s_t, q0, qs0, nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, QK_FP8, UPCAST)
+        s_t, kv1 = _qk_group_t(s_t, q1, qs1, nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, QK_FP8, UPCAST)
+        s_t, kv2 = _qk_group_t(s_t, q2, qs2, nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, QK_FP8, UPCAST)
+        s_t, kv3 = _qk_group_t(s_t, q3, qs3, nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, QK_FP8, UPCAST)
+        s_t = tl.where(valid[:, None], s_t * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p_t = tl.exp2(s_t - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p_t, axis=0)
+        p = tl.trans(p_t)
+        acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
+        acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
+        acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
+        acc3 = _pv(acc3, p, kv3, alpha, UPCAST)
+        m_i = m_new
+    denom = tl.where(l_i > 0, l_i, 1.0)
+    if SPLIT:
+        part = (row * tl.num_programs(2) + split) * n_heads + heads
+        base = part * RANK
+        lse = tl.where(l_i > 0, m_i + tl.log2(denom), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=hmask)
+    else:
+        base = (row * n_heads + heads) * RANK
+    _store_group(out_ptr, base, acc0, denom, hmask, 0, GROUP, not SPLIT, UPCAST)
+    _store_group(out_ptr, base, acc1, denom, hmask, 1, GROUP, not SPLIT, UPCAST)
+    _store_group(out_ptr, base, acc2, denom, hmask, 2, GROUP, not SPLIT, UPCAST)
+    _store_group(out_ptr, base, acc3, denom, hmask, 3, GROUP, not SPLIT, UPCAST)
+
+
+@triton.jit
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_C: tl.constexpr, UPCAST: tl.constexpr):
     """One program: one row, BLOCK_H heads, BLOCK_C output columns. Merges the n_splits partial
@@ -449,7 +568,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None,
-               qk_fp8: bool | None = None) -> torch.Tensor:
+               qk_fp8: bool | None = None, swap_ab: bool = False) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -470,7 +589,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     ``prefetch``: reads the next tile's slots ahead by hand. ``groups4``: the fused fp8 tile as
     ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
     ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized in the kernel with one scale per head and
-    scale group (the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v stays bf16.
+    scale group (the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v stays bf16. ``swap_ab`` (groups4
+    only): ``_sparse_mla_fp8x4t_kernel``, positions on the MMA's M side (same function and outputs).
 
     Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
     (groups4) with block_k 128 and 1 stage (H200 sweep of 2026-11-30, batch 64 x 128K: 218 us against
@@ -518,8 +638,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     else:
         partial, lse = out, out
     latent_scale_arg = latent_scale if fp8 else latent_nope
-    if qk_fp8 and not groups4:
-        raise ValueError("qk_fp8 needs the four-scale-group kernel (groups4)")
+    if (qk_fp8 or swap_ab) and not groups4:
+        raise ValueError("qk_fp8 and swap_ab need the four-scale-group kernel (groups4)")
     if groups4:
         if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank):
             raise ValueError("groups4 needs an fp8 latent of four scale groups and the fused tile")
@@ -527,7 +647,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             q_arg, q_scale = quantize_q_groups(q_nope, group)
         else:
             q_arg, q_scale = q_nope.contiguous(), latent_scale
-        _sparse_mla_fp8x4_kernel[(n_rows, head_blocks, splits)](
+        kernel = _sparse_mla_fp8x4t_kernel if swap_ab else _sparse_mla_fp8x4_kernel
+        kernel[(n_rows, head_blocks, splits)](
             q_arg, q_rope.contiguous(), q_scale, latent_nope, latent_scale, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
             partial, lse,

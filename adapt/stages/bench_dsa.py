@@ -642,7 +642,7 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
         "index_scores decode": ("key_block", "num_stages", "num_warps", "programs"),
         "index_scores prefill 4096": ("rows_per_tile", "num_stages", "num_warps"),
         "sparse_mla decode b64": ("block_h", "block_k", "v_split", "qk_chunk", "num_warps", "num_stages",
-                                  "splits", "prefetch", "groups4", "qk_fp8"),
+                                  "splits", "prefetch", "groups4", "qk_fp8", "swap_ab"),
     }
     names = {
         "index_scores decode": "decode_index",
@@ -794,21 +794,24 @@ PREFILL_INDEX_SWEEP = (
 
 # Sparse MLA decode tiles for the acceptance run (batch 64 x 128K), 64 heads x 8 warps each, all the
 # four-scale-group kernel (groups4). sm_90 AOT (benchmarks/sparse_mla_sass.py, Triton 3.6 of the CPU venv),
-# shared KB / registers / spill bytes: bf16 q.k, 128 positions, 1 stage (200 / 255 / 380: the default,
-# 203 us at batch 64 on 2026-11-30, benchmarks/gpu-2026-11-30-dsa-s2); bf16 q.k, 64 positions, 2 stages,
-# prefetch (227 us there); q.k in e4m3 (qk_fp8): 128 positions 1 stage (168 / 255 / 2408), 64 positions
-# 1 stage (104 / 255 / 444), 2 stages (154 / 255 / 408), 2 stages + prefetch (154 / 255 / 240),
-# 3 stages + prefetch (196 / 255 / 656), 32 positions 3 stages + prefetch (118 / 255 / 76).
+# shared KB / registers / spill bytes / SASS instructions in the loop: bf16 q.k, 128 positions, 1 stage
+# (200 / 255 / 380 / 2636: the default, 203 us at batch 64 on 2026-11-30, benchmarks/gpu-2026-11-30-dsa-s2);
+# q.k in e4m3 (qk_fp8): 128 positions 1 stage (168 / 255 / 2408 / 4699), 64 positions 2 stages + prefetch
+# (154 / 255 / 240 / 2371), 3 stages + prefetch (196 / 255 / 656 / 2699), 32 positions 3 stages + prefetch
+# (118 / 255 / 76 / 1461); positions on the q.k MMA's M side (swap_ab): 128 positions (216 / 255 / 584 /
+# 3249), with qk_fp8 (184 / 255 / 956 / 2685), 64 positions 2 stages + prefetch (193 / 255 / 152 / 2564),
+# with qk_fp8 (162 / 255 / 568 / 2105).
 _FUSED = dict(block_h=64, v_split=1, qk_chunk=512, num_warps=8, groups4=True)
 ACCEPTANCE_MLA_SWEEP = (
     dict(_FUSED, block_k=128, num_stages=1),
-    dict(_FUSED, block_k=64, num_stages=2, prefetch=True),
     dict(_FUSED, block_k=128, num_stages=1, qk_fp8=True),
-    dict(_FUSED, block_k=64, num_stages=1, qk_fp8=True),
-    dict(_FUSED, block_k=64, num_stages=2, qk_fp8=True),
     dict(_FUSED, block_k=64, num_stages=2, prefetch=True, qk_fp8=True),
     dict(_FUSED, block_k=64, num_stages=3, prefetch=True, qk_fp8=True),
     dict(_FUSED, block_k=32, num_stages=3, prefetch=True, qk_fp8=True),
+    dict(_FUSED, block_k=128, num_stages=1, swap_ab=True),
+    dict(_FUSED, block_k=128, num_stages=1, swap_ab=True, qk_fp8=True),
+    dict(_FUSED, block_k=64, num_stages=2, prefetch=True, swap_ab=True),
+    dict(_FUSED, block_k=64, num_stages=2, prefetch=True, swap_ab=True, qk_fp8=True),
 )
 
 

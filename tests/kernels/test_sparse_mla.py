@@ -79,6 +79,8 @@ def dequantized_q(q_nope, layer):
     ("fp8", {"groups4": True, "splits": 3}),
     ("fp8", {"groups4": True, "qk_fp8": True}),       # q.k e4m3 x e4m3, q quantized in the kernel
     ("fp8", {"groups4": True, "qk_fp8": True, "splits": 3, "prefetch": True}),
+    ("fp8", {"groups4": True, "swap_ab": True, "splits": 3}),  # q.k with positions on the MMA's M side
+    ("fp8", {"groups4": True, "swap_ab": True, "qk_fp8": True, "prefetch": True}),
 ])
 def test_sparse_mla_matches_twin_and_reference(device, latent_format, tiles):
     rank, groups = (64, 4) if tiles.get("groups4") else (32, 2)
@@ -132,6 +134,8 @@ def test_rows_without_positions_are_zero_and_masked_slots_unread(device, splits)
     {"groups4": True, "block_k": 64, "num_stages": 2, "prefetch": True, "splits": 8},
     {"groups4": True, "qk_fp8": True},
     {"groups4": True, "qk_fp8": True, "block_k": 64, "num_stages": 2, "prefetch": True, "splits": 8},
+    {"groups4": True, "swap_ab": True},
+    {"groups4": True, "swap_ab": True, "qk_fp8": True, "block_k": 64, "num_stages": 2, "prefetch": True, "splits": 8},
 ])
 def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
     """128 heads, latent 512 + 64, top-2048 over 5000 cached tokens, against float64."""
