@@ -264,16 +264,13 @@ def _raw_chunk(nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.const
 
 
 @triton.jit
-def _qk_fp8_group(s, q8, q_scale, nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.constexpr,
-                  GROUP: tl.constexpr, UPCAST: tl.constexpr):
-    """Scale group ``c`` of a tile with q.k in fp8: (s + (q8 . c8^T) * q_scale x row scale, the group's
-    rows dequantized to bf16 [BLOCK_K, GROUP] for p @ v: the values ``_dequant_chunk`` gives)."""
-    c8, sc = _raw_chunk(nope_ptr, scale_ptr, slot, valid, c, RANK, GROUP, UPCAST)
-    s += tl.dot(q8, tl.trans(c8)) * (q_scale[:, None] * sc[None, :])
+def _bf16_rows(c8, sc, UPCAST: tl.constexpr):
+    """bf16 [BLOCK_K, GROUP] of stored e4m3 rows ``c8`` times their scales ``sc`` [BLOCK_K] (fp32 under the
+    interpreter): the p @ v operand, the values ``_dequant_chunk`` gives."""
     kv = _to_bf16(c8.to(tl.float32) * sc[:, None], UPCAST)
     if UPCAST:
         kv = kv.to(tl.float32)
-    return s, kv
+    return kv
 
 
 @triton.jit
@@ -348,19 +345,32 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
         slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
                                                    slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
-        if UPCAST:
-            k_rope = k_rope.to(tl.float32)
-        s = tl.dot(q_rope, tl.trans(k_rope))
+        # every gathered load of the tile is issued before the first MMA: an MMA between them puts a second
+        # memory round trip into each tile (H200, 2026-11-30: 297 us against 203-218 us at batch 64)
         if QK_FP8:
-            s, kv0 = _qk_fp8_group(s, q0, qs0, nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
-            s, kv1 = _qk_fp8_group(s, q1, qs1, nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
-            s, kv2 = _qk_fp8_group(s, q2, qs2, nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
-            s, kv3 = _qk_fp8_group(s, q3, qs3, nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+            c0, sc0 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
+            c1, sc1 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
+            c2, sc2 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
+            c3, sc3 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+            if UPCAST:
+                k_rope = k_rope.to(tl.float32)
+            s = tl.dot(q_rope, tl.trans(k_rope))
+            s += tl.dot(q0, tl.trans(c0)) * (qs0[:, None] * sc0[None, :])
+            s += tl.dot(q1, tl.trans(c1)) * (qs1[:, None] * sc1[None, :])
+            s += tl.dot(q2, tl.trans(c2)) * (qs2[:, None] * sc2[None, :])
+            s += tl.dot(q3, tl.trans(c3)) * (qs3[:, None] * sc3[None, :])
+            kv0 = _bf16_rows(c0, sc0, UPCAST)
+            kv1 = _bf16_rows(c1, sc1, UPCAST)
+            kv2 = _bf16_rows(c2, sc2, UPCAST)
+            kv3 = _bf16_rows(c3, sc3, UPCAST)
         else:
             kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
             kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
             kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
             kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+            if UPCAST:
+                k_rope = k_rope.to(tl.float32)
+            s = tl.dot(q_rope, tl.trans(k_rope))
             s = tl.dot(q0, tl.trans(kv0), s)
             s = tl.dot(q1, tl.trans(kv1), s)
             s = tl.dot(q2, tl.trans(kv2), s)
@@ -392,19 +402,15 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
 
 
 @triton.jit
-def _qk_group_t(s_t, q, q_scale, nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.constexpr,
-                GROUP: tl.constexpr, QK_FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """Scale group ``c`` of a tile in the swapped form: (s_t [BLOCK_K, BLOCK_H] + rows . q^T, the group's
-    dequantized rows bf16 [BLOCK_K, GROUP] for p @ v). QK_FP8: q is e4m3 and the stored e4m3 rows enter
-    the MMA as loaded, the product times the row scale x q's per-head scale."""
+def _qk_group_t(s_t, q, q_scale, c8, sc, QK_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """One scale group of a tile in the swapped form, from its stored e4m3 rows ``c8`` [BLOCK_K, GROUP] and
+    scales ``sc``: (s_t [BLOCK_K, BLOCK_H] + rows . q^T, the rows dequantized to bf16 for p @ v). QK_FP8: q
+    is e4m3 and ``c8`` enters the MMA as stored, the product times the row scale x q's per-head scale;
+    else the dequantized rows do."""
+    kv = _bf16_rows(c8, sc, UPCAST)
     if QK_FP8:
-        c8, sc = _raw_chunk(nope_ptr, scale_ptr, slot, valid, c, RANK, GROUP, UPCAST)
         s_t += tl.dot(c8, tl.trans(q)) * (sc[:, None] * q_scale[None, :])
-        kv = _to_bf16(c8.to(tl.float32) * sc[:, None], UPCAST)
-        if UPCAST:
-            kv = kv.to(tl.float32)
     else:
-        kv = _dequant_chunk(nope_ptr, scale_ptr, slot, valid, c, RANK, GROUP, UPCAST)
         s_t = tl.dot(kv, tl.trans(q), s_t)
     return s_t, kv
 
@@ -477,13 +483,17 @@ def _sparse_mla_fp8x4t_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, 
         slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
                                                    slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
+        c0, sc0 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)  # all loads first
+        c1, sc1 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
+        c2, sc2 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
+        c3, sc3 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
         if UPCAST:
             k_rope = k_rope.to(tl.float32)
         s_t = tl.dot(k_rope, tl.trans(q_rope))
-        s_t, kv0 = _qk_group_t(s_t, q0, qs0, nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, QK_FP8, UPCAST)
-        s_t, kv1 = _qk_group_t(s_t, q1, qs1, nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, QK_FP8, UPCAST)
-        s_t, kv2 = _qk_group_t(s_t, q2, qs2, nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, QK_FP8, UPCAST)
-        s_t, kv3 = _qk_group_t(s_t, q3, qs3, nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, QK_FP8, UPCAST)
+        s_t, kv0 = _qk_group_t(s_t, q0, qs0, c0, sc0, QK_FP8, UPCAST)
+        s_t, kv1 = _qk_group_t(s_t, q1, qs1, c1, sc1, QK_FP8, UPCAST)
+        s_t, kv2 = _qk_group_t(s_t, q2, qs2, c2, sc2, QK_FP8, UPCAST)
+        s_t, kv3 = _qk_group_t(s_t, q3, qs3, c3, sc3, QK_FP8, UPCAST)
         s_t = tl.where(valid[:, None], s_t * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -640,6 +650,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     latent_scale_arg = latent_scale if fp8 else latent_nope
     if (qk_fp8 or swap_ab) and not groups4:
         raise ValueError("qk_fp8 and swap_ab need the four-scale-group kernel (groups4)")
+    if qk_fp8 and group < 32 and not interpreting:
+        raise ValueError(f"qk_fp8 needs scale groups of at least 32 columns (an fp8 MMA's K), not {group}")
     if groups4:
         if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank):
             raise ValueError("groups4 needs an fp8 latent of four scale groups and the fused tile")
