@@ -35,9 +35,10 @@ PTRS = dict(qn_ptr="bf16", qr_ptr="bf16", qscale_ptr="fp32", nope_ptr="fp8e4nv",
 
 
 def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool = False):
-    """``_sparse_mla_fp8x4_kernel`` (``_sparse_mla_fp8x4t_kernel`` with swap_ab) for sm_90 with the given
-    constexprs (pointers 16-byte aligned)."""
-    kern = sm._sparse_mla_fp8x4t_kernel if swap_ab else sm._sparse_mla_fp8x4_kernel
+    """``_sparse_mla_fp8x4_kernel`` for sm_90 with the given constexprs (SWAP_AB from swap_ab; pointers
+    16-byte aligned)."""
+    kern = sm._sparse_mla_fp8x4_kernel
+    const = dict(const, SWAP_AB=bool(swap_ab))
     ptrs = dict(PTRS, out_ptr="fp32" if const.get("SPLIT") else "bf16", qn_ptr="fp8e4nv" if const.get("QK_FP8")
                 else "bf16")
     sig = {name: ("constexpr" if name in const else "*" + ptrs[name] if name in ptrs

@@ -274,6 +274,37 @@ def _bf16_rows(c8, sc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _q_groups(qn_ptr, qscale_ptr, q_base, row, heads, hmask, n_heads, RANK: tl.constexpr, GROUP: tl.constexpr,
+              QK_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """The row's q in four [BLOCK_H, GROUP] slices (bf16, or e4m3 with QK_FP8) and, with QK_FP8, their fp32
+    scales [BLOCK_H] per slice (zeros otherwise, never read)."""
+    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
+    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
+    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
+    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+    if QK_FP8:
+        qs_base = (row * n_heads + heads) * (RANK // GROUP)
+        qs0 = tl.load(qscale_ptr + qs_base, mask=hmask, other=0.0)
+        qs1 = tl.load(qscale_ptr + qs_base + 1, mask=hmask, other=0.0)
+        qs2 = tl.load(qscale_ptr + qs_base + 2, mask=hmask, other=0.0)
+        qs3 = tl.load(qscale_ptr + qs_base + 3, mask=hmask, other=0.0)
+    else:
+        qs0 = tl.zeros_like(heads).to(tl.float32)
+        qs1 = qs0
+        qs2 = qs0
+        qs3 = qs0
+    return q0, q1, q2, q3, qs0, qs1, qs2, qs3
+
+
+@triton.jit
+def _group_state(BLOCK_H: tl.constexpr, GROUP: tl.constexpr):
+    """Online-softmax state of the four-group kernels: running maximum (-inf) and sum [BLOCK_H], and four
+    fp32 [BLOCK_H, GROUP] output accumulators (zeros)."""
+    acc = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    return tl.full([BLOCK_H], float("-inf"), tl.float32), tl.zeros([BLOCK_H], tl.float32), acc, acc, acc, acc
+
+
+@triton.jit
 def _q_chunk(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
     q = tl.load(qn_ptr + q_base + c * GROUP + tl.arange(0, GROUP)[None, :], mask=hmask[:, None], other=0.0)
     if UPCAST:
@@ -295,7 +326,7 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
                              idx_ptr, out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                             PREFETCH: tl.constexpr, QK_FP8: tl.constexpr = False):
+                             PREFETCH: tl.constexpr, QK_FP8: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
     """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
     per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
     and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
@@ -307,7 +338,17 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
     MMA reads q from shared memory: quantized in the kernel, Triton kept the four e4m3 slices in registers
     as the MMA's A operand and the sm_90 build spilled 2.7 KB). Each gathered e4m3 group enters the q.k
     MMA as loaded (no dequantization for q.k) and the group's logits [BLOCK_H, BLOCK_K] take the product
-    of the two scales; the dequantized bf16 rows still feed p @ v."""
+    of the two scales; the dequantized bf16 rows still feed p @ v.
+
+    SWAP_AB: q.k with its MMA operands swapped, positions on the MMA's M side: logits s^T [BLOCK_K, BLOCK_H]
+    = rows . q^T, softmax down the positions (axis 0), and p @ v takes p = (p^T)^T [BLOCK_H, BLOCK_K] into
+    the four [BLOCK_H, GROUP] accumulators as without it. Why (read from the sm_90 build, Triton 3.6): with
+    64 heads on M and 8 warps, Triton lays the chained q.k result out with all 8 warps along M
+    (warpsPerCTA [8, 1]: 128 rows of MMA for 64 heads), so both warpgroups compute the same q.k and the
+    same softmax (104 HGMMA in the loop of 128 positions); with 128 positions on M each warpgroup takes 64
+    of them (68 HGMMA). The cost: the rows feed q.k as its A operand, which Triton keeps in registers
+    (bf16 q.k: the four dequantized tiles, 2.3 KB of spills; with QK_FP8 the stored e4m3 tiles). Swapping
+    p @ v too (rows^T as A) kept the rows in registers for a transpose and spilled 2.2 KB: not an option."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -315,30 +356,12 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
     rcols = tl.arange(0, ROPE)
     q_base = (row * n_heads + heads[:, None]) * RANK
     q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
-    if QK_FP8:
-        qs_base = (row * n_heads + heads) * (RANK // GROUP)
-        q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
-        q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
-        q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
-        q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
-        qs0 = tl.load(qscale_ptr + qs_base, mask=hmask, other=0.0)
-        qs1 = tl.load(qscale_ptr + qs_base + 1, mask=hmask, other=0.0)
-        qs2 = tl.load(qscale_ptr + qs_base + 2, mask=hmask, other=0.0)
-        qs3 = tl.load(qscale_ptr + qs_base + 3, mask=hmask, other=0.0)
-    else:
-        q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
-        q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
-        q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
-        q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+    q0, q1, q2, q3, qs0, qs1, qs2, qs3 = _q_groups(qn_ptr, qscale_ptr, q_base, row, heads, hmask, n_heads, RANK,
+                                                   GROUP, QK_FP8, UPCAST)
     seq = tl.load(seq_ptr + row).to(tl.int64)
     first = split * positions_per_split
     last = tl.minimum(first + positions_per_split, topk)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = _group_state(BLOCK_H, GROUP)
     slot_n, valid_n = _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE,
                                    PREFETCH)
     for k0 in range(first, last, BLOCK_K):
@@ -347,22 +370,31 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
         # every gathered load of the tile is issued before the first MMA: an MMA between them puts a second
         # memory round trip into each tile (H200, 2026-11-30: 297 us against 203-218 us at batch 64)
-        if QK_FP8:
+        if QK_FP8 or SWAP_AB:
             c0, sc0 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
             c1, sc1 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
             c2, sc2 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
             c3, sc3 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            s = tl.dot(q_rope, tl.trans(k_rope))
-            s += tl.dot(q0, tl.trans(c0)) * (qs0[:, None] * sc0[None, :])
-            s += tl.dot(q1, tl.trans(c1)) * (qs1[:, None] * sc1[None, :])
-            s += tl.dot(q2, tl.trans(c2)) * (qs2[:, None] * sc2[None, :])
-            s += tl.dot(q3, tl.trans(c3)) * (qs3[:, None] * sc3[None, :])
-            kv0 = _bf16_rows(c0, sc0, UPCAST)
-            kv1 = _bf16_rows(c1, sc1, UPCAST)
-            kv2 = _bf16_rows(c2, sc2, UPCAST)
-            kv3 = _bf16_rows(c3, sc3, UPCAST)
+            if SWAP_AB:
+                s_t = tl.dot(k_rope, tl.trans(q_rope))
+                s_t, kv0 = _qk_group_t(s_t, q0, qs0, c0, sc0, QK_FP8, UPCAST)
+                s_t, kv1 = _qk_group_t(s_t, q1, qs1, c1, sc1, QK_FP8, UPCAST)
+                s_t, kv2 = _qk_group_t(s_t, q2, qs2, c2, sc2, QK_FP8, UPCAST)
+                s_t, kv3 = _qk_group_t(s_t, q3, qs3, c3, sc3, QK_FP8, UPCAST)
+                p, alpha, m_new, l_i = _softmax_step_t(s_t, valid, scale_log2, m_i, l_i)
+            else:
+                s = tl.dot(q_rope, tl.trans(k_rope))
+                s += tl.dot(q0, tl.trans(c0)) * (qs0[:, None] * sc0[None, :])
+                s += tl.dot(q1, tl.trans(c1)) * (qs1[:, None] * sc1[None, :])
+                s += tl.dot(q2, tl.trans(c2)) * (qs2[:, None] * sc2[None, :])
+                s += tl.dot(q3, tl.trans(c3)) * (qs3[:, None] * sc3[None, :])
+                kv0 = _bf16_rows(c0, sc0, UPCAST)
+                kv1 = _bf16_rows(c1, sc1, UPCAST)
+                kv2 = _bf16_rows(c2, sc2, UPCAST)
+                kv3 = _bf16_rows(c3, sc3, UPCAST)
+                p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
         else:
             kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
             kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
@@ -375,7 +407,7 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
             s = tl.dot(q1, tl.trans(kv1), s)
             s = tl.dot(q2, tl.trans(kv2), s)
             s = tl.dot(q3, tl.trans(kv3), s)
-        p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
+            p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
         acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
         acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
         acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
@@ -416,108 +448,15 @@ def _qk_group_t(s_t, q, q_scale, c8, sc, QK_FP8: tl.constexpr, UPCAST: tl.conste
 
 
 @triton.jit
-def _store_group(out_ptr, base, acc, denom, hmask, c: tl.constexpr, GROUP: tl.constexpr, TO_BF16: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """Output columns c * GROUP .. of [rows, heads, RANK] from acc [BLOCK_H, GROUP] / denom [BLOCK_H];
-    ``base`` [BLOCK_H] is the heads' row offset (elements)."""
-    ptrs = out_ptr + base[:, None] + c * GROUP + tl.arange(0, GROUP)[None, :]
-    out = acc / denom[:, None]
-    if TO_BF16:
-        tl.store(ptrs, _to_bf16(out, UPCAST), mask=hmask[:, None])
-    else:
-        tl.store(ptrs, out, mask=hmask[:, None])
-
-
-@triton.jit
-def _sparse_mla_fp8x4t_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr,
-                              idx_ptr, out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
-                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                              PREFETCH: tl.constexpr, QK_FP8: tl.constexpr):
-    """``_sparse_mla_fp8x4_kernel`` with the q.k MMA's operands swapped: positions on the MMA's M side.
-    Logits are s^T [BLOCK_K, BLOCK_H] = rows . q^T, softmax runs down the positions (axis 0), and p @ v
-    takes p = (p^T)^T [BLOCK_H, BLOCK_K] into four [BLOCK_H, GROUP] accumulators as there.
-
-    Why (read from the sm_90 build of the four-group kernel, Triton 3.6): with 64 heads on M and 8 warps,
-    Triton lays the chained q.k result out with all 8 warps along M (warpsPerCTA [8, 1]: 128 rows of
-    MMA for 64 heads), so both warpgroups compute the same q.k and the same softmax (104 HGMMA in the
-    loop of 128 positions); with 128 positions on M each warpgroup takes 64 of them (68 HGMMA). The cost:
-    the dequantized rows feed two MMAs in two layouts (q.k's A, p @ v's B), which the build converts
-    twice (528 F2FP against 288). Swapping p @ v too (rows^T as A) kept the rows in registers for a
-    transpose and spilled 2.2 KB, so it is not an option.
-    Same grid, arguments and outputs as ``_sparse_mla_fp8x4_kernel`` (QK_FP8 as there)."""
-    row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    hmask = heads < n_heads
-    rcols = tl.arange(0, ROPE)
-    q_base = (row * n_heads + heads[:, None]) * RANK
-    q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
-    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
-    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
-    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
-    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
-    if QK_FP8:
-        qs_base = (row * n_heads + heads) * (RANK // GROUP)
-        qs0 = tl.load(qscale_ptr + qs_base, mask=hmask, other=0.0)
-        qs1 = tl.load(qscale_ptr + qs_base + 1, mask=hmask, other=0.0)
-        qs2 = tl.load(qscale_ptr + qs_base + 2, mask=hmask, other=0.0)
-        qs3 = tl.load(qscale_ptr + qs_base + 3, mask=hmask, other=0.0)
-    else:
-        qs0 = tl.zeros([BLOCK_H], tl.float32)
-        qs1 = qs0
-        qs2 = qs0
-        qs3 = qs0
-    seq = tl.load(seq_ptr + row).to(tl.int64)
-    first = split * positions_per_split
-    last = tl.minimum(first + positions_per_split, topk)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    slot_n, valid_n = _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE,
-                                   PREFETCH)
-    for k0 in range(first, last, BLOCK_K):
-        slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
-                                                   slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
-        k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
-        c0, sc0 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)  # all loads first
-        c1, sc1 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
-        c2, sc2 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
-        c3, sc3 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
-        if UPCAST:
-            k_rope = k_rope.to(tl.float32)
-        s_t = tl.dot(k_rope, tl.trans(q_rope))
-        s_t, kv0 = _qk_group_t(s_t, q0, qs0, c0, sc0, QK_FP8, UPCAST)
-        s_t, kv1 = _qk_group_t(s_t, q1, qs1, c1, sc1, QK_FP8, UPCAST)
-        s_t, kv2 = _qk_group_t(s_t, q2, qs2, c2, sc2, QK_FP8, UPCAST)
-        s_t, kv3 = _qk_group_t(s_t, q3, qs3, c3, sc3, QK_FP8, UPCAST)
-        s_t = tl.where(valid[:, None], s_t * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p_t = tl.exp2(s_t - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, axis=0)
-        p = tl.trans(p_t)
-        acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
-        acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
-        acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
-        acc3 = _pv(acc3, p, kv3, alpha, UPCAST)
-        m_i = m_new
-    denom = tl.where(l_i > 0, l_i, 1.0)
-    if SPLIT:
-        part = (row * tl.num_programs(2) + split) * n_heads + heads
-        base = part * RANK
-        lse = tl.where(l_i > 0, m_i + tl.log2(denom), float("-inf"))
-        tl.store(lse_ptr + part, lse, mask=hmask)
-    else:
-        base = (row * n_heads + heads) * RANK
-    _store_group(out_ptr, base, acc0, denom, hmask, 0, GROUP, not SPLIT, UPCAST)
-    _store_group(out_ptr, base, acc1, denom, hmask, 1, GROUP, not SPLIT, UPCAST)
-    _store_group(out_ptr, base, acc2, denom, hmask, 2, GROUP, not SPLIT, UPCAST)
-    _store_group(out_ptr, base, acc3, denom, hmask, 3, GROUP, not SPLIT, UPCAST)
+def _softmax_step_t(s_t, valid, scale_log2, m_i, l_i):
+    """``_softmax_step`` on transposed logits s_t [BLOCK_K, BLOCK_H] (down the positions): (p [BLOCK_H,
+    BLOCK_K], the factor that rescales the earlier sums, the new maximum, the new sum)."""
+    s_t = tl.where(valid[:, None], s_t * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p_t = tl.exp2(s_t - m_safe[None, :])
+    return tl.trans(p_t), alpha, m_new, l_i * alpha + tl.sum(p_t, axis=0)
 
 
 @triton.jit
@@ -600,7 +539,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
     ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized in the kernel with one scale per head and
     scale group (the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v stays bf16. ``swap_ab`` (groups4
-    only): ``_sparse_mla_fp8x4t_kernel``, positions on the MMA's M side (same function and outputs).
+    only): q.k with positions on the MMA's M side (``_sparse_mla_fp8x4_kernel``'s SWAP_AB; same function).
 
     Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
     (groups4) with block_k 128 and 1 stage (H200 sweep of 2026-11-30, batch 64 x 128K: 218 us against
@@ -659,14 +598,14 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             q_arg, q_scale = quantize_q_groups(q_nope, group)
         else:
             q_arg, q_scale = q_nope.contiguous(), latent_scale
-        kernel = _sparse_mla_fp8x4t_kernel if swap_ab else _sparse_mla_fp8x4_kernel
-        kernel[(n_rows, head_blocks, splits)](
+        _sparse_mla_fp8x4_kernel[(n_rows, head_blocks, splits)](
             q_arg, q_rope.contiguous(), q_scale, latent_nope, latent_scale, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
-            UPCAST=interpreting, PREFETCH=bool(prefetch), QK_FP8=bool(qk_fp8), num_warps=num_warps,
+            UPCAST=interpreting, PREFETCH=bool(prefetch), QK_FP8=bool(qk_fp8), SWAP_AB=bool(swap_ab),
+            num_warps=num_warps,
             num_stages=num_stages,
         )
     else:
