@@ -67,6 +67,7 @@ from adapt.kernels.mxfp4 import (
     decode_mxfp4_tile_fp8,
     decode_mxfp4_words,
     dequantize_mxfp4_torch,
+    fold_words_fp8,
     mxfp4_to_fp8_torch,
     pow2_f32,
     to_bf16,
@@ -146,11 +147,13 @@ def _load_w_tile(
     W_MODE 0: MXFP4 read as int32 words (8 codes each) -> bf16 (fp32 under the interpreter), columns
     in ``word_k_order`` (k_words = K/8, passed so its divisibility gives 16-byte loads);
     1: MXFP4 bytes -> e4m3 folded relative to g_row; 2: e4m3 weights read as they are;
+    5 / 6: the same fold as 1 (bit-equal) by table look-up per 32-bit word (``mxfp4.fold_words_fp8``)
+    on the stored bytes (5) or on ``mxfp4.to_sign_split_words`` bytes (6);
     3: e4m3 weights of 128 x 128 block scales (the scale is applied to the block's partial sum),
     as they are for e4m3 activations (ACT_FP8), else widened to bf16; 4: bf16 weights as they are.
     Widened to fp32 under the interpreter (DOT_F32). w_ptr / sc_ptr already point at the expert (or slot).
     """
-    if W_MODE >= 2:
+    if W_MODE >= 2 and W_MODE <= 4:
         kk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + wrow[:, None] * k + kk[None, :], mask=n_ok[:, None] & (kk < k)[None, :], other=0.0)
         if W_MODE == 2 or (W_MODE == 3 and ACT_FP8):
@@ -159,6 +162,17 @@ def _load_w_tile(
             return w.to(tl.float32)
         else:
             return w.to(tl.bfloat16)
+    elif W_MODE >= 5:
+        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        jb = tl.arange(0, 16)
+        bm = n_ok[:, None] & (kb < k // 32)[None, :]
+        p = tl.load(
+            w_ptr + wrow[:, None, None] * (k // 2) + kb[None, :, None] * 16 + jb[None, None, :],
+            mask=bm[:, :, None],
+            other=0,
+        )
+        s = tl.load(sc_ptr + wrow[:, None] * (k // 32) + kb[None, :], mask=bm, other=0)
+        return fold_words_fp8(p, s, g_row, BLOCK_N, BLOCK_K, W_MODE == 6)
     elif W_MODE == 0:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -322,7 +336,7 @@ def _moe_gemm_kernel(
             ru = n * gate_mult + up_off
         g_g = tl.zeros((BLOCK_N,), tl.int32)
         g_u = tl.zeros((BLOCK_N,), tl.int32)
-        if W_MODE == 1 or W_MODE == 2:
+        if W_MODE == 1 or W_MODE == 2 or W_MODE >= 5:
             g_g = _row_exponent(sbase, rg, n_ok, k, W_MODE, BLOCK_N)
             if ACTIVATION != 0:
                 g_u = _row_exponent(sbase, ru, n_ok, k, W_MODE, BLOCK_N)
@@ -359,7 +373,7 @@ def _moe_gemm_kernel(
         if not SWAP:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
-        if W_MODE == 1 or W_MODE == 2:
+        if W_MODE == 1 or W_MODE == 2 or W_MODE >= 5:
             acc_g = acc_g * pow2_f32(g_g)[:, None]
             acc_u = acc_u * pow2_f32(g_u)[:, None]
         if ACT_FP8 and not ACT_GROUP:
@@ -408,6 +422,13 @@ def _mxfp4_operand(packed: torch.Tensor, scales: torch.Tensor, bias, fp8: bool) 
     k = packed.shape[-1] * 2
     w = packed if fp8 else packed.view(torch.int32)
     return _WeightOperand(w, scales, w.stride(0), scales.stride(0), bias, 1 if fp8 else 0, k)
+
+
+def folded_operand(packed: torch.Tensor, scales: torch.Tensor, bias, split: bool = False) -> _WeightOperand:
+    """MXFP4 bytes [E, N, K/2] (stored, or ``to_sign_split_words`` when split) folded to e4m3 in the GEMM
+    by table look-up (W_MODE 5 / 6): the offline path's operand values without the offline copy."""
+    k = packed.shape[-1] * 2
+    return _WeightOperand(packed, scales, packed.stride(0), scales.stride(0), bias, 6 if split else 5, k)
 
 
 def fp8_operand(w: torch.Tensor, exps: torch.Tensor, bias) -> _WeightOperand:
@@ -533,8 +554,10 @@ def _check_inputs(hidden: torch.Tensor, weights: MoEWeights, activation: str, co
         raise InputError(
             f"unknown activation {activation!r}", field="activation", hint=f"use one of {sorted(ACTIVATIONS)}"
         )
-    if compute not in ("bf16", "fp8"):
-        raise InputError(f"unknown compute path {compute!r}", field="compute", hint="use 'bf16' or 'fp8'")
+    if compute not in ("bf16", "fp8", "fp8_fold"):
+        raise InputError(
+            f"unknown compute path {compute!r}", field="compute", hint="use 'bf16', 'fp8' or 'fp8_fold'"
+        )
     if act_quant not in ("token", "group128"):
         raise InputError(
             f"unknown activation quantisation {act_quant!r}",
@@ -565,8 +588,14 @@ def expert_mlp(
     workspace=None,
     config: tuple[GemmConfig, GemmConfig] | tuple[PlanarConfig, PlanarConfig] | None = None,
     planar: PlanarExperts | None = None,
+    split_words: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """GEMM1 + SwiGLU + GEMM2 over expert-sorted slots: hidden bf16 [T, H] -> y bf16 [T*k, H] (sorted).
+
+    compute "fp8_fold": the offline FP8 path's arithmetic (e4m3 activations, the per-row e4m3 fold of the
+    MXFP4 weights, fp8 MMA) with the fold done inside the GEMM by table look-up from the MXFP4 bytes
+    (``folded_operand``), no FP8 copy or workspace; split_words: (w1, w2) ``to_sign_split_words`` bytes
+    of the same experts, read instead of the stored bytes.
 
     planar: the same experts in the planar layout (``PlanarExperts.from_weights``, load time); with
     compute "bf16" the GEMMs then run ``moe_planar.planar_gemm`` (config: a ``PlanarConfig`` pair).
@@ -577,10 +606,10 @@ def expert_mlp(
     act = ACTIVATIONS[activation]
     if isinstance(weights, StackedExperts):
         return _stacked_mlp(hidden, perm, weights, top_k, act, alpha, limit, compute, act_quant, config)
-    use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
+    use_fp8 = compute in ("fp8", "fp8_fold") or fp8_weights is not None or workspace is not None
     if planar is not None and not use_fp8:
         return _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config)
-    stored = fp8_weights is not None or workspace is not None
+    stored = fp8_weights is not None or workspace is not None or compute == "fp8_fold"
     kind = "fp8_stored" if stored else ("fp8" if use_fp8 else "bf16")
     c1, c2 = config if config is not None else pick_configs(s, e, kind)
     if c1.block_m != c2.block_m:
@@ -615,6 +644,17 @@ def expert_mlp(
     xq, xs = quantize_fp8_rows(hidden, group)
     hq = torch.empty(s, inter, dtype=torch.float8_e4m3fn, device=dev)
     hs = torch.empty((s,) if group is None else (s, inter // group), dtype=torch.float32, device=dev)
+    if compute == "fp8_fold" and fp8_weights is None and workspace is None:
+        sw = split_words
+        op1 = folded_operand(sw[0] if sw else weights.w1_packed, weights.w1_scales, weights.w1_bias, sw is not None)
+        op2 = folded_operand(sw[1] if sw else weights.w2_packed, weights.w2_scales, weights.w2_bias, sw is not None)
+        moe_gemm(
+            xq, xs, op1, perm, tiles, hbuf, gather=True, activation=act, interleaved=weights.gate_up_interleaved,
+            cfg=c1, **common,
+        )
+        quantize_fp8_rows(hbuf, group, out=(hq, hs))
+        moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
+        return y
     if workspace is not None:
         workspace.run_layer(
             weights,
@@ -808,10 +848,11 @@ def expert_mlp_torch(
     workspace=None,
     config=None,
     planar=None,
+    split_words=None,
 ) -> torch.Tensor:
     """Twin of ``expert_mlp``: per-expert fp32 loops on the same quantised operands -> bf16 [S, H]
     (``planar`` holds the same values as ``weights``: the twin reads ``weights``)."""
-    use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
+    use_fp8 = compute in ("fp8", "fp8_fold") or fp8_weights is not None or workspace is not None
     if isinstance(weights, StackedExperts):
         w1, w2 = weights.dense()  # bf16 or FP8 values times their block scales, exactly, in fp32
     elif use_fp8:
