@@ -166,12 +166,13 @@ def _load_w_tile(
         kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         jb = tl.arange(0, 16)
         bm = n_ok[:, None] & (kb < k // 32)[None, :]
+        # k_words = K/32 here: row pitches formed from it are known multiples of 16 bytes (16-byte loads)
         p = tl.load(
-            w_ptr + wrow[:, None, None] * (k // 2) + kb[None, :, None] * 16 + jb[None, None, :],
+            w_ptr + wrow[:, None, None] * (k_words * 16) + kb[None, :, None] * 16 + jb[None, None, :],
             mask=bm[:, :, None],
             other=0,
         )
-        s = tl.load(sc_ptr + wrow[:, None] * (k // 32) + kb[None, :], mask=bm, other=0)
+        s = tl.load(sc_ptr + wrow[:, None] * k_words + kb[None, :], mask=bm, other=0)
         return fold_words_fp8(p, s, g_row, BLOCK_N, BLOCK_K, W_MODE == 6)
     elif W_MODE == 0:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -513,7 +514,7 @@ def moe_gemm(
         slot_base,
         n_out,
         op.k,
-        op.k // 8,
+        op.k // 32 if op.mode >= 5 else op.k // 8,
         gate_mult,
         up_off,
         float(alpha),

@@ -664,7 +664,7 @@ _FOLD_TABLE_ASM = tl.constexpr("""
 {
 .reg .b16 h, e0, e1, e2, e3;
 .reg .b32 s, c, p;
-cvt.rn.f16.f32 h, $2;
+cvt.rn.f16.f32 h, $1;
 mov.b32 s, {h, h};
 mov.b32 c, 0x38000000;
 mul.rn.f16x2 p, s, c;
@@ -678,11 +678,10 @@ cvt.rn.satfinite.e4m3x2.f16x2 e2, p;
 mov.b32 c, 0x46004400;
 mul.rn.f16x2 p, s, c;
 cvt.rn.satfinite.e4m3x2.f16x2 e3, p;
-mov.b32 $0, {e0, e1};
-mov.b32 $1, {e2, e3};
+mov.b64 $0, {e0, e1, e2, e3};
 }
 """)
-"""PTX: fp32 2**d ($2) -> ($0, $1) the e4m3 bytes of E2M1 magnitudes 0..3 and 4..7 times 2**d, computed
+"""PTX: fp32 2**d ($1) -> $0: the e4m3 bytes of E2M1 magnitudes 0..7 times 2**d (byte j), computed
 as the offline fold computes every element (fp16 code times the fp16 step, one fp16 -> e4m3 conversion),
 so a table entry is bit-equal to ``decode_mxfp4_tile_fp8``'s byte for that code and shift."""
 
@@ -697,30 +696,29 @@ def _fold_entry(step16, v: tl.constexpr, sh: tl.constexpr):
 
 @triton.jit
 def fold_tables(d):
-    """Fold shifts d (int32, <= 6; any tensor shape) -> (t0, t1) uint32 of the same shape: byte j of
-    t0 / t1 is e4m3(E2M1 magnitude j / 4 + j times 2**d), exact as the offline fold rounds it (d below
-    -40 gives zeros, as there). The word decode looks codes up in these 8 bytes."""
+    """Fold shifts d (int32, <= 6; any tensor shape) -> uint64 of the same shape: byte j is e4m3(E2M1
+    magnitude j times 2**d), exact as the offline fold rounds it (d below -40 gives zeros, as there).
+    The word decode looks codes up in these 8 bytes."""
     step = pow2_f32(tl.maximum(d, -40))
     if SOFT_E4M3_ROUNDING:
         s16 = step.to(tl.float16)
         t0 = _fold_entry(s16, 0.5, 8) | _fold_entry(s16, 1.0, 16) | _fold_entry(s16, 1.5, 24)
         t1 = _fold_entry(s16, 2.0, 0) | _fold_entry(s16, 3.0, 8) | _fold_entry(s16, 4.0, 16)
         t1 = t1 | _fold_entry(s16, 6.0, 24)
-        return t0, t1
+        return t0.to(tl.uint64) | (t1.to(tl.uint64) << 32)
     else:
-        return tl.inline_asm_elementwise(
-            _FOLD_TABLE_ASM, "=r,=r,r", [step], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1
-        )
+        return tl.inline_asm_elementwise(_FOLD_TABLE_ASM, "=l,r", [step], dtype=tl.uint64, is_pure=True, pack=1)
 
 
 _WORD_FOLD_ASM = tl.constexpr("""
 {
-.reg .b32 m, sb, r, x, a, b;
+.reg .b32 m, sb, r, x, a, t0, t1;
 mov.b32 a, $2;
+mov.b64 {t0, t1}, $3;
 and.b32 m, a, 0x77777777;
-prmt.b32 $0, $3, $7, m;
+prmt.b32 $0, t0, t1, m;
 shr.u32 sb, m, 16;
-prmt.b32 $1, $3, $7, sb;
+prmt.b32 $1, t0, t1, sb;
 prmt.b32 r, a, 0, 0x1100;
 shl.b32 x, r, 4;
 lop3.b32 x, x, r, 0x00800080, 0xE4;
@@ -737,12 +735,13 @@ nibble bit 3 moved to the byte's bit 7 (one permute, shift and two 3-input logic
 
 _WORD_FOLD_SPLIT_ASM = tl.constexpr("""
 {
-.reg .b32 m, sb, x, a;
+.reg .b32 m, sb, x, a, t0, t1;
 mov.b32 a, $2;
+mov.b64 {t0, t1}, $3;
 and.b32 m, a, 0x77777777;
-prmt.b32 $0, $3, $7, m;
+prmt.b32 $0, t0, t1, m;
 shr.u32 sb, m, 16;
-prmt.b32 $1, $3, $7, sb;
+prmt.b32 $1, t0, t1, sb;
 lop3.b32 $0, a, 0x80808080, $0, 0xEA;
 shl.b32 x, a, 4;
 lop3.b32 $1, x, 0x80808080, $1, 0xEA;
@@ -790,8 +789,10 @@ def fold_words_fp8(packed, scales, g_row, BLOCK_R: tl.constexpr, BLOCK_K: tl.con
     interpreter runs the same look-up with integer ops.
     """
     d = scales.to(tl.int32) - 127 - g_row[:, None]
-    t0, t1 = fold_tables(d)  # [R, K/32]
+    t = fold_tables(d)  # [R, K/32]
     if SOFT_E4M3_ROUNDING:
+        t0 = (t & 0xFFFFFFFF).to(tl.uint32)
+        t1 = (t >> 32).to(tl.uint32)
         b4 = tl.reshape(packed, (BLOCK_R, BLOCK_K // 32, 4, 4)).to(tl.uint32)
         sh = (tl.arange(0, 4) * 8).to(tl.uint32)
         w = tl.sum(b4 << sh[None, None, None, :], axis=3)  # [R, K/32, 4] little-endian words
@@ -811,12 +812,12 @@ def fold_words_fp8(packed, scales, g_row, BLOCK_R: tl.constexpr, BLOCK_K: tl.con
     else:
         if SPLIT:
             av, bv = tl.inline_asm_elementwise(
-                _WORD_FOLD_SPLIT_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [packed, t0[:, :, None], t1[:, :, None]],
+                _WORD_FOLD_SPLIT_ASM, "=r,=r,r,l,l,l,l", [packed, t[:, :, None]],
                 dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4,
             )
         else:
             av, bv = tl.inline_asm_elementwise(
-                _WORD_FOLD_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [packed, t0[:, :, None], t1[:, :, None]],
+                _WORD_FOLD_ASM, "=r,=r,r,l,l,l,l", [packed, t[:, :, None]],
                 dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4,
             )
         av = tl.reshape(av, (BLOCK_R, BLOCK_K // 32, 4, 4))
