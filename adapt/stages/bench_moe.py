@@ -34,6 +34,8 @@ from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _git_commit
 from adapt.bench.timer import graph_time_us, time_cuda
 from adapt.errors import InputError
+from adapt.kernels.moe_configs import GemmConfig
+from adapt.kernels.mxfp4 import to_sign_split_words
 from adapt.model.spec import load_spec
 from adapt.report import StageReport, load_gates
 
@@ -358,6 +360,28 @@ def _planar_parts(x, perm, planar, shape: dict) -> dict:
     return {"planar_gemm1": gemm1, "planar_gemm2": gemm2}
 
 
+LARGE_MIN_TOKENS = 4096
+"""With ``--large`` the FP8 paths (offline, workspace, in-GEMM fold) are timed from this T up."""
+
+_G = GemmConfig
+_M256_1 = _G(256, 64, 128, 8, 8, 3, 1, swap_ab=False)
+_M256_2 = _G(256, 128, 128, 8, 8, 3, 1, swap_ab=False)
+_K64 = _G(128, 128, 64, 8, 8, 3, 1, swap_ab=False)
+_SWAP64 = _G(128, 128, 64, 8, 8, 3, 1)
+_N64_2P = _G(128, 64, 64, 8, 4, 3, 2, swap_ab=False), _G(128, 128, 64, 8, 4, 3, 2, swap_ab=False)
+_BIG_T = 1 << 30
+FOLD_SWEEP = {
+    # name: (lowest T, highest T, GEMM1 config, GEMM2 config, sign-split words); token-major unless "swap"
+    "fp8_fold_m256_combine": (16384, _BIG_T, _M256_1, _M256_2, False),
+    "fp8_fold_m256_split_combine": (16384, _BIG_T, _M256_1, _M256_2, True),
+    "fp8_fold_m128k64_combine": (4096, _BIG_T, _K64, _K64, False),
+    "fp8_fold_swap_k64_combine": (4096, _BIG_T, _SWAP64, _SWAP64, False),
+    "fp8_fold_swap_k64_split_combine": (4096, _BIG_T, _SWAP64, _SWAP64, True),
+    "fp8_fold_m128n64_2p_combine": (4096, _BIG_T, *_N64_2P, False),
+}
+"""In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
+checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""
+
 WS_SCHEDULES = {
     "fp8_ws_side_combine": dict(schedule="side"),
     "fp8_ws_split16_combine": dict(schedule="split", reserve_sms=16),
@@ -445,15 +469,18 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 variants["planar_combine"] = _combined(partial(mlp, compute="bf16", planar=planar), topw, perm)
                 if t in PARTS_TOKENS:
                     variants |= _planar_parts(x, perm, planar, shape)
-            elif large:
+            if large and t >= LARGE_MIN_TOKENS:
                 if fp8 is None:
                     fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
-                    fp8 += tuple(FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE, **kw) for kw in WS_SCHEDULES.values())
+                    split = to_sign_split_words(routed.w1_packed), to_sign_split_words(routed.w2_packed)
                 variants["fp8_ws_combine"] = _combined(partial(mlp, workspace=fp8[1]), topw, perm)
                 variants["fp8_offline_combine"] = _combined(partial(mlp, fp8_weights=fp8[0]), topw, perm)
-                for wname, ws_other in zip(WS_SCHEDULES, fp8[2:], strict=True):
-                    variants[wname] = _combined(partial(mlp, workspace=ws_other), topw, perm)
-                variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
+                for fname, (lo, hi, c1, c2, sw) in FOLD_SWEEP.items():
+                    if lo <= t <= hi:
+                        variants[fname] = _combined(partial(mlp, compute="fp8_fold", config=(c1, c2),
+                                                            split_words=split if sw else None), topw, perm)
+                if t > PLANAR_MAX_TOKENS:
+                    variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
             if chosen is None and not tried:
                 tried = True
                 for source, ldt in PEER_CANDIDATES:
@@ -492,6 +519,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 # 2,324 us, the same kernel 2,133 us a few seconds later): a second of work first
                 _warm(next(iter(variants.values())), 1.0)
                 warmed = True
+            offline_out = None
             for vname, fn in variants.items():
                 try:
                     out = fn()
@@ -503,6 +531,11 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                         err = _peer_reference_error(out, parts, x, routed, shape)
                     if vname == "planar_combine" and t in TWIN_CHECK_TOKENS:
                         err = _twin_error(out, x, perm, topw, routed, shape)
+                    if vname == "fp8_offline_combine":
+                        offline_out = out
+                    same = None
+                    if vname in FOLD_SWEEP and offline_out is not None:
+                        same = bool(torch.equal(out, offline_out))
                     timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
                 except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row
                     rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
@@ -518,9 +551,12 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 }
                 if vname == "peer":
                     row["peer_setup"] = f"{chosen[0]}, logits {chosen[1]}"
+                if same is not None:
+                    row["equal_to_offline"] = same
                 rows.append(row)
                 print(f"{name:13s} T={t:6d} {vname:8s} {us:10.1f} us  {row['copy_fraction']:.2f} of copy  "
-                      f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+                      f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else "")
+                      + (f"  equal_to_offline {same}" if same is not None else ""), flush=True)
             if sweep and t <= PLANAR_MAX_TOKENS:
                 configs = {n: ("planar", a, b) for n, ((lo, hi), a, b) in PLANAR_SWEEP.items() if lo <= t <= hi}
                 result["sweep"] += _sweep(x, perm, routed, None, dict(shape, name=name), flops, start + budget_s,
