@@ -376,8 +376,8 @@ FOLD_SWEEP = {
     "fp8_fold_m256_split_combine": (16384, _BIG_T, _M256_1, _M256_2, True),
     "fp8_fold_m128k64_combine": (4096, _BIG_T, _K64, _K64, False),
     "fp8_fold_swap_k64_combine": (4096, _BIG_T, _SWAP64, _SWAP64, False),
-    "fp8_fold_swap_k64_split_combine": (4096, _BIG_T, _SWAP64, _SWAP64, True),
-    "fp8_fold_m128n64_2p_combine": (4096, _BIG_T, *_N64_2P, False),
+    "fp8_fold_swap_k64_split_combine": (16384, _BIG_T, _SWAP64, _SWAP64, True),
+    "fp8_fold_m128n64_2p_combine": (16384, _BIG_T, *_N64_2P, False),
 }
 """In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
 checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""
