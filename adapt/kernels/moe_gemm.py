@@ -141,6 +141,8 @@ def _load_w_tile(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     ACT_FP8: tl.constexpr = False,
+    s_pre=None,
+    PREFETCH: tl.constexpr = False,
 ):
     """One weight tile [BLOCK_N, BLOCK_K] in the MMA's operand type.
 
@@ -172,7 +174,10 @@ def _load_w_tile(
             mask=bm[:, :, None],
             other=0,
         )
-        s = tl.load(sc_ptr + wrow[:, None] * k_words + kb[None, :], mask=bm, other=0)
+        if PREFETCH:
+            s = s_pre  # this step's scales, loaded one step ahead (their latency off the step's path)
+        else:
+            s = _fold_scales(sc_ptr, wrow, n_ok, k0, k_words, BLOCK_N, BLOCK_K)
         return fold_words_fp8(p, s, g_row, BLOCK_N, BLOCK_K, W_MODE == 6)
     elif W_MODE == 0:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -202,6 +207,15 @@ def _load_w_tile(
             other=127,
         )
         return decode_mxfp4_tile_fp8(p, s, g_row, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _fold_scales(sc_ptr, wrow, n_ok, k0, k_words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 [BLOCK_N, BLOCK_K/32]: the E8M0 scales of rows ``wrow`` for the K step at k0 (k_words = K/32;
+    past K: 0, whose fold table is all zeros)."""
+    kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    bm = n_ok[:, None] & (kb < k_words)[None, :]
+    return tl.load(sc_ptr + wrow[:, None] * k_words + kb[None, :], mask=bm, other=0)
 
 
 @triton.jit
@@ -300,6 +314,8 @@ def _moe_gemm_kernel(
     DOT_F32: tl.constexpr,
     SWAP: tl.constexpr,
     WORD_ORDER_OUT: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+    EARLY_UP: tl.constexpr = False,
 ):
     """Grouped GEMM over expert-sorted slots: acc[n, m] = W[e, n, :] . x[m, :].
 
@@ -347,6 +363,14 @@ def _moe_gemm_kernel(
         else:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if PREFETCH:
+            s_g = _fold_scales(sbase, rg, n_ok, 0, k_words, BLOCK_N, BLOCK_K)
+            s_u = s_g
+            if ACTIVATION != 0:
+                s_u = _fold_scales(sbase, ru, n_ok, 0, k_words, BLOCK_N, BLOCK_K)
+        else:
+            s_g = g_g
+            s_u = g_u
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(
@@ -356,18 +380,35 @@ def _moe_gemm_kernel(
             )
             if DOT_F32:
                 x = x.to(tl.float32)
+            s_g_cur = s_g
+            s_u_cur = s_u
+            if PREFETCH:
+                s_g = _fold_scales(sbase, rg, n_ok, k0 + BLOCK_K, k_words, BLOCK_N, BLOCK_K)
+                if ACTIVATION != 0:
+                    s_u = _fold_scales(sbase, ru, n_ok, k0 + BLOCK_K, k_words, BLOCK_N, BLOCK_K)
             wg = _load_w_tile(
-                wbase, sbase, rg, n_ok, k0, k, k_words, g_g, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8
+                wbase, sbase, rg, n_ok, k0, k, k_words, g_g, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8,
+                s_g_cur, PREFETCH,
             )
             if ACT_GROUP:
                 xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=row_ok, other=0.0)
             else:
                 xs = tl.full((BLOCK_M,), 1.0, tl.float32)
             ws = _block_scale(sbase, rg, n_ok, k0, stride_sn, W_MODE, BLOCK_N)
-            acc_g = _mma(wg, x, acc_g, ws, xs, SWAP, W_MODE == 3, ACT_GROUP)
-            if ACTIVATION != 0:
+            if EARLY_UP:
+                # fold modes: both tiles decoded, then both MMAs back to back (one wait per step)
                 wu = _load_w_tile(
-                    wbase, sbase, ru, n_ok, k0, k, k_words, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8
+                    wbase, sbase, ru, n_ok, k0, k, k_words, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8,
+                    s_u_cur, PREFETCH,
+                )
+                acc_g = _mma(wg, x, acc_g, ws, xs, SWAP, False, ACT_GROUP)
+                acc_u = _mma(wu, x, acc_u, ws, xs, SWAP, False, ACT_GROUP)
+            else:
+                acc_g = _mma(wg, x, acc_g, ws, xs, SWAP, W_MODE == 3, ACT_GROUP)
+            if ACTIVATION != 0 and not EARLY_UP:
+                wu = _load_w_tile(
+                    wbase, sbase, ru, n_ok, k0, k, k_words, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8,
+                    s_u_cur, PREFETCH,
                 )
                 ws = _block_scale(sbase, ru, n_ok, k0, stride_sn, W_MODE, BLOCK_N)
                 acc_u = _mma(wu, x, acc_u, ws, xs, SWAP, W_MODE == 3, ACT_GROUP)
@@ -534,6 +575,9 @@ def moe_gemm(
         DOT_F32=INTERPRET and (op.mode in (0, 4) or (op.mode == 3 and not act_fp8)),
         SWAP=cfg.swap_ab,
         WORD_ORDER_OUT=op.mode == 0 and activation != 0,
+        PREFETCH=op.mode >= 5 and cfg.prefetch_scales,
+        EARLY_UP=op.mode >= 5 and activation != 0 and cfg.early_up,
+        maxnreg=cfg.maxnreg or None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

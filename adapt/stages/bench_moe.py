@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -366,18 +367,27 @@ LARGE_MIN_TOKENS = 4096
 _G = GemmConfig
 _M256_1 = _G(256, 64, 128, 8, 8, 3, 1, swap_ab=False)
 _M256_2 = _G(256, 128, 128, 8, 8, 3, 1, swap_ab=False)
-_K64 = _G(128, 128, 64, 8, 8, 3, 1, swap_ab=False)
-_SWAP64 = _G(128, 128, 64, 8, 8, 3, 1)
-_N64_2P = _G(128, 64, 64, 8, 4, 3, 2, swap_ab=False), _G(128, 128, 64, 8, 4, 3, 2, swap_ab=False)
+_NOPRE = dict(prefetch_scales=False)
+_K64 = _G(128, 128, 64, 8, 8, 3, 1, swap_ab=False, **_NOPRE)
+_SWAP64 = _G(128, 128, 64, 8, 8, 3, 1, **_NOPRE)
+_N64_2P = _G(128, 64, 64, 8, 4, 3, 2, swap_ab=False, **_NOPRE), _G(128, 128, 64, 8, 4, 3, 2, swap_ab=False, **_NOPRE)
+_W8_2P = (_G(128, 64, 64, 8, 8, 3, 2, swap_ab=False, early_up=True, maxnreg=128),
+          _G(128, 128, 64, 8, 8, 3, 2, swap_ab=False, maxnreg=128))
 _BIG_T = 1 << 30
 FOLD_SWEEP = {
-    # name: (lowest T, highest T, GEMM1 config, GEMM2 config, sign-split words); token-major unless "swap"
-    "fp8_fold_m256_combine": (16384, _BIG_T, _M256_1, _M256_2, False),
+    # name: (lowest T, highest T, GEMM1 config, GEMM2 config, sign-split words); token-major unless "swap".
+    # Call 1 (2026-11-30-s3-prefill, commit efed1d8) timed the first six without the scale prefetch.
+    "fp8_fold_m256_combine": (16384, 0, replace(_M256_1, **_NOPRE), replace(_M256_2, **_NOPRE), False),
+    "fp8_fold_m256_split_nopre_combine": (16384, _BIG_T, replace(_M256_1, **_NOPRE), replace(_M256_2, **_NOPRE),
+                                          True),
+    "fp8_fold_m128k64_combine": (4096, 0, _K64, _K64, False),
+    "fp8_fold_swap_k64_combine": (4096, 0, _SWAP64, _SWAP64, False),
+    "fp8_fold_swap_k64_split_combine": (16384, 0, _SWAP64, _SWAP64, True),
+    "fp8_fold_m128n64_2p_combine": (16384, 0, *_N64_2P, False),
+    # call 2: the scale prefetch (default on), both tiles decoded before the MMAs, two 8-warp programs per SM
     "fp8_fold_m256_split_combine": (16384, _BIG_T, _M256_1, _M256_2, True),
-    "fp8_fold_m128k64_combine": (4096, _BIG_T, _K64, _K64, False),
-    "fp8_fold_swap_k64_combine": (4096, _BIG_T, _SWAP64, _SWAP64, False),
-    "fp8_fold_swap_k64_split_combine": (16384, _BIG_T, _SWAP64, _SWAP64, True),
-    "fp8_fold_m128n64_2p_combine": (16384, _BIG_T, *_N64_2P, False),
+    "fp8_fold_m256_split_early_combine": (16384, _BIG_T, replace(_M256_1, early_up=True), _M256_2, True),
+    "fp8_fold_w8_2p_split_combine": (16384, _BIG_T, *_W8_2P, True),
 }
 """In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
 checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""

@@ -75,11 +75,11 @@ def test_sign_split_layout_bits():
         assert torch.equal((s >> mx.SIGN_SPLIT_SIGN[i]) & 1, (w >> (4 * i + 3)) & 1)
 
 
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("split", "interleaved"), [(False, False), (True, True)])
 def test_fold_gemm_equals_offline(split, interleaved):
     """compute='fp8_fold' (stored or sign-split bytes) gives the offline FP8 path's output bit for bit,
-    both orientations, with biases, empty experts and a partial K step (K = 96 in steps of 64)."""
+    both orientations (token-major with the scale prefetch and both tiles decoded first; swapped without),
+    with biases, empty experts and a partial K step (K = 96 in steps of 64)."""
     g = _gen(21)
     w = make_layer(5, 96, 64, bias=True, interleaved=interleaved, seed=21)
     x = torch.randn(9, 96, generator=g, device=DEV).bfloat16()
@@ -89,7 +89,7 @@ def test_fold_gemm_equals_offline(split, interleaved):
     sw = (mx.to_sign_split_words(w.w1_packed), mx.to_sign_split_words(w.w2_packed)) if split else None
     act = "swiglu_clamped" if interleaved else "swiglu"
     for swap in (True, False):
-        c = mc.GemmConfig(16, 32, 64, 2, 4, 1, 1, swap_ab=swap)
+        c = mc.GemmConfig(16, 32, 64, 2, 4, 1, 1, swap_ab=swap, prefetch_scales=not swap, early_up=not swap)
         kw = dict(top_k=2, activation=act, config=(c, c))
         ref = mg.expert_mlp(x, perm, w, fp8_weights=off, **kw)
         got = mg.expert_mlp(x, perm, w, compute="fp8_fold", split_words=sw, **kw)
@@ -111,7 +111,7 @@ def test_fold_gemm_real_shapes_gpu(name):
     kw = dict(top_k=s["k"], activation=s["act"])
     ref = mg.expert_mlp(x, perm, w, fp8_weights=off, **kw)
     sw = (mx.to_sign_split_words(w.w1_packed), mx.to_sign_split_words(w.w2_packed))
-    for name in ("fp8_fold_m256_combine", "fp8_fold_swap_k64_split_combine"):
+    for name in ("fp8_fold_m256_combine", "fp8_fold_m256_split_early_combine", "fp8_fold_w8_2p_split_combine"):
         _, _, c1, c2, split = FOLD_SWEEP[name]
         got = mg.expert_mlp(x, perm, w, compute="fp8_fold", config=(c1, c2), split_words=sw if split else None, **kw)
         assert torch.equal(got, ref), name
