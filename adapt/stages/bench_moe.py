@@ -378,16 +378,16 @@ FOLD_SWEEP = {
     # name: (lowest T, highest T, GEMM1 config, GEMM2 config, sign-split words); token-major unless "swap".
     # Call 1 (2026-11-30-s3-prefill, commit efed1d8) timed the first six without the scale prefetch.
     "fp8_fold_m256_combine": (16384, 0, replace(_M256_1, **_NOPRE), replace(_M256_2, **_NOPRE), False),
-    "fp8_fold_m256_split_nopre_combine": (16384, _BIG_T, replace(_M256_1, **_NOPRE), replace(_M256_2, **_NOPRE),
-                                          True),
+    "fp8_fold_m256_split_nopre_combine": (16384, 0, replace(_M256_1, **_NOPRE), replace(_M256_2, **_NOPRE), True),
     "fp8_fold_m128k64_combine": (4096, 0, _K64, _K64, False),
     "fp8_fold_swap_k64_combine": (4096, 0, _SWAP64, _SWAP64, False),
     "fp8_fold_swap_k64_split_combine": (16384, 0, _SWAP64, _SWAP64, True),
     "fp8_fold_m128n64_2p_combine": (16384, 0, *_N64_2P, False),
-    # call 2: the scale prefetch (default on), both tiles decoded before the MMAs, two 8-warp programs per SM
+    # call 2 (commit 4bc3f72): the scale prefetch (default on), both tiles decoded before the MMAs, two 8-warp
+    # programs per SM; from call 3 only the fastest (m256_split, with the prefetch) is timed
     "fp8_fold_m256_split_combine": (16384, _BIG_T, _M256_1, _M256_2, True),
-    "fp8_fold_m256_split_early_combine": (16384, _BIG_T, replace(_M256_1, early_up=True), _M256_2, True),
-    "fp8_fold_w8_2p_split_combine": (16384, _BIG_T, *_W8_2P, True),
+    "fp8_fold_m256_split_early_combine": (16384, 0, replace(_M256_1, early_up=True), _M256_2, True),
+    "fp8_fold_w8_2p_split_combine": (16384, 0, *_W8_2P, True),
 }
 """In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
 checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""
@@ -400,7 +400,15 @@ WS_SCHEDULES = {
 """The other ``FP8Workspace`` schedules timed beside the default one at the large T (``--large``)."""
 
 
-def _convert_all(routed, ws, perm) -> torch.Tensor:
+CONVERT_SWEEP = {
+    "ws_convert_r16b16w4": (16, 16, 4), "ws_convert_r8b32w8": (8, 32, 8), "ws_convert_r16b32w8": (16, 32, 8),
+    "ws_convert_r32b16w8": (32, 16, 8), "ws_convert_r4b16w2": (4, 16, 2), "ws_convert_r8b16w8": (8, 16, 8),
+}
+"""Word-conversion programs (rows, 32-blocks per step, warps) timed alone beside ``ws_convert_only`` (the
+default ``workspace.CONVERT_CONFIG``) with ``--large`` at the largest T."""
+
+
+def _convert_all(routed, ws, perm, config=None) -> torch.Tensor:
     """The workspace's conversion alone: every active expert of the layer, chunk by chunk, as
     ``run_layer`` converts them (no GEMMs). Returns one converted row (float32) for the finite check."""
     from adapt.kernels.workspace import convert_experts
@@ -412,7 +420,7 @@ def _convert_all(routed, ws, perm) -> torch.Tensor:
             (routed.w2_packed, routed.w2_scales, ws.w2, ws.w2_exp),
         ):
             convert_experts(packed, scales, out, exps, ws.lost, perm.expert_offsets, (lo, min(e, lo + c)),
-                            (n % 2) * c, count_loss=False)
+                            (n % 2) * c, count_loss=False, config=config)
     return ws.w1[0, 0].float()
 
 
@@ -491,6 +499,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                                                             split_words=split if sw else None), topw, perm)
                 if t > PLANAR_MAX_TOKENS:
                     variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
+                    for cname, cc in CONVERT_SWEEP.items():
+                        variants[cname] = partial(_convert_all, routed, fp8[1], perm, cc)
             if chosen is None and not tried:
                 tried = True
                 for source, ldt in PEER_CANDIDATES:
