@@ -244,8 +244,10 @@ def convert_experts(
     )
 
 
-CONVERT_CONFIG = (8, 16, 4)
-"""The word conversion's program: 8 rows x 16 32-blocks per step, 4 warps (2026-11-30-s2 and before)."""
+CONVERT_CONFIG = (4, 16, 2)
+"""The word conversion's program: 4 rows x 16 32-blocks per step, 2 warps. H200, all experts of a layer at
+T = 16384 (benchmarks/moe/2026-11-30-s3-prefill, call 3): DeepSeek-V3 5,342 us (3.37 TB/s, 0.87 of copy),
+gpt-oss-120b 1,809 us; the previous (8, 16, 4) 6,119 / 1,921 us, (16, 16, 4) 6,295 / 2,185, 8 warps slower."""
 
 SCHEDULES = ("serial", "side", "split")
 """How ``FP8Workspace.run_layer`` orders conversion and GEMMs (see ``FP8Workspace``)."""
