@@ -25,6 +25,10 @@ Entry point (the runtime calls this once per MoE layer)::
                   "fp8":  activations quantised to e4m3 (power-of-two scale per token, or per
                           1x128 group with ``act_quant="group128"``), MXFP4 folded into e4m3 with a
                           per-row exponent (no rescaling inside the K loop), fp8 MMA
+                  "fp8_fold": the same numerics, the fold by table look-up per 32-bit word
+                          (``mxfp4.fold_words_fp8``, W_MODE 5 / 6): the offline path's output bit for
+                          bit without an FP8 copy (H200, T = 16384: 1.4x the workspace path's time,
+                          benchmarks/moe/2026-11-30-s3-prefill)
     fp8_weights   FP8Weights | None: the offline path (all experts converted ahead of time)
     workspace     FP8Workspace | None: online conversion of the active experts of this layer into
                   a shared FP8 buffer, chunk by chunk, converting chunk c+1 while chunk c computes

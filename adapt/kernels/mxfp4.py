@@ -29,7 +29,9 @@ Public functions (``*_torch`` are the twins with the same signature and results)
 - ``check_scales(scales, name)``: raises ``InputError`` on an E8M0 NaN scale.
 
 Word decodes (Triton building blocks for the memory-bound paths): ``e2m1_words_to_e4m3`` turns
-one uint32 of 8 codes into 8 e4m3 bytes with integer ops (the workspace conversion), and
+one uint32 of 8 codes into 8 e4m3 bytes with integer ops (the workspace conversion),
+``fold_words_fp8`` does the same fold inside the GEMM by byte-permute look-up in an 8-byte table per
+32-block (``fold_tables``; inline PTX, bit-equal to the offline fold at every shift), and
 ``decode_mxfp4_words`` turns words into bf16 pairs by bit placement, in ``word_k_order`` (the
 small-T fused GEMM; the other operand is loaded in the same K order).
 
