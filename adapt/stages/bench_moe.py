@@ -392,13 +392,6 @@ FOLD_SWEEP = {
 """In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
 checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""
 
-WS_SCHEDULES = {
-    "fp8_ws_side_combine": dict(schedule="side"),
-    "fp8_ws_split16_combine": dict(schedule="split", reserve_sms=16),
-    "fp8_ws_split32_combine": dict(schedule="split", reserve_sms=32),
-}
-"""The other ``FP8Workspace`` schedules timed beside the default one at the large T (``--large``)."""
-
 
 CONVERT_SWEEP = {
     "ws_convert_r16b16w4": (16, 16, 4), "ws_convert_r8b32w8": (8, 32, 8), "ws_convert_r16b32w8": (16, 32, 8),
