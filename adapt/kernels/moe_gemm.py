@@ -61,8 +61,8 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
-from adapt.kernels.moe_configs import GemmConfig, PlanarConfig, pick_configs, pick_planar_configs
-from adapt.kernels.moe_planar import PlanarExperts, planar_gemm
+from adapt.kernels.moe_configs import GemmConfig, PlanarConfig, pick_configs
+from adapt.kernels.moe_planar import PlanarExperts, planar_experts_run
 from adapt.kernels.moe_quant import FP8_GROUP, quantize_fp8_rows, quantize_fp8_rows_torch
 from adapt.kernels.moe_tiles import TileMap, max_m_tiles, num_sms, tile_map, tile_slots
 from adapt.kernels.moe_weights import FP8Weights, MoEWeights, StackedExperts, moe_flops, mxfp4_expert_bytes
@@ -657,7 +657,7 @@ def expert_mlp(
         return _stacked_mlp(hidden, perm, weights, top_k, act, alpha, limit, compute, act_quant, config)
     use_fp8 = compute in ("fp8", "fp8_fold") or fp8_weights is not None or workspace is not None
     if planar is not None and not use_fp8:
-        return _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config)
+        return _planar_mlp(hidden, perm, planar, top_k, act, alpha, limit, config)
     stored = fp8_weights is not None or workspace is not None or compute == "fp8_fold"
     kind = "fp8_stored" if stored else ("fp8" if use_fp8 else "bf16")
     c1, c2 = config if config is not None else pick_configs(s, e, kind)
@@ -779,21 +779,10 @@ def _stacked_mlp(hidden, perm, weights: StackedExperts, top_k, act, alpha, limit
     return y
 
 
-def _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config) -> torch.Tensor:
+def _planar_mlp(hidden, perm, planar, top_k, act, alpha, limit, config) -> torch.Tensor:
     """``expert_mlp`` on planar weights: gather + GEMM1 + SwiGLU, then GEMM2 (+ bias), sorted order."""
-    s = hidden.shape[0] * top_k
-    dev = hidden.device
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
-    c1, c2 = config if config is not None else pick_planar_configs(s, e, name, h, inter)
-    if c1.block_m != c2.block_m:
-        raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
-    tiles = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
-    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
-    common = dict(top_k=top_k, alpha=alpha, limit=limit)
-    planar_gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=act, cfg=c1, **common)
-    planar_gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2, **common)
-    return y
+    return planar_experts_run(hidden, perm, planar, top_k=top_k, activation=act, alpha=alpha, limit=limit,
+                              config=config)
 
 
 def _shared_forward(hidden: torch.Tensor, shared: MoEWeights, mlp, **kw) -> torch.Tensor:
