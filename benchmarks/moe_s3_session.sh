@@ -12,8 +12,8 @@ exec > >(tee "$OUT/session.log") 2>&1
 date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 if [[ "${TEST_S:-50}" != 0 ]]; then
-  echo "== pytest -m gpu fold"
-  timeout "${TEST_S:-50}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fold_gemm.py \
+  echo "== pytest fold (every test of the file: on the GPU the PTX look-up runs, exhaustive shifts included)"
+  timeout "${TEST_S:-50}" python3 -m pytest -m "gpu or not gpu" -q -p no:cacheprovider tests/kernels/test_fold_gemm.py \
     > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest rc=$?"; tail -4 "$OUT/pytest_gpu.log"
 fi
