@@ -561,7 +561,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
     if groups4 is None:  # the measured-fastest tile where it applies (see Defaults)
-        groups4 = ((fused_fp8 or bool(qk_fp8)) and fp8 and rank == 4 * group and v_split in (None, 1)
+        groups4 = ((fused_fp8 or bool(qk_fp8) or swap_ab) and fp8 and rank == 4 * group and v_split in (None, 1)
                    and qk_chunk in (None, rank))
     block_k = block_k or (16 if interpreting else 128 if groups4 else 64)
     v_split = v_split or (1 if interpreting or rank < 512 or fused_fp8 or groups4 else 2)
