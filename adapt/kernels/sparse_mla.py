@@ -537,8 +537,9 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
 
     ``prefetch``: reads the next tile's slots ahead by hand. ``groups4``: the fused fp8 tile as
     ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
-    ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized in the kernel with one scale per head and
-    scale group (the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v stays bf16. ``swap_ab`` (groups4
+    ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized first (``quantize_q_groups``: one scale per
+    row, head and scale group, one extra launch; the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v
+    stays bf16. Off by default (H200 sweep of 2026-11-30: benchmarks/gpu-2026-11-30-dsa-s3-decode). ``swap_ab`` (groups4
     only): q.k with positions on the MMA's M side (``_sparse_mla_fp8x4_kernel``'s SWAP_AB; same function).
 
     Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
