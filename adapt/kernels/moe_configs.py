@@ -25,7 +25,10 @@ class GemmConfig:
     tokens in M and the weight tile in the B operand (large T: the decoded tile goes through shared
     memory the way wgmma wants it). reserve_sms: SMs a persistent grid leaves free (programs = SMs *
     programs_per_sm - reserve_sms, at least one), so a kernel on another stream has whole SMs: the
-    FP8 workspace's conversion beside the GEMMs (``FP8Workspace(schedule="split")``)."""
+    FP8 workspace's conversion beside the GEMMs (``FP8Workspace(schedule="split")``). prefetch_scales: the
+    in-GEMM fold (``compute="fp8_fold"``) loads each K step's E8M0 scales one step ahead (a loop-carried
+    tile; they are too narrow for the asynchronous copy pipeline); early_up: the fold decodes the gate and
+    up tiles before either MMA; maxnreg: a register cap per thread (0: none), so two 8-warp programs fit."""
 
     block_m: int = 16
     block_n: int = 64
@@ -36,6 +39,9 @@ class GemmConfig:
     programs_per_sm: int = 4
     swap_ab: bool = True
     reserve_sms: int = 0
+    prefetch_scales: bool = True
+    early_up: bool = False
+    maxnreg: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import dataclasses
 import datetime as dt
 import json
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _git_commit
 from adapt.bench.timer import graph_time_us, time_cuda
 from adapt.errors import InputError
+from adapt.kernels.moe_configs import GemmConfig
+from adapt.kernels.mxfp4 import to_sign_split_words
 from adapt.model.spec import load_spec
 from adapt.report import StageReport, load_gates
 
@@ -360,15 +363,49 @@ def _planar_parts(x, perm, planar, shape: dict) -> dict:
     return {"planar_gemm1": gemm1, "planar_gemm2": gemm2}
 
 
-WS_SCHEDULES = {
-    "fp8_ws_side_combine": dict(schedule="side"),
-    "fp8_ws_split16_combine": dict(schedule="split", reserve_sms=16),
-    "fp8_ws_split32_combine": dict(schedule="split", reserve_sms=32),
+LARGE_MIN_TOKENS = 4096
+"""With ``--large`` the FP8 paths (offline, workspace, in-GEMM fold) are timed from this T up."""
+
+_G = GemmConfig
+_M256_1 = _G(256, 64, 128, 8, 8, 3, 1, swap_ab=False)
+_M256_2 = _G(256, 128, 128, 8, 8, 3, 1, swap_ab=False)
+_NOPRE = dict(prefetch_scales=False)
+_K64 = _G(128, 128, 64, 8, 8, 3, 1, swap_ab=False, **_NOPRE)
+_SWAP64 = _G(128, 128, 64, 8, 8, 3, 1, **_NOPRE)
+_N64_2P = _G(128, 64, 64, 8, 4, 3, 2, swap_ab=False, **_NOPRE), _G(128, 128, 64, 8, 4, 3, 2, swap_ab=False, **_NOPRE)
+_W8_2P = (_G(128, 64, 64, 8, 8, 3, 2, swap_ab=False, early_up=True, maxnreg=128),
+          _G(128, 128, 64, 8, 8, 3, 2, swap_ab=False, maxnreg=128))
+_BIG_T = 1 << 30
+FOLD_SWEEP = {
+    # name: (lowest T, highest T, GEMM1 config, GEMM2 config, sign-split words); token-major unless "swap".
+    # Call 1 (2026-11-30-s3-prefill, commit efed1d8) timed the first six without the scale prefetch.
+    "fp8_fold_m256_combine": (16384, 0, replace(_M256_1, **_NOPRE), replace(_M256_2, **_NOPRE), False),
+    "fp8_fold_m256_split_nopre_combine": (16384, 0, replace(_M256_1, **_NOPRE), replace(_M256_2, **_NOPRE), True),
+    "fp8_fold_m128k64_combine": (4096, 0, _K64, _K64, False),
+    "fp8_fold_swap_k64_combine": (4096, 0, _SWAP64, _SWAP64, False),
+    "fp8_fold_swap_k64_split_combine": (16384, 0, _SWAP64, _SWAP64, True),
+    "fp8_fold_m128n64_2p_combine": (16384, 0, *_N64_2P, False),
+    # call 2 (commit 4bc3f72): the scale prefetch (default on), both tiles decoded before the MMAs, two 8-warp
+    # programs per SM; from call 3 only the fastest (m256_split, with the prefetch) is timed
+    "fp8_fold_m256_split_combine": (16384, _BIG_T, _M256_1, _M256_2, True),
+    "fp8_fold_m256_split_early_combine": (16384, 0, replace(_M256_1, early_up=True), _M256_2, True),
+    "fp8_fold_w8_2p_split_combine": (16384, 0, *_W8_2P, True),
 }
-"""The other ``FP8Workspace`` schedules timed beside the default one at the large T (``--large``)."""
+"""In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
+checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""
 
 
-def _convert_all(routed, ws, perm) -> torch.Tensor:
+CONVERT_SWEEP = {
+    "ws_convert_r16b16w4": (16, 16, 4), "ws_convert_r8b32w8": (8, 32, 8), "ws_convert_r16b32w8": (16, 32, 8),
+    "ws_convert_r32b16w8": (32, 16, 8), "ws_convert_r8b16w4": (8, 16, 4), "ws_convert_r8b16w8": (8, 16, 8),
+    "ws_convert_r2b16w1": (2, 16, 1), "ws_convert_r4b32w2": (4, 32, 2),
+}
+"""Word-conversion programs (rows, 32-blocks per step, warps) timed alone beside ``ws_convert_only`` (the
+default ``workspace.CONVERT_CONFIG``, (4, 16, 2) from call 3 of 2026-11-30-s3-prefill) with ``--large``
+above PLANAR_MAX_TOKENS; (2, 16, 1) and (4, 32, 2) not timed yet."""
+
+
+def _convert_all(routed, ws, perm, config=None) -> torch.Tensor:
     """The workspace's conversion alone: every active expert of the layer, chunk by chunk, as
     ``run_layer`` converts them (no GEMMs). Returns one converted row (float32) for the finite check."""
     from adapt.kernels.workspace import convert_experts
@@ -380,7 +417,7 @@ def _convert_all(routed, ws, perm) -> torch.Tensor:
             (routed.w2_packed, routed.w2_scales, ws.w2, ws.w2_exp),
         ):
             convert_experts(packed, scales, out, exps, ws.lost, perm.expert_offsets, (lo, min(e, lo + c)),
-                            (n % 2) * c, count_loss=False)
+                            (n % 2) * c, count_loss=False, config=config)
     return ws.w1[0, 0].float()
 
 
@@ -487,15 +524,20 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 if t <= ONE_KERNEL_TOKENS:
                     for oname, fields in ONE_KERNEL_CONFIGS.items():
                         variants[oname] = partial(_one_kernel, x, perm, planar, topw, shape, fields)
-            elif large:
+            if large and t >= LARGE_MIN_TOKENS:
                 if fp8 is None:
                     fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
-                    fp8 += tuple(FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE, **kw) for kw in WS_SCHEDULES.values())
+                    split = to_sign_split_words(routed.w1_packed), to_sign_split_words(routed.w2_packed)
                 variants["fp8_ws_combine"] = _combined(partial(mlp, workspace=fp8[1]), topw, perm)
                 variants["fp8_offline_combine"] = _combined(partial(mlp, fp8_weights=fp8[0]), topw, perm)
-                for wname, ws_other in zip(WS_SCHEDULES, fp8[2:], strict=True):
-                    variants[wname] = _combined(partial(mlp, workspace=ws_other), topw, perm)
-                variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
+                for fname, (lo, hi, c1, c2, sw) in FOLD_SWEEP.items():
+                    if lo <= t <= hi:
+                        variants[fname] = _combined(partial(mlp, compute="fp8_fold", config=(c1, c2),
+                                                            split_words=split if sw else None), topw, perm)
+                if t > PLANAR_MAX_TOKENS:
+                    variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
+                    for cname, cc in CONVERT_SWEEP.items():
+                        variants[cname] = partial(_convert_all, routed, fp8[1], perm, cc)
             if chosen is None and not tried:
                 tried = True
                 for source, ldt in PEER_CANDIDATES:
@@ -539,6 +581,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     if vname.startswith("planar"):
                         _warm(fn, 0.5)
                 warmed = True
+            offline_out = None
             for vname, fn in variants.items():
                 try:
                     out = fn()
@@ -551,6 +594,11 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     if t in TWIN_CHECK_TOKENS and (vname == "planar_combine" or vname.startswith("planar_onek")
                                                    or (vname == "planar_fused" and t <= 256)):
                         err = _twin_error(out, x, perm, topw, routed, shape, round_y=vname == "planar_combine")
+                    if vname == "fp8_offline_combine":
+                        offline_out = out
+                    same = None
+                    if vname in FOLD_SWEEP and offline_out is not None:
+                        same = bool(torch.equal(out, offline_out))
                     timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
                 except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row
                     rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
@@ -566,9 +614,12 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 }
                 if vname == "peer":
                     row["peer_setup"] = f"{chosen[0]}, logits {chosen[1]}"
+                if same is not None:
+                    row["equal_to_offline"] = same
                 rows.append(row)
                 print(f"{name:13s} T={t:6d} {vname:8s} {us:10.1f} us  {row['copy_fraction']:.2f} of copy  "
-                      f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+                      f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else "")
+                      + (f"  equal_to_offline {same}" if same is not None else ""), flush=True)
             if sweep and t <= PLANAR_MAX_TOKENS:
                 configs = {n: ("planar_fused" if n.endswith(FUSED_SUFFIX) else "planar", a, b)
                            for n, ((lo, hi), a, b) in PLANAR_SWEEP.items() if lo <= t <= hi}
