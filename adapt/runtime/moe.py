@@ -23,7 +23,7 @@ load (``Experts.kernel_weights``):
 
 - MXFP4 (gpt-oss): without a workspace, a planar copy of the experts made at load
   (``moe_planar.PlanarExperts``, the layout the planar GEMM decodes in a few integer ops per word)
-  runs ``moe_planar.planar_gemm`` up to ``PLANAR_MAX_TOKENS`` tokens a call (the fastest measured
+  runs ``moe_planar.planar_moe`` up to ``PLANAR_MAX_TOKENS`` tokens a call (the fastest measured
   MXFP4-storage path there: benchmarks/moe/2026-11-30-s2, calls 2-4, T = 1..4096 at both real
   shapes) and the MXFP4 decode in the GEMM above; with the shared FP8 workspace, the workspace path.
   The planar copy holds the MXFP4 bytes once more (K padded to 128). Above PLANAR_MAX_TOKENS the
