@@ -68,7 +68,7 @@ class PlanarConfig:
 
 @dataclass(frozen=True)
 class PlanarMLPConfig:
-    """Tile of the one-kernel planar MLP (``moe_planar.planar_mlp_one_kernel``, T <= 16): tokens per
+    """Tile of the one-kernel planar MLP (``moe_planar.planar_moe(one_kernel=...)``, T <= 16): tokens per
     m-tile (block_m), intermediates per program (block_i: 64 = half a planar step of W2's K, or 128 =
     one step; GEMM1 then reads 2 * block_i interleaved gate/up rows), W2 rows per inner tile
     (block_n2, a multiple of 64), warps, stages, register cap (0: none), natural_half: with block_i 64,

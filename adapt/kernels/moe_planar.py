@@ -42,7 +42,8 @@ a [T, H] sum (split-K partials added the same way, no epilogue kernel); ``planar
 
 ``planar_from_mxfp4`` / ``planar_to_mxfp4_torch`` convert between the layouts (the second is the
 inverse used by tests); ``planar_gemm_torch`` is the twin of ``planar_gemm``; ``planar_experts_run``
-runs both GEMMs of a layer (``expert_mlp``'s planar path), ``planar_moe`` the layer with its combine.
+runs both GEMMs of a layer (``expert_mlp``'s planar path), ``planar_moe`` the layer with its combine
+(with ``one_kernel``: GEMM1, SwiGLU, GEMM2 and the combine in one launch, ``_planar_mlp_kernel``).
 """
 
 from __future__ import annotations
@@ -954,6 +955,7 @@ def planar_moe(
     fused: bool | None = None,
     config: tuple[PlanarConfig, PlanarConfig] | None = None,
     twin: bool = False,
+    one_kernel: bool | PlanarMLPConfig = False,
 ) -> torch.Tensor:
     """Routed experts + weighted combine on planar weights, the faster measured way: hidden bf16 [T, H],
     topw float [T, top_k] -> bf16 [T, H] in token order (what ``moe_gemm.expert_mlp(..., planar=...)``
@@ -962,12 +964,18 @@ def planar_moe(
     GEMM2 writes the [T * k, H] expert outputs and ``routing.combine`` reduces them; True / False force
     one way. Fused, the extra bytes over the expert GEMMs are the fp32 sum, set, added into and read
     once (12 * T * H) instead of the [T * k, H] bf16 outputs written and read. config, twin: as
-    ``planar_experts_run``."""
-    from adapt.kernels.moe_configs import pick_planar_fused_combine
+    ``planar_experts_run``. one_kernel (True: ``pick_planar_mlp_config``'s tile, or a ``PlanarMLPConfig``):
+    both GEMMs and the combine in one kernel (``_planar_mlp_one_kernel``; measured slower than the two
+    kernels at DeepSeek-V3 T = 1 and 16, so never picked; its twin is the fused combine's)."""
+    from adapt.kernels.moe_configs import pick_planar_fused_combine, pick_planar_mlp_config
     from adapt.kernels.routing import combine
 
     t, h = hidden.shape
     dev = hidden.device
+    if one_kernel is not False and not twin:
+        cfg = pick_planar_mlp_config() if one_kernel is True else one_kernel
+        return _planar_mlp_one_kernel(hidden, perm, planar, topw, shared, top_k, activation, alpha, limit, cfg)
+    fused = True if one_kernel is not False else fused
     if fused is None:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
         fused = pick_planar_fused_combine(t * top_k, planar.w1.words.shape[0], name, h, planar.w2.k)
@@ -977,39 +985,21 @@ def planar_moe(
     return combine(planar_experts_run(hidden, perm, planar, **kw), topw, perm.slot_pos, shared)
 
 
-def planar_mlp_one_kernel(
-    hidden: torch.Tensor,
-    perm,
-    planar: PlanarExperts,
-    topw: torch.Tensor,
-    *,
-    top_k: int,
-    activation: int,
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    shared: torch.Tensor | None = None,
-    config: PlanarMLPConfig | None = None,
-    twin: bool = False,
-) -> torch.Tensor:
-    """Routed experts + weighted combine in ONE kernel (``_planar_mlp_kernel``): a program owns an
-    intermediate tile of one expert's m-tile, runs GEMM1 + SwiGLU for it over the full hidden K, then
-    its K-slice of GEMM2 for every output row, the gamma-weighted fp32 partials added atomically
-    into the [T, H] sum. hidden bf16 [T, H], topw float [T, top_k] -> bf16 [T, H] in token order
-    (the sum starts from shared bf16 [T, H] or zero, rounded to bf16 once); the same arithmetic as
-    ``planar_experts_run(..., topw=...)`` but for the order of the fp32 sums. Bytes: the active
-    experts' MXFP4 once, x once per intermediate tile (from L2), the fp32 sum set, added into and
-    read; atomics: m-tiles x ceil(I / block_i) x H x (real rows). twin: ``planar_experts_run``'s twin."""
-    from adapt.kernels.moe_configs import pick_planar_mlp_config
+def _planar_mlp_one_kernel(hidden, perm, planar: PlanarExperts, topw, shared, top_k: int, activation: int,
+                           alpha: float, limit: float, cfg: PlanarMLPConfig) -> torch.Tensor:
+    """``planar_moe(one_kernel=...)``: routed experts + weighted combine in ONE kernel
+    (``_planar_mlp_kernel``): a program owns an intermediate tile of one expert's m-tile, runs GEMM1 +
+    SwiGLU for it over the full hidden K, then its K-slice of GEMM2 for every output row, the
+    gamma-weighted fp32 partials added atomically into the [T, H] sum (from shared or zero) -> bf16
+    [T, H]; the same arithmetic as ``planar_experts_run(..., topw=...)`` but for the order of the fp32
+    sums. Bytes: the active experts' MXFP4 once, x once per intermediate tile (from L2), the fp32 sum
+    set, added into and read; atomics: m-tiles x ceil(I / block_i) x H x (real rows)."""
     from adapt.kernels.moe_tiles import max_m_tiles, tile_map
 
-    if twin:
-        return planar_experts_run(hidden, perm, planar, top_k=top_k, activation=activation, alpha=alpha,
-                                  limit=limit, topw=topw, shared=shared, twin=True)
     t, h = hidden.shape
     w1, w2 = planar.w1, planar.w2
     e, inter = w1.words.shape[0], w2.k
     s = t * top_k
-    cfg = config or pick_planar_mlp_config()
     if cfg.block_i not in (64, 128) or cfg.block_n2 % 64:
         raise InputError(f"block_i {cfg.block_i} / block_n2 {cfg.block_n2}: block_i is 64 or 128 (a half or a "
                          "whole planar step), block_n2 a multiple of 64 (whole row blocks)", field="config")

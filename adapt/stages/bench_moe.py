@@ -447,13 +447,13 @@ cap 100.0 / 855; block_n2 64 125.8 / 1,433 and with block_i 128 109.2 / 1,020 (d
 
 
 def _one_kernel(x, perm, planar, topw, shape: dict, fields: dict) -> torch.Tensor:
-    """GEMM1 + SwiGLU + GEMM2 + the weighted combine in one kernel (``planar_mlp_one_kernel``) -> [T, H]."""
+    """GEMM1 + SwiGLU + GEMM2 + the weighted combine in one kernel (``planar_moe(one_kernel=...)``) -> [T, H]."""
     from adapt.kernels.moe_configs import PlanarMLPConfig
     from adapt.kernels.moe_gemm import ACTIVATIONS
-    from adapt.kernels.moe_planar import planar_mlp_one_kernel
+    from adapt.kernels.moe_planar import planar_moe
 
-    return planar_mlp_one_kernel(x, perm, planar, topw, top_k=shape["top_k"],
-                                 activation=ACTIVATIONS[shape["activation"]], config=PlanarMLPConfig(**fields))
+    return planar_moe(x, perm, planar, topw, top_k=shape["top_k"], activation=ACTIVATIONS[shape["activation"]],
+                      one_kernel=PlanarMLPConfig(**fields))
 
 
 def _combined(mlp, topw, perm):

@@ -851,15 +851,14 @@ def test_planar_mlp_one_kernel_matches_twin(block_i, natural, bias, il, act, h, 
     shared = (torch.randn(t, h, generator=_gen(55), device=DEV) * 0.1).bfloat16()
     code = mg.ACTIVATIONS[act]
     cfg = mc.PlanarMLPConfig(block_m=16, block_i=block_i, block_n2=64, num_stages=1, natural_half=natural)
-    got = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code, shared=shared, config=cfg)
-    twin = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code, shared=shared, twin=True)
+    got = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, shared=shared, one_kernel=cfg)
+    twin = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, shared=shared, one_kernel=cfg, twin=True)
     ref = rt.combine(mg.expert_mlp(x, perm, w, top_k=k, activation=act, planar=planar), topw, perm.slot_pos, shared)
     assert got.shape == (t, h) and got.dtype == torch.bfloat16
     assert rel(got, twin) < TWIN_TOL
     assert 0 < rel(got, ref) < 4e-3
     with pytest.raises(InputError):
-        mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=k, activation=code,
-                                 config=dataclasses.replace(cfg, block_n2=32))
+        mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, one_kernel=dataclasses.replace(cfg, block_n2=32))
 
 
 @pytest.mark.gpu
@@ -875,8 +874,8 @@ def test_planar_mlp_one_kernel_real_shapes_gpu(name, t):
     perm, planar = rt.permute_by_expert(ids, e), mp.PlanarExperts.from_weights(w)
     topw = torch.rand(t, s["k"], generator=_gen(57), device=DEV)
     code = mg.ACTIVATIONS[s["act"]]
-    twin = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=s["k"], activation=code, twin=True)
+    twin = mp.planar_moe(x, perm, planar, topw, top_k=s["k"], activation=code, one_kernel=True, twin=True)
     for fields in ONE_KERNEL_CONFIGS.values():
-        got = mp.planar_mlp_one_kernel(x, perm, planar, topw, top_k=s["k"], activation=code,
-                                       config=mc.PlanarMLPConfig(**fields))
+        got = mp.planar_moe(x, perm, planar, topw, top_k=s["k"], activation=code,
+                            one_kernel=mc.PlanarMLPConfig(**fields))
         assert rel(got, twin) < TWIN_TOL, fields
