@@ -49,7 +49,7 @@ import triton.language as tl
 from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
-from adapt.kernels.topk import topk_indices, topk_indices_torch
+from adapt.kernels.topk import prefilter_applies, topk_indices, topk_indices_torch, topk_prefiltered
 
 # Stacked prefill tile, fastest of the sweep on an H200 at 128K (2026-11-30, commit 0375b39: 4 rows x 64
 # keys, 8 warps, 631 TFLOP/s on the last 4096 rows; 2 x 128 keys, 4 warps 567; the per-row form at 4 rows,
@@ -321,29 +321,51 @@ class IndexStats:
 
     chunks: int
     peak_score_bytes: int
+    prefilter_fallback_rows: int = 0
 
 
 # Rows up to which ``index_topk`` selects with the Triton radix select; above it torch.topk, measured
 # faster there. H200, 2026-11-30, commit 0375b39, scores of 128K keys, top-2048: 1 row 28.6 us (Triton,
 # 8-bit digits) against 56.0 us (torch.topk); 64 rows 225 against 146 us; 4096 rows 12.0 against 6.0 ms.
 TRITON_SELECT_MAX_ROWS = 8
+# Chunks of at least this many rows (prefill; decode batches stay below it) select through
+# ``topk.topk_prefiltered`` when their rows are wide enough (``topk.prefilter_applies``).
+PREFILTER_MIN_ROWS = 512
+SELECT_METHODS = ("auto", "triton", "torch", "prefilter")
 
 
-def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor) -> torch.Tensor:
-    """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``: the Triton
-    radix select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest),
-    else torch.topk (unordered, ties arbitrary); -1 where a row sees fewer than ``topk`` keys."""
-    if scores.shape[0] <= TRITON_SELECT_MAX_ROWS:
-        return topk_indices(scores, limits, topk, out=out)
-    k = min(topk, scores.shape[1])
+def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
+                 method: str = "auto") -> int:
+    """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``; returns the
+    rows the prefilter sent back to a full select (0 for the other methods). ``auto``: the Triton radix
+    select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest); the
+    prefiltered select for at least PREFILTER_MIN_ROWS wide rows; else torch.topk (unordered, ties
+    arbitrary, as the prefiltered one); -1 where a row sees fewer than ``topk`` keys."""
+    rows, cols = scores.shape
+    if method not in SELECT_METHODS:
+        raise ValueError(f"select must be one of {SELECT_METHODS}, not {method!r}")
+    if method == "auto":
+        method = ("triton" if rows <= TRITON_SELECT_MAX_ROWS else "prefilter"
+                  if rows >= PREFILTER_MIN_ROWS and prefilter_applies(rows, cols, topk) else "torch")
+    if method == "triton":
+        topk_indices(scores, limits, topk, out=out)
+        return 0
+    if method == "prefilter" and prefilter_applies(rows, cols, topk):
+        return topk_prefiltered(scores, limits, topk, out=out)[1]
+    k = min(topk, cols)
     values, idx = torch.topk(scores, k, dim=-1, sorted=False)
     out[:, :k] = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
     out[:, k:] = -1
-    return out
+    return 0
+
+
+def _select_twin(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor, method: str) -> int:
+    topk_indices_torch(scores, limits, topk, out=out)
+    return 0
 
 
 def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
-                        topk, max_score_bytes, max_keys, tile_options):
+                        topk, max_score_bytes, max_keys, select, tile_options):
     n_rows = q_fp8.shape[0]
     out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
     if n_rows == 0:
@@ -356,22 +378,23 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
     rows_per_chunk = max(1, max_score_bytes // (4 * widest))
     peak = 0
     chunks = 0
+    fallback = 0
     for start in range(0, n_rows, rows_per_chunk):
         end = min(n_rows, start + rows_per_chunk)
         cols = widest if max_keys is not None else round_up(int(limits[start:end].max()))
         scores = score_fn(q_fp8[start:end], weights[start:end], index_k, index_scale, block_table,
                           token_seq[start:end], limits[start:end], cols, **tile_options)
         peak = max(peak, scores.numel() * 4)
-        select_fn(scores, limits[start:end], topk, out=out[start:end])
+        fallback += select_fn(scores, limits[start:end], topk, out=out[start:end], method=select)
         del scores
         chunks += 1
-    return out, IndexStats(chunks=chunks, peak_score_bytes=peak)
+    return out, IndexStats(chunks=chunks, peak_score_bytes=peak, prefilter_fallback_rows=fallback)
 
 
 def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
                block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor, topk: int, *,
                max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, max_keys: int | None = None,
-               **tile_options) -> tuple[torch.Tensor, IndexStats]:
+               select: str = "auto", **tile_options) -> tuple[torch.Tensor, IndexStats]:
     """Top-``topk`` key positions per query row: Triton scoring on bounded chunks, then a select per chunk.
 
     Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the
@@ -385,15 +408,19 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
     ``limits`` back to the host; with it and ``rows_per_tile=1`` a decode step makes no host sync
     (CUDA-graph capturable). The scores of a chunk are still written to memory and read back by the
     select (decode, batch 64 x 128K: 32 MiB, L2-sized); scoring and select are not fused yet.
+    ``select``: ``_select_topk``'s method (``auto``: Triton radix select for a few rows, the prefiltered
+    select for prefill chunks, torch.topk between); ``stats.prefilter_fallback_rows`` counts the rows the
+    prefilter re-selected from their full scores.
     """
     return _index_topk_chunked(index_scores, _select_topk, q_fp8, weights, index_k, index_scale, block_table,
-                               token_seq, limits, topk, max_score_bytes, max_keys, tile_options)
+                               token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options)
 
 
 def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
                      index_scale: torch.Tensor, block_table: torch.Tensor, token_seq: torch.Tensor,
                      limits: torch.Tensor, topk: int, *, max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES,
-                     max_keys: int | None = None, **tile_options) -> tuple[torch.Tensor, IndexStats]:
+                     max_keys: int | None = None, select: str = "auto",
+                     **tile_options) -> tuple[torch.Tensor, IndexStats]:
     """Torch twin of ``index_topk``."""
-    return _index_topk_chunked(index_scores_torch, topk_indices_torch, q_fp8, weights, index_k, index_scale,
-                               block_table, token_seq, limits, topk, max_score_bytes, max_keys, tile_options)
+    return _index_topk_chunked(index_scores_torch, _select_twin, q_fp8, weights, index_k, index_scale,
+                               block_table, token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options)

@@ -1,0 +1,90 @@
+"""Prefill parts of DSA: the prefiltered top-k select (Triton candidate pass) against the exact select."""
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from adapt.kernels import topk as topk_mod
+from adapt.kernels.topk import prefilter_applies, topk_indices_torch, topk_prefiltered
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def causal_scores(rows, cols, gen):
+    """Random scores of the last ``rows`` rows of a causal prefill over ``cols`` keys: row r sees
+    limits[r] keys, -inf after them (as ``index_scores`` writes), a few -inf inside too."""
+    s = torch.randn(rows, cols, generator=gen)
+    limits = torch.linspace(cols // 8, cols, rows).long()
+    limits[0] = 40  # fewer visible keys than k
+    s[torch.arange(cols)[None, :] >= limits[:, None]] = float("-inf")
+    s[2, 100:300] = float("-inf")
+    return s, limits
+
+
+def sets(idx):
+    """Each row's selected positions as a sorted list (order and the -1 padding position-free)."""
+    return [sorted(p for p in row if p >= 0) for row in idx.tolist()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefiltered_select_equals_the_exact_set(device):
+    gen = torch.Generator().manual_seed(3)
+    k, cols = 64, 8192
+    s, limits = causal_scores(12, cols, gen)
+    # rows the sample misjudges and must fall back: the top scores all outside the sampled runs (too
+    # few candidates), and a row where every score ties (too many)
+    s[5] = torch.randn(cols, generator=gen) - 10
+    s[5, 100:1000:8] = 5 + torch.rand(113, generator=gen)
+    s[6, : limits[6]] = 1.0
+    assert prefilter_applies(*s.shape, k)
+    got, fell_back = topk_prefiltered(s.to(device), limits.to(device), k)
+    want = topk_indices_torch(s, limits, k)
+    assert 2 <= fell_back < 12  # at this small k the sample's quantile is coarse: more rows fall back
+    assert sets(got.cpu())[:6] + sets(got.cpu())[7:] == sets(want)[:6] + sets(want)[7:]
+    row6 = sets(got.cpu())[6]  # ties: any k distinct visible positions
+    assert len(row6) == k and len(set(row6)) == k and max(row6) < int(limits[6])
+    assert sets(got.cpu())[0] == list(range(40))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_candidate_pass_keeps_scores_at_or_above_tau_in_order(device):
+    gen = torch.Generator().manual_seed(4)
+    rows, cols, cap = 3, 3000, 256
+    s = torch.randn(rows, cols, generator=gen)
+    limits = torch.tensor([cols, 1000, 0])
+    tau = torch.tensor([0.5, 1.5, 0.0])
+    values = torch.full((rows, cap), 7.0, device=device)
+    positions = torch.full((rows, cap), 7, dtype=torch.int32, device=device)
+    count = torch.empty(rows, dtype=torch.int32, device=device)
+    topk_mod._candidates_kernel[(rows,)](s.to(device), limits.to(device).int(), tau.to(device), values, positions,
+                                         count, cols, cols, CAP=cap, BLOCK=512)
+    for r in range(rows):
+        keep = torch.nonzero(s[r, : limits[r]] >= tau[r]).flatten()
+        assert int(count[r]) == keep.numel()
+        n = min(cap, keep.numel())
+        assert torch.equal(positions[r, :n].cpu().long(), keep[:n])
+        assert torch.equal(values[r, :n].cpu(), s[r, keep[:n]])
+        assert bool((positions[r, n:] == -1).all()) and bool((values[r, n:] == float("-inf")).all())
+    assert int(count[0]) > cap  # row 0 overflows: only the first cap stored
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefilter_at_deepseek_v32_width_needs_no_fallback(device):
+    """Top-2048 of 131072 random scores: the sample's quantile lands the candidates inside [k, 2k]."""
+    gen = torch.Generator().manual_seed(5)
+    s = torch.randn(3, 131072, generator=gen)
+    limits = torch.tensor([131072, 100000, 9000])
+    s[torch.arange(131072)[None, :] >= limits[:, None]] = float("-inf")
+    got, fell_back = topk_prefiltered(s.to(device), limits.to(device), 2048)
+    assert fell_back == 0
+    assert sets(got.cpu()) == sets(topk_indices_torch(s, limits, 2048))
+
+
+def test_prefilter_needs_wide_rows():
+    assert not prefilter_applies(4096, 4096, 2048)
+    assert prefilter_applies(4096, 131072, 2048)
