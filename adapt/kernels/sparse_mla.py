@@ -120,6 +120,22 @@ def _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE: tl.constexpr, UPCAST:
 
 
 @triton.jit
+def _row_heads(n_heads, BLOCK_H: tl.constexpr, HEADS_INNER: tl.constexpr):
+    """(query row, BLOCK_H head indices) of this program. HEADS_INNER: program_id(0) = row * head blocks +
+    head block, so the head blocks of one row run side by side and share its gathered latent rows in L2
+    (prefill: with the row on axis 0 and the head block on axis 1, the second head block of a row runs
+    rows / SMs waves after the first); else program_id(0) is the row and program_id(1) the head block."""
+    if HEADS_INNER:
+        blocks = tl.cdiv(n_heads, BLOCK_H)
+        row = (tl.program_id(0) // blocks).to(tl.int64)
+        block = tl.program_id(0) % blocks
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        block = tl.program_id(1)
+    return row, block * BLOCK_H + tl.arange(0, BLOCK_H)
+
+
+@triton.jit
 def _softmax_step(s, valid, scale_log2, m_i, l_i):
     """One online-softmax step over a tile of logits s [BLOCK_H, BLOCK_K] (log2 units after scale_log2;
     invalid positions -inf): (probabilities against the new running maximum, the factor that rescales
@@ -138,7 +154,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
                        RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr,
                        QK_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        PAGE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
-                       UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False):
+                       UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False, HEADS_INNER: tl.constexpr = False):
     """One program: one query row, BLOCK_H heads (the MMA M dimension: all heads of a row share
     its gathered latent rows), RANK / V_SPLIT output columns, and one slice of the row's
     selected positions (``program_id(2) // V_SPLIT``; the whole list when SPLIT is false).
@@ -157,8 +173,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     log2-sum-exp (fp32 [rows, splits, H], -inf when the slice has no valid position) for
     ``_combine_kernel``; otherwise the final bf16 output [rows, H, RANK].
     """
-    row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row, heads = _row_heads(n_heads, BLOCK_H, HEADS_INNER)
     vpart = tl.program_id(2) % V_SPLIT
     split = tl.program_id(2) // V_SPLIT
     VDIM: tl.constexpr = RANK // V_SPLIT
@@ -270,14 +285,13 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
                              out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                             PREFETCH: tl.constexpr):
+                             PREFETCH: tl.constexpr, HEADS_INNER: tl.constexpr = False):
     """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
     per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
     and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
     groups and p @ v writes four [BLOCK_H, GROUP] accumulators. Same grid, outputs and PREFETCH as
     ``_sparse_mla_kernel`` with V_SPLIT 1."""
-    row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row, heads = _row_heads(n_heads, BLOCK_H, HEADS_INNER)
     split = tl.program_id(2)
     hmask = heads < n_heads
     rcols = tl.arange(0, ROPE)
@@ -396,8 +410,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None
-               ) -> torch.Tensor:
+               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None,
+               heads_inner: bool = False) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -415,7 +429,9 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     blocks fill the GPU's SMs). Extra bytes with splits > 1:
     N * splits * H * (R + 1) * 4 written and read back.
 
-    ``prefetch``: reads the next tile's slots ahead by hand. ``groups4``: the fused fp8 tile as
+    ``prefetch``: reads the next tile's slots ahead by hand. ``heads_inner``: the head blocks of a row are
+    neighbours in launch order (grid axis 0 = row x head block), so a row's gathered latent rows are read
+    from HBM once and from L2 by its other head blocks. ``groups4``: the fused fp8 tile as
     ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
 
     Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
@@ -463,26 +479,28 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     else:
         partial, lse = out, out
     latent_scale_arg = latent_scale if fp8 else latent_nope
+    grid_rows, grid_heads = (n_rows * head_blocks, 1) if heads_inner else (n_rows, head_blocks)
     if groups4:
         if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank):
             raise ValueError("groups4 needs an fp8 latent of four scale groups and the fused tile")
-        _sparse_mla_fp8x4_kernel[(n_rows, head_blocks, splits)](
+        _sparse_mla_fp8x4_kernel[(grid_rows, grid_heads, splits)](
             q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
-            UPCAST=interpreting, PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+            UPCAST=interpreting, PREFETCH=bool(prefetch), HEADS_INNER=bool(heads_inner), num_warps=num_warps,
+            num_stages=num_stages,
         )
     else:
-        _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
+        _sparse_mla_kernel[(grid_rows, grid_heads, v_split * splits)](
             q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale_arg, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k,
             PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, SPLIT=splits > 1, UPCAST=interpreting, PREFETCH=bool(prefetch),
-            num_warps=num_warps, num_stages=num_stages,
+            HEADS_INNER=bool(heads_inner), num_warps=num_warps, num_stages=num_stages,
         )
     if splits > 1:
         combine_c = min(rank, 128)
