@@ -124,20 +124,38 @@ def fold_index_weights(weights: torch.Tensor, q_scale: torch.Tensor, head_dim: i
 
 @triton.jit
 def _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM: tl.constexpr,
-              BLOCK_S: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+              BLOCK_S: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
     """Key tile ``kt`` of a sequence through its block table: (positions [BLOCK_S], e4m3 keys
     [BLOCK_S, HEAD_DIM] (fp32 under the interpreter), fp32 scales [BLOCK_S]); positions at or past
-    ``tile_limit`` read as 0."""
+    ``tile_limit`` read as 0. A tile inside one page (PAGE a multiple of BLOCK_S: the prefill tile of 64 keys)
+    reads one block-table entry (the tile's first key is below ``tile_limit``: only live tiles are read).
+    MASKED False: the caller knows the whole tile is below ``tile_limit`` (no per-key mask)."""
     pos = kt * BLOCK_S + tl.arange(0, BLOCK_S)
     key_mask = pos < tile_limit
-    page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
-    slot = page.to(tl.int64) * PAGE + pos % PAGE
-    keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=key_mask[:, None],
-                   other=0.0)
-    kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+    if PAGE % BLOCK_S == 0:  # the tile lies in one page: one block-table entry, contiguous keys
+        page = tl.load(block_table_ptr + seq * bt_stride + (kt * BLOCK_S) // PAGE)
+        slot = page.to(tl.int64) * PAGE + ((kt * BLOCK_S) % PAGE + tl.arange(0, BLOCK_S))
+    else:
+        page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+    if MASKED:
+        keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=key_mask[:, None],
+                       other=0.0)
+        kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+    else:
+        keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+        kscale = tl.load(ks_ptr + slot)
     if UPCAST:
         keys = keys.to(tl.float32)
     return pos, keys, kscale
+
+
+@triton.jit
+def _stacked_scores(keys, kscale, q_all, w_all, BLOCK_S: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """fp32 [BLOCK_S, ROWS] scores of one key tile against the ROWS x BLOCK_H stacked query heads (one MMA)."""
+    logits = tl.dot(keys, tl.trans(q_all))
+    weighted = tl.reshape(tl.maximum(logits, 0.0) * w_all[None, :], [BLOCK_S, ROWS, BLOCK_H])
+    return tl.sum(weighted, axis=2) * kscale[:, None]
 
 
 @triton.jit
@@ -145,7 +163,8 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
                          n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                          ROWS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         UPCAST: tl.constexpr, STACKED: tl.constexpr, DIRECT: tl.constexpr = False):
+                         UPCAST: tl.constexpr, STACKED: tl.constexpr, DIRECT: tl.constexpr = False,
+                         FULL_TILES: tl.constexpr = False):
     """One program: one query tile (up to ROWS consecutive rows of one sequence) against
     ``tiles_per_split`` consecutive BLOCK_S-key tiles (split ``program_id(1)`` of the
     context). Key tiles stream through a NUM_STAGES-deep software pipeline; each is read
@@ -153,7 +172,9 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
     [H, D] and its weights stay in registers for the whole scan. STACKED (ROWS > 1): the tile's
     ROWS x BLOCK_H query heads are loaded once as one [ROWS * BLOCK_H, D] operand and each key tile
     takes one MMA with N = ROWS * BLOCK_H (instead of ROWS MMAs of N = BLOCK_H re-reading q).
-    DIRECT (ROWS == 1): program_id(0) is the row and its sequence is read from ``seq_ptr`` (no tile table)."""
+    DIRECT (ROWS == 1): program_id(0) is the row and its sequence is read from ``seq_ptr`` (no tile table).
+    FULL_TILES (STACKED): the key tiles below every row's limit run in a loop of their own without masks
+    (in a causal prefill all but the last few tiles of a query tile)."""
     tile = tl.program_id(0)
     if DIRECT:
         row0 = tile
@@ -190,12 +211,18 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
         tile_rows = tl.arange(0, ROWS)
         row_limits = tl.load(limit_ptr + row0 + tile_rows, mask=tile_rows < n_rows, other=0)
         out_rows = (row0 + tile_rows).to(tl.int64) * out_stride
-        for kt in tl.range(first, live, num_stages=NUM_STAGES):
+        tail = first
+        if FULL_TILES:  # tiles every row of the query tile sees whole: no key, row or column masks
+            tail = tl.maximum(first, tl.minimum(live, tl.min(row_limits, axis=0) // BLOCK_S))
+            for kt in tl.range(first, tail, num_stages=NUM_STAGES):
+                pos, keys, kscale = _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit,
+                                              HEAD_DIM, BLOCK_S, PAGE, UPCAST, False)
+                score = _stacked_scores(keys, kscale, q_all, w_all, BLOCK_S, ROWS, BLOCK_H)
+                tl.store(out_ptr + out_rows[None, :] + pos[:, None], score)
+        for kt in tl.range(tail, live, num_stages=NUM_STAGES):
             pos, keys, kscale = _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM,
                                           BLOCK_S, PAGE, UPCAST)
-            logits = tl.dot(keys, tl.trans(q_all))
-            weighted = tl.reshape(tl.maximum(logits, 0.0) * w_all[None, :], [BLOCK_S, ROWS, BLOCK_H])
-            score = tl.sum(weighted, axis=2) * kscale[:, None]
+            score = _stacked_scores(keys, kscale, q_all, w_all, BLOCK_S, ROWS, BLOCK_H)
             score = tl.where(pos[:, None] < row_limits[None, :], score, float("-inf"))
             tl.store(out_ptr + out_rows[None, :] + pos[:, None], score,
                      mask=(tile_rows[None, :] < n_rows) & (pos[:, None] < out_cols))
@@ -245,7 +272,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
                  num_cols: int, *, rows_per_tile: int | None = None, key_block: int | None = None,
                  num_stages: int | None = None, num_warps: int | None = None,
-                 programs: int | None = None, stacked: bool = True) -> torch.Tensor:
+                 programs: int | None = None, stacked: bool = True, full_tiles: bool = False) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -263,7 +290,9 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     flight (default 3); the context is split so that about ``programs`` programs run (default 1024,
     enough to fill 132 SMs several times); ``num_warps`` per program (default 4 in decode, 8 in
     prefill); ``stacked`` (rows_per_tile > 1): one MMA per key tile over all the tile's rows x heads,
-    q loaded once (default), else one MMA per row.
+    q loaded once (default), else one MMA per row; ``full_tiles`` (stacked): the key tiles every row of
+    the query tile sees whole run in a loop without masks (sm_90: 158 registers against 125, so one
+    program per SM instead of two; off by default).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -287,7 +316,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         n_heads, block_table.stride(0), out.stride(0), num_cols, tiles_per_split,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s, ROWS=per_tile,
         PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
-        DIRECT=decode,
+        DIRECT=decode, FULL_TILES=bool(full_tiles) and stacked and per_tile > 1,
         num_warps=num_warps or (4 if decode else PREFILL_WARPS),
     )
     return out

@@ -9,6 +9,7 @@ if not shutil.which("nvidia-smi"):
 import pytest
 import torch
 
+from adapt.kernels import dsa
 from adapt.kernels import topk as topk_mod
 from adapt.kernels.topk import prefilter_applies, topk_indices_torch, topk_prefiltered
 
@@ -88,3 +89,23 @@ def test_prefilter_at_deepseek_v32_width_needs_no_fallback(device):
 def test_prefilter_needs_wide_rows():
     assert not prefilter_applies(4096, 4096, 2048)
     assert prefilter_applies(4096, 131072, 2048)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", [
+    {"key_block": 64, "rows_per_tile": 4, "programs": 2},                      # one page per key tile
+    {"key_block": 32, "rows_per_tile": 4, "programs": 2, "full_tiles": True},  # half pages, unmasked full tiles
+    {"key_block": 16, "rows_per_tile": 2, "programs": 64, "full_tiles": True},
+])
+def test_prefill_scores_page_tiles_match_twin(device, tiles):
+    """Key tiles inside one page read one block-table entry; with ``full_tiles`` the tiles every row of a query
+    tile sees whole skip the masks. Sequences whose pages are not in order, query tiles cut mid-sequence."""
+    from tests.kernels.test_dsa import assert_close_scores, filled_cache
+
+    layer, batch, q8, weights = filled_cache((70, 200, 5), heads=3, dim=32, device=device, seed=7)
+    table = batch.block_table.clone()
+    table[1, :4] = table[1, :4].flip(0)  # the second sequence's pages out of order
+    limits = (batch.positions + 1).int()
+    args = (q8, weights, layer.index_k, layer.index_scale, table, batch.token_seq, limits, 256)
+    got = dsa.index_scores(*args, **tiles)
+    assert_close_scores(got, dsa.index_scores_torch(*args), device)
