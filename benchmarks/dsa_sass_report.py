@@ -37,7 +37,7 @@ KERNELS = {
             dict(qn_ptr="bf16", qr_ptr="bf16", nope_ptr="fp8e4nv", nscale_ptr="fp32", rope_ptr="bf16",
                  block_table_ptr="i32", seq_ptr="i32", idx_ptr="i32", out_ptr="bf16", lse_ptr="fp32"),
             dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=128, PAGE=64, SPLIT=False, UPCAST=False,
-                 PREFETCH=False, HEADS_INNER=False), dict(warps=8, stages=1)),
+                 PREFETCH=False, HEADS_INNER=False, HALF=False), dict(warps=8, stages=1)),
     "cand": (topk._candidates_kernel,
              dict(scores_ptr="fp32", limits_ptr="i32", tau_ptr="fp32", val_ptr="fp32", pos_ptr="i32",
                   count_ptr="i32"),
