@@ -360,7 +360,7 @@ TRITON_SELECT_MAX_ROWS = 8
 # Chunks of at least this many rows (prefill; decode batches stay below it) select through
 # ``topk.topk_prefiltered`` when their rows are wide enough (``topk.prefilter_applies``).
 PREFILTER_MIN_ROWS = 512
-SELECT_METHODS = ("auto", "triton", "torch", "prefilter")
+SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton")
 
 
 def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
@@ -379,8 +379,9 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     if method == "triton":
         topk_indices(scores, limits, topk, out=out)
         return 0
-    if method == "prefilter" and prefilter_applies(rows, cols, topk):
-        return topk_prefiltered(scores, limits, topk, out=out)[1]
+    if method in ("prefilter", "prefilter_triton") and prefilter_applies(rows, cols, topk):
+        final = "triton" if method == "prefilter_triton" else "torch"
+        return topk_prefiltered(scores, limits, topk, out=out, final=final)[1]
     k = min(topk, cols)
     values, idx = torch.topk(scores, k, dim=-1, sorted=False)
     out[:, :k] = torch.where(values == float("-inf"), -1, idx).to(torch.int32)

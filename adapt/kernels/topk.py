@@ -300,7 +300,8 @@ def sample_threshold(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def topk_prefiltered(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
-                     block: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, int]:
+                     block: int | None = None, num_warps: int | None = None,
+                     final: str = "torch") -> tuple[torch.Tensor, int]:
     """Positions of the ``topk`` largest visible scores of each row (the set ``topk_indices`` selects; order
     unspecified, ties at the k-th score arbitrary, -1 where fewer are visible), for many wide rows.
 
@@ -312,6 +313,9 @@ def topk_prefiltered(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, o
        (tau is -inf or there are at least topk of them); any other row (the sample misjudged it: count
        outside [topk, capacity]) is selected again from its full scores (torch.topk), so the result never
        depends on the sample. One host sync (which rows fell back).
+    ``final="triton"``: ``topk_indices`` selects in step 3 and for the rows that fall back; the candidates
+    being in position order, the result is then ``topk_indices_torch``'s exactly (ascending positions, ties
+    at the k-th score to the lowest positions).
 
     scores fp32 [N, C] (unit column stride), limits int [N]. Returns (int32 [N, topk], rows that fell
     back). Bytes: the visible scores read once (plus 1/16 for the sample), N * capacity * 8 written and
@@ -332,11 +336,18 @@ def topk_prefiltered(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, o
     _candidates_kernel[(n_rows,)](scores, limits.to(torch.int32).contiguous(), tau, values, positions, count,
                                   scores.stride(0), n_cols, CAP=cap, BLOCK=block or PREFILTER_BLOCK,
                                   num_warps=num_warps or 8)
-    best, j = torch.topk(values, topk, dim=1, sorted=False)
-    out.copy_(torch.where(best == float("-inf"), -1, positions.gather(1, j)))
+    if final == "triton":
+        j = topk_indices(values, torch.clamp(count, max=cap), topk)
+        out.copy_(torch.where(j < 0, -1, positions.gather(1, j.clamp(min=0).long())))
+    else:
+        best, j = torch.topk(values, topk, dim=1, sorted=False)
+        out.copy_(torch.where(best == float("-inf"), -1, positions.gather(1, j)))
     exact = (count <= cap) & ((tau == float("-inf")) | (count >= topk))
     redo = torch.nonzero(~exact).flatten()
     if redo.numel():
+        if final == "triton":
+            out[redo] = topk_indices(scores[redo], limits[redo].to(scores.device), topk)
+            return out, int(redo.numel())
         cols = torch.arange(n_cols, device=scores.device)
         visible = cols[None, :] < limits[redo].to(scores.device).long()[:, None]
         again, at = torch.topk(scores[redo].masked_fill(~visible, float("-inf")), topk, dim=1, sorted=False)
