@@ -306,6 +306,10 @@ def _dense_decode(batch: int, context: int, reps: int, copy_tbps: float) -> dict
     return row
 
 
+# Rows at the end of the prefill (the longest) on which the prefill sweeps run.
+PREFILL_TAIL_ROWS = 4096
+
+
 def _prefill_case(
     length: int, topk: int, latent_format: str, reps: int, max_score_bytes: int, attend_rows: int, tiles: dict,
     index_sweep: Sequence[dict] = (), mla_sweep: Sequence[dict] = (), selects: Sequence[str] = ("auto",),
@@ -316,6 +320,8 @@ def _prefill_case(
     selection; the fastest then runs the whole prefill. ``selects``: ``index_topk`` select methods each
     timed over the whole prefill (scores + top-k); the first is the step's."""
     tiles = dict(tiles)
+    n_tail = PREFILL_TAIL_ROWS
+    last = slice(length - n_tail, length)
     cache = _random_cache(length, latent_format)
     layer = cache.dsa_layer(0)
     block_table = torch.arange(-(-length // PAGE_SIZE), device="cuda", dtype=torch.int32)[None]
@@ -377,12 +383,12 @@ def _prefill_case(
                 **tiles["prefill_index"],
             )
 
-    tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(length - 4095, length + 1))
+    tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(length - PREFILL_TAIL_ROWS + 1, length + 1))
     sweep_rows = []
     for opt in index_sweep:
         try:
-            ms = _time_ms(lambda o=opt: dsa.index_scores(q8[-4096:], weights[-4096:], layer.index_k, layer.index_scale,
-                                                         block_table, token_seq[-4096:], limits[-4096:], length, **o),
+            ms = _time_ms(lambda o=opt: dsa.index_scores(q8[last], weights[last], layer.index_k, layer.index_scale,
+                                                         block_table, token_seq[last], limits[last], length, **o),
                           reps)
         except Exception as err:  # a tile that does not compile is recorded, the others still run
             sweep_rows.append({"kernel": "index_scores prefill last 4096", **opt, "error": str(err)[:200]})
@@ -393,9 +399,9 @@ def _prefill_case(
     if timed:
         best = min(timed, key=lambda row: row["us"])
         tiles["prefill_index"] = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
-    tail = dsa.index_scores(q8[-4096:], weights[-4096:], layer.index_k, layer.index_scale, block_table,
-                            token_seq[-4096:], limits[-4096:], length, **tiles["prefill_index"])
-    tail_limits = limits[-4096:]
+    tail = dsa.index_scores(q8[last], weights[last], layer.index_k, layer.index_scale, block_table,
+                            token_seq[last], limits[last], length, **tiles["prefill_index"])
+    tail_limits = limits[last]
     tail_select = {"triton_8bit": _time_ms(lambda: topk_indices(tail, tail_limits, topk, digit_bits=8), reps),
                    "torch_topk": _time_ms(lambda: torch.topk(tail, topk, dim=-1, sorted=False), reps),
                    "prefilter": _time_ms(lambda: topk_prefiltered(tail, tail_limits, topk), reps),
@@ -411,13 +417,13 @@ def _prefill_case(
     tail = pre = want = None
     mla_rows = []
     index()
-    tail_idx = holder["idx"][-4096:]
-    selected_tail = sum(min(t + 1, topk) for t in range(length - 4096, length))
+    tail_idx = holder["idx"][last]
+    selected_tail = sum(min(t + 1, topk) for t in range(length - PREFILL_TAIL_ROWS, length))
     for opt in mla_sweep:
         try:
             ms = _time_ms(lambda o=opt: sparse_mla.sparse_mla(
-                q_nope[:4096], q_rope[:4096], layer.latent_nope, layer.latent_scale, layer.latent_rope, block_table,
-                token_seq[-4096:], tail_idx, 0.1, **o), reps)
+                q_nope[:n_tail], q_rope[:n_tail], layer.latent_nope, layer.latent_scale, layer.latent_rope, block_table,
+                token_seq[last], tail_idx, 0.1, **o), reps)
         except Exception as err:  # recorded; the others still run
             mla_rows.append({"kernel": "sparse_mla prefill last 4096", **opt, "error": str(err)[:200]})
             continue
@@ -440,13 +446,13 @@ def _prefill_case(
     all_scores_ms = _time_ms(scores_only, reps)
     scores_ms = _time_ms(
         lambda: dsa.index_scores(
-            q8[-4096:],
-            weights[-4096:],
+            q8[last],
+            weights[last],
             layer.index_k,
             layer.index_scale,
             block_table,
-            token_seq[-4096:],
-            limits[-4096:],
+            token_seq[last],
+            limits[last],
             length,
             **tiles["prefill_index"],
         ),
