@@ -291,8 +291,8 @@ def sample_threshold(scores: torch.Tensor, topk: int) -> torch.Tensor:
     SAMPLE_RUN of every SAMPLE_SPAN columns); -inf where the sample holds fewer finite scores."""
     n_rows, n_cols = scores.shape
     spans = n_cols // SAMPLE_SPAN
-    sample = scores[:, : spans * SAMPLE_SPAN].reshape(n_rows, spans, SAMPLE_SPAN)[:, :, :SAMPLE_RUN]
-    sample = sample.reshape(n_rows, spans * SAMPLE_RUN)
+    runs = scores.as_strided((n_rows, spans, SAMPLE_RUN), (scores.stride(0), SAMPLE_SPAN, 1))  # a view
+    sample = runs.reshape(n_rows, spans * SAMPLE_RUN)  # copies the sample only
     k_sample = max(1, -(-int(PREFILTER_EXPECT * topk * SAMPLE_RUN) // SAMPLE_SPAN))
     if k_sample > sample.shape[1]:
         return torch.full((n_rows,), float("-inf"), device=scores.device)

@@ -838,8 +838,8 @@ PREFILL_INDEX_SWEEP = (
 # four-group kernel with 64 heads x 8 warps. sm_90 AOT, Triton 3.6, loop instructions per 128 positions /
 # registers / stack bytes / shared KB: default 128 positions (2563 / 255 / 80 / 216); heads_inner (the same
 # kernel, launch order only); half: fp16 dequantization and MMAs (1952 / 255 / 192 / 216); half with 64
-# positions (2 x 1056 / 255 / 0 / 144); half, 64, 2 stages + prefetch (2 x 1129 / 255 / 0 / 185); bf16, 64, 2
-# stages + prefetch (2 x 1482; 227 against 218 us for the default at decode batch 64 in the second session).
+# positions (2 x 1056 / 255 / 0 / 144); half, 64, 2 stages + prefetch (2 x 1129 / 255 / 0 / 185; its bf16 form,
+# 2 x 1482 instructions, ran 227 against 218 us for the default at decode batch 64 in the second session).
 PREFILL_MLA_SWEEP = (
     {},
     dict(heads_inner=True),
@@ -847,7 +847,6 @@ PREFILL_MLA_SWEEP = (
     dict(half=True, heads_inner=True),
     dict(half=True, heads_inner=True, block_k=64),
     dict(half=True, heads_inner=True, block_k=64, num_stages=2, prefetch=True),
-    dict(heads_inner=True, block_k=64, num_stages=2, prefetch=True, groups4=True),
 )
 
 # Sparse MLA decode tiles for the acceptance run (batch 64 x 128K), 64 heads x 8 warps each. sm_90 AOT,

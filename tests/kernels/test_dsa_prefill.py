@@ -112,3 +112,15 @@ def test_prefill_scores_page_tiles_match_twin(device, tiles):
     args = (q8, weights, layer.index_k, layer.index_scale, table, batch.token_seq, limits, 256)
     got = dsa.index_scores(*args, **tiles)
     assert_close_scores(got, dsa.index_scores_torch(*args), device)
+
+
+def test_sample_threshold_reads_the_first_run_of_every_span():
+    """The k_s-th largest of the sampled runs, on a row whose width is no multiple of the span."""
+    gen = torch.Generator().manual_seed(6)
+    cols = 3 * topk_mod.SAMPLE_SPAN + 100
+    s = torch.randn(2, cols, generator=gen)
+    k = 2 * topk_mod.SAMPLE_SPAN // topk_mod.SAMPLE_RUN  # k_s = ceil(1.5 * k * run / span) = 3
+    sample = torch.cat([s[:, i * topk_mod.SAMPLE_SPAN:][:, : topk_mod.SAMPLE_RUN] for i in range(3)], dim=1)
+    want = sample.topk(3, dim=1).values[:, -1]
+    assert torch.equal(topk_mod.sample_threshold(s, k), want)
+    assert torch.isinf(topk_mod.sample_threshold(s[:, :1000], k)).all()  # no whole span: no sample
