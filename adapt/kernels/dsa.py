@@ -26,7 +26,8 @@ What is Triton and what is torch here:
   ``index_scores_torch``.
 - ``index_topk``: calls ``index_scores`` on bounded chunks of query rows and selects with
   ``adapt.kernels.topk.topk_indices`` (Triton radix threshold select, twin ``topk_indices_torch``)
-  for chunks of at most ``TRITON_SELECT_MAX_ROWS`` rows, torch.topk above (measured faster there).
+  for chunks of at most ``TRITON_SELECT_MAX_ROWS`` rows, ``topk.topk_prefiltered`` for prefill chunks of
+  at least ``PREFILTER_MIN_ROWS`` wide rows, torch.topk between (each measured faster where it runs).
   The [T, S] score matrix is never materialised: a chunk
   holds at most ``max_score_bytes`` of fp32 scores (rows x visible keys of its last row);
   ``IndexStats.peak_score_bytes`` reports what was used.
@@ -51,12 +52,14 @@ from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
 from adapt.kernels.topk import prefilter_applies, topk_indices, topk_indices_torch, topk_prefiltered
 
-# Stacked prefill tile, fastest of the sweep on an H200 at 128K (2026-11-30, commit 0375b39: 4 rows x 64
-# keys, 8 warps, 631 TFLOP/s on the last 4096 rows; 2 x 128 keys, 4 warps 567; the per-row form at 4 rows,
-# commit 8cbbe8e, 492).
-PREFILL_ROWS_PER_TILE = 4
+# Stacked prefill tile, fastest of the sweep on an H200 at 128K with one-page key tiles (2026-11-30, commit
+# 4f58965, benchmarks/gpu-2026-11-30-dsa-s3-prefill: 2 rows x 64 keys, 4 warps, 740 TFLOP/s on the last 4096
+# rows and 730 over all 128K rows; 4 x 64 on 8 warps, the default before, 663-671). Earlier, with a
+# block-table entry read per key: 4 x 64 on 8 warps 617-646, 2 x 64 on 4 warps 561-571 (commits 0375b39,
+# ab589f7, 4001191).
+PREFILL_ROWS_PER_TILE = 2
 PREFILL_KEY_BLOCK = 64
-PREFILL_WARPS = 8
+PREFILL_WARPS = 4
 KEY_BLOCK = 128
 DEFAULT_PROGRAMS = 1024
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
@@ -288,11 +291,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     ``PREFILL_ROWS_PER_TILE``; 1 when every row is its own sequence, as in decode);
     ``key_block`` keys per tile (default 128 in decode, 64 in prefill); ``num_stages`` key tiles in
     flight (default 3); the context is split so that about ``programs`` programs run (default 1024,
-    enough to fill 132 SMs several times); ``num_warps`` per program (default 4 in decode, 8 in
-    prefill); ``stacked`` (rows_per_tile > 1): one MMA per key tile over all the tile's rows x heads,
-    q loaded once (default), else one MMA per row; ``full_tiles`` (stacked): the key tiles every row of
-    the query tile sees whole run in a loop without masks (sm_90: 158 registers against 125, so one
-    program per SM instead of two; off by default).
+    enough to fill 132 SMs several times); ``num_warps`` per program (default 4 in decode and
+    ``PREFILL_WARPS`` in prefill); ``stacked`` (rows_per_tile > 1): one MMA per key tile over all the
+    tile's rows x heads, q loaded once (default), else one MMA per row; ``full_tiles`` (stacked): the key
+    tiles every row of the query tile sees whole run in a loop without masks (sm_90: 158 registers
+    against 125, so one program per SM instead of two; H200: 399 against 663 TFLOP/s; off by default).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -430,8 +433,10 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
     Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the
     row sees fewer than ``topk`` keys; stats). A chunk of at most ``TRITON_SELECT_MAX_ROWS`` rows (decode
     at small batch) selects with ``adapt.kernels.topk.topk_indices`` (ascending positions, -1 after them,
-    ties at the k-th score to the lowest positions, exactly as the twin); larger chunks with torch.topk
-    (measured faster there; order unspecified, ties arbitrary). Rows are chunked so that
+    ties at the k-th score to the lowest positions, exactly as the twin); prefill chunks of at least
+    ``PREFILTER_MIN_ROWS`` wide rows with ``topk.topk_prefiltered`` (H200, 128K prefill: 70 against 107 ms
+    for torch.topk); other chunks with torch.topk (both: order unspecified, ties arbitrary). Rows are
+    chunked so that
     each chunk's score buffer (rows x visible keys of the widest row, fp32) stays under
     ``max_score_bytes``; a chunk holds at least one row (4 * S bytes for S keys).
     ``max_keys`` (an upper bound on ``limits``) sizes every chunk's score buffer without reading

@@ -823,9 +823,11 @@ def _run_prefill(result: dict, context: int, topk: int, latent_format: str, tile
 # 4 rows x 64 keys, 8 warps (123 / 0 / 50; fastest on 2026-11-30 at 646 TFLOP/s on the last 4096 rows, the
 # default); 8 x 64, 8 warps (230 / 0 / 83); 4 x 128, 8 warps (242 / 0 / 68); 4 x 64, 4 warps (232 / 0 / 50);
 # 2 x 64, 4 warps (125 / 0 / 33; 566 TFLOP/s on 2026-11-30).
-# Third session (one-page key tiles: one block-table entry per tile, loop 339 -> 280 instructions at 4 x 64,
-# 125 registers): the default, its unmasked full-tile loop (158 registers: one program per SM), 2 and 4
-# stages, and 2 x 64 on 4 warps (the wider tiles above were slower in both earlier calls and are not re-run).
+# Third session (one-page key tiles: one block-table entry per tile; sm_90 loop per key tile 339 -> 280
+# instructions at 4 x 64 on 8 warps, 388 -> 292 at 2 x 64 on 4 warps, 123-125 registers): 4 x 64 on 8 warps,
+# its unmasked full-tile loop (158 registers: one program per SM), 2 and 4 stages, and 2 x 64 on 4 warps
+# (the wider tiles above were slower in both earlier calls and are not re-run). H200, commit 4f58965, TFLOP/s
+# on the last 4096 rows: 663, 399, 662, 671, 740 (now the default).
 PREFILL_INDEX_SWEEP = (
     dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8),
     dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8, full_tiles=True),
@@ -834,7 +836,8 @@ PREFILL_INDEX_SWEEP = (
     dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
 )
 
-# Sparse MLA prefill tiles (the last 4096 rows of the 128K prefill, 16 tiles of 128 positions per row), the
+# Sparse MLA prefill tiles (the last 4096 rows of the 128K prefill, 16 tiles of 128 positions per row; H200,
+# commit 4f58965, ms: 11.64, 11.50, 13.40, 13.32, 11.89, 11.19 in the order below), the
 # four-group kernel with 64 heads x 8 warps. sm_90 AOT, Triton 3.6, loop instructions per 128 positions /
 # registers / stack bytes / shared KB: default 128 positions (2563 / 255 / 80 / 216); heads_inner (the same
 # kernel, launch order only); half: fp16 dequantization and MMAs (1952 / 255 / 192 / 216); half with 64
