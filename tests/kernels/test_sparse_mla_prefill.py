@@ -23,7 +23,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 ])
 def test_heads_inner_grid_matches_row_major_and_twin(device, tiles):
     rank = 64 if tiles.get("groups4") else 32
-    layer, batch, indices, q_nope, q_rope = setup((12, 6), heads=20, rank=rank, rope=16, topk=24,
+    layer, batch, indices, q_nope, q_rope = setup((7, 3), heads=20, rank=rank, rope=16, topk=24,
                                                   latent_format="fp8", device=device, scale_groups=4)
     args = (q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, batch.block_table,
             batch.token_seq, indices, 0.3)
