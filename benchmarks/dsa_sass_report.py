@@ -2,31 +2,25 @@
 
 Usage: PYTHONPATH=. python benchmarks/dsa_sass_report.py index '[{"ROWS": 4, "BLOCK_S": 64, "warps": 8}]'
        PYTHONPATH=. python benchmarks/dsa_sass_report.py mla '[{"BLOCK_K": 128}]'
-       PYTHONPATH=. python benchmarks/dsa_sass_report.py cand '[{}]'
 
 Each JSON object overrides the kernel's constexprs (upper-case keys) and the launch options (warps,
-stages). Prints shared memory, registers, stack bytes and the opcode counts of the innermost loop that
-holds a wgmma (one key tile / one position tile; for ``cand``, the loop with the scan), from the ptxas
-and cuobjdump that the triton wheel carries (benchmarks/moe/sass_report.py does the same for the MoE GEMM).
+stages). Prints shared memory, registers, spill bytes and the opcode counts of the innermost loop that
+holds a wgmma (one key tile / one position tile), through ``benchmarks/moe/sass_report.report`` (the ptxas
+and cuobjdump that the triton wheel carries).
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adapt.kernels import dsa, sparse_mla, topk
+from adapt.kernels import dsa, sparse_mla
+from benchmarks.moe.sass_report import report
 
-BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 KERNELS = {
     "index": (dsa._index_scores_kernel,
               dict(q_ptr="fp8e4nv", w_ptr="fp32", k_ptr="fp8e4nv", ks_ptr="fp32", block_table_ptr="i32",
@@ -38,10 +32,6 @@ KERNELS = {
                  block_table_ptr="i32", seq_ptr="i32", idx_ptr="i32", out_ptr="bf16", lse_ptr="fp32"),
             dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=128, PAGE=64, SPLIT=False, UPCAST=False,
                  PREFETCH=False, HEADS_INNER=False, HALF=False), dict(warps=8, stages=1)),
-    "cand": (topk._candidates_kernel,
-             dict(scores_ptr="fp32", limits_ptr="i32", tau_ptr="fp32", val_ptr="fp32", pos_ptr="i32",
-                  count_ptr="i32"),
-             dict(CAP=4096, BLOCK=2048), dict(warps=8, stages=3)),
 }
 FLOATS = ("scale_log2",)
 
@@ -59,36 +49,7 @@ def compile_kernel(name: str, over: dict):
     return ck
 
 
-def report(ck, want_mma: bool = True) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        cubin = Path(d) / "k.cubin"
-        cubin.write_bytes(ck.asm["cubin"])
-        sass = subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", str(cubin)], capture_output=True,
-                              text=True).stdout
-        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True,
-                               text=True).stdout
-    ops = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
-        if m:
-            ops.append((int(m.group(1), 16), m.group(3), m.group(4)))
-    at = {a: i for i, (a, _, _) in enumerate(ops)}
-    loop = None
-    for i, (a, op, rest) in enumerate(ops):
-        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if t and int(t.group(1), 16) < a and int(t.group(1), 16) in at:
-            body = ops[at[int(t.group(1), 16)]: i + 1]
-            has = any("GMMA" in o for _, o, _ in body)
-            if (has or not want_mma) and (loop is None or len(body) > len(loop)):
-                loop = body
-    reg = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    return dict(shared=ck.metadata.shared, regs=int(reg.group(1)) if reg else None,
-                stack=int(reg.group(2)) if reg else None, loop_len=len(loop or []),
-                loop_ops=dict(collections.Counter(o.split(".")[0] for _, o, _ in loop or []).most_common(18)))
-
-
 if __name__ == "__main__":
     which = sys.argv[1]
     for over in json.loads(sys.argv[2]) if len(sys.argv) > 2 else [{}]:
-        print(json.dumps(dict(kernel=which, config=over, **report(compile_kernel(which, over), which != "cand"))),
-              flush=True)
+        print(json.dumps(dict(kernel=which, config=over, **report(compile_kernel(which, over), 0))), flush=True)
