@@ -124,3 +124,30 @@ def test_sample_threshold_reads_the_first_run_of_every_span():
     want = sample.topk(3, dim=1).values[:, -1]
     assert torch.equal(topk_mod.sample_threshold(s, k), want)
     assert torch.isinf(topk_mod.sample_threshold(s[:, :1000], k)).all()  # no whole span: no sample
+
+
+def test_select_dispatch_takes_the_prefilter_for_prefill_chunks(monkeypatch):
+    """``_select_topk`` (auto) takes the prefiltered select for chunks of at least PREFILTER_MIN_ROWS wide
+    rows (here lowered to 16 rows of 16K keys, causal) and returns torch.topk's sets; a narrower chunk
+    (12 rows) keeps torch.topk."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return topk_prefiltered(*args, **kwargs)
+
+    monkeypatch.setattr(dsa, "PREFILTER_MIN_ROWS", 16)
+    monkeypatch.setattr(dsa, "topk_prefiltered", spy)
+    gen = torch.Generator().manual_seed(8)
+    rows, cols, k = 16, 16384, 2048
+    s = torch.randn(rows, cols, generator=gen)
+    limits = torch.arange(cols - rows + 1, cols + 1)
+    s[torch.arange(cols)[None, :] >= limits[:, None]] = float("-inf")
+    out = torch.empty(rows, k, dtype=torch.int32)
+    assert dsa._select_topk(s, limits, k, out=out) == 0  # no row fell back
+    assert calls == [(rows, cols)]
+    assert sets(out) == sets(torch.topk(s, k, dim=1).indices)
+    dsa._select_topk(s[:12], limits[:12], k, out=out[:12])
+    assert len(calls) == 1 and sets(out[:12]) == sets(torch.topk(s[:12], k, dim=1).indices)
+    with pytest.raises(ValueError, match="select"):
+        dsa._select_topk(s, limits, k, out=out, method="radix")
