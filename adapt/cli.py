@@ -69,7 +69,7 @@ def print_json(data) -> None:
 def render_report(report: StageReport) -> None:
     """A stage report in the terminal: verdict, metrics, tables, findings."""
     verdict = report.decide()
-    color = {"pass": "green", "warn": "yellow", "fail": "red"}[verdict]
+    color = {"pass": "green", "warn": "yellow", "unmeasured": "red", "fail": "red"}[verdict]
     console.print(f"[bold]Stage {report.number}: {escape(report.title)}[/bold]  [{color}]{verdict.upper()}[/{color}]")
     if report.summary:
         console.print(report.summary, markup=False)
@@ -738,7 +738,7 @@ def demo(
             console.print(f"reference and kernel paths {agree}; reports in {summary['run']}", markup=False)
         if "precision_plot" in summary:
             console.print(f"precision plot: {summary['precision_plot']}", markup=False, highlight=False)
-    failed = any(v == "fail" for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
+    failed = any(v in ("fail", "unmeasured") for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
     raise typer.Exit(1 if failed else 0)
 
 

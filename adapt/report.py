@@ -5,8 +5,9 @@ A stage returns a ``StageReport``; ``RunDir.write(report)`` puts
 updates ``manifest.json``. Every file is written to a temp file in the same directory
 and renamed into place, so an interrupted run never leaves a half-written report.
 
-Verdicts: "pass" (warnings allowed), "warn", "fail". Exit codes: 0 pass or warn,
-1 gate failed, 2 bad input or usage (``adapt.errors.InputError``).
+Verdicts: "pass" (warnings allowed), "warn" (measured its core, with caveats), "unmeasured" (nothing was
+measured: an ``unmeasured`` finding says what and how to measure it), "fail". Exit codes: 0 pass or warn,
+1 gate failed or unmeasured, 2 bad input or usage (``adapt.errors.InputError``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from adapt import __version__
 from adapt.errors import InputError, check_interrupt
 
 SEVERITIES = ("info", "warn", "error")
-VERDICTS = ("pass", "warn", "fail")
+VERDICTS = ("pass", "warn", "unmeasured", "fail")
+UNMEASURED = "unmeasured"  # the finding code (and verdict) of a stage that measured nothing
 EXIT_PASS, EXIT_GATE_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_GATES = Path(__file__).with_name("gates.yaml")
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -61,7 +63,7 @@ class StageReport:
 
     stage: "inventory" | "memory" | "kernels" | "parallel" | "precision" | "bench" | ...
     number: the pipeline stage number (1..6; 0 for auxiliary reports such as info)
-    verdict: "pass" | "warn" | "fail" (``decide`` derives it from findings when unset)
+    verdict: "pass" | "warn" | "unmeasured" | "fail" (``decide`` derives it from findings when unset)
     metrics: flat or nested JSON-able numbers; findings: list of Finding
     tables: named tables (list of row dicts) rendered into Markdown
     artifacts: name -> relative path of extra files the stage wrote
@@ -86,19 +88,27 @@ class StageReport:
         self.findings.append(finding)
         return finding
 
+    def not_measured(self, what: str, how: str) -> Finding:
+        """Record that the stage measured nothing (``what``: what was not measured and why; ``how``: how to
+        measure it). The verdict becomes "unmeasured" (unless an error fails it): exit 1, never reused by
+        ``validate``, refused by the hand-off; a stage that measured its core and has caveats warns instead."""
+        return self.add("warn", UNMEASURED, f"nothing measured: {what}", how)
+
     def decide(self) -> str:
-        """Set the verdict from the findings unless a stage already set it: any error -> fail,
-        any warning -> warn, else pass."""
+        """Set the verdict from the findings unless a stage already set it: any error -> fail, an
+        ``unmeasured`` finding -> unmeasured, any warning -> warn, else pass."""
         if not self.verdict:
             severities = {f.severity for f in self.findings}
-            self.verdict = "fail" if "error" in severities else "warn" if "warn" in severities else "pass"
+            self.verdict = ("fail" if "error" in severities else UNMEASURED
+                            if any(f.code == UNMEASURED for f in self.findings)
+                            else "warn" if "warn" in severities else "pass")
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
         return self.verdict
 
     @property
     def exit_code(self) -> int:
-        return EXIT_GATE_FAILED if self.decide() == "fail" else EXIT_PASS
+        return EXIT_GATE_FAILED if self.decide() in ("fail", UNMEASURED) else EXIT_PASS
 
     def to_dict(self) -> dict[str, Any]:
         self.decide()
@@ -136,7 +146,7 @@ class StageReport:
     def to_junit(self) -> str:
         """JUnit XML: one testcase per finding code group, failures for errors."""
         self.decide()
-        errors = [f for f in self.findings if f.severity == "error"]
+        errors = [f for f in self.findings if f.severity == "error" or f.code == UNMEASURED]
         cases = [f'  <testcase classname="adapt.stage{self.number}" name="{escape(self.stage)}.gate">']
         if errors:
             body = "\n".join(f"[{f.code}] {f.message}" for f in errors)
@@ -144,7 +154,7 @@ class StageReport:
                          f"{escape(body)}</failure>")
         cases.append("  </testcase>")
         for f in self.findings:
-            if f.severity == "error":
+            if f in errors:
                 continue
             cases.append(f'  <testcase classname="adapt.stage{self.number}.{escape(self.stage)}" '
                          f'name="{escape(f.code)}"><system-out>{escape(f.message)}</system-out></testcase>')

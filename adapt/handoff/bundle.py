@@ -21,7 +21,7 @@ from typing import Any
 
 from adapt.errors import InputError
 from adapt.plan.launch import multi_node_args, ray_steps, serve_command, shell_script
-from adapt.report import RunDir, StageReport, fingerprint, markdown_table
+from adapt.report import UNMEASURED, RunDir, StageReport, fingerprint, markdown_table
 
 STAGE_NUMBER = 0  # the schema numbers gate stages 1-6; 0 marks reports outside that sequence
 REQUIRED_STAGES = ("inventory", "memory", "kernels", "parallel")
@@ -139,9 +139,16 @@ def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: in
     for stage, verdict in gate_verdicts(run).items():
         if verdict is None:
             problems.append(f"{stage}: not run")
+        elif verdict == UNMEASURED:
+            problems.append(_unmeasured(run, stage))
         elif verdict not in ("pass", "warn"):
             problems.append(f"{stage}: {verdict}")
-    problems += [f"{stage}: fail" for stage in LATER_STAGES if run.verdict_of(stage) == "fail"]
+    for stage in LATER_STAGES:
+        verdict = run.verdict_of(stage)
+        if verdict == UNMEASURED:
+            problems.append(_unmeasured(run, stage))
+        elif verdict == "fail":
+            problems.append(f"{stage}: fail")
     if problems and not force:
         last = max(STAGE_OF[p.split(":")[0]] for p in problems)
         command = (f"adapt validate {shlex.quote(model)} --stage {max(last, 4)} --target {shlex.quote(target)} "
@@ -150,6 +157,14 @@ def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: in
         raise InputError(f"hand-off refused: gates up to stage {max(last, 4)} have not passed in {run.path} ("
                          + "; ".join(problems) + ")", hint=f"run `{command}`, or pass --force (recorded)")
     return problems
+
+
+def _unmeasured(run: RunDir, stage: str) -> str:
+    """"<stage>: unmeasured (what was not measured; how to measure it)" from the stage's ``unmeasured`` findings."""
+    findings = [f for f in run.stage_report(stage).get("findings") or []
+                if isinstance(f, dict) and f.get("code") == UNMEASURED]
+    said = "; ".join(f"{f.get('message')}; {f.get('hint')}" for f in findings) or "nothing was measured"
+    return f"{stage}: unmeasured ({said})"
 
 
 def plan_engine_args(run: RunDir, *, devices: int, nodes: int, forced: bool) -> tuple[dict[str, Any], str]:

