@@ -535,6 +535,33 @@ class _SwallowingDel:
         _wait_for_signal(self.ready)
 
 
+CONTENT_DIGEST_MAX_BYTES = 2 * 1024**3  # checkpoints up to this size are hashed whole (tiny models: a few MiB)
+
+
+def checkpoint_data_digest(model: str) -> str | None:
+    """Digest of a model directory's top-level files themselves (tensors, tokenizer, config), or None
+    when ``model`` is not a directory. Up to ``CONTENT_DIGEST_MAX_BYTES`` in all, sha256 of every byte;
+    above, files over 64 MiB enter by name, size and modification time (a rebuild rewrites them) and
+    smaller ones by content, so a 700 GB checkpoint is not read for a fingerprint."""
+    directory = Path(model)
+    if not directory.is_dir():
+        return None
+    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+    whole = sum(p.stat().st_size for p in files) <= CONTENT_DIGEST_MAX_BYTES
+    h = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        h.update(path.name.encode() + b"\0")
+        if whole or stat.st_size <= 64 * 2**20:
+            with open(path, "rb") as handle:
+                while chunk := handle.read(16 * 2**20):
+                    h.update(chunk)
+        else:
+            h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+        h.update(b"\0")
+    return ("sha256:" if whole else "stat:") + h.hexdigest()[:16]
+
+
 def digest(obj: Any) -> str:
     """Short sha256 of a JSON-able object (for fingerprints)."""
     blob = json.dumps(obj, sort_keys=True, default=_json_default).encode()

@@ -21,7 +21,7 @@ from typing import Any
 
 from adapt.errors import InputError
 from adapt.plan.launch import multi_node_args, ray_steps, serve_command, shell_script
-from adapt.report import UNMEASURED, RunDir, StageReport, fingerprint, markdown_table
+from adapt.report import UNMEASURED, RunDir, StageReport, checkpoint_data_digest, fingerprint, markdown_table
 
 STAGE_NUMBER = 0  # the schema numbers gate stages 1-6; 0 marks reports outside that sequence
 REQUIRED_STAGES = ("inventory", "memory", "kernels", "parallel")
@@ -48,7 +48,6 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
     """
     from adapt.stages.pipeline import (
         PipelineOptions,
-        checkpoint_data_digest,
         fingerprint_mismatch,
         plan_digest,
         stage_fingerprint,

@@ -53,7 +53,7 @@ from typing import Any
 
 import adapt
 from adapt.errors import InputError, check_interrupt
-from adapt.report import RunDir, StageReport, digest, git_commit, pause_for_test
+from adapt.report import RunDir, StageReport, checkpoint_data_digest, digest, git_commit, pause_for_test
 
 COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "env", "packages",
                    "device", "gates", "adapt_version")
@@ -249,33 +249,6 @@ def checkpoint_digest(model: str) -> str | None:
                 raise InputError(f"safetensors header of {size:,} bytes is implausible", file=shard)
             h.update(shard.name.encode() + b"\0" + handle.read(size))
     return h.hexdigest()[:16]
-
-
-CONTENT_DIGEST_MAX_BYTES = 2 * 1024**3  # checkpoints up to this size are hashed whole (tiny models: a few MiB)
-
-
-def checkpoint_data_digest(model: str) -> str | None:
-    """Digest of a model directory's top-level files themselves (tensors, tokenizer, config), or None
-    when ``model`` is not a directory. Up to ``CONTENT_DIGEST_MAX_BYTES`` in all, sha256 of every byte;
-    above, files over 64 MiB enter by name, size and modification time (a rebuild rewrites them) and
-    smaller ones by content, so a 700 GB checkpoint is not read for a fingerprint."""
-    directory = Path(model)
-    if not directory.is_dir():
-        return None
-    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
-    whole = sum(p.stat().st_size for p in files) <= CONTENT_DIGEST_MAX_BYTES
-    h = hashlib.sha256()
-    for path in files:
-        stat = path.stat()
-        h.update(path.name.encode() + b"\0")
-        if whole or stat.st_size <= 64 * 2**20:
-            with open(path, "rb") as handle:
-                while chunk := handle.read(16 * 2**20):
-                    h.update(chunk)
-        else:
-            h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
-        h.update(b"\0")
-    return ("sha256:" if whole else "stat:") + h.hexdigest()[:16]
 
 
 def plan_digest(run_path: str | Path | None) -> str | None:
