@@ -680,6 +680,7 @@ def bench_serve(
                                           prompts=prompts, soak_requests=soak_requests,
                                           soak_concurrency=soak_concurrency, max_model_len=max_model_len,
                                           kv_cache_mib=kv_cache_mib))
+        report.fingerprint["engine"] = report.metrics.get("engine")  # as launched (--max-model-len, --kv-cache-mib)
     finish(report, as_json, run)
 
 

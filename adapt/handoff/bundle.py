@@ -79,6 +79,10 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
             differs = fingerprint_mismatch(recorded, data_digest, ("checkpoint_data",))
             if differs:
                 return f"{stage}: {differs}"
+        if isinstance(recorded.get("engine"), dict):
+            differs = _engine_mismatch(recorded["engine"], run)
+            if differs:
+                return f"{stage}: {differs}; run stage {STAGE_OF[stage]} again"
         options = recorded["options"]
         if "plan" in options and options["plan"] != plan_digest(run.path):
             return (f"{stage}: options.plan: it served stage 4's plan {options['plan']}, and the run's parallel.json "
@@ -95,6 +99,20 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
         if seen_stack is not None and recorded.get("stack") != seen_stack[1]:
             return f"{stage}: stack {recorded.get('stack')} differs from {seen_stack[0]}'s {seen_stack[1]}"
         seen_stack = seen_stack or (stage, recorded.get("stack"))
+    return None
+
+
+def _engine_mismatch(recorded: dict[str, Any], run: RunDir) -> str | None:
+    """How the serving engine a stage-6 report measured with (its fingerprint's ``engine``) differs from this
+    machine's now: the serve environment's vLLM version (when both are known) and, for a stage 6 that adapt
+    launched, the engine arguments it would launch the run's plan with now; None when they agree."""
+    from adapt.stages.serve import serving_engine
+
+    now = serving_engine(run.path, None)
+    if recorded.get("version") and now["version"] and recorded["version"] != now["version"]:
+        return f"engine.version: recorded {recorded['version']!r}, now {now['version']!r} (the serve environment's vLLM)"
+    if recorded.get("launch") is not None and recorded["launch"] != now["launch"]:
+        return f"engine.launch: recorded {json.dumps(recorded['launch'])}, now {json.dumps(now['launch'])}"
     return None
 
 
@@ -262,9 +280,13 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     argv = serve_command(model_path, args)
     steps = ray_steps(model_path, engine_args, nodes)
 
+    from adapt.handoff.vllm import installed_version
+
+    vllm_version = installed_version()
     report = StageReport("handoff", STAGE_NUMBER, "Hand-off to vLLM",
                          fingerprint=fingerprint(model=model, target=resolved_target.name, devices=devices,
-                                                 nodes=nodes))
+                                                 nodes=nodes, engine={"name": "vllm", "version": vllm_version,
+                                                                      "serve_command": argv}))
     report.metrics.update({"engine_args": args, "serve_command": argv, "ray_steps": steps, "nodes": nodes,
                            "devices": devices, "forced": bool(force and overridden),
                            "overridden_gates": overridden, "engine_args_source": source,
@@ -282,7 +304,7 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     files = {
         f"{BUNDLE_DIR}/engine_args.json": json.dumps({
             "model": model_path, "source_model": model, "target": resolved_target.name, "devices": devices,
-            "nodes": nodes, "engine_args": args, "engine_args_source": source,
+            "nodes": nodes, "engine_args": args, "engine_args_source": source, "vllm_version": vllm_version,
             "weights_format": {"plan": weights, "vllm": how}, "forced": bool(overridden),
             "overridden_gates": overridden, "export_note": export_note}, indent=2) + "\n",
         f"{BUNDLE_DIR}/serve.sh": "#!/bin/sh\n# vllm serve for "

