@@ -680,7 +680,7 @@ def bench_serve(
                                           prompts=prompts, soak_requests=soak_requests,
                                           soak_concurrency=soak_concurrency, max_model_len=max_model_len,
                                           kv_cache_mib=kv_cache_mib))
-        report.fingerprint["engine"] = report.metrics.get("engine")  # as launched (--max-model-len, --kv-cache-mib)
+        report.fingerprint["engine"] = report.metrics.get("engine")  # as launched (--max-model-len, ...)
     finish(report, as_json, run)
 
 
@@ -739,7 +739,8 @@ def demo(
             console.print(f"reference and kernel paths {agree}; reports in {summary['run']}", markup=False)
         if "precision_plot" in summary:
             console.print(f"precision plot: {summary['precision_plot']}", markup=False, highlight=False)
-    failed = any(v in ("fail", "unmeasured") for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
+    failed = any(v in ("fail", "unmeasured") for v in summary["gates"].values())
+    failed = failed or not summary.get("runtime_paths_agree", False)
     raise typer.Exit(1 if failed else 0)
 
 

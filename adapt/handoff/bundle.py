@@ -110,7 +110,8 @@ def _engine_mismatch(recorded: dict[str, Any], run: RunDir) -> str | None:
 
     now = serving_engine(run.path, None)
     if recorded.get("version") and now["version"] and recorded["version"] != now["version"]:
-        return f"engine.version: recorded {recorded['version']!r}, now {now['version']!r} (the serve environment's vLLM)"
+        return (f"engine.version: recorded {recorded['version']!r}, now {now['version']!r} (the serve environment's "
+                "vLLM)")
     if recorded.get("launch") is not None and recorded["launch"] != now["launch"]:
         return f"engine.launch: recorded {json.dumps(recorded['launch'])}, now {json.dumps(now['launch'])}"
     return None
