@@ -642,6 +642,9 @@ def bench_serve(
                             "stand-in when MODEL is a directory without one).")] = None,
     server_pid: Annotated[int | None, typer.Option(
         "--server-pid", help="With --url: the server's root process id, to sample its memory.")] = None,
+    checkpoint: Annotated[str | None, typer.Option(
+        "--checkpoint", help="With --url: the checkpoint directory the server should serve (checked through "
+                             "/v1/models and greedy tokens against adapt's runtime).")] = None,
     input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens of long-in workloads.")] = 256,
     output_len: Annotated[int, typer.Option("--output-len", help="Output tokens of long-out workloads.")] = 64,
     concurrency: Annotated[list[int] | None, typer.Option(
@@ -670,6 +673,7 @@ def bench_serve(
     thresholds = load_gates(gates)
     report = run_serve_stage(model, target=target, run_path=run.path, gates=thresholds, options=options,
                              url=url, served_model=served_model, tokenizer=tokenizer, server_pid=server_pid,
+                             checkpoint=checkpoint,
                              max_model_len=max_model_len, vllm=vllm,
                              kv_cache_bytes=kv_cache_mib * 2**20 if kv_cache_mib else None)
     if url is None:   # MODEL is a checkpoint here (with --url it is only the name a server answers to)

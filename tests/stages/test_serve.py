@@ -47,7 +47,7 @@ def test_stage6_load_soak_probes_and_prediction(server, tmp_path):
     gates.write_text(yaml.safe_dump({"bench": {"max_rss_slope_mib_per_min": 2048}}))
     result = CliRunner().invoke(app, [
         "bench", "serve", "adapt-bench", "--target", "cpu", "--url", endpoint.base_url,
-        "--server-pid", str(endpoint.server_pid),
+        "--server-pid", str(endpoint.server_pid), "--checkpoint", str(model_dir),
         "--tokenizer", str(model_dir), "--max-model-len", "2048", "--input-len", "256", "--output-len", "64",
         "-c", "1", "-c", "4", "--prompts", "8", "--soak-s", "60", "--soak-concurrency", "4",
         "--sample-interval", "1", "--output", str(run.path.parent), "--run", run.run_id, "--gates", str(gates),
@@ -85,6 +85,8 @@ def test_stage6_load_soak_probes_and_prediction(server, tmp_path):
         assert not cancel["ok"] and "nothing was cancelled" in cancel["reason"]
         assert verdict == "warn"
         assert [f["severity"] for f in report["findings"] if f["code"] == "bench.cancel"] == ["warn"]
+    assert {r["check"]: r["status"] for r in report["tables"]["served model identity"]} == {
+        "served name": "ok", "max_model_len": "ok", "root": "ok", "greedy tokens": "ok"}
     ratios = report["tables"]["prediction vs measurement"]
     assert [r["quantity"].split(" (")[0] for r in ratios] == ["decode step", "prefill"]
     assert all(r["ratio"] > 0 for r in ratios)
