@@ -277,11 +277,16 @@ def validate(
 
     reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report,
                         on_reuse=reused)
+    code = max((r.exit_code for r in reports), default=0)
     if as_json:
-        print_json({"run": str(run.path), "reports": [r.to_dict() for r in reports]})
+        from adapt.report import VERDICTS
+
+        worst = max((r.decide() for r in reports), key=VERDICTS.index, default="pass")
+        print_json({"run": str(run.path), "verdict": worst, "exit_code": code,
+                    "reports": [r.to_dict() for r in reports]})
     else:
         console.print(f"[dim]reports: {escape(str(run.path))}[/dim]")
-    raise typer.Exit(max((r.exit_code for r in reports), default=0))
+    raise typer.Exit(code)
 
 
 ModelArg = Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")]

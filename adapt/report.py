@@ -424,6 +424,10 @@ class RunDir:
                 or data.get("verdict") not in VERDICTS or not isinstance(data.get("fingerprint", {}), dict)):
             raise InputError(f"not an adapt stage report of stage {stage!r}; delete it and run the stage again",
                              file=path)
+        derived = _verdict_of_findings(data.get("findings"))
+        if derived is None or VERDICTS.index(data["verdict"]) < VERDICTS.index(derived):
+            raise InputError(f"its verdict {data['verdict']!r} contradicts its findings ({derived or 'unreadable'}): "
+                             "not a report adapt wrote; delete it and run the stage again", file=path)
         return data
 
     def _scan(self) -> dict[str, dict[str, Any]]:
@@ -481,9 +485,14 @@ class RunDir:
             pause_for_test("write")
             check_interrupt()
             try:
-                # the old JSON goes first: a process killed before the new one lands leaves no report
-                # (the stage did not run here), never the old verdict beside the new Markdown and JUnit
-                (self.path / f"{report.stage}.json").unlink(missing_ok=True)
+                # the old JSON goes first, and the manifest without it: a process killed before the new one
+                # lands leaves no report (the stage did not run here), never the old verdict beside the new
+                # Markdown and JUnit, in the stage files or in manifest.json
+                old_json = self.path / f"{report.stage}.json"
+                if old_json.exists():
+                    old_json.unlink()
+                    atomic_write(self.manifest_path, json.dumps({**self.manifest(), "updated": now_iso()},
+                                                                indent=2, default=_json_default))
                 for name, text in files.items():
                     if name == f"{report.stage}.json":
                         continue
@@ -504,6 +513,18 @@ class RunDir:
         """The verdict in the stage's own report in this run, or None if it has not run here."""
         data = self.stage_report(stage)
         return data["verdict"] if data else None
+
+
+def _verdict_of_findings(findings: Any) -> str | None:
+    """The least verdict a report's findings (as written to JSON) allow (``StageReport.decide``'s rule), or None
+    when they are not a list of findings."""
+    if not isinstance(findings, list) or not all(isinstance(f, dict) for f in findings):
+        return None
+    if any(f.get("severity") == "error" for f in findings):
+        return "fail"
+    if any(f.get("code") == UNMEASURED for f in findings):
+        return UNMEASURED
+    return "warn" if any(f.get("severity") == "warn" for f in findings) else "pass"
 
 
 def pause_for_test(point: str) -> None:
