@@ -442,8 +442,11 @@ class RunDir:
                 continue
             if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA or path.stem != data.get("stage"):
                 continue
+            verdict, derived = data.get("verdict"), _verdict_of_findings(data.get("findings")) or "fail"
+            if verdict not in VERDICTS or VERDICTS.index(verdict) < VERDICTS.index(derived):
+                verdict = derived  # a verdict more lenient than its findings (not written by adapt) is not listed
             stages[data["stage"]] = {
-                "number": data.get("number"), "verdict": data.get("verdict"), "finished": data.get("finished"),
+                "number": data.get("number"), "verdict": verdict, "finished": data.get("finished"),
                 "files": sorted(data.get("files") or [path.name]), "fingerprint": data.get("fingerprint", {}),
             }
         return stages

@@ -59,6 +59,9 @@ def test_a_report_whose_verdict_contradicts_its_findings_is_refused(tmp_path, ve
         run.stage_report("kernels")
     with pytest.raises(InputError, match=r"verdict"):
         check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
+    run.write(StageReport("preflight", 0, "preflight"))  # any write rebuilds the manifest from the stage files
+    listed = json.loads(run.manifest_path.read_text())["stages"]["kernels"]["verdict"]
+    assert listed == ("fail" if severity == "error" else "unmeasured")
 
 
 def test_validate_json_states_the_exit_code_and_the_worst_verdict(tmp_path, capsys):
