@@ -258,3 +258,15 @@ def test_an_endpoint_with_no_checkpoint_to_compare_is_a_warning_row():
     rows, findings = check_identity(endpoint, "some-model", load_gates())
     assert [f.code for f in findings] == ["bench.identity_unchecked"] and "no checkpoint" in findings[0].message
     assert rows and all(r["status"] == "not checked" for r in rows)
+
+
+def test_the_handoff_refuses_a_stage_6_report_that_names_no_serving_engine(tmp_path):
+    """A stage 6 made before its fingerprint named the engine (same adapt version): which vLLM measured it is
+    unknown, so it cannot be shown to be this one."""
+    run = _stamped_run(tmp_path, BASE)
+    report = StageReport("bench", 6, "bench")
+    stamp(report, stage_fingerprint(6, replace(BASE, run_path=str(run.path)), load_gates()))
+    del report.fingerprint["engine"]
+    run.write(report)
+    with pytest.raises(InputError, match=r"bench: its fingerprint does not name the serving engine"):
+        check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
