@@ -79,6 +79,8 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
             differs = fingerprint_mismatch(recorded, data_digest, ("checkpoint_data",))
             if differs:
                 return f"{stage}: {differs}"
+        if stage == "bench" and not isinstance(recorded.get("engine"), dict):
+            return f"{stage}: its fingerprint does not name the serving engine (made by an older adapt); run it again"
         if isinstance(recorded.get("engine"), dict):
             differs = _engine_mismatch(recorded["engine"], run)
             if differs:
