@@ -107,11 +107,14 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
 def _engine_mismatch(recorded: dict[str, Any], run: RunDir) -> str | None:
     """How the serving engine a stage-6 report measured with (its fingerprint's ``engine``) differs from this
     machine's now: the serve environment's vLLM version (when both are known) and, for a stage 6 that adapt
-    launched, the engine arguments it would launch the run's plan with now; None when they agree."""
+    launched, the engine arguments it would launch the run's plan with now; None when they agree, or when this
+    machine has no vLLM (a bundle made elsewhere: nothing here to compare with)."""
     from adapt.stages.serve import serving_engine
 
     now = serving_engine(run.path, None)
-    if recorded.get("version") and now["version"] and recorded["version"] != now["version"]:
+    if now["version"] is None:
+        return None
+    if recorded.get("version") and recorded["version"] != now["version"]:
         return (f"engine.version: recorded {recorded['version']!r}, now {now['version']!r} (the serve environment's "
                 "vLLM)")
     if recorded.get("launch") is not None and recorded["launch"] != now["launch"]:

@@ -202,6 +202,9 @@ def test_other_launch_arguments_run_stage_6_again_and_the_handoff_refuses(tmp_pa
     monkeypatch.setattr(vllm_module, "has_cuda", lambda: True)
     with pytest.raises(InputError, match=r"bench: engine\.launch"):
         check_gates(run, model=options.model, target="h200", devices=8, nodes=1, force=True)
+    _engine(monkeypatch, None)  # a bundle made on a machine without vLLM: nothing here to compare with
+    check_gates(run, model=options.model, target="h200", devices=8, nodes=1, force=False)
+    _engine(monkeypatch, "0.32.0")
     fake_stages.clear()
     validate(6, options, run, load_gates())
     assert fake_stages == ["bench"]
