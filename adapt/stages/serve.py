@@ -235,6 +235,8 @@ def check_identity(endpoint: Endpoint, model: str, gates: dict[str, Any]) -> tup
                                  served=served_len if served_len is not None else "-")
     if isinstance(served_len, int):
         rows["max_model_len"]["status"] = "ok" if served_len <= limit else "mismatch"
+        if served_len > limit:  # validate never plans past the limit (check_options): not the validated plan
+            rows["max_model_len"]["detail"] = "another checkpoint, or a rope-scaling override no stage planned"
     else:
         rows["max_model_len"]["detail"] = "the server reports no max_model_len for the served name"
     root = (entry or {}).get("root")
