@@ -109,3 +109,12 @@ def test_a_refused_handoff_writes_nothing(tmp_path, capsys):
                        "--output", tmp_path, "--json")
     assert result.code == 2 and "bench: unmeasured" in result.lines[0] and result.stdout == ""
     assert snapshot(run.path) == before
+
+
+def test_a_precision_report_with_no_fingerprint_is_refused(tmp_path):
+    """Only `bench serve --url` writes a later-stage report without the pipeline's fingerprint; a precision.json
+    without one (copied from elsewhere, or hand-written) is no evidence about this model."""
+    run = _stamped_run(tmp_path, BASE)
+    run.write(StageReport("precision", 5, "precision"))
+    with pytest.raises(InputError, match=r"precision: its report has no provenance fingerprint"):
+        check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
