@@ -2,7 +2,8 @@
 
 ``pick_configs(slots, n_experts, compute)`` returns the (GEMM1, GEMM2) ``GemmConfig`` of the plain
 MXFP4 / FP8 grouped GEMM (``moe_gemm``); ``pick_planar_configs(slots, n_experts, device, H, I)`` the
-``PlanarConfig`` pair of the planar small-T GEMM (``moe_planar``). The planar table ``PLANAR_TABLES``
+``PlanarConfig`` pair of the planar small-T GEMM (``moe_planar``), ``pick_planar_fused_combine`` whether
+its weighted combine runs in GEMM2's epilogue. The planar table ``PLANAR_TABLES``
 maps (device name, expert shape) to rows (largest mean slots per expert, GEMM1 config, GEMM2
 config), first match wins; each row's source is the benchmark record named beside it. Under the CPU interpreter
 every pick is a small tile, so tests stay fast.
@@ -24,7 +25,10 @@ class GemmConfig:
     tokens in M and the weight tile in the B operand (large T: the decoded tile goes through shared
     memory the way wgmma wants it). reserve_sms: SMs a persistent grid leaves free (programs = SMs *
     programs_per_sm - reserve_sms, at least one), so a kernel on another stream has whole SMs: the
-    FP8 workspace's conversion beside the GEMMs (``FP8Workspace(schedule="split")``)."""
+    FP8 workspace's conversion beside the GEMMs (``FP8Workspace(schedule="split")``). prefetch_scales: the
+    in-GEMM fold (``compute="fp8_fold"``) loads each K step's E8M0 scales one step ahead (a loop-carried
+    tile; they are too narrow for the asynchronous copy pipeline); early_up: the fold decodes the gate and
+    up tiles before either MMA; maxnreg: a register cap per thread (0: none), so two 8-warp programs fit."""
 
     block_m: int = 16
     block_n: int = 64
@@ -35,6 +39,9 @@ class GemmConfig:
     programs_per_sm: int = 4
     swap_ab: bool = True
     reserve_sms: int = 0
+    prefetch_scales: bool = True
+    early_up: bool = False
+    maxnreg: int = 0
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,9 @@ class PlanarConfig:
     GEMM1 yields block_n / 2 outputs), K splits, L2 grouping, warps, stages, programs per SM
     (0: one program per work item), one_dot: one MMA chain of K = 128 per step (the decoded
     planes joined into the operand) instead of eight dots of K = 16, and maxnreg: a register cap
-    per thread (0: none; 128 fits four 4-warp programs per SM where the compiler would take 156)."""
+    per thread (0: none; 128 fits four 4-warp programs per SM where the compiler would take 156),
+    flatten: with programs_per_sm > 0, the tile and K loops pipelined as one loop (loads run ahead
+    across a program's tiles)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -54,6 +63,7 @@ class PlanarConfig:
     programs_per_sm: int = 0
     one_dot: bool = False
     maxnreg: int = 0
+    flatten: bool = False
 
 
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
@@ -116,24 +126,35 @@ _N64 = _P(16, 64, 1, 4, 4, 4, 0, True, 128)
 _ST3 = _P(16, 128, 1, 4, 4, 3, 0, True, 128)
 _ST5 = _P(16, 128, 1, 4, 4, 5, 0, True, 128)
 _BIG = _P(128, 256, 1, 4, 8, 3, 0, True)
-_H200_RECORD = "benchmarks/moe/2026-11-30-s2 (call 2, commit 3f78ab0, tiled layout; call 4, commit 92ae05f, stages)"
+_H200_RECORD = ("benchmarks/moe/2026-11-30-s2 (call 2, commit 3f78ab0, tiled layout; call 4, commit 92ae05f, stages); "
+                "benchmarks/moe/2026-11-30-s3 (call 6, commit 84a6321: alternatives timed, none faster)")
 PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfig]]] = {
     # (device name, "hidden x intermediate") -> rows (largest mean slots per expert, GEMM1, GEMM2),
     # each the fastest config of the H200 sweep in _H200_RECORD at the token counts of its range
     ("NVIDIA H200", "7168x2048"): [
-        (0.1, _N64, _N64),  # T = 1: 88.8 us with the combine (block_n 128: 91.6 without)
+        # T = 1: 88.8 us with the combine (block_n 128: 91.6 without); call 6 (fused combine, vs this row
+        # 88.8 us): GEMM2 split 2 89.0, GEMM2 block_n 128 88.1, 6 stages 88.8, GEMM1 split 2 93.0, a 64-register
+        # cap (eight programs an SM) 93.3, both 91.7: no lever moved T = 1
+        (0.1, _N64, _N64),
         # T = 16 / 64 (call 4 sweep, expert GEMMs): 3 stages 761 / 1536 us, 4 stages 763 / 1578, 5 stages 758 / 1544;
-        # with the combine (call 5) 750 / 1604 us (call 4, 4 stages: 752 / 1591): within the spread between calls
+        # with the combine (call 5) 750 / 1604 us (call 4, 4 stages: 752 / 1591): within the spread between calls.
+        # 2026-11-30-s3 call 6 (combine in GEMM2's epilogue, vs this row 718 / 1530 us): a 96-register cap
+        # 733 / 1553, the flattened persistent loop 862 / 1861, T = 64 GEMM1 split 2 1568, GEMM1 block_n 64
+        # 3 stages 1661, GEMM2 block_n 64 1628: the row stays
         (2.0, _ST3, _ST3),
         # T = 256 (call 4 sweep): 5 stages 1913 us, 3 stages 1937, 4 stages 2084 (call 2: 4 stages 1907);
         # with the combine (call 5) 1853 us (call 4, 4 stages: 1865)
+        # call 6 (fused combine, vs this row 1848 us): 96-register cap 1903, flattened loop 3175
         (16.0, _ST5, _ST5),
         (64.0, _P(64, 128, 1, 4, 8, 4, 0, True), _P(64, 128, 1, 4, 8, 4, 0, True)),  # T = 1024: 3037 with combine
         (float("inf"), _BIG, _BIG),  # T = 4096: 7830 us with combine (128 x 128: 8329 without)
     ],
     ("NVIDIA H200", "2880x2880"): [
         (0.1, _N64, _N64),  # T = 1: 48.3 us with the combine (block_n 128: 49.4 without)
-        (16.0, _SMALL, _SMALL),  # T = 16 / 64 / 256: 238 / 513 / 575 us (no register cap: 246 / 543 / 612)
+        # T = 16 / 64 / 256: 238 / 513 / 575 us (no register cap: 246 / 543 / 612); call 6 at T = 64 (fused
+        # combine, vs this row 520.7 us): GEMM2 block_n 64 537, GEMM1 split 2 540, GEMM1 block_n 64 3 stages
+        # 568, 96-register cap 587, flattened loop 599-624: the row stays
+        (16.0, _SMALL, _SMALL),
         (64.0, _P(32, 128, 1, 4, 4, 4, 0, True), _P(32, 128, 1, 4, 4, 4, 0, True)),  # T = 1024: 989 with combine
         (float("inf"), _BIG, _BIG),  # T = 4096: 2316 us with combine (128 x 128: 2478 without)
     ],
@@ -141,6 +162,31 @@ PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfi
 """Planar GEMM configs keyed by (``torch.cuda.get_device_name``, "HxI"); unknown keys take the
 DeepSeek-V3 H200 rows (``PLANAR_DEFAULT``)."""
 PLANAR_DEFAULT = ("NVIDIA H200", "7168x2048")
+
+
+PLANAR_FUSED_COMBINE: dict[tuple[str, str], tuple[float, float]] = {
+    # (device name, "HxI") -> (lowest, highest) mean slots per expert at which the planar path runs the
+    # weighted combine in GEMM2's epilogue (``moe_planar.planar_moe``) rather than GEMM2 then
+    # ``routing.combine``. benchmarks/moe/2026-11-30-s3 call 6 (commit 84a6321), same process, both
+    # paths on the table's tiles: DeepSeek-V3 T = 64 1,529.8 vs 1,617.2 us, T = 16 717.8 vs 716.3 (a tie,
+    # the same row of PLANAR_TABLES); slower at T = 1 (88.8 vs 86.4), 256 (1,848 vs 1,822), 1024 (3,483
+    # vs 3,100) and 4096 (8,253 vs 7,739: 4 fp32 atomics per output element of each slot). gpt-oss-120b:
+    # no T faster beyond the spread (T = 64 520.7 vs 522.6, T = 16 246.6 vs 244.9), so no entry.
+    ("NVIDIA H200", "7168x2048"): (0.1, 2.0),
+}
+"""Where the fused combine was measured faster; keys absent: never."""
+
+
+def pick_planar_fused_combine(
+    slots: int, n_experts: int, device_name: str = "", hidden: int = 0, intermediate: int = 0
+) -> bool:
+    """True when ``PLANAR_FUSED_COMBINE`` says the planar path at ``slots`` = T * k over ``n_experts``
+    runs its combine in GEMM2's epilogue on this device and expert shape (never under the interpreter)."""
+    if INTERPRET:
+        return False
+    span = PLANAR_FUSED_COMBINE.get((device_name, f"{hidden}x{intermediate}"))
+    per_expert = slots / max(1, n_experts)
+    return span is not None and span[0] < per_expert <= span[1]
 
 
 def pick_planar_configs(

@@ -25,6 +25,10 @@ Entry point (the runtime calls this once per MoE layer)::
                   "fp8":  activations quantised to e4m3 (power-of-two scale per token, or per
                           1x128 group with ``act_quant="group128"``), MXFP4 folded into e4m3 with a
                           per-row exponent (no rescaling inside the K loop), fp8 MMA
+                  "fp8_fold": the same numerics, the fold by table look-up per 32-bit word
+                          (``mxfp4.fold_words_fp8``, W_MODE 5 / 6): the offline path's output bit for
+                          bit without an FP8 copy (H200, T = 16384: 1.4x the workspace path's time,
+                          benchmarks/moe/2026-11-30-s3-prefill)
     fp8_weights   FP8Weights | None: the offline path (all experts converted ahead of time)
     workspace     FP8Workspace | None: online conversion of the active experts of this layer into
                   a shared FP8 buffer, chunk by chunk, converting chunk c+1 while chunk c computes
@@ -57,8 +61,8 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
-from adapt.kernels.moe_configs import GemmConfig, PlanarConfig, pick_configs, pick_planar_configs
-from adapt.kernels.moe_planar import PlanarExperts, planar_gemm
+from adapt.kernels.moe_configs import GemmConfig, PlanarConfig, pick_configs
+from adapt.kernels.moe_planar import PlanarExperts, planar_experts_run
 from adapt.kernels.moe_quant import FP8_GROUP, quantize_fp8_rows, quantize_fp8_rows_torch
 from adapt.kernels.moe_tiles import TileMap, max_m_tiles, num_sms, tile_map, tile_slots
 from adapt.kernels.moe_weights import FP8Weights, MoEWeights, StackedExperts, moe_flops, mxfp4_expert_bytes
@@ -67,6 +71,7 @@ from adapt.kernels.mxfp4 import (
     decode_mxfp4_tile_fp8,
     decode_mxfp4_words,
     dequantize_mxfp4_torch,
+    fold_words_fp8,
     mxfp4_to_fp8_torch,
     pow2_f32,
     to_bf16,
@@ -140,17 +145,21 @@ def _load_w_tile(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     ACT_FP8: tl.constexpr = False,
+    s_pre=None,
+    PREFETCH: tl.constexpr = False,
 ):
     """One weight tile [BLOCK_N, BLOCK_K] in the MMA's operand type.
 
     W_MODE 0: MXFP4 read as int32 words (8 codes each) -> bf16 (fp32 under the interpreter), columns
     in ``word_k_order`` (k_words = K/8, passed so its divisibility gives 16-byte loads);
     1: MXFP4 bytes -> e4m3 folded relative to g_row; 2: e4m3 weights read as they are;
+    5 / 6: the same fold as 1 (bit-equal) by table look-up per 32-bit word (``mxfp4.fold_words_fp8``)
+    on the stored bytes (5) or on ``mxfp4.to_sign_split_words`` bytes (6);
     3: e4m3 weights of 128 x 128 block scales (the scale is applied to the block's partial sum),
     as they are for e4m3 activations (ACT_FP8), else widened to bf16; 4: bf16 weights as they are.
     Widened to fp32 under the interpreter (DOT_F32). w_ptr / sc_ptr already point at the expert (or slot).
     """
-    if W_MODE >= 2:
+    if W_MODE >= 2 and W_MODE <= 4:
         kk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + wrow[:, None] * k + kk[None, :], mask=n_ok[:, None] & (kk < k)[None, :], other=0.0)
         if W_MODE == 2 or (W_MODE == 3 and ACT_FP8):
@@ -159,6 +168,21 @@ def _load_w_tile(
             return w.to(tl.float32)
         else:
             return w.to(tl.bfloat16)
+    elif W_MODE >= 5:
+        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        jb = tl.arange(0, 16)
+        bm = n_ok[:, None] & (kb < k // 32)[None, :]
+        # k_words = K/32 here: row pitches formed from it are known multiples of 16 bytes (16-byte loads)
+        p = tl.load(
+            w_ptr + wrow[:, None, None] * (k_words * 16) + kb[None, :, None] * 16 + jb[None, None, :],
+            mask=bm[:, :, None],
+            other=0,
+        )
+        if PREFETCH:
+            s = s_pre  # this step's scales, loaded one step ahead (their latency off the step's path)
+        else:
+            s = _fold_scales(sc_ptr, wrow, n_ok, k0, k_words, BLOCK_N, BLOCK_K)
+        return fold_words_fp8(p, s, g_row, BLOCK_N, BLOCK_K, W_MODE == 6)
     elif W_MODE == 0:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -187,6 +211,15 @@ def _load_w_tile(
             other=127,
         )
         return decode_mxfp4_tile_fp8(p, s, g_row, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _fold_scales(sc_ptr, wrow, n_ok, k0, k_words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 [BLOCK_N, BLOCK_K/32]: the E8M0 scales of rows ``wrow`` for the K step at k0 (k_words = K/32;
+    past K: 0, whose fold table is all zeros)."""
+    kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    bm = n_ok[:, None] & (kb < k_words)[None, :]
+    return tl.load(sc_ptr + wrow[:, None] * k_words + kb[None, :], mask=bm, other=0)
 
 
 @triton.jit
@@ -285,6 +318,8 @@ def _moe_gemm_kernel(
     DOT_F32: tl.constexpr,
     SWAP: tl.constexpr,
     WORD_ORDER_OUT: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+    EARLY_UP: tl.constexpr = False,
 ):
     """Grouped GEMM over expert-sorted slots: acc[n, m] = W[e, n, :] . x[m, :].
 
@@ -322,7 +357,7 @@ def _moe_gemm_kernel(
             ru = n * gate_mult + up_off
         g_g = tl.zeros((BLOCK_N,), tl.int32)
         g_u = tl.zeros((BLOCK_N,), tl.int32)
-        if W_MODE == 1 or W_MODE == 2:
+        if W_MODE == 1 or W_MODE == 2 or W_MODE >= 5:
             g_g = _row_exponent(sbase, rg, n_ok, k, W_MODE, BLOCK_N)
             if ACTIVATION != 0:
                 g_u = _row_exponent(sbase, ru, n_ok, k, W_MODE, BLOCK_N)
@@ -332,6 +367,14 @@ def _moe_gemm_kernel(
         else:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if PREFETCH:
+            s_g = _fold_scales(sbase, rg, n_ok, 0, k_words, BLOCK_N, BLOCK_K)
+            s_u = s_g
+            if ACTIVATION != 0:
+                s_u = _fold_scales(sbase, ru, n_ok, 0, k_words, BLOCK_N, BLOCK_K)
+        else:
+            s_g = g_g
+            s_u = g_u
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(
@@ -341,25 +384,42 @@ def _moe_gemm_kernel(
             )
             if DOT_F32:
                 x = x.to(tl.float32)
+            s_g_cur = s_g
+            s_u_cur = s_u
+            if PREFETCH:
+                s_g = _fold_scales(sbase, rg, n_ok, k0 + BLOCK_K, k_words, BLOCK_N, BLOCK_K)
+                if ACTIVATION != 0:
+                    s_u = _fold_scales(sbase, ru, n_ok, k0 + BLOCK_K, k_words, BLOCK_N, BLOCK_K)
             wg = _load_w_tile(
-                wbase, sbase, rg, n_ok, k0, k, k_words, g_g, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8
+                wbase, sbase, rg, n_ok, k0, k, k_words, g_g, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8,
+                s_g_cur, PREFETCH,
             )
             if ACT_GROUP:
                 xs = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=row_ok, other=0.0)
             else:
                 xs = tl.full((BLOCK_M,), 1.0, tl.float32)
             ws = _block_scale(sbase, rg, n_ok, k0, stride_sn, W_MODE, BLOCK_N)
-            acc_g = _mma(wg, x, acc_g, ws, xs, SWAP, W_MODE == 3, ACT_GROUP)
-            if ACTIVATION != 0:
+            if EARLY_UP:
+                # fold modes: both tiles decoded, then both MMAs back to back (one wait per step)
                 wu = _load_w_tile(
-                    wbase, sbase, ru, n_ok, k0, k, k_words, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8
+                    wbase, sbase, ru, n_ok, k0, k, k_words, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8,
+                    s_u_cur, PREFETCH,
+                )
+                acc_g = _mma(wg, x, acc_g, ws, xs, SWAP, False, ACT_GROUP)
+                acc_u = _mma(wu, x, acc_u, ws, xs, SWAP, False, ACT_GROUP)
+            else:
+                acc_g = _mma(wg, x, acc_g, ws, xs, SWAP, W_MODE == 3, ACT_GROUP)
+            if ACTIVATION != 0 and not EARLY_UP:
+                wu = _load_w_tile(
+                    wbase, sbase, ru, n_ok, k0, k, k_words, g_u, W_MODE, BLOCK_N, BLOCK_K, DOT_F32, ACT_FP8,
+                    s_u_cur, PREFETCH,
                 )
                 ws = _block_scale(sbase, ru, n_ok, k0, stride_sn, W_MODE, BLOCK_N)
                 acc_u = _mma(wu, x, acc_u, ws, xs, SWAP, W_MODE == 3, ACT_GROUP)
         if not SWAP:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
-        if W_MODE == 1 or W_MODE == 2:
+        if W_MODE == 1 or W_MODE == 2 or W_MODE >= 5:
             acc_g = acc_g * pow2_f32(g_g)[:, None]
             acc_u = acc_u * pow2_f32(g_u)[:, None]
         if ACT_FP8 and not ACT_GROUP:
@@ -408,6 +468,13 @@ def _mxfp4_operand(packed: torch.Tensor, scales: torch.Tensor, bias, fp8: bool) 
     k = packed.shape[-1] * 2
     w = packed if fp8 else packed.view(torch.int32)
     return _WeightOperand(w, scales, w.stride(0), scales.stride(0), bias, 1 if fp8 else 0, k)
+
+
+def folded_operand(packed: torch.Tensor, scales: torch.Tensor, bias, split: bool = False) -> _WeightOperand:
+    """MXFP4 bytes [E, N, K/2] (stored, or ``to_sign_split_words`` when split) folded to e4m3 in the GEMM
+    by table look-up (W_MODE 5 / 6): the offline path's operand values without the offline copy."""
+    k = packed.shape[-1] * 2
+    return _WeightOperand(packed, scales, packed.stride(0), scales.stride(0), bias, 6 if split else 5, k)
 
 
 def fp8_operand(w: torch.Tensor, exps: torch.Tensor, bias) -> _WeightOperand:
@@ -492,7 +559,7 @@ def moe_gemm(
         slot_base,
         n_out,
         op.k,
-        op.k // 8,
+        op.k // 32 if op.mode >= 5 else op.k // 8,
         gate_mult,
         up_off,
         float(alpha),
@@ -512,6 +579,9 @@ def moe_gemm(
         DOT_F32=INTERPRET and (op.mode in (0, 4) or (op.mode == 3 and not act_fp8)),
         SWAP=cfg.swap_ab,
         WORD_ORDER_OUT=op.mode == 0 and activation != 0,
+        PREFETCH=op.mode >= 5 and cfg.prefetch_scales,
+        EARLY_UP=op.mode >= 5 and activation != 0 and cfg.early_up,
+        maxnreg=cfg.maxnreg or None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -533,8 +603,10 @@ def _check_inputs(hidden: torch.Tensor, weights: MoEWeights, activation: str, co
         raise InputError(
             f"unknown activation {activation!r}", field="activation", hint=f"use one of {sorted(ACTIVATIONS)}"
         )
-    if compute not in ("bf16", "fp8"):
-        raise InputError(f"unknown compute path {compute!r}", field="compute", hint="use 'bf16' or 'fp8'")
+    if compute not in ("bf16", "fp8", "fp8_fold"):
+        raise InputError(
+            f"unknown compute path {compute!r}", field="compute", hint="use 'bf16', 'fp8' or 'fp8_fold'"
+        )
     if act_quant not in ("token", "group128"):
         raise InputError(
             f"unknown activation quantisation {act_quant!r}",
@@ -565,8 +637,14 @@ def expert_mlp(
     workspace=None,
     config: tuple[GemmConfig, GemmConfig] | tuple[PlanarConfig, PlanarConfig] | None = None,
     planar: PlanarExperts | None = None,
+    split_words: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """GEMM1 + SwiGLU + GEMM2 over expert-sorted slots: hidden bf16 [T, H] -> y bf16 [T*k, H] (sorted).
+
+    compute "fp8_fold": the offline FP8 path's arithmetic (e4m3 activations, the per-row e4m3 fold of the
+    MXFP4 weights, fp8 MMA) with the fold done inside the GEMM by table look-up from the MXFP4 bytes
+    (``folded_operand``), no FP8 copy or workspace; split_words: (w1, w2) ``to_sign_split_words`` bytes
+    of the same experts, read instead of the stored bytes.
 
     planar: the same experts in the planar layout (``PlanarExperts.from_weights``, load time); with
     compute "bf16" the GEMMs then run ``moe_planar.planar_gemm`` (config: a ``PlanarConfig`` pair).
@@ -577,10 +655,10 @@ def expert_mlp(
     act = ACTIVATIONS[activation]
     if isinstance(weights, StackedExperts):
         return _stacked_mlp(hidden, perm, weights, top_k, act, alpha, limit, compute, act_quant, config)
-    use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
+    use_fp8 = compute in ("fp8", "fp8_fold") or fp8_weights is not None or workspace is not None
     if planar is not None and not use_fp8:
-        return _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config)
-    stored = fp8_weights is not None or workspace is not None
+        return _planar_mlp(hidden, perm, planar, top_k, act, alpha, limit, config)
+    stored = fp8_weights is not None or workspace is not None or compute == "fp8_fold"
     kind = "fp8_stored" if stored else ("fp8" if use_fp8 else "bf16")
     c1, c2 = config if config is not None else pick_configs(s, e, kind)
     if c1.block_m != c2.block_m:
@@ -615,6 +693,17 @@ def expert_mlp(
     xq, xs = quantize_fp8_rows(hidden, group)
     hq = torch.empty(s, inter, dtype=torch.float8_e4m3fn, device=dev)
     hs = torch.empty((s,) if group is None else (s, inter // group), dtype=torch.float32, device=dev)
+    if compute == "fp8_fold" and fp8_weights is None and workspace is None:
+        sw = split_words
+        op1 = folded_operand(sw[0] if sw else weights.w1_packed, weights.w1_scales, weights.w1_bias, sw is not None)
+        op2 = folded_operand(sw[1] if sw else weights.w2_packed, weights.w2_scales, weights.w2_bias, sw is not None)
+        moe_gemm(
+            xq, xs, op1, perm, tiles, hbuf, gather=True, activation=act, interleaved=weights.gate_up_interleaved,
+            cfg=c1, **common,
+        )
+        quantize_fp8_rows(hbuf, group, out=(hq, hs))
+        moe_gemm(hq, hs, op2, perm, tiles, y, gather=False, activation=0, interleaved=False, cfg=c2, **common)
+        return y
     if workspace is not None:
         workspace.run_layer(
             weights,
@@ -690,21 +779,10 @@ def _stacked_mlp(hidden, perm, weights: StackedExperts, top_k, act, alpha, limit
     return y
 
 
-def _planar_mlp(hidden, perm, planar, e, h, inter, top_k, act, alpha, limit, config) -> torch.Tensor:
+def _planar_mlp(hidden, perm, planar, top_k, act, alpha, limit, config) -> torch.Tensor:
     """``expert_mlp`` on planar weights: gather + GEMM1 + SwiGLU, then GEMM2 (+ bias), sorted order."""
-    s = hidden.shape[0] * top_k
-    dev = hidden.device
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
-    c1, c2 = config if config is not None else pick_planar_configs(s, e, name, h, inter)
-    if c1.block_m != c2.block_m:
-        raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
-    tiles = tile_map(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
-    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
-    common = dict(top_k=top_k, alpha=alpha, limit=limit)
-    planar_gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=act, cfg=c1, **common)
-    planar_gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2, **common)
-    return y
+    return planar_experts_run(hidden, perm, planar, top_k=top_k, activation=act, alpha=alpha, limit=limit,
+                              config=config)
 
 
 def _shared_forward(hidden: torch.Tensor, shared: MoEWeights, mlp, **kw) -> torch.Tensor:
@@ -808,10 +886,11 @@ def expert_mlp_torch(
     workspace=None,
     config=None,
     planar=None,
+    split_words=None,
 ) -> torch.Tensor:
     """Twin of ``expert_mlp``: per-expert fp32 loops on the same quantised operands -> bf16 [S, H]
     (``planar`` holds the same values as ``weights``: the twin reads ``weights``)."""
-    use_fp8 = compute == "fp8" or fp8_weights is not None or workspace is not None
+    use_fp8 = compute in ("fp8", "fp8_fold") or fp8_weights is not None or workspace is not None
     if isinstance(weights, StackedExperts):
         w1, w2 = weights.dense()  # bf16 or FP8 values times their block scales, exactly, in fp32
     elif use_fp8:

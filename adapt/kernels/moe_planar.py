@@ -35,10 +35,14 @@ chain of K = 128 per step (``one_dot``: the decoded planes joined into the opera
 an optional split along K (``split_k``) for T = 1..16 so that every SM streams weights, the partial
 sums reduced by ``_split_k_epilogue_kernel`` (bias, SwiGLU). FLOPs 2 * S * N * K per GEMM; bytes:
 the active experts' MXFP4 once (per GROUP_M m-tiles), activations, bf16 outputs, and with split_k
-an fp32 partial of split_k * S * N * 4 bytes written and read once.
+an fp32 partial of split_k * S * N * 4 bytes written and read once. With routing weights (``gamma``)
+GEMM2 runs the weighted combine in its epilogue instead: atomic fp32 adds of gamma-weighted rows into
+a [T, H] sum (split-K partials added the same way, no epilogue kernel); ``planar_moe`` picks it where
+``moe_configs.PLANAR_FUSED_COMBINE`` says it was measured faster.
 
 ``planar_from_mxfp4`` / ``planar_to_mxfp4_torch`` convert between the layouts (the second is the
-inverse used by tests); ``planar_gemm_torch`` is the twin of ``planar_gemm``.
+inverse used by tests); ``planar_gemm_torch`` is the twin of ``planar_gemm``; ``planar_experts_run``
+runs both GEMMs of a layer (``expert_mlp``'s planar path), ``planar_moe`` the layer with its combine.
 """
 
 from __future__ import annotations
@@ -361,6 +365,7 @@ def _planar_gemm_kernel(
     out_ptr,
     stride_o,
     part_ptr,
+    gamma_ptr,
     sorted_slot_ptr,
     offsets_ptr,
     tile_expert_ptr,
@@ -386,6 +391,8 @@ def _planar_gemm_kernel(
     DOT_F32: tl.constexpr,
     ONE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
+    COMBINE: tl.constexpr = False,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
@@ -394,6 +401,11 @@ def _planar_gemm_kernel(
     (tiled words [E, Np/64, Kp/128, 64, 16], scales the same with 4 bytes). SPLIT_K == 1: out bf16
     [S, n_out] (ACTIVATION 0: n_out = n_rows, + bias; 1 / 2: n_out = n_rows / 2, SwiGLU of the interleaved gate/up rows,
     plain / gpt-oss clamped). SPLIT_K > 1: part fp32 [SPLIT_K, S, n_rows], raw sums (no bias).
+    COMBINE (ACTIVATION 0, GATHER False): the weighted combine in the epilogue: out fp32 [T, n_rows]
+    (zeroed by the caller) += gamma[slot] * (acc + bias) at row slot // TOPK of each sorted position's
+    slot, by atomic adds; with SPLIT_K > 1 each split adds its partial the same way (bias by split 0),
+    so no partial buffer and no epilogue kernel. FLATTEN: the tile and K loops pipelined as one loop
+    (persistent programs, ``programs_per_sm`` > 0), so a program's loads run ahead across tiles.
     """
     n_m = tl.load(tile_start_ptr + n_experts)
     n_n = tl.cdiv(n_rows, BLOCK_N)
@@ -402,7 +414,7 @@ def _planar_gemm_kernel(
     per_split = tl.cdiv(steps, SPLIT_K)
     s_lo = tl.program_id(1) * per_split
     s_hi = tl.minimum(s_lo + per_split, steps)
-    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
         e, nt, rows, row_ok, tok = tile_slots(
             tile, n_m, n_n, 0, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr,
             TOPK, GATHER, BLOCK_M, GROUP_M,
@@ -448,7 +460,17 @@ def _planar_gemm_kernel(
                     else:
                         v = _plane_any(w1, s4, j % 4, 1, TWO_MULS, DOT_F32, BLOCK_N)
                     acc = tl.dot(v, tl.trans(xj), acc)
-        if SPLIT_K > 1:
+        if COMBINE:
+            slot = tl.load(sorted_slot_ptr + rows, mask=row_ok, other=0)
+            gam = tl.load(gamma_ptr + slot, mask=row_ok, other=0.0)
+            if HAS_BIAS:
+                bv = tl.load(bias_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+                if SPLIT_K > 1:
+                    bv = tl.where(tl.program_id(1) == 0, bv, 0.0)
+                acc += bv[:, None]
+            optr = out_ptr + (slot // TOPK).to(tl.int64)[None, :] * stride_o + n[:, None]
+            tl.atomic_add(optr, acc * gam[None, :], mask=n_ok[:, None] & row_ok[None, :], sem="relaxed")
+        elif SPLIT_K > 1:
             pptr = part_ptr + (tl.program_id(1) * n_slots + rows[None, :]).to(tl.int64) * n_rows + n[:, None]
             tl.store(pptr, acc, mask=n_ok[:, None] & row_ok[None, :])
         else:
@@ -542,20 +564,26 @@ def planar_gemm(
     alpha: float,
     limit: float,
     cfg: PlanarConfig,
+    gamma: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One grouped GEMM on planar weights: x bf16 [T, K] (gather) or [S, K] (sorted) -> out bf16
     [S, n_out] in sorted order (see ``_planar_gemm_kernel``). bias: float [E, N] in the planar row
     order (GEMM1: interleaved gate/up) or None. tiles: ``moe_tiles.TileMap`` with block_m = cfg.block_m.
+    gamma: fp32 [T * top_k] routing weights by slot: the weighted combine in the epilogue (activation
+    0, sorted x), out then fp32 [T, N] zeroed, the sums added into it.
     """
+    combine = gamma is not None
+    if combine and (activation != 0 or gather or out.dtype != torch.float32):
+        raise InputError("the fused combine takes GEMM2 (sorted x, no activation) into an fp32 output", field="gamma")
     e, n_rows, k_words = w.words.shape[0], w.n, w.k_padded // 8
-    s = out.shape[0]
+    s = perm.sorted_slot.numel() if combine else out.shape[0]
     n_n = triton.cdiv(n_rows, cfg.block_n)
     n_work = tiles.max_tiles * n_n
     if cfg.programs_per_sm > 0:
         n_work = min(n_work, num_sms(x.device) * cfg.programs_per_sm)
     split = max(1, min(cfg.split_k, k_words // 16))
     part = out
-    if split > 1:
+    if split > 1 and not combine:
         part = torch.empty(split, s, n_rows, dtype=torch.float32, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else out
@@ -572,6 +600,7 @@ def planar_gemm(
         out,
         out.stride(0),
         part,
+        gamma if combine else part,
         perm.sorted_slot,
         perm.expert_offsets,
         tiles.tile_expert,
@@ -597,11 +626,13 @@ def planar_gemm(
         DOT_F32=interp_f32,
         ONE_DOT=cfg.one_dot,
         EVEN_K=w.k % PLANAR_STEP == 0,
+        FLATTEN=cfg.flatten and cfg.programs_per_sm > 0,
+        COMBINE=combine,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg or None,
     )
-    if split > 1 and s:
+    if split > 1 and s and not combine:
         n_out = n_rows if activation == 0 else n_rows // 2
         block_r = min(1024, triton.next_power_of_2(n_out))
         _split_k_epilogue_kernel[(s, triton.cdiv(n_out, block_r))](
@@ -640,12 +671,15 @@ def planar_gemm_torch(
     alpha: float,
     limit: float,
     cfg: PlanarConfig | None = None,
+    gamma: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Twin of ``planar_gemm``: per-expert fp32 matmuls on the decoded weights (tiles, cfg unused)."""
+    """Twin of ``planar_gemm``: per-expert fp32 matmuls on the decoded weights (tiles, cfg unused);
+    with gamma (the fused combine) each expert's fp32 rows, times their slots' weights, added into
+    out fp32 [T, N] at their tokens, expert by expert."""
     packed, scales = planar_to_mxfp4_torch(w, interleaved=True)
     wf = dequantize_mxfp4_torch(packed, scales, validate=False)  # [E, N, K], planar row order
     offs = perm.expert_offsets.tolist()
-    rows = perm.sorted_slot.long() // top_k if gather else torch.arange(out.shape[0], device=x.device)
+    rows = perm.sorted_slot.long() // top_k if gather else torch.arange(perm.sorted_slot.numel(), device=x.device)
     xf = x.float()[rows]
     for e in range(len(offs) - 1):
         a, b = offs[e], offs[e + 1]
@@ -654,7 +688,10 @@ def planar_gemm_torch(
         acc = xf[a:b] @ wf[e].t()
         if bias is not None:
             acc = acc + bias[e].float()
-        if activation == 0:
+        if gamma is not None:
+            slot = perm.sorted_slot[a:b].long()
+            out.index_add_(0, slot // top_k, acc * gamma[slot, None])
+        elif activation == 0:
             out[a:b] = acc.to(out.dtype)
         else:
             g, u = acc[:, 0::2], acc[:, 1::2]
@@ -693,3 +730,87 @@ class PlanarExperts:
         """Bytes held: planar codes and scales (the MXFP4 bytes, K padded to 128) and biases."""
         bias = sum(b.numel() * b.element_size() for b in (self.w1_bias, self.w2_bias) if b is not None)
         return self.w1.nbytes() + self.w2.nbytes() + bias
+
+
+
+def planar_experts_run(
+    hidden: torch.Tensor,
+    perm,
+    planar: PlanarExperts,
+    *,
+    top_k: int,
+    activation: int,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    config: tuple[PlanarConfig, PlanarConfig] | None = None,
+    topw: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
+    twin: bool = False,
+) -> torch.Tensor:
+    """GEMM1 (gather + SwiGLU) then GEMM2 on planar weights, the configs from ``pick_planar_configs``
+    unless given: hidden bf16 [T, H] -> y bf16 [T * top_k, H] in sorted order, or with topw (float
+    [T, top_k] routing weights) the weighted combine in GEMM2's epilogue -> bf16 [T, H] in token
+    order: the gamma-weighted fp32 rows added into an fp32 [T, H] sum that starts from shared (bf16
+    [T, H]) or zero, rounded to bf16 once. activation: ``moe_gemm.ACTIVATIONS`` code (1 SwiGLU, 2
+    gpt-oss clamped). twin: the torch twin (``planar_gemm_torch``) on the same operands."""
+    from adapt.kernels.moe_configs import pick_planar_configs
+    from adapt.kernels.moe_tiles import max_m_tiles, tile_map, tile_map_torch
+
+    t, h = hidden.shape
+    e, inter = planar.w1.words.shape[0], planar.w2.k
+    s = t * top_k
+    dev = hidden.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    c1, c2 = config if config is not None else pick_planar_configs(s, e, name, h, inter)
+    if c1.block_m != c2.block_m:
+        raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
+    tiles = (tile_map_torch if twin else tile_map)(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
+    hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
+    gemm = planar_gemm_torch if twin else planar_gemm
+    common = dict(top_k=top_k, alpha=alpha, limit=limit)
+    gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=activation, cfg=c1, **common)
+    if topw is None:
+        y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
+        return gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2, **common)
+    acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
+    gamma = topw.reshape(-1).float().contiguous()
+    gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, acc, gather=False, activation=0, cfg=c2, gamma=gamma,
+         **common)
+    return acc.to(torch.bfloat16)
+
+
+def planar_moe(
+    hidden: torch.Tensor,
+    perm,
+    planar: PlanarExperts,
+    topw: torch.Tensor,
+    *,
+    top_k: int,
+    activation: int,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    shared: torch.Tensor | None = None,
+    fused: bool | None = None,
+    config: tuple[PlanarConfig, PlanarConfig] | None = None,
+    twin: bool = False,
+) -> torch.Tensor:
+    """Routed experts + weighted combine on planar weights, the faster measured way: hidden bf16 [T, H],
+    topw float [T, top_k] -> bf16 [T, H] in token order (what ``moe_gemm.expert_mlp(..., planar=...)``
+    then ``routing.combine(y, topw, perm.slot_pos, shared)`` compute). fused None: the combine runs in
+    GEMM2's epilogue where ``moe_configs.pick_planar_fused_combine`` says it was measured faster, else
+    GEMM2 writes the [T * k, H] expert outputs and ``routing.combine`` reduces them; True / False force
+    one way. Fused, the extra bytes over the expert GEMMs are the fp32 sum, set, added into and read
+    once (12 * T * H) instead of the [T * k, H] bf16 outputs written and read. config, twin: as
+    ``planar_experts_run``."""
+    from adapt.kernels.moe_configs import pick_planar_fused_combine
+    from adapt.kernels.routing import combine
+
+    t, h = hidden.shape
+    dev = hidden.device
+    if fused is None:
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+        fused = pick_planar_fused_combine(t * top_k, planar.w1.words.shape[0], name, h, planar.w2.k)
+    kw = dict(top_k=top_k, activation=activation, alpha=alpha, limit=limit, config=config, twin=twin)
+    if fused:
+        return planar_experts_run(hidden, perm, planar, topw=topw, shared=shared, **kw)
+    return combine(planar_experts_run(hidden, perm, planar, **kw), topw, perm.slot_pos, shared)

@@ -29,7 +29,9 @@ Public functions (``*_torch`` are the twins with the same signature and results)
 - ``check_scales(scales, name)``: raises ``InputError`` on an E8M0 NaN scale.
 
 Word decodes (Triton building blocks for the memory-bound paths): ``e2m1_words_to_e4m3`` turns
-one uint32 of 8 codes into 8 e4m3 bytes with integer ops (the workspace conversion), and
+one uint32 of 8 codes into 8 e4m3 bytes with integer ops (the workspace conversion),
+``fold_words_fp8`` does the same fold inside the GEMM by byte-permute look-up in an 8-byte table per
+32-block (``fold_tables``; inline PTX, bit-equal to the offline fold at every shift), and
 ``decode_mxfp4_words`` turns words into bf16 pairs by bit placement, in ``word_k_order`` (the
 small-T fused GEMM; the other operand is loaded in the same K order).
 
@@ -654,3 +656,156 @@ def mxfp4_to_fp8(
         p2, s2, out, exps, lost, rows, k, GROUP_K=g, BLOCK_R=br, BLOCK_K=bk, CHUNK=32
     )
     return Fp8Groups(out.reshape(*lead, k), exps.reshape(*lead, k // g), lost)
+
+
+# ----------------------------------------------------------------------------------------------
+# In-GEMM MXFP4 -> e4m3 fold: an 8-entry byte table per 32-block, looked up with byte permutes
+# ----------------------------------------------------------------------------------------------
+
+_FOLD_PAIRS = (0x38000000, 0x3E003C00, 0x42004000, 0x46004400)
+"""fp16 pairs (low half, high half) of the E2M1 magnitudes (0, 0.5), (1, 1.5), (2, 3), (4, 6)."""
+
+
+def _fold_table_ptx() -> str:
+    """PTX: fp32 2**d ($1) -> $0: the e4m3 bytes of E2M1 magnitudes 0..7 times 2**d (byte j), computed
+    as the offline fold computes every element (fp16 code times the fp16 step, one fp16 -> e4m3 conversion),
+    so a table entry is bit-equal to ``decode_mxfp4_tile_fp8``'s byte for that code and shift."""
+    body = [".reg .b16 h, e0, e1, e2, e3;", ".reg .b32 s, c, p;", "cvt.rn.f16.f32 h, $1;", "mov.b32 s, {h, h};"]
+    for j, pair in enumerate(_FOLD_PAIRS):
+        body += [f"mov.b32 c, {pair:#010x};", "mul.rn.f16x2 p, s, c;", f"cvt.rn.satfinite.e4m3x2.f16x2 e{j}, p;"]
+    return "{\n" + "\n".join(body + ["mov.b64 $0, {e0, e1, e2, e3};"]) + "\n}"
+
+
+_FOLD_TABLE_ASM = tl.constexpr(_fold_table_ptx())
+
+
+@triton.jit
+def _fold_entry(step16, v: tl.constexpr, sh: tl.constexpr):
+    """One table byte (interpreter): e4m3(v * step) as uint32 shifted left by ``sh``."""
+    return to_e4m3(step16 * v).to(tl.uint8, bitcast=True).to(tl.uint32) << sh
+
+
+@triton.jit
+def fold_tables(d):
+    """Fold shifts d (int32, <= 6; any tensor shape) -> uint64 of the same shape: byte j is e4m3(E2M1
+    magnitude j times 2**d), exact as the offline fold rounds it (d below -40 gives zeros, as there).
+    The word decode looks codes up in these 8 bytes."""
+    step = pow2_f32(tl.maximum(d, -40))
+    if SOFT_E4M3_ROUNDING:
+        s16 = step.to(tl.float16)
+        t0 = _fold_entry(s16, 0.5, 8) | _fold_entry(s16, 1.0, 16) | _fold_entry(s16, 1.5, 24)
+        t1 = _fold_entry(s16, 2.0, 0) | _fold_entry(s16, 3.0, 8) | _fold_entry(s16, 4.0, 16)
+        t1 = t1 | _fold_entry(s16, 6.0, 24)
+        return t0.to(tl.uint64) | (t1.to(tl.uint64) << 32)
+    else:
+        return tl.inline_asm_elementwise(_FOLD_TABLE_ASM, "=l,r", [step], dtype=tl.uint64, is_pure=True, pack=1)
+
+
+_LOOKUP_PTX = """
+mov.b32 a, $2;
+mov.b64 {t0, t1}, $3;
+and.b32 m, a, 0x77777777;
+prmt.b32 $0, t0, t1, m;
+shr.u32 sb, m, 16;
+prmt.b32 $1, t0, t1, sb;
+"""
+"""PTX shared by the word folds: 4 packed bytes ($2, 8 codes) and the block's table ($3) -> the e4m3
+magnitudes of elements 0..3 ($0) and 4..7 ($1), one byte permute each."""
+
+_WORD_FOLD_ASM = tl.constexpr("{\n.reg .b32 m, sb, r, x, a, t0, t1;" + _LOOKUP_PTX + """
+prmt.b32 r, a, 0, 0x1100;
+shl.b32 x, r, 4;
+lop3.b32 x, x, r, 0x00800080, 0xE4;
+lop3.b32 $0, x, 0x80808080, $0, 0xEA;
+prmt.b32 r, a, 0, 0x3322;
+shl.b32 x, r, 4;
+lop3.b32 x, x, r, 0x00800080, 0xE4;
+lop3.b32 $1, x, 0x80808080, $1, 0xEA;
+}
+""")
+"""PTX on the stored bytes (element i in nibble i): the look-up, then each nibble's bit 3 moved to its
+byte's bit 7 (one permute, shift and two 3-input logic ops per 4 elements): 13 instructions per 8 codes."""
+
+_WORD_FOLD_SPLIT_ASM = tl.constexpr("{\n.reg .b32 m, sb, x, a, t0, t1;" + _LOOKUP_PTX + """
+lop3.b32 $0, a, 0x80808080, $0, 0xEA;
+shl.b32 x, a, 4;
+lop3.b32 $1, x, 0x80808080, $1, 0xEA;
+}
+""")
+"""PTX for the sign-split word layout (``to_sign_split_words``): 7 instructions per 8 codes."""
+
+SIGN_SPLIT_MAG = (0, 4, 8, 12, 16, 20, 24, 28)
+"""Bit position of element i's 3 magnitude bits in a sign-split word (element i of the 8 it holds)."""
+SIGN_SPLIT_SIGN = (7, 15, 23, 31, 3, 11, 19, 27)
+"""Bit position of element i's sign in a sign-split word: elements 0..3 at each byte's bit 7, elements
+4..7 at bit 3, so one AND / one shift + AND puts four signs where the e4m3 bytes want them."""
+
+
+def to_sign_split_words(packed: torch.Tensor) -> torch.Tensor:
+    """MXFP4 packed uint8 [..., K/2] -> uint8 [..., K/2] of the same bits re-placed per 32-bit word
+    (``SIGN_SPLIT_MAG`` / ``SIGN_SPLIT_SIGN``): the layout the 7-instruction word fold reads."""
+    w = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(w)
+    for i in range(8):
+        out |= ((w >> (4 * i)) & 7) << SIGN_SPLIT_MAG[i]
+        out |= ((w >> (4 * i + 3)) & 1) << SIGN_SPLIT_SIGN[i]
+    return out.to(torch.uint32).view(torch.int32).view(torch.uint8).reshape(packed.shape)
+
+
+@triton.jit
+def _lookup4(sel, t0, t1):
+    """Interpreter: the byte permute of 4 magnitude nibbles of ``sel`` through tables t0/t1 (uint32)."""
+    t = t0.to(tl.uint64) | (t1.to(tl.uint64) << 32)
+    out = tl.zeros(sel.shape, tl.uint32)
+    for j in tl.static_range(4):
+        m = (sel >> (4 * j)) & 7
+        out |= ((t >> (8 * m).to(tl.uint64)) & 0xFF).to(tl.uint32) << (8 * j)
+    return out
+
+
+@triton.jit
+def fold_words_fp8(packed, scales, g_row, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """MXFP4 -> e4m3 fold relative to per-row exponents g_row int32 [BLOCK_R], by table look-up.
+
+    packed uint8 [BLOCK_R, BLOCK_K/32, 16] (the stored bytes of each 32-block, or ``to_sign_split_words``
+    bytes when SPLIT), scales uint8 [BLOCK_R, BLOCK_K/32] -> e4m3 [BLOCK_R, BLOCK_K] in natural K order,
+    bit-equal to ``decode_mxfp4_tile_fp8`` (the offline conversion). Per 32-block one table
+    (``fold_tables``); per 32-bit word of 8 codes one inline-asm call (13 instructions, 7 when SPLIT); the
+    interpreter runs the same look-up with integer ops.
+    """
+    d = scales.to(tl.int32) - 127 - g_row[:, None]
+    t = fold_tables(d)  # [R, K/32]
+    if SOFT_E4M3_ROUNDING:
+        t0 = (t & 0xFFFFFFFF).to(tl.uint32)
+        t1 = (t >> 32).to(tl.uint32)
+        b4 = tl.reshape(packed, (BLOCK_R, BLOCK_K // 32, 4, 4)).to(tl.uint32)
+        sh = (tl.arange(0, 4) * 8).to(tl.uint32)
+        w = tl.sum(b4 << sh[None, None, None, :], axis=3)  # [R, K/32, 4] little-endian words
+        tw0 = t0[:, :, None]
+        tw1 = t1[:, :, None]
+        if SPLIT:
+            a = _lookup4(w, tw0, tw1) | (w & 0x80808080)
+            b = _lookup4(w >> 16, tw0, tw1) | ((w << 4) & 0x80808080)
+        else:
+            a = _lookup4(w, tw0, tw1)
+            b = _lookup4(w >> 16, tw0, tw1)
+            for j in tl.static_range(4):
+                a |= ((w >> (4 * j + 3)) & 1) << (8 * j + 7)
+                b |= ((w >> (4 * j + 19)) & 1) << (8 * j + 7)
+        av = ((a[:, :, :, None] >> sh[None, None, None, :]) & 0xFF).to(tl.uint8)
+        bv = ((b[:, :, :, None] >> sh[None, None, None, :]) & 0xFF).to(tl.uint8)
+    else:
+        if SPLIT:
+            av, bv = tl.inline_asm_elementwise(
+                _WORD_FOLD_SPLIT_ASM, "=r,=r,r,l,l,l,l", [packed, t[:, :, None]],
+                dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4,
+            )
+        else:
+            av, bv = tl.inline_asm_elementwise(
+                _WORD_FOLD_ASM, "=r,=r,r,l,l,l,l", [packed, t[:, :, None]],
+                dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4,
+            )
+        av = tl.reshape(av, (BLOCK_R, BLOCK_K // 32, 4, 4))
+        bv = tl.reshape(bv, (BLOCK_R, BLOCK_K // 32, 4, 4))
+    v = tl.permute(tl.join(av, bv), (0, 1, 2, 4, 3))  # [R, K/32, word, 2, 4]: elements 0..3, then 4..7
+    return tl.reshape(v, (BLOCK_R, BLOCK_K)).to(tl.float8e4nv, bitcast=True)

@@ -191,12 +191,14 @@ def convert_experts(
     experts: tuple[int, int],
     slot_base: int,
     count_loss: bool = True,
+    config: tuple[int, int, int] | None = None,
 ) -> None:
     """Convert experts [lo, hi) that own tokens into slots slot_base + (e - lo) of ``out``/``exps``.
 
     packed uint8 [E, N, K/2], scales uint8 [E, N, K/32]; out e4m3 [slots, N, K], exps int32 [slots, N].
     count_loss: take the one-code-per-lane kernel that also adds the fold's lost elements to ``lost``
-    (load time); otherwise the word kernel (8 codes per 32-bit lane, no counting: the hot path).
+    (load time); otherwise the word kernel (8 codes per 32-bit lane, no counting: the hot path), whose
+    program is ``config`` = (rows, 32-blocks per step, warps), ``CONVERT_CONFIG`` when None.
     """
     lo, hi = experts
     n, k = packed.shape[1], packed.shape[2] * 2
@@ -221,8 +223,8 @@ def convert_experts(
             num_warps=4 if bk >= 512 else 2,
         )
         return
-    bb = max(1, min(16, triton.next_power_of_2(k // 32)))  # 32-blocks per step (16: 512 elements)
-    br = 8
+    br, bmax, warps = config or CONVERT_CONFIG
+    bb = max(1, min(bmax, triton.next_power_of_2(k // 32)))  # 32-blocks per step (16: 512 elements)
     _convert_experts_words_kernel[(hi - lo, triton.cdiv(n, br))](
         packed.view(torch.int32),
         packed,
@@ -238,9 +240,14 @@ def convert_experts(
         BLOCK_R=br,
         BLOCK_B=bb,
         MIN_SHIFT=FOLD_WORD_MIN_SHIFT,
-        num_warps=4,
+        num_warps=warps,
     )
 
+
+CONVERT_CONFIG = (4, 16, 2)
+"""The word conversion's program: 4 rows x 16 32-blocks per step, 2 warps. H200, all experts of a layer at
+T = 16384 (benchmarks/moe/2026-11-30-s3-prefill, call 3): DeepSeek-V3 5,342 us (3.37 TB/s, 0.87 of copy),
+gpt-oss-120b 1,809 us; the previous (8, 16, 4) 6,119 / 1,921 us, (16, 16, 4) 6,295 / 2,185, 8 warps slower."""
 
 SCHEDULES = ("serial", "side", "split")
 """How ``FP8Workspace.run_layer`` orders conversion and GEMMs (see ``FP8Workspace``)."""
@@ -268,6 +275,7 @@ class FP8Workspace:
         count_loss: bool = False,
         schedule: str = "serial",
         reserve_sms: int = 16,
+        convert_config: tuple[int, int, int] | None = None,
     ):
         if chunk_experts < 1:
             raise InputError(f"chunk_experts must be >= 1, got {chunk_experts}", field="chunk_experts")
@@ -277,6 +285,7 @@ class FP8Workspace:
             )
         self.schedule = schedule
         self.reserve_sms = reserve_sms
+        self.convert_config = convert_config
         self.chunk_experts = chunk_experts
         self.hidden = hidden
         self.intermediate = intermediate
@@ -328,6 +337,7 @@ class FP8Workspace:
             chunk,
             base,
             self.count_loss,
+            self.convert_config,
         )
         convert_experts(
             weights.w2_packed,
@@ -339,6 +349,7 @@ class FP8Workspace:
             chunk,
             base,
             self.count_loss,
+            self.convert_config,
         )
 
     def run_layer(

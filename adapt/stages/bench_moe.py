@@ -20,9 +20,11 @@ and ``moe_bench.md`` to out_dir, and the run as a StageReport (``moe_report.json
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -34,6 +36,8 @@ from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _git_commit
 from adapt.bench.timer import graph_time_us, time_cuda
 from adapt.errors import InputError
+from adapt.kernels.moe_configs import GemmConfig
+from adapt.kernels.mxfp4 import to_sign_split_words
 from adapt.model.spec import load_spec
 from adapt.report import StageReport, load_gates
 
@@ -283,11 +287,12 @@ TWIN_CHECK_TOKENS = (1, 16, 256, 4096)
 """T at which the peer runner checks adapt's combined output against the twin's arithmetic."""
 
 
-def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
+def _twin_error(out, x, perm, topw, routed, shape: dict, round_y: bool = True) -> float:
     """||out - twin|| / ||twin|| for adapt's combined output out [T, H]: per active expert the twin's
     arithmetic (``moe_gemm.expert_mlp_torch``: fp32 matmuls on the dequantized MXFP4 weights, SwiGLU,
     h and y rounded to bf16), weighted by ``topw``, summed in fp32 and rounded to bf16 as ``combine``
-    does, one expert at a time."""
+    does, one expert at a time. round_y False: y stays fp32 before the weighted sum (the fused
+    combine of ``moe_planar.planar_moe(fused=True)``)."""
     from adapt.kernels.moe_gemm import split_gate_up, swiglu_torch
     from adapt.kernels.mxfp4 import dequantize_mxfp4
 
@@ -312,7 +317,7 @@ def _twin_error(out, x, perm, topw, routed, shape: dict) -> float:
         y = h @ w2.t()
         if routed.w2_bias is not None:
             y = y + routed.w2_bias[ex].float()
-        ref.index_add_(0, tok, y.to(torch.bfloat16).float() * topw[tok, j, None])
+        ref.index_add_(0, tok, (y.to(torch.bfloat16).float() if round_y else y) * topw[tok, j, None])
     ref = ref.to(torch.bfloat16).float()  # the combine's bf16 output
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -358,15 +363,49 @@ def _planar_parts(x, perm, planar, shape: dict) -> dict:
     return {"planar_gemm1": gemm1, "planar_gemm2": gemm2}
 
 
-WS_SCHEDULES = {
-    "fp8_ws_side_combine": dict(schedule="side"),
-    "fp8_ws_split16_combine": dict(schedule="split", reserve_sms=16),
-    "fp8_ws_split32_combine": dict(schedule="split", reserve_sms=32),
+LARGE_MIN_TOKENS = 4096
+"""With ``--large`` the FP8 paths (offline, workspace, in-GEMM fold) are timed from this T up."""
+
+_G = GemmConfig
+_M256_1 = _G(256, 64, 128, 8, 8, 3, 1, swap_ab=False)
+_M256_2 = _G(256, 128, 128, 8, 8, 3, 1, swap_ab=False)
+_NOPRE = dict(prefetch_scales=False)
+_K64 = _G(128, 128, 64, 8, 8, 3, 1, swap_ab=False, **_NOPRE)
+_SWAP64 = _G(128, 128, 64, 8, 8, 3, 1, **_NOPRE)
+_N64_2P = _G(128, 64, 64, 8, 4, 3, 2, swap_ab=False, **_NOPRE), _G(128, 128, 64, 8, 4, 3, 2, swap_ab=False, **_NOPRE)
+_W8_2P = (_G(128, 64, 64, 8, 8, 3, 2, swap_ab=False, early_up=True, maxnreg=128),
+          _G(128, 128, 64, 8, 8, 3, 2, swap_ab=False, maxnreg=128))
+_BIG_T = 1 << 30
+FOLD_SWEEP = {
+    # name: (lowest T, highest T, GEMM1 config, GEMM2 config, sign-split words); token-major unless "swap".
+    # Call 1 (2026-11-30-s3-prefill, commit efed1d8) timed the first six without the scale prefetch.
+    "fp8_fold_m256_combine": (16384, 0, replace(_M256_1, **_NOPRE), replace(_M256_2, **_NOPRE), False),
+    "fp8_fold_m256_split_nopre_combine": (16384, 0, replace(_M256_1, **_NOPRE), replace(_M256_2, **_NOPRE), True),
+    "fp8_fold_m128k64_combine": (4096, 0, _K64, _K64, False),
+    "fp8_fold_swap_k64_combine": (4096, 0, _SWAP64, _SWAP64, False),
+    "fp8_fold_swap_k64_split_combine": (16384, 0, _SWAP64, _SWAP64, True),
+    "fp8_fold_m128n64_2p_combine": (16384, 0, *_N64_2P, False),
+    # call 2 (commit 4bc3f72): the scale prefetch (default on), both tiles decoded before the MMAs, two 8-warp
+    # programs per SM; from call 3 only the fastest (m256_split, with the prefetch) is timed
+    "fp8_fold_m256_split_combine": (16384, _BIG_T, _M256_1, _M256_2, True),
+    "fp8_fold_m256_split_early_combine": (16384, 0, replace(_M256_1, early_up=True), _M256_2, True),
+    "fp8_fold_w8_2p_split_combine": (16384, 0, *_W8_2P, True),
 }
-"""The other ``FP8Workspace`` schedules timed beside the default one at the large T (``--large``)."""
+"""In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
+checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""
 
 
-def _convert_all(routed, ws, perm) -> torch.Tensor:
+CONVERT_SWEEP = {
+    "ws_convert_r16b16w4": (16, 16, 4), "ws_convert_r8b32w8": (8, 32, 8), "ws_convert_r16b32w8": (16, 32, 8),
+    "ws_convert_r32b16w8": (32, 16, 8), "ws_convert_r8b16w4": (8, 16, 4), "ws_convert_r8b16w8": (8, 16, 8),
+    "ws_convert_r2b16w1": (2, 16, 1), "ws_convert_r4b32w2": (4, 32, 2),
+}
+"""Word-conversion programs (rows, 32-blocks per step, warps) timed alone beside ``ws_convert_only`` (the
+default ``workspace.CONVERT_CONFIG``, (4, 16, 2) from call 3 of 2026-11-30-s3-prefill) with ``--large``
+above PLANAR_MAX_TOKENS; (2, 16, 1) and (4, 32, 2) not timed yet."""
+
+
+def _convert_all(routed, ws, perm, config=None) -> torch.Tensor:
     """The workspace's conversion alone: every active expert of the layer, chunk by chunk, as
     ``run_layer`` converts them (no GEMMs). Returns one converted row (float32) for the finite check."""
     from adapt.kernels.workspace import convert_experts
@@ -378,8 +417,17 @@ def _convert_all(routed, ws, perm) -> torch.Tensor:
             (routed.w2_packed, routed.w2_scales, ws.w2, ws.w2_exp),
         ):
             convert_experts(packed, scales, out, exps, ws.lost, perm.expert_offsets, (lo, min(e, lo + c)),
-                            (n % 2) * c, count_loss=False)
+                            (n % 2) * c, count_loss=False, config=config)
     return ws.w1[0, 0].float()
+
+
+def _fused(x, perm, planar, topw, shape: dict, config=None) -> torch.Tensor:
+    """The planar experts with the weighted combine in GEMM2's epilogue (``planar_moe(fused=True)``) -> [T, H]."""
+    from adapt.kernels.moe_gemm import ACTIVATIONS
+    from adapt.kernels.moe_planar import planar_moe
+
+    return planar_moe(x, perm, planar, topw, top_k=shape["top_k"], activation=ACTIVATIONS[shape["activation"]],
+                      fused=True, config=config)
 
 
 def _combined(mlp, topw, perm):
@@ -394,10 +442,11 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
     """The peer beside adapt's MXFP4-storage paths only: same seed and so the same MXFP4 codes as
     ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. adapt's rows include the weighted
     combine of the k expert outputs (``routing.combine``), as the peer's rows include its scatter +
-    reduce: ``planar_combine`` up to PLANAR_MAX_TOKENS (at PARTS_TOKENS also its two GEMMs apart), and
-    with ``large`` above it the online FP8
-    workspace and the offline FP8 copy (``fp8_ws_combine``, ``fp8_offline_combine``). sweep: time the
-    PLANAR_SWEEP configs of each T's range too (expert GEMMs only, into ``sweep``). At the first T of
+    reduce: ``planar_combine`` and ``planar_fused`` (the combine in GEMM2's epilogue) up to
+    PLANAR_MAX_TOKENS (at PARTS_TOKENS also the two GEMMs apart), and with ``large`` above it the online
+    FP8 workspace and the offline FP8 copy (``fp8_ws_combine``, ``fp8_offline_combine``). sweep: time the
+    PLANAR_SWEEP configs of each T's range too (into ``sweep``: names ending in FUSED_SUFFIX with the
+    fused combine, the others the expert GEMMs alone). At the first T of
     each shape the setups of ``PEER_CANDIDATES`` are tried until one gives finite outputs (each try
     recorded, GEMM1 and GEMM2 checked apart), and at T = 16 the peer is checked against a float32
     reference of its own routing (``rel_err_vs_reference``). Writes moe_bench.json / .md to out_dir
@@ -443,17 +492,23 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
             mlp = partial(expert_mlp, x, perm, routed, top_k=k, activation=shape["activation"])
             if t <= PLANAR_MAX_TOKENS:
                 variants["planar_combine"] = _combined(partial(mlp, compute="bf16", planar=planar), topw, perm)
+                variants["planar_fused"] = partial(_fused, x, perm, planar, topw, shape)
                 if t in PARTS_TOKENS:
                     variants |= _planar_parts(x, perm, planar, shape)
-            elif large:
+            if large and t >= LARGE_MIN_TOKENS:
                 if fp8 is None:
                     fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
-                    fp8 += tuple(FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE, **kw) for kw in WS_SCHEDULES.values())
+                    split = to_sign_split_words(routed.w1_packed), to_sign_split_words(routed.w2_packed)
                 variants["fp8_ws_combine"] = _combined(partial(mlp, workspace=fp8[1]), topw, perm)
                 variants["fp8_offline_combine"] = _combined(partial(mlp, fp8_weights=fp8[0]), topw, perm)
-                for wname, ws_other in zip(WS_SCHEDULES, fp8[2:], strict=True):
-                    variants[wname] = _combined(partial(mlp, workspace=ws_other), topw, perm)
-                variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
+                for fname, (lo, hi, c1, c2, sw) in FOLD_SWEEP.items():
+                    if lo <= t <= hi:
+                        variants[fname] = _combined(partial(mlp, compute="fp8_fold", config=(c1, c2),
+                                                            split_words=split if sw else None), topw, perm)
+                if t > PLANAR_MAX_TOKENS:
+                    variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
+                    for cname, cc in CONVERT_SWEEP.items():
+                        variants[cname] = partial(_convert_all, routed, fp8[1], perm, cc)
             if chosen is None and not tried:
                 tried = True
                 for source, ldt in PEER_CANDIDATES:
@@ -489,9 +544,15 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 variants["peer"] = _peer_variant(peer, x, t, e, k, chosen[1], parts)
             if not warmed and variants:
                 # the first point of a shape ran ~8% slow in call 1 of 2026-11-30-s2 (T = 64 first: DeepSeek-V3
-                # 2,324 us, the same kernel 2,133 us a few seconds later): a second of work first
+                # 2,324 us, the same kernel 2,133 us a few seconds later): a second of work first. In call 6
+                # (2026-11-30-s3) the first row, planar_combine, still read 87 us above the fused row timed next
+                # at DeepSeek-V3 T = 64: every adapt variant of the first point now gets its own half second
                 _warm(next(iter(variants.values())), 1.0)
+                for vname, fn in variants.items():
+                    if vname.startswith("planar"):
+                        _warm(fn, 0.5)
                 warmed = True
+            offline_out = None
             for vname, fn in variants.items():
                 try:
                     out = fn()
@@ -501,8 +562,14 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     err = None
                     if vname == "peer" and t == 16:
                         err = _peer_reference_error(out, parts, x, routed, shape)
-                    if vname == "planar_combine" and t in TWIN_CHECK_TOKENS:
-                        err = _twin_error(out, x, perm, topw, routed, shape)
+                    if (vname == "planar_combine" and t in TWIN_CHECK_TOKENS) or (vname == "planar_fused" and t <= 256
+                                                                                  and t in TWIN_CHECK_TOKENS):
+                        err = _twin_error(out, x, perm, topw, routed, shape, round_y=vname == "planar_combine")
+                    if vname == "fp8_offline_combine":
+                        offline_out = out
+                    same = None
+                    if vname in FOLD_SWEEP and offline_out is not None:
+                        same = bool(torch.equal(out, offline_out))
                     timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
                 except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row
                     rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
@@ -518,13 +585,17 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 }
                 if vname == "peer":
                     row["peer_setup"] = f"{chosen[0]}, logits {chosen[1]}"
+                if same is not None:
+                    row["equal_to_offline"] = same
                 rows.append(row)
                 print(f"{name:13s} T={t:6d} {vname:8s} {us:10.1f} us  {row['copy_fraction']:.2f} of copy  "
-                      f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+                      f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else "")
+                      + (f"  equal_to_offline {same}" if same is not None else ""), flush=True)
             if sweep and t <= PLANAR_MAX_TOKENS:
-                configs = {n: ("planar", a, b) for n, ((lo, hi), a, b) in PLANAR_SWEEP.items() if lo <= t <= hi}
+                configs = {n: ("planar_fused" if n.endswith(FUSED_SUFFIX) else "planar", a, b)
+                           for n, ((lo, hi), a, b) in PLANAR_SWEEP.items() if lo <= t <= hi}
                 result["sweep"] += _sweep(x, perm, routed, None, dict(shape, name=name), flops, start + budget_s,
-                                          configs, wbytes, ceil["copy_tbps"], planar)
+                                          configs, wbytes, ceil["copy_tbps"], planar, topw)
             save()
         routed = planar = peer = fp8 = None
         torch.cuda.empty_cache()
@@ -595,25 +666,39 @@ SWEEP_CONFIGS = {
 PLANAR_MAX_TOKENS = 4096
 """The planar variant is timed up to this T."""
 
-_PC = lambda bm, bn, split, stages=4, warps=4, dot1=True, cap=128: (bm, bn, split, 4, warps, stages, 0, dot1, cap)  # noqa: E731
+_PC = lambda bm, bn, split, stages=4, warps=4, dot1=True, cap=128, pps=0, flat=False: (  # noqa: E731
+    bm, bn, split, 4, warps, stages, pps, dot1, cap, flat)
+_FLAT4 = {"programs_per_sm": 4, "flatten": True}
 PLANAR_SWEEP = {
-    # name: (T range, GEMM1 PlanarConfig fields, GEMM2 PlanarConfig fields); _PC(bm, bn, split, stages,
-    # warps, one_dot, register cap); the alternatives to moe_configs.PLANAR_TABLES' rows (measured in
-    # benchmarks/moe/2026-11-30-s2 call 1 with the row-major layout, re-timed on the tiled one)
-    "p16x128": ((1, 256), _PC(16, 128, 1), _PC(16, 128, 1)),  # 126 regs: 4 programs / SM
-    "p16x64": ((16, 256), _PC(16, 64, 1), _PC(16, 64, 1)),  # 101
-    "p16x128_nocap": ((16, 256), _PC(16, 128, 1, cap=0), _PC(16, 128, 1, cap=0)),  # 156
-    "p32x128_nocap": ((1024, 1024), _PC(32, 128, 1, cap=0), _PC(32, 128, 1, cap=0)),  # 164
-    "p64x128_w8_st4": ((1024, 1024), _PC(64, 128, 1, 4, 8, cap=0), _PC(64, 128, 1, 4, 8, cap=0)),
-    "p128x128_w8_st3": ((4096, 4096), _PC(128, 128, 1, 3, 8, cap=0), _PC(128, 128, 1, 3, 8, cap=0)),  # 197
-    # added after call 3 of 2026-11-30-s2, not timed yet: GEMM2 at T = 1 in one wave (448 programs of
-    # block_n 128 where block_n 64 gives 896, 1.7 waves of 4 a SM), pipeline depth at T = 16..256,
-    # 256 tokens a tile at T = 4096 (255 registers, 209 KB shared)
-    "p16x64_128": ((1, 1), _PC(16, 64, 1), _PC(16, 128, 1)),
-    "p16x128_st3": ((16, 256), _PC(16, 128, 1, 3), _PC(16, 128, 1, 3)),  # 125, 29 KB
-    "p16x128_st5": ((16, 256), _PC(16, 128, 1, 5), _PC(16, 128, 1, 5)),  # 128, 54 KB
-    "p256x128_w8_st3": ((4096, 4096), _PC(256, 128, 1, 3, 8, cap=0), _PC(256, 128, 1, 3, 8, cap=0)),
+    # name: (T range, GEMM1, GEMM2): each a PlanarConfig field tuple (_PC(bm, bn, split, stages, warps,
+    # one_dot, register cap, programs per SM, flatten)) or a dict of fields replaced in the table's
+    # config at that T ({}: the table's own, moe_configs.PLANAR_TABLES). Names ending in FUSED_SUFFIX
+    # time ``planar_moe(fused=True)`` (the combine in GEMM2's epilogue: compare with the ``planar_fused``
+    # row, the table's configs on the same path); the others the expert GEMMs alone.
+    # Call 6 (benchmarks/moe/2026-11-30-s3), what the s2 README left untried:
+    # the tile and K loops as one pipelined loop in persistent programs (loads run on across tiles;
+    # sm_90 SASS: each wgmma then waits for the one before, where the plain loop keeps 7 in flight)
+    "p4f+fc": ((16, 256), _FLAT4, _FLAT4),
+    "p5f+fc": ((64, 64), *[{"programs_per_sm": 5, "flatten": True, "num_stages": 3}] * 2),  # 38 KB shared each
+    # a 96-register cap: five 4-warp programs an SM where 128 fits four (no spills at 3 stages)
+    "c96st3+fc": ((16, 256), *[{"maxnreg": 96, "num_stages": 3}] * 2),
+    # gpt-oss T = 64 (GEMM1 K = 2880, 45 tiles of 128 rows an expert): GEMM1 block_n 64 with 3 stages, or
+    # split in 2; GEMM2 block_n 64 (N = 2880 = 45 x 64, where 128 leaves a half-empty last tile)
+    "g1n64st3+fc": ((64, 64), {"block_n": 64, "num_stages": 3}, {}),
+    "g1s2+fc": ((64, 64), {"split_k": 2}, {}),
+    "g2n64+fc": ((64, 64), {}, {"block_n": 64}),
+    # T = 1: GEMM2 split in 2 with its halves added by the fused combine (no epilogue kernel); GEMM2
+    # block_n 128 (448 programs: one wave, where 896 of 101 registers fill 1.7 waves of four an SM);
+    # 6 stages for the latency-bound single wave; GEMM1 split in 2 (+ its epilogue kernel); a 64-register
+    # cap with 3 stages (eight programs an SM: GEMM2's 896 and a split GEMM1's 1024 in one wave)
+    "t1_g2s2+fc": ((1, 1), {}, {"split_k": 2}),
+    "t1_g2n128+fc": ((1, 1), {}, {"block_n": 128}),
+    "t1_st6+fc": ((1, 1), {"num_stages": 6}, {"num_stages": 6}),
+    "t1_g1s2+fc": ((1, 1), {"split_k": 2}, {}),
+    "t1_c64+fc": ((1, 1), *[{"maxnreg": 64, "num_stages": 3}] * 2),
+    "t1_g1s2_c64+fc": ((1, 1), {"split_k": 2, "maxnreg": 64, "num_stages": 3}, {"maxnreg": 64, "num_stages": 3}),
 }
+FUSED_SUFFIX = "+fc"
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
 
 SMALL_T_SWEEP = {
@@ -625,19 +710,36 @@ SMALL_T_SWEEP = {
 """Fused bf16 configs timed at the small-T points of ``--quick-acceptance`` (T <= 64)."""
 
 
+def _planar_config(c, i: int, x, shape: dict):
+    """A PLANAR_SWEEP entry's config i (0 GEMM1, 1 GEMM2): a field tuple, or a dict of fields replaced
+    in the table's config at this point."""
+    from adapt.kernels.moe_configs import PlanarConfig, pick_planar_configs
+
+    if not isinstance(c, dict):
+        return PlanarConfig(*c)
+    table = pick_planar_configs(x.shape[0] * shape["top_k"], shape["experts"], torch.cuda.get_device_name(x.device)
+                                if x.is_cuda else "", shape["hidden"], shape["intermediate"])[i]
+    return dataclasses.replace(table, **c)
+
+
 def _sweep(
-    x, perm, routed, offline, shape, flops, deadline, configs=SWEEP_CONFIGS, wbytes=0, copy_tbps=1.0, planar=None
+    x, perm, routed, offline, shape, flops, deadline, configs=SWEEP_CONFIGS, wbytes=0, copy_tbps=1.0, planar=None,
+    topw=None,
 ) -> list[dict]:
-    """Time ``configs`` at one point; wbytes: MXFP4 bytes of the active experts (for the copy fraction)."""
-    from adapt.kernels.moe_configs import GemmConfig, PlanarConfig
+    """Time ``configs`` at one point; wbytes: MXFP4 bytes of the active experts (for the copy fraction).
+    Kind "planar_fused" (with topw): the planar GEMMs with the combine in GEMM2's epilogue, output
+    [T, H]. Planar rows record ``rel_err_vs_table``: their output against the same path with the
+    table's configs (a config that computes something else shows here)."""
+    from adapt.kernels.moe_configs import GemmConfig
     from adapt.kernels.moe_gemm import expert_mlp
 
     rows = []
+    refs = {}
     for name, (kind, a, b) in configs.items():
         if time.monotonic() > deadline:
             break
-        if kind == "planar":
-            cfg = (PlanarConfig(*a), PlanarConfig(*b))
+        if kind.startswith("planar"):
+            cfg = tuple(_planar_config(c, i, x, shape) for i, c in enumerate((a, b)))
         else:
             cfg = (GemmConfig(*a), GemmConfig(*b))
         extra = {
@@ -645,11 +747,23 @@ def _sweep(
             "fused": {"compute": "fp8"},
             "bf16": {"compute": "bf16"},
             "planar": {"compute": "bf16", "planar": planar},
+            "planar_fused": {},
         }[kind]
-        fn = lambda cfg=cfg, extra=extra: expert_mlp(  # noqa: E731
-            x, perm, routed, top_k=shape["top_k"], activation=shape["activation"], config=cfg, **extra
-        )
+        if kind == "planar_fused":
+            fn = partial(_fused, x, perm, planar, topw, shape, cfg)
+        else:
+            fn = lambda cfg=cfg, extra=extra: expert_mlp(  # noqa: E731
+                x, perm, routed, top_k=shape["top_k"], activation=shape["activation"], config=cfg, **extra
+            )
+        err = None
         try:
+            if kind.startswith("planar"):
+                if kind not in refs:
+                    refs[kind] = (_fused(x, perm, planar, topw, shape) if kind == "planar_fused" else
+                                  expert_mlp(x, perm, routed, top_k=shape["top_k"], activation=shape["activation"],
+                                             **extra)).float()
+                got = fn().float()
+                err = float((got - refs[kind]).norm() / refs[kind].norm().clamp_min(1e-30))
             us = graph_time_us(fn, reps=5)
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is recorded
             rows.append({"config": name, "error": str(exc)[:300]})
@@ -664,11 +778,12 @@ def _sweep(
                 "time_us": us,
                 "tflops": flops / us / 1e6,
                 "copy_fraction": wbytes / us / 1e6 / copy_tbps,
+                "rel_err_vs_table": err,
             }
         )
         print(
             f"sweep T={x.shape[0]} {name:36s} {us:10.1f} us {flops / us / 1e6:7.1f} TFLOP/s "
-            f"{rows[-1]['copy_fraction']:.2f} of copy",
+            f"{rows[-1]['copy_fraction']:.2f} of copy" + (f" err {err:.1e}" if err is not None else ""),
             flush=True,
         )
     return rows
@@ -798,7 +913,8 @@ def _bench_shape(
                 x, perm, routed, offline, shape, flops, deadline, SMALL_T_SWEEP, wbytes, ceil["copy_tbps"]
             )
         if planar_sweep is not None:
-            chosen = {n: (c[1], c[2]) for n, c in PLANAR_SWEEP.items() if c[0][0] <= t <= c[0][1]}
+            chosen = {n: (c[1], c[2]) for n, c in PLANAR_SWEEP.items()
+                      if c[0][0] <= t <= c[0][1] and not n.endswith(FUSED_SUFFIX)}
             planar_sweep += _sweep(
                 x,
                 perm,

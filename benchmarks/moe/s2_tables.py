@@ -13,9 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-VARIANTS = ("planar_combine", "fp8_ws_combine", "fp8_ws_side_combine", "fp8_ws_split16_combine",
-            "fp8_ws_split32_combine", "fp8_offline_combine", "ws_convert_only")
-"""Row variants tabled, in this order (the workspace schedules and the conversion alone from call 5)."""
+VARIANTS = ("planar_combine", "planar_fused", "planar_gemm1", "planar_gemm2", "fp8_ws_combine",
+            "fp8_ws_side_combine", "fp8_ws_split16_combine", "fp8_ws_split32_combine", "fp8_offline_combine",
+            "ws_convert_only")
+"""Row variants tabled, in this order (the workspace schedules and the conversion alone from call 5;
+planar_fused, the combine in GEMM2's epilogue, from call 6; the planar GEMMs apart at T = 1, 64)."""
 
 
 def tables(folder: Path, prefix: str) -> str:
@@ -49,10 +51,13 @@ def tables(folder: Path, prefix: str) -> str:
                     out.append(f"| {t} | {v} | {a['time_us']:,.1f} | - | - | {a['copy_fraction']:.2f} | - | "
                                f"{a['x_floor']:.2f} | {tw} | |")
         if r.get("sweep"):
-            out += ["", "| T | sweep config (expert GEMMs, no combine) | us | of copy |", "|---|---|---|---|"]
+            out += ["", "| T | sweep config (+fc: with the fused combine; else expert GEMMs, no combine) | us "
+                    "| of copy | vs table |", "|---|---|---|---|---|"]
             for x in r["sweep"]:
                 if "time_us" in x:
-                    out.append(f"| {x['tokens']} | {x['config']} | {x['time_us']:,.1f} | {x['copy_fraction']:.2f} |")
+                    err = x.get("rel_err_vs_table")
+                    out.append(f"| {x['tokens']} | {x['config']} | {x['time_us']:,.1f} | {x['copy_fraction']:.2f} | "
+                               + (f"{err:.1e} |" if err is not None else " |"))
                 else:
                     out.append(f"| | {x['config']} | failed: {x['error'][:60]} | |")
         out.append("")

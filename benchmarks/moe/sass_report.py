@@ -28,8 +28,8 @@ from adapt.kernels import moe_planar as mp
 
 BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 BASE = dict(TOPK=8, GATHER=True, ACTIVATION=1, HAS_BIAS=False, SPLIT_K=1, TWO_MULS=False, BLOCK_M=16, BLOCK_N=128,
-            GROUP_M=4, DOT_F32=False, ONE_DOT=True, EVEN_K=True)
-PTRS = dict(x_ptr="bf16", w_ptr="i32", sc_ptr="i32", bias_ptr="fp32", out_ptr="bf16", part_ptr="fp32",
+            GROUP_M=4, DOT_F32=False, ONE_DOT=True, EVEN_K=True, FLATTEN=False, COMBINE=False)
+PTRS = dict(x_ptr="bf16", w_ptr="i32", sc_ptr="i32", bias_ptr="fp32", out_ptr="bf16", part_ptr="fp32", gamma_ptr="fp32",
             sorted_slot_ptr="i32", offsets_ptr="i32", tile_expert_ptr="i32", tile_row_ptr="i32", tile_start_ptr="i32")
 DIV16 = ("stride_x", "stride_we", "stride_se", "stride_o", "k_words", "n_rows", "k")
 

@@ -717,6 +717,102 @@ def test_bench_twin_check_of_the_combined_planar_output():
     assert bm._twin_error(flat, x, perm, topw, w, shape) > 0.1
 
 
+def _routed_planar_case(e, k, t, *, seed, bias, interleaved):
+    """A small layer in the planar layout with routing weights: (weights, x, perm, planar, topw)."""
+    from adapt.kernels import moe_planar as mp
+
+    w, x, ids = _planar_case(e, 128, 64, t, k, seed=seed, bias=bias, interleaved=interleaved)
+    topw = torch.rand(t, k, generator=_gen(seed + 1), device=DEV)
+    return w, x, rt.permute_by_expert(ids, e), mp.PlanarExperts.from_weights(w), topw
+
+
+def _combined_cases(planar, x, perm, topw, k, act, cfgs):
+    """(fused kernel, its twin, unfused kernel + routing.combine) outputs [T, H] for each config pair."""
+    from adapt.kernels import moe_planar as mp
+
+    code = mg.ACTIVATIONS[act]
+    for cfg in cfgs:
+        got = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, config=cfg, fused=True)
+        twin = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, config=cfg, fused=True, twin=True)
+        y = mg.expert_mlp(x, perm, planar_weights(planar), top_k=k, activation=act, planar=planar, config=cfg)
+        yield cfg, got, twin, rt.combine(y, topw, perm.slot_pos)
+
+
+def planar_weights(planar):
+    """A stand-in ``MoEWeights`` for ``expert_mlp``'s planar path (it reads only the shape fields)."""
+    from adapt.kernels import moe_planar as mp
+
+    p1, s1 = mp.planar_to_mxfp4_torch(planar.w1, interleaved=True)
+    p2, s2 = mp.planar_to_mxfp4_torch(planar.w2)
+    return mg.MoEWeights(mx.to_gpt_oss_blocks(p1), s1, mx.to_gpt_oss_blocks(p2), s2, None, None, True)
+
+
+def test_planar_combine_in_gemm2_epilogue_matches_twin():
+    # GEMM2 adds gamma * (acc + bias) of each sorted row into an fp32 [T, H] sum at its token (atomic
+    # adds), plain, split-K (each split's partial added, bias once) and persistent: against the twin
+    # (fp32 rows weighted expert by expert) and against expert_mlp + routing.combine (which rounds
+    # the expert outputs to bf16 first)
+    from adapt.kernels import moe_planar as mp
+
+    e, k, t = 4, 2, 6
+    w, x, perm, planar, topw = _routed_planar_case(e, k, t, seed=46, bias=True, interleaved=True)
+    base = mc.PlanarConfig(block_m=16, block_n=32, split_k=1, group_m=2, num_warps=4, num_stages=1, one_dot=True)
+    cfgs = [(base, base), (base, dataclasses.replace(base, split_k=2)),
+            (base, dataclasses.replace(base, programs_per_sm=1, flatten=True))]
+    for cfg, got, twin, unfused in _combined_cases(planar, x, perm, topw, k, "swiglu_clamped", cfgs):
+        assert got.shape == (t, 128) and got.dtype == torch.bfloat16
+        assert rel(got, twin) < TWIN_TOL, cfg
+        assert 0 < rel(got, unfused) < 4e-3, cfg
+    # the weights are applied: unit weights give another output
+    ones = mp.planar_moe(x, perm, planar, torch.ones_like(topw), top_k=k, activation=2, config=cfgs[0], fused=True)
+    assert rel(ones, twin) > 0.1
+    hb = torch.empty(t * k, 64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(InputError):
+        mp.planar_gemm(x, planar.w1, None, perm, None, hb, top_k=k, gather=True, activation=2, alpha=1.0, limit=7.0,
+                       cfg=base, gamma=topw.reshape(-1))
+
+
+def test_planar_moe_picks_the_measured_combine_and_adds_shared():
+    # planar_moe: both ways give expert_mlp + routing.combine (shared experts' output included); the
+    # pick follows moe_configs.PLANAR_FUSED_COMBINE (DeepSeek-V3's H200 T = 16 / 64 row only)
+    from adapt.kernels import moe_planar as mp
+
+    e, k, t = 4, 2, 5
+    w, x, perm, planar, topw = _routed_planar_case(e, k, t, seed=50, bias=False, interleaved=False)
+    shared = (torch.randn(t, 128, generator=_gen(52), device=DEV) * 0.1).bfloat16()
+    y = mg.expert_mlp(x, perm, w, top_k=k, activation="swiglu", planar=planar)
+    ref = rt.combine(y, topw, perm.slot_pos, shared)
+    for fused in (True, False):
+        got = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=1, shared=shared, fused=fused)
+        assert rel(got, ref) < (4e-3 if fused else TWIN_TOL), fused
+    assert mc.pick_planar_fused_combine(64 * 8, 256, "NVIDIA H200", 7168, 2048) == (not mx.INTERPRET)
+    span = mc.PLANAR_FUSED_COMBINE[("NVIDIA H200", "7168x2048")]
+    assert span[0] < 64 * 8 / 256 <= span[1] and not span[0] < 8 / 256 <= span[1]
+    assert ("NVIDIA H200", "2880x2880") not in mc.PLANAR_FUSED_COMBINE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b"])
+def test_planar_combined_and_flattened_real_shapes_gpu(name):
+    # the fused combine and the flattened persistent loop at the real H and I, the table's tiles at T = 16
+    from adapt.kernels import moe_planar as mp
+
+    s, e, t = GPU_SHAPES[name], 16, 16
+    w, x, ids = _planar_case(e, s["h"], s["i"], t, s["k"], seed=48, bias=s["bias"], interleaved=s["interleaved"])
+    planar = mp.PlanarExperts.from_weights(w)
+    perm = rt.permute_by_expert(ids, e)
+    topw = torch.rand(t, s["k"], generator=_gen(49), device=DEV)
+    c1, c2 = mc.pick_planar_configs(t * s["k"], e, torch.cuda.get_device_name(), s["h"], s["i"])
+    flat = {"programs_per_sm": 4, "flatten": True}
+    cfgs = [(c1, c2), tuple(dataclasses.replace(c, **flat) for c in (c1, c2)), (c1, dataclasses.replace(c2, split_k=2))]
+    for cfg, got, twin, unfused in _combined_cases(planar, x, perm, topw, s["k"], s["act"], cfgs):
+        assert rel(got, twin) < TWIN_TOL, cfg
+        assert rel(got, unfused) < 4e-3, cfg
+    y_t = mg.expert_mlp_torch(x, perm, w, top_k=s["k"], activation=s["act"])
+    y = mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], planar=planar, config=cfgs[1])
+    assert rel(y, y_t) < TWIN_TOL
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b"])
 @pytest.mark.parametrize("t", [1, 16, 200])
