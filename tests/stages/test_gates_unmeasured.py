@@ -273,3 +273,21 @@ def test_the_handoff_refuses_a_stage_6_report_that_names_no_serving_engine(tmp_p
     run.write(report)
     with pytest.raises(InputError, match=r"bench: its fingerprint does not name the serving engine"):
         check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
+
+
+def test_validate_passes_the_served_model_name_to_stage_6(tmp_path, monkeypatch):
+    """`vllm serve DIR --served-model-name NAME`: `validate --url ... --served-model NAME` sends NAME and checks
+    that checkpoint DIR is what the server serves under it; the name is part of stage 6's options."""
+    import adapt.stages.serve as serve_stage
+
+    seen = {}
+
+    def fake_stage(model, **kwargs):
+        seen.update(kwargs, model=model)
+        return StageReport("bench", 6, "bench")
+
+    monkeypatch.setattr(serve_stage, "run_serve_stage", fake_stage)
+    options = replace(BASE, model=_model_dir(tmp_path), url="http://127.0.0.1:9", served_model="tiny")
+    pipeline.STAGES[6].run(options, load_gates())
+    assert seen["served_model"] == "tiny" and seen["url"] == "http://127.0.0.1:9" and seen["model"] == options.model
+    assert stage_fingerprint(6, options, load_gates())["options"]["served_model"] == "tiny"
