@@ -248,6 +248,8 @@ def validate(
         "--compute-dtype", help="Stage 5: adapted path's compute dtype, bf16 or fp32.")] = "bf16",
     url: Annotated[str | None, typer.Option(
         "--url", help="Stage 6: load this OpenAI-compatible server instead of launching the model.")] = None,
+    served_model: Annotated[str | None, typer.Option(
+        "--served-model", help="Stage 6 with --url: the name the server serves MODEL under (default: MODEL).")] = None,
     soak_s: Annotated[float, typer.Option("--soak-s", help="Stage 6: soak length in seconds.")] = 60.0,
     tokenizer: Annotated[str | None, typer.Option(
         "--tokenizer", help="Stage 6: tokenizer path or id for the load (default: the model's; a byte-level "
@@ -267,6 +269,7 @@ def validate(
     options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
                               batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack,
                               run_path=str(run.path), url=url, soak_s=soak_s, tokenizer=tokenizer,
+                              served_model=served_model,
                               layers=layers, kernels=kernels,
                               indexer_dtype=indexer_dtype, compute_dtype=compute_dtype,
                               gates_file=str(gates) if gates else None)

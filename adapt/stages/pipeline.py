@@ -95,6 +95,7 @@ class PipelineOptions:
     url: str | None = None
     soak_s: float = 60.0
     tokenizer: str | None = None  # stage 6: the load generator's tokenizer (None: the model's, else a stand-in)
+    served_model: str | None = None  # stage 6 with url: the name the server serves the checkpoint under (None: model)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ def _serve(o: PipelineOptions, gates: dict) -> StageReport:
 
     return run_serve_stage(o.model, target=o.target, run_path=Path(o.run_path) if o.run_path else None,
                            gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url, tokenizer=o.tokenizer,
-                           **STAGE_LAUNCH)
+                           served_model=o.served_model, **STAGE_LAUNCH)
 
 
 _PLAN_OPTIONS = ("devices", "nodes", "context", "batch", "kv_dtype", "weights")
@@ -210,7 +211,7 @@ STAGES: dict[int, Stage] = {
     5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",), reads_data=True,
              reads_env=("ADAPT_TEST_FAULTS",), reads_packages=True),  # adapt.runtime.variants.FAULTS_ENV
     # stage 6 also serves the plan in stage 4's report of the same run directory (run_path)
-    6: Stage("bench", _serve, reads=("url", "soak_s", "tokenizer"), gates=("bench",), reads_data=True,
+    6: Stage("bench", _serve, reads=("url", "served_model", "soak_s", "tokenizer"), gates=("bench",), reads_data=True,
              reads_plan=True, reads_engine=True),
 }
 STAGE_NAMES = {n: s.name for n, s in STAGES.items()}
