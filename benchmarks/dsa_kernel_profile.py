@@ -5,13 +5,15 @@ name, launches per step and device microseconds per step (the sum of that kernel
 The gaps between kernels are not in these sums: their total against the graph-timed step of
 ``adapt.stages.bench_dsa`` says how much of a step is launch latency rather than kernel time.
 
-Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/dsa_kernel_profile.py OUT_DIR [BATCH ...]
-Writes OUT_DIR/dsa_kernel_profile.json.
+Usage (repo root, CUDA machine): PYTHONPATH=. [DSA_MLA_TILES='{"swap_ab": true, "qk_fp8": true}'] python3
+benchmarks/dsa_kernel_profile.py OUT_DIR [BATCH ...]; DSA_MLA_TILES: sparse MLA options as JSON (default: the
+kernel's defaults). Writes OUT_DIR/dsa_kernel_profile.json.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -24,6 +26,7 @@ from adapt.kernels.formats import PAGE_SIZE
 from adapt.stages.bench_dsa import _queries, _random_cache
 
 CONTEXT, TOPK, STEPS = 131072, 2048, 20
+MLA_TILES = json.loads(os.environ.get("DSA_MLA_TILES") or "{}")
 
 
 def profile_step(batch: int) -> dict:
@@ -39,7 +42,7 @@ def profile_step(batch: int) -> dict:
         idx, _ = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits, TOPK,
                                 max_keys=CONTEXT, rows_per_tile=1)
         return sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
-                                     block_table, token_seq, idx, 0.1)
+                                     block_table, token_seq, idx, 0.1, **MLA_TILES)
 
     for _ in range(3):
         step()
@@ -65,7 +68,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in sys.argv[2:]] or [1, 64]
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mla_tiles": MLA_TILES, "cases": []}
     for batch in batches:
         case = profile_step(batch)
         result["cases"].append(case)

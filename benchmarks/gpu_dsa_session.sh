@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the DSA kernels (issue 16): the gpu-marked DSA tests (a subset of the 128-head
 # sparse MLA tiles, to fit the call) and the DSA acceptance benchmark with same-run ceilings.
-# Usage (repo root, GPU machine): OUT=<dir> [TEST_S=80] [BENCH_S=190] [BENCH_ARGS=--no-sweep] [TESTS=0]
+# Usage (repo root, GPU machine): OUT=<dir> [TEST_S=80] [BENCH_S=190] [BENCH_ARGS="--no-sweep --no-prefill"] [TESTS=0] [TEST_K=...]
 #   bash benchmarks/gpu_dsa_session.sh
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -12,7 +12,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   timeout "${TEST_S:-80}" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 60 \
     tests/kernels/test_topk.py tests/kernels/test_dsa.py tests/kernels/test_sparse_mla.py \
     tests/runtime/test_dsa_vs_transformers.py \
-    -k "${TEST_K:-not deepseek_v32_shapes_on_gpu or topk or test_dsa.py or tiles0- or tiles7 or tiles9 or tiles10 or tiles11}" \
+    -k "${TEST_K:-not deepseek_v32_shapes_on_gpu or topk or test_dsa.py or tiles0- or tiles7 or tiles9 or tiles10 or tiles11 or tiles12 or tiles13}" \
     > "$OUT/pytest_gpu_dsa.log" 2>&1
   tail -15 "$OUT/pytest_gpu_dsa.log"
 fi

@@ -38,8 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
+from adapt.kernels.dsa import quantize_fp8_rows
 from adapt.kernels.formats import PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
+from adapt.kernels.fp8 import amax_scale, quantize_fp8_groups
 
 
 @triton.jit
@@ -249,6 +251,60 @@ def _dequant_chunk(nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.c
 
 
 @triton.jit
+def _raw_chunk(nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.constexpr, GROUP: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """Scale group ``c`` of the gathered rows as stored: (e4m3 [BLOCK_K, GROUP] (fp32 under the
+    interpreter), fp32 scales [BLOCK_K]); masked rows read as 0."""
+    cols = c * GROUP + tl.arange(0, GROUP)
+    kv = tl.load(nope_ptr + slot[:, None] * RANK + cols[None, :], mask=valid[:, None], other=0.0)
+    sc = tl.load(scale_ptr + slot * (RANK // GROUP) + c, mask=valid, other=0.0)
+    if UPCAST:
+        kv = kv.to(tl.float32)
+    return kv, sc
+
+
+@triton.jit
+def _bf16_rows(c8, sc, UPCAST: tl.constexpr):
+    """bf16 [BLOCK_K, GROUP] of stored e4m3 rows ``c8`` times their scales ``sc`` [BLOCK_K] (fp32 under the
+    interpreter): the p @ v operand, the values ``_dequant_chunk`` gives."""
+    kv = _to_bf16(c8.to(tl.float32) * sc[:, None], UPCAST)
+    if UPCAST:
+        kv = kv.to(tl.float32)
+    return kv
+
+
+@triton.jit
+def _q_groups(qn_ptr, qscale_ptr, q_base, row, heads, hmask, n_heads, RANK: tl.constexpr, GROUP: tl.constexpr,
+              QK_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """The row's q in four [BLOCK_H, GROUP] slices (bf16, or e4m3 with QK_FP8) and, with QK_FP8, their fp32
+    scales [BLOCK_H] per slice (zeros otherwise, never read)."""
+    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
+    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
+    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
+    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+    if QK_FP8:
+        qs_base = (row * n_heads + heads) * (RANK // GROUP)
+        qs0 = tl.load(qscale_ptr + qs_base, mask=hmask, other=0.0)
+        qs1 = tl.load(qscale_ptr + qs_base + 1, mask=hmask, other=0.0)
+        qs2 = tl.load(qscale_ptr + qs_base + 2, mask=hmask, other=0.0)
+        qs3 = tl.load(qscale_ptr + qs_base + 3, mask=hmask, other=0.0)
+    else:
+        qs0 = tl.zeros_like(heads).to(tl.float32)
+        qs1 = qs0
+        qs2 = qs0
+        qs3 = qs0
+    return q0, q1, q2, q3, qs0, qs1, qs2, qs3
+
+
+@triton.jit
+def _group_state(BLOCK_H: tl.constexpr, GROUP: tl.constexpr):
+    """Online-softmax state of the four-group kernels: running maximum (-inf) and sum [BLOCK_H], and four
+    fp32 [BLOCK_H, GROUP] output accumulators (zeros)."""
+    acc = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    return tl.full([BLOCK_H], float("-inf"), tl.float32), tl.zeros([BLOCK_H], tl.float32), acc, acc, acc, acc
+
+
+@triton.jit
 def _q_chunk(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
     q = tl.load(qn_ptr + q_base + c * GROUP + tl.arange(0, GROUP)[None, :], mask=hmask[:, None], other=0.0)
     if UPCAST:
@@ -266,16 +322,33 @@ def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
-                             out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
+def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr,
+                             idx_ptr, out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                             PREFETCH: tl.constexpr):
+                             PREFETCH: tl.constexpr, QK_FP8: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
     """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
     per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
     and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
     groups and p @ v writes four [BLOCK_H, GROUP] accumulators. Same grid, outputs and PREFETCH as
-    ``_sparse_mla_kernel`` with V_SPLIT 1."""
+    ``_sparse_mla_kernel`` with V_SPLIT 1.
+
+    QK_FP8: q.k in e4m3 x e4m3. ``qn_ptr`` holds q as e4m3 [rows, heads, RANK] and ``qscale_ptr`` its fp32
+    scales [rows, heads, RANK / GROUP] (``quantize_q_groups``; quantized outside the kernel so that the
+    MMA reads q from shared memory: quantized in the kernel, Triton kept the four e4m3 slices in registers
+    as the MMA's A operand and the sm_90 build spilled 2.7 KB). Each gathered e4m3 group enters the q.k
+    MMA as loaded (no dequantization for q.k) and the group's logits [BLOCK_H, BLOCK_K] take the product
+    of the two scales; the dequantized bf16 rows still feed p @ v.
+
+    SWAP_AB: q.k with its MMA operands swapped, positions on the MMA's M side: logits s^T [BLOCK_K, BLOCK_H]
+    = rows . q^T, softmax down the positions (axis 0), and p @ v takes p = (p^T)^T [BLOCK_H, BLOCK_K] into
+    the four [BLOCK_H, GROUP] accumulators as without it. Why (read from the sm_90 build, Triton 3.6): with
+    64 heads on M and 8 warps, Triton lays the chained q.k result out with all 8 warps along M
+    (warpsPerCTA [8, 1]: 128 rows of MMA for 64 heads), so both warpgroups compute the same q.k and the
+    same softmax (104 HGMMA in the loop of 128 positions); with 128 positions on M each warpgroup takes 64
+    of them (68 HGMMA). The cost: the rows feed q.k as its A operand, which Triton keeps in registers
+    (bf16 q.k: the four dequantized tiles, 2.3 KB of spills; with QK_FP8 the stored e4m3 tiles). Swapping
+    p @ v too (rows^T as A) kept the rows in registers for a transpose and spilled 2.2 KB: not an option."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -283,37 +356,58 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
     rcols = tl.arange(0, ROPE)
     q_base = (row * n_heads + heads[:, None]) * RANK
     q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
-    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
-    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
-    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
-    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+    q0, q1, q2, q3, qs0, qs1, qs2, qs3 = _q_groups(qn_ptr, qscale_ptr, q_base, row, heads, hmask, n_heads, RANK,
+                                                   GROUP, QK_FP8, UPCAST)
     seq = tl.load(seq_ptr + row).to(tl.int64)
     first = split * positions_per_split
     last = tl.minimum(first + positions_per_split, topk)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, GROUP], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = _group_state(BLOCK_H, GROUP)
     slot_n, valid_n = _first_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE,
                                    PREFETCH)
     for k0 in range(first, last, BLOCK_K):
         slot, valid, slot_n, valid_n = _step_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride,
                                                    slot_n, valid_n, BLOCK_K, PAGE, PREFETCH)
         k_rope = tl.load(rope_ptr + slot[:, None] * ROPE + rcols[None, :], mask=valid[:, None], other=0.0)
-        kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
-        kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
-        kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
-        kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
-        if UPCAST:
-            k_rope = k_rope.to(tl.float32)
-        s = tl.dot(q_rope, tl.trans(k_rope))
-        s = tl.dot(q0, tl.trans(kv0), s)
-        s = tl.dot(q1, tl.trans(kv1), s)
-        s = tl.dot(q2, tl.trans(kv2), s)
-        s = tl.dot(q3, tl.trans(kv3), s)
-        p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
+        # every gathered load of the tile is issued before the first MMA: an MMA between them puts a second
+        # memory round trip into each tile (H200, 2026-11-30: 297 us against 203-218 us at batch 64)
+        if QK_FP8 or SWAP_AB:
+            c0, sc0 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
+            c1, sc1 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
+            c2, sc2 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
+            c3, sc3 = _raw_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+            if UPCAST:
+                k_rope = k_rope.to(tl.float32)
+            if SWAP_AB:
+                s_t = tl.dot(k_rope, tl.trans(q_rope))
+                s_t, kv0 = _qk_group_t(s_t, q0, qs0, c0, sc0, QK_FP8, UPCAST)
+                s_t, kv1 = _qk_group_t(s_t, q1, qs1, c1, sc1, QK_FP8, UPCAST)
+                s_t, kv2 = _qk_group_t(s_t, q2, qs2, c2, sc2, QK_FP8, UPCAST)
+                s_t, kv3 = _qk_group_t(s_t, q3, qs3, c3, sc3, QK_FP8, UPCAST)
+                p, alpha, m_new, l_i = _softmax_step_t(s_t, valid, scale_log2, m_i, l_i)
+            else:
+                s = tl.dot(q_rope, tl.trans(k_rope))
+                s += tl.dot(q0, tl.trans(c0)) * (qs0[:, None] * sc0[None, :])
+                s += tl.dot(q1, tl.trans(c1)) * (qs1[:, None] * sc1[None, :])
+                s += tl.dot(q2, tl.trans(c2)) * (qs2[:, None] * sc2[None, :])
+                s += tl.dot(q3, tl.trans(c3)) * (qs3[:, None] * sc3[None, :])
+                kv0 = _bf16_rows(c0, sc0, UPCAST)
+                kv1 = _bf16_rows(c1, sc1, UPCAST)
+                kv2 = _bf16_rows(c2, sc2, UPCAST)
+                kv3 = _bf16_rows(c3, sc3, UPCAST)
+                p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
+        else:
+            kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
+            kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
+            kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
+            kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+            if UPCAST:
+                k_rope = k_rope.to(tl.float32)
+            s = tl.dot(q_rope, tl.trans(k_rope))
+            s = tl.dot(q0, tl.trans(kv0), s)
+            s = tl.dot(q1, tl.trans(kv1), s)
+            s = tl.dot(q2, tl.trans(kv2), s)
+            s = tl.dot(q3, tl.trans(kv3), s)
+            p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
         acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
         acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
         acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
@@ -337,6 +431,32 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, blo
         tl.store(base + GROUP, _to_bf16(acc1 / denom, UPCAST), mask=hmask[:, None])
         tl.store(base + 2 * GROUP, _to_bf16(acc2 / denom, UPCAST), mask=hmask[:, None])
         tl.store(base + 3 * GROUP, _to_bf16(acc3 / denom, UPCAST), mask=hmask[:, None])
+
+
+@triton.jit
+def _qk_group_t(s_t, q, q_scale, c8, sc, QK_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """One scale group of a tile in the swapped form, from its stored e4m3 rows ``c8`` [BLOCK_K, GROUP] and
+    scales ``sc``: (s_t [BLOCK_K, BLOCK_H] + rows . q^T, the rows dequantized to bf16 for p @ v). QK_FP8: q
+    is e4m3 and ``c8`` enters the MMA as stored, the product times the row scale x q's per-head scale;
+    else the dequantized rows do."""
+    kv = _bf16_rows(c8, sc, UPCAST)
+    if QK_FP8:
+        s_t += tl.dot(c8, tl.trans(q)) * (sc[:, None] * q_scale[None, :])
+    else:
+        s_t = tl.dot(kv, tl.trans(q), s_t)
+    return s_t, kv
+
+
+@triton.jit
+def _softmax_step_t(s_t, valid, scale_log2, m_i, l_i):
+    """``_softmax_step`` on transposed logits s_t [BLOCK_K, BLOCK_H] (down the positions): (p [BLOCK_H,
+    BLOCK_K], the factor that rescales the earlier sums, the new maximum, the new sum)."""
+    s_t = tl.where(valid[:, None], s_t * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p_t = tl.exp2(s_t - m_safe[None, :])
+    return tl.trans(p_t), alpha, m_new, l_i * alpha + tl.sum(p_t, axis=0)
 
 
 @triton.jit
@@ -396,8 +516,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None
-               ) -> torch.Tensor:
+               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None,
+               qk_fp8: bool | None = None, swap_ab: bool = False) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -417,6 +537,10 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
 
     ``prefetch``: reads the next tile's slots ahead by hand. ``groups4``: the fused fp8 tile as
     ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
+    ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized first (``quantize_q_groups``: one scale per
+    row, head and scale group, one extra launch; the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v
+    stays bf16. Off by default (H200 sweep of 2026-11-30: benchmarks/gpu-2026-11-30-dsa-s3-decode). ``swap_ab`` (groups4
+    only): q.k with positions on the MMA's M side (``_sparse_mla_fp8x4_kernel``'s SWAP_AB; same function).
 
     Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
     (groups4) with block_k 128 and 1 stage (H200 sweep of 2026-11-30, batch 64 x 128K: 218 us against
@@ -438,10 +562,11 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
     if groups4 is None:  # the measured-fastest tile where it applies (see Defaults)
-        groups4 = fused_fp8 and rank == 4 * group and v_split in (None, 1) and qk_chunk in (None, rank)
+        groups4 = ((fused_fp8 or bool(qk_fp8) or swap_ab) and fp8 and rank == 4 * group and v_split in (None, 1)
+                   and qk_chunk in (None, rank))
     block_k = block_k or (16 if interpreting else 128 if groups4 else 64)
-    v_split = v_split or (1 if interpreting or rank < 512 or fused_fp8 else 2)
-    qk_chunk = min(rank, qk_chunk or (512 if fused_fp8 else 128))
+    v_split = v_split or (1 if interpreting or rank < 512 or fused_fp8 or groups4 else 2)
+    qk_chunk = min(rank, qk_chunk or (rank if fused_fp8 or groups4 else 128))
     vdim = rank // v_split
     if rank % qk_chunk or rank % v_split:
         raise ValueError(f"qk_chunk {qk_chunk} and v_split {v_split} must divide the latent rank {rank}")
@@ -463,16 +588,26 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     else:
         partial, lse = out, out
     latent_scale_arg = latent_scale if fp8 else latent_nope
+    if (qk_fp8 or swap_ab) and not groups4:
+        raise ValueError("qk_fp8 and swap_ab need the four-scale-group kernel (groups4)")
+    if qk_fp8 and group < 32 and not interpreting:
+        raise ValueError(f"qk_fp8 needs scale groups of at least 32 columns (an fp8 MMA's K), not {group}")
     if groups4:
         if not (fp8 and rank == 4 * group and v_split == 1 and qk_chunk == rank):
             raise ValueError("groups4 needs an fp8 latent of four scale groups and the fused tile")
+        if qk_fp8:
+            q_arg, q_scale = quantize_q_groups(q_nope, group)
+        else:
+            q_arg, q_scale = q_nope.contiguous(), latent_scale
         _sparse_mla_fp8x4_kernel[(n_rows, head_blocks, splits)](
-            q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale, latent_rope,
+            q_arg, q_rope.contiguous(), q_scale, latent_nope, latent_scale, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
-            UPCAST=interpreting, PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+            UPCAST=interpreting, PREFETCH=bool(prefetch), QK_FP8=bool(qk_fp8), SWAP_AB=bool(swap_ab),
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
     else:
         _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
@@ -493,14 +628,26 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     return out
 
 
+def quantize_q_groups(q_nope: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_nope [N, H, R] as e4m3 with one fp32 scale per (row, head, ``group`` columns): (e4m3 [N, H, R],
+    fp32 [N, H, R / group]), the amax rule of ``fp8.quantize_fp8_groups`` through the Triton row quantizer
+    (one launch; bytes read N * H * R * 2, written N * H * (R + 4 * R / group))."""
+    n_rows, n_heads, rank = q_nope.shape
+    q8, scale = quantize_fp8_rows(q_nope.reshape(n_rows, n_heads, rank // group, group))
+    return q8.reshape(n_rows, n_heads, rank), scale.contiguous()
+
+
 def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,
                      latent_scale: torch.Tensor | None, latent_rope: torch.Tensor, block_table: torch.Tensor,
                      token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
-                     out_dtype: torch.dtype = torch.bfloat16, **_tile_options) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, qk_fp8: bool = False, **_tile_options
+                     ) -> torch.Tensor:
     """Torch twin of ``sparse_mla`` (fp32 math on rows dequantized to bf16 as the kernel's MMA operand;
     the compiled kernel also rounds the softmax probabilities to bf16 for p @ v, which the twin does not
     (its running maximum is per tile); tile options ignored). Returns ``out_dtype`` (the kernel's bf16
-    by default; float32 gives the result before that rounding)."""
+    by default; float32 gives the result before that rounding). ``qk_fp8`` (e4m3 latent): q.k as the
+    kernel's option computes it, q_nope quantized to e4m3 per (row, head, scale group) by
+    ``fp8.quantize_fp8_groups`` and multiplied with the stored e4m3 rows, each group's dot times both scales."""
     n_rows, n_heads, rank = q_nope.shape
     out = torch.zeros(n_rows, n_heads, rank, dtype=torch.float32, device=q_nope.device)
     nope = latent_nope.reshape(-1, rank)
@@ -517,6 +664,18 @@ def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: to
         if scale is not None:  # dequantized to bf16, the kernel's MMA operand
             kv = kv.view(len(slots), scale.shape[-1], -1) * scale[slots].unsqueeze(-1)
             kv = kv.view(len(slots), rank).to(torch.bfloat16).float()
-        logits = (q_nope[row].float() @ kv.T + q_rope[row].float() @ rope[slots].float().T) * softmax_scale
+        if qk_fp8:
+            if scale is None:
+                raise ValueError("qk_fp8 needs an e4m3 latent with scales")
+            groups = scale.shape[-1]
+            q8, q_scale = quantize_fp8_groups(q_nope[row], rank // groups, amax_scale)
+            q8 = q8.float().view(n_heads, groups, -1)
+            c8 = nope[slots].float().view(len(slots), groups, -1)
+            logits = q_rope[row].float() @ rope[slots].float().T
+            for g in range(groups):  # the kernel's order: rope part, then each group's scaled dot
+                logits = logits + (q8[:, g] @ c8[:, g].T) * (q_scale[:, g, None] * scale[slots][None, :, g])
+        else:
+            logits = q_nope[row].float() @ kv.T + q_rope[row].float() @ rope[slots].float().T
+        logits = logits * softmax_scale
         out[row] = torch.softmax(logits, dim=-1) @ kv
     return out.to(out_dtype)

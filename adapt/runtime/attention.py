@@ -255,14 +255,17 @@ class MLAAttention:
 
     Precision variants (``adapt.runtime.variants.configure``): kv_round (applied to latent and rope
     rows before caching), index_fp8 (the torch indexer rounds Hadamard-rotated q and k to e4m3
-    rows, as the kernel does); test hooks fault_index_head (the indexer kernel flips that head's
-    weight) and fault_plain_scale (the sparse MLA kernel drops YaRN's mscale**2).
+    rows, as the kernel does), qk_fp8 (the sparse MLA kernel takes q.k in e4m3: q quantized per head
+    and 128 columns; needs the e4m3 latent of four scale groups); test hooks fault_index_head (the
+    indexer kernel flips that head's weight) and fault_plain_scale (the sparse MLA kernel drops YaRN's
+    mscale**2).
     """
 
     kv_round = None
     index_fp8 = False
     fault_index_head: int | None = None
     fault_plain_scale = False
+    qk_fp8 = False
 
     def __init__(
         self,
@@ -473,6 +476,7 @@ class MLAAttention:
             batch.token_seq,
             indices,
             (s.qk_nope + s.qk_rope) ** -0.5 if self.fault_plain_scale else s.scale,
+            qk_fp8=self.qk_fp8 or None,
         )
         return torch.einsum("nhc,hvc->nhv", o_latent.float(), w_uv).to(q_nope.dtype)
 

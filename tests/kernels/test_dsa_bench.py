@@ -32,3 +32,13 @@ def test_markdown_shows_the_sweeps_and_the_per_layer_graph():
     assert "indexer programs (us): 264:" in text
     assert "sparse MLA position splits (us)" in text
     assert "NOT MET" in text and "decode batch 1 x 128K" in compact_summary(result)
+
+
+def test_markdown_shows_the_select_sweep_and_the_qk_fp8_movement():
+    result = json.loads(RECORD.read_text())
+    b64 = next(d for d in result["decode"] if d["batch"] == 64)
+    b64["topk_kernel_sweep"] = [{"digit_bits": 4, "slice_size": 1024, "us": 201.5}]
+    b64["sparse_mla_rel_err_vs_bf16_q_twin"] = 6.25e-3
+    text = render_markdown(result)
+    assert "select kernel tiles (us): {'digit_bits': 4, 'slice_size': 1024}: 201.5" in text
+    assert "against the bf16-q twin: rel. error 6.3e-03 |" in text

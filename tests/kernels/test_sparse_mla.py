@@ -9,6 +9,7 @@ if not shutil.which("nvidia-smi"):
 import pytest
 import torch
 
+from adapt.kernels.fp8 import quantize_fp8_groups
 from adapt.kernels.reference import sparse_mla_reference
 from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch, wave_splits
 from adapt.runtime.kv_cache import PagedKVCache, mla_layout
@@ -53,6 +54,26 @@ def rel(a, b):
 # bf16 roundings (dequantized latent, output), different summation order. GPU: the compiled kernel
 # also rounds the softmax probabilities to bf16 for p @ v (the twin keeps them fp32).
 TWIN_REL_TOL = {"cpu": 1e-6, "cuda": 5e-3}
+# q.k in fp8 (qk_fp8) on the CPU: the kernel sums the rope dot and four scaled group dots in fp32 in another
+# order than the twin's matmuls, which flips the bf16 rounding of about one output element in 10^4 (one
+# element of the 18,816 below: 2.3e-5 in norm); so there the check is per element: at most one bf16 ulp
+# apart, and in at most 1e-3 of the elements.
+TWIN_REL_TOL_QK_FP8 = {"cuda": 5e-3}
+
+
+def within_one_bf16_ulp(got, want):
+    """Elements at most one bf16 ulp (of ``want``) apart, and fewer than 1e-3 of them apart at all."""
+    g, w = got.float().cpu(), want.float().cpu()
+    ulp = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(2.0 ** -126))) - 7)
+    diff = (g - w).abs()
+    return bool((diff <= ulp).all()) and float((diff > 0).float().mean()) < 1e-3
+
+
+def dequantized_q(q_nope, layer):
+    """q_nope as the qk_fp8 kernel multiplies it: e4m3 per (row, head, scale group) times its scale."""
+    groups = layer.latent_scale.shape[-1]
+    q8, scale = quantize_fp8_groups(q_nope, q_nope.shape[-1] // groups)
+    return (q8.float().unflatten(-1, (groups, -1)) * scale[..., None]).flatten(-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -65,19 +86,32 @@ TWIN_REL_TOL = {"cpu": 1e-6, "cuda": 5e-3}
     ("fp8", {"prefetch": True}),                       # next tile's slots read ahead
     ("fp8", {"groups4": True, "prefetch": True}),     # the four-scale-group kernel
     ("fp8", {"groups4": True, "splits": 3}),
+    ("fp8", {"groups4": True, "qk_fp8": True}),       # q.k e4m3 x e4m3, q quantized in the kernel
+    ("fp8", {"groups4": True, "qk_fp8": True, "splits": 3, "prefetch": True}),
+    ("fp8", {"groups4": True, "swap_ab": True, "splits": 3}),  # q.k with positions on the MMA's M side
+    ("fp8", {"groups4": True, "swap_ab": True, "qk_fp8": True, "prefetch": True}),
 ])
 def test_sparse_mla_matches_twin_and_reference(device, latent_format, tiles):
-    rank, groups = (64, 4) if tiles.get("groups4") else (32, 2)
+    # groups4: four scale groups; with q.k in e4m3 each group is 32 wide (a GPU fp8 MMA needs K >= 32)
+    rank, groups = (128 if tiles.get("qk_fp8") else 64, 4) if tiles.get("groups4") else (32, 2)
     layer, batch, indices, q_nope, q_rope = setup((9, 40), heads=3, rank=rank, rope=16, topk=24,
                                                   latent_format=latent_format, device=device, scale_groups=groups)
     args = (q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, batch.block_table,
             batch.token_seq, indices, 0.15)
     got = sparse_mla(*args, **tiles)
-    twin = sparse_mla_torch(*args)
-    want = reference(layer, batch, indices, q_nope, q_rope, 0.15)
+    qk_fp8 = tiles.get("qk_fp8", False)
+    twin = sparse_mla_torch(*args, qk_fp8=qk_fp8)
+    # float64 reference of the function the kernel computes: with qk_fp8, of the e4m3 q
+    want = reference(layer, batch, indices, dequantized_q(q_nope, layer) if qk_fp8 else q_nope, q_rope, 0.15)
     assert torch.isfinite(got).all()
     assert rel(got, want) < 1e-2 and rel(twin, want) < 1e-2
-    assert rel(got, twin) <= TWIN_REL_TOL[device]
+    if qk_fp8 and device == "cpu":
+        assert within_one_bf16_ulp(got, twin)
+    else:
+        assert rel(got, twin) <= (TWIN_REL_TOL_QK_FP8 if qk_fp8 else TWIN_REL_TOL)[device]
+    if qk_fp8:  # what quantizing q costs against the bf16-q result (about 2e-2 here, 2.5e-3 without)
+        exact_q = reference(layer, batch, indices, q_nope, q_rope, 0.15)
+        assert rel(got, exact_q) < 4e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -111,6 +145,10 @@ def test_rows_without_positions_are_zero_and_masked_slots_unread(device, splits)
     {"prefetch": True},
     {"groups4": True, "prefetch": True},
     {"groups4": True, "block_k": 64, "num_stages": 2, "prefetch": True, "splits": 8},
+    {"groups4": True, "qk_fp8": True},
+    {"groups4": True, "qk_fp8": True, "block_k": 64, "num_stages": 2, "prefetch": True, "splits": 8},
+    {"groups4": True, "swap_ab": True},
+    {"groups4": True, "swap_ab": True, "qk_fp8": True, "block_k": 64, "num_stages": 2, "prefetch": True, "splits": 8},
 ])
 def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
     """128 heads, latent 512 + 64, top-2048 over 5000 cached tokens, against float64."""
@@ -123,9 +161,11 @@ def test_deepseek_v32_shapes_on_gpu(latent_format, tiles):
                      batch.block_table, batch.token_seq[rows], indices[rows], 0.07, **tiles)
     sub = type(batch)(batch.slots, batch.positions[rows], batch.token_seq[rows], batch.query_starts,
                       batch.block_table, batch.seq_lens)
-    want = reference(layer, sub, indices[rows], q_nope[rows], q_rope[rows], 0.07)
+    qk_fp8 = tiles.get("qk_fp8", False)
+    q_ref = dequantized_q(q_nope[rows], layer) if qk_fp8 else q_nope[rows]
+    want = reference(layer, sub, indices[rows], q_ref, q_rope[rows], 0.07)
     twin = sparse_mla_torch(q_nope[rows], q_rope[rows], layer.latent_nope, layer.latent_scale, layer.latent_rope,
-                            batch.block_table, batch.token_seq[rows], indices[rows], 0.07)
+                            batch.block_table, batch.token_seq[rows], indices[rows], 0.07, qk_fp8=qk_fp8)
     assert rel(got, want) < 1e-2
     assert rel(got, twin) <= TWIN_REL_TOL["cuda"]
 

@@ -212,3 +212,46 @@ def test_yarn_frequencies_and_scale_match_transformers():
     torch.testing.assert_close(freq, want_freq)
     assert factor == pytest.approx(want_factor)
     assert mla_scale(spec, spec.layers[0].attention) == pytest.approx(hf.yarn_apply_mscale(rope, 32 ** -0.5))
+
+
+@pytest.fixture(scope="module")
+def hf_layer_rank512():
+    """transformers' DeepseekV32Attention with DeepSeek-V3.2's latent rank 512 (the e4m3 latent then has
+    four scale groups of 128, the shape the four-group sparse MLA kernel and its qk_fp8 option take)."""
+    torch.manual_seed(1)
+    config = tiny_config()
+    config.kv_lora_rank = 512
+    config._attn_implementation = "eager"
+    attn = hf.DeepseekV32Attention(config, 0).eval()
+    return config, attn, hf.DeepseekV32RotaryEmbedding(config), torch.randn(LENGTHS[2], 64)
+
+
+# Measured on the CPU (interpreter), 2026-11-30, the 65-token sequence below (rel. error of the layer output):
+# e4m3 latent with bf16 q.k 2.41e-2 from transformers' fp32 layer, q.k in e4m3 as well 2.49e-2; the two
+# kernel outputs differ by 5.8e-3 (1.1e-2 in the worst of the 65 rows).
+FP8_LATENT_OUTPUT_TOL = 3e-2  # the e4m3 latent alone (3 mantissa bits) already costs about 2.4e-2 here
+QK_FP8_OUTPUT_TOL = 3.5e-2
+QK_FP8_MOVE_TOL = 1.5e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_fp8_output_against_transformers(hf_layer_rank512, device):
+    """Sparse MLA with q.k in e4m3 (qk_fp8) against transformers' DeepseekV32Attention, the selected sets
+    fixed to ours: with the e4m3 latent the output is within FP8_LATENT_OUTPUT_TOL of transformers' with
+    bf16 q.k and within QK_FP8_OUTPUT_TOL with q.k in e4m3 (q quantized per head and 128 columns adds
+    about 2% relative error to each q element); the option moves the output by less than QK_FP8_MOVE_TOL."""
+    config, attn, rotary, x = hf_layer_rank512
+    our = our_layer(config, attn, "triton", device)
+    our[0].latent_fp8 = True
+    errors, outs = {}, {}
+    for qk_fp8 in (False, True):
+        our[0].qk_fp8 = qk_fp8
+        cache = new_cache(our[0], device)
+        seq = cache.add_sequence()
+        outs[qk_fp8], indices = run(our, x.to(device), cache.append_tokens([seq], [x.shape[0]]), cache)
+        want, _ = hf_forward(config, attn, rotary, x, indices=indices.cpu())
+        errors[qk_fp8] = rel(outs[qk_fp8], want)
+    moved = rel(outs[True], outs[False])
+    assert errors[False] < FP8_LATENT_OUTPUT_TOL, errors
+    assert errors[True] < QK_FP8_OUTPUT_TOL, errors
+    assert 0 < moved < QK_FP8_MOVE_TOL, moved  # the option reached the kernel, and moved the output this much

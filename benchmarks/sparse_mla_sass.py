@@ -1,0 +1,81 @@
+"""Compile adapt's sparse MLA decode kernels for sm_90 on a machine without a GPU and count their SASS.
+
+Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
+
+Each JSON object overrides the four-group kernel's constexprs (upper-case keys; the default is the
+DeepSeek-V3.2 decode tile: 64 heads, 128 positions, rank 512 in four e4m3 groups, rope 64) and the
+launch options (warps, stages). Prints, for each: shared memory (bytes), ptxas registers, spill bytes,
+the opcode counts of the loop that holds the MMAs (HGMMA for bf16, QGMMA for fp8) and the order of the
+global loads and MMAs (``load_mma_order``), with the ptxas
+and cuobjdump that the triton wheel carries (``benchmarks/moe/sass_report.report``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "moe"))
+from sass_report import BIN, report  # noqa: E402
+
+from adapt.kernels import sparse_mla as sm  # noqa: E402
+
+BASE = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=128, PAGE=64, SPLIT=False, UPCAST=False,
+            PREFETCH=False, QK_FP8=False)
+PTRS = dict(qn_ptr="bf16", qr_ptr="bf16", qscale_ptr="fp32", nope_ptr="fp8e4nv", nscale_ptr="fp32", rope_ptr="bf16",
+            block_table_ptr="i32", seq_ptr="i32", idx_ptr="i32", out_ptr="bf16", lse_ptr="fp32")
+
+
+def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool = False):
+    """``_sparse_mla_fp8x4_kernel`` for sm_90 with the given constexprs (SWAP_AB from swap_ab; pointers
+    16-byte aligned)."""
+    kern = sm._sparse_mla_fp8x4_kernel
+    const = dict(const, SWAP_AB=bool(swap_ab))
+    ptrs = dict(PTRS, out_ptr="fp32" if const.get("SPLIT") else "bf16", qn_ptr="fp8e4nv" if const.get("QK_FP8")
+                else "bf16")
+    sig = {name: ("constexpr" if name in const else "*" + ptrs[name] if name in ptrs
+                  else "fp32" if name == "scale_log2" else "i32") for name in kern.arg_names}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
+    return triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def load_mma_order(ck) -> str:
+    """The kernel's global loads and MMAs in SASS order, runs compressed: 'L103 M104' = 103 LDG, then 104
+    HGMMA / QGMMA; 'A' marks asynchronous copies (LDGSTS). In the one-stage loop every gathered load of a
+    tile should come before its first MMA: an MMA between them costs a second memory round trip per tile."""
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(ck.asm["cubin"])
+        sass = subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", str(cubin)], capture_output=True,
+                              text=True).stdout
+    runs: list[list] = []
+    for line in sass.splitlines():
+        if not re.match(r"\s+/\*[0-9a-f]{4,}\*/", line):
+            continue
+        op = line.split(";")[0].split("*/")[-1]
+        kind = "A" if "LDGSTS" in op else "L" if re.search(r"\bLDG\b|\bLDG\.", op) else "M" if "GMMA" in op else None
+        if kind and runs and runs[-1][0] == kind:
+            runs[-1][1] += 1
+        elif kind:
+            runs.append([kind, 1])
+    return " ".join(f"{k}{n}" for k, n in runs)
+
+
+if __name__ == "__main__":
+    for c in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
+        const = dict(BASE, **{k: v for k, v in c.items() if k.isupper()})
+        try:
+            ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1), c.get("swap_ab", False))
+        except Exception as err:  # a variant that does not compile is printed, the others still run
+            print(json.dumps(dict(config=c, error=str(err).splitlines()[-1][:300])), flush=True)
+            continue
+        print(json.dumps(dict(config=c, **report(ck, 0), order=load_mma_order(ck))), flush=True)
