@@ -26,7 +26,8 @@ What is Triton and what is torch here:
   ``index_scores_torch``.
 - ``index_topk``: calls ``index_scores`` on bounded chunks of query rows and selects with
   ``adapt.kernels.topk.topk_indices`` (Triton radix threshold select, twin ``topk_indices_torch``)
-  for chunks of at most ``TRITON_SELECT_MAX_ROWS`` rows, torch.topk above (measured faster there).
+  for chunks of at most ``TRITON_SELECT_MAX_ROWS`` rows, ``topk.topk_prefiltered`` for prefill chunks of
+  at least ``PREFILTER_MIN_ROWS`` wide rows, torch.topk between (each measured faster where it runs).
   The [T, S] score matrix is never materialised: a chunk
   holds at most ``max_score_bytes`` of fp32 scores (rows x visible keys of its last row);
   ``IndexStats.peak_score_bytes`` reports what was used.
@@ -49,14 +50,16 @@ import triton.language as tl
 from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
-from adapt.kernels.topk import topk_indices, topk_indices_torch
+from adapt.kernels.topk import prefilter_applies, topk_indices, topk_indices_torch, topk_prefiltered
 
-# Stacked prefill tile, fastest of the sweep on an H200 at 128K (2026-11-30, commit 0375b39: 4 rows x 64
-# keys, 8 warps, 631 TFLOP/s on the last 4096 rows; 2 x 128 keys, 4 warps 567; the per-row form at 4 rows,
-# commit 8cbbe8e, 492).
-PREFILL_ROWS_PER_TILE = 4
+# Stacked prefill tile, fastest of the sweep on an H200 at 128K with one-page key tiles (2026-11-30, commit
+# 4f58965, benchmarks/gpu-2026-11-30-dsa-s3-prefill: 2 rows x 64 keys, 4 warps, 740 TFLOP/s on the last 4096
+# rows and 730 over all 128K rows; 4 x 64 on 8 warps, the default before, 663-671). Earlier, with a
+# block-table entry read per key: 4 x 64 on 8 warps 617-646, 2 x 64 on 4 warps 561-571 (commits 0375b39,
+# ab589f7, 4001191).
+PREFILL_ROWS_PER_TILE = 2
 PREFILL_KEY_BLOCK = 64
-PREFILL_WARPS = 8
+PREFILL_WARPS = 4
 KEY_BLOCK = 128
 DEFAULT_PROGRAMS = 1024
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
@@ -124,20 +127,38 @@ def fold_index_weights(weights: torch.Tensor, q_scale: torch.Tensor, head_dim: i
 
 @triton.jit
 def _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM: tl.constexpr,
-              BLOCK_S: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+              BLOCK_S: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
     """Key tile ``kt`` of a sequence through its block table: (positions [BLOCK_S], e4m3 keys
     [BLOCK_S, HEAD_DIM] (fp32 under the interpreter), fp32 scales [BLOCK_S]); positions at or past
-    ``tile_limit`` read as 0."""
+    ``tile_limit`` read as 0. A tile inside one page (PAGE a multiple of BLOCK_S: the prefill tile of 64 keys)
+    reads one block-table entry (the tile's first key is below ``tile_limit``: only live tiles are read).
+    MASKED False: the caller knows the whole tile is below ``tile_limit`` (no per-key mask)."""
     pos = kt * BLOCK_S + tl.arange(0, BLOCK_S)
     key_mask = pos < tile_limit
-    page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
-    slot = page.to(tl.int64) * PAGE + pos % PAGE
-    keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=key_mask[:, None],
-                   other=0.0)
-    kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+    if PAGE % BLOCK_S == 0:  # the tile lies in one page: one block-table entry, contiguous keys
+        page = tl.load(block_table_ptr + seq * bt_stride + (kt * BLOCK_S) // PAGE)
+        slot = page.to(tl.int64) * PAGE + ((kt * BLOCK_S) % PAGE + tl.arange(0, BLOCK_S))
+    else:
+        page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_mask, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+    if MASKED:
+        keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=key_mask[:, None],
+                       other=0.0)
+        kscale = tl.load(ks_ptr + slot, mask=key_mask, other=0.0)
+    else:
+        keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+        kscale = tl.load(ks_ptr + slot)
     if UPCAST:
         keys = keys.to(tl.float32)
     return pos, keys, kscale
+
+
+@triton.jit
+def _stacked_scores(keys, kscale, q_all, w_all, BLOCK_S: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """fp32 [BLOCK_S, ROWS] scores of one key tile against the ROWS x BLOCK_H stacked query heads (one MMA)."""
+    logits = tl.dot(keys, tl.trans(q_all))
+    weighted = tl.reshape(tl.maximum(logits, 0.0) * w_all[None, :], [BLOCK_S, ROWS, BLOCK_H])
+    return tl.sum(weighted, axis=2) * kscale[:, None]
 
 
 @triton.jit
@@ -145,7 +166,8 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
                          n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                          ROWS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         UPCAST: tl.constexpr, STACKED: tl.constexpr, DIRECT: tl.constexpr = False):
+                         UPCAST: tl.constexpr, STACKED: tl.constexpr, DIRECT: tl.constexpr = False,
+                         FULL_TILES: tl.constexpr = False):
     """One program: one query tile (up to ROWS consecutive rows of one sequence) against
     ``tiles_per_split`` consecutive BLOCK_S-key tiles (split ``program_id(1)`` of the
     context). Key tiles stream through a NUM_STAGES-deep software pipeline; each is read
@@ -153,7 +175,9 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
     [H, D] and its weights stay in registers for the whole scan. STACKED (ROWS > 1): the tile's
     ROWS x BLOCK_H query heads are loaded once as one [ROWS * BLOCK_H, D] operand and each key tile
     takes one MMA with N = ROWS * BLOCK_H (instead of ROWS MMAs of N = BLOCK_H re-reading q).
-    DIRECT (ROWS == 1): program_id(0) is the row and its sequence is read from ``seq_ptr`` (no tile table)."""
+    DIRECT (ROWS == 1): program_id(0) is the row and its sequence is read from ``seq_ptr`` (no tile table).
+    FULL_TILES (STACKED): the key tiles below every row's limit run in a loop of their own without masks
+    (in a causal prefill all but the last few tiles of a query tile)."""
     tile = tl.program_id(0)
     if DIRECT:
         row0 = tile
@@ -190,12 +214,18 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
         tile_rows = tl.arange(0, ROWS)
         row_limits = tl.load(limit_ptr + row0 + tile_rows, mask=tile_rows < n_rows, other=0)
         out_rows = (row0 + tile_rows).to(tl.int64) * out_stride
-        for kt in tl.range(first, live, num_stages=NUM_STAGES):
+        tail = first
+        if FULL_TILES:  # tiles every row of the query tile sees whole: no key, row or column masks
+            tail = tl.maximum(first, tl.minimum(live, tl.min(row_limits, axis=0) // BLOCK_S))
+            for kt in tl.range(first, tail, num_stages=NUM_STAGES):
+                pos, keys, kscale = _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit,
+                                              HEAD_DIM, BLOCK_S, PAGE, UPCAST, False)
+                score = _stacked_scores(keys, kscale, q_all, w_all, BLOCK_S, ROWS, BLOCK_H)
+                tl.store(out_ptr + out_rows[None, :] + pos[:, None], score)
+        for kt in tl.range(tail, live, num_stages=NUM_STAGES):
             pos, keys, kscale = _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, tile_limit, HEAD_DIM,
                                           BLOCK_S, PAGE, UPCAST)
-            logits = tl.dot(keys, tl.trans(q_all))
-            weighted = tl.reshape(tl.maximum(logits, 0.0) * w_all[None, :], [BLOCK_S, ROWS, BLOCK_H])
-            score = tl.sum(weighted, axis=2) * kscale[:, None]
+            score = _stacked_scores(keys, kscale, q_all, w_all, BLOCK_S, ROWS, BLOCK_H)
             score = tl.where(pos[:, None] < row_limits[None, :], score, float("-inf"))
             tl.store(out_ptr + out_rows[None, :] + pos[:, None], score,
                      mask=(tile_rows[None, :] < n_rows) & (pos[:, None] < out_cols))
@@ -245,7 +275,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
                  num_cols: int, *, rows_per_tile: int | None = None, key_block: int | None = None,
                  num_stages: int | None = None, num_warps: int | None = None,
-                 programs: int | None = None, stacked: bool = True) -> torch.Tensor:
+                 programs: int | None = None, stacked: bool = True, full_tiles: bool = False) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -261,9 +291,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     ``PREFILL_ROWS_PER_TILE``; 1 when every row is its own sequence, as in decode);
     ``key_block`` keys per tile (default 128 in decode, 64 in prefill); ``num_stages`` key tiles in
     flight (default 3); the context is split so that about ``programs`` programs run (default 1024,
-    enough to fill 132 SMs several times); ``num_warps`` per program (default 4 in decode, 8 in
-    prefill); ``stacked`` (rows_per_tile > 1): one MMA per key tile over all the tile's rows x heads,
-    q loaded once (default), else one MMA per row.
+    enough to fill 132 SMs several times); ``num_warps`` per program (default 4 in decode and
+    ``PREFILL_WARPS`` in prefill); ``stacked`` (rows_per_tile > 1): one MMA per key tile over all the
+    tile's rows x heads, q loaded once (default), else one MMA per row; ``full_tiles`` (stacked): the key
+    tiles every row of the query tile sees whole run in a loop without masks (sm_90: 158 registers
+    against 125, so one program per SM instead of two; H200: 399 against 663 TFLOP/s; off by default).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -287,7 +319,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         n_heads, block_table.stride(0), out.stride(0), num_cols, tiles_per_split,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s, ROWS=per_tile,
         PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
-        DIRECT=decode,
+        DIRECT=decode, FULL_TILES=bool(full_tiles) and stacked and per_tile > 1,
         num_warps=num_warps or (4 if decode else PREFILL_WARPS),
     )
     return out
@@ -321,29 +353,52 @@ class IndexStats:
 
     chunks: int
     peak_score_bytes: int
+    prefilter_fallback_rows: int = 0
 
 
 # Rows up to which ``index_topk`` selects with the Triton radix select; above it torch.topk, measured
 # faster there. H200, 2026-11-30, commit 0375b39, scores of 128K keys, top-2048: 1 row 28.6 us (Triton,
 # 8-bit digits) against 56.0 us (torch.topk); 64 rows 225 against 146 us; 4096 rows 12.0 against 6.0 ms.
 TRITON_SELECT_MAX_ROWS = 8
+# Chunks of at least this many rows (prefill; decode batches stay below it) select through
+# ``topk.topk_prefiltered`` when their rows are wide enough (``topk.prefilter_applies``).
+PREFILTER_MIN_ROWS = 512
+SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton")
 
 
-def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor) -> torch.Tensor:
-    """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``: the Triton
-    radix select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest),
-    else torch.topk (unordered, ties arbitrary); -1 where a row sees fewer than ``topk`` keys."""
-    if scores.shape[0] <= TRITON_SELECT_MAX_ROWS:
-        return topk_indices(scores, limits, topk, out=out)
-    k = min(topk, scores.shape[1])
+def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
+                 method: str = "auto") -> int:
+    """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``; returns the
+    rows the prefilter sent back to a full select (0 for the other methods). ``auto``: the Triton radix
+    select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest); the
+    prefiltered select for at least PREFILTER_MIN_ROWS wide rows; else torch.topk (unordered, ties
+    arbitrary, as the prefiltered one); -1 where a row sees fewer than ``topk`` keys."""
+    rows, cols = scores.shape
+    if method not in SELECT_METHODS:
+        raise ValueError(f"select must be one of {SELECT_METHODS}, not {method!r}")
+    if method == "auto":
+        method = ("triton" if rows <= TRITON_SELECT_MAX_ROWS else "prefilter"
+                  if rows >= PREFILTER_MIN_ROWS and prefilter_applies(rows, cols, topk) else "torch")
+    if method == "triton":
+        topk_indices(scores, limits, topk, out=out)
+        return 0
+    if method in ("prefilter", "prefilter_triton") and prefilter_applies(rows, cols, topk):
+        final = "triton" if method == "prefilter_triton" else "torch"
+        return topk_prefiltered(scores, limits, topk, out=out, final=final)[1]
+    k = min(topk, cols)
     values, idx = torch.topk(scores, k, dim=-1, sorted=False)
     out[:, :k] = torch.where(values == float("-inf"), -1, idx).to(torch.int32)
     out[:, k:] = -1
-    return out
+    return 0
+
+
+def _select_twin(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor, method: str) -> int:
+    topk_indices_torch(scores, limits, topk, out=out)
+    return 0
 
 
 def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
-                        topk, max_score_bytes, max_keys, tile_options):
+                        topk, max_score_bytes, max_keys, select, tile_options):
     n_rows = q_fp8.shape[0]
     out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
     if n_rows == 0:
@@ -356,44 +411,51 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
     rows_per_chunk = max(1, max_score_bytes // (4 * widest))
     peak = 0
     chunks = 0
+    fallback = 0
     for start in range(0, n_rows, rows_per_chunk):
         end = min(n_rows, start + rows_per_chunk)
         cols = widest if max_keys is not None else round_up(int(limits[start:end].max()))
         scores = score_fn(q_fp8[start:end], weights[start:end], index_k, index_scale, block_table,
                           token_seq[start:end], limits[start:end], cols, **tile_options)
         peak = max(peak, scores.numel() * 4)
-        select_fn(scores, limits[start:end], topk, out=out[start:end])
+        fallback += select_fn(scores, limits[start:end], topk, out=out[start:end], method=select)
         del scores
         chunks += 1
-    return out, IndexStats(chunks=chunks, peak_score_bytes=peak)
+    return out, IndexStats(chunks=chunks, peak_score_bytes=peak, prefilter_fallback_rows=fallback)
 
 
 def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
                block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor, topk: int, *,
                max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, max_keys: int | None = None,
-               **tile_options) -> tuple[torch.Tensor, IndexStats]:
+               select: str = "auto", **tile_options) -> tuple[torch.Tensor, IndexStats]:
     """Top-``topk`` key positions per query row: Triton scoring on bounded chunks, then a select per chunk.
 
     Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the
     row sees fewer than ``topk`` keys; stats). A chunk of at most ``TRITON_SELECT_MAX_ROWS`` rows (decode
     at small batch) selects with ``adapt.kernels.topk.topk_indices`` (ascending positions, -1 after them,
-    ties at the k-th score to the lowest positions, exactly as the twin); larger chunks with torch.topk
-    (measured faster there; order unspecified, ties arbitrary). Rows are chunked so that
+    ties at the k-th score to the lowest positions, exactly as the twin); prefill chunks of at least
+    ``PREFILTER_MIN_ROWS`` wide rows with ``topk.topk_prefiltered`` (H200, 128K prefill: 70 against 107 ms
+    for torch.topk); other chunks with torch.topk (both: order unspecified, ties arbitrary). Rows are
+    chunked so that
     each chunk's score buffer (rows x visible keys of the widest row, fp32) stays under
     ``max_score_bytes``; a chunk holds at least one row (4 * S bytes for S keys).
     ``max_keys`` (an upper bound on ``limits``) sizes every chunk's score buffer without reading
     ``limits`` back to the host; with it and ``rows_per_tile=1`` a decode step makes no host sync
     (CUDA-graph capturable). The scores of a chunk are still written to memory and read back by the
     select (decode, batch 64 x 128K: 32 MiB, L2-sized); scoring and select are not fused yet.
+    ``select``: ``_select_topk``'s method (``auto``: Triton radix select for a few rows, the prefiltered
+    select for prefill chunks, torch.topk between); ``stats.prefilter_fallback_rows`` counts the rows the
+    prefilter re-selected from their full scores.
     """
     return _index_topk_chunked(index_scores, _select_topk, q_fp8, weights, index_k, index_scale, block_table,
-                               token_seq, limits, topk, max_score_bytes, max_keys, tile_options)
+                               token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options)
 
 
 def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
                      index_scale: torch.Tensor, block_table: torch.Tensor, token_seq: torch.Tensor,
                      limits: torch.Tensor, topk: int, *, max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES,
-                     max_keys: int | None = None, **tile_options) -> tuple[torch.Tensor, IndexStats]:
+                     max_keys: int | None = None, select: str = "auto",
+                     **tile_options) -> tuple[torch.Tensor, IndexStats]:
     """Torch twin of ``index_topk``."""
-    return _index_topk_chunked(index_scores_torch, topk_indices_torch, q_fp8, weights, index_k, index_scale,
-                               block_table, token_seq, limits, topk, max_score_bytes, max_keys, tile_options)
+    return _index_topk_chunked(index_scores_torch, _select_twin, q_fp8, weights, index_k, index_scale,
+                               block_table, token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options)

@@ -122,6 +122,22 @@ def _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE: tl.constexpr, UPCAST:
 
 
 @triton.jit
+def _row_heads(n_heads, BLOCK_H: tl.constexpr, HEADS_INNER: tl.constexpr):
+    """(query row, BLOCK_H head indices) of this program. HEADS_INNER: program_id(0) = row * head blocks +
+    head block, so the head blocks of one row run side by side and share its gathered latent rows in L2
+    (prefill: with the row on axis 0 and the head block on axis 1, the second head block of a row runs
+    rows / SMs waves after the first); else program_id(0) is the row and program_id(1) the head block."""
+    if HEADS_INNER:
+        blocks = tl.cdiv(n_heads, BLOCK_H)
+        row = (tl.program_id(0) // blocks).to(tl.int64)
+        block = tl.program_id(0) % blocks
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        block = tl.program_id(1)
+    return row, block * BLOCK_H + tl.arange(0, BLOCK_H)
+
+
+@triton.jit
 def _softmax_step(s, valid, scale_log2, m_i, l_i):
     """One online-softmax step over a tile of logits s [BLOCK_H, BLOCK_K] (log2 units after scale_log2;
     invalid positions -inf): (probabilities against the new running maximum, the factor that rescales
@@ -140,7 +156,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
                        RANK: tl.constexpr, ROPE: tl.constexpr, V_SPLIT: tl.constexpr,
                        QK_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        PAGE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
-                       UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False):
+                       UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False, HEADS_INNER: tl.constexpr = False):
     """One program: one query row, BLOCK_H heads (the MMA M dimension: all heads of a row share
     its gathered latent rows), RANK / V_SPLIT output columns, and one slice of the row's
     selected positions (``program_id(2) // V_SPLIT``; the whole list when SPLIT is false).
@@ -159,8 +175,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
     log2-sum-exp (fp32 [rows, splits, H], -inf when the slice has no valid position) for
     ``_combine_kernel``; otherwise the final bf16 output [rows, H, RANK].
     """
-    row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row, heads = _row_heads(n_heads, BLOCK_H, HEADS_INNER)
     vpart = tl.program_id(2) % V_SPLIT
     split = tl.program_id(2) // V_SPLIT
     VDIM: tl.constexpr = RANK // V_SPLIT
@@ -239,12 +254,17 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_tab
 
 @triton.jit
 def _dequant_chunk(nope_ptr, scale_ptr, slot, valid, c: tl.constexpr, RANK: tl.constexpr, GROUP: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    """bf16 [BLOCK_K, GROUP]: scale group ``c`` (columns c * GROUP ..) of the gathered e4m3 rows, dequantized."""
+                   UPCAST: tl.constexpr, HALF: tl.constexpr = False):
+    """bf16 [BLOCK_K, GROUP]: scale group ``c`` (columns c * GROUP ..) of the gathered e4m3 rows, dequantized
+    (fp32 product rounded to bf16). HALF: fp16, as the fp16 product of the e4m3 value (exact in fp16) and the
+    scale rounded to fp16 (packed half math: about one instruction per element instead of three)."""
     cols = c * GROUP + tl.arange(0, GROUP)
     kv = tl.load(nope_ptr + slot[:, None] * RANK + cols[None, :], mask=valid[:, None], other=0.0)
     sc = tl.load(scale_ptr + slot * (RANK // GROUP) + c, mask=valid, other=0.0)
-    out = _to_bf16(kv.to(tl.float32) * sc[:, None], UPCAST)
+    if HALF:
+        out = kv.to(tl.float16) * sc.to(tl.float16)[:, None]
+    else:
+        out = _to_bf16(kv.to(tl.float32) * sc[:, None], UPCAST)
     if UPCAST:
         out = out.to(tl.float32)
     return out
@@ -275,13 +295,13 @@ def _bf16_rows(c8, sc, UPCAST: tl.constexpr):
 
 @triton.jit
 def _q_groups(qn_ptr, qscale_ptr, q_base, row, heads, hmask, n_heads, RANK: tl.constexpr, GROUP: tl.constexpr,
-              QK_FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """The row's q in four [BLOCK_H, GROUP] slices (bf16, or e4m3 with QK_FP8) and, with QK_FP8, their fp32
-    scales [BLOCK_H] per slice (zeros otherwise, never read)."""
-    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST)
-    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST)
-    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST)
-    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST)
+              QK_FP8: tl.constexpr, UPCAST: tl.constexpr, HALF: tl.constexpr = False):
+    """The row's q in four [BLOCK_H, GROUP] slices (bf16, e4m3 with QK_FP8, fp16 with HALF) and, with QK_FP8,
+    their fp32 scales [BLOCK_H] per slice (zeros otherwise, never read)."""
+    q0 = _q_chunk(qn_ptr, q_base, hmask, 0, GROUP, UPCAST, HALF)
+    q1 = _q_chunk(qn_ptr, q_base, hmask, 1, GROUP, UPCAST, HALF)
+    q2 = _q_chunk(qn_ptr, q_base, hmask, 2, GROUP, UPCAST, HALF)
+    q3 = _q_chunk(qn_ptr, q_base, hmask, 3, GROUP, UPCAST, HALF)
     if QK_FP8:
         qs_base = (row * n_heads + heads) * (RANK // GROUP)
         qs0 = tl.load(qscale_ptr + qs_base, mask=hmask, other=0.0)
@@ -305,20 +325,26 @@ def _group_state(BLOCK_H: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _q_chunk(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
+def _q_chunk(qn_ptr, q_base, hmask, c: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr,
+             HALF: tl.constexpr = False):
     q = tl.load(qn_ptr + q_base + c * GROUP + tl.arange(0, GROUP)[None, :], mask=hmask[:, None], other=0.0)
+    if HALF:
+        q = q.to(tl.float16)
     if UPCAST:
         q = q.to(tl.float32)
     return q
 
 
 @triton.jit
-def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr):
-    """acc * alpha + p @ kv (fp32 accumulator [BLOCK_H, cols])."""
+def _pv(acc, p, kv, alpha, UPCAST: tl.constexpr, HALF: tl.constexpr = False):
+    """acc * alpha + p @ kv (fp32 accumulator [BLOCK_H, cols]; compiled, p is rounded to kv's MMA type, bf16
+    or fp16)."""
     acc = acc * alpha[:, None]
-    if UPCAST:
-        return tl.dot(p, kv, acc, input_precision="ieee")  # fp32 p: no tf32 rounding
-    return tl.dot(p.to(tl.bfloat16), kv, acc)
+    if UPCAST:  # the interpreter keeps p in fp32, as the twin does
+        acc = tl.dot(p, kv, acc, input_precision="ieee")  # fp32 p: no tf32 rounding
+    else:
+        acc = tl.dot(p.to(kv.dtype), kv, acc)
+    return acc
 
 
 @triton.jit
@@ -326,7 +352,8 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
                              idx_ptr, out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                             PREFETCH: tl.constexpr, QK_FP8: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
+                             PREFETCH: tl.constexpr, QK_FP8: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+                             HEADS_INNER: tl.constexpr = False, HALF: tl.constexpr = False):
     """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
     per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
     and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
@@ -348,16 +375,18 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
     same softmax (104 HGMMA in the loop of 128 positions); with 128 positions on M each warpgroup takes 64
     of them (68 HGMMA). The cost: the rows feed q.k as its A operand, which Triton keeps in registers
     (bf16 q.k: the four dequantized tiles, 2.3 KB of spills; with QK_FP8 the stored e4m3 tiles). Swapping
-    p @ v too (rows^T as A) kept the rows in registers for a transpose and spilled 2.2 KB: not an option."""
-    row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    p @ v too (rows^T as A) kept the rows in registers for a transpose and spilled 2.2 KB: not an option.
+
+    HEADS_INNER: ``_row_heads``' launch order. HALF (neither QK_FP8 nor SWAP_AB): the latent is dequantized
+    to fp16 and q.k (latent part) and p @ v run as fp16 MMAs (``_dequant_chunk``; the rope part stays bf16)."""
+    row, heads = _row_heads(n_heads, BLOCK_H, HEADS_INNER)
     split = tl.program_id(2)
     hmask = heads < n_heads
     rcols = tl.arange(0, ROPE)
     q_base = (row * n_heads + heads[:, None]) * RANK
     q_rope = _q_rope_rows(qr_ptr, row, heads, hmask, n_heads, ROPE, UPCAST)
     q0, q1, q2, q3, qs0, qs1, qs2, qs3 = _q_groups(qn_ptr, qscale_ptr, q_base, row, heads, hmask, n_heads, RANK,
-                                                   GROUP, QK_FP8, UPCAST)
+                                                   GROUP, QK_FP8, UPCAST, HALF)
     seq = tl.load(seq_ptr + row).to(tl.int64)
     first = split * positions_per_split
     last = tl.minimum(first + positions_per_split, topk)
@@ -396,10 +425,10 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
                 kv3 = _bf16_rows(c3, sc3, UPCAST)
                 p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
         else:
-            kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST)
-            kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST)
-            kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST)
-            kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST)
+            kv0 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 0, RANK, GROUP, UPCAST, HALF)
+            kv1 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 1, RANK, GROUP, UPCAST, HALF)
+            kv2 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 2, RANK, GROUP, UPCAST, HALF)
+            kv3 = _dequant_chunk(nope_ptr, nscale_ptr, slot, valid, 3, RANK, GROUP, UPCAST, HALF)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
             s = tl.dot(q_rope, tl.trans(k_rope))
@@ -408,10 +437,10 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
             s = tl.dot(q2, tl.trans(kv2), s)
             s = tl.dot(q3, tl.trans(kv3), s)
             p, alpha, m_new, l_i = _softmax_step(s, valid, scale_log2, m_i, l_i)
-        acc0 = _pv(acc0, p, kv0, alpha, UPCAST)
-        acc1 = _pv(acc1, p, kv1, alpha, UPCAST)
-        acc2 = _pv(acc2, p, kv2, alpha, UPCAST)
-        acc3 = _pv(acc3, p, kv3, alpha, UPCAST)
+        acc0 = _pv(acc0, p, kv0, alpha, UPCAST, HALF)
+        acc1 = _pv(acc1, p, kv1, alpha, UPCAST, HALF)
+        acc2 = _pv(acc2, p, kv2, alpha, UPCAST, HALF)
+        acc3 = _pv(acc3, p, kv3, alpha, UPCAST, HALF)
         m_i = m_new
     denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
     cols = tl.arange(0, GROUP)
@@ -517,7 +546,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None,
-               qk_fp8: bool | None = None, swap_ab: bool = False) -> torch.Tensor:
+               qk_fp8: bool | None = None, swap_ab: bool = False, heads_inner: bool = False,
+               half: bool = False) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -535,7 +565,11 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     blocks fill the GPU's SMs). Extra bytes with splits > 1:
     N * splits * H * (R + 1) * 4 written and read back.
 
-    ``prefetch``: reads the next tile's slots ahead by hand. ``groups4``: the fused fp8 tile as
+    ``prefetch``: reads the next tile's slots ahead by hand. ``heads_inner``: the head blocks of a row are
+    neighbours in launch order (grid axis 0 = row x head block), so a row's gathered latent rows are read
+    from HBM once and from L2 by its other head blocks. ``half`` (groups4 only): the latent dequantized to
+    fp16 in packed half math and fp16 MMAs for its q.k and p @ v (q rounded to fp16; twin:
+    ``sparse_mla_torch(..., half=True)``). ``groups4``: the fused fp8 tile as
     ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
     ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized first (``quantize_q_groups``: one scale per
     row, head and scale group, one extra launch; the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v
@@ -588,8 +622,11 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     else:
         partial, lse = out, out
     latent_scale_arg = latent_scale if fp8 else latent_nope
-    if (qk_fp8 or swap_ab) and not groups4:
-        raise ValueError("qk_fp8 and swap_ab need the four-scale-group kernel (groups4)")
+    grid_rows, grid_heads = (n_rows * head_blocks, 1) if heads_inner else (n_rows, head_blocks)
+    if (qk_fp8 or swap_ab or half) and not groups4:
+        raise ValueError("qk_fp8, swap_ab and half need the four-scale-group kernel (groups4)")
+    if half and (qk_fp8 or swap_ab):
+        raise ValueError("half is a form of the plain four-group tile: not with qk_fp8 or swap_ab")
     if qk_fp8 and group < 32 and not interpreting:
         raise ValueError(f"qk_fp8 needs scale groups of at least 32 columns (an fp8 MMA's K), not {group}")
     if groups4:
@@ -599,25 +636,24 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             q_arg, q_scale = quantize_q_groups(q_nope, group)
         else:
             q_arg, q_scale = q_nope.contiguous(), latent_scale
-        _sparse_mla_fp8x4_kernel[(n_rows, head_blocks, splits)](
+        _sparse_mla_fp8x4_kernel[(grid_rows, grid_heads, splits)](
             q_arg, q_rope.contiguous(), q_scale, latent_nope, latent_scale, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
             UPCAST=interpreting, PREFETCH=bool(prefetch), QK_FP8=bool(qk_fp8), SWAP_AB=bool(swap_ab),
-            num_warps=num_warps,
-            num_stages=num_stages,
+            HEADS_INNER=bool(heads_inner), HALF=bool(half), num_warps=num_warps, num_stages=num_stages,
         )
     else:
-        _sparse_mla_kernel[(n_rows, head_blocks, v_split * splits)](
+        _sparse_mla_kernel[(grid_rows, grid_heads, v_split * splits)](
             q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale_arg, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
             partial, lse,
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
             RANK=rank, ROPE=rope, V_SPLIT=v_split, QK_CHUNK=qk_chunk, BLOCK_H=block_h, BLOCK_K=block_k,
             PAGE=PAGE_SIZE, FP8=fp8, GROUP=group, SPLIT=splits > 1, UPCAST=interpreting, PREFETCH=bool(prefetch),
-            num_warps=num_warps, num_stages=num_stages,
+            HEADS_INNER=bool(heads_inner), num_warps=num_warps, num_stages=num_stages,
         )
     if splits > 1:
         combine_c = min(rank, 128)
@@ -640,14 +676,16 @@ def quantize_q_groups(q_nope: torch.Tensor, group: int) -> tuple[torch.Tensor, t
 def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,
                      latent_scale: torch.Tensor | None, latent_rope: torch.Tensor, block_table: torch.Tensor,
                      token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
-                     out_dtype: torch.dtype = torch.bfloat16, qk_fp8: bool = False, **_tile_options
-                     ) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, qk_fp8: bool = False, half: bool = False,
+                     **_tile_options) -> torch.Tensor:
     """Torch twin of ``sparse_mla`` (fp32 math on rows dequantized to bf16 as the kernel's MMA operand;
     the compiled kernel also rounds the softmax probabilities to bf16 for p @ v, which the twin does not
-    (its running maximum is per tile); tile options ignored). Returns ``out_dtype`` (the kernel's bf16
+    (its running maximum is per tile); other tile options ignored). Returns ``out_dtype`` (the kernel's bf16
     by default; float32 gives the result before that rounding). ``qk_fp8`` (e4m3 latent): q.k as the
     kernel's option computes it, q_nope quantized to e4m3 per (row, head, scale group) by
-    ``fp8.quantize_fp8_groups`` and multiplied with the stored e4m3 rows, each group's dot times both scales."""
+    ``fp8.quantize_fp8_groups`` and multiplied with the stored e4m3 rows, each group's dot times both scales.
+    ``half``: as the kernel's ``half`` tile, rows dequantized as the fp16 product of the e4m3 value and the
+    fp16-rounded scale, q_nope rounded to fp16."""
     n_rows, n_heads, rank = q_nope.shape
     out = torch.zeros(n_rows, n_heads, rank, dtype=torch.float32, device=q_nope.device)
     nope = latent_nope.reshape(-1, rank)
@@ -661,7 +699,12 @@ def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: to
         pages = block_table[int(token_seq[row])].long()[idx // PAGE_SIZE]
         slots = pages * PAGE_SIZE + idx % PAGE_SIZE
         kv = nope[slots].float()
-        if scale is not None:  # dequantized to bf16, the kernel's MMA operand
+        q = q_nope[row].float()
+        if scale is not None and half:  # fp16 product, the half kernel's MMA operand
+            kv = nope[slots].to(torch.float16).view(len(slots), scale.shape[-1], -1)
+            kv = (kv * scale[slots].to(torch.float16).unsqueeze(-1)).view(len(slots), rank).float()
+            q = q_nope[row].to(torch.float16).float()
+        elif scale is not None:  # dequantized to bf16, the kernel's MMA operand
             kv = kv.view(len(slots), scale.shape[-1], -1) * scale[slots].unsqueeze(-1)
             kv = kv.view(len(slots), rank).to(torch.bfloat16).float()
         if qk_fp8:
@@ -675,7 +718,7 @@ def sparse_mla_torch(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: to
             for g in range(groups):  # the kernel's order: rope part, then each group's scaled dot
                 logits = logits + (q8[:, g] @ c8[:, g].T) * (q_scale[:, g, None] * scale[slots][None, :, g])
         else:
-            logits = q_nope[row].float() @ kv.T + q_rope[row].float() @ rope[slots].float().T
+            logits = q @ kv.T + q_rope[row].float() @ rope[slots].float().T
         logits = logits * softmax_scale
         out[row] = torch.softmax(logits, dim=-1) @ kv
     return out.to(out_dtype)

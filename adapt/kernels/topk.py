@@ -238,3 +238,118 @@ def topk_indices_torch(scores: torch.Tensor, limits: torch.Tensor, topk: int, *,
     out.fill_(-1)
     out[:, :k] = torch.where(chosen == n_cols, -1, chosen).to(torch.int32)
     return out
+
+
+# Prefiltered select for many wide rows (prefill chunks): a sample fixes a threshold below the k-th score,
+# one pass keeps the scores at or above it, and the exact select runs over those few candidates.
+SAMPLE_SPAN = 1024  # the sample: the first SAMPLE_RUN positions of every SAMPLE_SPAN (1/16 of a row)
+SAMPLE_RUN = 64
+PREFILTER_EXPECT = 1.5  # candidates aimed at, in units of k (the sample's quantile), ...
+PREFILTER_CAPACITY = 2  # ... and the candidate buffer, in units of k (a row past it falls back)
+PREFILTER_BLOCK = 2048
+
+
+@triton.jit
+def _candidates_kernel(scores_ptr, limits_ptr, tau_ptr, val_ptr, pos_ptr, count_ptr, stride, n_cols,
+                       CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: the visible scores >= tau[row] (-inf never), in ascending position order,
+    into the row's CAP candidate slots (values and positions; -inf / -1 after them); count[row] = how
+    many there were (possibly more than CAP: then only the first CAP are stored)."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.load(limits_ptr + row), n_cols)
+    tau = tl.load(tau_ptr + row)
+    offs = tl.arange(0, BLOCK)
+    base = scores_ptr + row * stride
+    val_base = val_ptr + row * CAP
+    pos_base = pos_ptr + row * CAP
+    written = 0
+    for start in range(0, n, BLOCK):
+        pos = start + offs
+        x = tl.load(base + pos, mask=pos < n, other=float("-inf"))
+        take = (x >= tau) & (x != float("-inf"))
+        slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        keep = take & (slot < CAP)
+        tl.store(val_base + slot, x, mask=keep)
+        tl.store(pos_base + slot, pos, mask=keep)
+        written += tl.sum(take.to(tl.int32), axis=0)
+    tl.store(count_ptr + row, written)
+    for start in range(tl.minimum(written, CAP), CAP, BLOCK):
+        slot = start + offs
+        tl.store(val_base + slot, tl.full([BLOCK], float("-inf"), tl.float32), mask=slot < CAP)
+        tl.store(pos_base + slot, tl.full([BLOCK], -1, tl.int32), mask=slot < CAP)
+
+
+def prefilter_applies(n_rows: int, n_cols: int, topk: int) -> bool:
+    """Whether ``topk_prefiltered`` can cut the select's work: the sample holds enough scores for its
+    quantile and the candidate buffer is well under a row."""
+    return n_cols >= 4 * PREFILTER_CAPACITY * topk and n_cols >= 4 * SAMPLE_SPAN and topk > 0 and n_rows > 0
+
+
+def sample_threshold(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """fp32 [N]: per row a score below which about (1 - PREFILTER_EXPECT * topk / visible) of the row
+    lies: the (PREFILTER_EXPECT * topk * SAMPLE_RUN / SAMPLE_SPAN)-th largest of the sample (the first
+    SAMPLE_RUN of every SAMPLE_SPAN columns); -inf where the sample holds fewer finite scores."""
+    n_rows, n_cols = scores.shape
+    spans = n_cols // SAMPLE_SPAN
+    runs = scores.as_strided((n_rows, spans, SAMPLE_RUN), (scores.stride(0), SAMPLE_SPAN, 1))  # a view
+    sample = runs.reshape(n_rows, spans * SAMPLE_RUN)  # copies the sample only
+    k_sample = max(1, -(-int(PREFILTER_EXPECT * topk * SAMPLE_RUN) // SAMPLE_SPAN))
+    if k_sample > sample.shape[1]:
+        return torch.full((n_rows,), float("-inf"), device=scores.device)
+    return torch.topk(sample, k_sample, dim=1, sorted=False).values.amin(dim=1).contiguous()
+
+
+def topk_prefiltered(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
+                     block: int | None = None, num_warps: int | None = None,
+                     final: str = "torch") -> tuple[torch.Tensor, int]:
+    """Positions of the ``topk`` largest visible scores of each row (the set ``topk_indices`` selects; order
+    unspecified, ties at the k-th score arbitrary, -1 where fewer are visible), for many wide rows.
+
+    1. ``sample_threshold``: a threshold tau per row from 1/16 of its columns, aiming at about
+       PREFILTER_EXPECT * topk scores >= tau (torch.topk over the sample);
+    2. ``_candidates_kernel`` (Triton, one program per row, one read of the visible scores): the scores
+       >= tau and their positions, ascending, into PREFILTER_CAPACITY * topk slots;
+    3. torch.topk over the candidates. A row is exact when its candidates hold every score >= tau and
+       (tau is -inf or there are at least topk of them); any other row (the sample misjudged it: count
+       outside [topk, capacity]) is selected again from its full scores (torch.topk), so the result never
+       depends on the sample. One host sync (which rows fell back).
+    ``final="triton"``: ``topk_indices`` selects in step 3 and for the rows that fall back; the candidates
+    being in position order, the result is then ``topk_indices_torch``'s exactly (ascending positions, ties
+    at the k-th score to the lowest positions).
+
+    scores fp32 [N, C] (unit column stride), limits int [N]. Returns (int32 [N, topk], rows that fell
+    back). Bytes: the visible scores read once (plus 1/16 for the sample), N * capacity * 8 written and
+    read back, against several passes over every score for torch.topk.
+    """
+    n_rows, n_cols = scores.shape
+    if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
+        raise ValueError("topk_prefiltered needs fp32 scores with unit column stride")
+    if out is None:
+        out = torch.empty(n_rows, topk, dtype=torch.int32, device=scores.device)
+    if n_rows == 0 or topk == 0:
+        return out, 0
+    cap = PREFILTER_CAPACITY * topk
+    tau = sample_threshold(scores, topk)
+    values = torch.empty(n_rows, cap, dtype=torch.float32, device=scores.device)
+    positions = torch.empty(n_rows, cap, dtype=torch.int32, device=scores.device)
+    count = torch.empty(n_rows, dtype=torch.int32, device=scores.device)
+    _candidates_kernel[(n_rows,)](scores, limits.to(torch.int32).contiguous(), tau, values, positions, count,
+                                  scores.stride(0), n_cols, CAP=cap, BLOCK=block or PREFILTER_BLOCK,
+                                  num_warps=num_warps or 8)
+    if final == "triton":
+        j = topk_indices(values, torch.clamp(count, max=cap), topk)
+        out.copy_(torch.where(j < 0, -1, positions.gather(1, j.clamp(min=0).long())))
+    else:
+        best, j = torch.topk(values, topk, dim=1, sorted=False)
+        out.copy_(torch.where(best == float("-inf"), -1, positions.gather(1, j)))
+    exact = (count <= cap) & ((tau == float("-inf")) | (count >= topk))
+    redo = torch.nonzero(~exact).flatten()
+    if redo.numel():
+        if final == "triton":
+            out[redo] = topk_indices(scores[redo], limits[redo].to(scores.device), topk)
+            return out, int(redo.numel())
+        cols = torch.arange(n_cols, device=scores.device)
+        visible = cols[None, :] < limits[redo].to(scores.device).long()[:, None]
+        again, at = torch.topk(scores[redo].masked_fill(~visible, float("-inf")), topk, dim=1, sorted=False)
+        out[redo] = torch.where(again == float("-inf"), -1, at).to(torch.int32)
+    return out, int(redo.numel())

@@ -40,7 +40,7 @@ from adapt.bench.timer import time_graph_ms as _time_graph_ms
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
 from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
-from adapt.kernels.topk import topk_indices, topk_indices_torch
+from adapt.kernels.topk import topk_indices, topk_indices_torch, topk_prefiltered
 from adapt.model.spec import load_spec
 from adapt.report import StageReport, load_gates
 from adapt.runtime.kv_cache import DSALayerCache, PagedKVCache, mla_layout
@@ -328,14 +328,22 @@ def _dense_decode(batch: int, context: int, reps: int, copy_tbps: float) -> dict
     return row
 
 
+# Rows at the end of the prefill (the longest) on which the prefill sweeps run.
+PREFILL_TAIL_ROWS = 4096
+
+
 def _prefill_case(
     length: int, topk: int, latent_format: str, reps: int, max_score_bytes: int, attend_rows: int, tiles: dict,
-    index_sweep: Sequence[dict] = (),
+    index_sweep: Sequence[dict] = (), mla_sweep: Sequence[dict] = (), selects: Sequence[str] = ("auto",),
 ) -> dict:
     """One causal prefill of ``length`` tokens. ``index_sweep``: indexer tile options timed on the last
     4096 rows first (a tile that fails to compile is recorded with its error); the fastest then runs
-    the whole prefill."""
+    the whole prefill. ``mla_sweep``: sparse MLA options timed on the last 4096 rows over the kernel's own
+    selection; the fastest then runs the whole prefill. ``selects``: ``index_topk`` select methods each
+    timed over the whole prefill (scores + top-k); the first is the step's."""
     tiles = dict(tiles)
+    n_tail = PREFILL_TAIL_ROWS
+    last = slice(length - n_tail, length)
     cache = _random_cache(length, latent_format)
     layer = cache.dsa_layer(0)
     block_table = torch.arange(-(-length // PAGE_SIZE), device="cuda", dtype=torch.int32)[None]
@@ -346,7 +354,7 @@ def _prefill_case(
     q_rope = torch.randn(attend_rows, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)
     holder = {}
 
-    def index():
+    def index(select: str = selects[0]):
         holder["idx"], holder["stats"] = dsa.index_topk(
             q8,
             weights,
@@ -357,8 +365,11 @@ def _prefill_case(
             limits,
             topk,
             max_score_bytes=max_score_bytes,
+            select=select,
             **tiles["prefill_index"],
         )
+
+    mla_options = _mla_tiles(tiles, attend_rows)
 
     def attend():
         idx = holder["idx"]
@@ -374,7 +385,7 @@ def _prefill_case(
                 token_seq[r0:r1],
                 idx[r0:r1],
                 0.1,
-                **_mla_tiles(tiles, attend_rows),
+                **mla_options,
             )
 
     rows_per_chunk = max(1, max_score_bytes // (4 * length))
@@ -394,12 +405,12 @@ def _prefill_case(
                 **tiles["prefill_index"],
             )
 
-    tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(length - 4095, length + 1))
+    tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(length - PREFILL_TAIL_ROWS + 1, length + 1))
     sweep_rows = []
     for opt in index_sweep:
         try:
-            ms = _time_ms(lambda o=opt: dsa.index_scores(q8[-4096:], weights[-4096:], layer.index_k, layer.index_scale,
-                                                         block_table, token_seq[-4096:], limits[-4096:], length, **o),
+            ms = _time_ms(lambda o=opt: dsa.index_scores(q8[last], weights[last], layer.index_k, layer.index_scale,
+                                                         block_table, token_seq[last], limits[last], length, **o),
                           reps)
         except Exception as err:  # a tile that does not compile is recorded, the others still run
             sweep_rows.append({"kernel": "index_scores prefill last 4096", **opt, "error": str(err)[:200]})
@@ -410,28 +421,60 @@ def _prefill_case(
     if timed:
         best = min(timed, key=lambda row: row["us"])
         tiles["prefill_index"] = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
-    tail = dsa.index_scores(q8[-4096:], weights[-4096:], layer.index_k, layer.index_scale, block_table,
-                            token_seq[-4096:], limits[-4096:], length, **tiles["prefill_index"])
-    tail_select = {f"triton_{bits}bit": _time_ms(lambda b=bits: topk_indices(tail, limits[-4096:], topk, digit_bits=b),
-                                                 reps) for bits in (4, 8)}
-    tail_select["torch_topk"] = _time_ms(lambda: torch.topk(tail, topk, dim=-1, sorted=False), reps)
-    tail_limits = limits[-4096:][:8]
-    tail_select["triton_equals_twin_rows0_8"] = bool(torch.equal(topk_indices(tail[:8], tail_limits, topk),
-                                                                 topk_indices_torch(tail[:8], tail_limits, topk)))
-    tail = None
+    tail = dsa.index_scores(q8[last], weights[last], layer.index_k, layer.index_scale, block_table,
+                            token_seq[last], limits[last], length, **tiles["prefill_index"])
+    tail_limits = limits[last]
+    tail_select = {"triton_8bit": _time_ms(lambda: topk_indices(tail, tail_limits, topk, digit_bits=8), reps),
+                   "torch_topk": _time_ms(lambda: torch.topk(tail, topk, dim=-1, sorted=False), reps),
+                   "prefilter": _time_ms(lambda: topk_prefiltered(tail, tail_limits, topk), reps),
+                   "prefilter_triton": _time_ms(lambda: topk_prefiltered(tail, tail_limits, topk, final="triton"),
+                                                reps)}
+    tail_select["triton_equals_twin_rows0_8"] = bool(torch.equal(topk_indices(tail[:8], tail_limits[:8], topk),
+                                                                 topk_indices_torch(tail[:8], tail_limits[:8], topk)))
+    pre, fell_back = topk_prefiltered(tail, tail_limits, topk)
+    want = torch.topk(tail, topk, dim=-1, sorted=False).indices
+    tail_select["prefilter_fallback_rows"] = fell_back
+    tail_select["prefilter_equals_torch_topk_sets"] = bool(torch.equal(pre.sort(dim=1).values,
+                                                                       want.int().sort(dim=1).values))
+    tail = pre = want = None
+    mla_rows = []
+    index()
+    tail_idx = holder["idx"][last]
+    selected_tail = sum(min(t + 1, topk) for t in range(length - PREFILL_TAIL_ROWS, length))
+    for opt in mla_sweep:
+        try:
+            ms = _time_ms(lambda o=opt: sparse_mla.sparse_mla(
+                q_nope[:n_tail], q_rope[:n_tail], layer.latent_nope, layer.latent_scale, layer.latent_rope, block_table,
+                token_seq[last], tail_idx, 0.1, **o), reps)
+        except Exception as err:  # recorded; the others still run
+            mla_rows.append({"kernel": "sparse_mla prefill last 4096", **opt, "error": str(err)[:200]})
+            continue
+        mla_rows.append({"kernel": "sparse_mla prefill last 4096", **opt, "us": ms * 1e3,
+                         "TFLOPs": 2 * HEADS * selected_tail * (RANK + ROPE + RANK) / ms / 1e9})
+    timed = [row for row in mla_rows if "us" in row]
+    if timed:
+        best = min(timed, key=lambda row: row["us"])
+        mla_options = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
+    tail_idx = None
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     index_ms = _time_ms(index, reps)
     peak_bytes = torch.cuda.max_memory_allocated()
+    stats = holder["stats"]
+    select_ms = {selects[0]: index_ms}
+    for select in selects[1:]:
+        select_ms[select] = _time_ms(lambda s=select: index(s), reps)
+    index()  # the step's selection again, for sparse MLA and the twin checks
     all_scores_ms = _time_ms(scores_only, reps)
     scores_ms = _time_ms(
         lambda: dsa.index_scores(
-            q8[-4096:],
-            weights[-4096:],
+            q8[last],
+            weights[last],
             layer.index_k,
             layer.index_scale,
             block_table,
-            token_seq[-4096:],
-            limits[-4096:],
+            token_seq[last],
+            limits[last],
             length,
             **tiles["prefill_index"],
         ),
@@ -439,7 +482,7 @@ def _prefill_case(
     )
     attend_ms = _time_ms(attend, reps)
     twin_checks = _prefill_twin_checks(q8, weights, q_nope, q_rope, layer, block_table, token_seq, limits,
-                                       holder["idx"], length, tiles, attend_rows)
+                                       holder["idx"], length, tiles, mla_options)
     total_ms = index_ms + attend_ms
     selected = sum(min(t + 1, topk) for t in range(length))
     index_flops = 2 * INDEX_HEADS * INDEX_DIM * length * (length + 1) / 2
@@ -450,9 +493,12 @@ def _prefill_case(
         "tokens": length,
         "latent_format": latent_format,
         "index_topk_ms": index_ms,
-        "index_chunks": holder["stats"].chunks,
+        "index_chunks": stats.chunks,
         "peak_allocated_bytes_during_index": peak_bytes,
-        "peak_score_bytes": holder["stats"].peak_score_bytes,
+        "peak_score_bytes": stats.peak_score_bytes,
+        "prefilter_fallback_rows": stats.prefilter_fallback_rows,
+        "select": selects[0],
+        "index_topk_ms_by_select": select_ms,
         "index_scores_ms": all_scores_ms,
         "topk_ms": index_ms - all_scores_ms,
         "index_scores_all_TFLOPs": index_flops / all_scores_ms / 1e9,
@@ -468,8 +514,10 @@ def _prefill_case(
         "speedup_vs_dense": dense_ms / total_ms,
         "sparse_mla_rows_per_launch": attend_rows,
         "index_tiles": tiles["prefill_index"],
+        "sparse_mla_tiles": mla_options,
         "topk_last4096_rows_ms": tail_select,
         "index_sweep": sweep_rows,
+        "sparse_mla_sweep": mla_rows,
         **twin_checks,
     }
     torch.cuda.empty_cache()
@@ -477,7 +525,7 @@ def _prefill_case(
 
 
 def _prefill_twin_checks(q8, weights, q_nope, q_rope, layer, block_table, token_seq, limits, idx, length: int,
-                         tiles: dict, attend_rows: int, rows: int = 4) -> dict:
+                         tiles: dict, mla_options: dict, rows: int = 4) -> dict:
     """The prefill kernels against their twins on the last ``rows`` query rows (full causal context):
     index scores with the timed indexer tiles, sparse MLA with the timed tiles over the kernel's own
     selection. A check that fails to run is recorded (``twin_check_error``), never raised."""
@@ -491,10 +539,8 @@ def _prefill_twin_checks(q8, weights, q_nope, q_rope, layer, block_table, token_
             length))
         args = (q_nope[:rows], q_rope[:rows], layer.latent_nope, layer.latent_scale, layer.latent_rope, block_table,
                 token_seq[last], idx[last], 0.1)
-        mla_tiles = _mla_tiles(tiles, attend_rows)
-        out["sparse_mla_rel_err_vs_twin"] = _rel_err(sparse_mla.sparse_mla(*args, **mla_tiles),
-                                                     sparse_mla.sparse_mla_torch(*args,
-                                                                                 qk_fp8=bool(mla_tiles.get("qk_fp8"))))
+        out["sparse_mla_rel_err_vs_twin"] = _rel_err(sparse_mla.sparse_mla(*args, **mla_options),
+                                                     sparse_mla.sparse_mla_torch(*args, **mla_options))
     except Exception as err:  # noqa: BLE001 - recorded: the row then counts as untwinned in the report
         out["twin_check_error"] = f"{type(err).__name__}: {str(err)[:200]}"
     return out
@@ -715,12 +761,14 @@ def _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, options, reps
 
 def run_dsa_acceptance(
     out_dir: Path, *, topk: int = 2048, latent_format: str = "fp8", reps: int = 10, sweep: bool = True,
-    prefill: bool = True,
+    prefill_only: bool = False, prefill: bool = True,
 ) -> dict:
     """The acceptance subset: same-run ceilings (torch and Triton 16-byte copy), a sparse MLA tile
     sweep at batch 64 x 128K, decode at batch 1 and 64 x 128K, prefill 128K (indexer + top-k +
-    sparse MLA and dense causal SDPA). ``sweep=False``: the kernels' default tiles only (one row in
-    each sweep); ``prefill=False``: the decode cases only (the prefill lines then count as unmet).
+    sparse MLA and dense causal SDPA, with the indexer, sparse MLA and select sweeps of
+    ``_prefill_case``). ``sweep=False``: the kernels' default tiles only (one row in each sweep).
+    ``prefill_only``: ceilings and the prefill case only (its decode acceptance lines then count as
+    unmet); ``prefill=False``: the decode cases only (the prefill lines then count as unmet).
     Writes ``dsa_bench.json`` / ``.md`` into ``out_dir``."""
     if not torch.cuda.is_available():
         raise InputError(
@@ -745,6 +793,12 @@ def run_dsa_acceptance(
         "prefill": [],
     }
     batch, context = 64, 131072
+    if prefill_only:
+        tiles = {**RUN2_INDEX_TILES, "mla": {}}
+        result.update(tile_sweep=[], tiles_used=tiles, errors=[])
+        _run_prefill(result, context, topk, latent_format, tiles, sweep)
+        _write(out_dir, result)
+        return result
     cache = _random_cache(batch * context, latent_format)
     layer = cache.dsa_layer(0)
     pages = context // PAGE_SIZE
@@ -768,15 +822,25 @@ def run_dsa_acceptance(
             result["errors"].append(f"decode batch {b}: {type(err).__name__}: {str(err)[:300]}")
         torch.cuda.empty_cache()
         _write(out_dir, result)
+    _run_prefill(result, context, topk, latent_format, tiles, sweep, run=prefill)
+    _write(out_dir, result)
+    return result
+
+
+def _run_prefill(result: dict, context: int, topk: int, latent_format: str, tiles: dict, sweep: bool,
+                 run: bool = True) -> None:
+    """The acceptance prefill case into ``result`` when ``run`` (an error is recorded, as for decode), then
+    the acceptance lines."""
     try:
-        if prefill:
+        if run:
             result["prefill"].append(_prefill_case(context, topk, latent_format, 2, 2 << 30, 16384, tiles,
-                                                   index_sweep=PREFILL_INDEX_SWEEP if sweep else ({},)))
+                                                   index_sweep=PREFILL_INDEX_SWEEP if sweep else ({},),
+                                                   mla_sweep=PREFILL_MLA_SWEEP if sweep else ({},),
+                                                   selects=("auto", "torch", "prefilter_triton") if sweep
+                                                   else ("auto",)))
     except Exception as err:  # recorded, as above
         result["errors"].append(f"prefill: {type(err).__name__}: {str(err)[:300]}")
     result["acceptance"] = acceptance_lines(result)
-    _write(out_dir, result)
-    return result
 
 
 # Indexer prefill tiles timed in the acceptance run, all the stacked form (one MMA over rows x 64
@@ -784,12 +848,33 @@ def run_dsa_acceptance(
 # 4 rows x 64 keys, 8 warps (123 / 0 / 50; fastest on 2026-11-30 at 646 TFLOP/s on the last 4096 rows, the
 # default); 8 x 64, 8 warps (230 / 0 / 83); 4 x 128, 8 warps (242 / 0 / 68); 4 x 64, 4 warps (232 / 0 / 50);
 # 2 x 64, 4 warps (125 / 0 / 33; 566 TFLOP/s on 2026-11-30).
+# Third session (one-page key tiles: one block-table entry per tile; sm_90 loop per key tile 339 -> 280
+# instructions at 4 x 64 on 8 warps, 388 -> 292 at 2 x 64 on 4 warps, 123-125 registers): 4 x 64 on 8 warps,
+# its unmasked full-tile loop (158 registers: one program per SM), 2 and 4 stages, and 2 x 64 on 4 warps
+# (the wider tiles above were slower in both earlier calls and are not re-run). H200, commit 4f58965, TFLOP/s
+# on the last 4096 rows: 663, 399, 662, 671, 740 (now the default).
 PREFILL_INDEX_SWEEP = (
     dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8),
-    dict(rows_per_tile=8, key_block=64, num_stages=3, num_warps=8),
-    dict(rows_per_tile=4, key_block=128, num_stages=3, num_warps=8),
-    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=4),
+    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8, full_tiles=True),
+    dict(rows_per_tile=4, key_block=64, num_stages=2, num_warps=8),
+    dict(rows_per_tile=4, key_block=64, num_stages=4, num_warps=8),
     dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
+)
+
+# Sparse MLA prefill tiles (the last 4096 rows of the 128K prefill, 16 tiles of 128 positions per row; H200,
+# commit 4f58965, ms: 11.64, 11.50, 13.40, 13.32, 11.89, 11.19 in the order below), the
+# four-group kernel with 64 heads x 8 warps. sm_90 AOT, Triton 3.6, loop instructions per 128 positions /
+# registers / stack bytes / shared KB: default 128 positions (2563 / 255 / 80 / 216); heads_inner (the same
+# kernel, launch order only); half: fp16 dequantization and MMAs (1952 / 255 / 192 / 216); half with 64
+# positions (2 x 1056 / 255 / 0 / 144); half, 64, 2 stages + prefetch (2 x 1129 / 255 / 0 / 185; its bf16 form,
+# 2 x 1482 instructions, ran 227 against 218 us for the default at decode batch 64 in the second session).
+PREFILL_MLA_SWEEP = (
+    {},
+    dict(heads_inner=True),
+    dict(half=True),
+    dict(half=True, heads_inner=True),
+    dict(half=True, heads_inner=True, block_k=64),
+    dict(half=True, heads_inner=True, block_k=64, num_stages=2, prefetch=True),
 )
 
 # Sparse MLA decode tiles for the acceptance run (batch 64 x 128K), 64 heads x 8 warps each, all the
@@ -1006,6 +1091,17 @@ def compact_summary(result: dict) -> str:
             f"  {p['tokens']:>6}: {p['index_scores_ms']:.1f}/{p['topk_ms']:.1f}/{p['sparse_mla_ms']:.1f}/"
             f"{p['total_ms']:.1f} | {p['dense_sdpa_ms']:.1f} | {p['speedup_vs_dense']:.2f}x ({p['dense_sdpa_note']})"
         )
+        peak_gib = p["peak_allocated_bytes_during_index"] / 2**30
+        lines.append(f"    index+topk ms by select {p.get('index_topk_ms_by_select')}; prefilter fallback rows "
+                     f"{p.get('prefilter_fallback_rows')}; peak {peak_gib:.2f} GiB; "
+                     f"index tiles {p['index_tiles']}; mla tiles {p.get('sparse_mla_tiles')}")
+        lines.append(f"    tail select ms {p.get('topk_last4096_rows_ms')}")
+        lines.append(f"    twin: scores {p.get('index_scores_rel_err_vs_twin')}, "
+                     f"mla {p.get('sparse_mla_rel_err_vs_twin')} {p.get('twin_check_error', '')}")
+        for r in p.get("index_sweep", []) + p.get("sparse_mla_sweep", []):
+            opts = {k: v for k, v in r.items() if k not in ("kernel", "us", "TFLOPs", "error")}
+            lines.append(f"    {r['kernel']} {opts}: {_fmt(r.get('us'), 0)} us {_fmt(r.get('TFLOPs'), 0)} TFLOP/s "
+                         f"{r.get('error', '')}")
     lines += [f"  ERROR {e}" for e in result.get("errors", [])]
     for a in result.get("acceptance", []):
         verdict = "MET" if a["met"] else "NOT MET"
@@ -1102,7 +1198,9 @@ def render_markdown(result: dict) -> str:
         lines += [f"| {a['line']} | {_fmt(a['measured'], 2)} | {a['target']} | {'MET' if a['met'] else 'NOT MET'} |"
                   for a in result["acceptance"]]
     lines += ["", "## Tile sweep", "", "| kernel | options | us | rate |", "|---|---|---|---|"]
-    for row in result.get("tile_sweep", []) + [r for p in result.get("prefill", []) for r in p.get("index_sweep", [])]:
+    prefill_sweeps = [r for p in result.get("prefill", [])
+                      for r in p.get("index_sweep", []) + p.get("sparse_mla_sweep", [])]
+    for row in result.get("tile_sweep", []) + prefill_sweeps:
         opts = {k: v for k, v in row.items() if k not in ("kernel", "us", "TFLOPs", "key_TBps", "error")}
         rate = (
             f"{row['TFLOPs']:.0f} TFLOP/s"
@@ -1139,10 +1237,13 @@ if __name__ == "__main__":
     parser.add_argument("--acceptance", action="store_true",
                         help="decode 1 and 64 x 128K, prefill 128K, same-run ceilings only (under 2 minutes)")
     parser.add_argument("--no-sweep", action="store_true", help="with --acceptance: the kernels' default tiles only")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="with --acceptance: ceilings and the 128K prefill case (with its sweeps) only")
     parser.add_argument("--no-prefill", action="store_true", help="with --acceptance: the decode cases only")
     args = parser.parse_args()
     if args.acceptance:
-        summary = run_dsa_acceptance(args.out, sweep=not args.no_sweep, prefill=not args.no_prefill)
+        summary = run_dsa_acceptance(args.out, sweep=not args.no_sweep, prefill_only=args.prefill_only,
+                                     prefill=not args.no_prefill)
     elif args.quick:
         summary = run_dsa_bench(
             args.out, decode_batches=(1, 4), contexts=(8192,), prefill_lengths=(8192,), reps=3, prefill_reps=2

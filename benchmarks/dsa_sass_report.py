@@ -1,0 +1,49 @@
+"""Compile the DSA indexer scoring kernel for sm_90 on a machine without a GPU and count its SASS
+(the sparse MLA four-group kernel: ``benchmarks/sparse_mla_sass.py``).
+
+Usage: PYTHONPATH=. python benchmarks/dsa_sass_report.py index '[{"ROWS": 4, "BLOCK_S": 64, "warps": 8}]'
+
+Each JSON object overrides the kernel's constexprs (upper-case keys) and the launch options (warps,
+stages). Prints shared memory, registers, spill bytes and the opcode counts of the innermost loop that
+holds a wgmma (one key tile / one position tile), through ``benchmarks/moe/sass_report.report`` (the ptxas
+and cuobjdump that the triton wheel carries).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from adapt.kernels import dsa
+from benchmarks.moe.sass_report import report
+
+KERNELS = {
+    "index": (dsa._index_scores_kernel,
+              dict(q_ptr="fp8e4nv", w_ptr="fp32", k_ptr="fp8e4nv", ks_ptr="fp32", block_table_ptr="i32",
+                   limit_ptr="i32", tiles_ptr="i32", seq_ptr="i32", out_ptr="fp32"),
+              dict(HEAD_DIM=128, BLOCK_H=64, BLOCK_S=64, ROWS=4, PAGE=64, NUM_STAGES=3, UPCAST=False, STACKED=True,
+                   DIRECT=False, FULL_TILES=False), dict(warps=8, stages=3)),
+}
+
+
+def compile_kernel(name: str, over: dict):
+    kern, ptrs, base, launch = KERNELS[name]
+    const = dict(base, **{k: v for k, v in over.items() if k.isupper()})
+    launch = dict(launch, **{k: v for k, v in over.items() if not k.isupper()})
+    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "i32")
+           for n in kern.arg_names}
+    div16 = ("stride", "bt_stride", "out_stride")
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs or n in div16}
+    ck = triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=launch["warps"], num_stages=launch["stages"]))
+    return ck
+
+
+if __name__ == "__main__":
+    which = sys.argv[1]
+    for over in json.loads(sys.argv[2]) if len(sys.argv) > 2 else [{}]:
+        print(json.dumps(dict(kernel=which, config=over, **report(compile_kernel(which, over), 0))), flush=True)
