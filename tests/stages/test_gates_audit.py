@@ -418,6 +418,12 @@ def test_handoff_refuses_reports_written_by_other_adapt_code(tmp_path, monkeypat
     with pytest.raises(InputError, match=rf"inventory: written by other adapt code \(digest {written_by}, "
                                          rf"now {OTHER_CODE}\)"):
         check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
+    monkeypatch.undo()
+    older = StageReport("memory", 2, "memory")  # written by an adapt that recorded no code digest
+    stamp(older, {k: v for k, v in stage_fingerprint(2, BASE, load_gates()).items() if k != "code"})
+    run.write(older)
+    with pytest.raises(InputError, match=r"memory: written by other adapt code \(digest not recorded, now"):
+        check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
 
 
 def test_the_bundle_does_not_take_a_preflight_that_names_no_model(tmp_path):
