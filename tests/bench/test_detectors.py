@@ -148,10 +148,11 @@ def test_stage6_is_a_gate_stage_reading_its_options(monkeypatch, tmp_path):
 
     monkeypatch.setattr(serve, "run_serve_stage", fake_stage)
     stage = pipeline.STAGES[6]
-    assert stage.name == "bench" and set(stage.reads) == {"url", "soak_s", "tokenizer"} and stage.gates == ("bench",)
+    assert stage.name == "bench" and stage.gates == ("bench",)
+    assert set(stage.reads) == {"url", "served_model", "soak_s", "tokenizer"}
     options = pipeline.PipelineOptions("m", "cpu", run_path=str(tmp_path), url="http://127.0.0.1:1", soak_s=5.0,
-                                       tokenizer="org/tok")
+                                       tokenizer="org/tok", served_model="served-name")
     stage.run(options, {"bench": {}})
     assert seen["model"] == "m" and seen["url"] == "http://127.0.0.1:1" and seen["run_path"] == tmp_path
     assert seen["tokenizer"] == "org/tok"
-    assert seen["options"].soak_s == 5.0
+    assert seen["options"].soak_s == 5.0 and seen["served_model"] == "served-name"

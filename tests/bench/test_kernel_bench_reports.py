@@ -129,7 +129,7 @@ def _small_prefill():
                 block_table=torch.arange(length // PAGE_SIZE, dtype=torch.int32)[None],
                 token_seq=torch.zeros(length, dtype=torch.int32), limits=torch.arange(1, length + 1, dtype=torch.int32),
                 idx=torch.stack([torch.randperm(length)[:topk] for _ in range(length)]).int(), length=length,
-                tiles={"prefill_index": {}, "mla": {}}, attend_rows=16384)
+                tiles={"prefill_index": {}}, mla_options={})
 
 
 def test_dsa_prefill_twin_checks_on_cpu(monkeypatch):
