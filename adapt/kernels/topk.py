@@ -445,7 +445,7 @@ def _select_runs(src_ptr, pos_ptr, count_ptr, run_stride, run_cap, out_base, top
     rem = tl.zeros([], tl.int32) + topk
     total = tl.zeros([], tl.int32)
     for p in tl.static_range(32 // BITS):
-        shift: tl.constexpr = 32 - (p + 1) * BITS
+        shift = 32 - (p + 1) * BITS
         hist = tl.zeros([BINS], tl.int32)
         for s in range(RUNS):
             n = tl.minimum(tl.load(count_ptr + s), run_cap)
