@@ -10,6 +10,7 @@ if not shutil.which("nvidia-smi"):
 import pytest
 import torch
 
+from adapt.kernels import dsa
 from adapt.kernels.topk import topk_decode, topk_indices_torch
 
 COLS = 4096
@@ -20,7 +21,8 @@ SAMPLE = 64  # 8 runs of 8 over a 4096-column row: every 512th column starts a r
 def sampled_columns(n):
     """Columns the kernel samples in a row of n visible columns (runs of 8, span a multiple of 8)."""
     runs = SAMPLE // 8
-    span = max(-(-(-(-n // runs)) // 8) * 8, 8)
+    per_run = -(-n // runs)
+    span = max(-(-per_run // 8) * 8, 8)
     return torch.tensor([(i // 8) * span + i % 8 for i in range(SAMPLE) if (i // 8) * span + i % 8 < n])
 
 
@@ -65,6 +67,14 @@ def test_decode_topk_equals_twin_and_redoes_misjudged_rows_on_device(device, opt
     assert [got[r] for r in (2, 3, 4, 5, 6, 7, 8)] == [1, 1, 1, 0, 0, 1, 0]
     if opts["parts"] == 3:
         assert [got[r] for r in (0, 1, 9)] == [0, 0, 0]
+
+
+def test_index_topk_select_decode_is_the_twins_selection():
+    """``select="decode"`` in dsa's select dispatch writes topk_decode's result (the twin's) into the chunk."""
+    s, limits = adversarial_rows(torch.Generator().manual_seed(4))
+    out = torch.full((s.shape[0], K), -7, dtype=torch.int32)
+    assert dsa._select_topk(s, limits, K, out=out, method="decode") == 0
+    assert torch.equal(out, topk_indices_torch(s, limits, K))
 
 
 def test_decode_topk_default_sample_and_k_past_the_columns():
