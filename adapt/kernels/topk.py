@@ -362,6 +362,7 @@ DECODE_SAMPLE_RUN = 8  # one 32-byte sector per run
 DECODE_EXPECT = (3, 2)  # candidates aimed at: 3/2 * topk (the sample's quantile)
 DECODE_SEG_CAP = 2  # candidate slots per (row, part), in units of topk; a part past it sends its row to the fallback
 DECODE_BLOCK = 4096
+DECODE_REGISTER_SLOTS = 8192  # candidate slots a select program holds in registers (8 warps: 32 a thread)
 DECODE_SELECT_BLOCK = 1024
 
 
@@ -400,17 +401,18 @@ def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr,
     if part == 0:
         tl.store(tau_ptr + row, tau.to(tl.int32, bitcast=True))
     # the candidate pass over this part's columns
-    width = tl.cdiv(tl.cdiv(n_read, PARTS), BLOCK) * BLOCK
+    width = tl.cdiv(tl.cdiv(n_read, PARTS), 16) * 16
     lo = part * width
+    hi = tl.minimum(lo + width, n_read)
     seg = row * PARTS + part
     key_base = key_ptr + seg * SEG_CAP
     pos_base = pos_ptr + seg * SEG_CAP
     offs = tl.arange(0, BLOCK)
     written = 0
-    for start in range(lo, tl.minimum(lo + width, n_read), BLOCK):
+    for start in range(lo, hi, BLOCK):
         pos = start + offs
         key, vis = _slice_keys(base, pos, n, n_read)
-        take = vis & (key >= tau)
+        take = vis & (key >= tau) & (pos < hi)
         slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
         keep = take & (slot < SEG_CAP)
         tl.store(key_base + slot, key.to(tl.int32, bitcast=True), mask=keep)
@@ -485,9 +487,42 @@ def _select_runs(src_ptr, pos_ptr, count_ptr, run_stride, run_cap, out_base, top
 
 
 @triton.jit
+def _select_in_registers(key_ptr, pos_ptr, count_ptr, out_base, topk, SEG_CAP: tl.constexpr, PARTS: tl.constexpr,
+                         PARTS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """``_select_runs``' result over PARTS runs of at most SEG_CAP stored candidates (order keys, positions),
+    all held in registers at once: the k-th key by 32 bisection steps, then one write of the kept positions
+    (run-major order, i.e. ascending positions)."""
+    part = tl.arange(0, PARTS_P2)[:, None]
+    slot_in = tl.arange(0, SEG_CAP)[None, :]
+    count = tl.load(count_ptr + part, mask=part < PARTS, other=0)
+    m = slot_in < count
+    key = tl.load(key_ptr + part * SEG_CAP + slot_in, mask=m, other=0).to(tl.uint32, bitcast=True)
+    total = tl.sum(m.to(tl.int32), axis=None)
+    threshold = tl.zeros([], tl.uint32)
+    for b in tl.static_range(32):
+        trial = threshold | (tl.full([], 1, tl.uint32) << (31 - b))
+        hits = tl.sum((m & (key >= trial)).to(tl.int32), axis=None)
+        threshold = tl.where(hits >= topk, trial, threshold)
+    threshold = tl.where(total <= topk, 0, threshold)  # every candidate is taken
+    above = m & (key > threshold)
+    rem = topk - tl.sum(above.to(tl.int32), axis=None)
+    tie = (m & (key == threshold)).to(tl.int32)
+    tie_runs = tl.sum(tie, axis=1)
+    tie_rank = (tl.cumsum(tie_runs, axis=0) - tie_runs)[:, None] + tl.cumsum(tie, axis=1) - 1
+    take = above | ((tie != 0) & (tie_rank < rem))
+    take_runs = tl.sum(take.to(tl.int32), axis=1)
+    slot = (tl.cumsum(take_runs, axis=0) - take_runs)[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+    pos = tl.load(pos_ptr + part * SEG_CAP + slot_in, mask=take, other=-1)
+    tl.store(out_base + slot, pos, mask=take)
+    offs = tl.arange(0, BLOCK)
+    for start in range(tl.sum(take_runs, axis=0), topk, BLOCK):
+        tl.store(out_base + start + offs, tl.full([BLOCK], -1, tl.int32), mask=start + offs < topk)
+
+
+@triton.jit
 def _decode_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, out_ptr, redo_ptr, stride,
                           n_cols, topk, SEG_CAP: tl.constexpr, PARTS: tl.constexpr, PARTS_P2: tl.constexpr,
-                          BLOCK: tl.constexpr, BITS: tl.constexpr):
+                          BLOCK: tl.constexpr, BITS: tl.constexpr, REGISTERS: tl.constexpr):
     """One program per row: exact when every part's candidates were stored and either tau took every visible
     key or at least topk keys are >= tau (then the top-k are all candidates, ties included); it selects over
     the candidates. Any other row (the sample misjudged it) is selected here from its full scores."""
@@ -498,9 +533,14 @@ def _decode_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, cou
     exact = (tl.max(counts, axis=0) <= SEG_CAP) & ((tau == 0) | (tl.sum(counts, axis=0) >= topk))
     tl.store(redo_ptr + row, (~exact).to(tl.int32))
     out_base = out_ptr + row * topk
+    seg = row * PARTS * SEG_CAP
     if exact:
-        _select_runs(key_ptr + row * PARTS * SEG_CAP, pos_ptr + row * PARTS * SEG_CAP, count_ptr + row * PARTS,
-                     SEG_CAP, SEG_CAP, out_base, topk, RUNS=PARTS, BLOCK=BLOCK, BITS=BITS, FROM_SCORES=False)
+        if REGISTERS:
+            _select_in_registers(key_ptr + seg, pos_ptr + seg, count_ptr + row * PARTS, out_base, topk,
+                                 SEG_CAP=SEG_CAP, PARTS=PARTS, PARTS_P2=PARTS_P2, BLOCK=BLOCK)
+        else:
+            _select_runs(key_ptr + seg, pos_ptr + seg, count_ptr + row * PARTS, SEG_CAP, SEG_CAP, out_base, topk,
+                         RUNS=PARTS, BLOCK=BLOCK, BITS=BITS, FROM_SCORES=False)
     else:
         _select_runs(scores_ptr + row * stride, pos_ptr, limits_ptr + row, 0, n_cols, out_base, topk, RUNS=1,
                      BLOCK=BLOCK, BITS=BITS, FROM_SCORES=True)
@@ -518,7 +558,8 @@ def decode_parts(n_rows: int, device: torch.device) -> int:
 def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
                 parts: int | None = None, block: int | None = None, select_block: int | None = None,
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
-                redo: torch.Tensor | None = None) -> torch.Tensor:
+                redo: torch.Tensor | None = None, registers: bool | None = None,
+                select_warps: int | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -531,6 +572,9 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
        in the program) over the row's few thousand candidates; a row the sample misjudged (fewer than topk
        candidates above a finite tau, or a part past its slots) is selected by the same program from its
        full scores instead (slow for that row, still exact): the result never depends on the sample.
+       ``registers`` (default: when parts x 2 * topk <= DECODE_REGISTER_SLOTS): the candidates are held in
+       registers and the k-th key found by 32 bisection steps there (one load), instead of the radix passes
+       over them in memory (five loads); ``select_warps`` per select program (default 8, 4 for the passes).
 
     scores fp32 [N, C] (unit column stride), limits int [N] (row r sees columns < limits[r]; -inf scores are
     not visible). ``out``: optional int32 [N, topk]; ``redo``: optional int32 [N] that receives 1 for the
@@ -561,6 +605,10 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     positions = torch.empty(n_rows, parts, seg_cap, dtype=torch.int32, device=scores.device)
     counts = torch.empty(n_rows, parts, dtype=torch.int32, device=scores.device)
     aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
+    slots = triton.next_power_of_2(parts) * seg_cap
+    registers = slots <= DECODE_REGISTER_SLOTS and seg_cap & (seg_cap - 1) == 0 if registers is None else registers
+    if registers and seg_cap & (seg_cap - 1):
+        raise ValueError(f"registers=True needs a power-of-two topk, not {topk}")
     _decode_candidates_kernel[(n_rows, parts)](
         scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
         RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=DECODE_EXPECT[0], EXPECT_DEN=DECODE_EXPECT[1], SEG_CAP=seg_cap,
@@ -568,5 +616,5 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     _decode_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
-        BITS=digit_bits, num_warps=4)
+        BITS=digit_bits, REGISTERS=registers, num_warps=select_warps or (8 if registers else 4))
     return out

@@ -53,7 +53,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("opts", [dict(parts=3, block=512, select_block=256), dict(parts=1, digit_bits=4)])
+@pytest.mark.parametrize("opts", [dict(parts=3, block=512, select_block=256), dict(parts=1, digit_bits=4),
+                                  dict(parts=3, registers=True, select_block=64)])
 def test_decode_topk_equals_twin_and_redoes_misjudged_rows_on_device(device, opts):
     """Three parts of 2k slots: rows 0, 1, 9 select over their candidates. One part (2k slots for about 1.5k
     candidates from a 64-score sample) may send those rows to the full select too: still the twin's result."""
