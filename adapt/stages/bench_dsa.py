@@ -35,6 +35,7 @@ import torch
 from adapt.bench.acceptance import Criterion, benchmark_report, evaluate, find_row
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _commit
+from adapt.bench.timer import time_cuda
 from adapt.bench.timer import time_eager_ms as _time_ms
 from adapt.bench.timer import time_graph_ms as _time_graph_ms
 from adapt.errors import InputError
@@ -299,17 +300,19 @@ TOPK_DECODE_SWEEP = (
 
 def _decode_select_rows(scores: torch.Tensor, limits: torch.Tensor, topk: int, out: torch.Tensor,
                         reps: int) -> list[dict]:
-    """One row per TOPK_DECODE_SWEEP tile: graph-replay us, whether the result equals topk_indices_torch's, and
-    how many rows the sample misjudged (selected again from their full scores on the device)."""
+    """One row per TOPK_DECODE_SWEEP tile: us (timed_as "graph": CUDA-graph replays, the capture worked), whether
+    the result equals topk_indices_torch's, and how many rows the sample misjudged (selected again from their
+    full scores on the device)."""
     twin = topk_indices_torch(scores, limits, topk)
     redo = torch.empty(scores.shape[0], dtype=torch.int32, device=scores.device)
     rows = []
     for opt in TOPK_DECODE_SWEEP:
         try:
-            ms = _time_graph_ms(lambda o=opt: topk_decode(scores, limits, topk, out=out, redo=redo, **o), reps)
+            timing = time_cuda(lambda o=opt: topk_decode(scores, limits, topk, out=out, redo=redo, **o), reps,
+                               warmup=1)
             topk_decode(scores, limits, topk, out=out, redo=redo, **opt)
-            rows.append({**opt, "us": ms * 1e3, "equals_twin": bool(torch.equal(out, twin)),
-                         "redo_rows": int(redo.sum())})
+            rows.append({**opt, "us": timing.median_us, "equals_twin": bool(torch.equal(out, twin)),
+                         "redo_rows": int(redo.sum()), "timed_as": timing.mode})
         except Exception as err:  # recorded; the other tiles still run
             rows.append({**opt, "error": str(err)[:200]})
     return rows
@@ -1121,8 +1124,9 @@ def _decode_select_line(d: dict) -> str:
     """The decode top-k (``topk_decode``) beside torch.topk: its tiles (us, equal to the twin, misjudged rows)
     and the step with it."""
     tiles = ", ".join(
-        f"{ {k: v for k, v in r.items() if k not in ('us', 'equals_twin', 'redo_rows')} or 'default'}: "
-        + (f"{_fmt(r['us'])} (twin {r['equals_twin']}, redo {r['redo_rows']})" if "us" in r else r["error"])
+        f"{ {k: v for k, v in r.items() if k not in ('us', 'equals_twin', 'redo_rows', 'timed_as', 'error')} or 'default'}: "
+        + (f"{_fmt(r['us'])} ({r['timed_as']}, twin {r['equals_twin']}, redo {r['redo_rows']})" if "us" in r
+           else r["error"])
         for r in d["topk_decode_sweep"])
     return (f"topk_decode us: {tiles}; torch.topk {_fmt(d.get('torch_topk_us'))}; step with select=decode "
             f"{_fmt(d.get('step_us_decode_select'))} us (top-k in the step {_fmt(d.get('topk_us_decode_select'))}, "

@@ -116,3 +116,16 @@ def test_decode_topk_deepseek_v32_batch64_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, topk_indices_torch(s, limits, 2048))
         assert redo[2].item() == step and redo.sum().item() <= 2 + step
+
+
+def test_bench_line_shows_decode_select_beside_torch_topk():
+    """bench_dsa's decode line: each topk_decode tile (timed as, twin, redo rows), torch.topk and the step."""
+    from adapt.stages.bench_dsa import _decode_select_line
+
+    case = {"torch_topk_us": 144.1, "step_us_decode_select": 600.0, "topk_us_decode_select": 40.0,
+            "step_over_floor_decode_select": 1.94,
+            "topk_decode_sweep": [{"us": 35.5, "equals_twin": True, "redo_rows": 0, "timed_as": "graph"},
+                                  {"parts": 4, "error": "out of resources"}]}
+    line = _decode_select_line(case)
+    assert "default: 35.5 (graph, twin True, redo 0)" in line and "{'parts': 4}: out of resources" in line
+    assert "torch.topk 144.1" in line and "select=decode 600.0 us" in line and "step / floor 1.94" in line
