@@ -1123,8 +1123,9 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
 def _decode_select_line(d: dict) -> str:
     """The decode top-k (``topk_decode``) beside torch.topk: its tiles (us, equal to the twin, misjudged rows)
     and the step with it."""
+    measured = ("us", "equals_twin", "redo_rows", "timed_as", "error")
     tiles = ", ".join(
-        f"{ {k: v for k, v in r.items() if k not in ('us', 'equals_twin', 'redo_rows', 'timed_as', 'error')} or 'default'}: "
+        f"{ {k: v for k, v in r.items() if k not in measured} or 'default'}: "
         + (f"{_fmt(r['us'])} ({r['timed_as']}, twin {r['equals_twin']}, redo {r['redo_rows']})" if "us" in r
            else r["error"])
         for r in d["topk_decode_sweep"])
