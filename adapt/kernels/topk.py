@@ -559,7 +559,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
                 parts: int | None = None, block: int | None = None, select_block: int | None = None,
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
                 redo: torch.Tensor | None = None, registers: bool | None = None,
-                select_warps: int | None = None) -> torch.Tensor:
+                select_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -575,6 +575,8 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
        ``registers`` (default: when parts x 2 * topk <= DECODE_REGISTER_SLOTS): the candidates are held in
        registers and the k-th key found by 32 bisection steps there (one load), instead of the radix passes
        over them in memory (five loads); ``select_warps`` per select program (default 8, 4 for the passes).
+    ``num_warps`` / ``num_stages`` / ``block`` (scores per loop step): the candidate pass's launch (defaults
+    8 / Triton's / 4096); ``parts`` per row (default ``decode_parts``); ``sample`` a power of two.
 
     scores fp32 [N, C] (unit column stride), limits int [N] (row r sees columns < limits[r]; -inf scores are
     not visible). ``out``: optional int32 [N, topk]; ``redo``: optional int32 [N] that receives 1 for the
@@ -589,6 +591,9 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
         raise ValueError(f"digit_bits must be 4 or 8, not {digit_bits}")
     if out is None:
         out = torch.empty(n_rows, topk, dtype=torch.int32, device=scores.device)
+    if out.shape != (n_rows, topk) or (topk > 1 and out.stride() != (topk, 1)):
+        raise ValueError(f"topk_decode writes a contiguous int32 [{n_rows}, {topk}] out, not {tuple(out.shape)} "
+                         f"with strides {out.stride()}")
     if redo is None:
         redo = torch.empty(n_rows, dtype=torch.int32, device=scores.device)
     if n_rows == 0 or topk == 0:
@@ -612,7 +617,8 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     _decode_candidates_kernel[(n_rows, parts)](
         scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
         RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=DECODE_EXPECT[0], EXPECT_DEN=DECODE_EXPECT[1], SEG_CAP=seg_cap,
-        PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, num_warps=num_warps or 8)
+        PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, num_warps=num_warps or 8,
+        **({"num_stages": num_stages} if num_stages else {}))
     _decode_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
