@@ -411,11 +411,11 @@ def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr,
     written = 0
     for start in range(lo, hi, BLOCK):
         pos = start + offs
-        key, vis = _slice_keys(base, pos, n, n_read)
-        take = vis & (key >= tau) & (pos < hi)
+        step_key, step_vis = _slice_keys(base, pos, n, n_read)
+        take = step_vis & (step_key >= tau) & (pos < hi)
         slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
         keep = take & (slot < SEG_CAP)
-        tl.store(key_base + slot, key.to(tl.int32, bitcast=True), mask=keep)
+        tl.store(key_base + slot, step_key.to(tl.int32, bitcast=True), mask=keep)
         tl.store(pos_base + slot, pos, mask=keep)
         written += tl.sum(take.to(tl.int32), axis=0)
     tl.store(count_ptr + seg, written)
@@ -559,7 +559,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
                 parts: int | None = None, block: int | None = None, select_block: int | None = None,
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
                 redo: torch.Tensor | None = None, registers: bool | None = None,
-                select_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                select_warps: int | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -575,8 +575,9 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
        ``registers`` (default: when parts x 2 * topk <= DECODE_REGISTER_SLOTS): the candidates are held in
        registers and the k-th key found by 32 bisection steps there (one load), instead of the radix passes
        over them in memory (five loads); ``select_warps`` per select program (default 8, 4 for the passes).
-    ``num_warps`` / ``num_stages`` / ``block`` (scores per loop step): the candidate pass's launch (defaults
-    8 / Triton's / 4096); ``parts`` per row (default ``decode_parts``); ``sample`` a power of two.
+    ``num_warps`` / ``block`` (scores per loop step): the candidate pass's launch (defaults 8 / 4096; its loop
+    is not software-pipelined by Triton: no async copies in the sm_90 build); ``parts`` per row (default
+    ``decode_parts``); ``sample`` a power of two.
 
     scores fp32 [N, C] (unit column stride), limits int [N] (row r sees columns < limits[r]; -inf scores are
     not visible). ``out``: optional int32 [N, topk]; ``redo``: optional int32 [N] that receives 1 for the
@@ -617,8 +618,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     _decode_candidates_kernel[(n_rows, parts)](
         scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
         RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=DECODE_EXPECT[0], EXPECT_DEN=DECODE_EXPECT[1], SEG_CAP=seg_cap,
-        PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, num_warps=num_warps or 8,
-        **({"num_stages": num_stages} if num_stages else {}))
+        PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, num_warps=num_warps or 8)
     _decode_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,

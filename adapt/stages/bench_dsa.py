@@ -292,11 +292,10 @@ TOPK_DECODE_SWEEP = (
     dict(parts=8),
     dict(block=2048),
     dict(num_warps=4),
-    dict(digit_bits=4),
+    dict(block=1024, num_warps=4),
     dict(sample=2048),
     dict(select_block=2048),
-    dict(num_stages=1),
-    dict(num_stages=4, block=2048),
+    dict(parts=4, block=2048),
     dict(parts=4, block=2048, num_warps=4),
     dict(registers=False),
 )
