@@ -284,7 +284,7 @@ GRAPH_LAYERS = 8
 
 # ``topk_decode`` tiles timed on every decode case's scores beside torch.topk (issue 16: torch.topk runs the
 # batch-64 step, 144-151 us on 2026-11-30): the default (parts per row from the SM count, 4096-score steps,
-# 8 warps, 8-bit digits, 4096 sampled scores), then one change each.
+# 8 warps, 8-bit digits, 4096 sampled scores, candidates in registers), then one or two changes each.
 TOPK_DECODE_SWEEP = (
     {},
     dict(parts=1),
