@@ -69,7 +69,7 @@ def print_json(data) -> None:
 def render_report(report: StageReport) -> None:
     """A stage report in the terminal: verdict, metrics, tables, findings."""
     verdict = report.decide()
-    color = {"pass": "green", "warn": "yellow", "fail": "red"}[verdict]
+    color = {"pass": "green", "warn": "yellow", "unmeasured": "red", "fail": "red"}[verdict]
     console.print(f"[bold]Stage {report.number}: {escape(report.title)}[/bold]  [{color}]{verdict.upper()}[/{color}]")
     if report.summary:
         console.print(report.summary, markup=False)
@@ -248,6 +248,8 @@ def validate(
         "--compute-dtype", help="Stage 5: adapted path's compute dtype, bf16 or fp32.")] = "bf16",
     url: Annotated[str | None, typer.Option(
         "--url", help="Stage 6: load this OpenAI-compatible server instead of launching the model.")] = None,
+    served_model: Annotated[str | None, typer.Option(
+        "--served-model", help="Stage 6 with --url: the name the server serves MODEL under (default: MODEL).")] = None,
     soak_s: Annotated[float, typer.Option("--soak-s", help="Stage 6: soak length in seconds.")] = 60.0,
     tokenizer: Annotated[str | None, typer.Option(
         "--tokenizer", help="Stage 6: tokenizer path or id for the load (default: the model's; a byte-level "
@@ -267,6 +269,7 @@ def validate(
     options = PipelineOptions(model=model, target=target, devices=devices, nodes=nodes, context=context,
                               batch=batch, kv_dtype=kv_dtype, weights=weights, stack=stack,
                               run_path=str(run.path), url=url, soak_s=soak_s, tokenizer=tokenizer,
+                              served_model=served_model,
                               layers=layers, kernels=kernels,
                               indexer_dtype=indexer_dtype, compute_dtype=compute_dtype,
                               gates_file=str(gates) if gates else None)
@@ -277,11 +280,16 @@ def validate(
 
     reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report,
                         on_reuse=reused)
+    code = max((r.exit_code for r in reports), default=0)
     if as_json:
-        print_json({"run": str(run.path), "reports": [r.to_dict() for r in reports]})
+        from adapt.report import VERDICTS
+
+        worst = max((r.decide() for r in reports), key=VERDICTS.index, default="pass")
+        print_json({"run": str(run.path), "verdict": worst, "exit_code": code,
+                    "reports": [r.to_dict() for r in reports]})
     else:
         console.print(f"[dim]reports: {escape(str(run.path))}[/dim]")
-    raise typer.Exit(max((r.exit_code for r in reports), default=0))
+    raise typer.Exit(code)
 
 
 ModelArg = Annotated[str, typer.Argument(help="Model directory, config.json, or preset name.")]
@@ -642,6 +650,9 @@ def bench_serve(
                             "stand-in when MODEL is a directory without one).")] = None,
     server_pid: Annotated[int | None, typer.Option(
         "--server-pid", help="With --url: the server's root process id, to sample its memory.")] = None,
+    checkpoint: Annotated[str | None, typer.Option(
+        "--checkpoint", help="With --url: the checkpoint directory the server should serve (checked through "
+                             "/v1/models and greedy tokens against adapt's runtime).")] = None,
     input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens of long-in workloads.")] = 256,
     output_len: Annotated[int, typer.Option("--output-len", help="Output tokens of long-out workloads.")] = 64,
     concurrency: Annotated[list[int] | None, typer.Option(
@@ -670,6 +681,7 @@ def bench_serve(
     thresholds = load_gates(gates)
     report = run_serve_stage(model, target=target, run_path=run.path, gates=thresholds, options=options,
                              url=url, served_model=served_model, tokenizer=tokenizer, server_pid=server_pid,
+                             checkpoint=checkpoint,
                              max_model_len=max_model_len, vllm=vllm,
                              kv_cache_bytes=kv_cache_mib * 2**20 if kv_cache_mib else None)
     if url is None:   # MODEL is a checkpoint here (with --url it is only the name a server answers to)
@@ -680,6 +692,7 @@ def bench_serve(
                                           prompts=prompts, soak_requests=soak_requests,
                                           soak_concurrency=soak_concurrency, max_model_len=max_model_len,
                                           kv_cache_mib=kv_cache_mib))
+        report.fingerprint["engine"] = report.metrics.get("engine")  # as launched (--max-model-len, ...)
     finish(report, as_json, run)
 
 
@@ -738,7 +751,8 @@ def demo(
             console.print(f"reference and kernel paths {agree}; reports in {summary['run']}", markup=False)
         if "precision_plot" in summary:
             console.print(f"precision plot: {summary['precision_plot']}", markup=False, highlight=False)
-    failed = any(v == "fail" for v in summary["gates"].values()) or not summary.get("runtime_paths_agree", False)
+    failed = any(v in ("fail", "unmeasured") for v in summary["gates"].values())
+    failed = failed or not summary.get("runtime_paths_agree", False)
     raise typer.Exit(1 if failed else 0)
 
 

@@ -5,8 +5,9 @@ A stage returns a ``StageReport``; ``RunDir.write(report)`` puts
 updates ``manifest.json``. Every file is written to a temp file in the same directory
 and renamed into place, so an interrupted run never leaves a half-written report.
 
-Verdicts: "pass" (warnings allowed), "warn", "fail". Exit codes: 0 pass or warn,
-1 gate failed, 2 bad input or usage (``adapt.errors.InputError``).
+Verdicts: "pass" (warnings allowed), "warn" (measured its core, with caveats), "unmeasured" (nothing was
+measured: an ``unmeasured`` finding says what and how to measure it), "fail". Exit codes: 0 pass or warn,
+1 gate failed or unmeasured, 2 bad input or usage (``adapt.errors.InputError``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from adapt import __version__
 from adapt.errors import InputError, check_interrupt
 
 SEVERITIES = ("info", "warn", "error")
-VERDICTS = ("pass", "warn", "fail")
+VERDICTS = ("pass", "warn", "unmeasured", "fail")
+UNMEASURED = "unmeasured"  # the finding code (and verdict) of a stage that measured nothing
 EXIT_PASS, EXIT_GATE_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_GATES = Path(__file__).with_name("gates.yaml")
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -61,7 +63,7 @@ class StageReport:
 
     stage: "inventory" | "memory" | "kernels" | "parallel" | "precision" | "bench" | ...
     number: the pipeline stage number (1..6; 0 for auxiliary reports such as info)
-    verdict: "pass" | "warn" | "fail" (``decide`` derives it from findings when unset)
+    verdict: "pass" | "warn" | "unmeasured" | "fail" (``decide`` derives it from findings when unset)
     metrics: flat or nested JSON-able numbers; findings: list of Finding
     tables: named tables (list of row dicts) rendered into Markdown
     artifacts: name -> relative path of extra files the stage wrote
@@ -86,19 +88,27 @@ class StageReport:
         self.findings.append(finding)
         return finding
 
+    def not_measured(self, what: str, how: str) -> Finding:
+        """Record that the stage measured nothing (``what``: what was not measured and why; ``how``: how to
+        measure it). The verdict becomes "unmeasured" (unless an error fails it): exit 1, never reused by
+        ``validate``, refused by the hand-off; a stage that measured its core and has caveats warns instead."""
+        return self.add("warn", UNMEASURED, f"nothing measured: {what}", how)
+
     def decide(self) -> str:
-        """Set the verdict from the findings unless a stage already set it: any error -> fail,
-        any warning -> warn, else pass."""
+        """Set the verdict from the findings unless a stage already set it: any error -> fail, an
+        ``unmeasured`` finding -> unmeasured, any warning -> warn, else pass."""
         if not self.verdict:
             severities = {f.severity for f in self.findings}
-            self.verdict = "fail" if "error" in severities else "warn" if "warn" in severities else "pass"
+            self.verdict = ("fail" if "error" in severities else UNMEASURED
+                            if any(f.code == UNMEASURED for f in self.findings)
+                            else "warn" if "warn" in severities else "pass")
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
         return self.verdict
 
     @property
     def exit_code(self) -> int:
-        return EXIT_GATE_FAILED if self.decide() == "fail" else EXIT_PASS
+        return EXIT_GATE_FAILED if self.decide() in ("fail", UNMEASURED) else EXIT_PASS
 
     def to_dict(self) -> dict[str, Any]:
         self.decide()
@@ -136,7 +146,7 @@ class StageReport:
     def to_junit(self) -> str:
         """JUnit XML: one testcase per finding code group, failures for errors."""
         self.decide()
-        errors = [f for f in self.findings if f.severity == "error"]
+        errors = [f for f in self.findings if f.severity == "error" or f.code == UNMEASURED]
         cases = [f'  <testcase classname="adapt.stage{self.number}" name="{escape(self.stage)}.gate">']
         if errors:
             body = "\n".join(f"[{f.code}] {f.message}" for f in errors)
@@ -144,7 +154,7 @@ class StageReport:
                          f"{escape(body)}</failure>")
         cases.append("  </testcase>")
         for f in self.findings:
-            if f.severity == "error":
+            if f in errors:
                 continue
             cases.append(f'  <testcase classname="adapt.stage{self.number}.{escape(self.stage)}" '
                          f'name="{escape(f.code)}"><system-out>{escape(f.message)}</system-out></testcase>')
@@ -414,6 +424,10 @@ class RunDir:
                 or data.get("verdict") not in VERDICTS or not isinstance(data.get("fingerprint", {}), dict)):
             raise InputError(f"not an adapt stage report of stage {stage!r}; delete it and run the stage again",
                              file=path)
+        derived = _verdict_of_findings(data.get("findings"))
+        if derived is None or VERDICTS.index(data["verdict"]) < VERDICTS.index(derived):
+            raise InputError(f"its verdict {data['verdict']!r} contradicts its findings ({derived or 'unreadable'}): "
+                             "not a report adapt wrote; delete it and run the stage again", file=path)
         return data
 
     def _scan(self) -> dict[str, dict[str, Any]]:
@@ -428,8 +442,11 @@ class RunDir:
                 continue
             if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA or path.stem != data.get("stage"):
                 continue
+            verdict, derived = data.get("verdict"), _verdict_of_findings(data.get("findings")) or "fail"
+            if verdict not in VERDICTS or VERDICTS.index(verdict) < VERDICTS.index(derived):
+                verdict = derived  # a verdict more lenient than its findings (not written by adapt) is not listed
             stages[data["stage"]] = {
-                "number": data.get("number"), "verdict": data.get("verdict"), "finished": data.get("finished"),
+                "number": data.get("number"), "verdict": verdict, "finished": data.get("finished"),
                 "files": sorted(data.get("files") or [path.name]), "fingerprint": data.get("fingerprint", {}),
             }
         return stages
@@ -471,9 +488,14 @@ class RunDir:
             pause_for_test("write")
             check_interrupt()
             try:
-                # the old JSON goes first: a process killed before the new one lands leaves no report
-                # (the stage did not run here), never the old verdict beside the new Markdown and JUnit
-                (self.path / f"{report.stage}.json").unlink(missing_ok=True)
+                # the old JSON goes first, and the manifest without it: a process killed before the new one
+                # lands leaves no report (the stage did not run here), never the old verdict beside the new
+                # Markdown and JUnit, in the stage files or in manifest.json
+                old_json = self.path / f"{report.stage}.json"
+                if old_json.exists():
+                    old_json.unlink()
+                    atomic_write(self.manifest_path, json.dumps({**self.manifest(), "updated": now_iso()},
+                                                                indent=2, default=_json_default))
                 for name, text in files.items():
                     if name == f"{report.stage}.json":
                         continue
@@ -494,6 +516,18 @@ class RunDir:
         """The verdict in the stage's own report in this run, or None if it has not run here."""
         data = self.stage_report(stage)
         return data["verdict"] if data else None
+
+
+def _verdict_of_findings(findings: Any) -> str | None:
+    """The least verdict a report's findings (as written to JSON) allow (``StageReport.decide``'s rule), or None
+    when they are not a list of findings."""
+    if not isinstance(findings, list) or not all(isinstance(f, dict) for f in findings):
+        return None
+    if any(f.get("severity") == "error" for f in findings):
+        return "fail"
+    if any(f.get("code") == UNMEASURED for f in findings):
+        return UNMEASURED
+    return "warn" if any(f.get("severity") == "warn" for f in findings) else "pass"
 
 
 def pause_for_test(point: str) -> None:
@@ -523,6 +557,33 @@ class _SwallowingDel:
 
     def __del__(self):
         _wait_for_signal(self.ready)
+
+
+CONTENT_DIGEST_MAX_BYTES = 2 * 1024**3  # checkpoints up to this size are hashed whole (tiny models: a few MiB)
+
+
+def checkpoint_data_digest(model: str) -> str | None:
+    """Digest of a model directory's top-level files themselves (tensors, tokenizer, config), or None
+    when ``model`` is not a directory. Up to ``CONTENT_DIGEST_MAX_BYTES`` in all, sha256 of every byte;
+    above, files over 64 MiB enter by name, size and modification time (a rebuild rewrites them) and
+    smaller ones by content, so a 700 GB checkpoint is not read for a fingerprint."""
+    directory = Path(model)
+    if not directory.is_dir():
+        return None
+    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+    whole = sum(p.stat().st_size for p in files) <= CONTENT_DIGEST_MAX_BYTES
+    h = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        h.update(path.name.encode() + b"\0")
+        if whole or stat.st_size <= 64 * 2**20:
+            with open(path, "rb") as handle:
+                while chunk := handle.read(16 * 2**20):
+                    h.update(chunk)
+        else:
+            h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+        h.update(b"\0")
+    return ("sha256:" if whole else "stat:") + h.hexdigest()[:16]
 
 
 def digest(obj: Any) -> str:

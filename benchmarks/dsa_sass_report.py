@@ -1,7 +1,7 @@
-"""Compile the DSA prefill kernels for sm_90 on a machine without a GPU and count their SASS.
+"""Compile the DSA indexer scoring kernel for sm_90 on a machine without a GPU and count its SASS
+(the sparse MLA four-group kernel: ``benchmarks/sparse_mla_sass.py``).
 
 Usage: PYTHONPATH=. python benchmarks/dsa_sass_report.py index '[{"ROWS": 4, "BLOCK_S": 64, "warps": 8}]'
-       PYTHONPATH=. python benchmarks/dsa_sass_report.py mla '[{"BLOCK_K": 128}]'
 
 Each JSON object overrides the kernel's constexprs (upper-case keys) and the launch options (warps,
 stages). Prints shared memory, registers, spill bytes and the opcode counts of the innermost loop that
@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adapt.kernels import dsa, sparse_mla
+from adapt.kernels import dsa
 from benchmarks.moe.sass_report import report
 
 KERNELS = {
@@ -27,20 +27,14 @@ KERNELS = {
                    limit_ptr="i32", tiles_ptr="i32", seq_ptr="i32", out_ptr="fp32"),
               dict(HEAD_DIM=128, BLOCK_H=64, BLOCK_S=64, ROWS=4, PAGE=64, NUM_STAGES=3, UPCAST=False, STACKED=True,
                    DIRECT=False, FULL_TILES=False), dict(warps=8, stages=3)),
-    "mla": (sparse_mla._sparse_mla_fp8x4_kernel,
-            dict(qn_ptr="bf16", qr_ptr="bf16", nope_ptr="fp8e4nv", nscale_ptr="fp32", rope_ptr="bf16",
-                 block_table_ptr="i32", seq_ptr="i32", idx_ptr="i32", out_ptr="bf16", lse_ptr="fp32"),
-            dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=128, PAGE=64, SPLIT=False, UPCAST=False,
-                 PREFETCH=False, HEADS_INNER=False, HALF=False), dict(warps=8, stages=1)),
 }
-FLOATS = ("scale_log2",)
 
 
 def compile_kernel(name: str, over: dict):
     kern, ptrs, base, launch = KERNELS[name]
     const = dict(base, **{k: v for k, v in over.items() if k.isupper()})
     launch = dict(launch, **{k: v for k, v in over.items() if not k.isupper()})
-    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n in FLOATS else "i32")
+    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "i32")
            for n in kern.arg_names}
     div16 = ("stride", "bt_stride", "out_stride")
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs or n in div16}

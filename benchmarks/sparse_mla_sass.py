@@ -29,7 +29,7 @@ from sass_report import BIN, report  # noqa: E402
 from adapt.kernels import sparse_mla as sm  # noqa: E402
 
 BASE = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=128, PAGE=64, SPLIT=False, UPCAST=False,
-            PREFETCH=False, QK_FP8=False)
+            PREFETCH=False, QK_FP8=False, HEADS_INNER=False, HALF=False)
 PTRS = dict(qn_ptr="bf16", qr_ptr="bf16", qscale_ptr="fp32", nope_ptr="fp8e4nv", nscale_ptr="fp32", rope_ptr="bf16",
             block_table_ptr="i32", seq_ptr="i32", idx_ptr="i32", out_ptr="bf16", lse_ptr="fp32")
 

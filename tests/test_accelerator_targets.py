@@ -96,10 +96,11 @@ def test_validate_stage4_on_the_calibrated_two_gpu_target(tmp_path):
     result = CliRunner().invoke(app, ["validate", "deepseek-v3.2", "--stage", "4", "-t",
                                       str(CALIBRATED / "h200-x2.yaml"), "-d", "8", "--context", "8192",
                                       "-o", str(tmp_path), "--run", "cal", "--json"])
-    assert result.exit_code == 0, result.output
+    # stage 3 measures nothing on a machine without the target's GPU (its native ops are "not run here"):
+    # unmeasured, so validate exits 1 after stage 4 planned
+    assert result.exit_code == (0 if torch.cuda.is_available() else 1), result.output
     reports = json.loads(result.stdout)["reports"]
     assert [r["stage"] for r in reports] == ["inventory", "memory", "kernels", "parallel"]
-    # stage 3 warns on a machine without the target's GPU: its native ops are "not run here"
     expected = {"inventory": "pass", "memory": "pass", "parallel": "pass",
-                "kernels": "pass" if torch.cuda.is_available() else "warn"}
+                "kernels": "pass" if torch.cuda.is_available() else "unmeasured"}
     assert {r["stage"]: r["verdict"] for r in reports} == expected

@@ -39,6 +39,32 @@ def post_json(base_url: str, path: str, body: dict[str, Any], timeout_s: float =
         return status, raw.decode(errors="replace")
 
 
+def get_json(base_url: str, path: str, timeout_s: float = 10.0) -> Any:
+    """``GET base_url + path`` decoded as JSON, or None when the server does not answer 200 with JSON."""
+    try:
+        with urllib.request.urlopen(base_url + path, timeout=timeout_s) as response:
+            return json.loads(response.read()) if response.status == 200 else None
+    except (urllib.error.URLError, OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def served_models(base_url: str) -> list[dict[str, Any]] | None:
+    """The models an OpenAI-compatible server lists (``GET /v1/models``): each ``{"id", "root",
+    "max_model_len"}`` as the server gives them (vLLM: root is the path or hub id it loaded, max_model_len its
+    context in tokens); None when the server does not list them."""
+    data = get_json(base_url, "/v1/models")
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        return None
+    return [{"id": m.get("id"), "root": m.get("root"), "max_model_len": m.get("max_model_len")}
+            for m in data["data"] if isinstance(m, dict)]
+
+
+def server_version(base_url: str) -> str | None:
+    """The serving engine's version as the server reports it (vLLM's ``GET /version``), or None."""
+    data = get_json(base_url, "/version")
+    return str(data["version"]) if isinstance(data, dict) and data.get("version") else None
+
+
 def healthy(base_url: str) -> bool:
     """Whether ``GET /health`` answers 200 within 10 s."""
     try:

@@ -21,7 +21,7 @@ from typing import Any
 
 from adapt.errors import InputError
 from adapt.plan.launch import multi_node_args, ray_steps, serve_command, shell_script
-from adapt.report import RunDir, StageReport, fingerprint, markdown_table
+from adapt.report import UNMEASURED, RunDir, StageReport, checkpoint_data_digest, fingerprint, markdown_table
 
 STAGE_NUMBER = 0  # the schema numbers gate stages 1-6; 0 marks reports outside that sequence
 REQUIRED_STAGES = ("inventory", "memory", "kernels", "parallel")
@@ -48,7 +48,6 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
     """
     from adapt.stages.pipeline import (
         PipelineOptions,
-        checkpoint_data_digest,
         fingerprint_mismatch,
         plan_digest,
         stage_fingerprint,
@@ -65,7 +64,7 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
             continue
         recorded = data.get("fingerprint") or {}
         if "options" not in recorded:
-            if stage in LATER_STAGES:
+            if stage == "bench":
                 continue  # `bench serve --url`: no pipeline fingerprint; the README marks it "not tied"
             return f"{stage}: its report has no provenance fingerprint (made by an older adapt); run it again"
         differs = fingerprint_mismatch(recorded, expected, shared_fields)
@@ -80,6 +79,12 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
             differs = fingerprint_mismatch(recorded, data_digest, ("checkpoint_data",))
             if differs:
                 return f"{stage}: {differs}"
+        if stage == "bench" and not isinstance(recorded.get("engine"), dict):
+            return f"{stage}: its fingerprint does not name the serving engine (made by an older adapt); run it again"
+        if isinstance(recorded.get("engine"), dict):
+            differs = _engine_mismatch(recorded["engine"], run)
+            if differs:
+                return f"{stage}: {differs}; run stage {STAGE_OF[stage]} again"
         options = recorded["options"]
         if "plan" in options and options["plan"] != plan_digest(run.path):
             return (f"{stage}: options.plan: it served stage 4's plan {options['plan']}, and the run's parallel.json "
@@ -96,6 +101,24 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
         if seen_stack is not None and recorded.get("stack") != seen_stack[1]:
             return f"{stage}: stack {recorded.get('stack')} differs from {seen_stack[0]}'s {seen_stack[1]}"
         seen_stack = seen_stack or (stage, recorded.get("stack"))
+    return None
+
+
+def _engine_mismatch(recorded: dict[str, Any], run: RunDir) -> str | None:
+    """How the serving engine a stage-6 report measured with (its fingerprint's ``engine``) differs from this
+    machine's now: the serve environment's vLLM version (when both are known) and, for a stage 6 that adapt
+    launched, the engine arguments it would launch the run's plan with now; None when they agree, or when this
+    machine has no vLLM (a bundle made elsewhere: nothing here to compare with)."""
+    from adapt.stages.serve import serving_engine
+
+    now = serving_engine(run.path, None)
+    if now["version"] is None:
+        return None
+    if recorded.get("version") and recorded["version"] != now["version"]:
+        return (f"engine.version: recorded {recorded['version']!r}, now {now['version']!r} (the serve environment's "
+                "vLLM)")
+    if recorded.get("launch") is not None and recorded["launch"] != now["launch"]:
+        return f"engine.launch: recorded {json.dumps(recorded['launch'])}, now {json.dumps(now['launch'])}"
     return None
 
 
@@ -139,9 +162,16 @@ def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: in
     for stage, verdict in gate_verdicts(run).items():
         if verdict is None:
             problems.append(f"{stage}: not run")
+        elif verdict == UNMEASURED:
+            problems.append(_unmeasured(run, stage))
         elif verdict not in ("pass", "warn"):
             problems.append(f"{stage}: {verdict}")
-    problems += [f"{stage}: fail" for stage in LATER_STAGES if run.verdict_of(stage) == "fail"]
+    for stage in LATER_STAGES:
+        verdict = run.verdict_of(stage)
+        if verdict == UNMEASURED:
+            problems.append(_unmeasured(run, stage))
+        elif verdict == "fail":
+            problems.append(f"{stage}: fail")
     if problems and not force:
         last = max(STAGE_OF[p.split(":")[0]] for p in problems)
         command = (f"adapt validate {shlex.quote(model)} --stage {max(last, 4)} --target {shlex.quote(target)} "
@@ -150,6 +180,14 @@ def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: in
         raise InputError(f"hand-off refused: gates up to stage {max(last, 4)} have not passed in {run.path} ("
                          + "; ".join(problems) + ")", hint=f"run `{command}`, or pass --force (recorded)")
     return problems
+
+
+def _unmeasured(run: RunDir, stage: str) -> str:
+    """"<stage>: unmeasured (what was not measured; how to measure it)" from the stage's ``unmeasured`` findings."""
+    findings = [f for f in run.stage_report(stage).get("findings") or []
+                if isinstance(f, dict) and f.get("code") == UNMEASURED]
+    said = "; ".join(f"{f.get('message')}; {f.get('hint')}" for f in findings) or "nothing was measured"
+    return f"{stage}: unmeasured ({said})"
 
 
 def plan_engine_args(run: RunDir, *, devices: int, nodes: int, forced: bool) -> tuple[dict[str, Any], str]:
@@ -248,9 +286,13 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     argv = serve_command(model_path, args)
     steps = ray_steps(model_path, engine_args, nodes)
 
+    from adapt.handoff.vllm import installed_version
+
+    vllm_version = installed_version()
     report = StageReport("handoff", STAGE_NUMBER, "Hand-off to vLLM",
                          fingerprint=fingerprint(model=model, target=resolved_target.name, devices=devices,
-                                                 nodes=nodes))
+                                                 nodes=nodes, engine={"name": "vllm", "version": vllm_version,
+                                                                      "serve_command": argv}))
     report.metrics.update({"engine_args": args, "serve_command": argv, "ray_steps": steps, "nodes": nodes,
                            "devices": devices, "forced": bool(force and overridden),
                            "overridden_gates": overridden, "engine_args_source": source,
@@ -268,7 +310,7 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
     files = {
         f"{BUNDLE_DIR}/engine_args.json": json.dumps({
             "model": model_path, "source_model": model, "target": resolved_target.name, "devices": devices,
-            "nodes": nodes, "engine_args": args, "engine_args_source": source,
+            "nodes": nodes, "engine_args": args, "engine_args_source": source, "vllm_version": vllm_version,
             "weights_format": {"plan": weights, "vllm": how}, "forced": bool(overridden),
             "overridden_gates": overridden, "export_note": export_note}, indent=2) + "\n",
         f"{BUNDLE_DIR}/serve.sh": "#!/bin/sh\n# vllm serve for "

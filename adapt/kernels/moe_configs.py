@@ -66,6 +66,25 @@ class PlanarConfig:
     flatten: bool = False
 
 
+@dataclass(frozen=True)
+class PlanarMLPConfig:
+    """Tile of the one-kernel planar MLP (``moe_planar.planar_moe(one_kernel=...)``, T <= 16): tokens per
+    m-tile (block_m), intermediates per program (block_i: 64 = half a planar step of W2's K, or 128 =
+    one step; GEMM1 then reads 2 * block_i interleaved gate/up rows), W2 rows per inner tile
+    (block_n2, a multiple of 64), warps, stages, register cap (0: none), natural_half: with block_i 64,
+    W2's half-step operand permuted into K order (else h is permuted once to the decode's order),
+    stages2: pipeline depth of GEMM2's n-loop (0: num_stages; its stage is block_n2 x block_i / 2 bytes)."""
+
+    block_m: int = 16
+    block_i: int = 64
+    block_n2: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    maxnreg: int = 0
+    natural_half: bool = True
+    stages2: int = 0
+
+
 def pick_configs(slots: int, n_experts: int, compute: str) -> tuple[GemmConfig, GemmConfig]:
     """Configs for (GEMM1, GEMM2) from the mean slots per expert (same block_m for both).
 
@@ -203,3 +222,10 @@ def pick_planar_configs(
         if per_expert <= limit:
             return c1, c2
     raise AssertionError("the last row of a planar table must have no limit")
+
+
+def pick_planar_mlp_config() -> PlanarMLPConfig:
+    """The one-kernel planar MLP's tile (a small one under the interpreter, so tests stay fast)."""
+    if INTERPRET:
+        return PlanarMLPConfig(block_m=16, block_i=64, block_n2=64, num_warps=4, num_stages=1)
+    return PlanarMLPConfig()

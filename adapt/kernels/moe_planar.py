@@ -42,7 +42,8 @@ a [T, H] sum (split-K partials added the same way, no epilogue kernel); ``planar
 
 ``planar_from_mxfp4`` / ``planar_to_mxfp4_torch`` convert between the layouts (the second is the
 inverse used by tests); ``planar_gemm_torch`` is the twin of ``planar_gemm``; ``planar_experts_run``
-runs both GEMMs of a layer (``expert_mlp``'s planar path), ``planar_moe`` the layer with its combine.
+runs both GEMMs of a layer (``expert_mlp``'s planar path), ``planar_moe`` the layer with its combine
+(with ``one_kernel``: GEMM1, SwiGLU, GEMM2 and the combine in one launch, ``_planar_mlp_kernel``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
-from adapt.kernels.moe_configs import PlanarConfig
+from adapt.kernels.moe_configs import PlanarConfig, PlanarMLPConfig
 from adapt.kernels.moe_tiles import num_sms, tile_slots
 from adapt.kernels.mxfp4 import INTERPRET, dequantize_mxfp4_torch, to_bf16
 
@@ -550,6 +551,167 @@ def _split_k_epilogue_kernel(
         tl.store(out_ptr + r.to(tl.int64) * stride_o + no, to_bf16(_swiglu(g, u, alpha, limit, ACTIVATION)), mask=ok)
 
 
+@triton.jit
+def _half_tile(w, s4, HALF, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+               NATURAL: tl.constexpr = True):
+    """Half HALF (runtime 0 / 1) of a step as an operand [BLOCK_N, 64] in natural K order: words w
+    int32 [BLOCK_N, 8] of that half, the step's scale word s4 [BLOCK_N] (its blocks 2 * HALF and
+    2 * HALF + 1 moved to bytes 0 and 1, so the half decodes as half 0); NATURAL False: the columns
+    in the order the decode leaves them (no permute; the other operand takes ``_half_order``)."""
+    s4h = (s4.to(tl.uint32, bitcast=True) >> (16 * HALF)).to(tl.int32, bitcast=True)
+    a = _half_planes(w, s4h, 0, TWO_MULS, DOT_F32, BLOCK_N)  # [BN, 16 = (c, s), q0, q1], plane q0 + 2 q1
+    if NATURAL:  # as ``_tile``: (BN, posb, t, s, q0, q1) -> (BN, q1, q0, posb, t, s), register names only
+        a = tl.reshape(a, (BLOCK_N, 2, 4, 2, 2, 2))
+        return tl.reshape(tl.permute(a, (0, 5, 4, 1, 2, 3)), (BLOCK_N, 64))
+    return tl.reshape(a, (BLOCK_N, 64))  # column 8c + 4s + 2q0 + q1 holds K 32 q1 + 16 q0 + 2c + s
+
+
+@triton.jit
+def _half_order(h, BLOCK_M: tl.constexpr):
+    """h [64, BLOCK_M] in K order -> the K order of ``_half_tile`` without NATURAL (row 8c + 4s + 2q0 + q1
+    holds K 32 q1 + 16 q0 + 2c + s)."""
+    return tl.reshape(tl.permute(tl.reshape(h, (2, 2, 8, 2, BLOCK_M)), (2, 3, 1, 0, 4)), (64, BLOCK_M))
+
+
+@triton.jit
+def _planar_mlp_kernel(
+    x_ptr,
+    stride_x,
+    w1_ptr,
+    s1_ptr,
+    stride_w1e,
+    stride_s1e,
+    w2_ptr,
+    s2_ptr,
+    stride_w2e,
+    stride_s2e,
+    b1_ptr,
+    stride_b1e,
+    b2_ptr,
+    stride_b2e,
+    out_ptr,
+    stride_o,
+    gamma_ptr,
+    sorted_slot_ptr,
+    offsets_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    tile_start_ptr,
+    n_experts,
+    hidden,
+    inter,
+    k1_steps,
+    k2_steps,
+    alpha,
+    limit,
+    TOPK: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    TWO_MULS1: tl.constexpr,
+    TWO_MULS2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_N2: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K1: tl.constexpr,
+    EVEN_N2: tl.constexpr,
+    NATURAL_HALF: tl.constexpr = True,
+    STAGES2: tl.constexpr = 4,
+):
+    """Both GEMMs of a work item (m-tile, intermediate tile j) in one program, no grid-wide step:
+    h[i, m] = SwiGLU(W1[e, gate/up rows of i, :] . x[tok m, :]) for the BLOCK_I intermediates i of
+    tile j (full K = hidden; rounded to bf16 like the two-kernel path's h), then for every n-tile of
+    BLOCK_N2 output rows acc[n, m] = W2[e, n, K-slice j] . h[:, m], added times gamma[slot m] (+ the
+    bias, by tile 0) into out fp32 [T, hidden] at token slot // TOPK with relaxed atomic adds.
+
+    BLOCK_I 128: the K-slice is step j of W2's planar rows; 64: half j % 2 of step j // 2. STAGES2: the
+    pipeline depth of GEMM2's n-loop (GEMM1's loop takes the launch's num_stages). Atomic
+    adds: (m-tiles x inter / BLOCK_I) x hidden x BLOCK_M lanes (masked to the tile's real rows)."""
+    n_m = tl.load(tile_start_ptr + n_experts)
+    n_j = tl.cdiv(inter, BLOCK_I)
+    n_n2 = tl.cdiv(hidden, BLOCK_N2)
+    c8 = tl.arange(0, 8)
+    for tile in tl.range(tl.program_id(0), n_m * n_j, tl.num_programs(0)):
+        mt = tile // n_j
+        j = tile % n_j
+        e = tl.load(tile_expert_ptr + mt)
+        rows = tl.load(tile_row_ptr + mt) + tl.arange(0, BLOCK_M)
+        row_ok = rows < tl.load(offsets_ptr + e + 1)
+        slot = tl.load(sorted_slot_ptr + rows, mask=row_ok, other=0)
+        tok = (slot // TOPK).to(tl.int64)
+        # GEMM1: 2 * BLOCK_I interleaved gate/up rows of tile j, full K
+        n1 = j * (2 * BLOCK_I) + tl.arange(0, 2 * BLOCK_I)
+        nc = tl.minimum(n1, 2 * inter - 1).to(tl.int64)
+        wrow = w1_ptr + e.to(tl.int64) * stride_w1e + (nc // 64) * (k1_steps * 1024) + (nc % 64) * 16
+        srow = s1_ptr + e.to(tl.int64) * stride_s1e + (nc // 64) * (k1_steps * 64) + nc % 64
+        acc = tl.zeros((2 * BLOCK_I, BLOCK_M), tl.float32)
+        for st in range(0, k1_steps):
+            w0 = tl.load(wrow[:, None] + (st * 1024 + c8)[None, :])
+            if EVEN_K1:
+                w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :])
+            else:
+                w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :], mask=st * 128 + 64 < hidden, other=0)
+            s4 = tl.load(srow + st * 64)
+            kk = st * 128 + tl.arange(0, 128)
+            xb = x_ptr + tok[:, None] * stride_x + kk[None, :]
+            if EVEN_K1:
+                xs = tl.load(xb, mask=row_ok[:, None], other=0.0)
+            else:
+                xs = tl.load(xb, mask=row_ok[:, None] & (kk < hidden)[None, :], other=0.0)
+            if DOT_F32:
+                xs = xs.to(tl.float32)
+            acc = tl.dot(_tile(w0, w1, s4, TWO_MULS1, DOT_F32, 2 * BLOCK_I), tl.trans(xs), acc)
+        if HAS_BIAS:
+            bv = tl.load(b1_ptr + e.to(tl.int64) * stride_b1e + n1, mask=n1 < 2 * inter, other=0.0).to(tl.float32)
+            acc += bv[:, None]
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_I, 2, BLOCK_M)), (0, 2, 1)))
+        i_ok = j * BLOCK_I + tl.arange(0, BLOCK_I) < inter
+        h = to_bf16(tl.where(i_ok[:, None], _swiglu(gate, up, alpha, limit, ACTIVATION), 0.0))  # [BLOCK_I, BLOCK_M]
+        if DOT_F32:
+            h = h.to(tl.float32)
+        gam = tl.load(gamma_ptr + slot, mask=row_ok, other=0.0)
+        # GEMM2: every n-tile of W2's rows on K-slice j, added into the token sums. Row r of an n-tile
+        # sits at block r // 64, row r % 64 of the tiled layout: a fixed offset, the tile adds a scalar
+        r2 = tl.arange(0, BLOCK_N2)
+        if BLOCK_I == 128:
+            kofs = j * 1024
+        else:
+            kofs = (j // 2) * 1024 + (j % 2) * 8
+            if not NATURAL_HALF:
+                h = _half_order(h, BLOCK_M)
+        wofs = (r2 // 64) * (k2_steps * 1024) + (r2 % 64) * 16 + kofs
+        sofs = (r2 // 64) * (k2_steps * 64) + r2 % 64 + (kofs // 1024) * 64
+        w2e = w2_ptr + e.to(tl.int64) * stride_w2e
+        s2e = s2_ptr + e.to(tl.int64) * stride_s2e
+        orow = out_ptr + tok[None, :] * stride_o
+        for nt in tl.range(0, n_n2, num_stages=STAGES2):
+            n2 = nt * BLOCK_N2 + r2
+            wb = w2e + nt * ((BLOCK_N2 // 64) * k2_steps * 1024)
+            sb = s2e + nt * ((BLOCK_N2 // 64) * k2_steps * 64)
+            if EVEN_N2:
+                s4 = tl.load(sb + sofs)
+                v0 = tl.load(wb + wofs[:, None] + c8[None, :])
+                if BLOCK_I == 128:
+                    v1 = tl.load(wb + wofs[:, None] + (8 + c8)[None, :])
+            else:  # rows past hidden (a last, part-filled n-tile) are not read
+                s4 = tl.load(sb + sofs, mask=n2 < hidden, other=0)
+                v0 = tl.load(wb + wofs[:, None] + c8[None, :], mask=(n2 < hidden)[:, None], other=0)
+                if BLOCK_I == 128:
+                    v1 = tl.load(wb + wofs[:, None] + (8 + c8)[None, :], mask=(n2 < hidden)[:, None], other=0)
+            if BLOCK_I == 128:
+                v = _tile(v0, v1, s4, TWO_MULS2, DOT_F32, BLOCK_N2)
+            else:
+                v = _half_tile(v0, s4, j % 2, TWO_MULS2, DOT_F32, BLOCK_N2, NATURAL_HALF)
+            acc2 = tl.dot(v, h)
+            if HAS_BIAS:
+                b2 = tl.load(b2_ptr + e.to(tl.int64) * stride_b2e + n2, mask=n2 < hidden, other=0.0).to(tl.float32)
+                acc2 += tl.where(j == 0, b2, 0.0)[:, None]
+            if EVEN_N2:
+                tl.atomic_add(orow + n2[:, None], acc2 * gam[None, :], mask=row_ok[None, :], sem="relaxed")
+            else:
+                tl.atomic_add(orow + n2[:, None], acc2 * gam[None, :], mask=(n2 < hidden)[:, None] & row_ok[None, :],
+                              sem="relaxed")
+
 def planar_gemm(
     x: torch.Tensor,
     w: PlanarMXFP4,
@@ -793,6 +955,7 @@ def planar_moe(
     fused: bool | None = None,
     config: tuple[PlanarConfig, PlanarConfig] | None = None,
     twin: bool = False,
+    one_kernel: bool | PlanarMLPConfig = False,
 ) -> torch.Tensor:
     """Routed experts + weighted combine on planar weights, the faster measured way: hidden bf16 [T, H],
     topw float [T, top_k] -> bf16 [T, H] in token order (what ``moe_gemm.expert_mlp(..., planar=...)``
@@ -801,12 +964,18 @@ def planar_moe(
     GEMM2 writes the [T * k, H] expert outputs and ``routing.combine`` reduces them; True / False force
     one way. Fused, the extra bytes over the expert GEMMs are the fp32 sum, set, added into and read
     once (12 * T * H) instead of the [T * k, H] bf16 outputs written and read. config, twin: as
-    ``planar_experts_run``."""
-    from adapt.kernels.moe_configs import pick_planar_fused_combine
+    ``planar_experts_run``. one_kernel (True: ``pick_planar_mlp_config``'s tile, or a ``PlanarMLPConfig``):
+    both GEMMs and the combine in one kernel (``_planar_mlp_one_kernel``; measured slower than the two
+    kernels at DeepSeek-V3 T = 1 and 16, so never picked; its twin is the fused combine's)."""
+    from adapt.kernels.moe_configs import pick_planar_fused_combine, pick_planar_mlp_config
     from adapt.kernels.routing import combine
 
     t, h = hidden.shape
     dev = hidden.device
+    if one_kernel is not False and not twin:
+        cfg = pick_planar_mlp_config() if one_kernel is True else one_kernel
+        return _planar_mlp_one_kernel(hidden, perm, planar, topw, shared, top_k, activation, alpha, limit, cfg)
+    fused = True if one_kernel is not False else fused
     if fused is None:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
         fused = pick_planar_fused_combine(t * top_k, planar.w1.words.shape[0], name, h, planar.w2.k)
@@ -814,3 +983,79 @@ def planar_moe(
     if fused:
         return planar_experts_run(hidden, perm, planar, topw=topw, shared=shared, **kw)
     return combine(planar_experts_run(hidden, perm, planar, **kw), topw, perm.slot_pos, shared)
+
+
+def _planar_mlp_one_kernel(hidden, perm, planar: PlanarExperts, topw, shared, top_k: int, activation: int,
+                           alpha: float, limit: float, cfg: PlanarMLPConfig) -> torch.Tensor:
+    """``planar_moe(one_kernel=...)``: routed experts + weighted combine in ONE kernel
+    (``_planar_mlp_kernel``): a program owns an intermediate tile of one expert's m-tile, runs GEMM1 +
+    SwiGLU for it over the full hidden K, then its K-slice of GEMM2 for every output row, the
+    gamma-weighted fp32 partials added atomically into the [T, H] sum (from shared or zero) -> bf16
+    [T, H]; the same arithmetic as ``planar_experts_run(..., topw=...)`` but for the order of the fp32
+    sums. Bytes: the active experts' MXFP4 once, x once per intermediate tile (from L2), the fp32 sum
+    set, added into and read; atomics: m-tiles x ceil(I / block_i) x H x (real rows)."""
+    from adapt.kernels.moe_tiles import max_m_tiles, tile_map
+
+    t, h = hidden.shape
+    w1, w2 = planar.w1, planar.w2
+    e, inter = w1.words.shape[0], w2.k
+    s = t * top_k
+    if cfg.block_i not in (64, 128) or cfg.block_n2 % 64:
+        raise InputError(f"block_i {cfg.block_i} / block_n2 {cfg.block_n2}: block_i is 64 or 128 (a half or a "
+                         "whole planar step), block_n2 a multiple of 64 (whole row blocks)", field="config")
+    dev = hidden.device
+    tiles = tile_map(perm.expert_offsets, cfg.block_m, max_m_tiles(s, e, cfg.block_m))
+    acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
+    gamma = topw.reshape(-1).float().contiguous()
+    has_bias = planar.w1_bias is not None
+    b1 = planar.w1_bias if has_bias else acc
+    b2 = planar.w2_bias if planar.w2_bias is not None else acc
+    n_work = tiles.max_tiles * triton.cdiv(inter, cfg.block_i)
+    _planar_mlp_kernel[(max(1, n_work),)](
+        hidden,
+        hidden.stride(0),
+        w1.words,
+        w1.scales.view(torch.int32),
+        w1.words.stride(0),
+        w1.scales.stride(0) // 4,
+        w2.words,
+        w2.scales.view(torch.int32),
+        w2.words.stride(0),
+        w2.scales.stride(0) // 4,
+        b1,
+        b1.stride(0) if has_bias else 0,
+        b2,
+        b2.stride(0) if has_bias else 0,
+        acc,
+        acc.stride(0),
+        gamma,
+        perm.sorted_slot,
+        perm.expert_offsets,
+        tiles.tile_expert,
+        tiles.tile_row,
+        tiles.tile_start,
+        e,
+        h,
+        inter,
+        w1.k_padded // PLANAR_STEP,
+        w2.k_padded // PLANAR_STEP,
+        float(alpha),
+        float(limit),
+        TOPK=top_k,
+        ACTIVATION=activation,
+        HAS_BIAS=has_bias,
+        TWO_MULS1=w1.two_muls,
+        TWO_MULS2=w2.two_muls,
+        BLOCK_M=cfg.block_m,
+        BLOCK_I=cfg.block_i,
+        BLOCK_N2=cfg.block_n2,
+        DOT_F32=INTERPRET,
+        EVEN_K1=h % PLANAR_STEP == 0,
+        EVEN_N2=h % cfg.block_n2 == 0,
+        NATURAL_HALF=cfg.natural_half,
+        STAGES2=cfg.stages2 or cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg or None,
+    )
+    return acc.to(torch.bfloat16)

@@ -23,7 +23,7 @@ load (``Experts.kernel_weights``):
 
 - MXFP4 (gpt-oss): without a workspace, a planar copy of the experts made at load
   (``moe_planar.PlanarExperts``, the layout the planar GEMM decodes in a few integer ops per word)
-  runs ``moe_planar.planar_gemm`` up to ``PLANAR_MAX_TOKENS`` tokens a call (the fastest measured
+  runs ``moe_planar.planar_moe`` up to ``PLANAR_MAX_TOKENS`` tokens a call (the fastest measured
   MXFP4-storage path there: benchmarks/moe/2026-11-30-s2, calls 2-4, T = 1..4096 at both real
   shapes) and the MXFP4 decode in the GEMM above; with the shared FP8 workspace, the workspace path.
   The planar copy holds the MXFP4 bytes once more (K padded to 128). Above PLANAR_MAX_TOKENS the
@@ -307,8 +307,14 @@ class MoE:
             for expert, factor in self.fault_expert_scale.items():
                 weights = torch.where(ids == expert, weights * factor, weights)
         perm = permute_by_expert(ids, self.experts.count)
-        y = self._expert_mlp(x.to(torch.bfloat16).contiguous(), perm, r.top_k)
-        out = combine(y, weights, perm.slot_pos, None).to(x.dtype)
+        xb = x.to(torch.bfloat16).contiguous()
+        if self.experts.kernel_format == "mxfp4" and self.planar is not None and x.shape[0] <= PLANAR_MAX_TOKENS:
+            from adapt.kernels.moe_planar import planar_moe  # routed experts + combine, the faster measured way
+
+            out = planar_moe(xb, perm, self.planar, weights, top_k=r.top_k, activation=2 if self.clamped else 1,
+                             alpha=self.alpha, limit=self.limit).to(x.dtype)
+        else:
+            out = combine(self._expert_mlp(xb, perm, r.top_k), weights, perm.slot_pos, None).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared.forward(x)
         return out

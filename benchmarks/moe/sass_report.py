@@ -34,20 +34,22 @@ PTRS = dict(x_ptr="bf16", w_ptr="i32", sc_ptr="i32", bias_ptr="fp32", out_ptr="b
 DIV16 = ("stride_x", "stride_we", "stride_se", "stride_o", "k_words", "n_rows", "k")
 
 
-def compile_planar(const: dict, num_warps: int, num_stages: int, maxnreg: int):
-    """``_planar_gemm_kernel`` compiled for sm_90 with the given constexprs (pointers and strides
-    marked 16-divisible, as the launcher's arguments are at the real shapes)."""
-    kern = mp._planar_gemm_kernel
-    sig = {}
-    for name in kern.arg_names:
-        sig[name] = ("constexpr" if name in const else "*" + PTRS[name] if name in PTRS
-                     else "fp32" if name in ("alpha", "limit") else "i32")
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in PTRS or n in DIV16}
+def compile_sm90(kern, const: dict, ptrs: dict, div16, num_warps: int, num_stages: int, maxnreg: int):
+    """Triton kernel ``kern`` compiled for sm_90 with the given constexprs; ptrs: pointer argument ->
+    element type, those and the div16 arguments marked 16-divisible (as at the real shapes)."""
+    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n in ("alpha", "limit")
+               else "i32") for n in kern.arg_names}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs or n in div16}
     opts = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg:
         opts["maxnreg"] = maxnreg
     return triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options=opts)
+
+
+def compile_planar(const: dict, num_warps: int, num_stages: int, maxnreg: int):
+    """``_planar_gemm_kernel`` compiled for sm_90 with the given constexprs (``compile_sm90``)."""
+    return compile_sm90(mp._planar_gemm_kernel, const, PTRS, DIV16, num_warps, num_stages, maxnreg)
 
 
 def report(ck, maxnreg: int) -> dict:
@@ -79,7 +81,7 @@ def report(ck, maxnreg: int) -> dict:
     spill = re.findall(r"(\d+) bytes spill stores", info)
     return dict(shared=ck.metadata.shared, regs=int(regs[-1]) if regs else None,
                 spill_bytes=int(spill[-1]) if spill else None, loop_len=len(loop or []),
-                loop_ops=dict(collections.Counter(o.split(".")[0] for _, o, _ in loop or []).most_common(16)))
+                loop_ops=dict(collections.Counter(o.split(".")[0] for _, o, _ in loop or []).most_common(40)))
 
 
 if __name__ == "__main__":

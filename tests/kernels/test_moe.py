@@ -832,3 +832,50 @@ def test_planar_expert_mlp_real_shapes_gpu(name, t):
         cfg = tuple(dataclasses.replace(c, split_k=split, one_dot=one_dot) for c in (c1, c2))
         y = mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], planar=planar, config=cfg)
         assert rel(y, y_t) < TWIN_TOL, (split, one_dot)
+
+
+@pytest.mark.parametrize("block_i, natural, bias, il, act, h, i", [
+    (64, True, True, True, "swiglu_clamped", 128, 192),  # three K-slices of W2: halves of two steps
+    (64, False, False, False, "swiglu", 128, 64),  # h permuted to the decode's order instead
+    (128, True, False, False, "swiglu", 96, 192),  # H = 96: a half-padded GEMM1 step, a part-filled n-tile
+])
+def test_planar_mlp_one_kernel_matches_twin(block_i, natural, bias, il, act, h, i):
+    # GEMM1 + SwiGLU + GEMM2's K-slice + the weighted combine in one kernel, the shared sum added:
+    # against the planar twin (fp32 rows weighted expert by expert) and expert_mlp + routing.combine
+    from adapt.kernels import moe_planar as mp
+
+    e, k, t = 4, 2, 5
+    w, x, ids = _planar_case(e, h, i, t, k, seed=53, bias=bias, interleaved=il)
+    perm, planar = rt.permute_by_expert(ids, e), mp.PlanarExperts.from_weights(w)
+    topw = torch.rand(t, k, generator=_gen(54), device=DEV)
+    shared = (torch.randn(t, h, generator=_gen(55), device=DEV) * 0.1).bfloat16()
+    code = mg.ACTIVATIONS[act]
+    cfg = mc.PlanarMLPConfig(block_m=16, block_i=block_i, block_n2=64, num_stages=1, natural_half=natural)
+    got = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, shared=shared, one_kernel=cfg)
+    twin = mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, shared=shared, one_kernel=cfg, twin=True)
+    ref = rt.combine(mg.expert_mlp(x, perm, w, top_k=k, activation=act, planar=planar), topw, perm.slot_pos, shared)
+    assert got.shape == (t, h) and got.dtype == torch.bfloat16
+    assert rel(got, twin) < TWIN_TOL
+    assert 0 < rel(got, ref) < 4e-3
+    with pytest.raises(InputError):
+        mp.planar_moe(x, perm, planar, topw, top_k=k, activation=code, one_kernel=dataclasses.replace(cfg, block_n2=32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b"])
+@pytest.mark.parametrize("t", [1, 16])
+def test_planar_mlp_one_kernel_real_shapes_gpu(name, t):
+    # the one-kernel MLP at the real H and I with every tile the bench times, against its twin
+    from adapt.kernels import moe_planar as mp
+    from adapt.stages.bench_moe import ONE_KERNEL_CONFIGS
+
+    s, e = GPU_SHAPES[name], 16
+    w, x, ids = _planar_case(e, s["h"], s["i"], t, s["k"], seed=56, bias=s["bias"], interleaved=s["interleaved"])
+    perm, planar = rt.permute_by_expert(ids, e), mp.PlanarExperts.from_weights(w)
+    topw = torch.rand(t, s["k"], generator=_gen(57), device=DEV)
+    code = mg.ACTIVATIONS[s["act"]]
+    twin = mp.planar_moe(x, perm, planar, topw, top_k=s["k"], activation=code, one_kernel=True, twin=True)
+    for fields in ONE_KERNEL_CONFIGS.values():
+        got = mp.planar_moe(x, perm, planar, topw, top_k=s["k"], activation=code,
+                            one_kernel=mc.PlanarMLPConfig(**fields))
+        assert rel(got, twin) < TWIN_TOL, fields

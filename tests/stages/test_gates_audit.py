@@ -128,6 +128,8 @@ def test_a_report_killed_mid_write_leaves_no_old_pass_behind(tmp_path, monkeypat
         run.write(failed)
     assert "FAIL" in (run.path / "precision.md").read_text()
     assert run.verdict_of("precision") != "pass"
+    # manifest.json, what a CI job reads first, does not keep the old PASS either (session 3)
+    assert "precision" not in json.loads(run.manifest_path.read_text())["stages"]
 
 
 # ---------------------------------------------------------------- unmeasured is not pass (stage 5)

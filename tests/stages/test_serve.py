@@ -47,7 +47,7 @@ def test_stage6_load_soak_probes_and_prediction(server, tmp_path):
     gates.write_text(yaml.safe_dump({"bench": {"max_rss_slope_mib_per_min": 2048}}))
     result = CliRunner().invoke(app, [
         "bench", "serve", "adapt-bench", "--target", "cpu", "--url", endpoint.base_url,
-        "--server-pid", str(endpoint.server_pid),
+        "--server-pid", str(endpoint.server_pid), "--checkpoint", str(model_dir),
         "--tokenizer", str(model_dir), "--max-model-len", "2048", "--input-len", "256", "--output-len", "64",
         "-c", "1", "-c", "4", "--prompts", "8", "--soak-s", "60", "--soak-concurrency", "4",
         "--sample-interval", "1", "--output", str(run.path.parent), "--run", run.run_id, "--gates", str(gates),
@@ -85,8 +85,60 @@ def test_stage6_load_soak_probes_and_prediction(server, tmp_path):
         assert not cancel["ok"] and "nothing was cancelled" in cancel["reason"]
         assert verdict == "warn"
         assert [f["severity"] for f in report["findings"] if f["code"] == "bench.cancel"] == ["warn"]
+    assert {r["check"]: r["status"] for r in report["tables"]["served model identity"]} == {
+        "served name": "ok", "max_model_len": "ok", "root": "ok", "greedy tokens": "ok"}
     ratios = report["tables"]["prediction vs measurement"]
     assert [r["quantity"].split(" (")[0] for r in ratios] == ["decode step", "prefill"]
     assert all(r["ratio"] > 0 for r in ratios)
     assert (run.path / "bench" / "latency.png").stat().st_size > 0
     assert (run.path / "bench" / "throughput.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------- which checkpoint does the endpoint serve?
+
+
+def _other_checkpoint(model_dir, out, max_position_embeddings=None):
+    """A copy of ``model_dir`` with the output rows reversed (other greedy tokens, same names and shapes)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    name = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    if max_position_embeddings:
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": max_position_embeddings}))
+    return out
+
+
+def test_the_endpoint_is_shown_to_serve_this_checkpoint(server):
+    """/v1/models names the served id, its max_model_len and root; the greedy tokens of fixed prompts equal
+    adapt's runtime on the same checkpoint."""
+    from adapt.stages.serve import check_identity
+
+    endpoint, _, model_dir = server
+    rows, findings = check_identity(endpoint, str(model_dir), load_gates())
+    assert {r["check"]: r["status"] for r in rows} == {
+        "served name": "ok", "max_model_len": "ok", "root": "ok", "greedy tokens": "ok"}, rows
+    assert all(f.severity == "info" for f in findings)
+
+
+def test_stage_6_against_an_endpoint_serving_another_checkpoint_fails(server, tmp_path):
+    """`--url` with a checkpoint the server does not serve: every identity check that can tell says so, the
+    stage fails and no load is measured against the wrong model."""
+    from adapt.stages.serve import run_serve_stage
+
+    endpoint, _, model_dir = server
+    other = _other_checkpoint(model_dir, tmp_path / "other", max_position_embeddings=1024)
+    report = run_serve_stage(str(other), target="cpu", run_path=None, gates=load_gates(), url=endpoint.base_url,
+                             served_model=endpoint.model, out_dir=tmp_path / "bench")
+    assert report.decide() == "fail"
+    statuses = {r["check"]: r["status"] for r in report.tables["served model identity"]}
+    assert statuses == {"served name": "ok", "max_model_len": "mismatch", "root": "mismatch",
+                        "greedy tokens": "mismatch"}, report.tables["served model identity"]
+    (finding,) = [f for f in report.findings if f.code == "bench.identity"]
+    assert finding.severity == "error" and str(other) in finding.message
+    assert "load" not in report.tables and report.metrics.get("soak") is None
