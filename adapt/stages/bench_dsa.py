@@ -284,18 +284,14 @@ GRAPH_LAYERS = 8
 
 # ``topk_decode`` tiles timed on every decode case's scores beside torch.topk (issue 16: torch.topk runs the
 # batch-64 step, 144-151 us on 2026-11-30): the default (parts per row from the SM count, 4096-score steps,
-# 8 warps, 8-bit digits, 4096 sampled scores, candidates in registers), then one or two changes each.
+# 8 warps, 8-bit digits, 4096 sampled scores, candidates in registers), then one or two changes each (the
+# changes at SWEEP_BATCH rows and above only: each is a build of its own).
 TOPK_DECODE_SWEEP = (
     {},
     dict(parts=1),
     dict(parts=4),
-    dict(parts=8),
     dict(block=2048),
     dict(num_warps=4),
-    dict(block=1024, num_warps=4),
-    dict(sample=2048),
-    dict(select_block=2048),
-    dict(parts=4, block=2048),
     dict(parts=4, block=2048, num_warps=4),
     dict(registers=False),
 )
@@ -305,11 +301,11 @@ def _decode_select_rows(scores: torch.Tensor, limits: torch.Tensor, topk: int, o
                         reps: int) -> list[dict]:
     """One row per TOPK_DECODE_SWEEP tile: us (timed_as "graph": CUDA-graph replays, the capture worked), whether
     the result equals topk_indices_torch's, and how many rows the sample misjudged (selected again from their
-    full scores on the device)."""
+    full scores on the device); then the default tile with row 0 set all equal (what one misjudged row costs)."""
     twin = topk_indices_torch(scores, limits, topk)
     redo = torch.empty(scores.shape[0], dtype=torch.int32, device=scores.device)
     rows = []
-    for opt in TOPK_DECODE_SWEEP:
+    for opt in TOPK_DECODE_SWEEP if scores.shape[0] >= SWEEP_BATCH else TOPK_DECODE_SWEEP[:1]:
         try:
             timing = time_cuda(lambda o=opt: topk_decode(scores, limits, topk, out=out, redo=redo, **o), reps,
                                warmup=1)
@@ -318,6 +314,17 @@ def _decode_select_rows(scores: torch.Tensor, limits: torch.Tensor, topk: int, o
                          "redo_rows": int(redo.sum()), "timed_as": timing.mode})
         except Exception as err:  # recorded; the other tiles still run
             rows.append({**opt, "error": str(err)[:200]})
+    if scores.shape[0] > 1:  # the default with one row the sample misjudges (all equal: the full-row select)
+        scores = scores.clone()
+        scores[0] = 1.0
+        twin = topk_indices_torch(scores, limits, topk)
+        try:
+            timing = time_cuda(lambda: topk_decode(scores, limits, topk, out=out, redo=redo), reps, warmup=1)
+            topk_decode(scores, limits, topk, out=out, redo=redo)
+            rows.append({"row_0_all_equal": True, "us": timing.median_us, "equals_twin": bool(torch.equal(out, twin)),
+                         "redo_rows": int(redo.sum()), "timed_as": timing.mode})
+        except Exception as err:
+            rows.append({"row_0_all_equal": True, "error": str(err)[:200]})
     return rows
 
 
