@@ -522,10 +522,12 @@ def _select_in_registers(key_ptr, pos_ptr, count_ptr, out_base, topk, SEG_CAP: t
 @triton.jit
 def _decode_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, out_ptr, redo_ptr, stride,
                           n_cols, topk, SEG_CAP: tl.constexpr, PARTS: tl.constexpr, PARTS_P2: tl.constexpr,
-                          BLOCK: tl.constexpr, BITS: tl.constexpr, REGISTERS: tl.constexpr):
+                          BLOCK: tl.constexpr, BITS: tl.constexpr, REGISTERS: tl.constexpr,
+                          FULL_BLOCK: tl.constexpr):
     """One program per row: exact when every part's candidates were stored and either tau took every visible
     key or at least topk keys are >= tau (then the top-k are all candidates, ties included); it selects over
-    the candidates. Any other row (the sample misjudged it) is selected here from its full scores."""
+    the candidates. Any other row (the sample misjudged it) is selected here from its full scores, FULL_BLOCK
+    scores a step (5 passes over the row by this one program: slow, but only for that row)."""
     row = tl.program_id(0).to(tl.int64)
     parts = tl.arange(0, PARTS_P2)
     counts = tl.load(count_ptr + row * PARTS + parts, mask=parts < PARTS, other=0)
@@ -543,7 +545,7 @@ def _decode_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, cou
                          RUNS=PARTS, BLOCK=BLOCK, BITS=BITS, FROM_SCORES=False)
     else:
         _select_runs(scores_ptr + row * stride, pos_ptr, limits_ptr + row, 0, n_cols, out_base, topk, RUNS=1,
-                     BLOCK=BLOCK, BITS=BITS, FROM_SCORES=True)
+                     BLOCK=FULL_BLOCK, BITS=BITS, FROM_SCORES=True)
 
 
 def decode_parts(n_rows: int, device: torch.device) -> int:
@@ -622,5 +624,6 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     _decode_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
-        BITS=digit_bits, REGISTERS=registers, num_warps=select_warps or (8 if registers else 4))
+        BITS=digit_bits, REGISTERS=registers, FULL_BLOCK=block or DECODE_BLOCK,
+        num_warps=select_warps or (8 if registers else 4))
     return out
