@@ -363,6 +363,9 @@ TRITON_SELECT_MAX_ROWS = 8
 # Chunks of at least this many rows (prefill; decode batches stay below it) select through
 # ``topk.topk_prefiltered`` when their rows are wide enough (``topk.prefilter_applies``).
 PREFILTER_MIN_ROWS = 512
+# Chunks of at least this many rows and fewer than PREFILTER_MIN_ROWS (decode batches) select with
+# ``topk_decode`` under ``auto``; None: not yet (it has not been timed against torch.topk on the H200).
+DECODE_SELECT_MIN_ROWS: int | None = None
 SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "decode")
 
 
@@ -374,14 +377,17 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     prefiltered select for at least PREFILTER_MIN_ROWS wide rows; else torch.topk (unordered, ties
     arbitrary, as the prefiltered one); -1 where a row sees fewer than ``topk`` keys. ``decode``:
     ``topk_decode`` (the radix select's result, device-side prefilter, capturable; its rows re-selected
-    from their full scores stay on the device and are not counted here); not chosen by ``auto`` until
-    measured faster than torch.topk at decode batch sizes."""
+    from their full scores stay on the device and are not counted here); ``auto`` takes it for
+    DECODE_SELECT_MIN_ROWS rows and more (None: never) below PREFILTER_MIN_ROWS."""
     rows, cols = scores.shape
     if method not in SELECT_METHODS:
         raise ValueError(f"select must be one of {SELECT_METHODS}, not {method!r}")
     if method == "auto":
         method = ("triton" if rows <= TRITON_SELECT_MAX_ROWS else "prefilter"
                   if rows >= PREFILTER_MIN_ROWS and prefilter_applies(rows, cols, topk) else "torch")
+        decode_rows = DECODE_SELECT_MIN_ROWS is not None and DECODE_SELECT_MIN_ROWS <= rows < PREFILTER_MIN_ROWS
+        if method == "torch" and decode_rows:
+            method = "decode"
     if method == "triton":
         topk_indices(scores, limits, topk, out=out)
         return 0

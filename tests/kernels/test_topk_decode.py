@@ -83,6 +83,20 @@ def test_index_topk_select_decode_is_the_twins_selection():
     assert torch.equal(out, topk_indices_torch(s, limits, K))
 
 
+def test_auto_select_takes_decode_from_its_row_count(monkeypatch):
+    """``auto`` dispatches decode-sized chunks to topk_decode once DECODE_SELECT_MIN_ROWS is set (None: never)."""
+    calls = []
+    monkeypatch.setattr(dsa, "topk_decode", lambda *a, **kw: calls.append(a[0].shape[0]))
+    scores, limits = torch.randn(12, 64), torch.full((12,), 64)
+    out = torch.empty(12, 4, dtype=torch.int32)
+    dsa._select_topk(scores, limits, 4, out=out)
+    assert calls == []
+    monkeypatch.setattr(dsa, "DECODE_SELECT_MIN_ROWS", 10)
+    dsa._select_topk(scores, limits, 4, out=out)
+    dsa._select_topk(scores[:9], limits[:9], 4, out=out[:9])
+    assert calls == [12]
+
+
 def test_decode_topk_default_sample_and_k_past_the_columns():
     """The default sample (4096 scores: the whole of a short row) and k larger than a row's columns."""
     gen = torch.Generator().manual_seed(2)
