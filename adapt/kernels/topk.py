@@ -29,6 +29,10 @@ A 2**b-bin ``tl.histogram`` costs about b warp ballots plus 2**b / 32 bin counts
 (4 passes) need fewer launches when few rows leave it idle. Programs per row: one per slice of
 ``slice_size`` scores (a one-program-per-row form leaves all but one SM idle per row; its H200
 times are in benchmarks/gpu-2026-11-30-dsa/README.md).
+
+``topk_decode`` (decode batches, capturable) returns the same positions with two launches: a sampled
+threshold and one candidate pass over each row, then a select over the few thousand candidates, with
+rows the sample misjudged selected again from their full scores inside the same select kernel.
 """
 
 from __future__ import annotations
