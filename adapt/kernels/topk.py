@@ -366,6 +366,7 @@ DECODE_SAMPLE_RUN = 8  # one 32-byte sector per run
 DECODE_EXPECT = (3, 2)  # candidates aimed at: 3/2 * topk (the sample's quantile)
 DECODE_SEG_CAP = 2  # candidate slots per (row, part), in units of topk; a part past it sends its row to the fallback
 DECODE_BLOCK = 4096
+DECODE_TAU_BITS = 16  # bisection steps for the sample threshold (its top bits; the rest 0)
 DECODE_REGISTER_SLOTS = 8192  # candidate slots a select program holds in registers (8 warps: 32 a thread)
 DECODE_SELECT_BLOCK = 1024
 
@@ -374,11 +375,12 @@ DECODE_SELECT_BLOCK = 1024
 def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, stride, n_cols, topk,
                               SAMPLE: tl.constexpr, RUN: tl.constexpr, EXPECT_NUM: tl.constexpr,
                               EXPECT_DEN: tl.constexpr, SEG_CAP: tl.constexpr, PARTS: tl.constexpr,
-                              BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+                              BLOCK: tl.constexpr, ALIGNED: tl.constexpr, TAU_BITS: tl.constexpr):
     """Program (row, part). Every part of a row draws the same sample and threshold key tau: the
-    k_s-th largest visible sampled key, k_s = ceil(EXPECT * topk * (sampled columns < n) / n), found by 32
-    bisection steps over the sample in registers (tau = 0, i.e. every visible key, when the sample holds fewer
-    than k_s visible scores: -inf holes or a short row).
+    k_s-th largest visible sampled key, k_s = ceil(EXPECT * topk * (sampled columns < n) / n), rounded down to
+    its top TAU_BITS bits (sign, exponent and 7 mantissa bits at 16: under 1% of the value, so a few more
+    candidates), found by TAU_BITS bisection steps over the sample in registers (tau = 0, i.e. every visible
+    key, when the sample holds fewer than k_s visible scores: -inf holes or a short row).
     Then the part's columns (a contiguous 1/PARTS of the row) are read once and its visible keys >= tau go,
     in ascending position order, to the part's SEG_CAP slots (order keys and positions); count = how many
     there were (possibly more than SEG_CAP: only the first SEG_CAP are stored)."""
@@ -397,7 +399,7 @@ def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr,
     want = tl.cdiv(EXPECT_NUM * topk * in_range, EXPECT_DEN * tl.maximum(n, 1).to(tl.int64))
     want = tl.maximum(want, 1)
     tau = tl.zeros([], tl.uint32)
-    for b in tl.static_range(32):
+    for b in tl.static_range(TAU_BITS):  # the lower bits stay 0: tau at or below the k_s-th key
         trial = tau | (tl.full([], 1, tl.uint32) << (31 - b))
         hits = tl.sum((vis & (key >= trial)).to(tl.int32), axis=0)
         tau = tl.where(hits >= want, trial, tau)
@@ -624,7 +626,8 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     _decode_candidates_kernel[(n_rows, parts)](
         scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
         RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=DECODE_EXPECT[0], EXPECT_DEN=DECODE_EXPECT[1], SEG_CAP=seg_cap,
-        PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, num_warps=num_warps or 8)
+        PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS,
+        num_warps=num_warps or 8)
     _decode_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
