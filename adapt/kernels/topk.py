@@ -363,7 +363,11 @@ def topk_prefiltered(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, o
 # the device. Two launches, no host sync, no data-dependent host branch (capturable in a CUDA graph).
 DECODE_SAMPLE = 4096  # sampled scores per row (runs of DECODE_SAMPLE_RUN spread evenly over the visible columns)
 DECODE_SAMPLE_RUN = 8  # one 32-byte sector per run
-DECODE_EXPECT = (3, 2)  # candidates aimed at: 3/2 * topk (the sample's quantile)
+# Candidates aimed at, in units of topk (the sample's quantile): 3/2 with one part per row (2 * topk slots);
+# 7/4 with more (2 * topk slots per part). A row falls back when its count leaves [topk, slots]: with 4096
+# sampled scores at 128K x top-2048 the quantile's relative error is about 1/sqrt(96) ~ 10%, so 3/2 is
+# 3.3 of those from either edge and 7/4 is 4.3 from the lower one.
+DECODE_EXPECT = {1: (3, 2), 2: (7, 4)}
 DECODE_SEG_CAP = 2  # candidate slots per (row, part), in units of topk; a part past it sends its row to the fallback
 DECODE_BLOCK = 4096
 DECODE_TAU_BITS = 16  # bisection steps for the sample threshold (its top bits; the rest 0)
@@ -573,9 +577,9 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     launches, no host sync: capturable in a CUDA graph):
 
     1. ``_decode_candidates_kernel``, grid (rows, parts): each row's threshold key tau from ``sample``
-       scores (runs of 8 spread over its visible columns; aimed at 3/2 * topk candidates), then one read of
-       the row: the visible scores >= tau and their positions, ascending, into per-part buffers of
-       2 * topk slots;
+       scores (runs of 8 spread over its visible columns; aimed at 3/2 * topk candidates with one part per
+       row, 7/4 with more), then one read of the row: the visible scores >= tau and their positions,
+       ascending, into per-part buffers of 2 * topk slots;
     2. ``_decode_select_kernel``, one program per row: the radix select (``digit_bits`` per pass, histogram
        in the program) over the row's few thousand candidates; a row the sample misjudged (fewer than topk
        candidates above a finite tau, or a part past its slots) is selected by the same program from its
@@ -613,6 +617,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     if sample & (sample - 1) or sample < DECODE_SAMPLE_RUN:
         raise ValueError(f"sample must be a power of two >= {DECODE_SAMPLE_RUN}, not {sample}")
     seg_cap = DECODE_SEG_CAP * topk
+    expect = DECODE_EXPECT[min(parts, 2)]
     limits = limits.to(torch.int32).contiguous()
     tau = torch.empty(n_rows, dtype=torch.int32, device=scores.device)
     keys = torch.empty(n_rows, parts, seg_cap, dtype=torch.int32, device=scores.device)
@@ -625,7 +630,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
         raise ValueError(f"registers=True needs a power-of-two topk, not {topk}")
     _decode_candidates_kernel[(n_rows, parts)](
         scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
-        RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=DECODE_EXPECT[0], EXPECT_DEN=DECODE_EXPECT[1], SEG_CAP=seg_cap,
+        RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap,
         PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS,
         num_warps=num_warps or 8)
     _decode_select_kernel[(n_rows,)](
