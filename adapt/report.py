@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import hashlib
 import json
 import math
@@ -37,6 +38,7 @@ VERDICTS = ("pass", "warn", "unmeasured", "fail")
 UNMEASURED = "unmeasured"  # the finding code (and verdict) of a stage that measured nothing
 EXIT_PASS, EXIT_GATE_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_GATES = Path(__file__).with_name("gates.yaml")
+PACKAGE_ROOT = Path(__file__).resolve().parent  # the adapt package (a checkout's or an installed wheel's)
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 REPORT_SCHEMA = "adapt.stage-report/1"
 MANIFEST_SCHEMA = "adapt.run-manifest/1"
@@ -257,10 +259,36 @@ def git_commit() -> str:
     return sha + ("+dirty" if dirty else "")
 
 
+def code_files(root: Path = PACKAGE_ROOT) -> list[Path]:
+    """The files of the adapt package under ``root`` that its code digest covers, sorted: every file except
+    bytecode caches (``__pycache__``, ``*.pyc``), hidden files and Markdown notes. These are the files a wheel
+    ships (``*.py`` and pyproject's package-data: presets, targets, stacks, gates.yaml, eval data)."""
+    out = []
+    for path in root.rglob("*"):
+        parts = path.relative_to(root).parts
+        if (path.is_file() and path.suffix not in (".pyc", ".pyo", ".md")
+                and not any(p == "__pycache__" or p.startswith(".") for p in parts)):
+            out.append(path)
+    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
+
+
+@functools.lru_cache(maxsize=4)
+def code_digest(root: Path = PACKAGE_ROOT) -> str:
+    """sha256 (16 hex digits) over the relative path and bytes of every ``code_files(root)`` file: the adapt
+    code that wrote a report. Needs no git (an installed wheel digests as its checkout does); computed once
+    per process (about 1.5 MB read)."""
+    h = hashlib.sha256()
+    for path in code_files(root):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def fingerprint(**inputs: Any) -> dict[str, Any]:
-    """Inputs that identify a report: the caller's (spec_hash, target, ...) plus version and commit."""
+    """Inputs that identify a report: the caller's (spec_hash, target, ...) plus version, code digest and
+    commit."""
     out = {k: v for k, v in inputs.items() if v is not None}
     out["adapt_version"] = __version__
+    out["code"] = code_digest()
     out["git_commit"] = git_commit()
     return out
 

@@ -39,7 +39,8 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
     """Why the run's stage reports were not made for this hand-off, or None when they were.
 
     Each stage report's fingerprint (stages 1-4, and 5-6 when they carry one) must name this
-    model (config and checkpoint digests), this target profile and this adapt version; stages
+    model (config and checkpoint digests), this target profile, this adapt version and this adapt code
+    (``code``: "written by other adapt code (digest X, now Y)" otherwise); stages
     that read ``devices``/``nodes`` must have planned for these; and the stages must agree with
     each other on every option they share (stage 2's context, batch, KV dtype and weights are
     stage 4's). A stage that ran the weights (5, 6) must have run these very files
@@ -54,7 +55,7 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
     )
 
     expected = stage_fingerprint(1, PipelineOptions(model=model, target=target, devices=devices, nodes=nodes), {})
-    shared_fields = ("model", "checkpoint", "target", "adapt_version")
+    shared_fields = ("model", "checkpoint", "target", "adapt_version", "code")
     seen_options: dict[str, tuple[str, object]] = {}
     seen_stack: tuple[str, object] | None = None
     data_digest: dict[str, str | None] | None = None  # computed once, when a stage 5/6 report needs it
@@ -339,7 +340,10 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
 
 def _preflight_checks(run: RunDir, model: str, target: str) -> tuple[dict[str, Any] | None, str | None]:
     """The run's preflight report (``preflight.json``): its verdict, findings and tables, or None; and,
-    when the report was made for another target or model (its fingerprint), None with the reason."""
+    when the report was made for another target or model, for no model, or by other adapt code (its
+    fingerprint), None with the reason."""
+    from adapt.stages.pipeline import code_digest, code_mismatch
+
     path = run.path / "preflight.json"
     if not path.is_file():
         return None, None
@@ -348,9 +352,14 @@ def _preflight_checks(run: RunDir, model: str, target: str) -> tuple[dict[str, A
     except json.JSONDecodeError:
         raise InputError("preflight report is not valid JSON", file=path) from None
     made = (data.get("fingerprint") or {}) if isinstance(data, dict) else {}
-    if made.get("target") != target or made.get("model") not in (None, model):
+    if made.get("model") is None:
+        return None, ("preflight.json in the run names no model (`adapt preflight` without one checks the "
+                      "environment for no model), not this hand-off's: not included")
+    if made.get("target") != target or made.get("model") != model:
         return None, (f"preflight.json in the run was made for target {made.get('target')} and model "
                       f"{made.get('model')}, not for this hand-off: not included")
+    if made.get("code") != code_digest():
+        return None, f"preflight.json in the run was {code_mismatch(made.get('code'), code_digest())}: not included"
     return {key: data.get(key) for key in ("verdict", "summary", "metrics", "findings", "tables", "finished")}, None
 
 

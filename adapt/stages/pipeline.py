@@ -41,8 +41,13 @@ A fingerprint (``report.fingerprint``) holds:
                  a report measured with another vLLM or other arguments is stale; None for the other stages
   gates          sha256 of the effective (defaults + ``--gates``) sections the stage reads
   adapt_version  ``adapt.__version__``
+  code           every stage: the digest of the whole adapt package's files (``adapt.report.code_digest``:
+                 sources and package data, no git needed), so a report written by other adapt code (another
+                 kernel, gate rule, runtime, planner) is stale. The whole package, not the subpackages a stage
+                 imports: the stages import lazily and share the report, model, plan and gates code, and stages
+                 1, 2 and 4 take seconds to run again
 
-plus ``git_commit`` (recorded, not compared: a dirty tree changes it without changing inputs).
+plus ``git_commit`` (recorded, not compared: the code digest is what is compared).
 """
 
 from __future__ import annotations
@@ -57,10 +62,18 @@ from typing import Any
 
 import adapt
 from adapt.errors import InputError, check_interrupt
-from adapt.report import RunDir, StageReport, checkpoint_data_digest, digest, git_commit, pause_for_test
+from adapt.report import (
+    RunDir,
+    StageReport,
+    checkpoint_data_digest,
+    code_digest,
+    digest,
+    git_commit,
+    pause_for_test,
+)
 
 COMPARED_FIELDS = ("model", "checkpoint", "checkpoint_data", "target", "stack", "options", "env", "packages",
-                   "device", "engine", "gates", "adapt_version")
+                   "device", "engine", "gates", "adapt_version", "code")
 
 
 @dataclass
@@ -333,6 +346,7 @@ def stage_fingerprint(number: int, options: PipelineOptions, gates: dict[str, An
         "engine": _engine(options) if stage.reads_engine else None,
         "gates": digest({section: gates.get(section) for section in stage.gates}),
         "adapt_version": adapt.__version__,
+        "code": code_digest(),
         "git_commit": git_commit(),
     }
 
@@ -347,9 +361,16 @@ def fingerprint_mismatch(recorded: dict[str, Any], expected: dict[str, Any],
             for key in sorted(set(got) | set(want)):
                 if got.get(key) != want.get(key):
                     return f"options.{key}: recorded {got.get(key)!r}, now {want.get(key)!r}"
+        elif name == "code" and got != want:
+            return code_mismatch(got, want)
         elif got != want:
             return f"{name}: recorded {json.dumps(got, default=str)}, now {json.dumps(want, default=str)}"
     return None
+
+
+def code_mismatch(recorded: str | None, now: str) -> str:
+    """The words for a report written by other adapt code (``code`` digests differ; None: none recorded)."""
+    return f"written by other adapt code (digest {recorded or 'not recorded'}, now {now})"
 
 
 # ---------------------------------------------------------------- the pipeline

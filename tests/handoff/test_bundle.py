@@ -10,7 +10,7 @@ from adapt.cli import app
 from adapt.errors import InputError
 from adapt.handoff.bundle import REQUIRED_STAGES, write_bundle
 from adapt.handoff.vllm import find_vllm
-from adapt.report import RunDir, StageReport, load_gates
+from adapt.report import RunDir, StageReport, fingerprint, load_gates
 from adapt.stages.parallel import run_plan_parallel
 from adapt.stages.pipeline import PipelineOptions, stage_fingerprint, stamp
 
@@ -134,7 +134,7 @@ def test_cli_writes_bundle_after_gates(tmp_path):
 
 def test_preflight_checks_travel_with_the_bundle(tmp_path):
     run = passed_run(tmp_path)
-    preflight = StageReport("preflight", 0, "preflight", fingerprint={"target": "h200", "model": "deepseek-v3.2"})
+    preflight = StageReport("preflight", 0, "preflight", fingerprint=fingerprint(target="h200", model="deepseek-v3.2"))
     preflight.add("warn", "driver", "driver older than recommended")
     run.write(preflight)
     report, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)

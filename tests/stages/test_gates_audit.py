@@ -361,3 +361,81 @@ def test_the_bundle_does_not_take_a_preflight_made_for_another_target(tmp_path):
     run.write(StageReport("preflight", 0, "preflight", fingerprint=fingerprint(target="h200", model="deepseek-v3.2")))
     _, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
     assert "handoff/preflight.json" in files
+
+
+# ---------------------------------------------------------------- adapt's own code is part of the evidence
+
+OTHER_CODE = "0123456789abcdef"  # a code digest no adapt tree has: the reports were written by other adapt code
+
+
+def test_the_code_digest_covers_the_package_files_and_needs_no_git(tmp_path):
+    """A copy of the package outside any git tree (as an installed wheel is) digests as the tree does; an edit
+    to a kernel changes the digest, a Markdown note or a bytecode cache does not; every file it reads is one
+    the wheel ships (pyproject's package-data), so a wheel and its checkout agree."""
+    import fnmatch
+    import shutil
+    import tomllib
+
+    from adapt.report import PACKAGE_ROOT, code_digest, code_files
+
+    fresh = code_digest.__wrapped__  # the digest without the per-process cache (the copy changes below)
+    copy = tmp_path / "site" / "adapt"
+    shutil.copytree(PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    assert fresh(copy) == code_digest()
+    (copy / "model" / "presets" / "README.md").write_text("another note\n")
+    (copy / "kernels" / "__pycache__").mkdir()
+    (copy / "kernels" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+    assert fresh(copy) == code_digest()
+    kernel = next(iter(sorted((copy / "kernels").glob("*.py"))))
+    kernel.write_text(kernel.read_text() + "\n# an edited kernel\n")
+    assert fresh(copy) != code_digest()
+
+    pyproject = tomllib.loads((PACKAGE_ROOT.parent / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["adapt"]
+    for path in code_files(PACKAGE_ROOT):
+        name = path.relative_to(PACKAGE_ROOT).as_posix()
+        assert name.endswith(".py") or any(fnmatch.fnmatch(name, glob) for glob in shipped), name
+
+
+def test_reports_written_by_other_adapt_code_run_every_stage_again(tmp_path, fake_stages, monkeypatch):  # noqa: F811
+    """A changed kernel, gate rule or runtime can change any stage's verdict: an old pass made by other adapt
+    code is not reused (every stage counts the whole package)."""
+    options = replace(BASE, model=_model_dir(tmp_path))
+    run = RunDir(tmp_path, "r")
+    validate(6, options, run, load_gates())
+    fake_stages.clear()
+    monkeypatch.setattr(pipeline, "code_digest", lambda: OTHER_CODE, raising=False)
+    validate(6, options, run, load_gates())
+    assert fake_stages == [s.name for _, s in sorted(pipeline.STAGES.items())]
+    assert run.stage_report("kernels")["fingerprint"]["code"] == OTHER_CODE
+
+
+def test_handoff_refuses_reports_written_by_other_adapt_code(tmp_path, monkeypatch):
+    run = _stamped_run(tmp_path, BASE)
+    check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=False)
+    written_by = run.stage_report("inventory")["fingerprint"].get("code")
+    monkeypatch.setattr(pipeline, "code_digest", lambda: OTHER_CODE, raising=False)
+    with pytest.raises(InputError, match=rf"inventory: written by other adapt code \(digest {written_by}, "
+                                         rf"now {OTHER_CODE}\)"):
+        check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
+    monkeypatch.undo()
+    older = StageReport("memory", 2, "memory")  # written by an adapt that recorded no code digest
+    stamp(older, {k: v for k, v in stage_fingerprint(2, BASE, load_gates()).items() if k != "code"})
+    run.write(older)
+    with pytest.raises(InputError, match=r"memory: written by other adapt code \(digest not recorded, now"):
+        check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
+
+
+def test_the_bundle_does_not_take_a_preflight_that_names_no_model(tmp_path):
+    """`adapt preflight --target h200` without a model checks the environment for no model: the bundle must
+    not list it as this model's environment checks."""
+    from adapt.handoff.bundle import write_bundle
+    from adapt.report import fingerprint
+    from tests.handoff.test_bundle import passed_run
+
+    run = passed_run(tmp_path)
+    run.write(StageReport("preflight", 0, "preflight", fingerprint=fingerprint(target="h200")))
+    _, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    assert "handoff/preflight.json" not in files
+    assert "preflight verdict: pass" not in files["handoff/README.md"]
+    assert "names no model" in files["handoff/README.md"]
