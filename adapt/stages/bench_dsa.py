@@ -284,14 +284,11 @@ GRAPH_LAYERS = 8
 
 # ``topk_decode`` tiles timed on every decode case's scores beside torch.topk (issue 16: torch.topk runs the
 # batch-64 step, 144-151 us on 2026-11-30): the default (parts per row from the SM count, 4096-score steps,
-# 8 warps, 8-bit digits, 4096 sampled scores, candidates in registers), then one or two changes each (the
-# changes at SWEEP_BATCH rows and above only: each is a build of its own).
+# 8 warps, 8-bit digits, 4096 sampled scores, candidates in registers), then three changes (at SWEEP_BATCH rows
+# and above only: each is a build of its own, and the acceptance call has a time limit).
 TOPK_DECODE_SWEEP = (
     {},
-    dict(parts=1),
-    dict(parts=4),
     dict(block=2048),
-    dict(num_warps=4),
     dict(parts=4, block=2048, num_warps=4),
     dict(registers=False),
 )
