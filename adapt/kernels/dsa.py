@@ -50,7 +50,7 @@ import triton.language as tl
 from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
-from adapt.kernels.topk import prefilter_applies, topk_indices, topk_indices_torch, topk_prefiltered
+from adapt.kernels.topk import prefilter_applies, topk_decode, topk_indices, topk_indices_torch, topk_prefiltered
 
 # Stacked prefill tile, fastest of the sweep on an H200 at 128K with one-page key tiles (2026-11-30, commit
 # 4f58965, benchmarks/gpu-2026-11-30-dsa-s3-prefill: 2 rows x 64 keys, 4 warps, 740 TFLOP/s on the last 4096
@@ -363,7 +363,10 @@ TRITON_SELECT_MAX_ROWS = 8
 # Chunks of at least this many rows (prefill; decode batches stay below it) select through
 # ``topk.topk_prefiltered`` when their rows are wide enough (``topk.prefilter_applies``).
 PREFILTER_MIN_ROWS = 512
-SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton")
+# Chunks of at least this many rows and fewer than PREFILTER_MIN_ROWS (decode batches) select with
+# ``topk_decode`` under ``auto``; None: not yet (it has not been timed against torch.topk on the H200).
+DECODE_SELECT_MIN_ROWS: int | None = None
+SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "decode")
 
 
 def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
@@ -372,15 +375,24 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     rows the prefilter sent back to a full select (0 for the other methods). ``auto``: the Triton radix
     select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest); the
     prefiltered select for at least PREFILTER_MIN_ROWS wide rows; else torch.topk (unordered, ties
-    arbitrary, as the prefiltered one); -1 where a row sees fewer than ``topk`` keys."""
+    arbitrary, as the prefiltered one); -1 where a row sees fewer than ``topk`` keys. ``decode``:
+    ``topk_decode`` (the radix select's result, device-side prefilter, capturable; its rows re-selected
+    from their full scores stay on the device and are not counted here); ``auto`` takes it for
+    DECODE_SELECT_MIN_ROWS rows and more (None: never) below PREFILTER_MIN_ROWS."""
     rows, cols = scores.shape
     if method not in SELECT_METHODS:
         raise ValueError(f"select must be one of {SELECT_METHODS}, not {method!r}")
     if method == "auto":
         method = ("triton" if rows <= TRITON_SELECT_MAX_ROWS else "prefilter"
                   if rows >= PREFILTER_MIN_ROWS and prefilter_applies(rows, cols, topk) else "torch")
+        decode_rows = DECODE_SELECT_MIN_ROWS is not None and DECODE_SELECT_MIN_ROWS <= rows < PREFILTER_MIN_ROWS
+        if method == "torch" and decode_rows:
+            method = "decode"
     if method == "triton":
         topk_indices(scores, limits, topk, out=out)
+        return 0
+    if method == "decode":  # device-side prefilter: exact, no host sync (misjudged rows are redone on the device)
+        topk_decode(scores, limits, topk, out=out)
         return 0
     if method in ("prefilter", "prefilter_triton") and prefilter_applies(rows, cols, topk):
         final = "triton" if method == "prefilter_triton" else "torch"

@@ -29,6 +29,10 @@ A 2**b-bin ``tl.histogram`` costs about b warp ballots plus 2**b / 32 bin counts
 (4 passes) need fewer launches when few rows leave it idle. Programs per row: one per slice of
 ``slice_size`` scores (a one-program-per-row form leaves all but one SM idle per row; its H200
 times are in benchmarks/gpu-2026-11-30-dsa/README.md).
+
+``topk_decode`` (decode batches, capturable) returns the same positions with two launches: a sampled
+threshold and one candidate pass over each row, then a select over the few thousand candidates, with
+rows the sample misjudged selected again from their full scores inside the same select kernel.
 """
 
 from __future__ import annotations
@@ -353,3 +357,285 @@ def topk_prefiltered(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, o
         again, at = torch.topk(scores[redo].masked_fill(~visible, float("-inf")), topk, dim=1, sorted=False)
         out[redo] = torch.where(again == float("-inf"), -1, at).to(torch.int32)
     return out, int(redo.numel())
+
+
+# Decode select for a batch of wide rows inside a captured step: the prefilter idea with every decision on
+# the device. Two launches, no host sync, no data-dependent host branch (capturable in a CUDA graph).
+DECODE_SAMPLE = 4096  # sampled scores per row (runs of DECODE_SAMPLE_RUN spread evenly over the visible columns)
+DECODE_SAMPLE_RUN = 8  # one 32-byte sector per run
+# Candidates aimed at, in units of topk (the sample's quantile): 3/2 with one part per row (2 * topk slots);
+# 7/4 with more (2 * topk slots per part). A row falls back when its count leaves [topk, slots]: with 4096
+# sampled scores at 128K x top-2048 the quantile's relative error is about 1/sqrt(96) ~ 10%, so 3/2 is
+# 3.3 of those from either edge and 7/4 is 4.3 from the lower one.
+DECODE_EXPECT = {1: (3, 2), 2: (7, 4)}
+DECODE_SEG_CAP = 2  # candidate slots per (row, part), in units of topk; a part past it sends its row to the fallback
+DECODE_BLOCK = 4096
+DECODE_TAU_BITS = 16  # bisection steps for the sample threshold (its top bits; the rest 0)
+DECODE_REGISTER_SLOTS = 8192  # candidate slots a select program holds in registers (8 warps: 32 a thread)
+DECODE_SELECT_BLOCK = 1024
+
+
+@triton.jit
+def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, stride, n_cols, topk,
+                              SAMPLE: tl.constexpr, RUN: tl.constexpr, EXPECT_NUM: tl.constexpr,
+                              EXPECT_DEN: tl.constexpr, SEG_CAP: tl.constexpr, PARTS: tl.constexpr,
+                              BLOCK: tl.constexpr, ALIGNED: tl.constexpr, TAU_BITS: tl.constexpr):
+    """Program (row, part). Every part of a row draws the same sample and threshold key tau: the
+    k_s-th largest visible sampled key, k_s = ceil(EXPECT * topk * (sampled columns < n) / n), rounded down to
+    its top TAU_BITS bits (sign, exponent and 7 mantissa bits at 16: under 1% of the value, so a few more
+    candidates), found by TAU_BITS bisection steps over the sample in registers (tau = 0, i.e. every visible
+    key, when the sample holds fewer than k_s visible scores: -inf holes or a short row).
+    Then the part's columns (a contiguous 1/PARTS of the row) are read once and its visible keys >= tau go,
+    in ascending position order, to the part's SEG_CAP slots (order keys and positions); count = how many
+    there were (possibly more than SEG_CAP: only the first SEG_CAP are stored)."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
+    base = scores_ptr + row * stride
+    # the sample: RUN-wide runs every `span` columns, span a multiple of RUN covering the n visible columns
+    runs: tl.constexpr = SAMPLE // RUN
+    span = tl.maximum(tl.cdiv(tl.cdiv(n, runs), RUN) * RUN, RUN)
+    i = tl.arange(0, SAMPLE)
+    spos = (i // RUN) * span + i % RUN
+    key, vis = _slice_keys(base, spos, n, n_read)
+    sampled = tl.sum(vis.to(tl.int32), axis=0)  # visible sampled scores (-inf holes left out)
+    in_range = tl.sum((spos < n).to(tl.int64), axis=0)
+    want = tl.cdiv(EXPECT_NUM * topk * in_range, EXPECT_DEN * tl.maximum(n, 1).to(tl.int64))
+    want = tl.maximum(want, 1)
+    tau = tl.zeros([], tl.uint32)
+    for b in tl.static_range(TAU_BITS):  # the lower bits stay 0: tau at or below the k_s-th key
+        trial = tau | (tl.full([], 1, tl.uint32) << (31 - b))
+        hits = tl.sum((vis & (key >= trial)).to(tl.int32), axis=0)
+        tau = tl.where(hits >= want, trial, tau)
+    tau = tl.where(want > sampled, 0, tau)
+    if part == 0:
+        tl.store(tau_ptr + row, tau.to(tl.int32, bitcast=True))
+    # the candidate pass over this part's columns
+    width = tl.cdiv(tl.cdiv(n_read, PARTS), 16) * 16
+    lo = part * width
+    hi = tl.minimum(lo + width, n_read)
+    seg = row * PARTS + part
+    key_base = key_ptr + seg * SEG_CAP
+    pos_base = pos_ptr + seg * SEG_CAP
+    offs = tl.arange(0, BLOCK)
+    written = 0
+    for start in range(lo, hi, BLOCK):
+        pos = start + offs
+        step_key, step_vis = _slice_keys(base, pos, n, n_read)
+        take = step_vis & (step_key >= tau) & (pos < hi)
+        slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        keep = take & (slot < SEG_CAP)
+        tl.store(key_base + slot, step_key.to(tl.int32, bitcast=True), mask=keep)
+        tl.store(pos_base + slot, pos, mask=keep)
+        written += tl.sum(take.to(tl.int32), axis=0)
+    tl.store(count_ptr + seg, written)
+
+
+@triton.jit
+def _runs_keys(src_ptr, pos_ptr, idx, n, FROM_SCORES: tl.constexpr):
+    """(order keys, visible, positions) of entries ``idx`` < n of one run: fp32 scores at column ``idx``
+    (FROM_SCORES; -inf not visible) or stored candidate keys and positions."""
+    m = idx < n
+    if FROM_SCORES:
+        x = tl.load(src_ptr + idx, mask=m, other=float("-inf"))
+        return _order_key(x), m & (x != float("-inf")), idx
+    key = tl.load(src_ptr + idx, mask=m, other=0).to(tl.uint32, bitcast=True)
+    return key, m, tl.load(pos_ptr + idx, mask=m, other=-1)
+
+
+@triton.jit
+def _select_runs(src_ptr, pos_ptr, count_ptr, run_stride, run_cap, out_base, topk,
+                 RUNS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, FROM_SCORES: tl.constexpr):
+    """Exact top-``topk`` of the entries of RUNS runs (run s: min(count[s], run_cap) entries at
+    ``src_ptr + s * run_stride``, in ascending position order), by 32 / BITS radix passes with a histogram
+    in this program, then one write pass: positions of the keys above the threshold plus the lowest-position
+    ties, ascending, then -1 up to ``topk``."""
+    BINS: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, BINS)
+    offs = tl.arange(0, BLOCK)
+    prefix = tl.zeros([], tl.uint32)
+    rem = tl.zeros([], tl.int32) + topk
+    total = tl.zeros([], tl.int32)
+    for p in tl.static_range(32 // BITS):
+        shift = 32 - (p + 1) * BITS
+        hist = tl.zeros([BINS], tl.int32)
+        for s in range(RUNS):
+            n = tl.minimum(tl.load(count_ptr + s), run_cap)
+            for start in range(0, n, BLOCK):
+                key, vis, _ = _runs_keys(src_ptr + s * run_stride, pos_ptr + s * run_stride, start + offs, n,
+                                         FROM_SCORES)
+                if p > 0:
+                    vis = vis & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
+                hist += tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=vis)
+        count = tl.sum(hist, axis=0)
+        if p == 0:
+            total = count
+        at_least = count - tl.cumsum(hist, axis=0) + hist  # keys whose digit >= bin
+        d = tl.maximum(tl.max(tl.where(at_least >= rem, bins, -1), axis=0), 0)
+        rem = rem - tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
+        prefix = prefix | (d.to(tl.uint32) << shift)
+    settled = total <= topk  # every visible key is taken
+    threshold = tl.where(settled, 0, prefix)
+    rem = tl.where(settled, topk, rem)
+    written = 0
+    ties_seen = 0
+    for s in range(RUNS):
+        n = tl.minimum(tl.load(count_ptr + s), run_cap)
+        for start in range(0, n, BLOCK):
+            key, vis, pos = _runs_keys(src_ptr + s * run_stride, pos_ptr + s * run_stride, start + offs, n,
+                                       FROM_SCORES)
+            tie = vis & (key == threshold)
+            tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            take = (vis & (key > threshold)) | (tie & (tie_rank < rem))
+            slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(out_base + slot, pos, mask=take)
+            written += tl.sum(take.to(tl.int32), axis=0)
+            ties_seen += tl.sum(tie.to(tl.int32), axis=0)
+    for start in range(written, topk, BLOCK):
+        slot = start + offs
+        tl.store(out_base + slot, tl.full([BLOCK], -1, tl.int32), mask=slot < topk)
+
+
+@triton.jit
+def _select_in_registers(key_ptr, pos_ptr, count_ptr, out_base, topk, SEG_CAP: tl.constexpr, PARTS: tl.constexpr,
+                         PARTS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """``_select_runs``' result over PARTS runs of at most SEG_CAP stored candidates (order keys, positions),
+    all held in registers at once: the k-th key by 32 bisection steps, then one write of the kept positions
+    (run-major order, i.e. ascending positions)."""
+    part = tl.arange(0, PARTS_P2)[:, None]
+    slot_in = tl.arange(0, SEG_CAP)[None, :]
+    count = tl.load(count_ptr + part, mask=part < PARTS, other=0)
+    m = slot_in < count
+    key = tl.load(key_ptr + part * SEG_CAP + slot_in, mask=m, other=0).to(tl.uint32, bitcast=True)
+    total = tl.sum(m.to(tl.int32), axis=None)
+    threshold = tl.zeros([], tl.uint32)
+    for b in tl.static_range(32):
+        trial = threshold | (tl.full([], 1, tl.uint32) << (31 - b))
+        hits = tl.sum((m & (key >= trial)).to(tl.int32), axis=None)
+        threshold = tl.where(hits >= topk, trial, threshold)
+    threshold = tl.where(total <= topk, 0, threshold)  # every candidate is taken
+    above = m & (key > threshold)
+    rem = topk - tl.sum(above.to(tl.int32), axis=None)
+    tie = (m & (key == threshold)).to(tl.int32)
+    tie_runs = tl.sum(tie, axis=1)
+    tie_rank = (tl.cumsum(tie_runs, axis=0) - tie_runs)[:, None] + tl.cumsum(tie, axis=1) - 1
+    take = above | ((tie != 0) & (tie_rank < rem))
+    take_runs = tl.sum(take.to(tl.int32), axis=1)
+    slot = (tl.cumsum(take_runs, axis=0) - take_runs)[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+    pos = tl.load(pos_ptr + part * SEG_CAP + slot_in, mask=take, other=-1)
+    tl.store(out_base + slot, pos, mask=take)
+    offs = tl.arange(0, BLOCK)
+    for start in range(tl.sum(take_runs, axis=0), topk, BLOCK):
+        tl.store(out_base + start + offs, tl.full([BLOCK], -1, tl.int32), mask=start + offs < topk)
+
+
+@triton.jit
+def _decode_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, out_ptr, redo_ptr, stride,
+                          n_cols, topk, SEG_CAP: tl.constexpr, PARTS: tl.constexpr, PARTS_P2: tl.constexpr,
+                          BLOCK: tl.constexpr, BITS: tl.constexpr, REGISTERS: tl.constexpr,
+                          FULL_BLOCK: tl.constexpr):
+    """One program per row: exact when every part's candidates were stored and either tau took every visible
+    key or at least topk keys are >= tau (then the top-k are all candidates, ties included); it selects over
+    the candidates. Any other row (the sample misjudged it) is selected here from its full scores, FULL_BLOCK
+    scores a step (5 passes over the row by this one program: slow, but only for that row)."""
+    row = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, PARTS_P2)
+    counts = tl.load(count_ptr + row * PARTS + parts, mask=parts < PARTS, other=0)
+    tau = tl.load(tau_ptr + row)
+    exact = (tl.max(counts, axis=0) <= SEG_CAP) & ((tau == 0) | (tl.sum(counts, axis=0) >= topk))
+    tl.store(redo_ptr + row, (~exact).to(tl.int32))
+    out_base = out_ptr + row * topk
+    seg = row * PARTS * SEG_CAP
+    if exact:
+        if REGISTERS:
+            _select_in_registers(key_ptr + seg, pos_ptr + seg, count_ptr + row * PARTS, out_base, topk,
+                                 SEG_CAP=SEG_CAP, PARTS=PARTS, PARTS_P2=PARTS_P2, BLOCK=BLOCK)
+        else:
+            _select_runs(key_ptr + seg, pos_ptr + seg, count_ptr + row * PARTS, SEG_CAP, SEG_CAP, out_base, topk,
+                         RUNS=PARTS, BLOCK=BLOCK, BITS=BITS, FROM_SCORES=False)
+    else:
+        _select_runs(scores_ptr + row * stride, pos_ptr, limits_ptr + row, 0, n_cols, out_base, topk, RUNS=1,
+                     BLOCK=FULL_BLOCK, BITS=BITS, FROM_SCORES=True)
+
+
+def decode_parts(n_rows: int, device: torch.device) -> int:
+    """Default programs per row of the decode candidate pass: enough rows x parts to cover the SMs once
+    (1 to 8; 1 under the interpreter)."""
+    if device.type != "cuda" or _interpreting():
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(8, sms // max(n_rows, 1)))
+
+
+def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
+                parts: int | None = None, block: int | None = None, select_block: int | None = None,
+                num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
+                redo: torch.Tensor | None = None, registers: bool | None = None,
+                select_warps: int | None = None) -> torch.Tensor:
+    """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
+    positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
+    launches, no host sync: capturable in a CUDA graph):
+
+    1. ``_decode_candidates_kernel``, grid (rows, parts): each row's threshold key tau from ``sample``
+       scores (runs of 8 spread over its visible columns; aimed at 3/2 * topk candidates with one part per
+       row, 7/4 with more), then one read of the row: the visible scores >= tau and their positions,
+       ascending, into per-part buffers of 2 * topk slots;
+    2. ``_decode_select_kernel``, one program per row: the radix select (``digit_bits`` per pass, histogram
+       in the program) over the row's few thousand candidates; a row the sample misjudged (fewer than topk
+       candidates above a finite tau, or a part past its slots) is selected by the same program from its
+       full scores instead (slow for that row, still exact): the result never depends on the sample.
+       ``registers`` (default: when parts x 2 * topk <= DECODE_REGISTER_SLOTS): the candidates are held in
+       registers and the k-th key found by 32 bisection steps there (one load), instead of the radix passes
+       over them in memory (five loads); ``select_warps`` per select program (default 8, 4 for the passes).
+    ``num_warps`` / ``block`` (scores per loop step): the candidate pass's launch (defaults 8 / 4096; its loop
+    is not software-pipelined by Triton: no async copies in the sm_90 build); ``parts`` per row (default
+    ``decode_parts``); ``sample`` a power of two.
+
+    scores fp32 [N, C] (unit column stride), limits int [N] (row r sees columns < limits[r]; -inf scores are
+    not visible). ``out``: optional int32 [N, topk]; ``redo``: optional int32 [N] that receives 1 for the
+    rows selected from their full scores. Bytes: each visible score read once (plus the sample, 1/32 of a
+    128K row), the candidates (8 B each, about 1.5 * topk a row) written and read 5 times from L2;
+    workspace N * parts * 2 * topk * 8 B.
+    """
+    n_rows, n_cols = scores.shape
+    if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
+        raise ValueError("topk_decode needs fp32 scores with unit column stride")
+    if digit_bits not in (4, 8):
+        raise ValueError(f"digit_bits must be 4 or 8, not {digit_bits}")
+    if out is None:
+        out = torch.empty(n_rows, topk, dtype=torch.int32, device=scores.device)
+    if out.shape != (n_rows, topk) or (topk > 1 and out.stride() != (topk, 1)):
+        raise ValueError(f"topk_decode writes a contiguous int32 [{n_rows}, {topk}] out, not {tuple(out.shape)} "
+                         f"with strides {out.stride()}")
+    if redo is None:
+        redo = torch.empty(n_rows, dtype=torch.int32, device=scores.device)
+    if n_rows == 0 or topk == 0:
+        redo.zero_()
+        return out
+    parts = parts or decode_parts(n_rows, scores.device)
+    sample = sample or DECODE_SAMPLE
+    if sample & (sample - 1) or sample < DECODE_SAMPLE_RUN:
+        raise ValueError(f"sample must be a power of two >= {DECODE_SAMPLE_RUN}, not {sample}")
+    seg_cap = DECODE_SEG_CAP * topk
+    expect = DECODE_EXPECT[min(parts, 2)]
+    limits = limits.to(torch.int32).contiguous()
+    tau = torch.empty(n_rows, dtype=torch.int32, device=scores.device)
+    keys = torch.empty(n_rows, parts, seg_cap, dtype=torch.int32, device=scores.device)
+    positions = torch.empty(n_rows, parts, seg_cap, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(n_rows, parts, dtype=torch.int32, device=scores.device)
+    aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
+    slots = triton.next_power_of_2(parts) * seg_cap
+    registers = slots <= DECODE_REGISTER_SLOTS and seg_cap & (seg_cap - 1) == 0 if registers is None else registers
+    if registers and seg_cap & (seg_cap - 1):
+        raise ValueError(f"registers=True needs a power-of-two topk, not {topk}")
+    _decode_candidates_kernel[(n_rows, parts)](
+        scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
+        RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap,
+        PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS,
+        num_warps=num_warps or 8)
+    _decode_select_kernel[(n_rows,)](
+        scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
+        PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
+        BITS=digit_bits, REGISTERS=registers, FULL_BLOCK=block or DECODE_BLOCK,
+        num_warps=select_warps or (8 if registers else 4))
+    return out

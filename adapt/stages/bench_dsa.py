@@ -35,12 +35,13 @@ import torch
 from adapt.bench.acceptance import Criterion, benchmark_report, evaluate, find_row
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _commit
+from adapt.bench.timer import time_cuda
 from adapt.bench.timer import time_eager_ms as _time_ms
 from adapt.bench.timer import time_graph_ms as _time_graph_ms
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
 from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
-from adapt.kernels.topk import topk_indices, topk_indices_torch, topk_prefiltered
+from adapt.kernels.topk import topk_decode, topk_indices, topk_indices_torch, topk_prefiltered
 from adapt.model.spec import load_spec
 from adapt.report import StageReport, load_gates
 from adapt.runtime.kv_cache import DSALayerCache, PagedKVCache, mla_layout
@@ -168,6 +169,7 @@ def _decode_case(
     for opt in (TOPK_SWEEP if batch >= SWEEP_BATCH else ()):  # select tiles where torch.topk is the default
         ms = _time_graph_ms(lambda o=opt: topk_indices(scores, limits, topk, out=selected, **o), reps)
         topk_sweep.append({**opt, "us": ms * 1e3})
+    decode_select = _decode_select_rows(scores, limits, topk, selected, reps)
     index_ms = _time_graph_ms(index, reps)
     checks = {
         "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk), topk_indices_torch(scores, limits,
@@ -202,6 +204,14 @@ def _decode_case(
         checks["sparse_mla_rel_err_vs_bf16_q_twin"] = _rel_err(got, sparse_mla.sparse_mla_torch(*twin_args))
     attend_ms = _time_graph_ms(attend, reps)
     step_ms = _time_graph_ms(lambda: (index(), attend()), reps)
+
+    def index_decode_select():
+        holder["idx"], _ = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq,
+                                          limits, topk, max_keys=context, rows_per_tile=1, select="decode",
+                                          **tiles["decode_index"])
+
+    index_decode_ms = _time_graph_ms(index_decode_select, reps)
+    step_decode_ms = _time_graph_ms(lambda: (index_decode_select(), attend()), reps)
     cache = layer = None
     torch.cuda.empty_cache()
     layered = (_layered_step_us(batch, context, topk, latent_format, block_table, tiles["decode_index"], mla_tiles,
@@ -225,6 +235,10 @@ def _decode_case(
         "topk_kernel_us_by_digit_bits": select_by_bits,
         "torch_topk_us": torch_topk_ms * 1e3,
         "topk_kernel_sweep": topk_sweep,
+        "topk_decode_sweep": decode_select,
+        "topk_us_decode_select": (index_decode_ms - scores_ms) * 1e3,
+        "step_us_decode_select": step_decode_ms * 1e3,
+        "step_over_floor_decode_select": step_decode_ms * 1e3 / floor_us,
         "sparse_mla_us": attend_ms * 1e3,
         "sparse_mla_tiles": mla_tiles,
         "sparse_mla_splits_sweep": splits_sweep,
@@ -266,6 +280,49 @@ TOPK_SWEEP = (
 # layer (H200, 2026-11-30, batch 1: 53.9-56.1 us per layer in 8 against 53.6-54.7 us alone, within the
 # run-to-run spread).
 GRAPH_LAYERS = 8
+
+
+# ``topk_decode`` tiles timed on every decode case's scores beside torch.topk (issue 16: torch.topk runs the
+# batch-64 step, 144-151 us on 2026-11-30): the default (parts per row from the SM count, 4096-score steps,
+# 8 warps, 8-bit digits, 4096 sampled scores, candidates in registers), then three changes (at SWEEP_BATCH rows
+# and above only: each is a build of its own, and the acceptance call has a time limit).
+TOPK_DECODE_SWEEP = (
+    {},
+    dict(block=2048),
+    dict(parts=4, block=2048, num_warps=4),
+    dict(registers=False),
+)
+
+
+def _decode_select_rows(scores: torch.Tensor, limits: torch.Tensor, topk: int, out: torch.Tensor,
+                        reps: int) -> list[dict]:
+    """One row per TOPK_DECODE_SWEEP tile: us (timed_as "graph": CUDA-graph replays, the capture worked), whether
+    the result equals topk_indices_torch's, and how many rows the sample misjudged (selected again from their
+    full scores on the device); then the default tile with row 0 set all equal (what one misjudged row costs)."""
+    twin = topk_indices_torch(scores, limits, topk)
+    redo = torch.empty(scores.shape[0], dtype=torch.int32, device=scores.device)
+    rows = []
+    for opt in TOPK_DECODE_SWEEP if scores.shape[0] >= SWEEP_BATCH else TOPK_DECODE_SWEEP[:1]:
+        try:
+            timing = time_cuda(lambda o=opt: topk_decode(scores, limits, topk, out=out, redo=redo, **o), reps,
+                               warmup=1)
+            topk_decode(scores, limits, topk, out=out, redo=redo, **opt)
+            rows.append({**opt, "us": timing.median_us, "equals_twin": bool(torch.equal(out, twin)),
+                         "redo_rows": int(redo.sum()), "timed_as": timing.mode})
+        except Exception as err:  # recorded; the other tiles still run
+            rows.append({**opt, "error": str(err)[:200]})
+    if scores.shape[0] > 1:  # the default with one row the sample misjudges (all equal: the full-row select)
+        scores = scores.clone()
+        scores[0] = 1.0
+        twin = topk_indices_torch(scores, limits, topk)
+        try:
+            timing = time_cuda(lambda: topk_decode(scores, limits, topk, out=out, redo=redo), reps, warmup=1)
+            topk_decode(scores, limits, topk, out=out, redo=redo)
+            rows.append({"row_0_all_equal": True, "us": timing.median_us, "equals_twin": bool(torch.equal(out, twin)),
+                         "redo_rows": int(redo.sum()), "timed_as": timing.mode})
+        except Exception as err:
+            rows.append({"row_0_all_equal": True, "error": str(err)[:200]})
+    return rows
 
 
 def _layered_step_us(batch: int, context: int, topk: int, latent_format: str, block_table: torch.Tensor,
@@ -1070,6 +1127,20 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
     return rows
 
 
+def _decode_select_line(d: dict) -> str:
+    """The decode top-k (``topk_decode``) beside torch.topk: its tiles (us, equal to the twin, misjudged rows)
+    and the step with it."""
+    measured = ("us", "equals_twin", "redo_rows", "timed_as", "error")
+    tiles = ", ".join(
+        f"{ {k: v for k, v in r.items() if k not in measured} or 'default'}: "
+        + (f"{_fmt(r['us'])} ({r['timed_as']}, twin {r['equals_twin']}, redo {r['redo_rows']})" if "us" in r
+           else r["error"])
+        for r in d["topk_decode_sweep"])
+    return (f"topk_decode us: {tiles}; torch.topk {_fmt(d.get('torch_topk_us'))}; step with select=decode "
+            f"{_fmt(d.get('step_us_decode_select'))} us (top-k in the step {_fmt(d.get('topk_us_decode_select'))}, "
+            f"step / floor {_fmt(d.get('step_over_floor_decode_select'), 2)})")
+
+
 def compact_summary(result: dict) -> str:
     """A few lines for a terminal: ceilings, each decode and prefill case with its split."""
     c = result["ceilings"]
@@ -1085,6 +1156,8 @@ def compact_summary(result: dict) -> str:
             f"{d['sparse_mla_us']:.0f}/{d['step_us']:.0f} | {d['floor_us']:.0f} | {d['step_over_floor']:.2f} "
             f"| {_fmt(d['dense_us'], 0)} ({_fmt(d['dense_floor_us'], 0)})"
         )
+        if d.get("topk_decode_sweep"):
+            lines.append(f"    {_decode_select_line(d)}")
     lines.append("prefill T: scores/topk/mla/total ms | dense ms | speedup")
     for p in result["prefill"]:
         lines.append(
@@ -1154,6 +1227,8 @@ def render_markdown(result: dict) -> str:
             sweep = ", ".join(f"{ {k: v for k, v in r.items() if k != 'us'} }: {_fmt(r['us'])}"
                               for r in d["topk_kernel_sweep"])
             lines.append(f"|  | select kernel tiles (us): {sweep} |")
+        if d.get("topk_decode_sweep"):
+            lines.append(f"|  | {_decode_select_line(d)} |")
         if "sparse_mla_rel_err_vs_bf16_q_twin" in d:
             lines.append(f"|  | sparse MLA (q.k in e4m3) against the bf16-q twin: rel. error "
                          f"{d['sparse_mla_rel_err_vs_bf16_q_twin']:.1e} |")

@@ -1,0 +1,143 @@
+"""Decode top-k (device-side prefilter, Triton) against the twin ``topk_indices_torch``: exact positions and
+tie order, on rows the sample judges right and rows it misjudges (selected again on the device)."""
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from adapt.kernels import dsa
+from adapt.kernels.topk import topk_decode, topk_indices_torch
+
+COLS = 4096
+K = 128
+SAMPLE = 64  # 8 runs of 8 over a 4096-column row: every 512th column starts a run
+
+
+def sampled_columns(n):
+    """Columns the kernel samples in a row of n visible columns (runs of 8, span a multiple of 8)."""
+    runs = SAMPLE // 8
+    per_run = -(-n // runs)
+    span = max(-(-per_run // 8) * 8, 8)
+    return torch.tensor([(i // 8) * span + i % 8 for i in range(SAMPLE) if (i // 8) * span + i % 8 < n])
+
+
+def adversarial_rows(gen):
+    """Rows and whether the sample misjudges them (so the full-row select runs):
+    0 random (judged right); 1 few score levels (ties at the threshold spread over parts); 2 all equal (every
+    score is a candidate: past the slots); 3 high scores only off the sample (tau too high: fewer than k
+    candidates); 4 the sample lowest (tau too low: past the slots); 5 fewer than k visible (a short limit);
+    6 -inf holes leaving fewer than k (the sample sees too few visible: every visible key); 7 +-0 ties with a
+    few positives (the sampled zeros put every score past the slots); 8 nothing visible; 9 random, short limit."""
+    s = torch.randn(10, COLS, generator=gen)
+    s[1] = torch.randint(0, 40, (COLS,), generator=gen).float()
+    s[2] = 0.5
+    cols = sampled_columns(COLS)
+    s[3] = -1.0
+    s[3, torch.randperm(COLS, generator=gen)[:300]] = 2.0
+    s[3, cols] = 5.0
+    s[4] = s[4].abs()
+    s[4, cols] = -3.0
+    s[6] = torch.where(torch.rand(COLS, generator=gen) < 0.98, float("-inf"), s[6])
+    s[7] = torch.where(torch.arange(COLS) % 2 == 0, 0.0, -0.0)
+    s[7, 1000::500] = 1.0
+    limits = torch.tensor([COLS, COLS, COLS, COLS, COLS, 100, COLS, COLS, 0, 3000])
+    return s, limits
+
+
+# radix passes over the candidates in memory (three parts, small steps); candidates in registers (one part,
+# 4-bit digits in the full-row select); registers over three parts. The GPU runs the first (one build; the
+# graph test below runs the default).
+TILES = [dict(parts=3, block=512, select_block=256, registers=False), dict(parts=1, digit_bits=4),
+         dict(parts=3, registers=True, select_block=64)]
+
+
+@pytest.mark.parametrize("device, opts", [("cpu", opts) for opts in TILES]
+                         + [pytest.param("cuda", TILES[0], marks=pytest.mark.gpu)])
+def test_decode_topk_equals_twin_and_redoes_misjudged_rows_on_device(device, opts):
+    """Three parts of 2k slots each: rows 0, 1, 9 select over their candidates. One part (2k slots for about
+    1.5k candidates from a 64-score sample) may send those rows to the full select too: still the twin's."""
+    s, limits = adversarial_rows(torch.Generator().manual_seed(1))
+    redo = torch.full((s.shape[0],), -5, dtype=torch.int32, device=device)
+    out = torch.full((s.shape[0] + 2, K), -7, dtype=torch.int32, device=device)
+    topk_decode(s.to(device), limits.to(device), K, out=out[1:-1], redo=redo, sample=SAMPLE, **opts)
+    assert torch.equal(out[1:-1].cpu(), topk_indices_torch(s, limits, K))
+    assert (out[0] == -7).all() and (out[-1] == -7).all()
+    got = redo.tolist()
+    assert [got[r] for r in (2, 3, 4, 5, 6, 7, 8)] == [1, 1, 1, 0, 0, 1, 0]
+    if opts["parts"] == 3:
+        assert [got[r] for r in (0, 1, 9)] == [0, 0, 0]
+
+
+def test_index_topk_select_decode_is_the_twins_selection():
+    """``select="decode"`` in dsa's select dispatch writes topk_decode's result (the twin's) into the chunk."""
+    s, limits = adversarial_rows(torch.Generator().manual_seed(4))
+    out = torch.full((s.shape[0], K), -7, dtype=torch.int32)
+    assert dsa._select_topk(s, limits, K, out=out, method="decode") == 0
+    assert torch.equal(out, topk_indices_torch(s, limits, K))
+
+
+def test_auto_select_takes_decode_from_its_row_count(monkeypatch):
+    """``auto`` dispatches decode-sized chunks to topk_decode once DECODE_SELECT_MIN_ROWS is set (None: never)."""
+    calls = []
+    monkeypatch.setattr(dsa, "topk_decode", lambda *a, **kw: calls.append(a[0].shape[0]))
+    scores, limits = torch.randn(12, 64), torch.full((12,), 64)
+    out = torch.empty(12, 4, dtype=torch.int32)
+    dsa._select_topk(scores, limits, 4, out=out)
+    assert calls == []
+    monkeypatch.setattr(dsa, "DECODE_SELECT_MIN_ROWS", 10)
+    dsa._select_topk(scores, limits, 4, out=out)
+    dsa._select_topk(scores[:9], limits[:9], 4, out=out[:9])
+    assert calls == [12]
+
+
+def test_decode_topk_default_sample_and_k_past_the_columns():
+    """The default sample (4096 scores: the whole of a short row) and k larger than a row's columns."""
+    gen = torch.Generator().manual_seed(2)
+    s = torch.randn(3, 1000, generator=gen)
+    s[1, ::7] = 2.0
+    limits = torch.tensor([1000, 999, 17])
+    for k in (1, 40, 1200):
+        assert torch.equal(topk_decode(s, limits, k), topk_indices_torch(s, limits, k))
+
+
+@pytest.mark.gpu
+def test_decode_topk_deepseek_v32_batch64_in_a_cuda_graph():
+    """64 rows x 128K keys, top-2048, replayed from a CUDA graph: identical to the twin; a row the sample
+    misjudges is selected again inside the graph (no host sync); new scores replay with new results."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s = torch.randn(64, 131072, device="cuda", generator=gen)
+    s[1] = torch.round(s[1] * 4)
+    limits = torch.randint(1000, 131073, (64,), device="cuda", generator=gen)
+    limits[0] = 131072
+    out = torch.empty(64, 2048, dtype=torch.int32, device="cuda")
+    redo = torch.empty(64, dtype=torch.int32, device="cuda")
+    topk_decode(s, limits, 2048, out=out, redo=redo)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk_decode(s, limits, 2048, out=out, redo=redo)
+    for step in range(2):
+        if step:
+            s.copy_(torch.randn(64, 131072, device="cuda", generator=gen))
+            s[2] = 1.0  # all equal: the full-row select
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, topk_indices_torch(s, limits, 2048))
+        assert redo[2].item() == step and redo.sum().item() <= 2 + step
+
+
+def test_bench_line_shows_decode_select_beside_torch_topk():
+    """bench_dsa's decode line: each topk_decode tile (timed as, twin, redo rows), torch.topk and the step."""
+    from adapt.stages.bench_dsa import _decode_select_line
+
+    case = {"torch_topk_us": 144.1, "step_us_decode_select": 600.0, "topk_us_decode_select": 40.0,
+            "step_over_floor_decode_select": 1.94,
+            "topk_decode_sweep": [{"us": 35.5, "equals_twin": True, "redo_rows": 0, "timed_as": "graph"},
+                                  {"parts": 4, "error": "out of resources"}]}
+    line = _decode_select_line(case)
+    assert "default: 35.5 (graph, twin True, redo 0)" in line and "{'parts': 4}: out of resources" in line
+    assert "torch.topk 144.1" in line and "select=decode 600.0 us" in line and "step / floor 1.94" in line
