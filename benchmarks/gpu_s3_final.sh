@@ -16,7 +16,7 @@ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clock
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 echo "== 1. DSA gpu tests"
 timeout "${DSA_TEST_S:-80}" env PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 60 \
-  tests/kernels/test_topk.py tests/kernels/test_dsa.py tests/kernels/test_dsa_prefill.py \
+  tests/kernels/test_topk.py tests/kernels/test_topk_decode.py tests/kernels/test_dsa.py tests/kernels/test_dsa_prefill.py \
   tests/kernels/test_sparse_mla.py tests/kernels/test_sparse_mla_prefill.py tests/runtime/test_dsa_vs_transformers.py \
   -k "not deepseek_v32_shapes_on_gpu" > "$OUT/dsa/pytest_gpu_dsa.log" 2>&1
 echo "dsa tests rc=$? at $(($(date +%s) - T0)) s"; tail -12 "$OUT/dsa/pytest_gpu_dsa.log"
