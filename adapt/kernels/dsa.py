@@ -364,8 +364,10 @@ TRITON_SELECT_MAX_ROWS = 8
 # ``topk.topk_prefiltered`` when their rows are wide enough (``topk.prefilter_applies``).
 PREFILTER_MIN_ROWS = 512
 # Chunks of at least this many rows and fewer than PREFILTER_MIN_ROWS (decode batches) select with
-# ``topk_decode`` under ``auto``; None: not yet (it has not been timed against torch.topk on the H200).
-DECODE_SELECT_MIN_ROWS: int | None = None
+# ``topk_decode`` under ``auto`` (None: never). H200, 2026-11-30, commit 1b23ffe, 128K keys, top-2048, CUDA
+# graph: 64 rows 94.9 us against torch.topk's 144.4 (the batch-64 step 672 -> 617 us); 1 row 68.6 against
+# 57.2, so a single row keeps the Triton radix select (benchmarks/gpu-2026-11-30-dsa-s3-final).
+DECODE_SELECT_MIN_ROWS: int | None = 16
 SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "decode")
 
 
