@@ -244,10 +244,12 @@ def convert_experts(
     )
 
 
-CONVERT_CONFIG = (4, 16, 2)
-"""The word conversion's program: 4 rows x 16 32-blocks per step, 2 warps. H200, all experts of a layer at
-T = 16384 (benchmarks/moe/2026-11-30-s3-prefill, call 3): DeepSeek-V3 5,342 us (3.37 TB/s, 0.87 of copy),
-gpt-oss-120b 1,809 us; the previous (8, 16, 4) 6,119 / 1,921 us, (16, 16, 4) 6,295 / 2,185, 8 warps slower."""
+CONVERT_CONFIG = (4, 32, 2)
+"""The word conversion's program: 4 rows x 32 32-blocks per step, 2 warps. H200, all experts of a layer at
+T = 16384, same process per shape (benchmarks/moe/2026-11-30-s3, call 8, commit 594c7c6): DeepSeek-V3 4,991 us
+against 5,419 for the earlier default (4, 16, 2) and 5,066 for (2, 16, 1); gpt-oss-120b 1,543 against 1,827 and
+1,682. Before that (2026-11-30-s3-prefill, call 3) (4, 16, 2) replaced (8, 16, 4): 5,342 / 1,809 against 6,119 /
+1,921 us; (16, 16, 4) 6,295 / 2,185, 8 warps slower."""
 
 SCHEDULES = ("serial", "side", "split")
 """How ``FP8Workspace.run_layer`` orders conversion and GEMMs (see ``FP8Workspace``)."""

@@ -398,11 +398,11 @@ checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""
 CONVERT_SWEEP = {
     "ws_convert_r16b16w4": (16, 16, 4), "ws_convert_r8b32w8": (8, 32, 8), "ws_convert_r16b32w8": (16, 32, 8),
     "ws_convert_r32b16w8": (32, 16, 8), "ws_convert_r8b16w4": (8, 16, 4), "ws_convert_r8b16w8": (8, 16, 8),
-    "ws_convert_r2b16w1": (2, 16, 1), "ws_convert_r4b32w2": (4, 32, 2),
+    "ws_convert_r2b16w1": (2, 16, 1), "ws_convert_r4b16w2": (4, 16, 2),
 }
 """Word-conversion programs (rows, 32-blocks per step, warps) timed alone beside ``ws_convert_only`` (the
-default ``workspace.CONVERT_CONFIG``, (4, 16, 2) from call 3 of 2026-11-30-s3-prefill) with ``--large``
-above PLANAR_MAX_TOKENS; (2, 16, 1) and (4, 32, 2) not timed yet."""
+default ``workspace.CONVERT_CONFIG``, (4, 32, 2) from call 8 of 2026-11-30-s3; (4, 16, 2) was the default before)
+with ``--large`` above PLANAR_MAX_TOKENS."""
 
 
 def _convert_all(routed, ws, perm, config=None) -> torch.Tensor:
