@@ -274,18 +274,26 @@ def validate(
                               indexer_dtype=indexer_dtype, compute_dtype=compute_dtype,
                               gates_file=str(gates) if gates else None)
 
+    heard: dict[str, list[dict[str, str]]] = {"reused": [], "reran": []}
+
     def reused(name: str, why: str) -> None:
+        heard["reused"].append({"stage": name, "reason": why})
         if not as_json:
-            console.print(f"[dim]{escape(name)}: reused ({escape(why)})[/dim]")
+            console.print(f"[dim]{escape(name)}: reused ({escape(why)})[/dim]", soft_wrap=True)
+
+    def reran(name: str, why: str) -> None:
+        heard["reran"].append({"stage": name, "reason": why})
+        if not as_json:
+            console.print(f"[yellow]{escape(name)}: runs again[/yellow] ({escape(why)})", soft_wrap=True)
 
     reports = run_gates(stage, options, run, thresholds, on_report=None if as_json else render_report,
-                        on_reuse=reused)
+                        on_reuse=reused, on_rerun=reran)
     code = max((r.exit_code for r in reports), default=0)
     if as_json:
         from adapt.report import VERDICTS
 
         worst = max((r.decide() for r in reports), key=VERDICTS.index, default="pass")
-        print_json({"run": str(run.path), "verdict": worst, "exit_code": code,
+        print_json({"run": str(run.path), "verdict": worst, "exit_code": code, **heard,
                     "reports": [r.to_dict() for r in reports]})
     else:
         console.print(f"[dim]reports: {escape(str(run.path))}[/dim]")

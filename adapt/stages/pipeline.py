@@ -415,12 +415,14 @@ def check_options(options: PipelineOptions, stage: int = max(STAGES)) -> None:
 
 def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str, Any],
              on_report: Callable[[StageReport], None] | None = None,
-             on_reuse: Callable[[str, str], None] | None = None) -> list[StageReport]:
+             on_reuse: Callable[[str, str], None] | None = None,
+             on_rerun: Callable[[str, str], None] | None = None) -> list[StageReport]:
     """Run stages 1..stage in ``run``; stop at the first failed gate. Returns the reports produced.
 
     Stage ``stage`` itself always runs. A stage before it is reused (not run) only when its report
     in the run directory passed or warned and its fingerprint equals ``stage_fingerprint`` for
-    this invocation; ``on_reuse(name, why)`` hears about each reuse. Every report carries its
+    this invocation; ``on_reuse(name, why)`` hears about each reuse, ``on_rerun(name, why)`` about each
+    stage before ``stage`` whose earlier report exists but runs again (``rerun_reason``). Every report carries its
     fingerprint, is written as soon as it exists and is passed to ``on_report``.
     """
     if stage not in STAGES:
@@ -436,11 +438,13 @@ def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str,
         name = STAGES[number].name
         if number < stage:
             recorded = run.stage_report(name)
-            if recorded and recorded["verdict"] in ("pass", "warn") \
-                    and fingerprint_mismatch(recorded["fingerprint"], prints[number]) is None:
+            why = rerun_reason(recorded, prints[number]) if recorded else None
+            if recorded and why is None:
                 if on_reuse:
                     on_reuse(name, f"{recorded['verdict']} at {recorded.get('finished')}, same fingerprint")
                 continue
+            if why and on_rerun:
+                on_rerun(name, why)
         check_interrupt()
         if STAGES[number].reads_plan:  # stage 4 may have run again just now
             prints[number] = stage_fingerprint(number, options, gates)
@@ -454,6 +458,14 @@ def validate(stage: int, options: PipelineOptions, run: RunDir, gates: dict[str,
         if report.decide() == "fail":
             break
     return reports
+
+
+def rerun_reason(recorded: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """Why an earlier stage report (``RunDir.stage_report``) is not reused: its verdict, or the first
+    fingerprint field that changed (``fingerprint_mismatch``); None when it is reused."""
+    if recorded["verdict"] not in ("pass", "warn"):
+        return f"earlier verdict {recorded['verdict']}"
+    return fingerprint_mismatch(recorded.get("fingerprint") or {}, expected)
 
 
 def stamp(report: StageReport, fingerprint: dict[str, Any], extra_options: dict[str, Any] | None = None) -> None:

@@ -368,9 +368,8 @@ def evaluate(model_dir: Path, adapted: Adapted, limits: dict[str, float], *, lay
          f"{int(limits['min_greedy_match_tokens'])} tokens (first at token {first})")
     # an MoE layer kept with no expert compared (no captured input before it) is unmeasured, not 0.0
     moe_kept = any(isinstance(layer.ffn, MoE) for layer in ad_engine.model.layers)
-    unmeasured = [("experts", "per-expert gain and relative error: not measured here; no kept layer before an "
-                              "MoE layer feeds its experts (keep a layer before the first MoE layer in --layers)")
-                  ] if moe_kept and not experts else []
+    unmeasured = [("experts", "per-expert gain and relative error", "no kept layer before an MoE layer feeds its "
+                   "experts (keep a layer before the first MoE layer in --layers)")] if moe_kept and not experts else []
     worst_gain = max((abs(r["gain"] - 1) for r in experts), default=None if unmeasured else 0.0)
     worst_expert = max((r["rel_error"] for r in experts), default=None if unmeasured else 0.0)
     if not unmeasured:
@@ -525,8 +524,8 @@ def run_precision(model: str, target: str, *, gates: dict, layers: str | None = 
     skipped = anchor_skipped(model_dir, layer_ids, device)
     if skipped is not None:
         how = "run stage 5 without --layers on a CPU machine (checkpoints up to 2 GiB) to compare them"
-        report.tables["checks not measured"] = [{"check": "reference vs transformers", "status": "not measured",
-                                                 "reason": skipped, "how": how}]
+        report.tables.setdefault(NOT_MEASURED, []).append(
+            {"check": "reference vs transformers", "status": "not measured", "reason": skipped, "how": how})
         report.add("warn", "not-measured-reference-anchor",
                    f"reference vs transformers logits: not measured here ({skipped}); the float32 reference is "
                    "trusted from tests/runtime, not checked on these weights", hint=how)
@@ -541,8 +540,8 @@ def run_precision(model: str, target: str, *, gates: dict, layers: str | None = 
                           f"{model_dir.name}: adapted ({kernels}, {compute_dtype}) vs float32 reference")
         report.artifacts["layer_error_plot"] = png.name
         report.metrics["layer_error_plot"] = str(png)
-    for code, message in result["unmeasured"]:
-        report.add("warn", f"not-measured-{code}", message)
+    for code, check, reason in result["unmeasured"]:
+        not_measured(report, code, check, reason)
     for code, message in result["failures"]:
         report.add("error", code, message)
     if result["failures"] and attribute:
@@ -644,6 +643,17 @@ def _image_input(report: StageReport, model_dir: Path, layer_ids, adapted: Adapt
     return failures
 
 
+NOT_MEASURED = "checks not measured"
+
+
+def not_measured(report: StageReport, code: str, check: str, reason: str, how: str = "") -> None:
+    """Say that stage 5 did not check ``check`` and why: a ``not-measured-<code>`` warning and a row of the
+    report's "checks not measured" table (one place listing everything stage 5 left unchecked)."""
+    report.tables.setdefault(NOT_MEASURED, []).append(
+        {"check": check, "status": "not measured", "reason": reason, "how": how})
+    report.add("warn", f"not-measured-{code}", f"{check}: not measured here; {reason}")
+
+
 def run_family_precision(model_dir: Path, adapted: Adapted, limits: dict[str, float], layer_ids, faults,
                          report_dir) -> StageReport:
     """Stage 5 for the families the decoder engine does not build (qwen3_next, llama4: adapt.runtime.families).
@@ -722,24 +732,24 @@ def run_family_precision(model_dir: Path, adapted: Adapted, limits: dict[str, fl
         report.metrics["layer_error_plot"] = str(png)
     why = f"the {family} reference runtime (adapt.runtime.families) has no such switch or hook"
     unmeasured = [
-        ("routing", "routing agreement and flips per MoE layer: not measured here; the family runtime does not "
-                    "expose its router choices"),
-        ("experts", "per-expert gain and relative error: not measured here; the family runtime has no per-expert "
-                    "forward hook (an expert fault shows only through the layer and logits metrics)"),
-        ("reference-anchor", "reference vs transformers logits: not measured here; the family's runtime tests "
-                             "compare it with transformers in float32"),
+        ("routing", "routing agreement and flips per MoE layer", "the family runtime does not expose its router "
+                    "choices"),
+        ("experts", "per-expert gain and relative error", "the family runtime has no per-expert forward hook (an "
+                    "expert fault shows only through the layer and logits metrics)"),
+        ("reference-anchor", "reference vs transformers logits", "the family's runtime tests compare it with "
+                             "transformers in float32"),
     ]
     if adapted.kernels != "none":
-        unmeasured.append(("kernels", f"adapt's Triton kernels ({adapted.kernels}): not measured here; {why}, so "
-                                      f"the adapted path is torch in {adapted.dtype}"))
+        unmeasured.append(("kernels", f"adapt's Triton kernels ({adapted.kernels})",
+                           f"{why}, so the adapted path is torch in {adapted.dtype}"))
     if adapted.weights != "as-stored":
-        unmeasured.append(("expert-format", f"experts as {adapted.weights}: not measured here; {why}"))
+        unmeasured.append(("expert-format", f"experts as {adapted.weights}", why))
     if adapted.kv_dtype != "bf16":
-        unmeasured.append(("kv-cache", f"KV cache as {adapted.kv_dtype}: not measured here; {why}"))
+        unmeasured.append(("kv-cache", f"KV cache as {adapted.kv_dtype}", why))
     if family == "llama4":
-        unmeasured.append(("image-input", "image input: not measured here; stage 5 feeds the bundled text only"))
-    for code, message in unmeasured:
-        report.add("warn", f"not-measured-{code}", message)
+        unmeasured.append(("image-input", "image input", "stage 5 feeds the bundled text only"))
+    for code, check, reason in unmeasured:
+        not_measured(report, code, check, reason)
     for code, message in failures:
         report.add("error", code, message)
     report.summary = (f"{len(failures)} precision gate(s) failed" if failures else

@@ -118,3 +118,25 @@ def test_a_precision_report_with_no_fingerprint_is_refused(tmp_path):
     run.write(StageReport("precision", 5, "precision"))
     with pytest.raises(InputError, match=r"precision: its report has no provenance fingerprint"):
         check_gates(run, model=BASE.model, target="h200", devices=8, nodes=1, force=True)
+
+
+def test_validate_says_why_a_stale_stage_runs_again(tmp_path, capsys, monkeypatch):
+    """A stage whose earlier report exists but is stale runs again with one line naming the stage and the
+    fingerprint field that changed, and `--json` carries the same reason (a silent re-run hid why)."""
+    args = ("validate", BASE.model, "--stage", "2", "--target", "h200", "--devices", "8", "--output", tmp_path,
+            "--run", "r")
+    assert run_adapt(capsys, *args, "--json").code == 0
+    gates = tmp_path / "gates.yaml"
+    gates.write_text("inventory:\n  max_missing: 2\n")
+    result = run_adapt(capsys, *args, "--gates", gates)
+    (line,) = [line for line in result.stdout.splitlines() if "runs again" in line]
+    assert line.startswith("inventory: runs again") and "gates: recorded" in line
+    from adapt.stages import pipeline
+
+    monkeypatch.setattr(pipeline, "code_digest", lambda: "0" * 16)
+    data = json.loads(run_adapt(capsys, *args, "--gates", gates, "--json").stdout)
+    assert [r["stage"] for r in data["reran"]] == ["inventory"]
+    assert data["reran"][0]["reason"].startswith("written by other adapt code (digest ")
+    assert data["reused"] == []
+    data = json.loads(run_adapt(capsys, *args, "--gates", gates, "--json").stdout)
+    assert data["reran"] == [] and [r["stage"] for r in data["reused"]] == ["inventory"]

@@ -291,3 +291,22 @@ def test_validate_passes_the_served_model_name_to_stage_6(tmp_path, monkeypatch)
     pipeline.STAGES[6].run(options, load_gates())
     assert seen["served_model"] == "tiny" and seen["url"] == "http://127.0.0.1:9" and seen["model"] == options.model
     assert stage_fingerprint(6, options, load_gates())["options"]["served_model"] == "tiny"
+
+
+def test_family_stage_5_lists_every_unchecked_group_in_one_table(tmp_path):
+    """llama4 (as qwen3_next: no routing or expert hooks) has the "checks not measured" table the other families'
+    stage 5 has, one row per not-measured warning, so a reader sees in one place what stage 5 did not check."""
+    from adapt.model.tiny_multimodal import build_tiny_llama4
+    from adapt.runtime.variants import Faults
+    from adapt.stages.precision import run_precision
+
+    gates = load_gates()
+    gates["precision"]["greedy_tokens"] = 4
+    report = run_precision(str(build_tiny_llama4(tmp_path / "l4")), "cpu", gates=gates, faults=Faults(),
+                           weights="fp8", layers="1")
+    rows = report.tables["checks not measured"]
+    warned = [f.message for f in report.findings if f.code.startswith("not-measured-")]
+    assert [f"{r['check']}: not measured here; {r['reason']}" for r in rows] == warned and len(rows) == 6
+    checks = {r["check"] for r in rows}
+    assert {"routing agreement and flips per MoE layer", "experts as fp8", "image input"} <= checks
+    assert all(r["status"] == "not measured" for r in rows)
