@@ -85,3 +85,37 @@ def test_the_sampled_digest_sees_a_change_in_the_first_last_and_a_sampled_block(
     shard.write_bytes(bytes(data))
     os.utime(shard, ns=(OLD_NS, OLD_NS))
     assert checkpoint_data_digest(str(shard.parent)) != before
+
+
+def test_a_large_shard_costs_its_header_and_the_sampled_blocks_to_digest(tmp_path, monkeypatch):
+    """Default limits, a 3 GiB (sparse) shard: the digest reads 8 + header + 32 x 64 KiB of it, whatever its size."""
+    model = Path(_model_dir(tmp_path))
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [3 * 2**29], "data_offsets": [0, 3 * 2**30]}}).encode()
+    shard = model / "model.safetensors"
+    with open(shard, "wb") as handle:
+        handle.write(struct.pack("<Q", len(header)) + header)
+        handle.truncate(8 + len(header) + 3 * 2**30)
+    read: dict[str, int] = {}
+
+    class Counting:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def seek(self, offset):
+            return self.handle.seek(offset)
+
+        def read(self, size=-1):
+            data = self.handle.read(size)
+            read[Path(self.handle.name).name] = read.get(Path(self.handle.name).name, 0) + len(data)
+            return data
+
+    monkeypatch.setattr(report, "open", lambda path, mode: Counting(open(path, mode)), raising=False)
+    assert checkpoint_data_digest(str(model)).startswith("sampled:")
+    assert read["model.safetensors"] == 8 + len(header) + report.SAMPLE_BLOCKS * report.SAMPLE_BLOCK_BYTES
+    assert read["config.json"] == (model / "config.json").stat().st_size  # small files: every byte
