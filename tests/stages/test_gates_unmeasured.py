@@ -15,6 +15,7 @@ import shutil
 import threading
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,6 +221,72 @@ def test_the_handoff_fingerprint_names_the_vllm_and_serve_command(tmp_path, monk
     assert report.fingerprint["engine"]["version"] == "0.32.0"
     assert report.fingerprint["engine"]["serve_command"] == report.metrics["serve_command"]
     assert json.loads(files["handoff/engine_args.json"])["vllm_version"] == "0.32.0"
+
+
+def test_a_handoff_without_vllm_here_says_the_serving_engine_was_not_compared(tmp_path, monkeypatch):
+    """No vLLM on the machine that hands off: the stage-6 engine cannot be compared there, and the bundle says so
+    (README, the report's findings in --json) and carries the stage-6 engine for the serving side to compare."""
+    from adapt.handoff.bundle import write_bundle
+    from tests.handoff.test_bundle import options, passed_run
+
+    _engine(monkeypatch, "0.32.0")
+    run = passed_run(tmp_path)
+    bench = StageReport("bench", 6, "bench")
+    stamp(bench, stage_fingerprint(6, replace(options(), run_path=str(run.path)), load_gates()))
+    run.write(bench)
+    _engine(monkeypatch, None)
+    report, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    said = ("serving engine not compared: no vLLM here (stage 6 measured with vLLM 0.32.0, launch "
+            + json.dumps(bench.fingerprint["engine"]["launch"]))
+    assert said in files["handoff/README.md"]
+    assert [f.code for f in report.findings if said in f.message] == ["engine-not-compared"]
+    assert said in report.to_json()
+    assert json.loads(files["handoff/engine_args.json"])["stage6_engine"] == bench.fingerprint["engine"]
+    _engine(monkeypatch, "0.32.0")  # vLLM here: compared, so nothing to say
+    report, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    assert "not compared" not in files["handoff/README.md"] and not [f for f in report.findings
+                                                                      if f.code == "engine-not-compared"]
+
+
+def _bench_serve_url_report(run, checkpoint: str, *, identified: bool) -> StageReport:
+    """What `adapt bench serve --url URL --checkpoint DIR` writes, its identity check passed or not shown."""
+    from adapt.report import Finding, fingerprint
+    from adapt.stages.serve import stamp_bench_serve
+
+    report = StageReport("bench", 6, "bench", fingerprint=fingerprint(model="served", url="http://127.0.0.1:9",
+                                                                       options={"prompts": 16}))
+    report.findings.append(Finding("info", "bench.identity", "the endpoint serves it") if identified
+                           else Finding("warn", "bench.identity_unchecked", "greedy tokens not checked"))
+    report.metrics["engine"] = {"name": "vllm", "version": None, "launch": None}
+    stamp_bench_serve(report, "served", target="h200", run_path=run.path, gates=load_gates(), soak_s=60.0,
+                      url="http://127.0.0.1:9", checkpoint=checkpoint)
+    run.write(report)
+    return report
+
+
+def test_a_bench_serve_url_report_whose_identity_check_passed_is_tied_to_that_checkpoint(tmp_path):
+    """`bench serve --url --checkpoint DIR` that showed the endpoint serves DIR records DIR's fingerprint (its data
+    digest included): the hand-off accepts it for DIR and refuses it for other weights, like validate's stage 6."""
+    model = _model_dir(tmp_path)
+    run = _stamped_run(tmp_path, replace(BASE, model=model))
+    report = _bench_serve_url_report(run, model, identified=True)
+    assert report.fingerprint["checkpoint_data"] and report.fingerprint["options"]["url"] == "http://127.0.0.1:9"
+    assert check_gates(run, model=model, target="h200", devices=8, nodes=1, force=False) == []
+    (Path(model) / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(InputError, match=r"bench: checkpoint_data"):
+        check_gates(run, model=model, target="h200", devices=8, nodes=1, force=True)
+
+
+def test_a_bench_serve_url_report_not_shown_to_serve_this_checkpoint_is_refused_unless_forced(tmp_path):
+    """Without a passed identity check the load measured whatever answered at the URL: refused, and --force
+    hands off with it recorded as not tied."""
+    model = _model_dir(tmp_path)
+    run = _stamped_run(tmp_path, replace(BASE, model=model))
+    _bench_serve_url_report(run, model, identified=False)
+    with pytest.raises(InputError, match=r"bench: not tied to this checkpoint"):
+        check_gates(run, model=model, target="h200", devices=8, nodes=1, force=False)
+    (problem,) = check_gates(run, model=model, target="h200", devices=8, nodes=1, force=True)
+    assert problem.startswith("bench: not tied to this checkpoint") and "--checkpoint" in problem
 
 
 # ---------------------------------------------------------------- 2. an endpoint that cannot be identified
