@@ -680,7 +680,7 @@ def bench_serve(
 ) -> None:
     """Stage 6: load (vllm bench serve), soak with leak detection, edge probes, prediction vs measurement."""
     from adapt.report import load_gates
-    from adapt.stages.serve import ServeOptions, run_serve_stage
+    from adapt.stages.serve import ServeOptions, run_serve_stage, stamp_bench_serve
 
     run = RunDir(output, run_id)
     options = ServeOptions(input_len=input_len, output_len=output_len, concurrencies=concurrency or [1, 4, 16],
@@ -692,15 +692,13 @@ def bench_serve(
                              checkpoint=checkpoint,
                              max_model_len=max_model_len, vllm=vllm,
                              kv_cache_bytes=kv_cache_mib * 2**20 if kv_cache_mib else None)
-    if url is None:   # MODEL is a checkpoint here (with --url it is only the name a server answers to)
-        from adapt.stages.pipeline import PipelineOptions, stamp_standalone
-
-        stamp_standalone(report, PipelineOptions(model, target, run_path=str(run.path), soak_s=soak_s or 0.0),
-                         thresholds, dict(input_len=input_len, output_len=output_len, concurrency=concurrency,
-                                          prompts=prompts, soak_requests=soak_requests,
-                                          soak_concurrency=soak_concurrency, max_model_len=max_model_len,
-                                          kv_cache_mib=kv_cache_mib))
-        report.fingerprint["engine"] = report.metrics.get("engine")  # as launched (--max-model-len, ...)
+    # tied to the checkpoint launched, or (--url) to the one the identity check showed the server serves
+    stamp_bench_serve(report, model, target=target, run_path=run.path, gates=thresholds, soak_s=soak_s or 0.0,
+                      url=url, served_model=served_model, checkpoint=checkpoint,
+                      extra_options=dict(input_len=input_len, output_len=output_len, concurrency=concurrency,
+                                         prompts=prompts, soak_requests=soak_requests,
+                                         soak_concurrency=soak_concurrency, max_model_len=max_model_len,
+                                         kv_cache_mib=kv_cache_mib))
     finish(report, as_json, run)
 
 

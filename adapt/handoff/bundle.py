@@ -64,9 +64,9 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
         if data is None:
             continue
         recorded = data.get("fingerprint") or {}
+        if stage == "bench" and untied(recorded):
+            continue  # `bench serve --url` not shown to serve this checkpoint: check_gates refuses it unless forced
         if "options" not in recorded:
-            if stage == "bench":
-                continue  # `bench serve --url`: no pipeline fingerprint; the README marks it "not tied"
             return f"{stage}: its report has no provenance fingerprint (made by an older adapt); run it again"
         differs = fingerprint_mismatch(recorded, expected, shared_fields)
         if differs:
@@ -105,11 +105,39 @@ def provenance_mismatch(run: RunDir, *, model: str, target: str, devices: int, n
     return None
 
 
+def untied(recorded: dict[str, Any]) -> bool:
+    """Whether a stage-6 fingerprint is not the pipeline's: ``adapt bench serve --url`` whose identity check did not
+    show that the endpoint serves the checkpoint keeps only its own inputs (no ``checkpoint`` digest)."""
+    return "checkpoint" not in recorded
+
+
+UNTIED = ("not tied to this checkpoint: `adapt bench serve --url` measured whatever answered there, its identity "
+          "check did not show this checkpoint (run it with --checkpoint DIR, or `adapt validate --stage 6 --url`)")
+
+
+def stage6_engine(run: RunDir) -> dict[str, Any] | None:
+    """The serving engine the run's stage-6 report measured with (its fingerprint's ``engine``), or None."""
+    engine = ((run.stage_report("bench") or {}).get("fingerprint") or {}).get("engine")
+    return engine if isinstance(engine, dict) else None
+
+
+def engine_not_compared(run: RunDir) -> str | None:
+    """The sentence saying that the stage-6 engine was not compared with this machine's (``_engine_mismatch``
+    has nothing to compare with where no vLLM is installed), or None when it was or there is none."""
+    from adapt.handoff.vllm import installed_version
+
+    engine = stage6_engine(run)
+    if engine is None or installed_version() is not None:
+        return None
+    return (f"serving engine not compared: no vLLM here (stage 6 measured with vLLM {engine.get('version') or '?'}, "
+            f"launch {json.dumps(engine.get('launch'))})")
+
+
 def _engine_mismatch(recorded: dict[str, Any], run: RunDir) -> str | None:
     """How the serving engine a stage-6 report measured with (its fingerprint's ``engine``) differs from this
     machine's now: the serve environment's vLLM version (when both are known) and, for a stage 6 that adapt
     launched, the engine arguments it would launch the run's plan with now; None when they agree, or when this
-    machine has no vLLM (a bundle made elsewhere: nothing here to compare with)."""
+    machine has no vLLM (nothing here to compare with: ``engine_not_compared`` says so in the bundle)."""
     from adapt.stages.serve import serving_engine
 
     now = serving_engine(run.path, None)
@@ -160,6 +188,8 @@ def check_gates(run: RunDir, *, model: str, target: str, devices: int, nodes: in
         raise InputError(f"hand-off refused: the run's reports were made for other inputs ({differs})",
                          file=run.path, hint="validate this model, target and device count in a new --run")
     problems = []
+    if run.stage_report("bench") is not None and untied(run.stage_report("bench").get("fingerprint") or {}):
+        problems.append(f"bench: {UNTIED}")
     for stage, verdict in gate_verdicts(run).items():
         if verdict is None:
             problems.append(f"{stage}: not run")
@@ -303,6 +333,11 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
         report.add("info", "model-name",
                    f"'{model_path}' is not a directory here: the serve command names it as given",
                    hint="replace it with the checkpoint directory or hub id on the serving machine")
+    not_compared = engine_not_compared(run)
+    if not_compared:
+        report.add("info", "engine-not-compared", not_compared,
+                   hint="run `adapt handoff` where the serving vLLM is installed, or compare engine_args.json's "
+                        "stage6_engine on the serving machine")
     if overridden:
         report.add("warn", "forced",
                    "hand-off forced past gates that had not passed: " + "; ".join(overridden))
@@ -312,6 +347,7 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
         f"{BUNDLE_DIR}/engine_args.json": json.dumps({
             "model": model_path, "source_model": model, "target": resolved_target.name, "devices": devices,
             "nodes": nodes, "engine_args": args, "engine_args_source": source, "vllm_version": vllm_version,
+            "stage6_engine": stage6_engine(run),
             "weights_format": {"plan": weights, "vllm": how}, "forced": bool(overridden),
             "overridden_gates": overridden, "export_note": export_note}, indent=2) + "\n",
         f"{BUNDLE_DIR}/serve.sh": "#!/bin/sh\n# vllm serve for "
@@ -319,7 +355,7 @@ def write_bundle(model: str, *, target: str, devices: int, nodes: int, run: RunD
         + "\nexec " + shlex.join(argv) + "\n",
         f"{BUNDLE_DIR}/README.md": _readme(model, model_path, resolved_target.name, devices, nodes, verdicts,
                                           source, overridden, preflight, export_note, run,
-                                          report.metrics["weights"], foreign),
+                                          report.metrics["weights"], foreign, not_compared),
     }
     if steps:
         files[f"{BUNDLE_DIR}/ray.sh"] = shell_script(
@@ -366,8 +402,8 @@ def _preflight_checks(run: RunDir, model: str, target: str) -> tuple[dict[str, A
 def _scope(recorded: dict[str, Any]) -> str:
     """What narrows a stage 5/6 verdict, for the bundle's table: no pipeline fingerprint (``bench serve
     --url``), reduced depth (``--layers``), adapt's kernels left out, another server (``--url``)."""
-    if "options" not in recorded:
-        return " (no fingerprint: not tied to this model; e.g. `bench serve --url` measured whatever answered)"
+    if untied(recorded):
+        return " (forced: not tied to this checkpoint; `bench serve --url` measured whatever answered)"
     options = recorded["options"]
     notes = []
     if options.get("layers"):
@@ -382,7 +418,8 @@ def _scope(recorded: dict[str, Any]) -> str:
 def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
             verdicts: dict[str, str | None],
             source: str, overridden: list[str], preflight: dict[str, Any] | None, export_note: str | None,
-            run: RunDir, weights: dict[str, Any], foreign_preflight: str | None = None) -> str:
+            run: RunDir, weights: dict[str, Any], foreign_preflight: str | None = None,
+            not_compared: str | None = None) -> str:
     manifest = run.manifest()["stages"]
     lines = [f"# vLLM hand-off: {model}", "",
              f"Target: {devices} x {target}" + (f" over {nodes} nodes (Ray)" if nodes > 1 else "") + ".",
@@ -413,6 +450,8 @@ def _readme(model: str, model_path: str, target: str, devices: int, nodes: int,
         lines.append(f"- stages not run in this run directory: {', '.join(later)}")
     lines.append("- the engine arguments are checked by vLLM's own parser only when `adapt handoff "
                  "--validate` or `--launch` ran; the smoke-test result, if any, is in smoke.json")
+    if not_compared:
+        lines.append(f"- {not_compared}: compare it with the serving machine's vLLM (engine_args.json, stage6_engine)")
     if nodes > 1:
         lines.append("- the Ray bring-up (ray.sh) follows vLLM's multi-node guide; adapt has not run it")
     if preflight is None:

@@ -215,15 +215,17 @@ def test_a_stage_5_made_with_injected_faults_is_not_reused_or_handed_off(tmp_pat
 
 
 def test_a_bench_with_no_fingerprint_is_not_listed_as_validated(tmp_path):
-    """`adapt bench serve --url` measures whatever answers at the URL and stamps no pipeline fingerprint; the
-    bundle must not list its PASS as this model's."""
+    """`adapt bench serve --url` not shown to serve this checkpoint stamps no pipeline fingerprint: the hand-off
+    refuses it, and a forced bundle must not list its PASS as this model's."""
     from adapt.handoff.bundle import write_bundle
     from adapt.report import fingerprint
     from tests.handoff.test_bundle import passed_run
 
     run = passed_run(tmp_path)
     run.write(StageReport("bench", 6, "bench", fingerprint=fingerprint(model="adapt-bench", url="http://127.0.0.1:1")))
-    _, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    with pytest.raises(InputError, match="bench: not tied to this checkpoint"):
+        write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run)
+    _, files = write_bundle("deepseek-v3.2", target="h200", devices=8, nodes=1, run=run, force=True)
     row = next(line for line in files["handoff/README.md"].splitlines() if line.startswith("| bench"))
     assert "| pass |" not in row and "not tied" in row
 
