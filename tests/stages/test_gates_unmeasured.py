@@ -278,6 +278,31 @@ def test_a_bench_serve_url_report_whose_identity_check_passed_is_tied_to_that_ch
         check_gates(run, model=model, target="h200", devices=8, nodes=1, force=True)
 
 
+@pytest.mark.parametrize("identified", [True, False])
+def test_bench_serve_url_stamps_the_checkpoint_its_identity_check_passed_for(tmp_path, capsys, monkeypatch,
+                                                                             identified):
+    """The command's wiring: `bench serve NAME --url U --checkpoint DIR` ties its report to DIR (stage 6's
+    fingerprint, served under NAME) only when the identity check passed."""
+    import adapt.stages.serve as serve_stage
+    from adapt.report import Finding, fingerprint
+
+    def fake_stage(model, **kwargs):
+        report = StageReport("bench", 6, "bench", fingerprint=fingerprint(model=model, url=kwargs["url"]))
+        report.findings.append(Finding("info", "bench.identity", "ok") if identified
+                               else Finding("warn", "bench.identity_unchecked", "not shown"))
+        report.metrics["engine"] = {"name": "vllm", "version": None, "launch": None}
+        return report
+
+    monkeypatch.setattr(serve_stage, "run_serve_stage", fake_stage)
+    model = _model_dir(tmp_path)
+    run_adapt(capsys, "bench", "serve", "served", "--target", "h200", "--url", "http://127.0.0.1:9",
+              "--checkpoint", model, "--output", tmp_path, "--run", "b", "--json")
+    recorded = json.loads((tmp_path / "b" / "bench.json").read_text())["fingerprint"]
+    assert ("checkpoint_data" in recorded) is identified
+    if identified:
+        assert recorded["options"]["served_model"] == "served" and recorded["options"]["url"] == "http://127.0.0.1:9"
+
+
 def test_a_bench_serve_url_report_not_shown_to_serve_this_checkpoint_is_refused_unless_forced(tmp_path):
     """Without a passed identity check the load measured whatever answered at the URL: refused, and --force
     hands off with it recorded as not tied."""
