@@ -680,7 +680,8 @@ def bench_serve(
 ) -> None:
     """Stage 6: load (vllm bench serve), soak with leak detection, edge probes, prediction vs measurement."""
     from adapt.report import load_gates
-    from adapt.stages.serve import ServeOptions, run_serve_stage, stamp_bench_serve
+    from adapt.stages.pipeline import stamp_bench_serve
+    from adapt.stages.serve import ServeOptions, run_serve_stage
 
     run = RunDir(output, run_id)
     options = ServeOptions(input_len=input_len, output_len=output_len, concurrencies=concurrency or [1, 4, 16],

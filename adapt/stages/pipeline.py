@@ -485,3 +485,21 @@ def stamp_standalone(report: StageReport, options: PipelineOptions, gates: dict[
     """``stamp`` for a stage run by its own command (``adapt inventory``, ``plan-memory``, ...)."""
     number = next(n for n, s in STAGES.items() if s.name == report.stage)
     stamp(report, stage_fingerprint(number, options, gates), extra_options)
+
+
+def stamp_bench_serve(report: StageReport, model: str, *, target: str, run_path: Path, gates: dict[str, Any],
+                      soak_s: float, url: str | None = None, served_model: str | None = None,
+                      checkpoint: str | None = None, extra_options: dict[str, Any] | None = None) -> None:
+    """Put stage 6's pipeline fingerprint on a report of ``adapt bench serve`` (the engine as launched or as the
+    server reported it), tying it to a checkpoint: without ``url``, ``model``, the directory it launched; with
+    ``url``, ``checkpoint`` (default ``model``) only when ``serve.check_identity`` showed the endpoint serves it (its
+    info finding ``bench.identity``: served name and greedy tokens agree), so the fingerprint records that
+    checkpoint's digests (``checkpoint_data`` included) and the hand-off compares them like validate's stage 6.
+    A ``url`` not shown to serve it keeps only its own inputs: the hand-off refuses it unless forced."""
+    if url is not None and not any(f.code == "bench.identity" and f.severity == "info" for f in report.findings):
+        return
+    checked = model if url is None else (checkpoint or model)
+    name = None if url is None else (served_model or (model if model != checked else None))
+    stamp_standalone(report, PipelineOptions(checked, target, run_path=str(run_path), soak_s=soak_s, url=url,
+                                             served_model=name), gates, extra_options)
+    report.fingerprint["engine"] = report.metrics.get("engine")  # as launched (--max-model-len, ...) or reported

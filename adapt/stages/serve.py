@@ -575,26 +575,6 @@ def _note_tokenizer(report: StageReport, tokenizer: str, source: str, *, launche
     return report
 
 
-def stamp_bench_serve(report: StageReport, model: str, *, target: str, run_path: Path, gates: dict[str, Any],
-                      soak_s: float, url: str | None = None, served_model: str | None = None,
-                      checkpoint: str | None = None, extra_options: dict[str, Any] | None = None) -> None:
-    """Put stage 6's pipeline fingerprint on a report of ``adapt bench serve`` (the engine as launched or as the
-    server reported it), tying it to a checkpoint: without ``url``, ``model``, the directory it launched; with
-    ``url``, ``checkpoint`` (default ``model``) only when ``check_identity`` showed the endpoint serves it (its
-    info finding ``bench.identity``: served name and greedy tokens agree), so the fingerprint records that
-    checkpoint's digests (``checkpoint_data`` included) and the hand-off compares them like validate's stage 6.
-    A ``url`` not shown to serve it keeps only its own inputs: the hand-off refuses it unless forced."""
-    from adapt.stages.pipeline import PipelineOptions, stamp_standalone
-
-    if url is not None and not any(f.code == "bench.identity" and f.severity == "info" for f in report.findings):
-        return
-    checked = model if url is None else (checkpoint or model)
-    name = None if url is None else (served_model or (model if model != checked else None))
-    stamp_standalone(report, PipelineOptions(checked, target, run_path=str(run_path), soak_s=soak_s, url=url,
-                                             served_model=name), gates, extra_options)
-    report.fingerprint["engine"] = report.metrics.get("engine")  # as launched (--max-model-len, ...) or reported
-
-
 STAGE_LAUNCH = {"dtype": "float32", "max_model_len": 2048, "memory_fraction": 0.1}
 """How ``adapt validate --stage 6`` launches the model on this machine (beside the plan's engine arguments)."""
 

@@ -251,7 +251,7 @@ def test_a_handoff_without_vllm_here_says_the_serving_engine_was_not_compared(tm
 def _bench_serve_url_report(run, checkpoint: str, *, identified: bool) -> StageReport:
     """What `adapt bench serve --url URL --checkpoint DIR` writes, its identity check passed or not shown."""
     from adapt.report import Finding, fingerprint
-    from adapt.stages.serve import stamp_bench_serve
+    from adapt.stages.pipeline import stamp_bench_serve
 
     report = StageReport("bench", 6, "bench", fingerprint=fingerprint(model="served", url="http://127.0.0.1:9",
                                                                        options={"prompts": 16}))
