@@ -14,12 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from adapt.kernels import dsa
-from benchmarks.moe.sass_report import report
+from benchmarks.moe.sass_report import compile_sm90, report
 
 KERNELS = {
     "index": (dsa._index_scores_kernel,
@@ -34,12 +30,7 @@ def compile_kernel(name: str, over: dict):
     kern, ptrs, base, launch = KERNELS[name]
     const = dict(base, **{k: v for k, v in over.items() if k.isupper()})
     launch = dict(launch, **{k: v for k, v in over.items() if not k.isupper()})
-    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "i32")
-           for n in kern.arg_names}
-    div16 = ("stride", "bt_stride", "out_stride")
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs or n in div16}
-    ck = triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=launch["warps"], num_stages=launch["stages"]))
+    ck = compile_sm90(kern, const, ptrs, ("stride", "bt_stride", "out_stride"), launch["warps"], launch["stages"])
     return ck
 
 

@@ -19,12 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 sys.path.insert(0, str(Path(__file__).resolve().parent / "moe"))
-from sass_report import BIN, report  # noqa: E402
+from sass_report import BIN, compile_sm90, report  # noqa: E402
 
 from adapt.kernels import sparse_mla as sm  # noqa: E402
 
@@ -41,11 +37,7 @@ def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool 
     const = dict(const, SWAP_AB=bool(swap_ab))
     ptrs = dict(PTRS, out_ptr="fp32" if const.get("SPLIT") else "bf16", qn_ptr="fp8e4nv" if const.get("QK_FP8")
                 else "bf16")
-    sig = {name: ("constexpr" if name in const else "*" + ptrs[name] if name in ptrs
-                  else "fp32" if name == "scale_log2" else "i32") for name in kern.arg_names}
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
-    return triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    return compile_sm90(kern, const, ptrs, (), num_warps, num_stages, floats=("scale_log2",))
 
 
 def load_mma_order(ck) -> str:

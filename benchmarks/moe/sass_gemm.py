@@ -13,12 +13,8 @@ from __future__ import annotations
 import json
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from adapt.kernels import moe_gemm as mg
-from benchmarks.moe.sass_report import report
+from benchmarks.moe.sass_report import compile_sm90, report
 
 BASE = dict(TOPK=8, GATHER=True, W_MODE=2, ACT_FP8=True, ACT_GROUP=False, ACTIVATION=1, HAS_BIAS=False, BLOCK_M=128,
             BLOCK_N=128, BLOCK_K=128, GROUP_M=8, DOT_F32=False, SWAP=False, WORD_ORDER_OUT=False,
@@ -29,20 +25,12 @@ DIV16 = ("stride_x", "stride_we", "stride_se", "stride_o", "k", "n_out")
 
 
 def compile_gemm(const: dict, num_warps: int, num_stages: int, maxnreg: int = 0):
-    kern = mg._moe_gemm_kernel
     ptrs = dict(PTRS)
     if const["W_MODE"] == 2:
         ptrs["w_ptr"] = "fp8e4nv"
     elif const["W_MODE"] >= 5:
         ptrs["sc_ptr"] = "u8"
-    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs
-               else "fp32" if n in ("alpha", "limit") else "i32") for n in kern.arg_names}
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs or n in DIV16}
-    opts = dict(num_warps=num_warps, num_stages=num_stages)
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    return triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=opts)
+    return compile_sm90(mg._moe_gemm_kernel, const, ptrs, DIV16, num_warps, num_stages, maxnreg)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,12 @@ PTRS = dict(x_ptr="bf16", w_ptr="i32", sc_ptr="i32", bias_ptr="fp32", out_ptr="b
 DIV16 = ("stride_x", "stride_we", "stride_se", "stride_o", "k_words", "n_rows", "k")
 
 
-def compile_sm90(kern, const: dict, ptrs: dict, div16, num_warps: int, num_stages: int, maxnreg: int):
+def compile_sm90(kern, const: dict, ptrs: dict, div16=(), num_warps: int = 4, num_stages: int = 3, maxnreg: int = 0,
+                 floats=("alpha", "limit")):
     """Triton kernel ``kern`` compiled for sm_90 with the given constexprs; ptrs: pointer argument ->
-    element type, those and the div16 arguments marked 16-divisible (as at the real shapes)."""
-    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n in ("alpha", "limit")
+    element type, those and the div16 arguments marked 16-divisible (as at the real shapes); floats: the
+    fp32 scalar arguments (every other scalar is i32); maxnreg: a register cap (0: none)."""
+    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n in floats
                else "i32") for n in kern.arg_names}
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs or n in div16}
     opts = dict(num_warps=num_warps, num_stages=num_stages)
