@@ -591,7 +591,7 @@ CONTENT_DIGEST_MAX_BYTES = 2 * 1024**3  # checkpoints up to this size are hashed
 CONTENT_DIGEST_FILE_BYTES = 64 * 2**20  # above it, files up to this size (tokenizer, config, index) still whole
 SAMPLE_BLOCKS = 32  # blocks hashed per larger file, first and last included
 SAMPLE_BLOCK_BYTES = 64 * 2**10
-_MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header larger than this is not taken as one
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's ceiling on a header (adapt.model.checkpoint too)
 
 
 def _hash_sampled(path: Path, size: int, h: Any) -> None:
@@ -605,7 +605,7 @@ def _hash_sampled(path: Path, size: int, h: Any) -> None:
         if path.suffix == ".safetensors":
             length = handle.read(8)
             header = int.from_bytes(length, "little") if len(length) == 8 else 0
-            if 0 < header <= _MAX_HEADER_BYTES and 8 + header <= size:
+            if 0 < header <= MAX_HEADER_BYTES and 8 + header <= size:
                 h.update(length + handle.read(header))
                 start = 8 + header
         last = max(size - start - SAMPLE_BLOCK_BYTES, 0)

@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from adapt.errors import InputError
-from adapt.report import Finding
+from adapt.report import MAX_HEADER_BYTES, Finding
 
 INDEX_FILE = "model.safetensors.index.json"
-MAX_HEADER_BYTES = 100 * 2**20  # same ceiling the safetensors library enforces
 MAX_INDEX_BYTES = 100 * 2**20
 
 # Storage bits per element of every dtype code the safetensors format defines

@@ -63,6 +63,7 @@ from typing import Any
 import adapt
 from adapt.errors import InputError, check_interrupt
 from adapt.report import (
+    MAX_HEADER_BYTES,
     RunDir,
     StageReport,
     checkpoint_data_digest,
@@ -265,7 +266,7 @@ def checkpoint_digest(model: str) -> str | None:
     for shard in shards:
         with open(shard, "rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
-            if size > 100 * 2**20:
+            if size > MAX_HEADER_BYTES:
                 raise InputError(f"safetensors header of {size:,} bytes is implausible", file=shard)
             h.update(shard.name.encode() + b"\0" + handle.read(size))
     return h.hexdigest()[:16]
