@@ -385,11 +385,12 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     if method not in SELECT_METHODS:
         raise ValueError(f"select must be one of {SELECT_METHODS}, not {method!r}")
     if method == "auto":
-        method = ("triton" if rows <= TRITON_SELECT_MAX_ROWS else "prefilter"
-                  if rows >= PREFILTER_MIN_ROWS and prefilter_applies(rows, cols, topk) else "torch")
-        decode_rows = DECODE_SELECT_MIN_ROWS is not None and DECODE_SELECT_MIN_ROWS <= rows < PREFILTER_MIN_ROWS
-        if method == "torch" and decode_rows:
-            method = "decode"
+        if rows <= TRITON_SELECT_MAX_ROWS:
+            method = "triton"
+        elif rows >= PREFILTER_MIN_ROWS:
+            method = "prefilter" if prefilter_applies(rows, cols, topk) else "torch"
+        else:
+            method = "decode" if DECODE_SELECT_MIN_ROWS is not None and rows >= DECODE_SELECT_MIN_ROWS else "torch"
     if method == "triton":
         topk_indices(scores, limits, topk, out=out)
         return 0
