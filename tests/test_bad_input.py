@@ -259,3 +259,25 @@ def test_serve_script_in_the_bundle_is_executable(tmp_path):
     assert os.access(serve, os.X_OK)
     assert subprocess.run(["sh", "-n", str(serve)], capture_output=True).returncode == 0
     assert Path(serve).read_text().startswith("#!/bin/sh\n")
+
+
+def _refused_port() -> int:
+    """A local port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("extra, file, field, text", [
+    (("--checkpoint", "/nonexistent/ckpt"), "/nonexistent/ckpt", "--checkpoint", "no config.json"),
+    ((), None, "--url", "no server answers"),
+])
+def test_bench_serve_url_inputs_are_refused_before_anything_is_written(tmp_path, capsys, extra, file, field, text):
+    """`bench serve --url` to a port nothing listens on, or with a --checkpoint that is no model directory: one
+    line, exit 2, no run directory (before, the load generator tried every request against nothing)."""
+    result = run_adapt(capsys, "bench", "serve", "m", "--target", "h200", "--url", f"http://127.0.0.1:{_refused_port()}",
+                       *extra, "--output", tmp_path / "out", "--run", "r")
+    one_line(result, *([file] if file else []), field, text)
+    assert not (tmp_path / "out").exists()

@@ -48,6 +48,18 @@ def get_json(base_url: str, path: str, timeout_s: float = 10.0) -> Any:
         return None
 
 
+def answers(base_url: str, timeout_s: float = 10.0) -> bool:
+    """Whether an HTTP server answers at ``base_url`` at all (``GET /v1/models``; any HTTP status counts),
+    as against a refused connection, an unknown host or no answer within ``timeout_s``."""
+    try:
+        with urllib.request.urlopen(base_url + "/v1/models", timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def served_models(base_url: str) -> list[dict[str, Any]] | None:
     """The models an OpenAI-compatible server lists (``GET /v1/models``): each ``{"id", "root",
     "max_model_len"}`` as the server gives them (vLLM: root is the path or hub id it loaded, max_model_len its

@@ -415,6 +415,23 @@ def build_report(measured: dict[str, Any], gates: dict[str, Any], out_dir: Path,
     return report
 
 
+def _check_endpoint_inputs(url: str | None, checkpoint: str | None) -> None:
+    """Bad input before anything is written: ``checkpoint`` that is no model directory, ``url`` that is no
+    http(s) URL or where no server answers (the load would otherwise try every request against nothing)."""
+    if checkpoint is not None and not (Path(checkpoint) / "config.json").is_file():
+        raise InputError("not a model directory (no config.json)", file=checkpoint, field="--checkpoint",
+                         hint="pass the checkpoint directory the server was started from")
+    if url is None:
+        return
+    if not url.startswith(("http://", "https://")):
+        raise InputError(f"expected an http(s) URL, got {url!r}", field="--url")
+    from adapt.bench.probes import answers
+
+    if not answers(url.rstrip("/")):
+        raise InputError(f"no server answers at {url}", field="--url",
+                         hint="start the server first, or check the host and port")
+
+
 def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: dict[str, Any],
                     options: ServeOptions | None = None, url: str | None = None, served_model: str | None = None,
                     tokenizer: str | None = None, server_pid: int | None = None, max_model_len: int = 2048,
@@ -429,12 +446,11 @@ def run_serve_stage(model: str, *, target: str, run_path: Path | None, gates: di
     ``checkpoint`` (default ``model``): a mismatch fails the stage and nothing is loaded."""
     options = options or ServeOptions()
     options.check()
+    _check_endpoint_inputs(url, checkpoint)
     started = now_iso()
     out_dir = out_dir or ((run_path / ARTIFACT_DIR) if run_path else Path("bench-serve"))
     out_dir.mkdir(parents=True, exist_ok=True)
     predicted = stage4_prediction(run_path)
-    if url is not None and not url.startswith(("http://", "https://")):
-        raise InputError(f"expected an http(s) URL, got {url!r}", field="--url")
     from adapt.bench.loadgen import choose_tokenizer
 
     tokenizer, tokenizer_source = choose_tokenizer(model, tokenizer, out_dir / "tokenizer")
