@@ -703,7 +703,7 @@ def _fused_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, coun
         key = tl.load(key_ptr + addr, mask=m, other=0).to(tl.uint32, bitcast=True)
         threshold = tl.zeros([], tl.uint32)
         for b in range(32):  # a loop, not unrolled: a smaller build (sm_90 compile 2-3x faster on the CPU)
-            trial = threshold | (tl.full([], 1, tl.uint32) << (31 - b).to(tl.uint32))
+            trial = threshold | (tl.full([], 1, tl.uint32) << (31 - b))
             hits = tl.sum((m & (key >= trial)).to(tl.int32), axis=0)
             threshold = tl.where(hits >= topk, trial, threshold)
         threshold = tl.where(total <= topk, 0, threshold)  # every candidate is taken
