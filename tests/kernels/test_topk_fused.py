@@ -24,7 +24,8 @@ SAMPLE = 64
 
 def sampled_positions(n, sample=SAMPLE, run=8):
     """``topk.sample_columns`` of a row of n visible keys (runs of 8, span a multiple of 8), those below n."""
-    span = max(-(-(-(-n // (sample // run))) // run) * run, run)
+    per_run = -(-n // (sample // run))
+    span = max(-(-per_run // run) * run, run)
     return [p for p in ((i // run) * span + i % run for i in range(sample)) if p < n]
 
 
@@ -137,3 +138,14 @@ def test_fused_decode_deepseek_v32_shapes_in_a_cuda_graph(batch):
         assert torch.equal(fin, torch.isfinite(scores))
         assert torch.allclose(scores[fin], plain[fin], rtol=1e-5, atol=1e-6)
         assert redo[-1].item() == step and redo.sum().item() <= 1 + step
+
+
+def test_bench_line_shows_fused_tiles_and_the_one_the_step_ran():
+    from adapt.stages.bench_dsa import _fused_line
+
+    case = {"fused_sweep": [{"us": 40.5, "equals_twin": True, "redo_rows": 0, "timed_as": "graph"},
+                            {"sample": 2048, "error": "out of resources"}],
+            "fused_tiles": {"sample": None, "programs": None}}
+    line = _fused_line(case)
+    assert "default: 40.5 (graph, twin True, redo 0)" in line and "{'sample': 2048}: out of resources" in line
+    assert line.endswith("the step ran {'sample': None, 'programs': None}")
