@@ -311,10 +311,10 @@ TOPK_DECODE_SWEEP = (
 )
 
 
-# ``dsa.index_topk_fused`` tiles timed in every decode case (CUDA graph of its three launches): the default, a
-# smaller sample (2048 keys: 114 registers in the scoring build without a cap, against 134 at 4096), fewer
-# scoring programs (longer runs per program: fewer redundant tau computations and candidate runs).
-FUSED_SWEEP = ({}, dict(sample=2048), dict(programs=528), dict(programs=264))
+# ``dsa.index_topk_fused`` tiles timed in every decode case (CUDA graph of its three launches): the default (1024
+# scoring programs, 4096 sampled keys), 2048 programs (the plain scoring kernel's acceptance tile), 264 programs
+# (longer runs per program: fewer redundant tau computations and candidate runs), a smaller sample (2048 keys).
+FUSED_SWEEP = ({}, dict(programs=2048), dict(programs=264), dict(sample=2048))
 FUSED_TILE_KEYS = ("sample", "programs")
 
 
