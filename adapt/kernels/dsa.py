@@ -53,6 +53,7 @@ from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
 from adapt.kernels.topk import (
     DECODE_SAMPLE_RUN,
     DECODE_TAU_BITS,
+    FUSED_CAP,
     order_key,
     prefilter_applies,
     sample_columns,
@@ -402,7 +403,9 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
 FUSED_SAMPLE = 4096  # sampled keys per row (runs of DECODE_SAMPLE_RUN spread over the visible keys)
 FUSED_SAMPLE_BLOCK = 128  # sampled keys per sample program
 FUSED_EXPECT = (2, 1)  # candidates aimed at, in units of topk (the select holds topk.FUSED_CAP = 4 * 2048)
-FUSED_SEG_CAP = 4096  # candidate slots per scoring program (fewer when it scores fewer keys)
+# Candidate slots per scoring program (fewer when it scores fewer keys, at most topk.FUSED_CAP): a row of 4K-8K
+# visible keys puts about 2 * topk candidates in one program, so 4096 slots sent such rows to the full-row select.
+FUSED_SEG_CAP = 8192
 # Register cap of the EMIT scoring build: sm_90, 4 warps, 4096 sampled keys: 134 registers uncapped (3 programs an
 # SM), 111 and no spills at 128 (4 an SM, as the plain decode build's 103); ptxas -v on the CPU, commit of this line.
 FUSED_MAXNREG = 128
@@ -447,7 +450,7 @@ def index_topk_fused(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.
     tiles_per_split = triton.cdiv(key_tiles, min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS,
                                                                                n_rows))))
     splits = triton.cdiv(key_tiles, tiles_per_split)
-    seg_cap = min(tiles_per_split * block_s, FUSED_SEG_CAP)
+    seg_cap = min(tiles_per_split * block_s, FUSED_SEG_CAP, FUSED_CAP)
     token_seq = token_seq.to(torch.int32).contiguous()
     limits = limits.to(torch.int32).contiguous()
     q_fp8 = q_fp8.contiguous()
@@ -522,8 +525,11 @@ PREFILTER_MIN_ROWS = 512
 DECODE_SELECT_MIN_ROWS: int | None = 16
 SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "decode", "fused")
 # Decode calls (``rows_per_tile=1``) of at least this many rows and fewer than PREFILTER_MIN_ROWS take
-# ``index_topk_fused`` under ``auto`` (None: never).
-FUSED_DECODE_MIN_ROWS: int | None = 1
+# ``index_topk_fused`` under ``auto`` (None: never). None: slower than scores + select where measured (H200,
+# 2026-12-01, commit 59af2df, 128K keys, top-2048, CUDA graph, index + top-k: batch 1 57.9 us at its fastest tile
+# against 32.1 for scores + the radix select; batch 64 428 us against 422 for scores + topk_decode; the EMIT
+# scoring build 387 us against 310 plain; benchmarks/gpu-2026-12-01-dsa-s4-decode).
+FUSED_DECODE_MIN_ROWS: int | None = None
 
 
 def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
