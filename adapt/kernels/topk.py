@@ -593,7 +593,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
                 parts: int | None = None, block: int | None = None, select_block: int | None = None,
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
                 redo: torch.Tensor | None = None, registers: bool | None = None,
-                select_warps: int | None = None) -> torch.Tensor:
+                select_warps: int | None = None, flat: bool = False) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -609,6 +609,9 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
        ``registers`` (default: when parts x 2 * topk <= DECODE_REGISTER_SLOTS): the candidates are held in
        registers and the k-th key found by 32 bisection steps there (one load), instead of the radix passes
        over them in memory (five loads); ``select_warps`` per select program (default 8, 4 for the passes).
+    ``flat``: the select is ``select_candidates`` instead (the parts' candidates read as one ascending array of
+    FUSED_CAP slots in registers, any number of parts: ``registers`` and ``digit_bits`` then only shape the
+    full-row select).
     ``num_warps`` / ``block`` (scores per loop step): the candidate pass's launch (defaults 8 / 4096; its loop
     is not software-pipelined by Triton: no async copies in the sm_90 build); ``parts`` per row (default
     ``decode_parts``); ``sample`` a power of two.
@@ -648,13 +651,16 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
     slots = triton.next_power_of_2(parts) * seg_cap
     registers = slots <= DECODE_REGISTER_SLOTS and seg_cap & (seg_cap - 1) == 0 if registers is None else registers
-    if registers and seg_cap & (seg_cap - 1):
+    if registers and seg_cap & (seg_cap - 1) and not flat:
         raise ValueError(f"registers=True needs a power-of-two topk, not {topk}")
     _decode_candidates_kernel[(n_rows, parts)](
         scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
         RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap,
         PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS,
         num_warps=num_warps or 8)
+    if flat:
+        return select_candidates(scores, limits, tau, keys, positions, counts, topk, out=out, redo=redo,
+                                 num_warps=select_warps or 8)
     _decode_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
