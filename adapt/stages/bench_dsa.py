@@ -112,9 +112,7 @@ def _decode_case(
         best = min(programs_sweep, key=lambda row: row["us"])["programs"]
         tiles["decode_index"] = {**tiles["decode_index"], "programs": best}
 
-    fused_tiles: dict = {}
-
-    def index():  # the default decode path (dsa.index_topk's auto: the fused decode top-k for these calls)
+    def index():  # the default decode path (dsa.index_topk's auto)
         holder["idx"], _ = dsa.index_topk(
             q8,
             weights,
@@ -126,15 +124,14 @@ def _decode_case(
             topk,
             max_keys=context,
             rows_per_tile=1,
-            **{**tiles["decode_index"], **fused_tiles},
+            **tiles["decode_index"],
         )
 
     fused = _fused_rows(q8, weights, layer, block_table, token_seq, limits, topk, context, tiles["decode_index"],
                         reps)
     timed = [row for row in fused if "us" in row and row.get("equals_twin")]
-    if timed:  # the fastest exact tile runs the step
-        best = min(timed, key=lambda row: row["us"])
-        fused_tiles.update({k: best.get(k) for k in FUSED_TILE_KEYS})  # None: index_topk_fused's default
+    best = min(timed, key=lambda row: row["us"]) if timed else {}
+    fused_tiles = {k: best.get(k) for k in FUSED_TILE_KEYS} if timed else None  # the fastest exact fused tile
 
     attend_tiles = {}
 
@@ -215,7 +212,7 @@ def _decode_case(
     attend_ms = _time_graph_ms(attend, reps)
     step_ms = _time_graph_ms(lambda: (index(), attend()), reps)
 
-    # the path before the fused decode top-k: scores, then the radix select (few rows) or topk_decode
+    # scores, then the radix select (few rows) or topk_decode: auto's path for these rows while the fused one is off
     old_select = "triton" if batch <= dsa.TRITON_SELECT_MAX_ROWS else "decode"
 
     def index_decode_select():
@@ -227,8 +224,7 @@ def _decode_case(
     step_decode_ms = _time_graph_ms(lambda: (index_decode_select(), attend()), reps)
     cache = layer = None
     torch.cuda.empty_cache()
-    layered = (_layered_step_us(batch, context, topk, latent_format, block_table,
-                                {**tiles["decode_index"], **fused_tiles}, mla_tiles,
+    layered = (_layered_step_us(batch, context, topk, latent_format, block_table, tiles["decode_index"], mla_tiles,
                                 reps, GRAPH_LAYERS) if batch < SWEEP_BATCH else None)
     key_bytes = batch * context * (INDEX_DIM + 4)
     latent_bytes = batch * topk * _latent_row_bytes(latent_format)
@@ -315,7 +311,7 @@ TOPK_DECODE_SWEEP = (
 # scoring programs, 4096 sampled keys), 2048 programs (the plain scoring kernel's acceptance tile), 264 programs
 # (longer runs per program: fewer redundant tau computations and candidate runs), a smaller sample (2048 keys).
 FUSED_SWEEP = ({}, dict(programs=2048), dict(programs=264), dict(sample=2048))
-FUSED_TILE_KEYS = ("sample", "programs")
+FUSED_TILE_KEYS = ("sample", "programs")  # the fastest fused tile is reported by these (the step runs auto's path)
 
 
 def _fused_rows(q8, weights, layer, block_table, token_seq, limits, topk: int, context: int, index_tiles: dict,
@@ -1172,27 +1168,26 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
     return rows
 
 
-def _fused_line(d: dict) -> str:
-    """The fused decode index + top-k (``dsa.index_topk_fused``, the step's default): its tiles (us of index +
-    top-k, equal to the twin select of its scores, misjudged rows) and the tile the step ran."""
+def _tile_rows_text(rows: list[dict]) -> str:
+    """Timed tile rows as one line: options (or 'default'): us (timed as, twin, redo rows), or the error."""
     measured = ("us", "equals_twin", "redo_rows", "timed_as", "error")
-    tiles = ", ".join(
+    return ", ".join(
         f"{ {k: v for k, v in r.items() if k not in measured} or 'default'}: "
         + (f"{_fmt(r['us'])} ({r['timed_as']}, twin {r['equals_twin']}, redo {r['redo_rows']})" if "us" in r
            else r["error"])
-        for r in d["fused_sweep"])
-    return f"fused index+top-k us: {tiles}; the step ran {d.get('fused_tiles')}"
+        for r in rows)
+
+
+def _fused_line(d: dict) -> str:
+    """The fused decode index + top-k (``dsa.index_topk_fused``, an option): its tiles (us of index + top-k, equal
+    to the twin select of its scores, misjudged rows) and the fastest."""
+    return f"fused index+top-k us: {_tile_rows_text(d['fused_sweep'])}; fastest {d.get('fused_tiles')}"
 
 
 def _decode_select_line(d: dict) -> str:
     """The decode top-k (``topk_decode``) beside torch.topk: its tiles (us, equal to the twin, misjudged rows)
     and the step with it."""
-    measured = ("us", "equals_twin", "redo_rows", "timed_as", "error")
-    tiles = ", ".join(
-        f"{ {k: v for k, v in r.items() if k not in measured} or 'default'}: "
-        + (f"{_fmt(r['us'])} ({r['timed_as']}, twin {r['equals_twin']}, redo {r['redo_rows']})" if "us" in r
-           else r["error"])
-        for r in d["topk_decode_sweep"])
+    tiles = _tile_rows_text(d["topk_decode_sweep"])
     return (f"topk_decode us: {tiles}; torch.topk {_fmt(d.get('torch_topk_us'))}; step with select="
             f"{d.get('old_select', 'decode')} "
             f"{_fmt(d.get('step_us_decode_select'))} us (top-k in the step {_fmt(d.get('topk_us_decode_select'))}, "

@@ -136,10 +136,10 @@ def test_fused_decode_deepseek_v32_shapes_in_a_cuda_graph(batch):
         scores = holder["scores"]
         assert torch.equal(out, topk_indices_torch(scores, limits, k))
         assert_close_scores(scores, dsa.index_scores(*args, context, rows_per_tile=1), "cuda")
-        assert redo[-1].item() == step and redo[0].item() == 0
+        assert redo[-1].item() == step and (batch == 1 or redo[0].item() == 0)
 
 
-def test_bench_line_shows_fused_tiles_and_the_one_the_step_ran():
+def test_bench_line_shows_fused_tiles_and_the_fastest():
     from adapt.stages.bench_dsa import _fused_line
 
     case = {"fused_sweep": [{"us": 40.5, "equals_twin": True, "redo_rows": 0, "timed_as": "graph"},
@@ -147,4 +147,4 @@ def test_bench_line_shows_fused_tiles_and_the_one_the_step_ran():
             "fused_tiles": {"sample": None, "programs": None}}
     line = _fused_line(case)
     assert "default: 40.5 (graph, twin True, redo 0)" in line and "{'sample': 2048}: out of resources" in line
-    assert line.endswith("the step ran {'sample': None, 'programs': None}")
+    assert line.endswith("fastest {'sample': None, 'programs': None}")
