@@ -7,7 +7,8 @@ Rows: decode batch 64 x 128K and batch 1 x 128K (CUDA-graph medians, adapt.bench
 4096 rows of a 128K prefill (eager medians, as bench_dsa's prefill sweep); selected positions are uniform random
 (top-2048 of random scores), so the gathers are as scattered as the indexer's. Each row: us, TFLOP/s
 (2 x rows x 128 x positions x (512 + 64 + 512)), rel. error against the twin ``sparse_mla_torch`` on 4 rows, and
-the same-run ceilings (adapt.bench.ceilings.measure_ceilings)."""
+the same-run ceilings (adapt.bench.ceilings.measure_ceilings); then bench_dsa's batch-64 decode step with the
+default tiles (``main``)."""
 
 from __future__ import annotations
 
@@ -22,21 +23,21 @@ from adapt.bench.provenance import commit
 from adapt.bench.timer import time_eager_ms, time_graph_ms
 from adapt.kernels import sparse_mla as sm
 from adapt.kernels.formats import PAGE_SIZE
-from adapt.stages.bench_dsa import HEADS, RANK, ROPE, _random_cache, _rel_err
+from adapt.stages.bench_dsa import HEADS, RANK, ROPE, RUN2_INDEX_TILES, _decode_case, _random_cache, _rel_err
 
 TOPK = 2048
 FLOP_PER_POSITION = 2 * HEADS * (RANK + ROPE + RANK)
 DECODE_VARIANTS = {
-    "tl default": {},
-    "gluon bk64": {"gluon": True},
-    "gluon bk32": {"gluon": True, "block_k": 32},
+    "tl default": {"gluon": False},
+    "gluon": {"gluon": True},
+    "gluon without slot prefetch": {"gluon": True, "prefetch": False},
 }
 PREFILL_VARIANTS = {
-    "tl default": {},
+    "tl default": {"gluon": False},
     "tl sweep best (half, heads_inner, bk64, 2 stages, prefetch)": dict(half=True, heads_inner=True, block_k=64,
                                                                         num_stages=2, prefetch=True),
-    "gluon bk64": {"gluon": True},
-    "gluon bk32": {"gluon": True, "block_k": 32},
+    "gluon": {"gluon": True},
+    "gluon without slot prefetch": {"gluon": True, "prefetch": False},
 }
 
 
@@ -49,7 +50,7 @@ def _rows(label, layer, block_table, token_seq, idx, q_nope, q_rope, variants, g
     for name, opt in variants.items():
         row = {"case": label, "variant": name, **opt}
         try:
-            got = sm.sparse_mla(*sub, **opt)
+            got = sm.sparse_mla(*args, **opt)[:4]  # the timed launch (its slices), first 4 rows checked
             half = bool(opt.get("half"))
             if half not in twins:
                 twins[half] = sm.sparse_mla_torch(*sub, half=half)
@@ -75,7 +76,7 @@ def decode(batch: int, context: int, variants: dict, reps: int) -> list[dict]:
     q_rope = torch.randn(batch, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)
     if batch < 64:
         variants = dict(variants, **{f"{k} splits {n}": {**v, "splits": n} for k, v in variants.items()
-                                     for n in (16, 32)})
+                                     for n in (16, 32) if k != "gluon without slot prefetch"})
     return _rows(f"decode b{batch} x {context}", layer, block_table, token_seq, idx, q_nope, q_rope, variants, True,
                  reps)
 
@@ -98,19 +99,36 @@ def prefill_tail(length: int, rows: int, variants: dict, reps: int) -> list[dict
 
 
 def main(path: str, spec: str | None = None) -> None:
+    """Ceilings, the sparse MLA rows, then (``step``, default on) bench_dsa's decode case at batch 64 x 128K with
+    the default tiles (index + top-k + sparse MLA step against its byte floor); the JSON is rewritten after
+    each part, so a call cut short keeps what finished."""
     cfg = json.loads(spec) if spec else {}
-    ceilings = measure_ceilings(copy_gib=2, reps=10, matmul_reps=5)
-    print(json.dumps(ceilings), flush=True)
-    rows = decode(64, 131072, DECODE_VARIANTS, cfg.get("reps", 20))
-    torch.cuda.empty_cache()
-    rows += decode(1, 131072, DECODE_VARIANTS, cfg.get("reps", 20))
-    torch.cuda.empty_cache()
-    if cfg.get("prefill", True):
-        rows += prefill_tail(131072, 4096, PREFILL_VARIANTS, cfg.get("prefill_reps", 5))
     result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit(),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceilings, "rows": rows}
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    result["ceilings"] = measure_ceilings(copy_gib=2, reps=10, matmul_reps=5)
+    print(json.dumps(result["ceilings"]), flush=True)
+    for batch in (64, 1):
+        result["rows"] += decode(batch, 131072, DECODE_VARIANTS, cfg.get("reps", 20))
+        torch.cuda.empty_cache()
+        save()
+    if cfg.get("prefill", True):
+        result["rows"] += prefill_tail(131072, 4096, PREFILL_VARIANTS, cfg.get("prefill_reps", 5))
+        torch.cuda.empty_cache()
+        save()
+    if cfg.get("step", True):
+        step = _decode_case(64, 131072, TOPK, "fp8", result["ceilings"]["copy_tbps"], 10,
+                            {**RUN2_INDEX_TILES, "mla": {}})
+        result["decode_step_b64"] = step
+        print(json.dumps({k: step[k] for k in ("sparse_mla_us", "sparse_mla_TFLOPs", "step_us", "floor_us",
+                                               "step_over_floor", "step_us_decode_select",
+                                               "step_over_floor_decode_select", "sparse_mla_rel_err_vs_twin")}),
+              flush=True)
+        save()
 
 
 if __name__ == "__main__":

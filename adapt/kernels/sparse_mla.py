@@ -546,7 +546,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None,
+               num_stages: int | None = None, prefetch: bool | None = None, groups4: bool | None = None,
                qk_fp8: bool | None = None, swap_ab: bool = False, heads_inner: bool = False,
                half: bool = False, gluon: bool | None = None) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
@@ -574,8 +574,11 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
     ``gluon``: the Gluon kernel (``sparse_mla_gluon``: 64 heads, q in shared memory, asynchronous MMAs, the next
     tile gathered and dequantised while the current one multiplies; e4m3 latent of rank 512 in four groups, a
-    CUDA device of capability 9.x; only ``block_k`` (64 or 32) and ``splits`` apply). None: ``GLUON_DEFAULT``
-    where it applies and no other tile option is given.
+    CUDA device of capability 9.x; only ``block_k`` (64), ``splits`` and ``prefetch`` apply, ``prefetch`` there
+    on unless False: the slots of the tile after next read a step ahead). None: the Gluon kernel where
+    ``GLUON_DEFAULT`` holds, it applies, no other tile option is given and the one-wave rule takes no position
+    slices (rows x 64-head blocks near the SM count or more), i.e. where the H200 measured it faster: batch 64
+    decode and prefill; at batch 1 (position slices) the tl tile was as fast or faster.
     ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized first (``quantize_q_groups``: one scale per
     row, head and scale group, one extra launch; the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v
     stays bf16. Off by default (H200 sweep of 2026-11-30: benchmarks/gpu-2026-11-30-dsa-s3-decode). ``swap_ab`` (groups4
@@ -598,14 +601,16 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     group = rank // latent_scale.shape[-1] if fp8 else rank
     interpreting = _interpreting()
     tl_options = dict(block_h=block_h, v_split=v_split, qk_chunk=qk_chunk, num_warps=num_warps,
-                      num_stages=num_stages, prefetch=prefetch, groups4=groups4, qk_fp8=qk_fp8, swap_ab=swap_ab,
+                      num_stages=num_stages, groups4=groups4, qk_fp8=qk_fp8, swap_ab=swap_ab,
                       heads_inner=heads_inner, half=half)
     if gluon is None:
-        gluon = (GLUON_DEFAULT and not any(tl_options.values())
-                 and sparse_mla_gluon.gluon_supported(q_nope, latent_scale))
+        gluon = (GLUON_DEFAULT and not any(tl_options.values()) and prefetch is None and block_k in (None, 64)
+                 and splits in (None, 1) and sparse_mla_gluon.gluon_supported(q_nope, latent_scale)
+                 and _default_splits(q_nope.device, n_rows * triton.cdiv(n_heads, sparse_mla_gluon.GLUON_BLOCK_H),
+                                     indices.shape[1], 64) == 1)
     if gluon:
         return _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq,
-                                 indices, softmax_scale, out, block_k or 64, splits,
+                                 indices, softmax_scale, out, block_k or 64, splits, prefetch is not False,
                                  [k for k, v in tl_options.items() if v])
     # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage (the sweep: benchmarks/dsa/README.md)
     fused_fp8 = fp8 and not interpreting and rank == 512
@@ -669,23 +674,24 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
 
 
 # The Gluon kernel as the default on sm_90 (see ``sparse_mla``'s ``gluon``): set from the H200 measurement in
-# benchmarks/gpu-2026-12-01-dsa-s4-mla/README.md.
-GLUON_DEFAULT = False
+# benchmarks/gpu-2026-12-01-dsa-s4-mla/README.md (call 1: batch 64 x 128K 180 us against 212 us for the tl
+# default; the last 4096 rows of a 128K prefill 10.7 ms against 11.2 ms for the tl sweep's best tile).
+GLUON_DEFAULT = True
 
 
 def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
-                      softmax_scale, out, block_k, splits, tl_given) -> torch.Tensor:
+                      softmax_scale, out, block_k, splits, prefetch, tl_given) -> torch.Tensor:
     """``sparse_mla`` through ``sparse_mla_gluon.launch``: position slices by the same one-wave rule (one
     program per SM: 64 heads, up to 224 KB of shared memory), then the same combine."""
     if tl_given:
         raise ValueError(f"gluon takes only block_k and splits, not {', '.join(tl_given)}")
-    if not sparse_mla_gluon.gluon_supported(q_nope, latent_scale) or block_k not in (32, 64):
+    if not sparse_mla_gluon.gluon_supported(q_nope, latent_scale) or block_k != 64:
         raise ValueError("gluon needs an e4m3 latent of rank 512 in four scale groups on a CUDA device of "
-                         "capability 9.x, and block_k 32 or 64")
+                         "capability 9.x, and block_k 64")
     head_blocks = triton.cdiv(q_nope.shape[1], sparse_mla_gluon.GLUON_BLOCK_H)
     splits, positions_per_split, partial, lse = _slices(out, indices.shape[1], block_k, splits, head_blocks)
     sparse_mla_gluon.launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
-                            softmax_scale, partial, lse, splits, positions_per_split, block_k)
+                            softmax_scale, partial, lse, splits, positions_per_split, block_k, prefetch)
     if splits > 1:
         _combine(partial, lse, out, splits, False)
     return out

@@ -18,7 +18,8 @@ wgmma is waited on at once, benchmarks/gpu-2026-11-30-dsa-s3-final/README.md):
   columns (256 each), so the fp32 accumulator is [64, 512] / 256 threads = 128 registers per thread.
 
 Shared memory (BLOCK_K = 64): q 64 KB + q_rope 8 KB + ring 2 x (64 + 8) KB + p 8 KB = 224 KB of the H200's
-227 KB; BLOCK_K = 32: 152 KB. One program per SM either way.
+227 KB: one program per SM. (BLOCK_K = 32 builds in 152 KB but ran 5.6x slower at batch 64 x 128K on the H200,
+benchmarks/gpu-2026-12-01-dsa-s4-mla: ``sparse_mla`` launches 64.)
 
 Gluon compiles only for a CUDA target (no interpreter); ``sparse_mla.sparse_mla`` calls it on devices of
 capability 9.x where it measured faster (``use_gluon``). The module imports without a GPU.
@@ -43,31 +44,42 @@ from adapt.kernels.formats import PAGE_SIZE
 
 
 @gluon.jit
-def _gather_tile(idx_ptr, block_table_ptr, nope_ptr, nscale_ptr, rope_ptr, row, seq, k0, last, topk, bt_stride,
-                 RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr,
-                 PAGE: gl.constexpr, L3: gl.constexpr, RL: gl.constexpr, VL: gl.constexpr):
-    """Issue the gathered loads of the tile at position k0 (before ``last``): (e4m3 rows [BLOCK_K, RANK / 16, 16]
-    in L3, their fp32 scales per 16 columns [BLOCK_K, RANK / 16], bf16 rope rows [BLOCK_K, ROPE] in RL, valid
-    [BLOCK_K] in VL). Rows with index -1 or past ``last`` read as zeros and are invalid."""
-    SL: gl.constexpr = gl.SliceLayout(2, L3)
+def _tile_idx(idx_ptr, row, k0, last, topk, BLOCK_K: gl.constexpr, SL: gl.constexpr):
+    """The selected positions k0 .. k0 + BLOCK_K of the row (int32 [BLOCK_K] in SliceLayout(1, SL); -1 past
+    ``last``, as for no position)."""
     kk = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, SL))
-    idx = gl.load(idx_ptr + row * topk + kk, mask=kk < last, other=-1)
+    return gl.load(idx_ptr + row * topk + kk, mask=kk < last, other=-1)
+
+
+@gluon.jit
+def _idx_slots(block_table_ptr, seq, bt_stride, idx, PAGE: gl.constexpr):
+    """Cache slots (int32) of positions ``idx`` through the sequence's block table; -1 where idx is -1."""
     valid = idx >= 0
     page = gl.load(block_table_ptr + seq * bt_stride + idx // PAGE, mask=valid, other=0)
-    slot = page.to(gl.int64) * PAGE + idx % PAGE
+    return gl.where(valid, page * PAGE + idx % PAGE, -1)
+
+
+@gluon.jit
+def _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
+                 L3: gl.constexpr, RL: gl.constexpr, VL: gl.constexpr):
+    """Issue the gathered loads of one tile's cache slots (int32 [BLOCK_K] in SliceLayout(1, SliceLayout(2, L3)),
+    -1 = none): (e4m3 rows [BLOCK_K, RANK / 16, 16] in L3, their fp32 scales per 16 columns [BLOCK_K, RANK / 16],
+    bf16 rope rows [BLOCK_K, ROPE] in RL, valid [BLOCK_K] in VL). Rows without a slot read as zeros."""
+    SL: gl.constexpr = gl.SliceLayout(2, L3)
+    valid = slot >= 0
+    slot64 = slot.to(gl.int64)
     c32 = gl.arange(0, RANK // 16, layout=gl.SliceLayout(0, SL))
     c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    slot3 = gl.expand_dims(gl.expand_dims(slot, 1), 2)
+    slot3 = gl.expand_dims(gl.expand_dims(slot64, 1), 2)
     valid3 = gl.expand_dims(gl.expand_dims(valid, 1), 2)
     cols3 = gl.expand_dims(gl.expand_dims(c32 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(c16, 0), 1)
     raw = gl.load(nope_ptr + slot3 * RANK + cols3, mask=valid3, other=0.0)
-    sc = gl.load(nscale_ptr + gl.expand_dims(slot, 1) * (RANK // GROUP) + gl.expand_dims(c32 * 16 // GROUP, 0),
+    sc = gl.load(nscale_ptr + gl.expand_dims(slot64, 1) * (RANK // GROUP) + gl.expand_dims(c32 * 16 // GROUP, 0),
                  mask=gl.expand_dims(valid, 1), other=0.0)
-    slot_r = gl.convert_layout(slot, gl.SliceLayout(1, RL))
-    valid_r = gl.convert_layout(valid, gl.SliceLayout(1, RL))
+    slot_r = gl.convert_layout(slot64, gl.SliceLayout(1, RL))
     rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
-    kr = gl.load(rope_ptr + gl.expand_dims(slot_r, 1) * ROPE + gl.expand_dims(rc, 0), mask=gl.expand_dims(valid_r, 1),
-                 other=0.0)
+    kr = gl.load(rope_ptr + gl.expand_dims(slot_r, 1) * ROPE + gl.expand_dims(rc, 0),
+                 mask=gl.expand_dims(slot_r >= 0, 1), other=0.0)
     return raw, sc, kr, gl.convert_layout(valid, VL)
 
 
@@ -85,7 +97,8 @@ def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.con
 def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
                             out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                             RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
-                            BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr):
+                            BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+                            PREFETCH: gl.constexpr = True):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
@@ -130,9 +143,14 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     seq = gl.load(seq_ptr + row).to(gl.int64)
     first = split * positions_per_split
     last = gl.minimum(first + positions_per_split, topk)
-    raw, sc, kr, valid = _gather_tile(idx_ptr, block_table_ptr, nope_ptr, nscale_ptr, rope_ptr, row, seq, first, last,
-                                      topk, bt_stride, RANK, ROPE, GROUP, BLOCK_K, PAGE, L3, RL, VL)
+    SL: gl.constexpr = gl.SliceLayout(2, L3)
+    slot = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, SL), PAGE)
+    raw, sc, kr, valid = _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL)
     _stage_tile(raw, sc, kr, kv_smem.index(0), kr_smem.index(0), RANK, BLOCK_K)
+    # PREFETCH: the slots of the next tile are known before its loop step (its data loads then wait on one
+    # memory round trip, not three: position -> block-table entry -> row)
+    slot_n = _idx_slots(block_table_ptr, seq, bt_stride,
+                        _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -144,9 +162,13 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
         s = warpgroup_mma(qr_smem, kr_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_smem, kv_buf.permute((1, 0)), s, is_async=True)
         # the next tile's gathers fly while q.k runs
-        raw, sc, kr, valid_n = _gather_tile(idx_ptr, block_table_ptr, nope_ptr, nscale_ptr, rope_ptr, row, seq,
-                                            k0 + BLOCK_K, last, topk, bt_stride, RANK, ROPE, GROUP, BLOCK_K, PAGE,
-                                            L3, RL, VL)
+        if PREFETCH:
+            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL)
+            idx_nn = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, SL)
+        else:
+            slot_n = _idx_slots(block_table_ptr, seq, bt_stride,
+                                _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
+            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL)
         s, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))  # q.k of this tile, p @ v of the last
         s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -162,6 +184,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
         acc = warpgroup_mma(p_smem, kv_buf, acc_t, is_async=True)
         # dequantise the next tile into the other slot while p @ v runs
         buf = 1 - buf
+        if PREFETCH:  # the block-table entries of the tile after next fly during the dequantisation
+            slot_n = _idx_slots(block_table_ptr, seq, bt_stride, idx_nn, PAGE)
         _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K)
         valid = valid_n
     if SPLIT:  # the slice's log2-sum-exp first (fewer values live with the accumulator)
@@ -194,7 +218,7 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 
 
 def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices, softmax_scale,
-           partial, lse, splits: int, positions_per_split: int, block_k: int = 64) -> None:
+           partial, lse, splits: int, positions_per_split: int, block_k: int = 64, prefetch: bool = True) -> None:
     """Launch ``sparse_mla_gluon_kernel`` on grid (rows, heads / 64, splits): ``partial``/``lse`` as
     ``sparse_mla.sparse_mla`` allocates them (the bf16 output itself when splits == 1)."""
     n_rows, n_heads, rank = q_nope.shape
@@ -204,4 +228,4 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
         token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(), partial, lse,
         n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
         RANK=rank, ROPE=q_rope.shape[-1], GROUP=rank // latent_scale.shape[-1], BLOCK_H=GLUON_BLOCK_H,
-        BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1, num_warps=8)
+        BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1, PREFETCH=prefetch, num_warps=8)

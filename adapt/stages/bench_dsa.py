@@ -745,7 +745,7 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
         "index_scores decode": ("key_block", "num_stages", "num_warps", "programs"),
         "index_scores prefill 4096": ("rows_per_tile", "num_stages", "num_warps"),
         "sparse_mla decode b64": ("block_h", "block_k", "v_split", "qk_chunk", "num_warps", "num_stages",
-                                  "splits", "prefetch", "groups4", "qk_fp8", "swap_ab"),
+                                  "splits", "prefetch", "groups4", "qk_fp8", "swap_ab", "gluon"),
     }
     names = {
         "index_scores decode": "decode_index",
@@ -954,6 +954,8 @@ ACCEPTANCE_MLA_SWEEP = (
     dict(_FUSED, block_k=128, num_stages=1, swap_ab=True, qk_fp8=True),
     dict(_FUSED, block_k=64, num_stages=2, prefetch=True, swap_ab=True),
     dict(_FUSED, block_k=64, num_stages=2, prefetch=True, swap_ab=True, qk_fp8=True),
+    dict(gluon=False),  # the tl tile even where the Gluon kernel is the default
+    dict(gluon=True),  # the Gluon kernel (sparse_mla_gluon; sm_90)
 )
 
 
