@@ -31,6 +31,9 @@ DECODE_VARIANTS = {
     "tl default": {"gluon": False},
     "gluon": {"gluon": True},
     "gluon without slot prefetch": {"gluon": True, "prefetch": False},
+    "gluon direct": {"gluon": {"DIRECT": True}},
+    "gluon early loads": {"gluon": {"EARLY_LOADS": True}},
+    "gluon direct + early loads": {"gluon": {"DIRECT": True, "EARLY_LOADS": True}},
 }
 PREFILL_VARIANTS = {
     "tl default": {"gluon": False},
@@ -38,6 +41,8 @@ PREFILL_VARIANTS = {
                                                                         num_stages=2, prefetch=True),
     "gluon": {"gluon": True},
     "gluon without slot prefetch": {"gluon": True, "prefetch": False},
+    "gluon direct": {"gluon": {"DIRECT": True}},
+    "gluon direct + early loads": {"gluon": {"DIRECT": True, "EARLY_LOADS": True}},
 }
 
 
@@ -76,7 +81,7 @@ def decode(batch: int, context: int, variants: dict, reps: int) -> list[dict]:
     q_rope = torch.randn(batch, HEADS, ROPE, device="cuda", dtype=torch.bfloat16)
     if batch < 64:
         variants = dict(variants, **{f"{k} splits {n}": {**v, "splits": n} for k, v in variants.items()
-                                     for n in (16, 32) if k != "gluon without slot prefetch"})
+                                     for n in (16, 32) if k in ("tl default", "gluon", "gluon direct")})
     return _rows(f"decode b{batch} x {context}", layer, block_table, token_seq, idx, q_nope, q_rope, variants, True,
                  reps)
 

@@ -548,7 +548,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, prefetch: bool | None = None, groups4: bool | None = None,
                qk_fp8: bool | None = None, swap_ab: bool = False, heads_inner: bool = False,
-               half: bool = False, gluon: bool | None = None) -> torch.Tensor:
+               half: bool = False, gluon: bool | dict | None = None) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -575,7 +575,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     ``gluon``: the Gluon kernel (``sparse_mla_gluon``: 64 heads, q in shared memory, asynchronous MMAs, the next
     tile gathered and dequantised while the current one multiplies; e4m3 latent of rank 512 in four groups, a
     CUDA device of capability 9.x; only ``block_k`` (64), ``splits`` and ``prefetch`` apply, ``prefetch`` there
-    on unless False: the slots of the tile after next read a step ahead). None: the Gluon kernel where
+    on unless False: the slots of the tile after next read a step ahead; a dict: the Gluon kernel with these
+    ``sparse_mla_gluon.GLUON_FLAGS`` overridden). None: the Gluon kernel where
     ``GLUON_DEFAULT`` holds, it applies, no other tile option is given and the one-wave rule takes no position
     slices (rows x 64-head blocks near the SM count or more), i.e. where the H200 measured it faster: batch 64
     decode and prefill; at batch 1 (position slices) the tl tile was as fast or faster.
@@ -611,7 +612,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     if gluon:
         return _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq,
                                  indices, softmax_scale, out, block_k or 64, splits, prefetch is not False,
-                                 [k for k, v in tl_options.items() if v])
+                                 [k for k, v in tl_options.items() if v], gluon if isinstance(gluon, dict) else None)
     # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage (the sweep: benchmarks/dsa/README.md)
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
@@ -680,7 +681,7 @@ GLUON_DEFAULT = True
 
 
 def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
-                      softmax_scale, out, block_k, splits, prefetch, tl_given) -> torch.Tensor:
+                      softmax_scale, out, block_k, splits, prefetch, tl_given, flags) -> torch.Tensor:
     """``sparse_mla`` through ``sparse_mla_gluon.launch``: position slices by the same one-wave rule (one
     program per SM: 64 heads, up to 224 KB of shared memory), then the same combine."""
     if tl_given:
@@ -691,7 +692,7 @@ def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, bl
     head_blocks = triton.cdiv(q_nope.shape[1], sparse_mla_gluon.GLUON_BLOCK_H)
     splits, positions_per_split, partial, lse = _slices(out, indices.shape[1], block_k, splits, head_blocks)
     sparse_mla_gluon.launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
-                            softmax_scale, partial, lse, splits, positions_per_split, block_k, prefetch)
+                            softmax_scale, partial, lse, splits, positions_per_split, block_k, prefetch, flags)
     if splits > 1:
         _combine(partial, lse, out, splits, False)
     return out

@@ -44,10 +44,10 @@ from adapt.kernels.formats import PAGE_SIZE
 
 
 @gluon.jit
-def _tile_idx(idx_ptr, row, k0, last, topk, BLOCK_K: gl.constexpr, SL: gl.constexpr):
-    """The selected positions k0 .. k0 + BLOCK_K of the row (int32 [BLOCK_K] in SliceLayout(1, SL); -1 past
+def _tile_idx(idx_ptr, row, k0, last, topk, BLOCK_K: gl.constexpr, LAYOUT: gl.constexpr):
+    """The selected positions k0 .. k0 + BLOCK_K of the row (int32 [BLOCK_K] in the 1-D LAYOUT; -1 past
     ``last``, as for no position)."""
-    kk = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, SL))
+    kk = k0 + gl.arange(0, BLOCK_K, layout=LAYOUT)
     return gl.load(idx_ptr + row * topk + kk, mask=kk < last, other=-1)
 
 
@@ -61,10 +61,12 @@ def _idx_slots(block_table_ptr, seq, bt_stride, idx, PAGE: gl.constexpr):
 
 @gluon.jit
 def _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
-                 L3: gl.constexpr, RL: gl.constexpr, VL: gl.constexpr):
+                 L3: gl.constexpr, RL: gl.constexpr, VL: gl.constexpr, slot_rope, idx_v, DIRECT: gl.constexpr):
     """Issue the gathered loads of one tile's cache slots (int32 [BLOCK_K] in SliceLayout(1, SliceLayout(2, L3)),
     -1 = none): (e4m3 rows [BLOCK_K, RANK / 16, 16] in L3, their fp32 scales per 16 columns [BLOCK_K, RANK / 16],
-    bf16 rope rows [BLOCK_K, ROPE] in RL, valid [BLOCK_K] in VL). Rows without a slot read as zeros."""
+    bf16 rope rows [BLOCK_K, ROPE] in RL, valid [BLOCK_K] in VL). Rows without a slot read as zeros. DIRECT: the
+    rope rows' slots ``slot_rope`` (in SliceLayout(1, RL)) and the positions ``idx_v`` (in VL) are given, else
+    both are converted from ``slot`` (a shared-memory round trip and a barrier each)."""
     SL: gl.constexpr = gl.SliceLayout(2, L3)
     valid = slot >= 0
     slot64 = slot.to(gl.int64)
@@ -76,11 +78,16 @@ def _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, ROPE:
     raw = gl.load(nope_ptr + slot3 * RANK + cols3, mask=valid3, other=0.0)
     sc = gl.load(nscale_ptr + gl.expand_dims(slot64, 1) * (RANK // GROUP) + gl.expand_dims(c32 * 16 // GROUP, 0),
                  mask=gl.expand_dims(valid, 1), other=0.0)
-    slot_r = gl.convert_layout(slot64, gl.SliceLayout(1, RL))
+    if DIRECT:  # the rope rows' slots and the softmax validity given in their own layouts (no conversion)
+        slot_r = slot_rope.to(gl.int64)
+        valid_v = idx_v >= 0
+    else:
+        slot_r = gl.convert_layout(slot64, gl.SliceLayout(1, RL))
+        valid_v = gl.convert_layout(valid, VL)
     rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
     kr = gl.load(rope_ptr + gl.expand_dims(slot_r, 1) * ROPE + gl.expand_dims(rc, 0),
                  mask=gl.expand_dims(slot_r >= 0, 1), other=0.0)
-    return raw, sc, kr, gl.convert_layout(valid, VL)
+    return raw, sc, kr, valid_v
 
 
 @gluon.jit
@@ -98,7 +105,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                             out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                             RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
                             BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                            PREFETCH: gl.constexpr = True):
+                            PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
+                            DIRECT: gl.constexpr = False):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
@@ -143,14 +151,20 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     seq = gl.load(seq_ptr + row).to(gl.int64)
     first = split * positions_per_split
     last = gl.minimum(first + positions_per_split, topk)
-    SL: gl.constexpr = gl.SliceLayout(2, L3)
+    SL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))  # one value per gathered row
+    RS: gl.constexpr = gl.SliceLayout(1, RL)
     slot = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, SL), PAGE)
-    raw, sc, kr, valid = _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL)
+    slot_r = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, RS), PAGE)
+    idx_v = _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, VL)
+    raw, sc, kr, valid = _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL, slot_r,
+                                      idx_v, DIRECT)
     _stage_tile(raw, sc, kr, kv_smem.index(0), kr_smem.index(0), RANK, BLOCK_K)
     # PREFETCH: the slots of the next tile are known before its loop step (its data loads then wait on one
     # memory round trip, not three: position -> block-table entry -> row)
     slot_n = _idx_slots(block_table_ptr, seq, bt_stride,
                         _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
+    slot_rn = _idx_slots(block_table_ptr, seq, bt_stride,
+                         _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -159,16 +173,29 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     buf = 0
     for k0 in range(first, last, BLOCK_K):
         kv_buf = kv_smem.index(buf)
+        if EARLY_LOADS:  # the next tile's gathers issued before this tile's q.k (PREFETCH: addresses known)
+            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL,
+                                                slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K,
+                                                                   VL), DIRECT)
         s = warpgroup_mma(qr_smem, kr_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_smem, kv_buf.permute((1, 0)), s, is_async=True)
         # the next tile's gathers fly while q.k runs
         if PREFETCH:
-            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL)
+            if not EARLY_LOADS:
+                raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL,
+                                                    VL, slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk,
+                                                                           BLOCK_K, VL), DIRECT)
             idx_nn = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, SL)
+            if DIRECT:
+                idx_rnn = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, RS)
         else:
             slot_n = _idx_slots(block_table_ptr, seq, bt_stride,
                                 _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
-            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL)
+            slot_rn = _idx_slots(block_table_ptr, seq, bt_stride,
+                                 _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
+            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL,
+                                                slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K,
+                                                                   VL), DIRECT)
         s, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))  # q.k of this tile, p @ v of the last
         s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -186,6 +213,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
         buf = 1 - buf
         if PREFETCH:  # the block-table entries of the tile after next fly during the dequantisation
             slot_n = _idx_slots(block_table_ptr, seq, bt_stride, idx_nn, PAGE)
+            if DIRECT:
+                slot_rn = _idx_slots(block_table_ptr, seq, bt_stride, idx_rnn, PAGE)
         _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K)
         valid = valid_n
     if SPLIT:  # the slice's log2-sum-exp first (fewer values live with the accumulator)
@@ -217,10 +246,21 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
     return torch.cuda.get_device_capability(q_nope.device)[0] == 9 and latent_scale.shape[-1] == 4
 
 
+# Kernel flags ``launch`` passes unless the call names them (``sparse_mla(..., gluon={"DIRECT": True})``):
+# EARLY_LOADS issues the next tile's gathers before this tile's q.k; DIRECT reads the rope rows' slots and the
+# softmax validity in their own layouts (4 fewer barriers a tile, 12 more loads).
+GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": False}
+
+
 def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices, softmax_scale,
-           partial, lse, splits: int, positions_per_split: int, block_k: int = 64, prefetch: bool = True) -> None:
+           partial, lse, splits: int, positions_per_split: int, block_k: int = 64, prefetch: bool = True,
+           flags: dict | None = None) -> None:
     """Launch ``sparse_mla_gluon_kernel`` on grid (rows, heads / 64, splits): ``partial``/``lse`` as
-    ``sparse_mla.sparse_mla`` allocates them (the bf16 output itself when splits == 1)."""
+    ``sparse_mla.sparse_mla`` allocates them (the bf16 output itself when splits == 1); ``flags`` override
+    ``GLUON_FLAGS``."""
+    unknown = set(flags or {}) - set(GLUON_FLAGS)
+    if unknown:
+        raise ValueError(f"unknown Gluon kernel flags {sorted(unknown)}; known: {sorted(GLUON_FLAGS)}")
     n_rows, n_heads, rank = q_nope.shape
     topk = indices.shape[1]
     sparse_mla_gluon_kernel[(n_rows, triton.cdiv(n_heads, GLUON_BLOCK_H), splits)](
@@ -228,4 +268,5 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
         token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(), partial, lse,
         n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
         RANK=rank, ROPE=q_rope.shape[-1], GROUP=rank // latent_scale.shape[-1], BLOCK_H=GLUON_BLOCK_H,
-        BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1, PREFETCH=prefetch, num_warps=8)
+        BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1, PREFETCH=prefetch, **{**GLUON_FLAGS, **(flags or {})},
+        num_warps=8)

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # the configurations sparse_mla can launch: BLOCK_K 64, one slice (bf16 out) or several (fp32 partials), the
 # slots of the tile after next read ahead (PREFETCH, the default) or not
 SHIPPED = [{"gluon": True, "BLOCK_K": 64, "SPLIT": split, "PREFETCH": pf} for split in (False, True)
-           for pf in (True, False)]
+           for pf in (True, False)] + [{"gluon": True, "SPLIT": split, "DIRECT": True, "EARLY_LOADS": early}
+                                       for split in (False, True) for early in (False, True)]
 H200_SHARED_BYTES = 232448  # 227 KB per block (CUDA sm_90 limit)
 TWIN_REL_TOL_CUDA = 5e-3  # test_sparse_mla.TWIN_REL_TOL["cuda"]: p rounded to bf16 for p @ v, the twin keeps fp32
 
@@ -48,7 +49,8 @@ def _case(lengths, rows, heads, topk, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"splits": 3}, {"prefetch": False}])
+@pytest.mark.parametrize("options", [{}, {"splits": 3}, {"prefetch": False},
+                                     {"gluon": {"DIRECT": True, "EARLY_LOADS": True}}])
 def test_gluon_decode_batch64_matches_twin(options):
     """64 decode rows (one per sequence of 300 tokens), 128 heads, top-256 (rows see all 300 or fewer: -1 pads in
     the tail of some rows' lists are masked)."""
@@ -64,7 +66,7 @@ def test_gluon_decode_batch64_matches_twin(options):
     indices[rows[::7], 200:] = -1  # some rows select fewer positions
     args = (q_nope[rows], q_rope[rows], layer.latent_nope, layer.latent_scale, layer.latent_rope,
             batch.block_table, batch.token_seq[rows], indices[rows], 0.07)
-    got = sparse_mla(*args, gluon=True, **options)
+    got = sparse_mla(*args, **{"gluon": True, **options})
     twin = sparse_mla_torch(*args)
     assert torch.isfinite(got).all()
     assert rel(got, twin) <= TWIN_REL_TOL_CUDA
@@ -74,7 +76,7 @@ def test_gluon_decode_batch64_matches_twin(options):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"splits": 16}])
+@pytest.mark.parametrize("options", [{}, {"gluon": {"DIRECT": True}, "splits": 16}])
 def test_gluon_deepseek_v32_shape_matches_twin(options):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens (rows 0 .. 2047 select
     fewer than 2048), against the twin and the float64 reference; a row with no position returns 0."""
@@ -86,7 +88,7 @@ def test_gluon_deepseek_v32_shape_matches_twin(options):
     rows = torch.tensor([0, 63, 64, 2047, 2048, 3999, 4000, 4999]).cuda()
     layer, sub, args = _case((4000, 1000), rows, heads=128, topk=2048)
     args[7][1] = -1
-    got = sparse_mla(*args, gluon=True, **options)
+    got = sparse_mla(*args, **{"gluon": True, **options})
     twin = sparse_mla_torch(*args)
     want = reference(layer, sub, args[7], args[0], args[1], 0.07)
     assert torch.equal(got[1].float().cpu(), torch.zeros(128, 512))
