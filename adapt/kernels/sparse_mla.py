@@ -675,8 +675,9 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
 
 
 # The Gluon kernel as the default on sm_90 (see ``sparse_mla``'s ``gluon``): set from the H200 measurement in
-# benchmarks/gpu-2026-12-01-dsa-s4-mla/README.md (call 1: batch 64 x 128K 180 us against 212 us for the tl
-# default; the last 4096 rows of a 128K prefill 10.7 ms against 11.2 ms for the tl sweep's best tile).
+# benchmarks/gpu-2026-12-01-dsa-s4-mla/README.md (call 2: batch 64 x 128K 134.6 us against 207.9 us for the tl
+# default; the last 4096 rows of a 128K prefill 7.75 ms against 11.19 ms for the tl sweep's best tile; batch 1
+# with position slices: 23.3-24.8 us either way, so the tl tile stays there).
 GLUON_DEFAULT = True
 
 

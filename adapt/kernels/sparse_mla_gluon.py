@@ -246,10 +246,12 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
     return torch.cuda.get_device_capability(q_nope.device)[0] == 9 and latent_scale.shape[-1] == 4
 
 
-# Kernel flags ``launch`` passes unless the call names them (``sparse_mla(..., gluon={"DIRECT": True})``):
+# Kernel flags ``launch`` passes unless the call names them (``sparse_mla(..., gluon={"DIRECT": False})``):
 # EARLY_LOADS issues the next tile's gathers before this tile's q.k; DIRECT reads the rope rows' slots and the
-# softmax validity in their own layouts (4 fewer barriers a tile, 12 more loads).
-GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": False}
+# softmax validity in their own layouts (4 fewer barriers a tile, 12 more loads). H200, call 2 of
+# benchmarks/gpu-2026-12-01-dsa-s4-mla: DIRECT 134.6 us against 141.3 at decode batch 64 x 128K and 7.75 against
+# 8.14 ms on the last 4096 prefill rows; EARLY_LOADS 147.0 us (slower), with DIRECT 136.8.
+GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True}
 
 
 def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices, softmax_scale,

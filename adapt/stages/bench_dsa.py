@@ -925,8 +925,11 @@ PREFILL_INDEX_SWEEP = (
 # kernel, launch order only); half: fp16 dequantization and MMAs (1952 / 255 / 192 / 216); half with 64
 # positions (2 x 1056 / 255 / 0 / 144); half, 64, 2 stages + prefetch (2 x 1129 / 255 / 0 / 185; its bf16 form,
 # 2 x 1482 instructions, ran 227 against 218 us for the default at decode batch 64 in the second session).
+# Since 2026-12-01 {} is the Gluon kernel on sm_90 (sparse_mla's default where no position slices are taken:
+# 7.75 ms on those rows, benchmarks/gpu-2026-12-01-dsa-s4-mla); gluon=False times the tl default beside it.
 PREFILL_MLA_SWEEP = (
     {},
+    dict(gluon=False),
     dict(heads_inner=True),
     dict(half=True),
     dict(half=True, heads_inner=True),

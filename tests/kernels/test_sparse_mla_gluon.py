@@ -49,7 +49,7 @@ def _case(lengths, rows, heads, topk, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"splits": 3}, {"prefetch": False},
+@pytest.mark.parametrize("options", [{}, {"splits": 3}, {"prefetch": False}, {"gluon": {"DIRECT": False}},
                                      {"gluon": {"DIRECT": True, "EARLY_LOADS": True}}])
 def test_gluon_decode_batch64_matches_twin(options):
     """64 decode rows (one per sequence of 300 tokens), 128 heads, top-256 (rows see all 300 or fewer: -1 pads in
