@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
+from adapt.kernels import moe_gluon
 from adapt.kernels.moe_configs import GemmConfig, PlanarConfig, pick_configs
 from adapt.kernels.moe_planar import PlanarExperts, planar_experts_run
 from adapt.kernels.moe_quant import FP8_GROUP, quantize_fp8_rows, quantize_fp8_rows_torch
@@ -533,6 +534,11 @@ def moe_gemm(
     if cfg.programs_per_sm > 0:
         n_work = min(n_work, max(1, num_sms(x.device) * cfg.programs_per_sm - cfg.reserve_sms))
     grid = (max(1, n_work),)
+    if cfg.gluon and op.mode >= 5 and act_fp8 and not act_group and not cfg.swap_ab and moe_gluon.usable(x.device):
+        return moe_gluon.fold_gemm(
+            x.contiguous(), x_scale, op, perm, tiles, out, top_k=top_k, gather=gather, activation=activation,
+            interleaved=interleaved, alpha=alpha, limit=limit, cfg=cfg, experts=experts, n_work=grid[0],
+        )
     xs = x_scale if x_scale is not None else x
     stride_xs = x_scale.stride(0) if x_scale is not None else 0
     bias = op.bias if op.bias is not None else xs
