@@ -28,7 +28,8 @@ Entry point (the runtime calls this once per MoE layer)::
                   "fp8_fold": the same numerics, the fold by table look-up per 32-bit word
                           (``mxfp4.fold_words_fp8``, W_MODE 5 / 6): the offline path's output bit for
                           bit without an FP8 copy (H200, T = 16384: 1.4x the workspace path's time,
-                          benchmarks/moe/2026-11-30-s3-prefill)
+                          benchmarks/moe/2026-11-30-s3-prefill); a config with ``gluon=True`` runs the
+                          Gluon kernel (``moe_gluon``, MMAs in flight across the decode) on sm_90
     fp8_weights   FP8Weights | None: the offline path (all experts converted ahead of time)
     workspace     FP8Workspace | None: online conversion of the active experts of this layer into
                   a shared FP8 buffer, chunk by chunk, converting chunk c+1 while chunk c computes
