@@ -17,6 +17,7 @@ from adapt.kernels import moe_gluon as gk
 from adapt.kernels import mxfp4 as mx
 from adapt.kernels import routing as rt
 from adapt.stages.bench_moe import FOLD_SWEEP
+from tests.kernels.test_fold_gemm import real_shape_case
 from tests.kernels.test_moe import DEV, GPU_SHAPES, _gen, make_layer
 
 GLUON_ROWS = [n for n, row in FOLD_SWEEP.items() if row[2].gluon]
@@ -92,11 +93,7 @@ def test_gluon_fold_small_gpu(split, interleaved):
 def test_gluon_fold_real_shapes_gpu(name):
     """H200: 32 experts of the real H and I, 1,400 tokens: every Gluon row equals the offline path."""
     s = GPU_SHAPES[name]
-    w = make_layer(s["e"], s["h"], s["i"], bias=s["bias"], interleaved=s["interleaved"], seed=13)
-    g = _gen(14)
-    x = torch.randn(1400, s["h"], generator=g, device=DEV).bfloat16()
-    ids = torch.rand(1400, s["e"], generator=g, device=DEV).topk(s["k"], dim=-1).indices.int()
-    perm = rt.permute_by_expert(ids, s["e"])
+    w, x, perm = real_shape_case(s)
     sw = (mx.to_sign_split_words(w.w1_packed), mx.to_sign_split_words(w.w2_packed))
     _check(x, perm, w, s["k"], s["act"], GLUON_ROWS, sw)
 
