@@ -2,15 +2,8 @@
 and on the GPU against the torch twin ``sparse_mla_torch`` at the kernel-vs-twin tolerance of
 test_sparse_mla.py (decode batch 64 over a short context, and the DeepSeek-V3.2 shape: 128 heads, top-2048)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 # the configurations sparse_mla can launch: BLOCK_K 64, one slice (bf16 out) or several (fp32 partials), the
 # slots of the tile after next read ahead (PREFETCH, the default) or not
 SHIPPED = [{"gluon": True, "BLOCK_K": 64, "SPLIT": split, "PREFETCH": pf} for split in (False, True)
@@ -22,13 +15,9 @@ TWIN_REL_TOL_CUDA = 5e-3  # test_sparse_mla.TWIN_REL_TOL["cuda"]: p rounded to b
 
 @pytest.mark.slow
 def test_gluon_kernel_builds_for_sm90_within_registers():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sparse_mla_sass.py"), json.dumps(SHIPPED)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(SHIPPED), run.stdout + run.stderr
-    for row in rows:
+    from tests.kernels.test_sparse_mla_sass import sass_rows
+
+    for row in sass_rows(SHIPPED):
         assert "error" not in row, row
         assert row["regs"] <= 255 and row["spill_bytes"] == 0, row
         assert row["shared"] <= H200_SHARED_BYTES, row
