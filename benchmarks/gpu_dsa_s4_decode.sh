@@ -15,6 +15,7 @@ tail -8 "$OUT/pytest_gpu_fused.log"
 echo "== DSA acceptance, decode"
 timeout "${BENCH_S:-90}" python3 -m adapt.stages.bench_dsa --out "$OUT" --acceptance --no-prefill --no-sweep \
   > "$OUT/dsa_bench.log" 2>&1
+rm -f "$OUT"/dsa_report.*  # the stage report repeats dsa_bench.json; the device returns 8 files at most
 tail -30 "$OUT/dsa_bench.log"
 echo "== kernel profile"
 timeout "${PROF_S:-15}" python3 benchmarks/dsa_kernel_profile.py "$OUT" 1 64 > "$OUT/profile.log" 2>&1
