@@ -518,36 +518,106 @@ def _select_runs(src_ptr, pos_ptr, count_ptr, run_stride, run_cap, out_base, top
         tl.store(out_base + slot, tl.full([BLOCK], -1, tl.int32), mask=slot < topk)
 
 
+# The short select (``fast``): off by default until timed on the H200 beside the 32-step bisection (flip here).
+FAST_SELECT = False
+
+
+@triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _kth_key(key, m, topk, FAST: tl.constexpr):
+    """Largest order key t (uint32 scalar) with at least ``topk`` of the masked keys ``key`` (uint32, any shape,
+    ``m`` its mask) >= t; only meaningful when more than topk keys are masked in. Not FAST: 32 bisection steps,
+    one block-wide count each (unrolled). FAST: the bits every masked key shares (the common prefix of their min
+    and max) are taken as fixed, and the rest settled two bits a step (three trial keys counted by one 3-operand
+    reduction): (32 - prefix) / 2 steps plus the min / max, e.g. 13 instead of 32 for N(0, 1) candidates in
+    [2, 4.5)."""
+    if FAST:
+        all_ones = tl.full([], 0xFFFFFFFF, tl.uint32)
+        hi = tl.max(tl.where(m, key, 0), axis=None)
+        lo = all_ones - tl.max(tl.where(m, all_ones - key, 0), axis=None)  # (no ~ on uint32: the interpreter)
+        # free = 1 + the highest bit where lo and hi differ, from the fp32 exponent of their xor (rounding
+        # up can only add a bit: an over-estimate is still exact), rounded up to even
+        bits = (hi ^ lo).to(tl.float32).to(tl.int32, bitcast=True)
+        free = tl.minimum(tl.maximum((bits >> 23) - 126, 0), 32)
+        free = free + (free & 1)
+        low = tl.where(free >= 32, all_ones, (tl.full([], 1, tl.uint32) << tl.minimum(free, 31).to(tl.uint32)) - 1)
+        threshold = hi - (hi & low)  # hi's bits above the free ones
+        for i in range(free // 2):
+            lb = tl.full([], 1, tl.uint32) << (free - 2 - 2 * i).to(tl.uint32)
+            t1 = threshold | lb
+            t2 = threshold | (lb << 1)
+            t3 = t2 | lb
+            c1, c2, c3 = tl.reduce(((m & (key >= t1)).to(tl.int32), (m & (key >= t2)).to(tl.int32),
+                                    (m & (key >= t3)).to(tl.int32)), 0, _add3)
+            if len(key.shape) == 2:  # (axis=None on a tuple fails in the interpreter)
+                c1, c2, c3 = tl.reduce((c1, c2, c3), 0, _add3)
+            threshold = tl.where(c3 >= topk, t3, tl.where(c2 >= topk, t2, tl.where(c1 >= topk, t1, threshold)))
+    else:
+        threshold = tl.zeros([], tl.uint32)
+        for b in tl.static_range(32):  # unrolled, as the register select was timed
+            trial = threshold | (tl.full([], 1, tl.uint32) << (31 - b))
+            hits = tl.sum((m & (key >= trial)).to(tl.int32), axis=None)
+            threshold = tl.where(hits >= topk, trial, threshold)
+    return threshold
+
+
+@triton.jit
+def _kept_packed(key, m, threshold, topk):
+    """(packed int32, rem): per slot 1 for a masked key above ``threshold`` plus 1 << 16 for one equal to it
+    (at most 65535 slots: one scan counts both), and rem = topk - keys above (ties to take)."""
+    above = (m & (key > threshold)).to(tl.int32)
+    return above + ((m & (key == threshold)).to(tl.int32) << 16), topk - tl.sum(above, axis=None)
+
+
+@triton.jit
+def _kept_slots(packed, incl, rem):
+    """(take, slot) of ``_kept_packed``'s slots from the inclusive scan ``incl`` of packed (slot order =
+    ascending positions): keys above the threshold, then the first ``rem`` ties; slot = output index."""
+    excl = incl - packed
+    tie_before = excl >> 16
+    take = ((packed & 0xFFFF) != 0) | ((packed >= 65536) & (tie_before < rem))
+    return take, (excl & 0xFFFF) + tl.minimum(tie_before, rem)
+
+
+
 @triton.jit
 def _select_in_registers(key_ptr, pos_ptr, count_ptr, out_base, topk, SEG_CAP: tl.constexpr, PARTS: tl.constexpr,
-                         PARTS_P2: tl.constexpr, BLOCK: tl.constexpr):
+                         PARTS_P2: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """``_select_runs``' result over PARTS runs of at most SEG_CAP stored candidates (order keys, positions),
-    all held in registers at once: the k-th key by 32 bisection steps, then one write of the kept positions
-    (run-major order, i.e. ascending positions)."""
+    all held in registers at once: the k-th key by ``_kth_key`` (FAST: the short bisection), then one write of
+    the kept positions (run-major order, i.e. ascending positions; FAST: both counts in one packed scan)."""
     part = tl.arange(0, PARTS_P2)[:, None]
     slot_in = tl.arange(0, SEG_CAP)[None, :]
     count = tl.load(count_ptr + part, mask=part < PARTS, other=0)
     m = slot_in < count
     key = tl.load(key_ptr + part * SEG_CAP + slot_in, mask=m, other=0).to(tl.uint32, bitcast=True)
     total = tl.sum(m.to(tl.int32), axis=None)
-    threshold = tl.zeros([], tl.uint32)
-    for b in tl.static_range(32):
-        trial = threshold | (tl.full([], 1, tl.uint32) << (31 - b))
-        hits = tl.sum((m & (key >= trial)).to(tl.int32), axis=None)
-        threshold = tl.where(hits >= topk, trial, threshold)
+    threshold = _kth_key(key, m, topk, FAST)
     threshold = tl.where(total <= topk, 0, threshold)  # every candidate is taken
-    above = m & (key > threshold)
-    rem = topk - tl.sum(above.to(tl.int32), axis=None)
-    tie = (m & (key == threshold)).to(tl.int32)
-    tie_runs = tl.sum(tie, axis=1)
-    tie_rank = (tl.cumsum(tie_runs, axis=0) - tie_runs)[:, None] + tl.cumsum(tie, axis=1) - 1
-    take = above | ((tie != 0) & (tie_rank < rem))
-    take_runs = tl.sum(take.to(tl.int32), axis=1)
-    slot = (tl.cumsum(take_runs, axis=0) - take_runs)[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+    if FAST:
+        packed, rem = _kept_packed(key, m, threshold, topk)
+        packed_runs = tl.sum(packed, axis=1)
+        incl = (tl.cumsum(packed_runs, axis=0) - packed_runs)[:, None] + tl.cumsum(packed, axis=1)
+        take, slot = _kept_slots(packed, incl, rem)
+        written = tl.minimum(total, topk)
+    else:
+        above = m & (key > threshold)
+        rem = topk - tl.sum(above.to(tl.int32), axis=None)
+        tie = (m & (key == threshold)).to(tl.int32)
+        tie_runs = tl.sum(tie, axis=1)
+        tie_rank = (tl.cumsum(tie_runs, axis=0) - tie_runs)[:, None] + tl.cumsum(tie, axis=1) - 1
+        take = above | ((tie != 0) & (tie_rank < rem))
+        take_runs = tl.sum(take.to(tl.int32), axis=1)
+        slot = (tl.cumsum(take_runs, axis=0) - take_runs)[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+        written = tl.sum(take_runs, axis=0)
     pos = tl.load(pos_ptr + part * SEG_CAP + slot_in, mask=take, other=-1)
     tl.store(out_base + slot, pos, mask=take)
     offs = tl.arange(0, BLOCK)
-    for start in range(tl.sum(take_runs, axis=0), topk, BLOCK):
+    for start in range(written, topk, BLOCK):
         tl.store(out_base + start + offs, tl.full([BLOCK], -1, tl.int32), mask=start + offs < topk)
 
 
@@ -555,7 +625,7 @@ def _select_in_registers(key_ptr, pos_ptr, count_ptr, out_base, topk, SEG_CAP: t
 def _decode_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, out_ptr, redo_ptr, stride,
                           n_cols, topk, SEG_CAP: tl.constexpr, PARTS: tl.constexpr, PARTS_P2: tl.constexpr,
                           BLOCK: tl.constexpr, BITS: tl.constexpr, REGISTERS: tl.constexpr,
-                          FULL_BLOCK: tl.constexpr):
+                          FULL_BLOCK: tl.constexpr, FAST: tl.constexpr):
     """One program per row: exact when every part's candidates were stored and either tau took every visible
     key or at least topk keys are >= tau (then the top-k are all candidates, ties included); it selects over
     the candidates. Any other row (the sample misjudged it) is selected here from its full scores, FULL_BLOCK
@@ -571,7 +641,7 @@ def _decode_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, cou
     if exact:
         if REGISTERS:
             _select_in_registers(key_ptr + seg, pos_ptr + seg, count_ptr + row * PARTS, out_base, topk,
-                                 SEG_CAP=SEG_CAP, PARTS=PARTS, PARTS_P2=PARTS_P2, BLOCK=BLOCK)
+                                 SEG_CAP=SEG_CAP, PARTS=PARTS, PARTS_P2=PARTS_P2, BLOCK=BLOCK, FAST=FAST)
         else:
             _select_runs(key_ptr + seg, pos_ptr + seg, count_ptr + row * PARTS, SEG_CAP, SEG_CAP, out_base, topk,
                          RUNS=PARTS, BLOCK=BLOCK, BITS=BITS, FROM_SCORES=False)
@@ -593,7 +663,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
                 parts: int | None = None, block: int | None = None, select_block: int | None = None,
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
                 redo: torch.Tensor | None = None, registers: bool | None = None,
-                select_warps: int | None = None, flat: bool = False) -> torch.Tensor:
+                select_warps: int | None = None, flat: bool = False, fast: bool | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -612,6 +682,8 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     ``flat``: the select is ``select_candidates`` instead (the parts' candidates read as one ascending array of
     FUSED_CAP slots in registers, any number of parts: ``registers`` and ``digit_bits`` then only shape the
     full-row select).
+    ``fast`` (default FAST_SELECT): the register and flat selects find the k-th key by ``_kth_key``'s short
+    bisection (two bits a step below the candidates' common prefix) and count kept keys and ties in one scan.
     ``num_warps`` / ``block`` (scores per loop step): the candidate pass's launch (defaults 8 / 4096; its loop
     is not software-pipelined by Triton: no async copies in the sm_90 build); ``parts`` per row (default
     ``decode_parts``); ``sample`` a power of two.
@@ -660,12 +732,12 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
         num_warps=num_warps or 8)
     if flat:
         return select_candidates(scores, limits, tau, keys, positions, counts, topk, out=out, redo=redo,
-                                 num_warps=select_warps or 8)
+                                 num_warps=select_warps or 8, fast=fast)
     _decode_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
         BITS=digit_bits, REGISTERS=registers, FULL_BLOCK=block or DECODE_BLOCK,
-        num_warps=select_warps or (8 if registers else 4))
+        FAST=FAST_SELECT if fast is None else fast, num_warps=select_warps or (8 if registers else 4))
     return out
 
 
@@ -678,7 +750,8 @@ FUSED_LOG_PARTS_MAX = 12  # runs per row the select's binary search covers (4096
 @triton.jit
 def _fused_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, incl_ptr, out_ptr, redo_ptr,
                          stride, n_cols, topk, seg_cap, n_parts, PARTS_P2: tl.constexpr, LOG_PARTS: tl.constexpr,
-                         CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, FULL_BLOCK: tl.constexpr):
+                         CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, FULL_BLOCK: tl.constexpr,
+                         FAST: tl.constexpr):
     """One program per row over its n_parts runs of candidates (run p: count[p] order keys and positions at
     ``(row * n_parts + p) * seg_cap``, ascending positions). Exact when no run overflowed its seg_cap slots,
     the row holds at most CAP candidates, and either tau took every visible key or at least topk keys are
@@ -707,20 +780,27 @@ def _fused_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, coun
         start = tl.load(incl_base + part - 1, mask=m & (part > 0), other=0)
         addr = (row * n_parts + part) * seg_cap + (j - start)
         key = tl.load(key_ptr + addr, mask=m, other=0).to(tl.uint32, bitcast=True)
-        threshold = tl.zeros([], tl.uint32)
-        for b in range(32):  # a loop, not unrolled: a smaller build (sm_90 compile 2-3x faster on the CPU)
-            trial = threshold | (tl.full([], 1, tl.uint32) << (31 - b))
-            hits = tl.sum((m & (key >= trial)).to(tl.int32), axis=0)
-            threshold = tl.where(hits >= topk, trial, threshold)
-        threshold = tl.where(total <= topk, 0, threshold)  # every candidate is taken
-        above = m & (key > threshold)
-        rem = topk - tl.sum(above.to(tl.int32), axis=0)
-        tie = m & (key == threshold)
-        take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < rem))
-        slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        if FAST:  # the short bisection and one packed scan
+            threshold = tl.where(total <= topk, 0, _kth_key(key, m, topk, True))
+            packed, rem = _kept_packed(key, m, threshold, topk)
+            take, slot = _kept_slots(packed, tl.cumsum(packed, axis=0), rem)
+            written = tl.minimum(total, topk)
+        else:
+            threshold = tl.zeros([], tl.uint32)
+            for b in range(32):  # a loop, not unrolled: a smaller build (sm_90 compile 2-3x faster on the CPU)
+                trial = threshold | (tl.full([], 1, tl.uint32) << (31 - b))
+                hits = tl.sum((m & (key >= trial)).to(tl.int32), axis=0)
+                threshold = tl.where(hits >= topk, trial, threshold)
+            threshold = tl.where(total <= topk, 0, threshold)  # every candidate is taken
+            above = m & (key > threshold)
+            rem = topk - tl.sum(above.to(tl.int32), axis=0)
+            tie = m & (key == threshold)
+            take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < rem))
+            slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+            written = tl.sum(take.to(tl.int32), axis=0)
         tl.store(out_base + slot, tl.load(pos_ptr + addr, mask=take, other=-1), mask=take)
         offs = tl.arange(0, BLOCK)
-        for start in range(tl.sum(take.to(tl.int32), axis=0), topk, BLOCK):
+        for start in range(written, topk, BLOCK):
             tl.store(out_base + start + offs, tl.full([BLOCK], -1, tl.int32), mask=start + offs < topk)
     else:
         _select_runs(scores_ptr + row * stride, pos_ptr, limits_ptr + row, 0, n_cols, out_base, topk, RUNS=1,
@@ -729,11 +809,12 @@ def _fused_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, coun
 
 def select_candidates(scores: torch.Tensor, limits: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor,
                       positions: torch.Tensor, counts: torch.Tensor, topk: int, *, out: torch.Tensor,
-                      redo: torch.Tensor, num_warps: int = 8) -> torch.Tensor:
+                      redo: torch.Tensor, num_warps: int = 8, fast: bool | None = None) -> torch.Tensor:
     """``topk_indices``' result from candidates emitted per run (one launch, no host sync): keys / positions
     int32 [N, parts, seg_cap] (order keys, ascending positions), counts int32 [N, parts] (how many each run
     found, possibly more than seg_cap), tau int32 [N] (the order key they were kept at or above; 0: every visible
-    key). Rows whose candidates cannot be trusted (a run past seg_cap, more than FUSED_CAP, or fewer than topk
+    key; ``fast``: the short select of ``topk_decode``'s option, default FAST_SELECT). Rows whose candidates
+    cannot be trusted (a run past seg_cap, more than FUSED_CAP, or fewer than topk
     above a nonzero tau) are selected from ``scores`` fp32 [N, C] (limits int32 [N]) and flagged in ``redo``.
     Writes int32 [N, topk] ``out`` (contiguous) and returns it."""
     n_rows, n_parts, seg_cap = keys.shape
@@ -748,5 +829,5 @@ def select_candidates(scores: torch.Tensor, limits: torch.Tensor, tau: torch.Ten
     _fused_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, incl, out, redo, scores.stride(0), scores.shape[1], topk,
         seg_cap, n_parts, PARTS_P2=parts_p2, LOG_PARTS=log_parts, CAP=FUSED_CAP, BLOCK=DECODE_SELECT_BLOCK,
-        BITS=8, FULL_BLOCK=DECODE_BLOCK, num_warps=num_warps)
+        BITS=8, FULL_BLOCK=DECODE_BLOCK, FAST=FAST_SELECT if fast is None else fast, num_warps=num_warps)
     return out

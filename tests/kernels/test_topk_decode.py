@@ -51,13 +51,15 @@ def adversarial_rows(gen):
 
 # radix passes over the candidates in memory (three parts, small steps); candidates in registers (one part,
 # 4-bit digits in the full-row select); registers over three parts; the flat select (select_candidates) over
-# three parts. The GPU runs the first and the flat one (the graph test below runs the default).
+# three parts; the short select (fast) in registers and flat. The GPU runs the first, the flat ones and the
+# fast register one (the graph test below runs the default).
 TILES = [dict(parts=3, block=512, select_block=256, registers=False), dict(parts=1, digit_bits=4),
-         dict(parts=3, registers=True, select_block=64), dict(parts=3, block=512, flat=True)]
+         dict(parts=3, registers=True, select_block=64), dict(parts=3, block=512, flat=True),
+         dict(parts=3, registers=True, select_block=64, fast=True), dict(parts=3, block=512, flat=True, fast=True)]
 
 
 @pytest.mark.parametrize("device, opts", [("cpu", opts) for opts in TILES]
-                         + [pytest.param("cuda", TILES[i], marks=pytest.mark.gpu) for i in (0, 3)])
+                         + [pytest.param("cuda", TILES[i], marks=pytest.mark.gpu) for i in (0, 3, 4, 5)])
 def test_decode_topk_equals_twin_and_redoes_misjudged_rows_on_device(device, opts):
     """Three parts of 2k slots each: rows 0, 1, 9 select over their candidates. One part (2k slots for about
     1.5k candidates from a 64-score sample) may send those rows to the full select too: still the twin's."""
@@ -71,6 +73,30 @@ def test_decode_topk_equals_twin_and_redoes_misjudged_rows_on_device(device, opt
     assert [got[r] for r in (2, 3, 4, 5, 6, 7, 8)] == [1, 1, 1, 0, 0, 1, 0]
     if opts["parts"] == 3:
         assert [got[r] for r in (0, 1, 9)] == [0, 0, 0]
+
+
+def shared_prefix_rows(gen):
+    """Rows the sample judges right whose candidates share long key prefixes (the short select fixes those
+    bits; narrower rows put every key above the sample's 16-bit threshold, past the slots): 0 scores in
+    [1, 1 + 2^-4) (12 shared bits); 1 300 scores of 7.0 among N(0, 0.1) (every candidate equal: no free bit,
+    the lowest K positions of the tie); 2 negative scores in (-5.25, -5]; 3 N(0, 1)."""
+    s = torch.randn(4, COLS, generator=gen)
+    s[0] = 1.0 + torch.rand(COLS, generator=gen) * 2.0 ** -4
+    s[1] = s[1] * 0.1
+    s[1, torch.randperm(COLS, generator=gen)[:300]] = 7.0
+    s[2] = -5.0 - torch.rand(COLS, generator=gen) * 0.25
+    return s, torch.full((4,), COLS)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("flat", [False, True])
+def test_fast_select_on_shared_prefixes_and_ties_equals_twin(device, flat):
+    s, limits = shared_prefix_rows(torch.Generator().manual_seed(5))
+    redo = torch.full((4,), -5, dtype=torch.int32, device=device)
+    out = topk_decode(s.to(device), limits.to(device), K, redo=redo, sample=SAMPLE, parts=3, block=512,
+                      registers=not flat, flat=flat, fast=True)
+    assert torch.equal(out.cpu(), topk_indices_torch(s, limits, K))
+    assert redo.tolist() == [0, 0, 0, 0]  # every row selected from its candidates (the short select ran)
 
 
 def test_index_topk_select_decode_is_the_twins_selection():
