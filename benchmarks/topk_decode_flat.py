@@ -1,13 +1,17 @@
 """Decode top-k tiles on one GPU: ``topk_decode`` with its register select against the flat select
 (``select_candidates``, any number of parts per row), and the radix select, on fp32 scores of 128K keys, top-2048.
+``fast`` (second argument): the short select (``fast=2``: two bits a step below the candidates' common
+prefix, one packed scan; ``fast=1`` one bit a step) beside the defaults each batch size runs now, and with 16
+warps a select program.
 
 Each tile: CUDA-graph replays (``adapt.bench.timer.time_cuda``, median), whether the positions equal
-``topk_indices_torch``'s, and how many rows the sample misjudged. Scores: standard normal (the timing of these
+``topk_indices_torch``'s (all rows, and how many rows do), and how many rows the sample misjudged. Scores:
+standard normal (the timing of these
 selects depends on the candidate count, which the sample fixes, not on the score distribution; the bench's
 index scores were timed in ``adapt.stages.bench_dsa``).
 
-Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/topk_decode_flat.py OUT_DIR
-Writes OUT_DIR/topk_decode_flat.json and prints one line per tile.
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/topk_decode_flat.py OUT_DIR [fast]
+Writes OUT_DIR/topk_decode_flat.json (OUT_DIR/topk_decode_fast.json) and prints one line per tile.
 """
 
 from __future__ import annotations
@@ -29,15 +33,26 @@ TILES = {
         ("topk_decode", dict(flat=True, parts=32, block=2048, num_warps=4)),
         ("topk_decode", dict(flat=True, parts=128, block=1024, num_warps=4))],
 }
+# the defaults (radix select at batch 1, topk_decode at 64) first, then the short select
+FAST_TILES = {
+    64: [("topk_decode", {}), ("topk_decode", dict(fast=2)), ("topk_decode", dict(fast=1)),
+         ("topk_decode", dict(fast=2, select_warps=16)), ("topk_decode", dict(fast=1, select_warps=16)),
+         ("topk_decode", dict(select_warps=16))],
+    1: [("topk_indices", dict(digit_bits=8)), ("topk_decode", {}), ("topk_decode", dict(fast=2)),
+        ("topk_decode", dict(fast=1, select_warps=16)),
+        ("topk_decode", dict(flat=True, parts=128, block=1024, num_warps=4, fast=1, select_warps=16))],
+}
 
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
+    fast = sys.argv[2:] == ["fast"]
+    tile_sets, json_name = (FAST_TILES, "topk_decode_fast.json") if fast else (TILES, "topk_decode_flat.json")
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "context": CONTEXT, "topk": TOPK,
               "rows": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for batch, tiles in TILES.items():
+    for batch, tiles in tile_sets.items():
         scores = torch.randn(batch, CONTEXT, device="cuda", generator=gen)
         limits = torch.full((batch,), CONTEXT, device="cuda", dtype=torch.int32)
         twin = topk_indices_torch(scores, limits, TOPK)
@@ -54,12 +69,12 @@ def main() -> None:
                 timing = time_cuda(call, REPS, warmup=1)
                 call()
                 row.update(us=timing.median_us, timed_as=timing.mode, equals_twin=bool(torch.equal(out, twin)),
-                           redo_rows=int(redo.sum()))
+                           rows_equal=int((out == twin).all(dim=1).sum()), redo_rows=int(redo.sum()))
             except Exception as err:  # recorded; the other tiles still run
                 row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-            (out_dir / "topk_decode_flat.json").write_text(json.dumps(result, indent=2))
+            (out_dir / json_name).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -518,40 +518,55 @@ def _select_runs(src_ptr, pos_ptr, count_ptr, run_stride, run_cap, out_base, top
         tl.store(out_base + slot, tl.full([BLOCK], -1, tl.int32), mask=slot < topk)
 
 
-# The short select (``fast``): off by default until timed on the H200 beside the 32-step bisection (flip here).
-FAST_SELECT = False
+# The short select (``fast``): 0 off (the 32-step bisection), 1 one bit a step below the candidates' common
+# prefix, 2 two bits a step there. 0 until timed on the H200 (then set here).
+FAST_SELECT = 0
+
+
+def _fast_level(fast: int | None) -> int:
+    """The short select's level (FAST_SELECT for None); 0, 1 or 2."""
+    level = FAST_SELECT if fast is None else int(fast)
+    if level not in (0, 1, 2):
+        raise ValueError(f"fast must be 0, 1 or 2 (bits a bisection step), not {fast}")
+    return level
 
 
 @triton.jit
 def _kth_key(key, m, topk, FAST: tl.constexpr):
     """Largest order key t (uint32 scalar) with at least ``topk`` of the masked keys ``key`` (uint32, any shape,
-    ``m`` its mask) >= t; only meaningful when more than topk keys are masked in. Not FAST: 32 bisection steps,
-    one block-wide count each (unrolled). FAST: the bits every masked key shares (the common prefix of their min
-    and max) are taken as fixed, and the rest settled two bits a step (three trial keys counted by one reduction of
-    int64 counts packed 21 bits apart: at most 2^21 - 1 masked keys): (32 - prefix) / 2 steps plus the min /
-    max, e.g. 12 instead of 32 for N(0, 1) candidates in [2, 4.5) (keys 0xC0000000-0xC0900000: 8 bits shared)."""
-    if FAST:
+    ``m`` its mask) >= t; only meaningful when more than topk keys are masked in. FAST 0: 32 bisection steps,
+    one block-wide count each (unrolled). FAST 1 / 2: the bits every masked key shares (the common prefix of
+    their min and max) are taken as fixed, and the rest settled one bit a step (FAST 1) or two (FAST 2: three
+    trial keys counted by one reduction of int64 counts packed 21 bits apart: at most 2^21 - 1 masked keys):
+    32 - prefix (or half as many) steps plus the min / max, e.g. 24 / 12 instead of 32 for N(0, 1) candidates in
+    [2, 4.5) (keys 0xC0000000-0xC0900000: 8 bits shared)."""
+    if FAST > 0:
         all_ones = tl.full([], 0xFFFFFFFF, tl.uint32)
         hi = tl.max(tl.where(m, key, 0), axis=None)
         lo = all_ones - tl.max(tl.where(m, all_ones - key, 0), axis=None)  # (no ~ on uint32: the interpreter)
         # free = 1 + the highest bit where lo and hi differ, from the fp32 exponent of their xor (rounding
-        # up can only add a bit: an over-estimate is still exact), rounded up to even
+        # up can only add a bit: an over-estimate is still exact), rounded up to a multiple of FAST
         bits = (hi ^ lo).to(tl.float32).to(tl.int32, bitcast=True)
         free = tl.minimum(tl.maximum((bits >> 23) - 126, 0), 32)
-        free = free + (free & 1)
+        free = free + (free & (FAST - 1))
         low = tl.where(free >= 32, all_ones, (tl.full([], 1, tl.uint32) << tl.minimum(free, 31).to(tl.uint32)) - 1)
         threshold = hi - (hi & low)  # hi's bits above the free ones
-        for i in range(free // 2):
-            lb = tl.full([], 1, tl.uint32) << (free - 2 - 2 * i).to(tl.uint32)
-            t1 = threshold | lb
-            t2 = threshold | (lb << 1)
-            t3 = t2 | lb
-            counts = tl.sum((m & (key >= t1)).to(tl.int64) + ((m & (key >= t2)).to(tl.int64) << 21)
-                            + ((m & (key >= t3)).to(tl.int64) << 42), axis=None)
-            c1 = counts & 0x1FFFFF
-            c2 = (counts >> 21) & 0x1FFFFF
-            c3 = counts >> 42
-            threshold = tl.where(c3 >= topk, t3, tl.where(c2 >= topk, t2, tl.where(c1 >= topk, t1, threshold)))
+        for i in range(free // FAST):
+            lb = tl.full([], 1, tl.uint32) << (free - FAST - FAST * i).to(tl.uint32)
+            if FAST == 1:
+                t1 = threshold | lb
+                hits = tl.sum((m & (key >= t1)).to(tl.int32), axis=None)
+                threshold = tl.where(hits >= topk, t1, threshold)
+            else:
+                t1 = threshold | lb
+                t2 = threshold | (lb << 1)
+                t3 = t2 | lb
+                counts = tl.sum((m & (key >= t1)).to(tl.int64) + ((m & (key >= t2)).to(tl.int64) << 21)
+                                + ((m & (key >= t3)).to(tl.int64) << 42), axis=None)
+                c1 = counts & 0x1FFFFF
+                c2 = (counts >> 21) & 0x1FFFFF
+                c3 = counts >> 42
+                threshold = tl.where(c3 >= topk, t3, tl.where(c2 >= topk, t2, tl.where(c1 >= topk, t1, threshold)))
     else:
         threshold = tl.zeros([], tl.uint32)
         for b in tl.static_range(32):  # unrolled, as the register select was timed
@@ -584,8 +599,9 @@ def _kept_slots(packed, incl, rem):
 def _select_in_registers(key_ptr, pos_ptr, count_ptr, out_base, topk, SEG_CAP: tl.constexpr, PARTS: tl.constexpr,
                          PARTS_P2: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """``_select_runs``' result over PARTS runs of at most SEG_CAP stored candidates (order keys, positions),
-    all held in registers at once: the k-th key by ``_kth_key`` (FAST: the short bisection), then one write of
-    the kept positions (run-major order, i.e. ascending positions; FAST: both counts in one packed scan)."""
+    all held in registers at once: the k-th key by ``_kth_key`` (FAST > 0: the short bisection), then one write
+    of the kept positions (run-major order, i.e. ascending positions; FAST > 0: both counts in one packed
+    scan)."""
     part = tl.arange(0, PARTS_P2)[:, None]
     slot_in = tl.arange(0, SEG_CAP)[None, :]
     count = tl.load(count_ptr + part, mask=part < PARTS, other=0)
@@ -594,7 +610,7 @@ def _select_in_registers(key_ptr, pos_ptr, count_ptr, out_base, topk, SEG_CAP: t
     total = tl.sum(m.to(tl.int32), axis=None)
     threshold = _kth_key(key, m, topk, FAST)
     threshold = tl.where(total <= topk, 0, threshold)  # every candidate is taken
-    if FAST:
+    if FAST > 0:
         packed, rem = _kept_packed(key, m, threshold, topk)
         packed_runs = tl.sum(packed, axis=1)
         incl = (tl.cumsum(packed_runs, axis=0) - packed_runs)[:, None] + tl.cumsum(packed, axis=1)
@@ -659,7 +675,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
                 parts: int | None = None, block: int | None = None, select_block: int | None = None,
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
                 redo: torch.Tensor | None = None, registers: bool | None = None,
-                select_warps: int | None = None, flat: bool = False, fast: bool | None = None) -> torch.Tensor:
+                select_warps: int | None = None, flat: bool = False, fast: int | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -678,8 +694,9 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     ``flat``: the select is ``select_candidates`` instead (the parts' candidates read as one ascending array of
     FUSED_CAP slots in registers, any number of parts: ``registers`` and ``digit_bits`` then only shape the
     full-row select).
-    ``fast`` (default FAST_SELECT): the register and flat selects find the k-th key by ``_kth_key``'s short
-    bisection (two bits a step below the candidates' common prefix) and count kept keys and ties in one scan.
+    ``fast`` (default FAST_SELECT; 0, 1 or 2): the register and flat selects find the k-th key by ``_kth_key``'s
+    short bisection (``fast`` bits a step below the candidates' common prefix) and count kept keys and ties in
+    one scan; 0: the 32-step bisection.
     ``num_warps`` / ``block`` (scores per loop step): the candidate pass's launch (defaults 8 / 4096; its loop
     is not software-pipelined by Triton: no async copies in the sm_90 build); ``parts`` per row (default
     ``decode_parts``); ``sample`` a power of two.
@@ -733,7 +750,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
         BITS=digit_bits, REGISTERS=registers, FULL_BLOCK=block or DECODE_BLOCK,
-        FAST=FAST_SELECT if fast is None else fast, num_warps=select_warps or (8 if registers else 4))
+        FAST=_fast_level(fast), num_warps=select_warps or (8 if registers else 4))
     return out
 
 
@@ -776,8 +793,8 @@ def _fused_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, coun
         start = tl.load(incl_base + part - 1, mask=m & (part > 0), other=0)
         addr = (row * n_parts + part) * seg_cap + (j - start)
         key = tl.load(key_ptr + addr, mask=m, other=0).to(tl.uint32, bitcast=True)
-        if FAST:  # the short bisection and one packed scan
-            threshold = tl.where(total <= topk, 0, _kth_key(key, m, topk, True))
+        if FAST > 0:  # the short bisection and one packed scan
+            threshold = tl.where(total <= topk, 0, _kth_key(key, m, topk, FAST))
             packed, rem = _kept_packed(key, m, threshold, topk)
             take, slot = _kept_slots(packed, tl.cumsum(packed, axis=0), rem)
             written = tl.minimum(total, topk)
@@ -805,11 +822,11 @@ def _fused_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, coun
 
 def select_candidates(scores: torch.Tensor, limits: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor,
                       positions: torch.Tensor, counts: torch.Tensor, topk: int, *, out: torch.Tensor,
-                      redo: torch.Tensor, num_warps: int = 8, fast: bool | None = None) -> torch.Tensor:
+                      redo: torch.Tensor, num_warps: int = 8, fast: int | None = None) -> torch.Tensor:
     """``topk_indices``' result from candidates emitted per run (one launch, no host sync): keys / positions
     int32 [N, parts, seg_cap] (order keys, ascending positions), counts int32 [N, parts] (how many each run
     found, possibly more than seg_cap), tau int32 [N] (the order key they were kept at or above; 0: every visible
-    key; ``fast``: the short select of ``topk_decode``'s option, default FAST_SELECT). Rows whose candidates
+    key; ``fast``: ``topk_decode``'s option, default FAST_SELECT). Rows whose candidates
     cannot be trusted (a run past seg_cap, more than FUSED_CAP, or fewer than topk
     above a nonzero tau) are selected from ``scores`` fp32 [N, C] (limits int32 [N]) and flagged in ``redo``.
     Writes int32 [N, topk] ``out`` (contiguous) and returns it."""
@@ -825,5 +842,5 @@ def select_candidates(scores: torch.Tensor, limits: torch.Tensor, tau: torch.Ten
     _fused_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, incl, out, redo, scores.stride(0), scores.shape[1], topk,
         seg_cap, n_parts, PARTS_P2=parts_p2, LOG_PARTS=log_parts, CAP=FUSED_CAP, BLOCK=DECODE_SELECT_BLOCK,
-        BITS=8, FULL_BLOCK=DECODE_BLOCK, FAST=FAST_SELECT if fast is None else fast, num_warps=num_warps)
+        BITS=8, FULL_BLOCK=DECODE_BLOCK, FAST=_fast_level(fast), num_warps=num_warps)
     return out

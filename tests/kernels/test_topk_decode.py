@@ -51,15 +51,16 @@ def adversarial_rows(gen):
 
 # radix passes over the candidates in memory (three parts, small steps); candidates in registers (one part,
 # 4-bit digits in the full-row select); registers over three parts; the flat select (select_candidates) over
-# three parts; the short select (fast) in registers and flat. The GPU runs the first, the flat ones and the
-# fast register one (the graph test below runs the default).
+# three parts; the short select (fast, 2 and 1 bits a step) in registers and flat. The GPU runs the first, the
+# flat ones and the fast register ones (the graph test below runs the default).
 TILES = [dict(parts=3, block=512, select_block=256, registers=False), dict(parts=1, digit_bits=4),
          dict(parts=3, registers=True, select_block=64), dict(parts=3, block=512, flat=True),
-         dict(parts=3, registers=True, select_block=64, fast=True), dict(parts=3, block=512, flat=True, fast=True)]
+         dict(parts=3, registers=True, select_block=64, fast=2), dict(parts=3, block=512, flat=True, fast=2),
+         dict(parts=3, registers=True, select_block=64, fast=1), dict(parts=3, block=512, flat=True, fast=1)]
 
 
 @pytest.mark.parametrize("device, opts", [("cpu", opts) for opts in TILES]
-                         + [pytest.param("cuda", TILES[i], marks=pytest.mark.gpu) for i in (0, 3, 4, 5)])
+                         + [pytest.param("cuda", TILES[i], marks=pytest.mark.gpu) for i in (0, 3, 4, 5, 6, 7)])
 def test_decode_topk_equals_twin_and_redoes_misjudged_rows_on_device(device, opts):
     """Three parts of 2k slots each: rows 0, 1, 9 select over their candidates. One part (2k slots for about
     1.5k candidates from a 64-score sample) may send those rows to the full select too: still the twin's."""
@@ -89,14 +90,19 @@ def shared_prefix_rows(gen):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("flat", [False, True])
-def test_fast_select_on_shared_prefixes_and_ties_equals_twin(device, flat):
+@pytest.mark.parametrize("flat, fast", [(False, 2), (True, 2), (False, 1), (True, 1)])
+def test_fast_select_on_shared_prefixes_and_ties_equals_twin(device, flat, fast):
     s, limits = shared_prefix_rows(torch.Generator().manual_seed(5))
     redo = torch.full((4,), -5, dtype=torch.int32, device=device)
     out = topk_decode(s.to(device), limits.to(device), K, redo=redo, sample=SAMPLE, parts=3, block=512,
-                      registers=not flat, flat=flat, fast=True)
+                      registers=not flat, flat=flat, fast=fast)
     assert torch.equal(out.cpu(), topk_indices_torch(s, limits, K))
     assert redo.tolist() == [0, 0, 0, 0]  # every row selected from its candidates (the short select ran)
+
+
+def test_fast_select_level_is_checked():
+    with pytest.raises(ValueError, match="fast must be 0, 1 or 2"):
+        topk_decode(torch.randn(2, 64), torch.full((2,), 64), 4, fast=3)
 
 
 def test_index_topk_select_decode_is_the_twins_selection():
