@@ -138,9 +138,11 @@ def test_decode_topk_default_sample_and_k_past_the_columns():
 
 
 @pytest.mark.gpu
-def test_decode_topk_deepseek_v32_batch64_in_a_cuda_graph():
+@pytest.mark.parametrize("opts", [{}, dict(fast=2, select_warps=16), dict(fast=1, select_warps=16)])
+def test_decode_topk_deepseek_v32_batch64_in_a_cuda_graph(opts):
     """64 rows x 128K keys, top-2048, replayed from a CUDA graph: identical to the twin; a row the sample
-    misjudges is selected again inside the graph (no host sync); new scores replay with new results."""
+    misjudges is selected again inside the graph (no host sync); new scores replay with new results. The
+    default select and the short one (16 warps a select program, as timed)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     s = torch.randn(64, 131072, device="cuda", generator=gen)
     s[1] = torch.round(s[1] * 4)
@@ -148,10 +150,10 @@ def test_decode_topk_deepseek_v32_batch64_in_a_cuda_graph():
     limits[0] = 131072
     out = torch.empty(64, 2048, dtype=torch.int32, device="cuda")
     redo = torch.empty(64, dtype=torch.int32, device="cuda")
-    topk_decode(s, limits, 2048, out=out, redo=redo)  # compile outside the capture
+    topk_decode(s, limits, 2048, out=out, redo=redo, **opts)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        topk_decode(s, limits, 2048, out=out, redo=redo)
+        topk_decode(s, limits, 2048, out=out, redo=redo, **opts)
     for step in range(2):
         if step:
             s.copy_(torch.randn(64, 131072, device="cuda", generator=gen))
