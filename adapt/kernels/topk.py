@@ -532,41 +532,46 @@ def _fast_level(fast: int | None) -> int:
 
 
 @triton.jit
-def _kth_key(key, m, topk, FAST: tl.constexpr):
-    """Largest order key t (uint32 scalar) with at least ``topk`` of the masked keys ``key`` (uint32, any shape,
-    ``m`` its mask) >= t; only meaningful when more than topk keys are masked in. FAST 0: 32 bisection steps,
-    one block-wide count each (unrolled). FAST 1 / 2: the bits every masked key shares (the common prefix of
-    their min and max) are taken as fixed, and the rest settled one bit a step (FAST 1) or two (FAST 2: three
-    trial keys counted by one reduction of int64 counts packed 21 bits apart: at most 2^21 - 1 masked keys):
-    32 - prefix (or half as many) steps plus the min / max, e.g. 24 / 12 instead of 32 for N(0, 1) candidates in
-    [2, 4.5) (keys 0xC0000000-0xC0900000: 8 bits shared)."""
+def _kth_key(key, m, total, topk, FAST: tl.constexpr):
+    """Order key t (uint32 scalar) at which the top ``topk`` of the masked keys ``key`` (uint32, any shape, ``m``
+    its mask; ``total`` of them, more than topk) split: the keys above t plus the first ``topk - (keys above t)``
+    keys equal to t are the top-k. FAST 0: the k-th largest key, by 32 bisection steps, one block-wide count
+    each (unrolled). FAST 1 / 2: the k-th key is searched between the masked keys' min lo and max hi only,
+    bisected as offsets above the smallest masked key lo: bit_length(hi - lo) steps of one bit (FAST 1) or half
+    as many of two (FAST 2: three trial keys counted by one reduction of int64 counts packed 21 bits apart: at
+    most 2^21 - 1 masked keys), a trial past 2^32 - 1 rejected uncounted; the steps stop once exactly topk keys
+    are >= the partial key T (then T itself splits them: every key equal to T is taken). E.g. N(0, 1) candidates
+    in [1.93, 4.5) (order keys 0xBFF70A3D-0xC0900000): 24 bits against 32, fewer with the early stop."""
     if FAST > 0:
         all_ones = tl.full([], 0xFFFFFFFF, tl.uint32)
         hi = tl.max(tl.where(m, key, 0), axis=None)
         lo = all_ones - tl.max(tl.where(m, all_ones - key, 0), axis=None)  # (no ~ on uint32: the interpreter)
-        # free = 1 + the highest bit where lo and hi differ, from the fp32 exponent of their xor (rounding
-        # up can only add a bit: an over-estimate is still exact), rounded up to a multiple of FAST
-        bits = (hi ^ lo).to(tl.float32).to(tl.int32, bitcast=True)
+        # free = bit length of hi - lo from its fp32 exponent (rounding up can only add a bit: still exact),
+        # rounded up to a multiple of FAST
+        bits = (hi - lo).to(tl.float32).to(tl.int32, bitcast=True)
         free = tl.minimum(tl.maximum((bits >> 23) - 126, 0), 32)
         free = free + (free & (FAST - 1))
-        low = tl.where(free >= 32, all_ones, (tl.full([], 1, tl.uint32) << tl.minimum(free, 31).to(tl.uint32)) - 1)
-        threshold = hi - (hi & low)  # hi's bits above the free ones
-        for i in range(free // FAST):
-            lb = tl.full([], 1, tl.uint32) << (free - FAST - FAST * i).to(tl.uint32)
+        threshold = lo  # lo + the offset bits settled so far: at least topk masked keys are >= it
+        at_least = total  # masked keys >= threshold
+        step = free * 0
+        while (step < free // FAST) & (at_least != topk):
+            lb = tl.full([], 1, tl.uint32) << (free - FAST - FAST * step).to(tl.uint32)
+            t1 = threshold + lb  # below threshold: wrapped past 2^32 - 1 (no key that high): rejected
             if FAST == 1:
-                t1 = threshold | lb
-                hits = tl.sum((m & (key >= t1)).to(tl.int32), axis=None)
-                threshold = tl.where(hits >= topk, t1, threshold)
+                c1 = tl.where(t1 < threshold, 0, tl.sum((m & (key >= t1)).to(tl.int32), axis=None))
+                at_least = tl.where(c1 >= topk, c1, at_least)
+                threshold = tl.where(c1 >= topk, t1, threshold)
             else:
-                t1 = threshold | lb
-                t2 = threshold | (lb << 1)
-                t3 = t2 | lb
+                t2 = t1 + lb
+                t3 = t2 + lb
                 counts = tl.sum((m & (key >= t1)).to(tl.int64) + ((m & (key >= t2)).to(tl.int64) << 21)
                                 + ((m & (key >= t3)).to(tl.int64) << 42), axis=None)
-                c1 = counts & 0x1FFFFF
-                c2 = (counts >> 21) & 0x1FFFFF
-                c3 = counts >> 42
+                c1 = tl.where(t1 < threshold, 0, (counts & 0x1FFFFF).to(tl.int32))
+                c2 = tl.where(t2 < threshold, 0, ((counts >> 21) & 0x1FFFFF).to(tl.int32))
+                c3 = tl.where(t3 < threshold, 0, (counts >> 42).to(tl.int32))
+                at_least = tl.where(c3 >= topk, c3, tl.where(c2 >= topk, c2, tl.where(c1 >= topk, c1, at_least)))
                 threshold = tl.where(c3 >= topk, t3, tl.where(c2 >= topk, t2, tl.where(c1 >= topk, t1, threshold)))
+            step += 1
     else:
         threshold = tl.zeros([], tl.uint32)
         for b in tl.static_range(32):  # unrolled, as the register select was timed
@@ -608,7 +613,7 @@ def _select_in_registers(key_ptr, pos_ptr, count_ptr, out_base, topk, SEG_CAP: t
     m = slot_in < count
     key = tl.load(key_ptr + part * SEG_CAP + slot_in, mask=m, other=0).to(tl.uint32, bitcast=True)
     total = tl.sum(m.to(tl.int32), axis=None)
-    threshold = _kth_key(key, m, topk, FAST)
+    threshold = _kth_key(key, m, total, topk, FAST)
     threshold = tl.where(total <= topk, 0, threshold)  # every candidate is taken
     if FAST > 0:
         packed, rem = _kept_packed(key, m, threshold, topk)
@@ -794,7 +799,7 @@ def _fused_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, coun
         addr = (row * n_parts + part) * seg_cap + (j - start)
         key = tl.load(key_ptr + addr, mask=m, other=0).to(tl.uint32, bitcast=True)
         if FAST > 0:  # the short bisection and one packed scan
-            threshold = tl.where(total <= topk, 0, _kth_key(key, m, topk, FAST))
+            threshold = tl.where(total <= topk, 0, _kth_key(key, m, total, topk, FAST))
             packed, rem = _kept_packed(key, m, threshold, topk)
             take, slot = _kept_slots(packed, tl.cumsum(packed, axis=0), rem)
             written = tl.minimum(total, topk)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adapt.kernels import dsa
-from adapt.kernels.topk import topk_decode, topk_indices_torch
+from adapt.kernels.topk import select_candidates, topk_decode, topk_indices_torch
 
 COLS = 4096
 K = 128
@@ -98,6 +98,35 @@ def test_fast_select_on_shared_prefixes_and_ties_equals_twin(device, flat, fast)
                       registers=not flat, flat=flat, fast=fast)
     assert torch.equal(out.cpu(), topk_indices_torch(s, limits, K))
     assert redo.tolist() == [0, 0, 0, 0]  # every row selected from its candidates (the short select ran)
+
+
+def order_keys(x):
+    """``topk._order_key`` of fp32 ``x`` as int32 (the candidates' stored form)."""
+    bits = torch.where(x == 0, torch.zeros_like(x), x).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    keys = bits ^ ((bits >> 31) * 0x7FFFFFFF | 0x80000000)
+    return torch.where(keys >= 2 ** 31, keys - 2 ** 32, keys).to(torch.int32)
+
+
+@pytest.mark.parametrize("fast", [1, 2])
+def test_fast_select_spanning_the_key_range_rejects_wrapped_trials(fast):
+    """Candidates (every visible score, tau 0) from 1e-19 to 3e38 and a few negatives: the keys span more
+    than 2^31, so trial keys above lo wrap past 2^32 - 1 and must be rejected; ties at the k-th key too."""
+    gen = torch.Generator().manual_seed(6)
+    s = torch.full((2, 512), float("-inf"))
+    s[0, :300] = 10.0 ** (torch.rand(300, generator=gen) * 57 - 19)
+    s[0, :20] = -torch.rand(20, generator=gen)
+    s[1, :300] = s[0, :300]
+    s[1, 100:200] = s[0, 150]  # 100 ties around the k-th key
+    limits = torch.tensor([300, 300])
+    keys = order_keys(s[:, :300]).reshape(2, 1, 300).repeat(1, 1, 2)[:, :, :512]
+    positions = torch.arange(300, dtype=torch.int32).repeat(2, 1, 2)[:, :, :512]
+    counts = torch.full((2, 1), 300, dtype=torch.int32)
+    out = torch.empty(2, K, dtype=torch.int32)
+    redo = torch.empty(2, dtype=torch.int32)
+    select_candidates(s, limits.int(), torch.zeros(2, dtype=torch.int32), keys.contiguous(), positions.contiguous(),
+                      counts, K, out=out, redo=redo, fast=fast)
+    assert redo.tolist() == [0, 0]
+    assert torch.equal(out, topk_indices_torch(s, limits, K))
 
 
 def test_fast_select_level_is_checked():
