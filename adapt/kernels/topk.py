@@ -519,8 +519,10 @@ def _select_runs(src_ptr, pos_ptr, count_ptr, run_stride, run_cap, out_base, top
 
 
 # The short select (``fast``): 0 off (the 32-step bisection), 1 one bit a step below the candidates' common
-# prefix, 2 two bits a step there. 0 until timed on the H200 (then set here).
+# prefix, 2 two bits a step there. 0 until timed on the H200 (then set here, with DECODE_REGISTER_WARPS: warps of
+# topk_decode's register and flat select programs; 16 fits the short select's build in 128 registers).
 FAST_SELECT = 0
+DECODE_REGISTER_WARPS = 8
 
 
 def _fast_level(fast: int | None) -> int:
@@ -695,7 +697,8 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
        full scores instead (slow for that row, still exact): the result never depends on the sample.
        ``registers`` (default: when parts x 2 * topk <= DECODE_REGISTER_SLOTS): the candidates are held in
        registers and the k-th key found by 32 bisection steps there (one load), instead of the radix passes
-       over them in memory (five loads); ``select_warps`` per select program (default 8, 4 for the passes).
+       over them in memory (five loads); ``select_warps`` per select program (default DECODE_REGISTER_WARPS, 4
+       for the passes).
     ``flat``: the select is ``select_candidates`` instead (the parts' candidates read as one ascending array of
     FUSED_CAP slots in registers, any number of parts: ``registers`` and ``digit_bits`` then only shape the
     full-row select).
@@ -750,12 +753,12 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
         num_warps=num_warps or 8)
     if flat:
         return select_candidates(scores, limits, tau, keys, positions, counts, topk, out=out, redo=redo,
-                                 num_warps=select_warps or 8, fast=fast)
+                                 num_warps=select_warps or DECODE_REGISTER_WARPS, fast=fast)
     _decode_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
         BITS=digit_bits, REGISTERS=registers, FULL_BLOCK=block or DECODE_BLOCK,
-        FAST=_fast_level(fast), num_warps=select_warps or (8 if registers else 4))
+        FAST=_fast_level(fast), num_warps=select_warps or (DECODE_REGISTER_WARPS if registers else 4))
     return out
 
 
