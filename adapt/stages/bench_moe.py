@@ -380,6 +380,7 @@ _GL1 = _G(128, 128, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
 _GL2 = _G(128, 256, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
 _GLM1 = _G(256, 64, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
 _GLM2 = _G(256, 128, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
+_GW1, _GW2 = replace(_GL1, gluon_ws=True), replace(_GL2, gluon_ws=True)
 FOLD_SWEEP = {
     # name: (lowest T, highest T, GEMM1 config, GEMM2 config, sign-split words); token-major unless "swap".
     # Call 1 (2026-11-30-s3-prefill, commit efed1d8) timed the first six without the scale prefetch.
@@ -404,6 +405,11 @@ FOLD_SWEEP = {
     "fp8_gluon_m256_split_combine": (16384, _BIG_T, _GLM1, _GLM2, True),
     "fp8_gluon_m256_split_s4_combine": (16384, _BIG_T, replace(_GLM1, num_stages=4), replace(_GLM2, num_stages=4),
                                         True),
+    # round 2: warp-specialized (``fold_gemm_ws_kernel``): a loader warpgroup issues every global load of the
+    # K loop, the MMA warps decode, fence and multiply (no cp.async in flight in the threads that fence)
+    "fp8_gluon_ws_split_combine": (16384, _BIG_T, _GW1, _GW2, True),
+    "fp8_gluon_ws_split_n128_combine": (16384, _BIG_T, _GW1, replace(_GW2, block_n=128), True),
+    "fp8_gluon_ws_n128_combine": (16384, _BIG_T, _GW1, replace(_GW2, block_n=128), False),
 }
 """In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
 checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""

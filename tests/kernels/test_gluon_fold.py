@@ -36,8 +36,12 @@ def _shipped() -> list[tuple[str, dict, int]]:
             const = dict(TOPK=8 if act == 1 else 4, GATHER=act != 0, ACTIVATION=act, HAS_BIAS=act != 1, SPLIT=split,
                          BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
                          STAGES=c.num_stages)
-            out.append((f"{name}-act{act}", const, c.num_warps))
-    return list({str(sorted(c.items())) + str(w): (n, c, w) for n, c, w in out}.values())
+            cap = 0
+            if c.gluon_ws:
+                const.update(LOAD_WARPS=gk.WS_LOAD_WARPS, LOAD_REGS=gk.WS_LOAD_REGS)
+                cap = gk.WS_MAXNREG
+            out.append((f"{name}-act{act}", const, c.num_warps, cap))
+    return list({str(sorted(c.items())) + str(w): (n, c, w, m) for n, c, w, m in out}.values())
 
 
 @pytest.mark.slow
@@ -49,13 +53,13 @@ def test_gluon_fold_compiles_sm90_in_flight():
     shipped = _shipped()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    arg = json.dumps([[c, w] for _, c, w in shipped])
+    arg = json.dumps([[c, w, m] for _, c, w, m in shipped])
     run = subprocess.run([sys.executable, "-m", "adapt.kernels.moe_gluon", arg], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     reports = [json.loads(line) for line in run.stdout.splitlines()]
     assert len(reports) == len(shipped)
-    for (name, _, _), rep in zip(shipped, reports, strict=True):
+    for (name, _, _, _), rep in zip(shipped, reports, strict=True):
         if name.split("-")[0] in SHIPPED:
             assert rep["spill_bytes"] == 0 and rep["registers"] <= 255, (name, rep)
         assert rep["shared_bytes"] <= 227 * 1024, (name, rep)
@@ -74,18 +78,19 @@ def _check(x, perm, w, k, act, names, split_words):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("split", "interleaved"), [(False, False), (True, True)])
-def test_gluon_fold_small_gpu(split, interleaved):
-    """H200: small experts (K = 96 and 64: partial K steps, n-tiles mostly masked), biases, an idle expert."""
+@pytest.mark.parametrize("name", GLUON_ROWS)
+def test_gluon_fold_small_gpu(name):
+    """H200: small experts (K = 96 and 64: partial K steps, n-tiles mostly masked), biases, an idle expert;
+    rows on sign-split bytes with the interleaved clamped SwiGLU, rows on stored bytes with the plain one."""
     assert gk.usable(torch.device(DEV))
+    split = FOLD_SWEEP[name][4]
     g = _gen(21)
-    w = make_layer(5, 96, 64, bias=True, interleaved=interleaved, seed=21)
+    w = make_layer(5, 96, 64, bias=True, interleaved=split, seed=21)
     x = torch.randn(300, 96, generator=g, device=DEV).bfloat16()
     ids = torch.randint(0, 4, (300, 2), generator=g, device=DEV).int()  # expert 4 idle
     perm = rt.permute_by_expert(ids, 5)
     sw = (mx.to_sign_split_words(w.w1_packed), mx.to_sign_split_words(w.w2_packed))
-    names = [n for n in GLUON_ROWS if FOLD_SWEEP[n][4] == split]
-    _check(x, perm, w, 2, "swiglu_clamped" if interleaved else "swiglu", names, sw)
+    _check(x, perm, w, 2, "swiglu_clamped" if split else "swiglu", [name], sw)
 
 
 @pytest.mark.gpu
