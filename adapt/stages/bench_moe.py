@@ -405,11 +405,12 @@ FOLD_SWEEP = {
     "fp8_gluon_m256_split_combine": (16384, _BIG_T, _GLM1, _GLM2, True),
     "fp8_gluon_m256_split_s4_combine": (16384, _BIG_T, replace(_GLM1, num_stages=4), replace(_GLM2, num_stages=4),
                                         True),
-    # round 2: warp-specialized (``fold_gemm_ws_kernel``): a loader warpgroup issues every global load of the
-    # K loop, the MMA warps decode, fence and multiply (no cp.async in flight in the threads that fence)
-    "fp8_gluon_ws_split_combine": (16384, _BIG_T, _GW1, _GW2, True),
-    "fp8_gluon_ws_split_n128_combine": (16384, _BIG_T, _GW1, replace(_GW2, block_n=128), True),
-    "fp8_gluon_ws_n128_combine": (16384, _BIG_T, _GW1, replace(_GW2, block_n=128), False),
+    # round 2 (call 3, commit 2878dba): warp-specialized (``fold_gemm_ws_kernel``): a loader warpgroup issues
+    # every global load of the K loop, the MMA warps decode, fence and multiply; bit-equal, 2-3% slower than
+    # fp8_gluon_split_combine in the same run, so no longer timed by --large
+    "fp8_gluon_ws_split_combine": (16384, 0, _GW1, _GW2, True),
+    "fp8_gluon_ws_split_n128_combine": (16384, 0, _GW1, replace(_GW2, block_n=128), True),
+    "fp8_gluon_ws_n128_combine": (16384, 0, _GW1, replace(_GW2, block_n=128), False),
 }
 """In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
 checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""
