@@ -481,7 +481,8 @@ def _prefill_case(
     timed = [row for row in sweep_rows if "us" in row]
     if timed:
         best = min(timed, key=lambda row: row["us"])
-        tiles["prefill_index"] = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
+        tiles["prefill_index"] = {k: v for k, v in best.items()
+                                  if k not in ("kernel", "us", "TFLOPs", "all_rows_ms", "all_rows_TFLOPs")}
     tail = dsa.index_scores(q8[last], weights[last], layer.index_k, layer.index_scale, block_table,
                             token_seq[last], limits[last], length, **tiles["prefill_index"])
     tail_limits = limits[last]
