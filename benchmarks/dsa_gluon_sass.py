@@ -35,7 +35,11 @@ DIV16 = ("bt_stride", "out_stride")
 def compile_gluon(const: dict, maxnreg: int = 0):
     """``_index_scores_gluon_kernel`` compiled for sm_90 (4 warps) with the given constexprs; maxnreg: a
     register cap (0: none)."""
-    kern = dsa_gluon._index_scores_gluon_kernel
+    const = dict(const)
+    kern = dsa_gluon._index_scores_gluon_rows_kernel if const.pop("SPLIT_ROWS", False) else \
+        dsa_gluon._index_scores_gluon_kernel
+    if kern is dsa_gluon._index_scores_gluon_rows_kernel:
+        const.pop("W_SMEM", None)
     sig = {n: ("constexpr" if n in const else "*" + PTRS[n] if n in PTRS else "i32") for n in kern.arg_names}
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in PTRS or n in DIV16}
     return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs),

@@ -281,7 +281,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  num_stages: int | None = None, num_warps: int | None = None,
                  programs: int | None = None, stacked: bool = True, full_tiles: bool = False,
                  gluon: bool | None = None, gluon_w_smem: bool = True,
-                 gluon_maxnreg: int | None = None) -> torch.Tensor:
+                 gluon_maxnreg: int | None = None, gluon_split_rows: bool = False) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -306,7 +306,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     one key tile overlapped with the epilogue of the one before; 4 warps, 64-key tiles); None: ``PREFILL_GLUON``
     where ``dsa_gluon.gluon_applies``, True: required (ValueError where it does not apply, e.g. on CPU);
     ``gluon_w_smem``: its epilogue re-reads the head weights from shared memory; ``gluon_maxnreg``: its
-    register cap (see ``dsa_gluon.launch``).
+    register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -335,7 +335,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         dsa_gluon.launch(grid, q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
                          limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
                          rows=per_tile, page=PAGE_SIZE, num_stages=num_stages or 3, w_smem=gluon_w_smem,
-                         maxnreg=gluon_maxnreg)
+                         maxnreg=gluon_maxnreg, split_rows=gluon_split_rows)
         return out
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,

@@ -190,23 +190,121 @@ def _index_scores_gluon_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, lim
                  mask=row_ok[None, :] & (pos[:, None] < out_cols))
 
 
+@gluon.jit
+def _row_epilogue(logits, kt, r, w_rows, ks_ptr, block_table_ptr, seq, bt_stride, tile_limit, limit_ptr, row0, n_rows,
+                  out_stride, out_cols, out_ptr, valid, BLOCK_S: gl.constexpr, PAGE: gl.constexpr,
+                  mma_layout: gl.constexpr, ROWS: gl.constexpr):
+    """Scores [BLOCK_S] of key tile ``kt`` for row ``r`` of the query tile from its fp32 logits [BLOCK_S, BLOCK_H]
+    (ReLU'd or not: ReLU again is the same value): the tl tile's epilogue for one row, stored when ``valid``."""
+    w = w_rows.slice(r * w_rows.shape[0] // ROWS, w_rows.shape[0] // ROWS).load(gl.SliceLayout(0, mma_layout))
+    score = gl.sum(gl.maximum(logits, 0.0) * w[None, :], axis=1)
+    pos = kt * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, mma_layout))
+    page = gl.load(block_table_ptr + seq * bt_stride + (kt * BLOCK_S) // PAGE).to(gl.int64)
+    kscale = gl.load(ks_ptr + page * PAGE + pos % PAGE, mask=pos < tile_limit, other=0.0)
+    ok = valid & (r < n_rows)
+    limit = gl.load(limit_ptr + row0 + r, mask=ok, other=0)
+    score = gl.where(pos < limit, score * kscale, float("-inf"))
+    gl.store(out_ptr + (row0 + r).to(gl.int64) * out_stride + pos, score, mask=ok & (pos < out_cols))
+
+
+@gluon.jit
+def _index_scores_gluon_rows_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
+                                    n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
+                                    HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
+                                    ROWS: gl.constexpr, PAGE: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The row-split form of ``_index_scores_gluon_kernel`` (same grid, tiles, arithmetic and output): one wgmma
+    of N = BLOCK_H per query row and key tile, each overlapped with the epilogue of the (tile, row) before it.
+    The accumulators are [BLOCK_S, BLOCK_H] (32 registers at 64 heads, against 64 per stacked [BLOCK_S, 2 x 64]),
+    so the program fits in 128 registers: 4 programs per SM, as the tl tile."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_H, 32])
+    smem_layout: gl.constexpr = _smem_layout(HEAD_DIM)
+    load_layout: gl.constexpr = _copy_layout(HEAD_DIM, 4)
+
+    tile = gl.program_id(0)
+    row0 = gl.load(tiles_ptr + tile * 3)
+    n_rows = gl.load(tiles_ptr + tile * 3 + 1)
+    seq = gl.load(tiles_ptr + tile * 3 + 2).to(gl.int64)
+    tile_limit = gl.load(limit_ptr + row0 + n_rows - 1)
+    first = gl.program_id(1) * tiles_per_split
+    last = gl.minimum(first + tiles_per_split, gl.cdiv(out_cols, BLOCK_S))
+    live = gl.minimum(last, gl.cdiv(tile_limit, BLOCK_S))
+
+    # q of each row [BLOCK_H, HEAD_DIM] (heads past n_heads and rows past n_rows read as 0) and the weights
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, load_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load_layout))
+    q_rows = gl.allocate_shared_memory(gl.float8e4nv, [ROWS, BLOCK_H, HEAD_DIM], smem_layout)
+    w_rows = gl.allocate_shared_memory(gl.float32, [ROWS * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    wh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma_layout))
+    for r in gl.static_range(ROWS):
+        row = (row0 + r).to(gl.int64)
+        q_off = (row * n_heads + heads) * HEAD_DIM
+        q_rows.index(r).store(gl.load(q_ptr + q_off[:, None] + dims[None, :],
+                                      mask=((heads < n_heads) & (r < n_rows))[:, None], other=0.0))
+        w_rows.slice(r * BLOCK_H, BLOCK_H).store(gl.load(w_ptr + row * n_heads + wh, mask=(wh < n_heads) & (r < n_rows),
+                                                         other=0.0))
+
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_S, HEAD_DIM], smem_layout)
+    for s in gl.static_range(NUM_STAGES):  # prologue: one commit group per stage, empty past ``live``
+        if first + s < live:
+            _issue_key_tile(k_ptr, block_table_ptr, seq, bt_stride, first + s, ring.index(s), HEAD_DIM, BLOCK_S,
+                            PAGE, load_layout)
+        cp.commit_group()
+    fence_async_shared()
+
+    zero = gl.zeros([BLOCK_S, BLOCK_H], gl.float32, layout=mma_layout)
+    prev = zero  # ReLU'd logits of (tile kt - 1, row ROWS - 1): carried as a finished, non-wgmma tensor (C7517)
+    for kt in range(first, live):
+        stage = ring.index((kt - first) % NUM_STAGES)
+        cp.wait_group(NUM_STAGES - 1)
+        fence_async_shared()
+        gl.thread_barrier()
+        for r in gl.static_range(ROWS):
+            acc = warpgroup_mma(stage, q_rows.index(r).permute((1, 0)), zero, use_acc=False, is_async=True)
+            if r == 0:  # (kt - 1, ROWS - 1); nothing on the first trip
+                _row_epilogue(prev, gl.maximum(kt - 1, first), ROWS - 1, w_rows, ks_ptr, block_table_ptr, seq,
+                              bt_stride, tile_limit, limit_ptr, row0, n_rows, out_stride, out_cols, out_ptr,
+                              kt > first, BLOCK_S, PAGE, mma_layout, ROWS)
+            else:
+                _row_epilogue(prev, kt, r - 1, w_rows, ks_ptr, block_table_ptr, seq, bt_stride, tile_limit,
+                              limit_ptr, row0, n_rows, out_stride, out_cols, out_ptr, True, BLOCK_S, PAGE,
+                              mma_layout, ROWS)
+            prev = gl.maximum(warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), 0.0)
+        _refill(k_ptr, block_table_ptr, seq, bt_stride, kt + 1, first, live, ring, HEAD_DIM, BLOCK_S, PAGE,
+                NUM_STAGES, load_layout)
+    if live > first:
+        _row_epilogue(prev, live - 1, ROWS - 1, w_rows, ks_ptr, block_table_ptr, seq, bt_stride, tile_limit,
+                      limit_ptr, row0, n_rows, out_stride, out_cols, out_ptr, True, BLOCK_S, PAGE, mma_layout,
+                      ROWS)
+    cp.wait_group(0)
+
+    for kt in range(gl.maximum(first, live), last):  # tiles past the query tile's last visible key: -inf
+        pos = kt * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, mma_layout))
+        for r in gl.static_range(ROWS):
+            gl.store(out_ptr + (row0 + r).to(gl.int64) * out_stride + pos,
+                     gl.full([BLOCK_S], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_layout)),
+                     mask=(r < n_rows) & (pos < out_cols))
+
+
 def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
            index_scale: torch.Tensor, block_table: torch.Tensor, limits: torch.Tensor, tiles: torch.Tensor,
            out: torch.Tensor, tiles_per_split: int, *, block_h: int, rows: int, page: int, num_stages: int,
-           w_smem: bool = True, maxnreg: int | None = None) -> None:
+           w_smem: bool = True, maxnreg: int | None = None, split_rows: bool = False) -> None:
     """``_index_scores_gluon_kernel`` over ``grid`` (query tiles, splits) with ``dsa.index_scores``' arguments:
     q_fp8 e4m3 [N, H, D], weights fp32 [N, H], index_k e4m3 [pages, PAGE, D], index_scale fp32 [pages, PAGE],
     limits int32 [N], tiles int32 [query tiles, 3], out fp32 [N, cols]; 64-key tiles, 4 warps. ``maxnreg``: a
     register cap (sm_90 at 64 x 128 heads, 2 rows: 186 registers uncapped, 2 programs per SM; 162 under a cap of
-    168 without spills, 3 per SM; ``benchmarks/dsa_gluon_sass.py``)."""
+    168 without spills, 3 per SM; ``benchmarks/dsa_gluon_sass.py``). ``split_rows``: the row-split kernel
+    (``_index_scores_gluon_rows_kernel``: 117 registers, 4 programs per SM; ``w_smem`` does not apply)."""
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
-    _index_scores_gluon_kernel[grid](
-        q_fp8, weights, index_k, index_scale, block_table, limits, tiles, out,
-        n_heads, block_table.stride(0), out.stride(0), out.shape[1], tiles_per_split,
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=64, ROWS=rows, PAGE=page, NUM_STAGES=num_stages,
-        W_SMEM=w_smem, num_warps=GLUON_WARPS, **extra,
-    )
+    args = (q_fp8, weights, index_k, index_scale, block_table, limits, tiles, out,
+            n_heads, block_table.stride(0), out.stride(0), out.shape[1], tiles_per_split)
+    const = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=64, ROWS=rows, PAGE=page, NUM_STAGES=num_stages)
+    if split_rows:
+        _index_scores_gluon_rows_kernel[grid](*args, **const, num_warps=GLUON_WARPS, **extra)
+    else:
+        _index_scores_gluon_kernel[grid](*args, **const, W_SMEM=w_smem, num_warps=GLUON_WARPS, **extra)
 
 
 def gluon_applies(q_fp8: torch.Tensor, rows_per_tile: int, key_block: int, page: int) -> bool:

@@ -928,6 +928,11 @@ PREFILL_INDEX_SWEEP = (
     dict(rows_per_tile=2, key_block=64, num_stages=4, gluon=True, gluon_maxnreg=168),
     dict(rows_per_tile=2, key_block=64, num_stages=2, gluon=True, gluon_maxnreg=168),
     dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_w_smem=False),
+    # the row-split Gluon kernel (one MMA of 64 heads per row, 117 registers: 4 programs per SM)
+    dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_split_rows=True),
+    dict(rows_per_tile=2, key_block=64, num_stages=2, gluon=True, gluon_split_rows=True),
+    dict(rows_per_tile=2, key_block=64, num_stages=4, gluon=True, gluon_split_rows=True),
+    dict(rows_per_tile=4, key_block=64, num_stages=3, gluon=True, gluon_split_rows=True),
 )
 
 # Sparse MLA prefill tiles (the last 4096 rows of the 128K prefill, 16 tiles of 128 positions per row; H200,
