@@ -55,10 +55,9 @@ def checked(rows: tuple[dict, ...], tl_default: dict) -> tuple[dict, ...]:
     return tuple(keep)
 
 if __name__ == "__main__":
-    # the stacked Gluon rows slower than the capped 2-stage one in call 2 (146e6ef: 484, 681, 684, 644 against 688
-    # TFLOP/s on the last 4096 rows) are not re-run
-    gluon_rows = tuple(o for o in bench_dsa.PREFILL_INDEX_SWEEP if o.get("gluon_split_rows")
-                       or (o.get("gluon_maxnreg") and o.get("num_stages") == 2))
+    # call 3 (63bde98) ran the stacked Gluon row capped at 168 registers with 2 stages and the four row-split rows;
+    # PREFILL_INDEX_SWEEP now keeps one Gluon row (the others measured slower: see the comment there)
+    gluon_rows = tuple(o for o in bench_dsa.PREFILL_INDEX_SWEEP if o.get("gluon"))
     tl_default = dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4)
     bench_dsa.PREFILL_INDEX_SWEEP = (tl_default, *checked(gluon_rows, tl_default))
     bench_dsa.PREFILL_MLA_SWEEP = (dict(half=True, heads_inner=True, block_k=64, num_stages=2, prefetch=True),)

@@ -11,6 +11,14 @@ causal -inf mask. What differs is the schedule, which Triton 3.6's ``tl`` cannot
 - the wgmma of tile j is issued asynchronously into one accumulator while the epilogue of tile j - 1 runs on
   the other (``warpgroup_mma_wait(num_outstanding=1)``): MMA and ReLU / weight sum overlap inside a program.
 
+The row-split form (``_index_scores_gluon_rows_kernel``) issues one wgmma of N = BLOCK_H per query row instead,
+each overlapped with the epilogue of the (tile, row) before it: half-size accumulators, 117 registers, 4 programs
+per SM like the tl tile.
+
+Measured on an H200 (2026-12-01, benchmarks/gpu-2026-12-01-dsa-s4-indexer): both forms match the tl kernel
+exactly at DeepSeek shapes and run at 484-708 TFLOP/s against the tl tile's 706-737, so the dispatch default stays
+the tl kernel (``dsa.PREFILL_GLUON``).
+
 Gluon does not run under TRITON_INTERPRET; ``dsa.index_scores`` dispatches here only on a CUDA device of
 capability 9.x when ``gluon=True`` (the CPU interpreter path stays the ``tl`` kernel). Shapes supported:
 BLOCK_S = 64 keys per tile = one wgmma M of one warpgroup (num_warps 4), PAGE a multiple of BLOCK_S, HEAD_DIM a
