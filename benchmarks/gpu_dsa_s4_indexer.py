@@ -56,7 +56,8 @@ def checked(rows: tuple[dict, ...], tl_default: dict) -> tuple[dict, ...]:
 
 if __name__ == "__main__":
     # call 3 (63bde98) ran the stacked Gluon row capped at 168 registers with 2 stages and the four row-split rows;
-    # PREFILL_INDEX_SWEEP now keeps one Gluon row (the others measured slower: see the comment there)
+    # PREFILL_INDEX_SWEEP now keeps the row-split row of call 3 and the row-split rows capped at 96 registers
+    # (the other Gluon rows measured slower: see the comment there)
     gluon_rows = tuple(o for o in bench_dsa.PREFILL_INDEX_SWEEP if o.get("gluon"))
     tl_default = dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4)
     bench_dsa.PREFILL_INDEX_SWEEP = (tl_default, *checked(gluon_rows, tl_default))

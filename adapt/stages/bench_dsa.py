@@ -929,6 +929,10 @@ PREFILL_INDEX_SWEEP = (
     # 644 / 651; row-split (117 registers, 4 per SM) with 3, 2, 4 stages 708 / 682, 696 / 686, 701 / 677, and
     # 4 rows 628 / 637. None beat tl over all rows; the row-split one stays here as the same-run comparison.
     dict(rows_per_tile=2, key_block=64, num_stages=2, gluon=True, gluon_split_rows=True),
+    # the row-split kernel capped at 96 registers (96, no spill: 5 programs per SM; the tl tile spills 104 bytes
+    # at that cap)
+    dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
+    dict(rows_per_tile=2, key_block=64, num_stages=2, gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
 )
 
 # Sparse MLA prefill tiles (the last 4096 rows of the 128K prefill, 16 tiles of 128 positions per row; H200,

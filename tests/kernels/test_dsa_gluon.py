@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The configs the prefill sweep times on the H200 (DeepSeek-V3.2: 64 heads x 128, 2 rows, 64-key pages), and the
 # small head count / head dim of the GPU test below.
 SHIPPED = [{}, {"maxnreg": 168}, {"NUM_STAGES": 4, "maxnreg": 168}, {"W_SMEM": False}, {"SPLIT_ROWS": True},
-           {"SPLIT_ROWS": True, "ROWS": 4}]
+           {"SPLIT_ROWS": True, "ROWS": 4}, {"SPLIT_ROWS": True, "maxnreg": 96}]
 SMALL = [{"HEAD_DIM": 32, "BLOCK_H": 16}, {"HEAD_DIM": 32, "BLOCK_H": 16, "SPLIT_ROWS": True}]
 
 
@@ -64,7 +64,8 @@ def test_dispatch_keeps_the_tl_kernel_off_hopper():
 GPU_OPTIONS = [dict(gluon=True), dict(gluon=True, gluon_maxnreg=168), dict(gluon=True, num_stages=2),
                dict(gluon=True, gluon_w_smem=False), dict(gluon=True, programs=1),
                dict(gluon=True, gluon_split_rows=True), dict(gluon=True, gluon_split_rows=True, programs=1),
-               dict(gluon=True, gluon_split_rows=True, rows_per_tile=4, num_stages=2)]
+               dict(gluon=True, gluon_split_rows=True, rows_per_tile=4, num_stages=2),
+               dict(gluon=True, gluon_split_rows=True, gluon_maxnreg=96)]
 
 
 @pytest.mark.gpu
