@@ -1,8 +1,7 @@
 """The fourth session's H200 call for the indexer prefill (issue 16): ``bench_dsa``'s acceptance prefill case at
 128K (same-run ceilings, indexer sweep on the last 4096 rows and over all 128K rows, the fastest tile for the
 whole prefill with top-k, sparse MLA and cuDNN dense SDPA), its indexer sweep cut to the tl default (2 x 64, 4
-warps, 3 stages) and the Gluon rows, and sparse MLA to the third session's fastest tile only (the other tiles
-were measured slower then: benchmarks/gpu-2026-11-30-dsa-s3-prefill).
+warps, 3 stages) and the Gluon rows, and sparse MLA to one tile (see below).
 
 Usage (repo root, GPU machine): python benchmarks/gpu_dsa_s4_indexer.py OUT_DIR
 
@@ -61,6 +60,8 @@ if __name__ == "__main__":
     gluon_rows = tuple(o for o in bench_dsa.PREFILL_INDEX_SWEEP if o.get("gluon"))
     tl_default = dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4)
     bench_dsa.PREFILL_INDEX_SWEEP = (tl_default, *checked(gluon_rows, tl_default))
-    bench_dsa.PREFILL_MLA_SWEEP = (dict(half=True, heads_inner=True, block_k=64, num_stages=2, prefetch=True),)
+    # calls 1-3: the third session's fastest tl tile, dict(half=True, heads_inner=True, block_k=64, num_stages=2,
+    # prefetch=True); from call 4 (after main brought the Gluon sparse MLA): the kernel's default
+    bench_dsa.PREFILL_MLA_SWEEP = ({},)
     result = bench_dsa.run_dsa_acceptance(Path(sys.argv[1]), prefill_only=True)
     print(bench_dsa.compact_summary(result))
