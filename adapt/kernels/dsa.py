@@ -60,8 +60,8 @@ from adapt.kernels.topk import prefilter_applies, topk_decode, topk_indices, top
 # ab589f7, 4001191).
 PREFILL_ROWS_PER_TILE = 2
 # Whether prefill scoring takes the Gluon kernel (``dsa_gluon``) by default where it applies (CUDA capability 9.x,
-# 64-key tiles in one page). Off: on an H200 (2026-12-01, commits 146e6ef / 63bde98) no Gluon form beat this tl
-# tile over all 128K rows (best 687 against 737-738 TFLOP/s; benchmarks/gpu-2026-12-01-dsa-s4-indexer).
+# 64-key tiles in one page). Off: on an H200 (2026-12-01, commits 146e6ef / 63bde98 / 534dcd7) no Gluon form beat
+# this tl tile over all 128K rows (best 719 against 737-739 TFLOP/s; benchmarks/gpu-2026-12-01-dsa-s4-indexer).
 PREFILL_GLUON = False
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4

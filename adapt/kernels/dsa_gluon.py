@@ -16,8 +16,9 @@ each overlapped with the epilogue of the (tile, row) before it: half-size accumu
 per SM like the tl tile.
 
 Measured on an H200 (2026-12-01, benchmarks/gpu-2026-12-01-dsa-s4-indexer): both forms match the tl kernel
-exactly at DeepSeek shapes and run at 484-708 TFLOP/s against the tl tile's 706-737, so the dispatch default stays
-the tl kernel (``dsa.PREFILL_GLUON``).
+exactly at DeepSeek shapes; over all 128K rows of a prefill they ran at 499-719 TFLOP/s against the tl tile's
+737-739 (the row-split one capped at 96 registers, 5 programs per SM, was best, and 1.5% faster than tl on the
+last 4096 rows only), so the dispatch default stays the tl kernel (``dsa.PREFILL_GLUON``).
 
 Gluon does not run under TRITON_INTERPRET; ``dsa.index_scores`` dispatches here only on a CUDA device of
 capability 9.x when ``gluon=True`` (the CPU interpreter path stays the ``tl`` kernel). Shapes supported:
