@@ -89,7 +89,8 @@ def _latent_row_bytes(latent_format: str) -> int:
 
 
 def _decode_case(
-    batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int, tiles: dict
+    batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int, tiles: dict,
+    sweep: bool = True,
 ) -> dict:
     cache = _random_cache(batch * context, latent_format)
     layer = cache.dsa_layer(0)
@@ -111,7 +112,7 @@ def _decode_case(
         best = min(programs_sweep, key=lambda row: row["us"])["programs"]
         tiles["decode_index"] = {**tiles["decode_index"], "programs": best}
 
-    def index():
+    def index():  # the default decode path (dsa.index_topk's auto)
         holder["idx"], _ = dsa.index_topk(
             q8,
             weights,
@@ -125,6 +126,12 @@ def _decode_case(
             rows_per_tile=1,
             **tiles["decode_index"],
         )
+
+    fused = _fused_rows(q8, weights, layer, block_table, token_seq, limits, topk, context, tiles["decode_index"],
+                        reps)
+    timed = [row for row in fused if "us" in row and row.get("equals_twin")]
+    best = min(timed, key=lambda row: row["us"]) if timed else {}
+    fused_tiles = {k: best.get(k) for k in FUSED_TILE_KEYS} if timed else None  # the fastest exact fused tile
 
     attend_tiles = {}
 
@@ -166,10 +173,10 @@ def _decode_case(
                       for bits in (4, 8)}
     torch_topk_ms = _time_graph_ms(lambda: torch.topk(scores, topk, dim=-1, sorted=False), reps)
     topk_sweep = []
-    for opt in (TOPK_SWEEP if batch >= SWEEP_BATCH else ()):  # select tiles where torch.topk is the default
+    for opt in (TOPK_SWEEP if batch >= SWEEP_BATCH and sweep else ()):  # select tiles where torch.topk ran
         ms = _time_graph_ms(lambda o=opt: topk_indices(scores, limits, topk, out=selected, **o), reps)
         topk_sweep.append({**opt, "us": ms * 1e3})
-    decode_select = _decode_select_rows(scores, limits, topk, selected, reps)
+    decode_select = _decode_select_rows(scores, limits, topk, selected, reps, sweep)
     index_ms = _time_graph_ms(index, reps)
     checks = {
         "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk), topk_indices_torch(scores, limits,
@@ -205,9 +212,12 @@ def _decode_case(
     attend_ms = _time_graph_ms(attend, reps)
     step_ms = _time_graph_ms(lambda: (index(), attend()), reps)
 
+    # scores, then the radix select (few rows) or topk_decode: auto's path for these rows while the fused one is off
+    old_select = "triton" if batch <= dsa.TRITON_SELECT_MAX_ROWS else "decode"
+
     def index_decode_select():
         holder["idx"], _ = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq,
-                                          limits, topk, max_keys=context, rows_per_tile=1, select="decode",
+                                          limits, topk, max_keys=context, rows_per_tile=1, select=old_select,
                                           **tiles["decode_index"])
 
     index_decode_ms = _time_graph_ms(index_decode_select, reps)
@@ -236,6 +246,9 @@ def _decode_case(
         "torch_topk_us": torch_topk_ms * 1e3,
         "topk_kernel_sweep": topk_sweep,
         "topk_decode_sweep": decode_select,
+        "fused_sweep": fused,
+        "fused_tiles": fused_tiles,
+        "old_select": old_select,
         "topk_us_decode_select": (index_decode_ms - scores_ms) * 1e3,
         "step_us_decode_select": step_decode_ms * 1e3,
         "step_over_floor_decode_select": step_decode_ms * 1e3 / floor_us,
@@ -294,15 +307,43 @@ TOPK_DECODE_SWEEP = (
 )
 
 
+# ``dsa.index_topk_fused`` tiles timed in every decode case (CUDA graph of its three launches): the default (1024
+# scoring programs, 4096 sampled keys), 2048 programs (the plain scoring kernel's acceptance tile), 264 programs
+# (longer runs per program: fewer redundant tau computations and candidate runs), a smaller sample (2048 keys).
+FUSED_SWEEP = ({}, dict(programs=2048), dict(programs=264), dict(sample=2048))
+FUSED_TILE_KEYS = ("sample", "programs")  # the fastest fused tile is reported by these (the step runs auto's path)
+
+
+def _fused_rows(q8, weights, layer, block_table, token_seq, limits, topk: int, context: int, index_tiles: dict,
+                reps: int) -> list[dict]:
+    """One row per FUSED_SWEEP tile: us (CUDA-graph replays of index + top-k), whether the positions equal
+    topk_indices_torch of the kernel's own scores, and how many rows the sample misjudged."""
+    rows = []
+    out = torch.empty(q8.shape[0], topk, dtype=torch.int32, device="cuda")
+    redo = torch.empty(q8.shape[0], dtype=torch.int32, device="cuda")
+    args = (q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits, topk, context)
+    for opt in FUSED_SWEEP:
+        tile = {**{k: v for k, v in index_tiles.items() if k != "programs"}, **opt}
+        try:
+            timing = time_cuda(lambda t=tile: dsa.index_topk_fused(*args, out=out, redo=redo, **t), reps, warmup=1)
+            _, scores = dsa.index_topk_fused(*args, out=out, redo=redo, **tile)
+            rows.append({**opt, "us": timing.median_us, "timed_as": timing.mode,
+                         "equals_twin": bool(torch.equal(out, topk_indices_torch(scores, limits, topk))),
+                         "redo_rows": int(redo.sum())})
+        except Exception as err:  # recorded; the other tiles still run
+            rows.append({**opt, "error": str(err)[:200]})
+    return rows
+
+
 def _decode_select_rows(scores: torch.Tensor, limits: torch.Tensor, topk: int, out: torch.Tensor,
-                        reps: int) -> list[dict]:
+                        reps: int, sweep: bool = True) -> list[dict]:
     """One row per TOPK_DECODE_SWEEP tile: us (timed_as "graph": CUDA-graph replays, the capture worked), whether
     the result equals topk_indices_torch's, and how many rows the sample misjudged (selected again from their
     full scores on the device); then the default tile with row 0 set all equal (what one misjudged row costs)."""
     twin = topk_indices_torch(scores, limits, topk)
     redo = torch.empty(scores.shape[0], dtype=torch.int32, device=scores.device)
     rows = []
-    for opt in TOPK_DECODE_SWEEP if scores.shape[0] >= SWEEP_BATCH else TOPK_DECODE_SWEEP[:1]:
+    for opt in TOPK_DECODE_SWEEP if scores.shape[0] >= SWEEP_BATCH and sweep else TOPK_DECODE_SWEEP[:1]:
         try:
             timing = time_cuda(lambda o=opt: topk_decode(scores, limits, topk, out=out, redo=redo, **o), reps,
                                warmup=1)
@@ -879,7 +920,7 @@ def run_dsa_acceptance(
     for b in (1, batch):
         try:
             result["decode"].append(_decode_case(b, context, topk, latent_format, ceilings["copy_tbps"], reps,
-                                                       tiles))
+                                                       tiles, sweep))
         except Exception as err:  # recorded (its acceptance lines count as unmet); the other cases still run
             result["errors"].append(f"decode batch {b}: {type(err).__name__}: {str(err)[:300]}")
         torch.cuda.empty_cache()
@@ -1149,16 +1190,28 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
     return rows
 
 
-def _decode_select_line(d: dict) -> str:
-    """The decode top-k (``topk_decode``) beside torch.topk: its tiles (us, equal to the twin, misjudged rows)
-    and the step with it."""
+def _tile_rows_text(rows: list[dict]) -> str:
+    """Timed tile rows as one line: options (or 'default'): us (timed as, twin, redo rows), or the error."""
     measured = ("us", "equals_twin", "redo_rows", "timed_as", "error")
-    tiles = ", ".join(
+    return ", ".join(
         f"{ {k: v for k, v in r.items() if k not in measured} or 'default'}: "
         + (f"{_fmt(r['us'])} ({r['timed_as']}, twin {r['equals_twin']}, redo {r['redo_rows']})" if "us" in r
            else r["error"])
-        for r in d["topk_decode_sweep"])
-    return (f"topk_decode us: {tiles}; torch.topk {_fmt(d.get('torch_topk_us'))}; step with select=decode "
+        for r in rows)
+
+
+def _fused_line(d: dict) -> str:
+    """The fused decode index + top-k (``dsa.index_topk_fused``, an option): its tiles (us of index + top-k, equal
+    to the twin select of its scores, misjudged rows) and the fastest."""
+    return f"fused index+top-k us: {_tile_rows_text(d['fused_sweep'])}; fastest {d.get('fused_tiles')}"
+
+
+def _decode_select_line(d: dict) -> str:
+    """The decode top-k (``topk_decode``) beside torch.topk: its tiles (us, equal to the twin, misjudged rows)
+    and the step with it."""
+    tiles = _tile_rows_text(d["topk_decode_sweep"])
+    return (f"topk_decode us: {tiles}; torch.topk {_fmt(d.get('torch_topk_us'))}; step with select="
+            f"{d.get('old_select', 'decode')} "
             f"{_fmt(d.get('step_us_decode_select'))} us (top-k in the step {_fmt(d.get('topk_us_decode_select'))}, "
             f"step / floor {_fmt(d.get('step_over_floor_decode_select'), 2)})")
 
@@ -1180,6 +1233,8 @@ def compact_summary(result: dict) -> str:
         )
         if d.get("topk_decode_sweep"):
             lines.append(f"    {_decode_select_line(d)}")
+        if d.get("fused_sweep"):
+            lines.append(f"    {_fused_line(d)}")
     lines.append("prefill T: scores/topk/mla/total ms | dense ms | speedup")
     for p in result["prefill"]:
         lines.append(
@@ -1252,6 +1307,8 @@ def render_markdown(result: dict) -> str:
             lines.append(f"|  | select kernel tiles (us): {sweep} |")
         if d.get("topk_decode_sweep"):
             lines.append(f"|  | {_decode_select_line(d)} |")
+        if d.get("fused_sweep"):
+            lines.append(f"|  | {_fused_line(d)} |")
         if "sparse_mla_rel_err_vs_bf16_q_twin" in d:
             lines.append(f"|  | sparse MLA (q.k in e4m3) against the bf16-q twin: rel. error "
                          f"{d['sparse_mla_rel_err_vs_bf16_q_twin']:.1e} |")
