@@ -66,6 +66,36 @@ def _issue_key_tile(k_ptr, block_table_ptr, seq, bt_stride, kt, buf, HEAD_DIM: g
 
 
 @gluon.jit
+def _program_range(tiles_ptr, limit_ptr, out_cols, tiles_per_split, BLOCK_S: gl.constexpr):
+    """This program's query tile (first row, rows, sequence, keys its last row sees) and key tiles: [first, last)
+    of its split, of which [first, live) hold visible keys."""
+    tile = gl.program_id(0)
+    row0 = gl.load(tiles_ptr + tile * 3)
+    n_rows = gl.load(tiles_ptr + tile * 3 + 1)
+    seq = gl.load(tiles_ptr + tile * 3 + 2).to(gl.int64)
+    tile_limit = gl.load(limit_ptr + row0 + n_rows - 1)
+    first = gl.program_id(1) * tiles_per_split
+    last = gl.minimum(first + tiles_per_split, gl.cdiv(out_cols, BLOCK_S))
+    live = gl.minimum(last, gl.cdiv(tile_limit, BLOCK_S))
+    return row0, n_rows, seq, tile_limit, first, last, live
+
+
+@gluon.jit
+def _start_ring(k_ptr, block_table_ptr, seq, bt_stride, first, live, HEAD_DIM: gl.constexpr, BLOCK_S: gl.constexpr,
+                PAGE: gl.constexpr, NUM_STAGES: gl.constexpr, smem_layout: gl.constexpr, load_layout: gl.constexpr):
+    """The key ring [NUM_STAGES, BLOCK_S, HEAD_DIM] e4m3 in shared memory with its first NUM_STAGES tiles in flight
+    (one commit group per stage, empty past ``live``)."""
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_S, HEAD_DIM], smem_layout)
+    for s in gl.static_range(NUM_STAGES):
+        if first + s < live:
+            _issue_key_tile(k_ptr, block_table_ptr, seq, bt_stride, first + s, ring.index(s), HEAD_DIM, BLOCK_S,
+                            PAGE, load_layout)
+        cp.commit_group()
+    fence_async_shared()
+    return ring
+
+
+@gluon.jit
 def _mma_tile(ring, q_t, zero, i, NUM_STAGES: gl.constexpr):
     """Wait for the copies of the ``i``-th key tile of the program (every thread's; NUM_STAGES groups are in
     flight, the oldest is tile i), then issue its wgmma
@@ -125,14 +155,8 @@ def _index_scores_gluon_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, lim
     out_layout: gl.constexpr = gl.BlockedLayout([1, ROWS], [32, 1], [4, 1], [0, 1])
     vec_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
 
-    tile = gl.program_id(0)
-    row0 = gl.load(tiles_ptr + tile * 3)
-    n_rows = gl.load(tiles_ptr + tile * 3 + 1)
-    seq = gl.load(tiles_ptr + tile * 3 + 2).to(gl.int64)
-    tile_limit = gl.load(limit_ptr + row0 + n_rows - 1)
-    first = gl.program_id(1) * tiles_per_split
-    last = gl.minimum(first + tiles_per_split, gl.cdiv(out_cols, BLOCK_S))
-    live = gl.minimum(last, gl.cdiv(tile_limit, BLOCK_S))
+    row0, n_rows, seq, tile_limit, first, last, live = _program_range(tiles_ptr, limit_ptr, out_cols,
+                                                                       tiles_per_split, BLOCK_S)
 
     # the stacked query [ROWS * BLOCK_H, HEAD_DIM] (rows past n_rows and heads past n_heads read as 0) and weights
     stack = gl.arange(0, N, layout=gl.SliceLayout(1, load_layout))
@@ -151,13 +175,8 @@ def _index_scores_gluon_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, lim
     row_limits = gl.load(limit_ptr + row0 + tile_rows, mask=row_ok, other=0)
     out_rows = (row0 + tile_rows).to(gl.int64) * out_stride
 
-    ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_S, HEAD_DIM], smem_layout)
-    for s in gl.static_range(NUM_STAGES):  # prologue: one commit group per stage, empty past ``live``
-        if first + s < live:
-            _issue_key_tile(k_ptr, block_table_ptr, seq, bt_stride, first + s, ring.index(s), HEAD_DIM, BLOCK_S,
-                            PAGE, load_layout)
-        cp.commit_group()
-    fence_async_shared()
+    ring = _start_ring(k_ptr, block_table_ptr, seq, bt_stride, first, live, HEAD_DIM, BLOCK_S, PAGE, NUM_STAGES,
+                       smem_layout, load_layout)
 
     # Two accumulators in fixed registers (the loop takes two key tiles per trip; a carried swap would cost 64
     # register moves per tile): the MMA of one tile runs while the epilogue of the tile before it does, and is
@@ -230,14 +249,8 @@ def _index_scores_gluon_rows_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr
     smem_layout: gl.constexpr = _smem_layout(HEAD_DIM)
     load_layout: gl.constexpr = _copy_layout(HEAD_DIM, 4)
 
-    tile = gl.program_id(0)
-    row0 = gl.load(tiles_ptr + tile * 3)
-    n_rows = gl.load(tiles_ptr + tile * 3 + 1)
-    seq = gl.load(tiles_ptr + tile * 3 + 2).to(gl.int64)
-    tile_limit = gl.load(limit_ptr + row0 + n_rows - 1)
-    first = gl.program_id(1) * tiles_per_split
-    last = gl.minimum(first + tiles_per_split, gl.cdiv(out_cols, BLOCK_S))
-    live = gl.minimum(last, gl.cdiv(tile_limit, BLOCK_S))
+    row0, n_rows, seq, tile_limit, first, last, live = _program_range(tiles_ptr, limit_ptr, out_cols,
+                                                                       tiles_per_split, BLOCK_S)
 
     # q of each row [BLOCK_H, HEAD_DIM] (heads past n_heads and rows past n_rows read as 0) and the weights
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, load_layout))
@@ -253,13 +266,8 @@ def _index_scores_gluon_rows_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr
         w_rows.slice(r * BLOCK_H, BLOCK_H).store(gl.load(w_ptr + row * n_heads + wh, mask=(wh < n_heads) & (r < n_rows),
                                                          other=0.0))
 
-    ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_S, HEAD_DIM], smem_layout)
-    for s in gl.static_range(NUM_STAGES):  # prologue: one commit group per stage, empty past ``live``
-        if first + s < live:
-            _issue_key_tile(k_ptr, block_table_ptr, seq, bt_stride, first + s, ring.index(s), HEAD_DIM, BLOCK_S,
-                            PAGE, load_layout)
-        cp.commit_group()
-    fence_async_shared()
+    ring = _start_ring(k_ptr, block_table_ptr, seq, bt_stride, first, live, HEAD_DIM, BLOCK_S, PAGE, NUM_STAGES,
+                       smem_layout, load_layout)
 
     zero = gl.zeros([BLOCK_S, BLOCK_H], gl.float32, layout=mma_layout)
     prev = zero  # ReLU'd logits of (tile kt - 1, row ROWS - 1): carried as a finished, non-wgmma tensor (C7517)
