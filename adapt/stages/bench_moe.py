@@ -743,13 +743,12 @@ PLANAR_SWEEP = {
     # 25 a word) issue 17% fewer instructions per weight byte than 16 (block_n 64: 245, 31 a word).
     # T = 1: block_n 128 with split-K keeps the table's program count (GEMM1 2 x 256, GEMM2 2 x 448)
     # where block_n 128 alone halved it (91.6 us); 8 warps on 256 rows (two warpgroups, 32 rows a
-    # warp) split in 4; the flattened persistent loop (timed at T >= 16 only in call 6)
+    # warp) split in 4
     "s4_t1_n128s2+fc": ((1, 1), *[{"block_n": 128, "split_k": 2}] * 2),
     "s4_t1_g1n128s2+fc": ((1, 1), {"block_n": 128, "split_k": 2}, {}),
     "s4_t1_g2n128s2+fc": ((1, 1), {}, {"block_n": 128, "split_k": 2}),
     "s4_t1_n128s4+fc": ((1, 1), *[{"block_n": 128, "split_k": 4}] * 2),
     "s4_t1_w8n256s4+fc": ((1, 1), *[{"block_n": 256, "num_warps": 8, "split_k": 4}] * 2),
-    "s4_t1_p4f+fc": ((1, 1), _FLAT4, _FLAT4),
     # T = 16 / 64: 256 rows a tile on 8 warps (32 rows a warp, as the table's 128 on 4; SASS 122
     # registers, no spill, 67 KB shared at 4 stages): half the tiles, so half the per-tile pipeline
     # fills and epilogues (gpt-oss GEMM1: K = 2880 is 23 steps a tile, DeepSeek-V3's 7168 is 56)
