@@ -743,7 +743,9 @@ PLANAR_SWEEP = {
     # 25 a word) issue 17% fewer instructions per weight byte than 16 (block_n 64: 245, 31 a word).
     # T = 1: block_n 128 with split-K keeps the table's program count (GEMM1 2 x 256, GEMM2 2 x 448)
     # where block_n 128 alone halved it (91.6 us); 8 warps on 256 rows (two warpgroups, 32 rows a
-    # warp) split in 4
+    # warp) split in 4. Call 1 of 2026-12-01-s4-small (commit f3a639c, vs the table's 88.6 / 48.6 us with the
+    # combine, DeepSeek-V3 / gpt-oss): 89.2 / 48.4, GEMM1 only 86.5 / 51.0, GEMM2 only 87.2 / 46.5, split 4
+    # 91.8 / 47.6, 8 warps 101.8 / 50.8: within the spread, the table stays
     "s4_t1_n128s2+fc": ((1, 1), *[{"block_n": 128, "split_k": 2}] * 2),
     "s4_t1_g1n128s2+fc": ((1, 1), {"block_n": 128, "split_k": 2}, {}),
     "s4_t1_g2n128s2+fc": ((1, 1), {}, {"block_n": 128, "split_k": 2}),
@@ -751,7 +753,8 @@ PLANAR_SWEEP = {
     "s4_t1_w8n256s4+fc": ((1, 1), *[{"block_n": 256, "num_warps": 8, "split_k": 4}] * 2),
     # T = 16 / 64: 256 rows a tile on 8 warps (32 rows a warp, as the table's 128 on 4; SASS 122
     # registers, no spill, 67 KB shared at 4 stages): half the tiles, so half the per-tile pipeline
-    # fills and epilogues (gpt-oss GEMM1: K = 2880 is 23 steps a tile, DeepSeek-V3's 7168 is 56)
+    # fills and epilogues (gpt-oss GEMM1: K = 2880 is 23 steps a tile, DeepSeek-V3's 7168 is 56). Call 1
+    # (vs the table's 719.8 / 1,557.4 us DeepSeek-V3 T = 16 / 64, 246.7 / 483.5 gpt-oss): 6-15% slower each
     "s4_g1w8n256+fc": ((16, 64), {"block_n": 256, "num_warps": 8}, {}),
     "s4_w8n256+fc": ((16, 64), *[{"block_n": 256, "num_warps": 8}] * 2),
     "s4_g1w8n256st3+fc": ((16, 64), {"block_n": 256, "num_warps": 8, "num_stages": 3}, {}),
