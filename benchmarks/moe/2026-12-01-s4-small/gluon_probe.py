@@ -92,7 +92,7 @@ def _gl_planar_kernel(
     x_ptr, stride_x, w_ptr, sc_ptr, stride_we, stride_se, out_ptr, stride_o,
     sorted_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, tile_start_ptr,
     n_experts, n_rows, k_words, k_steps,
-    TOPK: gl.constexpr, GATHER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    TOPK: gl.constexpr, GATHER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LATE: gl.constexpr = False,
 ):
     # the A operand of m64 wgmma, 4 warps: lane l holds rows l // 4 (+ 8) of its warp's 16, K pairs 2 (l % 4) (+ 8)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
@@ -151,27 +151,47 @@ def _gl_planar_kernel(
         xb = gl.load(xp + 128, mask=xm, other=0.0)
         for st in range(0, steps, 2):
             nxt = gl.minimum(st + 2, steps - 2)
-            na0 = gl.load(wp + nxt * 1024)
-            na1 = gl.load(wp + nxt * 1024 + 8)
-            nsa = gl.load(srow + nxt * 64)
-            nxa = gl.load(xp + nxt * 128, mask=xm, other=0.0)
-            nb0 = gl.load(wp + nxt * 1024 + 1024)
-            nb1 = gl.load(wp + nxt * 1024 + 1024 + 8)
-            nsb = gl.load(srow + nxt * 64 + 64)
-            nxb = gl.load(xp + nxt * 128 + 128, mask=xm, other=0.0)
-            # step st: the x buffer 0 was read by step st - 2, whose wgmma completed at the wait below
-            xs.index(0).store(xa)
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = _step(wa0, wa1, sa, xs.index(0), acc, BLOCK_N, A_L)
-            acc = warpgroup_mma_wait(num_outstanding=8, deps=(acc,))
-            xs.index(1).store(xb)
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = _step(wb0, wb1, sb, xs.index(1), acc, BLOCK_N, A_L)
-            acc = warpgroup_mma_wait(num_outstanding=8, deps=(acc,))
-            wa0, wa1, sa, xa = na0, na1, nsa, nxa
-            wb0, wb1, sb, xb = nb0, nb1, nsb, nxb
+            if LATE:  # each step's registers reloaded right after its wgmma are issued: two steps live, not four
+                xs.index(0).store(xa)
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = _step(wa0, wa1, sa, xs.index(0), acc, BLOCK_N, A_L)
+                wa0 = gl.load(wp + nxt * 1024)
+                wa1 = gl.load(wp + nxt * 1024 + 8)
+                sa = gl.load(srow + nxt * 64)
+                xa = gl.load(xp + nxt * 128, mask=xm, other=0.0)
+                acc = warpgroup_mma_wait(num_outstanding=8, deps=(acc,))
+                xs.index(1).store(xb)
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = _step(wb0, wb1, sb, xs.index(1), acc, BLOCK_N, A_L)
+                wb0 = gl.load(wp + nxt * 1024 + 1024)
+                wb1 = gl.load(wp + nxt * 1024 + 1024 + 8)
+                sb = gl.load(srow + nxt * 64 + 64)
+                xb = gl.load(xp + nxt * 128 + 128, mask=xm, other=0.0)
+                acc = warpgroup_mma_wait(num_outstanding=8, deps=(acc,))
+            else:
+                na0 = gl.load(wp + nxt * 1024)
+                na1 = gl.load(wp + nxt * 1024 + 8)
+                nsa = gl.load(srow + nxt * 64)
+                nxa = gl.load(xp + nxt * 128, mask=xm, other=0.0)
+                nb0 = gl.load(wp + nxt * 1024 + 1024)
+                nb1 = gl.load(wp + nxt * 1024 + 1024 + 8)
+                nsb = gl.load(srow + nxt * 64 + 64)
+                nxb = gl.load(xp + nxt * 128 + 128, mask=xm, other=0.0)
+                # step st: the x buffer 0 was read by step st - 2, whose wgmma completed at the wait below
+                xs.index(0).store(xa)
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = _step(wa0, wa1, sa, xs.index(0), acc, BLOCK_N, A_L)
+                acc = warpgroup_mma_wait(num_outstanding=8, deps=(acc,))
+                xs.index(1).store(xb)
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = _step(wb0, wb1, sb, xs.index(1), acc, BLOCK_N, A_L)
+                acc = warpgroup_mma_wait(num_outstanding=8, deps=(acc,))
+                wa0, wa1, sa, xa = na0, na1, nsa, nxa
+                wb0, wb1, sb, xb = nb0, nb1, nsb, nxb
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         on = nt * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
         om = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
@@ -180,7 +200,7 @@ def _gl_planar_kernel(
 
 
 def gl_planar_gemm(x, w: mp.PlanarMXFP4, perm, tiles, out, *, top_k: int, gather: bool, block_m: int, block_n: int,
-                   num_warps: int = 4, maxnreg: int = 0):
+                   num_warps: int = 4, maxnreg: int = 0, late: bool = False):
     """``planar_gemm`` (activation 0, no bias, no split) through the Gluon kernel."""
     assert w.k % 256 == 0 and not w.two_muls and num_warps == 4
     e, n_rows, k_words = w.words.shape[0], w.n, w.k_padded // 8
@@ -189,12 +209,12 @@ def gl_planar_gemm(x, w: mp.PlanarMXFP4, perm, tiles, out, *, top_k: int, gather
         x, x.stride(0), w.words, w.scales.view(torch.int32), w.words.stride(0), w.scales.stride(0) // 4,
         out, out.stride(0), perm.sorted_slot, perm.expert_offsets, tiles.tile_expert, tiles.tile_row,
         tiles.tile_start, e, n_rows, k_words, k_words // 16,
-        TOPK=top_k, GATHER=gather, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        TOPK=top_k, GATHER=gather, BLOCK_M=block_m, BLOCK_N=block_n, LATE=late, num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
 
 
-VARIANTS = ((16, 64, 0), (8, 64, 0), (8, 64, 128))
+VARIANTS = ((8, 64, 0, False), (8, 64, 0, True), (8, 64, 128, True))
 """(BLOCK_M, BLOCK_N, register cap) of the Gluon kernel timed (sm_90 on CPU: 164 / 138 registers uncapped, no
 spill; the 128 cap spills 256 / 108 bytes; BLOCK_N 128 needs 255 registers and spills)."""
 
@@ -212,8 +232,8 @@ def compile_check(configs=VARIANTS) -> list[dict]:
     div16 = ("stride_x", "stride_we", "stride_se", "stride_o", "k_words", "n_rows")
     kern = _gl_planar_kernel
     res = []
-    for bm, bn, cap in configs:
-        const = dict(TOPK=8, GATHER=True, BLOCK_M=bm, BLOCK_N=bn)
+    for bm, bn, cap, late in configs:
+        const = dict(TOPK=8, GATHER=True, BLOCK_M=bm, BLOCK_N=bn, LATE=late)
         sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "i32") for n in kern.arg_names}
         attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names
                  if n in ptrs or n in div16}
@@ -221,7 +241,7 @@ def compile_check(configs=VARIANTS) -> list[dict]:
         ck = triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=opts)
         r = report(ck, cap)
-        r["config"] = {"BLOCK_M": bm, "BLOCK_N": bn, "cap": cap}
+        r["config"] = {"BLOCK_M": bm, "BLOCK_N": bn, "cap": cap, "LATE": late}
         res.append(r)
         print(json.dumps(r), flush=True)
     return res
@@ -270,13 +290,13 @@ def bench(out_json: str) -> None:
                                      limit=0.0)
                 ref = twin.float()
                 row["tl_vs_twin"] = float((tl_out.float() - ref).norm() / ref.norm())
-            for bm, bn, cap in VARIANTS:
-                tag = f"gl_{bm}x{bn}c{cap}"
+            for bm, bn, cap, late in VARIANTS:
+                tag = f"gl_{bm}x{bn}c{cap}" + ("_late" if late else "")
                 g_out = torch.zeros(s, n, dtype=torch.bfloat16, device=dev)
                 g_tiles = tile_map(perm.expert_offsets, bm, max_m_tiles(s, e, bm))
                 try:
                     run_gl = partial(gl_planar_gemm, x, w, perm, g_tiles, g_out, top_k=k, gather=gather, block_m=bm,
-                                     block_n=bn, maxnreg=cap)
+                                     block_n=bn, maxnreg=cap, late=late)
                     got = run_gl().float()
                     torch.cuda.synchronize()
                     row[tag + ("_vs_tl" if timed else "_vs_twin")] = float((got - ref).norm() / ref.norm())
