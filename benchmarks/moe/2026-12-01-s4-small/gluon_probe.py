@@ -214,7 +214,7 @@ def gl_planar_gemm(x, w: mp.PlanarMXFP4, perm, tiles, out, *, top_k: int, gather
     return out
 
 
-VARIANTS = ((8, 64, 0, False), (8, 64, 0, True), (8, 64, 128, True))
+VARIANTS = ((8, 64, 0, True), (8, 64, 128, True))
 """(BLOCK_M, BLOCK_N, register cap) of the Gluon kernel timed (sm_90 on CPU: 164 / 138 registers uncapped, no
 spill; the 128 cap spills 256 / 108 bytes; BLOCK_N 128 needs 255 registers and spills)."""
 
