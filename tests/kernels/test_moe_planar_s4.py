@@ -81,3 +81,28 @@ def test_s4_tiles_real_shapes_gpu(name):
         for cfg, got, twin, unfused in _combined_cases(planar, x, perm, topw, s["k"], s["act"], cfgs):
             assert rel(got, twin) < TWIN_TOL, cfg
             assert rel(got, unfused) < 4e-3, cfg
+
+
+@pytest.mark.slow
+def test_gluon_probe_builds_for_sm90_in_the_operand_layout():
+    # benchmarks/moe/2026-12-01-s4-small/gluon_probe.py compiled for sm_90 on the CPU (a process without the
+    # interpreter): the words' layout equals the wgmma A operand (convert_layout(assert_trivial=True) would
+    # fail the build otherwise), 16 m64n8k16 wgmma a two-step loop, and the timed variant (LATE, 128-register
+    # cap: 4 programs an SM) keeps its spill outside the loop
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    run = subprocess.run([sys.executable, str(root / "benchmarks/moe/2026-12-01-s4-small/gluon_probe.py"), "compile"],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    rows = {(r["config"]["cap"], r["config"]["LATE"]): r
+            for r in (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{"))}
+    assert set(rows) == {(0, True), (128, True)}, run.stdout + run.stderr
+    for r in rows.values():
+        assert r["loop_ops"].get("HGMMA") == 16 and r["loop_ops"].get("WARPGROUP", 0) >= 16, r
+        assert "LDL" not in r["loop_ops"] and "STL" not in r["loop_ops"], r
+    assert rows[(128, True)]["regs"] <= 128 and rows[(0, True)]["regs"] > 128

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 import triton
@@ -224,7 +225,7 @@ def compile_check(configs=VARIANTS) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sys.path.insert(0, "benchmarks/moe")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/moe: sass_report
     from sass_report import report
 
     ptrs = dict(x_ptr="bf16", w_ptr="i32", sc_ptr="i32", out_ptr="bf16", sorted_slot_ptr="i32", offsets_ptr="i32",
