@@ -28,7 +28,9 @@ class GemmConfig:
     FP8 workspace's conversion beside the GEMMs (``FP8Workspace(schedule="split")``). prefetch_scales: the
     in-GEMM fold (``compute="fp8_fold"``) loads each K step's E8M0 scales one step ahead (a loop-carried
     tile; they are too narrow for the asynchronous copy pipeline); early_up: the fold decodes the gate and
-    up tiles before either MMA; maxnreg: a register cap per thread (0: none), so two 8-warp programs fit."""
+    up tiles before either MMA; maxnreg: a register cap per thread (0: none), so two 8-warp programs fit;
+    gluon: the fold runs ``moe_gluon.fold_gemm`` (decode of step k + 1 beside the MMAs of step k) where
+    ``moe_gluon.usable`` (sm_90), token-major only; elsewhere the ``tl`` kernel."""
 
     block_m: int = 16
     block_n: int = 64
@@ -42,6 +44,7 @@ class GemmConfig:
     prefetch_scales: bool = True
     early_up: bool = False
     maxnreg: int = 0
+    gluon: bool = False
 
 
 @dataclass(frozen=True)

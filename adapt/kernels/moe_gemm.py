@@ -28,7 +28,8 @@ Entry point (the runtime calls this once per MoE layer)::
                   "fp8_fold": the same numerics, the fold by table look-up per 32-bit word
                           (``mxfp4.fold_words_fp8``, W_MODE 5 / 6): the offline path's output bit for
                           bit without an FP8 copy (H200, T = 16384: 1.4x the workspace path's time,
-                          benchmarks/moe/2026-11-30-s3-prefill)
+                          benchmarks/moe/2026-11-30-s3-prefill); a config with ``gluon=True`` runs the
+                          Gluon kernel (``moe_gluon``, MMAs in flight across the decode) on sm_90
     fp8_weights   FP8Weights | None: the offline path (all experts converted ahead of time)
     workspace     FP8Workspace | None: online conversion of the active experts of this layer into
                   a shared FP8 buffer, chunk by chunk, converting chunk c+1 while chunk c computes
@@ -61,6 +62,7 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
+from adapt.kernels import moe_gluon
 from adapt.kernels.moe_configs import GemmConfig, PlanarConfig, pick_configs
 from adapt.kernels.moe_planar import PlanarExperts, planar_experts_run
 from adapt.kernels.moe_quant import FP8_GROUP, quantize_fp8_rows, quantize_fp8_rows_torch
@@ -533,6 +535,11 @@ def moe_gemm(
     if cfg.programs_per_sm > 0:
         n_work = min(n_work, max(1, num_sms(x.device) * cfg.programs_per_sm - cfg.reserve_sms))
     grid = (max(1, n_work),)
+    if cfg.gluon and op.mode >= 5 and act_fp8 and not act_group and not cfg.swap_ab and moe_gluon.usable(x.device):
+        return moe_gluon.fold_gemm(
+            x.contiguous(), x_scale, op, perm, tiles, out, top_k=top_k, gather=gather, activation=activation,
+            interleaved=interleaved, alpha=alpha, limit=limit, cfg=cfg, experts=experts, n_work=grid[0],
+        )
     xs = x_scale if x_scale is not None else x
     stride_xs = x_scale.stride(0) if x_scale is not None else 0
     bias = op.bias if op.bias is not None else xs

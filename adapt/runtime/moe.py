@@ -29,7 +29,8 @@ load (``Experts.kernel_weights``):
   The planar copy holds the MXFP4 bytes once more (K padded to 128). Above PLANAR_MAX_TOKENS the
   workspace path is the fastest online path measured (H200, T = 16384, benchmarks/moe/2026-11-30-s3-prefill:
   DeepSeek-V3 17.5-18.3 ms, gpt-oss-120b 6.6 ms; the in-GEMM fold ``compute="fp8_fold"``, same output
-  bits, 25.9 / 8.4 ms), so it stays the large-T path;
+  bits, 25.9 / 8.4 ms), so it stays the large-T path. The Gluon fold (``moe_gluon``, 2026-12-01-s4-fold:
+  19.0 / 5.9 ms) beats it only on gpt-oss and only on sign-split bytes, a layout this layer does not hold;
 - FP8 with 128 x 128 block scales (DeepSeek-V3/V3.2, Kimi K2): e4m3 weights read as stored, activations
   in e4m3 per 1x128 group, fp8 MMA, each block's partial sum times its scales (DeepSeek-V3's W8A8);
 - bf16 (Qwen3, Mixtral, GLM): read as stored, bf16 activations; with the 'fp8' expert format

@@ -745,7 +745,7 @@ def _fastest_tiles(sweep: list[dict]) -> dict:
         "index_scores decode": ("key_block", "num_stages", "num_warps", "programs"),
         "index_scores prefill 4096": ("rows_per_tile", "num_stages", "num_warps"),
         "sparse_mla decode b64": ("block_h", "block_k", "v_split", "qk_chunk", "num_warps", "num_stages",
-                                  "splits", "prefetch", "groups4", "qk_fp8", "swap_ab"),
+                                  "splits", "prefetch", "groups4", "qk_fp8", "swap_ab", "gluon"),
     }
     names = {
         "index_scores decode": "decode_index",
@@ -925,8 +925,11 @@ PREFILL_INDEX_SWEEP = (
 # kernel, launch order only); half: fp16 dequantization and MMAs (1952 / 255 / 192 / 216); half with 64
 # positions (2 x 1056 / 255 / 0 / 144); half, 64, 2 stages + prefetch (2 x 1129 / 255 / 0 / 185; its bf16 form,
 # 2 x 1482 instructions, ran 227 against 218 us for the default at decode batch 64 in the second session).
+# Since 2026-12-01 {} is the Gluon kernel on sm_90 (sparse_mla's default where no position slices are taken:
+# 7.75 ms on those rows, benchmarks/gpu-2026-12-01-dsa-s4-mla); gluon=False times the tl default beside it.
 PREFILL_MLA_SWEEP = (
     {},
+    dict(gluon=False),
     dict(heads_inner=True),
     dict(half=True),
     dict(half=True, heads_inner=True),
@@ -954,6 +957,8 @@ ACCEPTANCE_MLA_SWEEP = (
     dict(_FUSED, block_k=128, num_stages=1, swap_ab=True, qk_fp8=True),
     dict(_FUSED, block_k=64, num_stages=2, prefetch=True, swap_ab=True),
     dict(_FUSED, block_k=64, num_stages=2, prefetch=True, swap_ab=True, qk_fp8=True),
+    dict(gluon=False),  # the tl tile even where the Gluon kernel is the default
+    dict(gluon=True),  # the Gluon kernel (sparse_mla_gluon; sm_90)
 )
 
 

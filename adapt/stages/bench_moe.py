@@ -377,6 +377,10 @@ _N64_2P = _G(128, 64, 64, 8, 4, 3, 2, swap_ab=False, **_NOPRE), _G(128, 128, 64,
 _W8_2P = (_G(128, 64, 64, 8, 8, 3, 2, swap_ab=False, early_up=True, maxnreg=128),
           _G(128, 128, 64, 8, 8, 3, 2, swap_ab=False, maxnreg=128))
 _BIG_T = 1 << 30
+_GL1 = _G(128, 128, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
+_GL2 = _G(128, 256, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
+_GLM1 = _G(256, 64, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
+_GLM2 = _G(256, 128, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
 FOLD_SWEEP = {
     # name: (lowest T, highest T, GEMM1 config, GEMM2 config, sign-split words); token-major unless "swap".
     # Call 1 (2026-11-30-s3-prefill, commit efed1d8) timed the first six without the scale prefetch.
@@ -391,6 +395,16 @@ FOLD_SWEEP = {
     "fp8_fold_m256_split_combine": (16384, _BIG_T, _M256_1, _M256_2, True),
     "fp8_fold_m256_split_early_combine": (16384, 0, replace(_M256_1, early_up=True), _M256_2, True),
     "fp8_fold_w8_2p_split_combine": (16384, 0, *_W8_2P, True),
+    # 2026-12-01 (benchmarks/moe/2026-12-01-s4-fold): the Gluon fold (``moe_gluon``), MMAs of step k in flight
+    # while step k + 1 is decoded; the offline tiles (128 x 128 gate + up, 128 x 256), 3- or 4-deep cp.async ring
+    "fp8_gluon_split_combine": (4096, _BIG_T, _GL1, _GL2, True),
+    "fp8_gluon_combine": (16384, _BIG_T, _GL1, _GL2, False),
+    "fp8_gluon_split_s4_combine": (16384, _BIG_T, replace(_GL1, num_stages=4), replace(_GL2, num_stages=4), True),
+    "fp8_gluon_split_n128_combine": (16384, _BIG_T, _GL1, replace(_GL2, block_n=128), True),
+    # 256 tokens a tile: each decoded weight element feeds twice the tokens (half the decode per FLOP)
+    "fp8_gluon_m256_split_combine": (16384, _BIG_T, _GLM1, _GLM2, True),
+    "fp8_gluon_m256_split_s4_combine": (16384, _BIG_T, replace(_GLM1, num_stages=4), replace(_GLM2, num_stages=4),
+                                        True),
 }
 """In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
 checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""

@@ -96,17 +96,21 @@ def test_fold_gemm_equals_offline(split, interleaved):
         assert torch.equal(got, ref), swap
 
 
+def real_shape_case(s: dict, t: int = 1400):
+    """(experts, bf16 x [t, H], permutation) of one ``GPU_SHAPES`` entry: real H and I, fixed seeds."""
+    w = make_layer(s["e"], s["h"], s["i"], bias=s["bias"], interleaved=s["interleaved"], seed=13)
+    g = _gen(14)
+    x = torch.randn(t, s["h"], generator=g, device=DEV).bfloat16()
+    ids = torch.rand(t, s["e"], generator=g, device=DEV).topk(s["k"], dim=-1).indices.int()
+    return w, x, rt.permute_by_expert(ids, s["e"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_fold_gemm_real_shapes_gpu(name):
     """H200: the fold GEMMs at the large-T configs equal the offline path bit for bit (real H and I)."""
     s = GPU_SHAPES[name]
-    w = make_layer(s["e"], s["h"], s["i"], bias=s["bias"], interleaved=s["interleaved"], seed=13)
-    g = _gen(14)
-    t = 1400
-    x = torch.randn(t, s["h"], generator=g, device=DEV).bfloat16()
-    ids = torch.rand(t, s["e"], generator=g, device=DEV).topk(s["k"], dim=-1).indices.int()
-    perm = rt.permute_by_expert(ids, s["e"])
+    w, x, perm = real_shape_case(s)
     off = mg.FP8Weights.from_mxfp4(w)
     kw = dict(top_k=s["k"], activation=s["act"])
     ref = mg.expert_mlp(x, perm, w, fp8_weights=off, **kw)
