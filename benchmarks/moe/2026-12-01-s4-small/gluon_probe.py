@@ -36,27 +36,10 @@ _A0H, _A1H, _A2H, _A3H = (_ASM[p][1] for p in range(4))
 
 
 @gluon.jit
-def _dec(w2, f2, P: gl.constexpr, HI: gl.constexpr):
-    """One K plane: words (each twice) int32 [BN, 16] and factor pairs int32 [BN, 16] -> bf16 [BN, 16]."""
-    if HI:
-        if P == 0:
-            asm: gl.constexpr = _A0H
-        elif P == 1:
-            asm: gl.constexpr = _A1H
-        elif P == 2:
-            asm: gl.constexpr = _A2H
-        else:
-            asm: gl.constexpr = _A3H
-    else:
-        if P == 0:
-            asm: gl.constexpr = _A0L
-        elif P == 1:
-            asm: gl.constexpr = _A1L
-        elif P == 2:
-            asm: gl.constexpr = _A2L
-        else:
-            asm: gl.constexpr = _A3L
-    return gl.inline_asm_elementwise(asm, "=r,r,r,r,r", [w2, f2], dtype=gl.bfloat16, is_pure=True, pack=2)
+def _dec(w2, f2, ASM: gl.constexpr):
+    """One K plane: words (each twice) int32 [BN, 16] and factor pairs int32 [BN, 16] -> bf16 [BN, 16] by the
+    plane's PTX (``_A<p><L|H>``: plane p, low or high factor of the pair)."""
+    return gl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [w2, f2], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -77,14 +60,14 @@ def _step(w0, w1, s4, xs, acc, BLOCK_N: gl.constexpr, A_L: gl.constexpr):
     a0 = _twice(w0, BLOCK_N, A_L)
     a1 = _twice(w1, BLOCK_N, A_L)
     xt = xs.permute((1, 0))
-    acc = warpgroup_mma(_dec(a0, fe2, 0, False), xt.slice(0, 16, 0), acc, is_async=True)
-    acc = warpgroup_mma(_dec(a0, fe2, 1, False), xt.slice(16, 16, 0), acc, is_async=True)
-    acc = warpgroup_mma(_dec(a0, fo2, 2, False), xt.slice(32, 16, 0), acc, is_async=True)
-    acc = warpgroup_mma(_dec(a0, fo2, 3, False), xt.slice(48, 16, 0), acc, is_async=True)
-    acc = warpgroup_mma(_dec(a1, fe2, 0, True), xt.slice(64, 16, 0), acc, is_async=True)
-    acc = warpgroup_mma(_dec(a1, fe2, 1, True), xt.slice(80, 16, 0), acc, is_async=True)
-    acc = warpgroup_mma(_dec(a1, fo2, 2, True), xt.slice(96, 16, 0), acc, is_async=True)
-    acc = warpgroup_mma(_dec(a1, fo2, 3, True), xt.slice(112, 16, 0), acc, is_async=True)
+    acc = warpgroup_mma(_dec(a0, fe2, _A0L), xt.slice(0, 16, 0), acc, is_async=True)
+    acc = warpgroup_mma(_dec(a0, fe2, _A1L), xt.slice(16, 16, 0), acc, is_async=True)
+    acc = warpgroup_mma(_dec(a0, fo2, _A2L), xt.slice(32, 16, 0), acc, is_async=True)
+    acc = warpgroup_mma(_dec(a0, fo2, _A3L), xt.slice(48, 16, 0), acc, is_async=True)
+    acc = warpgroup_mma(_dec(a1, fe2, _A0H), xt.slice(64, 16, 0), acc, is_async=True)
+    acc = warpgroup_mma(_dec(a1, fe2, _A1H), xt.slice(80, 16, 0), acc, is_async=True)
+    acc = warpgroup_mma(_dec(a1, fo2, _A2H), xt.slice(96, 16, 0), acc, is_async=True)
+    acc = warpgroup_mma(_dec(a1, fo2, _A3H), xt.slice(112, 16, 0), acc, is_async=True)
     return acc
 
 
