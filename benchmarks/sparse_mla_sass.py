@@ -1,6 +1,8 @@
 """Compile adapt's sparse MLA decode kernels for sm_90 on a machine without a GPU and count their SASS.
 
 Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
+       (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K and
+       SPLIT from the object: ``compile_gluon``)
 
 Each JSON object overrides the four-group kernel's constexprs (upper-case keys; the default is the
 DeepSeek-V3.2 decode tile: 64 heads, 128 positions, rank 512 in four e4m3 groups, rope 64) and the
@@ -20,9 +22,13 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "moe"))
+import triton  # noqa: E402
 from sass_report import BIN, compile_sm90, report  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from adapt.kernels import sparse_mla as sm  # noqa: E402
+from adapt.kernels import sparse_mla_gluon as smg  # noqa: E402
 
 BASE = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=128, PAGE=64, SPLIT=False, UPCAST=False,
             PREFETCH=False, QK_FP8=False, HEADS_INNER=False, HALF=False)
@@ -38,6 +44,21 @@ def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool 
     ptrs = dict(PTRS, out_ptr="fp32" if const.get("SPLIT") else "bf16", qn_ptr="fp8e4nv" if const.get("QK_FP8")
                 else "bf16")
     return compile_sm90(kern, const, ptrs, (), num_warps, num_stages, floats=("scale_log2",))
+
+
+def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool = False, direct: bool = False):
+    """``sparse_mla_gluon_kernel`` for sm_90 (8 warps) at the DeepSeek-V3.2 shapes (rank 512 in four e4m3 groups,
+    rope 64, 64 heads), pointers 16-byte aligned."""
+    kern = smg.sparse_mla_gluon_kernel
+    const = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=block_k, PAGE=64, SPLIT=split, PREFETCH=prefetch,
+                 EARLY_LOADS=early, DIRECT=direct)
+    ptrs = {k: v for k, v in PTRS.items() if k not in ("qscale_ptr",)}
+    ptrs["out_ptr"] = "fp32" if split else "bf16"
+    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
+           for n in kern.arg_names}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
+    return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8))
 
 
 def load_mma_order(ck) -> str:
@@ -66,7 +87,11 @@ if __name__ == "__main__":
     for c in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
         const = dict(BASE, **{k: v for k, v in c.items() if k.isupper()})
         try:
-            ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1), c.get("swap_ab", False))
+            if c.get("gluon"):
+                ck = compile_gluon(c.get("BLOCK_K", 64), c.get("SPLIT", False), c.get("PREFETCH", True),
+                                   c.get("EARLY_LOADS", False), c.get("DIRECT", False))
+            else:
+                ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1), c.get("swap_ab", False))
         except Exception as err:  # a variant that does not compile is printed, the others still run
             print(json.dumps(dict(config=c, error=str(err).splitlines()[-1][:300])), flush=True)
             continue

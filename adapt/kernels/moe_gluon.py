@@ -33,11 +33,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from adapt.kernels.mxfp4 import _FOLD_TABLE_ASM, _WORD_FOLD_ASM, _WORD_FOLD_SPLIT_ASM
+from adapt.kernels.mxfp4 import FOLD_TABLE_ASM, WORD_FOLD_ASM, WORD_FOLD_SPLIT_ASM
 
-FOLD_TABLE_PTX = gl.constexpr(_FOLD_TABLE_ASM.value)
-WORD_FOLD_PTX = gl.constexpr(_WORD_FOLD_ASM.value)
-WORD_FOLD_SPLIT_PTX = gl.constexpr(_WORD_FOLD_SPLIT_ASM.value)
+FOLD_TABLE_PTX = gl.constexpr(FOLD_TABLE_ASM.value)
+WORD_FOLD_PTX = gl.constexpr(WORD_FOLD_ASM.value)
+WORD_FOLD_SPLIT_PTX = gl.constexpr(WORD_FOLD_SPLIT_ASM.value)
 
 
 def usable(device: torch.device) -> bool:

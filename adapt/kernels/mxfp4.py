@@ -676,7 +676,7 @@ def _fold_table_ptx() -> str:
     return "{\n" + "\n".join(body + ["mov.b64 $0, {e0, e1, e2, e3};"]) + "\n}"
 
 
-_FOLD_TABLE_ASM = tl.constexpr(_fold_table_ptx())
+FOLD_TABLE_ASM = tl.constexpr(_fold_table_ptx())
 
 
 @triton.jit
@@ -698,7 +698,7 @@ def fold_tables(d):
         t1 = t1 | _fold_entry(s16, 6.0, 24)
         return t0.to(tl.uint64) | (t1.to(tl.uint64) << 32)
     else:
-        return tl.inline_asm_elementwise(_FOLD_TABLE_ASM, "=l,r", [step], dtype=tl.uint64, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(FOLD_TABLE_ASM, "=l,r", [step], dtype=tl.uint64, is_pure=True, pack=1)
 
 
 _LOOKUP_PTX = """
@@ -712,7 +712,7 @@ prmt.b32 $1, t0, t1, sb;
 """PTX shared by the word folds: 4 packed bytes ($2, 8 codes) and the block's table ($3) -> the e4m3
 magnitudes of elements 0..3 ($0) and 4..7 ($1), one byte permute each."""
 
-_WORD_FOLD_ASM = tl.constexpr("{\n.reg .b32 m, sb, r, x, a, t0, t1;" + _LOOKUP_PTX + """
+WORD_FOLD_ASM = tl.constexpr("{\n.reg .b32 m, sb, r, x, a, t0, t1;" + _LOOKUP_PTX + """
 prmt.b32 r, a, 0, 0x1100;
 shl.b32 x, r, 4;
 lop3.b32 x, x, r, 0x00800080, 0xE4;
@@ -726,7 +726,7 @@ lop3.b32 $1, x, 0x80808080, $1, 0xEA;
 """PTX on the stored bytes (element i in nibble i): the look-up, then each nibble's bit 3 moved to its
 byte's bit 7 (one permute, shift and two 3-input logic ops per 4 elements): 13 instructions per 8 codes."""
 
-_WORD_FOLD_SPLIT_ASM = tl.constexpr("{\n.reg .b32 m, sb, x, a, t0, t1;" + _LOOKUP_PTX + """
+WORD_FOLD_SPLIT_ASM = tl.constexpr("{\n.reg .b32 m, sb, x, a, t0, t1;" + _LOOKUP_PTX + """
 lop3.b32 $0, a, 0x80808080, $0, 0xEA;
 shl.b32 x, a, 4;
 lop3.b32 $1, x, 0x80808080, $1, 0xEA;
@@ -797,12 +797,12 @@ def fold_words_fp8(packed, scales, g_row, BLOCK_R: tl.constexpr, BLOCK_K: tl.con
     else:
         if SPLIT:
             av, bv = tl.inline_asm_elementwise(
-                _WORD_FOLD_SPLIT_ASM, "=r,=r,r,l,l,l,l", [packed, t[:, :, None]],
+                WORD_FOLD_SPLIT_ASM, "=r,=r,r,l,l,l,l", [packed, t[:, :, None]],
                 dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4,
             )
         else:
             av, bv = tl.inline_asm_elementwise(
-                _WORD_FOLD_ASM, "=r,=r,r,l,l,l,l", [packed, t[:, :, None]],
+                WORD_FOLD_ASM, "=r,=r,r,l,l,l,l", [packed, t[:, :, None]],
                 dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4,
             )
         av = tl.reshape(av, (BLOCK_R, BLOCK_K // 32, 4, 4))

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adapt.kernels import sparse_mla_gluon
 from adapt.kernels.dsa import quantize_fp8_rows
 from adapt.kernels.formats import PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
@@ -545,9 +546,9 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
                block_h: int | None = None, block_k: int | None = None, v_split: int | None = None,
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, prefetch: bool = False, groups4: bool | None = None,
+               num_stages: int | None = None, prefetch: bool | None = None, groups4: bool | None = None,
                qk_fp8: bool | None = None, swap_ab: bool = False, heads_inner: bool = False,
-               half: bool = False) -> torch.Tensor:
+               half: bool = False, gluon: bool | dict | None = None) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -571,6 +572,14 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fp16 in packed half math and fp16 MMAs for its q.k and p @ v (q rounded to fp16; twin:
     ``sparse_mla_torch(..., half=True)``). ``groups4``: the fused fp8 tile as
     ``_sparse_mla_fp8x4_kernel`` (four scale groups of R / 4 columns, no reshape of the tile).
+    ``gluon``: the Gluon kernel (``sparse_mla_gluon``: 64 heads, q in shared memory, asynchronous MMAs, the next
+    tile gathered and dequantised while the current one multiplies; e4m3 latent of rank 512 in four groups, a
+    CUDA device of capability 9.x; only ``block_k`` (64), ``splits`` and ``prefetch`` apply, ``prefetch`` there
+    on unless False: the slots of the tile after next read a step ahead; a dict: the Gluon kernel with these
+    ``sparse_mla_gluon.GLUON_FLAGS`` overridden). None: the Gluon kernel where
+    ``GLUON_DEFAULT`` holds, it applies, no other tile option is given and the one-wave rule takes no position
+    slices (rows x 64-head blocks near the SM count or more), i.e. where the H200 measured it faster: batch 64
+    decode and prefill; at batch 1 (position slices) the tl tile was as fast or faster.
     ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized first (``quantize_q_groups``: one scale per
     row, head and scale group, one extra launch; the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v
     stays bf16. Off by default (H200 sweep of 2026-11-30: benchmarks/gpu-2026-11-30-dsa-s3-decode). ``swap_ab`` (groups4
@@ -592,6 +601,18 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fp8 = latent_scale is not None
     group = rank // latent_scale.shape[-1] if fp8 else rank
     interpreting = _interpreting()
+    tl_options = dict(block_h=block_h, v_split=v_split, qk_chunk=qk_chunk, num_warps=num_warps,
+                      num_stages=num_stages, groups4=groups4, qk_fp8=qk_fp8, swap_ab=swap_ab,
+                      heads_inner=heads_inner, half=half)
+    if gluon is None:
+        gluon = (GLUON_DEFAULT and not any(tl_options.values()) and prefetch is None and block_k in (None, 64)
+                 and splits in (None, 1) and sparse_mla_gluon.gluon_supported(q_nope, latent_scale)
+                 and _default_splits(q_nope.device, n_rows * triton.cdiv(n_heads, sparse_mla_gluon.GLUON_BLOCK_H),
+                                     indices.shape[1], 64) == 1)
+    if gluon:
+        return _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq,
+                                 indices, softmax_scale, out, block_k or 64, splits, prefetch is not False,
+                                 [k for k, v in tl_options.items() if v], gluon if isinstance(gluon, dict) else None)
     # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage (the sweep: benchmarks/dsa/README.md)
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
@@ -613,14 +634,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     num_warps = num_warps or (4 if interpreting else 8)
     num_stages = num_stages or 1
     head_blocks = triton.cdiv(n_heads, block_h)
-    splits = splits or _default_splits(q_nope.device, n_rows * head_blocks * v_split, topk, block_k)
-    positions_per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
-    splits = triton.cdiv(topk, positions_per_split)
-    if splits > 1:
-        partial = torch.empty(n_rows, splits, n_heads, rank, dtype=torch.float32, device=q_nope.device)
-        lse = torch.empty(n_rows, splits, n_heads, dtype=torch.float32, device=q_nope.device)
-    else:
-        partial, lse = out, out
+    splits, positions_per_split, partial, lse = _slices(out, topk, block_k, splits, head_blocks * v_split)
     latent_scale_arg = latent_scale if fp8 else latent_nope
     grid_rows, grid_heads = (n_rows * head_blocks, 1) if heads_inner else (n_rows, head_blocks)
     if (qk_fp8 or swap_ab or half) and not groups4:
@@ -656,12 +670,58 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             HEADS_INNER=bool(heads_inner), num_warps=num_warps, num_stages=num_stages,
         )
     if splits > 1:
-        combine_c = min(rank, 128)
-        combine_h = min(triton.next_power_of_2(n_heads), 4)
-        _combine_kernel[(n_rows, triton.cdiv(n_heads, combine_h), rank // combine_c)](
-            partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, BLOCK_C=combine_c,
-            UPCAST=interpreting, num_warps=4)
+        _combine(partial, lse, out, splits, interpreting)
     return out
+
+
+# The Gluon kernel as the default on sm_90 (see ``sparse_mla``'s ``gluon``): set from the H200 measurement in
+# benchmarks/gpu-2026-12-01-dsa-s4-mla/README.md (call 2: batch 64 x 128K 134.6 us against 207.9 us for the tl
+# default; the last 4096 rows of a 128K prefill 7.75 ms against 11.19 ms for the tl sweep's best tile; batch 1
+# with position slices: 23.3-24.8 us either way, so the tl tile stays there).
+GLUON_DEFAULT = True
+
+
+def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
+                      softmax_scale, out, block_k, splits, prefetch, tl_given, flags) -> torch.Tensor:
+    """``sparse_mla`` through ``sparse_mla_gluon.launch``: position slices by the same one-wave rule (one
+    program per SM: 64 heads, up to 224 KB of shared memory), then the same combine."""
+    if tl_given:
+        raise ValueError(f"gluon takes only block_k and splits, not {', '.join(tl_given)}")
+    if not sparse_mla_gluon.gluon_supported(q_nope, latent_scale) or block_k != 64:
+        raise ValueError("gluon needs an e4m3 latent of rank 512 in four scale groups on a CUDA device of "
+                         "capability 9.x, and block_k 64")
+    head_blocks = triton.cdiv(q_nope.shape[1], sparse_mla_gluon.GLUON_BLOCK_H)
+    splits, positions_per_split, partial, lse = _slices(out, indices.shape[1], block_k, splits, head_blocks)
+    sparse_mla_gluon.launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
+                            softmax_scale, partial, lse, splits, positions_per_split, block_k, prefetch, flags)
+    if splits > 1:
+        _combine(partial, lse, out, splits, False)
+    return out
+
+
+def _slices(out: torch.Tensor, topk: int, block_k: int, splits: int | None, blocks_per_row: int):
+    """Position slices of each row: (slices, positions per slice (a multiple of block_k), fp32 partial outputs
+    [N, slices, H, R] and log2-sum-exps [N, slices, H] for the combine; with one slice both are ``out``).
+    ``splits`` None: ``_default_splits`` for N x ``blocks_per_row`` programs."""
+    n_rows, n_heads, rank = out.shape
+    splits = splits or _default_splits(out.device, n_rows * blocks_per_row, topk, block_k)
+    positions_per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
+    splits = triton.cdiv(topk, positions_per_split)
+    if splits == 1:
+        return splits, positions_per_split, out, out
+    partial = torch.empty(n_rows, splits, n_heads, rank, dtype=torch.float32, device=out.device)
+    lse = torch.empty(n_rows, splits, n_heads, dtype=torch.float32, device=out.device)
+    return splits, positions_per_split, partial, lse
+
+
+def _combine(partial, lse, out, splits: int, interpreting: bool) -> None:
+    """``_combine_kernel`` over the ``splits`` partial outputs of every row into ``out`` (bf16 [N, H, R])."""
+    n_rows, n_heads, rank = out.shape
+    combine_c = min(rank, 128)
+    combine_h = min(triton.next_power_of_2(n_heads), 4)
+    _combine_kernel[(n_rows, triton.cdiv(n_heads, combine_h), rank // combine_c)](
+        partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, BLOCK_C=combine_c,
+        UPCAST=interpreting, num_warps=4)
 
 
 def quantize_q_groups(q_nope: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

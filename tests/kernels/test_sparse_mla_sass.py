@@ -20,15 +20,21 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.slow
-def test_one_stage_tiles_load_everything_before_the_first_mma():
+def sass_rows(configs: list[dict]) -> list[dict]:
+    """``benchmarks/sparse_mla_sass.py``'s report of each config, built in a process without the interpreter (one
+    row per config: a build error is a row with ``error``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sparse_mla_sass.py"), json.dumps(CONFIGS)],
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sparse_mla_sass.py"), json.dumps(configs)],
                          capture_output=True, text=True, env=env, timeout=600)
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(CONFIGS), run.stdout + run.stderr
-    for row in rows:
+    assert len(rows) == len(configs), run.stdout + run.stderr
+    return rows
+
+
+@pytest.mark.slow
+def test_one_stage_tiles_load_everything_before_the_first_mma():
+    for row in sass_rows(CONFIGS):
         assert "error" not in row, row
         assert re.fullmatch(r"L\d+ M\d+", row["order"]), row  # loads (L), then MMAs (M), no load after an MMA
         assert row["regs"] <= 255

@@ -1,0 +1,274 @@
+"""Sparse MLA (absorbed form, e4m3 latent in four scale groups) in Gluon for Hopper (sm_90).
+
+The same arithmetic as ``sparse_mla._sparse_mla_fp8x4_kernel`` (twin: ``sparse_mla.sparse_mla_torch``):
+for each query row and 64 heads, over the row's selected positions in tiles of BLOCK_K,
+
+    s = (q_rope . k_rope^T + q_nope . c^T) * scale,   c = bf16(e4m3 row * its group's fp32 scale),
+    online softmax over the tiles, o = sum p . c  (p rounded to bf16 for the MMA).
+
+What Gluon adds over the ``tl`` kernel (whose loads, dequantisation and both MMAs run in series and whose
+wgmma is waited on at once, benchmarks/gpu-2026-11-30-dsa-s3-final/README.md):
+- q (bf16 [64, 512]) and q_rope ([64, 64]) sit in shared memory for the whole program (wgmma's A from
+  shared memory: no 256 registers of q per thread);
+- the dequantised tile lives in a two-slot shared ring (bf16 [2, BLOCK_K, 512]) that serves both MMAs:
+  q.k reads it transposed (K-major B), p @ v reads it as is (N-major B);
+- both MMAs are issued asynchronously; the gathered e4m3 loads of tile t+1 are issued right after the
+  q.k MMA of tile t, and tile t+1 is dequantised into the other ring slot while p @ v of tile t runs;
+- 8 warps = 2 warpgroups split the MMA N side: q.k's positions (BLOCK_K / 2 each) and p @ v's output
+  columns (256 each), so the fp32 accumulator is [64, 512] / 256 threads = 128 registers per thread.
+
+Shared memory (BLOCK_K = 64): q 64 KB + q_rope 8 KB + ring 2 x (64 + 8) KB + p 8 KB = 224 KB of the H200's
+227 KB: one program per SM. (BLOCK_K = 32 builds in 152 KB but ran 5.6x slower at batch 64 x 128K on the H200,
+benchmarks/gpu-2026-12-01-dsa-s4-mla: ``sparse_mla`` launches 64.)
+
+Gluon compiles only for a CUDA target (no interpreter); ``sparse_mla.sparse_mla`` calls it on devices of
+capability 9.x where it measured faster (``use_gluon``). The module imports without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from adapt.kernels.formats import PAGE_SIZE
+
+
+@gluon.jit
+def _tile_idx(idx_ptr, row, k0, last, topk, BLOCK_K: gl.constexpr, LAYOUT: gl.constexpr):
+    """The selected positions k0 .. k0 + BLOCK_K of the row (int32 [BLOCK_K] in the 1-D LAYOUT; -1 past
+    ``last``, as for no position)."""
+    kk = k0 + gl.arange(0, BLOCK_K, layout=LAYOUT)
+    return gl.load(idx_ptr + row * topk + kk, mask=kk < last, other=-1)
+
+
+@gluon.jit
+def _idx_slots(block_table_ptr, seq, bt_stride, idx, PAGE: gl.constexpr):
+    """Cache slots (int32) of positions ``idx`` through the sequence's block table; -1 where idx is -1."""
+    valid = idx >= 0
+    page = gl.load(block_table_ptr + seq * bt_stride + idx // PAGE, mask=valid, other=0)
+    return gl.where(valid, page * PAGE + idx % PAGE, -1)
+
+
+@gluon.jit
+def _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
+                 L3: gl.constexpr, RL: gl.constexpr, VL: gl.constexpr, slot_rope, idx_v, DIRECT: gl.constexpr):
+    """Issue the gathered loads of one tile's cache slots (int32 [BLOCK_K] in SliceLayout(1, SliceLayout(2, L3)),
+    -1 = none): (e4m3 rows [BLOCK_K, RANK / 16, 16] in L3, their fp32 scales per 16 columns [BLOCK_K, RANK / 16],
+    bf16 rope rows [BLOCK_K, ROPE] in RL, valid [BLOCK_K] in VL). Rows without a slot read as zeros. DIRECT: the
+    rope rows' slots ``slot_rope`` (in SliceLayout(1, RL)) and the positions ``idx_v`` (in VL) are given, else
+    both are converted from ``slot`` (a shared-memory round trip and a barrier each)."""
+    SL: gl.constexpr = gl.SliceLayout(2, L3)
+    valid = slot >= 0
+    slot64 = slot.to(gl.int64)
+    c32 = gl.arange(0, RANK // 16, layout=gl.SliceLayout(0, SL))
+    c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    slot3 = gl.expand_dims(gl.expand_dims(slot64, 1), 2)
+    valid3 = gl.expand_dims(gl.expand_dims(valid, 1), 2)
+    cols3 = gl.expand_dims(gl.expand_dims(c32 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(c16, 0), 1)
+    raw = gl.load(nope_ptr + slot3 * RANK + cols3, mask=valid3, other=0.0)
+    sc = gl.load(nscale_ptr + gl.expand_dims(slot64, 1) * (RANK // GROUP) + gl.expand_dims(c32 * 16 // GROUP, 0),
+                 mask=gl.expand_dims(valid, 1), other=0.0)
+    if DIRECT:  # the rope rows' slots and the softmax validity given in their own layouts (no conversion)
+        slot_r = slot_rope.to(gl.int64)
+        valid_v = idx_v >= 0
+    else:
+        slot_r = gl.convert_layout(slot64, gl.SliceLayout(1, RL))
+        valid_v = gl.convert_layout(valid, VL)
+    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
+    kr = gl.load(rope_ptr + gl.expand_dims(slot_r, 1) * ROPE + gl.expand_dims(rc, 0),
+                 mask=gl.expand_dims(slot_r >= 0, 1), other=0.0)
+    return raw, sc, kr, valid_v
+
+
+@gluon.jit
+def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Dequantise a gathered tile (fp32 product rounded to bf16, as the twin) into its ring slot."""
+    kv = (raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
+    kv_buf.store(gl.reshape(kv, [BLOCK_K, RANK]))
+    kr_buf.store(kr)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
+                            out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
+                            RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
+                            BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+                            PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
+                            DIRECT: gl.constexpr = False):
+    """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
+    positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
+    normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
+    RANK]."""
+    gl.static_assert(BLOCK_H == 64)
+    row = gl.program_id(0).to(gl.int64)
+    head0 = gl.program_id(1) * BLOCK_H
+    split = gl.program_id(2)
+    # register layouts (8 warps)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [8, 1, 1], [2, 1, 0])  # e4m3 rows, 16 B a thread
+    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # bf16 rows of 64
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # bf16 rows of 512
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_K // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, RANK // 2, 16])
+    VL: gl.constexpr = gl.SliceLayout(0, S_L)
+    # shared memory
+    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], gl.bfloat16)
+    qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], gl.bfloat16)
+    kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], gl.bfloat16)
+    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROPE], gl.bfloat16)
+    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, RANK], q_lay)
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], qr_lay)
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, RANK], kv_lay)
+    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, ROPE], kr_lay)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K], p_lay)
+
+    # q and q_rope of the row's heads into shared memory (masked heads are zeros)
+    hq = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    qc = gl.arange(0, RANK, layout=gl.SliceLayout(0, QL))
+    q = gl.load(qn_ptr + gl.expand_dims((row * n_heads + hq) * RANK, 1) + gl.expand_dims(qc, 0),
+                mask=gl.expand_dims(hq < n_heads, 1), other=0.0)
+    q_smem.store(q)
+    hr = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, RL))
+    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
+    qr = gl.load(qr_ptr + gl.expand_dims((row * n_heads + hr) * ROPE, 1) + gl.expand_dims(rc, 0),
+                 mask=gl.expand_dims(hr < n_heads, 1), other=0.0)
+    qr_smem.store(qr)
+
+    seq = gl.load(seq_ptr + row).to(gl.int64)
+    first = split * positions_per_split
+    last = gl.minimum(first + positions_per_split, topk)
+    SL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))  # one value per gathered row
+    RS: gl.constexpr = gl.SliceLayout(1, RL)
+    slot = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, SL), PAGE)
+    slot_r = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, RS), PAGE)
+    idx_v = _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, VL)
+    raw, sc, kr, valid = _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL, slot_r,
+                                      idx_v, DIRECT)
+    _stage_tile(raw, sc, kr, kv_smem.index(0), kr_smem.index(0), RANK, BLOCK_K)
+    # PREFETCH: the slots of the next tile are known before its loop step (its data loads then wait on one
+    # memory round trip, not three: position -> block-table entry -> row)
+    slot_n = _idx_slots(block_table_ptr, seq, bt_stride,
+                        _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
+    slot_rn = _idx_slots(block_table_ptr, seq, bt_stride,
+                         _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, RANK], gl.float32, layout=O_L))
+    s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=S_L)
+    buf = 0
+    for k0 in range(first, last, BLOCK_K):
+        kv_buf = kv_smem.index(buf)
+        if EARLY_LOADS:  # the next tile's gathers issued before this tile's q.k (PREFETCH: addresses known)
+            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL,
+                                                slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K,
+                                                                   VL), DIRECT)
+        s = warpgroup_mma(qr_smem, kr_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem, kv_buf.permute((1, 0)), s, is_async=True)
+        # the next tile's gathers fly while q.k runs
+        if PREFETCH:
+            if not EARLY_LOADS:
+                raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL,
+                                                    VL, slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk,
+                                                                           BLOCK_K, VL), DIRECT)
+            idx_nn = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, SL)
+            if DIRECT:
+                idx_rnn = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, RS)
+        else:
+            slot_n = _idx_slots(block_table_ptr, seq, bt_stride,
+                                _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
+            slot_rn = _idx_slots(block_table_ptr, seq, bt_stride,
+                                 _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
+            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL,
+                                                slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K,
+                                                                   VL), DIRECT)
+        s, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))  # q.k of this tile, p @ v of the last
+        s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc_t = acc_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        acc = warpgroup_mma(p_smem, kv_buf, acc_t, is_async=True)
+        # dequantise the next tile into the other slot while p @ v runs
+        buf = 1 - buf
+        if PREFETCH:  # the block-table entries of the tile after next fly during the dequantisation
+            slot_n = _idx_slots(block_table_ptr, seq, bt_stride, idx_nn, PAGE)
+            if DIRECT:
+                slot_rn = _idx_slots(block_table_ptr, seq, bt_stride, idx_rnn, PAGE)
+        _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K)
+        valid = valid_n
+    if SPLIT:  # the slice's log2-sum-exp first (fewer values live with the accumulator)
+        hs = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        gl.store(lse_ptr + (row * gl.num_programs(2) + split) * n_heads + hs, lse, mask=hs < n_heads)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    o = o / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
+    ho = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    oc = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_L))
+    hmask = gl.expand_dims(ho < n_heads, 1)
+    if SPLIT:
+        part = (row * gl.num_programs(2) + split) * n_heads + ho
+        gl.store(out_ptr + gl.expand_dims(part * RANK, 1) + gl.expand_dims(oc, 0), o, mask=hmask)
+    else:
+        gl.store(out_ptr + gl.expand_dims((row * n_heads + ho) * RANK, 1) + gl.expand_dims(oc, 0),
+                 o.to(gl.bfloat16), mask=hmask)
+
+
+GLUON_BLOCK_H = 64
+
+
+def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> bool:
+    """Whether this kernel can take the call: a CUDA device of capability 9.x, an e4m3 latent of rank 512 in
+    four scale groups (the DeepSeek-V3.2 cache), rope 64."""
+    if latent_scale is None or q_nope.device.type != "cuda" or q_nope.shape[-1] != 512:
+        return False
+    return torch.cuda.get_device_capability(q_nope.device)[0] == 9 and latent_scale.shape[-1] == 4
+
+
+# Kernel flags ``launch`` passes unless the call names them (``sparse_mla(..., gluon={"DIRECT": False})``):
+# EARLY_LOADS issues the next tile's gathers before this tile's q.k; DIRECT reads the rope rows' slots and the
+# softmax validity in their own layouts (4 fewer barriers a tile, 12 more loads). H200, call 2 of
+# benchmarks/gpu-2026-12-01-dsa-s4-mla: DIRECT 134.6 us against 141.3 at decode batch 64 x 128K and 7.75 against
+# 8.14 ms on the last 4096 prefill rows; EARLY_LOADS 147.0 us (slower), with DIRECT 136.8.
+GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True}
+
+
+def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices, softmax_scale,
+           partial, lse, splits: int, positions_per_split: int, block_k: int = 64, prefetch: bool = True,
+           flags: dict | None = None) -> None:
+    """Launch ``sparse_mla_gluon_kernel`` on grid (rows, heads / 64, splits): ``partial``/``lse`` as
+    ``sparse_mla.sparse_mla`` allocates them (the bf16 output itself when splits == 1); ``flags`` override
+    ``GLUON_FLAGS``."""
+    unknown = set(flags or {}) - set(GLUON_FLAGS)
+    if unknown:
+        raise ValueError(f"unknown Gluon kernel flags {sorted(unknown)}; known: {sorted(GLUON_FLAGS)}")
+    n_rows, n_heads, rank = q_nope.shape
+    topk = indices.shape[1]
+    sparse_mla_gluon_kernel[(n_rows, triton.cdiv(n_heads, GLUON_BLOCK_H), splits)](
+        q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale, latent_rope, block_table,
+        token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(), partial, lse,
+        n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
+        RANK=rank, ROPE=q_rope.shape[-1], GROUP=rank // latent_scale.shape[-1], BLOCK_H=GLUON_BLOCK_H,
+        BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1, PREFETCH=prefetch, **{**GLUON_FLAGS, **(flags or {})},
+        num_warps=8)

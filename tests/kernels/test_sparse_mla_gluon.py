@@ -1,0 +1,85 @@
+"""The Gluon sparse MLA kernel (sm_90 only): its sm_90 build on the CPU (registers, spills, shared memory, MMAs),
+and on the GPU against the torch twin ``sparse_mla_torch`` at the kernel-vs-twin tolerance of
+test_sparse_mla.py (decode batch 64 over a short context, and the DeepSeek-V3.2 shape: 128 heads, top-2048)."""
+
+import pytest
+
+# the configurations sparse_mla can launch: BLOCK_K 64, one slice (bf16 out) or several (fp32 partials), the
+# slots of the tile after next read ahead (PREFETCH, the default) or not
+SHIPPED = [{"gluon": True, "BLOCK_K": 64, "SPLIT": split, "PREFETCH": pf} for split in (False, True)
+           for pf in (True, False)] + [{"gluon": True, "SPLIT": split, "DIRECT": True, "EARLY_LOADS": early}
+                                       for split in (False, True) for early in (False, True)]
+H200_SHARED_BYTES = 232448  # 227 KB per block (CUDA sm_90 limit)
+TWIN_REL_TOL_CUDA = 5e-3  # test_sparse_mla.TWIN_REL_TOL["cuda"]: p rounded to bf16 for p @ v, the twin keeps fp32
+
+
+@pytest.mark.slow
+def test_gluon_kernel_builds_for_sm90_within_registers():
+    from tests.kernels.test_sparse_mla_sass import sass_rows
+
+    for row in sass_rows(SHIPPED):
+        assert "error" not in row, row
+        assert row["regs"] <= 255 and row["spill_bytes"] == 0, row
+        assert row["shared"] <= H200_SHARED_BYTES, row
+        # both MMAs of the tile in the loop (bf16 HGMMA), and no fp32 FMA-pipe matmul
+        assert row["loop_ops"].get("HGMMA", 0) >= 2 and row["loop_ops"].get("FFMA", 0) < 64, row
+
+
+def _case(lengths, rows, heads, topk, seed=0):
+    from tests.kernels.test_sparse_mla import setup
+
+    layer, batch, indices, q_nope, q_rope = setup(lengths, heads=heads, rank=512, rope=64, topk=topk,
+                                                  latent_format="fp8", device="cuda", seed=seed, scale_groups=4)
+    sub = type(batch)(batch.slots, batch.positions[rows], batch.token_seq[rows], batch.query_starts,
+                      batch.block_table, batch.seq_lens)
+    args = (q_nope[rows], q_rope[rows], layer.latent_nope, layer.latent_scale, layer.latent_rope,
+            batch.block_table, sub.token_seq, indices[rows], 0.07)
+    return layer, sub, args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"splits": 3}, {"prefetch": False}, {"gluon": {"DIRECT": False}},
+                                     {"gluon": {"DIRECT": True, "EARLY_LOADS": True}}])
+def test_gluon_decode_batch64_matches_twin(options):
+    """64 decode rows (one per sequence of 300 tokens), 128 heads, top-256 (rows see all 300 or fewer: -1 pads in
+    the tail of some rows' lists are masked)."""
+    import torch
+
+    from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch
+    from tests.kernels.test_sparse_mla import rel, setup
+
+    layer, batch, indices, q_nope, q_rope = setup([300] * 64, heads=128, rank=512, rope=64, topk=256,
+                                                  latent_format="fp8", device="cuda", scale_groups=4)
+    rows = (batch.positions == 299).nonzero().squeeze(1)  # the last token of each sequence
+    assert len(rows) == 64
+    indices[rows[::7], 200:] = -1  # some rows select fewer positions
+    args = (q_nope[rows], q_rope[rows], layer.latent_nope, layer.latent_scale, layer.latent_rope,
+            batch.block_table, batch.token_seq[rows], indices[rows], 0.07)
+    got = sparse_mla(*args, **{"gluon": True, **options})
+    twin = sparse_mla_torch(*args)
+    assert torch.isfinite(got).all()
+    assert rel(got, twin) <= TWIN_REL_TOL_CUDA
+    if not options:  # 64 rows x 2 head blocks take no position slices: the default is the Gluon kernel
+        assert torch.equal(sparse_mla(*args), got)
+        assert not torch.equal(sparse_mla(*args, gluon=False), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"gluon": {"DIRECT": True}, "splits": 16}])
+def test_gluon_deepseek_v32_shape_matches_twin(options):
+    """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens (rows 0 .. 2047 select
+    fewer than 2048), against the twin and the float64 reference; a row with no position returns 0."""
+    import torch
+
+    from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch
+    from tests.kernels.test_sparse_mla import reference, rel
+
+    rows = torch.tensor([0, 63, 64, 2047, 2048, 3999, 4000, 4999]).cuda()
+    layer, sub, args = _case((4000, 1000), rows, heads=128, topk=2048)
+    args[7][1] = -1
+    got = sparse_mla(*args, **{"gluon": True, **options})
+    twin = sparse_mla_torch(*args)
+    want = reference(layer, sub, args[7], args[0], args[1], 0.07)
+    assert torch.equal(got[1].float().cpu(), torch.zeros(128, 512))
+    assert rel(got, want) < 1e-2
+    assert rel(got, twin) <= TWIN_REL_TOL_CUDA
