@@ -133,6 +133,14 @@ def _decode_step(w_ring, dec, slot, buf, s_g, s_u, g3_g, g3_u, ACTIVATION: gl.co
 
 
 @gluon.jit
+def _work_shape(tile_start_ptr, e_lo, e_hi, n_out, k, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """(first m tile, m tiles, n tiles, K steps) of experts [e_lo, e_hi): the persistent loop runs over
+    m tiles x n tiles work items."""
+    m_lo = gl.load(tile_start_ptr + e_lo)
+    return m_lo, gl.load(tile_start_ptr + e_hi) - m_lo, gl.cdiv(n_out, BLOCK_N), gl.cdiv(k, BLOCK_K)
+
+
+@gluon.jit
 def _tile_coords(tile, m_lo, n_m, n_n, GROUP_M: gl.constexpr):
     """(m tile index into ``moe_tiles.tile_slots``' arrays, n tile) of persistent work item ``tile``: GROUP_M
     m tiles share each n tile in turn (L2 reuse of the weight tile)."""
@@ -140,6 +148,74 @@ def _tile_coords(tile, m_lo, n_m, n_n, GROUP_M: gl.constexpr):
     first_m = (tile // width) * GROUP_M
     gsz = gl.minimum(n_m - first_m, GROUP_M)
     return m_lo + first_m + (tile % width) % gsz, (tile % width) // gsz
+
+
+@gluon.jit
+def _tile_rows(mt, nt, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr, n_out, gate_mult, up_off,
+               TOPK: gl.constexpr, GATHER: gl.constexpr, ACTIVATION: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, LX: gl.constexpr, LW: gl.constexpr):
+    """Rows of tile (mt, nt): expert e, first / end sorted row, the token of each of the BLOCK_M rows (int64,
+    layout SliceLayout(1, LX)) with its mask, and the gate / up weight rows of the BLOCK_N outputs with their
+    mask (layout of LW's rows: the cp.async and scale tiles)."""
+    e = gl.load(tile_expert_ptr + mt)
+    row0 = gl.load(tile_row_ptr + mt)
+    row_end = gl.load(offsets_ptr + e + 1)
+    rows_x = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, LX))
+    rx_ok = rows_x < row_end
+    if GATHER:
+        tok = (gl.load(sorted_slot_ptr + rows_x, mask=rx_ok, other=0) // TOPK).to(gl.int64)
+    else:
+        tok = rows_x.to(gl.int64)
+    nw = nt * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+    nw_ok = nw < n_out
+    if ACTIVATION == 0:
+        rg_w = nw
+        ru_w = nw
+    else:
+        rg_w = nw * gate_mult
+        ru_w = nw * gate_mult + up_off
+    return e, row0, row_end, tok, rx_ok, rg_w, ru_w, nw_ok
+
+
+@gluon.jit
+def _tile_exponents(sbase, nt, n_out, k_blocks, gate_mult, up_off, ACTIVATION: gl.constexpr, BLOCK_N: gl.constexpr,
+                    LR: gl.constexpr):
+    """Per-row exponents g (int32 [BLOCK_N], SliceLayout(1, LR)) of the gate and up rows of n tile nt."""
+    nr = nt * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, LR))
+    nr_ok = nr < n_out
+    rg_r = nr * gate_mult if ACTIVATION != 0 else nr
+    g_g = _row_exponent(sbase, rg_r, nr_ok, k_blocks, BLOCK_N, LR)
+    g_u = g_g
+    if ACTIVATION != 0:
+        g_u = _row_exponent(sbase, nr * gate_mult + up_off, nr_ok, k_blocks, BLOCK_N, LR)
+    return g_g, g_u
+
+
+@gluon.jit
+def _mma_step(x_ring, dec, slot, buf, acc_g, acc_u, ACTIVATION: gl.constexpr):
+    """After the decode into ``dec`` buffer ``buf``: proxy fence, CTA barrier, the async wgmma pair (x ring
+    slot ``slot`` times the decoded gate / up tiles) and a wait that leaves this pair in flight."""
+    NW: gl.constexpr = 2 if ACTIVATION != 0 else 1
+    fence_async_shared()
+    gl.thread_barrier()
+    xs_tile = x_ring.index(slot)
+    acc_g = warpgroup_mma(xs_tile, dec.index(NW * buf).permute((1, 0)), acc_g, is_async=True)
+    if ACTIVATION != 0:
+        acc_u = warpgroup_mma(xs_tile, dec.index(NW * buf + 1).permute((1, 0)), acc_u, is_async=True)
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_g, acc_u))
+    else:
+        acc_g = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_g,))
+    return acc_g, acc_u
+
+
+@gluon.jit
+def _mma_drain(acc_g, acc_u, ACTIVATION: gl.constexpr):
+    """Wait for every wgmma in flight (end of a tile's K loop)."""
+    if ACTIVATION != 0:
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+    else:
+        acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+    return acc_g, acc_u
 
 
 @gluon.jit
@@ -217,34 +293,16 @@ def fold_gemm_kernel(
     w_ring = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, BLOCK_N, BLOCK_K // 32, 16], RAW_SL)
     dec = gl.allocate_shared_memory(gl.float8e4nv, [2 * NW, BLOCK_N, BLOCK_K], W_SL)
 
-    m_lo = gl.load(tile_start_ptr + e_lo)
-    n_m = gl.load(tile_start_ptr + e_hi) - m_lo
-    n_n = gl.cdiv(n_out, BLOCK_N)
+    m_lo, n_m, n_n, n_k = _work_shape(tile_start_ptr, e_lo, e_hi, n_out, k, BLOCK_N, BLOCK_K)
     total = n_m * n_n
-    n_k = gl.cdiv(k, BLOCK_K)
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         mt, nt = _tile_coords(tile, m_lo, n_m, n_n, GROUP_M)
-        e = gl.load(tile_expert_ptr + mt)
-        row0 = gl.load(tile_row_ptr + mt)
-        row_end = gl.load(offsets_ptr + e + 1)
-        rows_x = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, LX))
-        rx_ok = rows_x < row_end
-        if GATHER:
-            tok = (gl.load(sorted_slot_ptr + rows_x, mask=rx_ok, other=0) // TOPK).to(gl.int64)
-        else:
-            tok = rows_x.to(gl.int64)
+        e, row0, row_end, tok, rx_ok, rg_w, ru_w, nw_ok = _tile_rows(
+            mt, nt, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr, n_out, gate_mult, up_off, TOPK,
+            GATHER, ACTIVATION, BLOCK_M, BLOCK_N, LX, LW)
         we = e.to(gl.int64)
         wbase = w_ptr + we * stride_we
         sbase = sc_ptr + we * stride_se
-        # weight rows in the cp.async layout (LW's rows) and in the scale layout
-        nw = nt * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, gl.SliceLayout(2, LW)))
-        nw_ok = nw < n_out
-        if ACTIVATION == 0:
-            rg_w = nw
-            ru_w = nw
-        else:
-            rg_w = nw * gate_mult
-            ru_w = nw * gate_mult + up_off
         # the whole ring's first STAGES - 1 steps in flight before the row exponents are formed
         for st in gl.static_range(STAGES - 1):
             _issue_step(x_ring, w_ring, st, x_ptr, tok, rx_ok, wbase, rg_w, ru_w, nw_ok, st * BLOCK_K, k, k_blocks,
@@ -253,13 +311,7 @@ def fold_gemm_kernel(
         s_u = s_g
         if ACTIVATION != 0:
             s_u = _scales(sbase, ru_w, nw_ok, 0, k_blocks, BLOCK_K, LW)
-        nr = nt * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, LR))
-        nr_ok = nr < n_out
-        rg_r = nr * gate_mult if ACTIVATION != 0 else nr
-        g_g = _row_exponent(sbase, rg_r, nr_ok, k_blocks, BLOCK_N, LR)
-        g_u = g_g
-        if ACTIVATION != 0:
-            g_u = _row_exponent(sbase, nr * gate_mult + up_off, nr_ok, k_blocks, BLOCK_N, LR)
+        g_g, g_u = _tile_exponents(sbase, nt, n_out, k_blocks, gate_mult, up_off, ACTIVATION, BLOCK_N, LR)
         LG: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LW))
         g3_g = gl.expand_dims(gl.expand_dims(gl.convert_layout(g_g, LG), 1), 2)
         g3_u = gl.expand_dims(gl.expand_dims(gl.convert_layout(g_u, LG), 1), 2)
@@ -277,24 +329,13 @@ def fold_gemm_kernel(
             if ACTIVATION != 0:
                 s_u = _scales(sbase, ru_w, nw_ok, (ki + 1) * BLOCK_K, k_blocks, BLOCK_K, LW)
             _decode_step(w_ring, dec, slot, buf, s_g_cur, s_u_cur, g3_g, g3_u, ACTIVATION, SPLIT, BLOCK_N, BLOCK_K, LW)
-            fence_async_shared()
-            gl.thread_barrier()
-            xs_tile = x_ring.index(slot)
-            acc_g = warpgroup_mma(xs_tile, dec.index(NW * buf).permute((1, 0)), acc_g, is_async=True)
-            if ACTIVATION != 0:
-                acc_u = warpgroup_mma(xs_tile, dec.index(NW * buf + 1).permute((1, 0)), acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_g, acc_u))
-            else:
-                acc_g = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_g,))
+            acc_g, acc_u = _mma_step(x_ring, dec, slot, buf, acc_g, acc_u, ACTIVATION)
             # the MMAs of step ki - 1 are done in every warpgroup: its ring slot and decode buffer are free
             gl.thread_barrier()
             nxt = ki + STAGES - 1
             _issue_step(x_ring, w_ring, nxt % STAGES, x_ptr, tok, rx_ok, wbase, rg_w, ru_w, nw_ok, nxt * BLOCK_K, k,
                         k_blocks, ACTIVATION, BLOCK_K, LX, LW)
-        if ACTIVATION != 0:
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-        else:
-            acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+        acc_g, acc_u = _mma_drain(acc_g, acc_u, ACTIVATION)
         async_copy.wait_group(0)
         gl.thread_barrier()
 
@@ -316,33 +357,16 @@ def _ws_load_partition(x_ring, w_ring, s_ring, ready, empty, x_ptr, w_ptr, sc_pt
     LX: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOAD_WARPS, 1], [1, 0])
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [LOAD_WARPS, 1, 1], [2, 1, 0])
     NW: gl.constexpr = 2 if ACTIVATION != 0 else 1
-    m_lo = gl.load(tile_start_ptr + e_lo)
-    n_m = gl.load(tile_start_ptr + e_hi) - m_lo
-    n_n = gl.cdiv(n_out, BLOCK_N)
-    n_k = gl.cdiv(k, BLOCK_K)
+    m_lo, n_m, n_n, n_k = _work_shape(tile_start_ptr, e_lo, e_hi, n_out, k, BLOCK_N, BLOCK_K)
     it = 0
     for tile in range(gl.program_id(0), n_m * n_n, gl.num_programs(0)):
         mt, nt = _tile_coords(tile, m_lo, n_m, n_n, GROUP_M)
-        e = gl.load(tile_expert_ptr + mt)
-        row0 = gl.load(tile_row_ptr + mt)
-        row_end = gl.load(offsets_ptr + e + 1)
-        rows_x = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, LX))
-        rx_ok = rows_x < row_end
-        if GATHER:
-            tok = (gl.load(sorted_slot_ptr + rows_x, mask=rx_ok, other=0) // TOPK).to(gl.int64)
-        else:
-            tok = rows_x.to(gl.int64)
+        e, row0, row_end, tok, rx_ok, rg_w, ru_w, nw_ok = _tile_rows(
+            mt, nt, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr, n_out, gate_mult, up_off, TOPK,
+            GATHER, ACTIVATION, BLOCK_M, BLOCK_N, LX, LW)
         we = e.to(gl.int64)
         wbase = w_ptr + we * stride_we
         sbase = sc_ptr + we * stride_se
-        nw = nt * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, gl.SliceLayout(2, LW)))
-        nw_ok = nw < n_out
-        if ACTIVATION == 0:
-            rg_w = nw
-            ru_w = nw
-        else:
-            rg_w = nw * gate_mult
-            ru_w = nw * gate_mult + up_off
         for ki in range(0, n_k):
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -373,10 +397,7 @@ def _ws_mma_partition(x_ring, w_ring, s_ring, dec, ready, empty, xs_ptr, sc_ptr,
                                                   instr_shape=[16, BLOCK_N, 32])
     LG: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LW))
     NW: gl.constexpr = 2 if ACTIVATION != 0 else 1
-    m_lo = gl.load(tile_start_ptr + e_lo)
-    n_m = gl.load(tile_start_ptr + e_hi) - m_lo
-    n_n = gl.cdiv(n_out, BLOCK_N)
-    n_k = gl.cdiv(k, BLOCK_K)
+    m_lo, n_m, n_n, n_k = _work_shape(tile_start_ptr, e_lo, e_hi, n_out, k, BLOCK_N, BLOCK_K)
     it = 0
     for tile in range(gl.program_id(0), n_m * n_n, gl.num_programs(0)):
         mt, nt = _tile_coords(tile, m_lo, n_m, n_n, GROUP_M)
@@ -385,13 +406,7 @@ def _ws_mma_partition(x_ring, w_ring, s_ring, dec, ready, empty, xs_ptr, sc_ptr,
         row_end = gl.load(offsets_ptr + e + 1)
         we = e.to(gl.int64)
         sbase = sc_ptr + we * stride_se
-        nr = nt * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, LR))
-        nr_ok = nr < n_out
-        rg_r = nr * gate_mult if ACTIVATION != 0 else nr
-        g_g = _row_exponent(sbase, rg_r, nr_ok, k_blocks, BLOCK_N, LR)
-        g_u = g_g
-        if ACTIVATION != 0:
-            g_u = _row_exponent(sbase, nr * gate_mult + up_off, nr_ok, k_blocks, BLOCK_N, LR)
+        g_g, g_u = _tile_exponents(sbase, nt, n_out, k_blocks, gate_mult, up_off, ACTIVATION, BLOCK_N, LR)
         g3_g = gl.expand_dims(gl.expand_dims(gl.convert_layout(g_g, LG), 1), 2)
         g3_u = gl.expand_dims(gl.expand_dims(gl.convert_layout(g_u, LG), 1), 2)
         acc_g = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, ACC)
@@ -405,23 +420,12 @@ def _ws_mma_partition(x_ring, w_ring, s_ring, dec, ready, empty, xs_ptr, sc_ptr,
             if ACTIVATION != 0:
                 s_u = s_ring.index(NW * slot + 1).load(gl.SliceLayout(2, LW))
             _decode_step(w_ring, dec, slot, buf, s_g, s_u, g3_g, g3_u, ACTIVATION, SPLIT, BLOCK_N, BLOCK_K, LW)
-            fence_async_shared()
-            gl.thread_barrier()
-            xs_tile = x_ring.index(slot)
-            acc_g = warpgroup_mma(xs_tile, dec.index(NW * buf).permute((1, 0)), acc_g, is_async=True)
-            if ACTIVATION != 0:
-                acc_u = warpgroup_mma(xs_tile, dec.index(NW * buf + 1).permute((1, 0)), acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_g, acc_u))
-            else:
-                acc_g = warpgroup_mma_wait(num_outstanding=NW, deps=(acc_g,))
+            acc_g, acc_u = _mma_step(x_ring, dec, slot, buf, acc_g, acc_u, ACTIVATION)
             # step it - 1's MMAs are done in both warpgroups: its ring slot goes back to the loader
             gl.thread_barrier()
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
             it += 1
-        if ACTIVATION != 0:
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-        else:
-            acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+        acc_g, acc_u = _mma_drain(acc_g, acc_u, ACTIVATION)
         gl.thread_barrier()
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
         _epilogue(acc_g, acc_u, g_g, g_u, row0, row_end, nt, we, xs_ptr, sorted_slot_ptr, bias_ptr, stride_be, out_ptr,

@@ -47,16 +47,8 @@ def _ws_loops(ck) -> dict:
         (Path(d) / "k.cubin").write_bytes(ck.asm["cubin"])
         sass = subprocess.run([str(sass_report.BIN / "cuobjdump"), "--dump-sass", str(Path(d) / "k.cubin")],
                               capture_output=True, text=True).stdout
-    ops = [(int(m.group(1), 16), m.group(3), m.group(4)) for line in sass.splitlines()
-           for m in [re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)] if m]
-    at = {a: i for i, (a, _, _) in enumerate(ops)}
-    loop = None
-    for i, (a, op, rest) in enumerate(ops):
-        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if t and int(t.group(1), 16) < a and int(t.group(1), 16) in at:
-            body = ops[at[int(t.group(1), 16)]: i + 1]
-            if any(o.startswith("LDGSTS") for _, o, _ in body) and (loop is None or len(body) < len(loop)):
-                loop = body
+    ops = sass_report.sass_ops(sass)
+    loop = sass_report.smallest_loop(ops, "LDGSTS")
     return dict(loader_loop_len=len(loop or []),
                 loader_loop_ops=dict(collections.Counter(o.split(".")[0] for _, o, _ in loop or []).most_common(12)),
                 local_ops=sum(o in ("STL", "LDL") or o.startswith(("STL.", "LDL.")) for _, o, _ in ops),
