@@ -192,11 +192,13 @@ def _tile_exponents(sbase, nt, n_out, k_blocks, gate_mult, up_off, ACTIVATION: g
 
 
 @gluon.jit
-def _mma_step(x_ring, dec, slot, buf, acc_g, acc_u, ACTIVATION: gl.constexpr):
-    """After the decode into ``dec`` buffer ``buf``: proxy fence, CTA barrier, the async wgmma pair (x ring
-    slot ``slot`` times the decoded gate / up tiles) and a wait that leaves this pair in flight."""
+def _mma_step(x_ring, dec, slot, buf, acc_g, acc_u, ACTIVATION: gl.constexpr, FENCE: gl.constexpr = True):
+    """After the decode into ``dec`` buffer ``buf``: proxy fence (FENCE False: a timing probe only), CTA
+    barrier, the async wgmma pair (x ring slot ``slot`` times the decoded gate / up tiles) and a wait that leaves
+    this pair in flight."""
     NW: gl.constexpr = 2 if ACTIVATION != 0 else 1
-    fence_async_shared()
+    if FENCE:
+        fence_async_shared()
     gl.thread_barrier()
     xs_tile = x_ring.index(slot)
     acc_g = warpgroup_mma(xs_tile, dec.index(NW * buf).permute((1, 0)), acc_g, is_async=True)
@@ -267,7 +269,7 @@ def fold_gemm_kernel(
     e_lo, e_hi, n_out, k, k_blocks, gate_mult, up_off, alpha, limit,
     TOPK: gl.constexpr, GATHER: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
 ):
     """Grouped GEMM over expert-sorted slots, out[m, n] = epilogue(x[m, :] . fold(W[e, n, :])).
 
@@ -275,7 +277,9 @@ def fold_gemm_kernel(
     xs fp32 [rows] its per-row scales; W packed uint8 [E, N, K/32, 16] (stored or sign-split bytes),
     scales uint8 [E, N, K/32]; out bf16 [S, n_out] in sorted order. ACTIVATION 0: acc (+bias);
     1 / 2: SwiGLU of gate rows n * gate_mult and up rows n * gate_mult + up_off (plain / gpt-oss clamped).
-    Experts [e_lo, e_hi); the tile schedule is ``moe_tiles.tile_slots``'.
+    Experts [e_lo, e_hi); the tile schedule is ``moe_tiles.tile_slots``'. PROBE (timing by elimination,
+    wrong results, never dispatched): bit 1 drops the proxy fence, bit 2 decodes only a tile's first two K
+    steps (later MMAs read the stale decoded tiles); 0 is the kernel.
     """
     # layouts: cp.async tiles with 16-byte chunks per thread; the decode's 3D tile holds one 32-block
     # (16 bytes) per thread; the accumulators in the wgmma layout (warps stacked along tokens)
@@ -328,8 +332,13 @@ def fold_gemm_kernel(
             s_g = _scales(sbase, rg_w, nw_ok, (ki + 1) * BLOCK_K, k_blocks, BLOCK_K, LW)
             if ACTIVATION != 0:
                 s_u = _scales(sbase, ru_w, nw_ok, (ki + 1) * BLOCK_K, k_blocks, BLOCK_K, LW)
-            _decode_step(w_ring, dec, slot, buf, s_g_cur, s_u_cur, g3_g, g3_u, ACTIVATION, SPLIT, BLOCK_N, BLOCK_K, LW)
-            acc_g, acc_u = _mma_step(x_ring, dec, slot, buf, acc_g, acc_u, ACTIVATION)
+            if (PROBE & 2) == 0:
+                _decode_step(w_ring, dec, slot, buf, s_g_cur, s_u_cur, g3_g, g3_u, ACTIVATION, SPLIT, BLOCK_N, BLOCK_K,
+                             LW)
+            elif ki < 2:
+                _decode_step(w_ring, dec, slot, buf, s_g_cur, s_u_cur, g3_g, g3_u, ACTIVATION, SPLIT, BLOCK_N, BLOCK_K,
+                             LW)
+            acc_g, acc_u = _mma_step(x_ring, dec, slot, buf, acc_g, acc_u, ACTIVATION, (PROBE & 1) == 0)
             # the MMAs of step ki - 1 are done in every warpgroup: its ring slot and decode buffer are free
             gl.thread_barrier()
             nxt = ki + STAGES - 1
@@ -498,7 +507,7 @@ def compile_sm90(const: dict, num_warps: int = 8, maxnreg: int = 0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kern = fold_gemm_ws_kernel if "LOAD_WARPS" in const else fold_gemm_kernel
-    const = dict(const, num_warps=num_warps)
+    const = dict({} if "LOAD_WARPS" in const else {"PROBE": 0}, **const, num_warps=num_warps)
     sig = {n: ("constexpr" if n in const else "*" + GLUON_PTRS[n] if n in GLUON_PTRS
                else "fp32" if n in ("alpha", "limit") else "i32") for n in kern.arg_names}
     div16 = set(GLUON_PTRS) | {"stride_we", "stride_se", "stride_o", "k", "n_out"}
@@ -530,7 +539,7 @@ def fold_gemm(x, x_scale, op, perm, tiles, out, *, top_k: int, gather: bool, act
         fold_gemm_ws_kernel[(max(1, n_work),)](*args, LOAD_WARPS=WS_LOAD_WARPS, LOAD_REGS=WS_LOAD_REGS,
                                                maxnreg=WS_MAXNREG, **const)
     else:
-        fold_gemm_kernel[(max(1, n_work),)](*args, **const)
+        fold_gemm_kernel[(max(1, n_work),)](*args, PROBE=getattr(cfg, "probe", 0), **const)
     return out
 
 

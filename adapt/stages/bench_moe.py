@@ -412,6 +412,11 @@ FOLD_SWEEP = {
     "fp8_gluon_ws_split_combine": (16384, 0, _GW1, _GW2, True),
     "fp8_gluon_ws_split_n128_combine": (16384, 0, _GW1, replace(_GW2, block_n=128), True),
     "fp8_gluon_ws_n128_combine": (16384, 0, _GW1, replace(_GW2, block_n=128), False),
+    # timing probes of the round-1 kernel (wrong outputs: ``GemmConfig.probe``; only with gluon_check.py, never
+    # in --large): no proxy fence; decode of a tile's first two K steps only; both (the MMA + ring floor)
+    "fp8_gluon_probe_nofence_split_combine": (16384, 0, replace(_GL1, probe=1), replace(_GL2, probe=1), True),
+    "fp8_gluon_probe_nodecode_split_combine": (16384, 0, replace(_GL1, probe=2), replace(_GL2, probe=2), True),
+    "fp8_gluon_probe_floor_split_combine": (16384, 0, replace(_GL1, probe=3), replace(_GL2, probe=3), True),
 }
 """In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
 checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""

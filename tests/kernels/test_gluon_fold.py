@@ -20,7 +20,9 @@ from adapt.stages.bench_moe import FOLD_SWEEP
 from tests.kernels.test_fold_gemm import real_shape_case
 from tests.kernels.test_moe import DEV, GPU_SHAPES, _gen, make_layer
 
-GLUON_ROWS = [n for n, row in FOLD_SWEEP.items() if row[2].gluon]
+GLUON_ROWS = [n for n, row in FOLD_SWEEP.items() if row[2].gluon and not row[2].probe]
+PROBE_ROWS = [n for n, row in FOLD_SWEEP.items() if row[2].gluon and row[2].probe]
+"""Timing probes (wrong outputs by design): compiled here, never compared."""
 SHIPPED = ("fp8_gluon_split_combine", "fp8_gluon_combine")
 """The rows whose tiles the runtime's dispatch uses: no spills allowed; the other rows are timing probes."""
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,13 +32,15 @@ def _shipped() -> list[tuple[str, dict, int]]:
     """(name, constexprs, warps) of every Gluon GEMM the bench rows launch: GEMM1 with both SwiGLU forms,
     GEMM2 without an activation (DeepSeek-V3: TOPK 8, no bias; gpt-oss: TOPK 4, biases)."""
     out = []
-    for name in GLUON_ROWS:
+    for name in GLUON_ROWS + PROBE_ROWS:
         _, _, c1, c2, split = FOLD_SWEEP[name]
         for act, c in ((1, c1), (2, c1), (0, c2)):
             const = dict(TOPK=8 if act == 1 else 4, GATHER=act != 0, ACTIVATION=act, HAS_BIAS=act != 1, SPLIT=split,
                          BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
                          STAGES=c.num_stages)
             cap = 0
+            if c.probe:
+                const["PROBE"] = c.probe
             if c.gluon_ws:
                 const.update(LOAD_WARPS=gk.WS_LOAD_WARPS, LOAD_REGS=gk.WS_LOAD_REGS)
                 cap = gk.WS_MAXNREG
@@ -46,9 +50,9 @@ def _shipped() -> list[tuple[str, dict, int]]:
 
 @pytest.mark.slow
 def test_gluon_fold_compiles_sm90_in_flight():
-    """Each Gluon row's kernels compile for sm_90 (a child process: Gluon needs the compiler, the CPU tests run
-    the interpreter): no register spills in SHIPPED, shared memory within the H200's 227 KiB, and the K loop waits
-    with MMAs still pending (``wgmma.wait_group`` 1 or 2), not for all of them."""
+    """Each Gluon row's kernels and the timing probes compile for sm_90 (a child process: Gluon needs the compiler,
+    the CPU tests run the interpreter): no register spills in SHIPPED, shared memory within the H200's 227 KiB,
+    and the K loop waits with MMAs still pending (``wgmma.wait_group`` 1 or 2), not for all of them."""
     assert GLUON_ROWS, "no Gluon rows in FOLD_SWEEP"
     shipped = _shipped()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
