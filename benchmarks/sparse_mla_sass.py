@@ -2,7 +2,7 @@
 
 Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
        (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K and
-       SPLIT from the object: ``compile_gluon``)
+       SPLIT, PREFETCH, EARLY_LOADS, DIRECT and L2_AHEAD from the object: ``compile_gluon``)
 
 Each JSON object overrides the four-group kernel's constexprs (upper-case keys; the default is the
 DeepSeek-V3.2 decode tile: 64 heads, 128 positions, rank 512 in four e4m3 groups, rope 64) and the
