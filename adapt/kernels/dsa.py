@@ -47,10 +47,24 @@ import torch
 import triton
 import triton.language as tl
 
+from adapt.kernels import dsa_gluon
 from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
-from adapt.kernels.topk import prefilter_applies, topk_decode, topk_indices, topk_indices_torch, topk_prefiltered
+from adapt.kernels.topk import (
+    DECODE_SAMPLE_RUN,
+    DECODE_TAU_BITS,
+    FUSED_CAP,
+    order_key,
+    prefilter_applies,
+    sample_columns,
+    sample_tau,
+    select_candidates,
+    topk_decode,
+    topk_indices,
+    topk_indices_torch,
+    topk_prefiltered,
+)
 
 # Stacked prefill tile, fastest of the sweep on an H200 at 128K with one-page key tiles (2026-11-30, commit
 # 4f58965, benchmarks/gpu-2026-11-30-dsa-s3-prefill: 2 rows x 64 keys, 4 warps, 740 TFLOP/s on the last 4096
@@ -58,6 +72,10 @@ from adapt.kernels.topk import prefilter_applies, topk_decode, topk_indices, top
 # block-table entry read per key: 4 x 64 on 8 warps 617-646, 2 x 64 on 4 warps 561-571 (commits 0375b39,
 # ab589f7, 4001191).
 PREFILL_ROWS_PER_TILE = 2
+# Whether prefill scoring takes the Gluon kernel (``dsa_gluon``) by default where it applies (CUDA capability 9.x,
+# 64-key tiles in one page). Off: on an H200 (2026-12-01, commits 146e6ef / 63bde98 / 534dcd7) no Gluon form beat
+# this tl tile over all 128K rows (best 719 against 737-739 TFLOP/s; benchmarks/gpu-2026-12-01-dsa-s4-indexer).
+PREFILL_GLUON = False
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
 KEY_BLOCK = 128
@@ -164,10 +182,13 @@ def _stacked_scores(keys, kscale, q_all, w_all, BLOCK_S: tl.constexpr, ROWS: tl.
 @triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, seq_ptr, out_ptr,
                          n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
+                         sample_ptr, tau_ptr, cand_key_ptr, cand_pos_ptr, cand_count_ptr, seg_cap, topk,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                          ROWS: tl.constexpr, PAGE: tl.constexpr, NUM_STAGES: tl.constexpr,
                          UPCAST: tl.constexpr, STACKED: tl.constexpr, DIRECT: tl.constexpr = False,
-                         FULL_TILES: tl.constexpr = False):
+                         FULL_TILES: tl.constexpr = False, EMIT: tl.constexpr = False, SAMPLE: tl.constexpr = 1,
+                         RUN: tl.constexpr = 1, EXPECT_NUM: tl.constexpr = 1, EXPECT_DEN: tl.constexpr = 1,
+                         TAU_BITS: tl.constexpr = 1):
     """One program: one query tile (up to ROWS consecutive rows of one sequence) against
     ``tiles_per_split`` consecutive BLOCK_S-key tiles (split ``program_id(1)`` of the
     context). Key tiles stream through a NUM_STAGES-deep software pipeline; each is read
@@ -177,7 +198,13 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
     takes one MMA with N = ROWS * BLOCK_H (instead of ROWS MMAs of N = BLOCK_H re-reading q).
     DIRECT (ROWS == 1): program_id(0) is the row and its sequence is read from ``seq_ptr`` (no tile table).
     FULL_TILES (STACKED): the key tiles below every row's limit run in a loop of their own without masks
-    (in a causal prefill all but the last few tiles of a query tile)."""
+    (in a causal prefill all but the last few tiles of a query tile).
+    EMIT (DIRECT decode, ``index_topk_fused``): the program first takes its row's threshold key tau from the
+    row's SAMPLE sampled scores (``sample_ptr``, [N, SAMPLE] fp32 from ``_decode_sample_kernel``; ``topk.sample_tau``,
+    every program of the row the same tau; split 0 stores it in ``tau_ptr``), then, beside the scores, keeps
+    each visible score whose order key is >= tau: order key and position, ascending, into this program's run of
+    ``seg_cap`` slots at ``(row * splits + split) * seg_cap`` of ``cand_key_ptr`` / ``cand_pos_ptr``;
+    ``cand_count_ptr[row * splits + split]`` = how many there were (possibly more than seg_cap)."""
     tile = tl.program_id(0)
     if DIRECT:
         row0 = tile
@@ -195,6 +222,16 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
     first = tl.program_id(1) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(out_cols, BLOCK_S))
     live = tl.minimum(last, tl.cdiv(tile_limit, BLOCK_S))
+    if EMIT:
+        n_vis = tl.minimum(tile_limit, out_cols)
+        spos = sample_columns(n_vis, tl.arange(0, SAMPLE), SAMPLE, RUN)
+        sampled = tl.load(sample_ptr + row0.to(tl.int64) * SAMPLE + tl.arange(0, SAMPLE))
+        tau = sample_tau(order_key(sampled), sampled != float("-inf"), spos, n_vis, topk, EXPECT_NUM,
+                         EXPECT_DEN, TAU_BITS)
+        if tl.program_id(1) == 0:
+            tl.store(tau_ptr + row0, tau.to(tl.int32, bitcast=True))
+        run = row0.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        written = 0
     if ROWS == 1:
         q_one = tl.load(q_ptr + (row0.to(tl.int64) * n_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
                         mask=hmask[:, None], other=0.0)
@@ -250,12 +287,53 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
                 limit = tl.load(limit_ptr + row, mask=row_ok, other=0)
                 score = tl.where(pos < limit, score, float("-inf"))
                 tl.store(out_ptr + row * out_stride + pos, score, mask=row_ok & (pos < out_cols))
+                if EMIT:
+                    ckey = order_key(score)
+                    take = (score != float("-inf")) & (pos < out_cols) & (ckey >= tau)
+                    slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                    keep = take & (slot < seg_cap)
+                    tl.store(cand_key_ptr + run * seg_cap + slot, ckey.to(tl.int32, bitcast=True), mask=keep)
+                    tl.store(cand_pos_ptr + run * seg_cap + slot, pos, mask=keep)
+                    written += tl.sum(take.to(tl.int32), axis=0)
+        if EMIT:
+            tl.store(cand_count_ptr + run, written)
     for kt in range(tl.maximum(first, live), last):
         pos = kt * BLOCK_S + offs
         for r in tl.static_range(ROWS):
             row = (row0 + r).to(tl.int64)
             tl.store(out_ptr + row * out_stride + pos, tl.full([BLOCK_S], float("-inf"), tl.float32),
                      mask=(r < n_rows) & (pos < out_cols))
+
+
+@triton.jit
+def _decode_sample_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, seq_ptr, sample_ptr, n_heads,
+                          bt_stride, out_cols, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, SAMPLE: tl.constexpr,
+                          RUN: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (row, part): scores of BLOCK of the row's SAMPLE sampled keys (``topk.sample_columns`` over its
+    min(limit, out_cols) visible keys; part p takes sample entries [p * BLOCK, (p + 1) * BLOCK)) into
+    ``sample_ptr`` [N, SAMPLE] fp32, -inf past the visible keys: ``_index_scores_kernel``'s function of one
+    decode row, on keys gathered one by one through the block table."""
+    row = tl.program_id(0).to(tl.int64)
+    seq = tl.load(seq_ptr + row).to(tl.int64)
+    n = tl.minimum(tl.load(limit_ptr + row), out_cols)
+    entry = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pos = sample_columns(n, entry, SAMPLE, RUN)
+    m = pos < n
+    page = tl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=m, other=0)
+    slot = page.to(tl.int64) * PAGE + pos % PAGE
+    dims = tl.arange(0, HEAD_DIM)
+    keys = tl.load(k_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=m[:, None], other=0.0)
+    kscale = tl.load(ks_ptr + slot, mask=m, other=0.0)
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < n_heads
+    q = tl.load(q_ptr + (row * n_heads + heads[:, None]) * HEAD_DIM + dims[None, :], mask=hmask[:, None], other=0.0)
+    w = tl.load(w_ptr + row * n_heads + heads, mask=hmask, other=0.0)
+    if UPCAST:
+        keys = keys.to(tl.float32)
+        q = q.to(tl.float32)
+    logits = tl.dot(keys, tl.trans(q))
+    score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * kscale
+    tl.store(sample_ptr + row * SAMPLE + entry, tl.where(m, score, float("-inf")))
 
 
 def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
@@ -275,7 +353,9 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
                  num_cols: int, *, rows_per_tile: int | None = None, key_block: int | None = None,
                  num_stages: int | None = None, num_warps: int | None = None,
-                 programs: int | None = None, stacked: bool = True, full_tiles: bool = False) -> torch.Tensor:
+                 programs: int | None = None, stacked: bool = True, full_tiles: bool = False,
+                 gluon: bool | None = None, gluon_w_smem: bool = True,
+                 gluon_maxnreg: int | None = None, gluon_split_rows: bool = False) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -296,6 +376,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     tile's rows x heads, q loaded once (default), else one MMA per row; ``full_tiles`` (stacked): the key
     tiles every row of the query tile sees whole run in a loop without masks (sm_90: 158 registers
     against 125, so one program per SM instead of two; H200: 399 against 663 TFLOP/s; off by default).
+    ``gluon`` (stacked prefill tiles): the Gluon kernel of ``dsa_gluon`` (the same tile and arithmetic, MMA of
+    one key tile overlapped with the epilogue of the one before; 4 warps, 64-key tiles); None: ``PREFILL_GLUON``
+    where ``dsa_gluon.gluon_applies``, True: required (ValueError where it does not apply, e.g. on CPU);
+    ``gluon_w_smem``: its epilogue re-reads the head weights from shared memory; ``gluon_maxnreg``: its
+    register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -313,16 +398,111 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     splits = min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS, tiles.shape[0])))
     tiles_per_split = triton.cdiv(key_tiles, splits)
     grid = (tiles.shape[0], triton.cdiv(key_tiles, tiles_per_split))
+    block_h = max(16, triton.next_power_of_2(n_heads))
+    use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))
+    if use_gluon and (_interpreting() or not dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE)):
+        if gluon:
+            raise ValueError("gluon=True needs a CUDA device of capability 9.x, 64-key tiles inside one page, "
+                             "a head dim that is a multiple of 32 and rows_per_tile x heads <= 256")
+        use_gluon = False
+    if use_gluon:
+        dsa_gluon.launch(grid, q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
+                         limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
+                         rows=per_tile, page=PAGE_SIZE, num_stages=num_stages or 3, w_smem=gluon_w_smem,
+                         maxnreg=gluon_maxnreg, split_rows=gluon_split_rows)
+        return out
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
         limits.to(torch.int32).contiguous(), tiles, token_seq, out,
         n_heads, block_table.stride(0), out.stride(0), num_cols, tiles_per_split,
-        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s, ROWS=per_tile,
+        out, out, out, out, out, 0, 0,  # the decode candidate outputs (EMIT, ``index_topk_fused``): unused here
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=block_s, ROWS=per_tile,
         PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
         DIRECT=decode, FULL_TILES=bool(full_tiles) and stacked and per_tile > 1,
         num_warps=num_warps or (4 if decode else PREFILL_WARPS),
     )
     return out
+
+
+# Fused decode top-k (``index_topk_fused``): sampled keys scored per row, candidates kept by the scoring kernel.
+FUSED_SAMPLE = 4096  # sampled keys per row (runs of DECODE_SAMPLE_RUN spread over the visible keys)
+FUSED_SAMPLE_BLOCK = 128  # sampled keys per sample program
+FUSED_EXPECT = (2, 1)  # candidates aimed at, in units of topk (the select holds topk.FUSED_CAP = 4 * 2048)
+# Candidate slots per scoring program (fewer when it scores fewer keys, at most topk.FUSED_CAP): a row of 4K-8K
+# visible keys puts about 2 * topk candidates in one program, so 4096 slots sent such rows to the full-row select.
+FUSED_SEG_CAP = 8192
+# Register cap of the EMIT scoring build: sm_90, 4 warps, 4096 sampled keys: 134 registers uncapped (3 programs an
+# SM), 111 and no spills at 128 (4 an SM, as the plain decode build's 103); ptxas -v on the CPU, commit of this line.
+FUSED_MAXNREG = 128
+
+
+def index_topk_fused(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
+                     block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor, topk: int,
+                     num_cols: int, *, out: torch.Tensor | None = None, redo: torch.Tensor | None = None,
+                     key_block: int | None = None, num_stages: int | None = None, num_warps: int | None = None,
+                     programs: int | None = None, sample: int | None = None, select_warps: int = 8,
+                     **_tile_options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode index + top-k in three launches, no host sync (capturable in a CUDA graph), for rows that are each
+    their own sequence (one decode token per sequence; arguments as in ``index_scores``):
+
+    1. ``_decode_sample_kernel``: the scores of ``sample`` keys per row (runs of 8 spread over its visible keys);
+    2. ``_index_scores_kernel`` with EMIT: each program takes the row's threshold key tau from that sample
+       (aimed at FUSED_EXPECT * topk keys at or above it), scores its contiguous keys as ``index_scores`` does and
+       keeps, beside the scores, the order keys and positions of those >= tau (no second pass over the scores);
+    3. ``topk.select_candidates``: one program per row selects from its candidates in registers; a row the sample
+       misjudged (fewer than topk candidates above tau, a program past its FUSED_SEG_CAP slots, more than
+       topk.FUSED_CAP candidates) is selected there from its full scores instead (slow, exact), and flagged in
+       ``redo`` (int32 [N]).
+
+    Returns (int32 [N, topk]: ``topk_indices`` of the kernel's scores exactly: ascending positions, ties at the
+    k-th score to the lowest, -1 after them; the fp32 [N, num_cols] scores, kept for the misjudged rows).
+    Workspace: N * splits * min(keys per program, FUSED_SEG_CAP) * 8 B of candidate slots, N * sample * 4 B.
+    """
+    n_rows, n_heads, head_dim = q_fp8.shape
+    device = q_fp8.device
+    out = torch.empty(n_rows, topk, dtype=torch.int32, device=device) if out is None else out
+    redo = torch.empty(n_rows, dtype=torch.int32, device=device) if redo is None else redo
+    scores = torch.empty(n_rows, num_cols, dtype=torch.float32, device=device)
+    sample = sample or FUSED_SAMPLE
+    if sample & (sample - 1) or sample < 16:
+        raise ValueError(f"sample must be a power of two >= 16, not {sample}")
+    if n_rows == 0 or num_cols == 0 or topk == 0:
+        out.fill_(-1)
+        redo.zero_()
+        return out, scores.fill_(float("-inf"))
+    block_s = key_block or KEY_BLOCK
+    key_tiles = triton.cdiv(num_cols, block_s)
+    tiles_per_split = triton.cdiv(key_tiles, min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS,
+                                                                               n_rows))))
+    splits = triton.cdiv(key_tiles, tiles_per_split)
+    seg_cap = min(tiles_per_split * block_s, FUSED_SEG_CAP, FUSED_CAP)
+    token_seq = token_seq.to(torch.int32).contiguous()
+    limits = limits.to(torch.int32).contiguous()
+    q_fp8 = q_fp8.contiguous()
+    weights = weights.float().contiguous()
+    block_h = max(16, triton.next_power_of_2(n_heads))
+    interpreting = _interpreting()
+    sampled = torch.empty(n_rows, sample, dtype=torch.float32, device=device)
+    sample_block = min(FUSED_SAMPLE_BLOCK, sample)
+    _decode_sample_kernel[(n_rows, sample // sample_block)](
+        q_fp8, weights, index_k, index_scale, block_table, limits, token_seq, sampled, n_heads, block_table.stride(0),
+        num_cols, HEAD_DIM=head_dim, BLOCK_H=block_h, SAMPLE=sample, RUN=DECODE_SAMPLE_RUN, BLOCK=sample_block,
+        PAGE=PAGE_SIZE, UPCAST=interpreting, num_warps=4)
+    tau = torch.empty(n_rows, dtype=torch.int32, device=device)
+    cand_keys = torch.empty(n_rows, splits, seg_cap, dtype=torch.int32, device=device)
+    cand_pos = torch.empty(n_rows, splits, seg_cap, dtype=torch.int32, device=device)
+    counts = torch.empty(n_rows, splits, dtype=torch.int32, device=device)
+    _index_scores_kernel[(n_rows, splits)](
+        q_fp8, weights, index_k, index_scale, block_table, limits, token_seq, token_seq, scores,
+        n_heads, block_table.stride(0), scores.stride(0), num_cols, tiles_per_split,
+        sampled, tau, cand_keys, cand_pos, counts, seg_cap, topk,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=block_s, ROWS=1, PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3,
+        UPCAST=interpreting, STACKED=False, DIRECT=True, FULL_TILES=False, EMIT=True, SAMPLE=sample,
+        RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=FUSED_EXPECT[0], EXPECT_DEN=FUSED_EXPECT[1], TAU_BITS=DECODE_TAU_BITS,
+        num_warps=num_warps or 4, **({} if interpreting else {"maxnreg": FUSED_MAXNREG}))
+    select_candidates(scores, limits, tau, cand_keys, cand_pos, counts, topk, out=out, redo=redo,
+                      num_warps=select_warps)
+    return out, scores
 
 
 def index_scores_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
@@ -368,7 +548,13 @@ PREFILTER_MIN_ROWS = 512
 # graph: 64 rows 94.9 us against torch.topk's 144.4 (the batch-64 step 672 -> 617 us); 1 row 68.6 against
 # 57.2, so a single row keeps the Triton radix select (benchmarks/gpu-2026-11-30-dsa-s3-final).
 DECODE_SELECT_MIN_ROWS: int | None = 16
-SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "decode")
+SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "decode", "fused")
+# Decode calls (``rows_per_tile=1``) of at least this many rows and fewer than PREFILTER_MIN_ROWS take
+# ``index_topk_fused`` under ``auto`` (None: never). None: slower than scores + select where measured (H200,
+# 2026-12-01, commit 59af2df, 128K keys, top-2048, CUDA graph, index + top-k: batch 1 57.9 us at its fastest tile
+# against 32.1 for scores + the radix select; batch 64 428 us against 422 for scores + topk_decode; the EMIT
+# scoring build 387 us against 310 plain; benchmarks/gpu-2026-12-01-dsa-s4-decode).
+FUSED_DECODE_MIN_ROWS: int | None = None
 
 
 def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
@@ -413,7 +599,7 @@ def _select_twin(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
 
 
 def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
-                        topk, max_score_bytes, max_keys, select, tile_options):
+                        topk, max_score_bytes, max_keys, select, tile_options, fused=False):
     n_rows = q_fp8.shape[0]
     out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
     if n_rows == 0:
@@ -430,10 +616,14 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
     for start in range(0, n_rows, rows_per_chunk):
         end = min(n_rows, start + rows_per_chunk)
         cols = widest if max_keys is not None else round_up(int(limits[start:end].max()))
-        scores = score_fn(q_fp8[start:end], weights[start:end], index_k, index_scale, block_table,
-                          token_seq[start:end], limits[start:end], cols, **tile_options)
+        args = (q_fp8[start:end], weights[start:end], index_k, index_scale, block_table, token_seq[start:end],
+                limits[start:end])
+        if fused:  # scoring keeps the candidates, one select over them (misjudged rows: redone on the device)
+            scores = index_topk_fused(*args, topk, cols, out=out[start:end], **tile_options)[1]
+        else:
+            scores = score_fn(*args, cols, **tile_options)
+            fallback += select_fn(scores, limits[start:end], topk, out=out[start:end], method=select)
         peak = max(peak, scores.numel() * 4)
-        fallback += select_fn(scores, limits[start:end], topk, out=out[start:end], method=select)
         del scores
         chunks += 1
     return out, IndexStats(chunks=chunks, peak_score_bytes=peak, prefilter_fallback_rows=fallback)
@@ -459,11 +649,17 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
     (CUDA-graph capturable). The scores of a chunk are still written to memory and read back by the
     select (decode, batch 64 x 128K: 32 MiB, L2-sized); scoring and select are not fused yet.
     ``select``: ``_select_topk``'s method (``auto``: Triton radix select for a few rows, the prefiltered
-    select for prefill chunks, torch.topk between); ``stats.prefilter_fallback_rows`` counts the rows the
-    prefilter re-selected from their full scores.
+    select for prefill chunks, torch.topk between), or ``fused``: ``index_topk_fused`` (candidates kept by the
+    scoring kernel, one select over them; the radix select's result; ``auto`` takes it for decode calls, i.e.
+    ``rows_per_tile=1``, of FUSED_DECODE_MIN_ROWS to PREFILTER_MIN_ROWS - 1 rows); ``stats.prefilter_fallback_rows``
+    counts the rows the prefilter re-selected from their full scores.
     """
+    n_rows = q_fp8.shape[0]
+    fused = select == "fused" or (select == "auto" and tile_options.get("rows_per_tile") == 1
+                                  and FUSED_DECODE_MIN_ROWS is not None and FUSED_DECODE_MIN_ROWS <= n_rows
+                                  < PREFILTER_MIN_ROWS)
     return _index_topk_chunked(index_scores, _select_topk, q_fp8, weights, index_k, index_scale, block_table,
-                               token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options)
+                               token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options, fused)
 
 
 def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,

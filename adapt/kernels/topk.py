@@ -376,6 +376,41 @@ DECODE_SELECT_BLOCK = 1024
 
 
 @triton.jit
+def sample_columns(n, i, SAMPLE: tl.constexpr, RUN: tl.constexpr):
+    """Columns of entries ``i`` (int32 block) of a row's sample: SAMPLE / RUN runs of RUN columns, one every
+    ``span`` columns (span a multiple of RUN covering the n visible columns; columns at or past n are not
+    visible)."""
+    runs: tl.constexpr = SAMPLE // RUN
+    span = tl.maximum(tl.cdiv(tl.cdiv(n, runs), RUN) * RUN, RUN)
+    return (i // RUN) * span + i % RUN
+
+
+@triton.jit
+def sample_tau(key, vis, spos, n, topk, EXPECT_NUM: tl.constexpr, EXPECT_DEN: tl.constexpr,
+               TAU_BITS: tl.constexpr):
+    """Threshold order key (uint32 scalar) from a row's sampled keys ``key`` [SAMPLE] (``vis``: visible) at
+    columns ``spos`` of n visible: the k_s-th largest visible sampled key, k_s = ceil(EXPECT * topk * (sampled
+    columns < n) / n), rounded down to its top TAU_BITS bits by TAU_BITS bisection steps; 0 (every visible key)
+    when the sample holds fewer than k_s visible keys."""
+    sampled = tl.sum(vis.to(tl.int32), axis=0)  # visible sampled scores (-inf holes left out)
+    in_range = tl.sum((spos < n).to(tl.int64), axis=0)
+    want = tl.cdiv(EXPECT_NUM * topk * in_range, EXPECT_DEN * tl.maximum(n, 1).to(tl.int64))
+    want = tl.maximum(want, 1)
+    tau = tl.zeros([], tl.uint32)
+    for b in tl.static_range(TAU_BITS):  # the lower bits stay 0: tau at or below the k_s-th key
+        trial = tau | (tl.full([], 1, tl.uint32) << (31 - b))
+        hits = tl.sum((vis & (key >= trial)).to(tl.int32), axis=0)
+        tau = tl.where(hits >= want, trial, tau)
+    return tl.where(want > sampled, 0, tau)
+
+
+@triton.jit
+def order_key(x):
+    """``_order_key`` for other modules' kernels (uint32 key whose unsigned order is fp32 ``x``'s order)."""
+    return _order_key(x)
+
+
+@triton.jit
 def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, stride, n_cols, topk,
                               SAMPLE: tl.constexpr, RUN: tl.constexpr, EXPECT_NUM: tl.constexpr,
                               EXPECT_DEN: tl.constexpr, SEG_CAP: tl.constexpr, PARTS: tl.constexpr,
@@ -392,22 +427,9 @@ def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr,
     part = tl.program_id(1)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
     base = scores_ptr + row * stride
-    # the sample: RUN-wide runs every `span` columns, span a multiple of RUN covering the n visible columns
-    runs: tl.constexpr = SAMPLE // RUN
-    span = tl.maximum(tl.cdiv(tl.cdiv(n, runs), RUN) * RUN, RUN)
-    i = tl.arange(0, SAMPLE)
-    spos = (i // RUN) * span + i % RUN
+    spos = sample_columns(n, tl.arange(0, SAMPLE), SAMPLE, RUN)
     key, vis = _slice_keys(base, spos, n, n_read)
-    sampled = tl.sum(vis.to(tl.int32), axis=0)  # visible sampled scores (-inf holes left out)
-    in_range = tl.sum((spos < n).to(tl.int64), axis=0)
-    want = tl.cdiv(EXPECT_NUM * topk * in_range, EXPECT_DEN * tl.maximum(n, 1).to(tl.int64))
-    want = tl.maximum(want, 1)
-    tau = tl.zeros([], tl.uint32)
-    for b in tl.static_range(TAU_BITS):  # the lower bits stay 0: tau at or below the k_s-th key
-        trial = tau | (tl.full([], 1, tl.uint32) << (31 - b))
-        hits = tl.sum((vis & (key >= trial)).to(tl.int32), axis=0)
-        tau = tl.where(hits >= want, trial, tau)
-    tau = tl.where(want > sampled, 0, tau)
+    tau = sample_tau(key, vis, spos, n, topk, EXPECT_NUM, EXPECT_DEN, TAU_BITS)
     if part == 0:
         tl.store(tau_ptr + row, tau.to(tl.int32, bitcast=True))
     # the candidate pass over this part's columns
@@ -571,7 +593,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
                 parts: int | None = None, block: int | None = None, select_block: int | None = None,
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
                 redo: torch.Tensor | None = None, registers: bool | None = None,
-                select_warps: int | None = None) -> torch.Tensor:
+                select_warps: int | None = None, flat: bool = False) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -587,6 +609,9 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
        ``registers`` (default: when parts x 2 * topk <= DECODE_REGISTER_SLOTS): the candidates are held in
        registers and the k-th key found by 32 bisection steps there (one load), instead of the radix passes
        over them in memory (five loads); ``select_warps`` per select program (default 8, 4 for the passes).
+    ``flat``: the select is ``select_candidates`` instead (the parts' candidates read as one ascending array of
+    FUSED_CAP slots in registers, any number of parts: ``registers`` and ``digit_bits`` then only shape the
+    full-row select).
     ``num_warps`` / ``block`` (scores per loop step): the candidate pass's launch (defaults 8 / 4096; its loop
     is not software-pipelined by Triton: no async copies in the sm_90 build); ``parts`` per row (default
     ``decode_parts``); ``sample`` a power of two.
@@ -626,16 +651,102 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
     slots = triton.next_power_of_2(parts) * seg_cap
     registers = slots <= DECODE_REGISTER_SLOTS and seg_cap & (seg_cap - 1) == 0 if registers is None else registers
-    if registers and seg_cap & (seg_cap - 1):
+    if registers and seg_cap & (seg_cap - 1) and not flat:
         raise ValueError(f"registers=True needs a power-of-two topk, not {topk}")
     _decode_candidates_kernel[(n_rows, parts)](
         scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
         RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap,
         PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS,
         num_warps=num_warps or 8)
+    if flat:
+        return select_candidates(scores, limits, tau, keys, positions, counts, topk, out=out, redo=redo,
+                                 num_warps=select_warps or 8)
     _decode_select_kernel[(n_rows,)](
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
         BITS=digit_bits, REGISTERS=registers, FULL_BLOCK=block or DECODE_BLOCK,
         num_warps=select_warps or (8 if registers else 4))
+    return out
+
+
+# Select over candidates the indexer's decode scoring kernel emitted (``dsa.index_topk_fused``): one run of
+# candidates per scoring program (a contiguous range of the row, ascending), any number of runs per row.
+FUSED_CAP = 8192  # candidates a select program holds in registers (8 warps: 32 a thread); more: the full-row select
+FUSED_LOG_PARTS_MAX = 12  # runs per row the select's binary search covers (4096)
+
+
+@triton.jit
+def _fused_select_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, incl_ptr, out_ptr, redo_ptr,
+                         stride, n_cols, topk, seg_cap, n_parts, PARTS_P2: tl.constexpr, LOG_PARTS: tl.constexpr,
+                         CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, FULL_BLOCK: tl.constexpr):
+    """One program per row over its n_parts runs of candidates (run p: count[p] order keys and positions at
+    ``(row * n_parts + p) * seg_cap``, ascending positions). Exact when no run overflowed its seg_cap slots,
+    the row holds at most CAP candidates, and either tau took every visible key or at least topk keys are
+    >= tau: the runs are then read as one ascending array of CAP slots (slot j's run by a binary search over
+    the runs' inclusive counts, stored in ``incl_ptr`` [PARTS_P2] a row), the k-th key found by 32 bisection
+    steps in registers, and the kept positions (keys above it, then the lowest-position ties) written in
+    order. Any other row is selected from its full scores (``_select_runs``; slow for that row, exact)."""
+    row = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, PARTS_P2)
+    counts = tl.load(count_ptr + row * n_parts + parts, mask=parts < n_parts, other=0)
+    tau = tl.load(tau_ptr + row)
+    total = tl.sum(counts, axis=0)
+    exact = (tl.max(counts, axis=0) <= seg_cap) & (total <= CAP) & ((tau == 0) | (total >= topk))
+    tl.store(redo_ptr + row, (~exact).to(tl.int32))
+    out_base = out_ptr + row * topk
+    if exact:
+        incl_base = incl_ptr + row * PARTS_P2
+        tl.store(incl_base + parts, tl.where(parts < n_parts, tl.cumsum(counts, axis=0), 0x7FFFFFFF))
+        tl.debug_barrier()  # the inclusive counts, written by every thread, read back by every thread
+        j = tl.arange(0, CAP)
+        m = j < total
+        part = tl.zeros([CAP], tl.int32)
+        for b in tl.static_range(LOG_PARTS):  # part = how many runs end at or before slot j
+            ends = tl.load(incl_base + part + ((PARTS_P2 >> (b + 1)) - 1), mask=m, other=0x7FFFFFFF)
+            part = tl.where(ends <= j, part + (PARTS_P2 >> (b + 1)), part)
+        start = tl.load(incl_base + part - 1, mask=m & (part > 0), other=0)
+        addr = (row * n_parts + part) * seg_cap + (j - start)
+        key = tl.load(key_ptr + addr, mask=m, other=0).to(tl.uint32, bitcast=True)
+        threshold = tl.zeros([], tl.uint32)
+        for b in range(32):  # a loop, not unrolled: a smaller build (sm_90 compile 2-3x faster on the CPU)
+            trial = threshold | (tl.full([], 1, tl.uint32) << (31 - b))
+            hits = tl.sum((m & (key >= trial)).to(tl.int32), axis=0)
+            threshold = tl.where(hits >= topk, trial, threshold)
+        threshold = tl.where(total <= topk, 0, threshold)  # every candidate is taken
+        above = m & (key > threshold)
+        rem = topk - tl.sum(above.to(tl.int32), axis=0)
+        tie = m & (key == threshold)
+        take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < rem))
+        slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out_base + slot, tl.load(pos_ptr + addr, mask=take, other=-1), mask=take)
+        offs = tl.arange(0, BLOCK)
+        for start in range(tl.sum(take.to(tl.int32), axis=0), topk, BLOCK):
+            tl.store(out_base + start + offs, tl.full([BLOCK], -1, tl.int32), mask=start + offs < topk)
+    else:
+        _select_runs(scores_ptr + row * stride, pos_ptr, limits_ptr + row, 0, n_cols, out_base, topk, RUNS=1,
+                     BLOCK=FULL_BLOCK, BITS=BITS, FROM_SCORES=True)
+
+
+def select_candidates(scores: torch.Tensor, limits: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor,
+                      positions: torch.Tensor, counts: torch.Tensor, topk: int, *, out: torch.Tensor,
+                      redo: torch.Tensor, num_warps: int = 8) -> torch.Tensor:
+    """``topk_indices``' result from candidates emitted per run (one launch, no host sync): keys / positions
+    int32 [N, parts, seg_cap] (order keys, ascending positions), counts int32 [N, parts] (how many each run
+    found, possibly more than seg_cap), tau int32 [N] (the order key they were kept at or above; 0: every visible
+    key). Rows whose candidates cannot be trusted (a run past seg_cap, more than FUSED_CAP, or fewer than topk
+    above a nonzero tau) are selected from ``scores`` fp32 [N, C] (limits int32 [N]) and flagged in ``redo``.
+    Writes int32 [N, topk] ``out`` (contiguous) and returns it."""
+    n_rows, n_parts, seg_cap = keys.shape
+    if n_rows == 0 or topk == 0:
+        redo.zero_()
+        return out
+    parts_p2 = triton.next_power_of_2(n_parts)
+    log_parts = parts_p2.bit_length() - 1
+    if log_parts > FUSED_LOG_PARTS_MAX:
+        raise ValueError(f"select_candidates takes at most {1 << FUSED_LOG_PARTS_MAX} runs a row, not {n_parts}")
+    incl = torch.empty(n_rows, parts_p2, dtype=torch.int32, device=keys.device)
+    _fused_select_kernel[(n_rows,)](
+        scores, limits, tau, keys, positions, counts, incl, out, redo, scores.stride(0), scores.shape[1], topk,
+        seg_cap, n_parts, PARTS_P2=parts_p2, LOG_PARTS=log_parts, CAP=FUSED_CAP, BLOCK=DECODE_SELECT_BLOCK,
+        BITS=8, FULL_BLOCK=DECODE_BLOCK, num_warps=num_warps)
     return out

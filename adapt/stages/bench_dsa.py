@@ -89,7 +89,8 @@ def _latent_row_bytes(latent_format: str) -> int:
 
 
 def _decode_case(
-    batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int, tiles: dict
+    batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int, tiles: dict,
+    sweep: bool = True,
 ) -> dict:
     cache = _random_cache(batch * context, latent_format)
     layer = cache.dsa_layer(0)
@@ -111,7 +112,7 @@ def _decode_case(
         best = min(programs_sweep, key=lambda row: row["us"])["programs"]
         tiles["decode_index"] = {**tiles["decode_index"], "programs": best}
 
-    def index():
+    def index():  # the default decode path (dsa.index_topk's auto)
         holder["idx"], _ = dsa.index_topk(
             q8,
             weights,
@@ -125,6 +126,12 @@ def _decode_case(
             rows_per_tile=1,
             **tiles["decode_index"],
         )
+
+    fused = _fused_rows(q8, weights, layer, block_table, token_seq, limits, topk, context, tiles["decode_index"],
+                        reps)
+    timed = [row for row in fused if "us" in row and row.get("equals_twin")]
+    best = min(timed, key=lambda row: row["us"]) if timed else {}
+    fused_tiles = {k: best.get(k) for k in FUSED_TILE_KEYS} if timed else None  # the fastest exact fused tile
 
     attend_tiles = {}
 
@@ -166,10 +173,10 @@ def _decode_case(
                       for bits in (4, 8)}
     torch_topk_ms = _time_graph_ms(lambda: torch.topk(scores, topk, dim=-1, sorted=False), reps)
     topk_sweep = []
-    for opt in (TOPK_SWEEP if batch >= SWEEP_BATCH else ()):  # select tiles where torch.topk is the default
+    for opt in (TOPK_SWEEP if batch >= SWEEP_BATCH and sweep else ()):  # select tiles where torch.topk ran
         ms = _time_graph_ms(lambda o=opt: topk_indices(scores, limits, topk, out=selected, **o), reps)
         topk_sweep.append({**opt, "us": ms * 1e3})
-    decode_select = _decode_select_rows(scores, limits, topk, selected, reps)
+    decode_select = _decode_select_rows(scores, limits, topk, selected, reps, sweep)
     index_ms = _time_graph_ms(index, reps)
     checks = {
         "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk), topk_indices_torch(scores, limits,
@@ -205,9 +212,12 @@ def _decode_case(
     attend_ms = _time_graph_ms(attend, reps)
     step_ms = _time_graph_ms(lambda: (index(), attend()), reps)
 
+    # scores, then the radix select (few rows) or topk_decode: auto's path for these rows while the fused one is off
+    old_select = "triton" if batch <= dsa.TRITON_SELECT_MAX_ROWS else "decode"
+
     def index_decode_select():
         holder["idx"], _ = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq,
-                                          limits, topk, max_keys=context, rows_per_tile=1, select="decode",
+                                          limits, topk, max_keys=context, rows_per_tile=1, select=old_select,
                                           **tiles["decode_index"])
 
     index_decode_ms = _time_graph_ms(index_decode_select, reps)
@@ -236,6 +246,9 @@ def _decode_case(
         "torch_topk_us": torch_topk_ms * 1e3,
         "topk_kernel_sweep": topk_sweep,
         "topk_decode_sweep": decode_select,
+        "fused_sweep": fused,
+        "fused_tiles": fused_tiles,
+        "old_select": old_select,
         "topk_us_decode_select": (index_decode_ms - scores_ms) * 1e3,
         "step_us_decode_select": step_decode_ms * 1e3,
         "step_over_floor_decode_select": step_decode_ms * 1e3 / floor_us,
@@ -294,15 +307,43 @@ TOPK_DECODE_SWEEP = (
 )
 
 
+# ``dsa.index_topk_fused`` tiles timed in every decode case (CUDA graph of its three launches): the default (1024
+# scoring programs, 4096 sampled keys), 2048 programs (the plain scoring kernel's acceptance tile), 264 programs
+# (longer runs per program: fewer redundant tau computations and candidate runs), a smaller sample (2048 keys).
+FUSED_SWEEP = ({}, dict(programs=2048), dict(programs=264), dict(sample=2048))
+FUSED_TILE_KEYS = ("sample", "programs")  # the fastest fused tile is reported by these (the step runs auto's path)
+
+
+def _fused_rows(q8, weights, layer, block_table, token_seq, limits, topk: int, context: int, index_tiles: dict,
+                reps: int) -> list[dict]:
+    """One row per FUSED_SWEEP tile: us (CUDA-graph replays of index + top-k), whether the positions equal
+    topk_indices_torch of the kernel's own scores, and how many rows the sample misjudged."""
+    rows = []
+    out = torch.empty(q8.shape[0], topk, dtype=torch.int32, device="cuda")
+    redo = torch.empty(q8.shape[0], dtype=torch.int32, device="cuda")
+    args = (q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits, topk, context)
+    for opt in FUSED_SWEEP:
+        tile = {**{k: v for k, v in index_tiles.items() if k != "programs"}, **opt}
+        try:
+            timing = time_cuda(lambda t=tile: dsa.index_topk_fused(*args, out=out, redo=redo, **t), reps, warmup=1)
+            _, scores = dsa.index_topk_fused(*args, out=out, redo=redo, **tile)
+            rows.append({**opt, "us": timing.median_us, "timed_as": timing.mode,
+                         "equals_twin": bool(torch.equal(out, topk_indices_torch(scores, limits, topk))),
+                         "redo_rows": int(redo.sum())})
+        except Exception as err:  # recorded; the other tiles still run
+            rows.append({**opt, "error": str(err)[:200]})
+    return rows
+
+
 def _decode_select_rows(scores: torch.Tensor, limits: torch.Tensor, topk: int, out: torch.Tensor,
-                        reps: int) -> list[dict]:
+                        reps: int, sweep: bool = True) -> list[dict]:
     """One row per TOPK_DECODE_SWEEP tile: us (timed_as "graph": CUDA-graph replays, the capture worked), whether
     the result equals topk_indices_torch's, and how many rows the sample misjudged (selected again from their
     full scores on the device); then the default tile with row 0 set all equal (what one misjudged row costs)."""
     twin = topk_indices_torch(scores, limits, topk)
     redo = torch.empty(scores.shape[0], dtype=torch.int32, device=scores.device)
     rows = []
-    for opt in TOPK_DECODE_SWEEP if scores.shape[0] >= SWEEP_BATCH else TOPK_DECODE_SWEEP[:1]:
+    for opt in TOPK_DECODE_SWEEP if scores.shape[0] >= SWEEP_BATCH and sweep else TOPK_DECODE_SWEEP[:1]:
         try:
             timing = time_cuda(lambda o=opt: topk_decode(scores, limits, topk, out=out, redo=redo, **o), reps,
                                warmup=1)
@@ -447,7 +488,7 @@ def _prefill_case(
 
     rows_per_chunk = max(1, max_score_bytes // (4 * length))
 
-    def scores_only():
+    def scores_only(options: dict | None = None):
         for r0 in range(0, length, rows_per_chunk):
             r1 = min(length, r0 + rows_per_chunk)
             dsa.index_scores(
@@ -459,10 +500,11 @@ def _prefill_case(
                 token_seq[r0:r1],
                 limits[r0:r1],
                 -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK,
-                **tiles["prefill_index"],
+                **(tiles["prefill_index"] if options is None else options),
             )
 
     tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(length - PREFILL_TAIL_ROWS + 1, length + 1))
+    all_flops = 2 * INDEX_HEADS * INDEX_DIM * length * (length + 1) / 2
     sweep_rows = []
     for opt in index_sweep:
         try:
@@ -474,10 +516,14 @@ def _prefill_case(
             continue
         sweep_rows.append({"kernel": "index_scores prefill last 4096", **opt, "us": ms * 1e3,
                            "TFLOPs": tail_flops / ms / 1e9})
+        if len(index_sweep) > 1:  # each tile also over all rows (the acceptance line's measure)
+            all_ms = _time_ms(lambda o=opt: scores_only(o), reps)
+            sweep_rows[-1].update(all_rows_ms=all_ms, all_rows_TFLOPs=all_flops / all_ms / 1e9)
     timed = [row for row in sweep_rows if "us" in row]
-    if timed:
-        best = min(timed, key=lambda row: row["us"])
-        tiles["prefill_index"] = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
+    if timed:  # over all rows where each tile ran there too (the acceptance line's measure), else the tail
+        best = min(timed, key=lambda row: row.get("all_rows_ms", row["us"]))
+        tiles["prefill_index"] = {k: v for k, v in best.items()
+                                  if k not in ("kernel", "us", "TFLOPs", "all_rows_ms", "all_rows_TFLOPs")}
     tail = dsa.index_scores(q8[last], weights[last], layer.index_k, layer.index_scale, block_table,
                             token_seq[last], limits[last], length, **tiles["prefill_index"])
     tail_limits = limits[last]
@@ -509,8 +555,8 @@ def _prefill_case(
         mla_rows.append({"kernel": "sparse_mla prefill last 4096", **opt, "us": ms * 1e3,
                          "TFLOPs": 2 * HEADS * selected_tail * (RANK + ROPE + RANK) / ms / 1e9})
     timed = [row for row in mla_rows if "us" in row]
-    if timed:
-        best = min(timed, key=lambda row: row["us"])
+    if timed:  # over all rows where each tile ran there too (the acceptance line's measure), else the tail
+        best = min(timed, key=lambda row: row.get("all_rows_ms", row["us"]))
         mla_options = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
     tail_idx = None
     torch.cuda.empty_cache()
@@ -874,7 +920,7 @@ def run_dsa_acceptance(
     for b in (1, batch):
         try:
             result["decode"].append(_decode_case(b, context, topk, latent_format, ceilings["copy_tbps"], reps,
-                                                       tiles))
+                                                       tiles, sweep))
         except Exception as err:  # recorded (its acceptance lines count as unmet); the other cases still run
             result["errors"].append(f"decode batch {b}: {type(err).__name__}: {str(err)[:300]}")
         torch.cuda.empty_cache()
@@ -916,6 +962,18 @@ PREFILL_INDEX_SWEEP = (
     dict(rows_per_tile=4, key_block=64, num_stages=2, num_warps=8),
     dict(rows_per_tile=4, key_block=64, num_stages=4, num_warps=8),
     dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
+    # Fourth session: the Gluon kernels of adapt.kernels.dsa_gluon (the same 2 x 64 tile on 4 warps, the MMA of one
+    # key tile or row overlapped with the epilogue of the one before). H200, benchmarks/gpu-2026-12-01-dsa-s4-indexer,
+    # TFLOP/s on the last 4096 rows / over all 128K rows, tl 2 x 64 in the same call 720 / 738 and 706 / 737:
+    # stacked (186 registers, 2 programs per SM) 484 / 499; capped at 168 registers (162, 3 per SM) with 3, 4, 2
+    # stages 681 / 686, 684 / 683, 688 / 687 (656 / 681 in the next call); stacked without the weights re-read
+    # 644 / 651; row-split (117 registers, 4 per SM) with 3, 2, 4 stages 708 / 682, 696 / 686, 701 / 677, and
+    # 4 rows 628 / 637. None beat tl over all rows; the row-split one stays here as the same-run comparison.
+    dict(rows_per_tile=2, key_block=64, num_stages=2, gluon=True, gluon_split_rows=True),
+    # the row-split kernel capped at 96 registers (96, no spill: 5 programs per SM; the tl tile spills 104 bytes
+    # at that cap): 3 / 2 stages 733 / 719 and 731 / 717 against tl 722 / 739 in the same call (534dcd7)
+    dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
+    dict(rows_per_tile=2, key_block=64, num_stages=2, gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
 )
 
 # Sparse MLA prefill tiles (the last 4096 rows of the 128K prefill, 16 tiles of 128 positions per row; H200,
@@ -1132,16 +1190,28 @@ def _tile_sweep(topk: int, latent_format: str, reps: int) -> list[dict]:
     return rows
 
 
-def _decode_select_line(d: dict) -> str:
-    """The decode top-k (``topk_decode``) beside torch.topk: its tiles (us, equal to the twin, misjudged rows)
-    and the step with it."""
+def _tile_rows_text(rows: list[dict]) -> str:
+    """Timed tile rows as one line: options (or 'default'): us (timed as, twin, redo rows), or the error."""
     measured = ("us", "equals_twin", "redo_rows", "timed_as", "error")
-    tiles = ", ".join(
+    return ", ".join(
         f"{ {k: v for k, v in r.items() if k not in measured} or 'default'}: "
         + (f"{_fmt(r['us'])} ({r['timed_as']}, twin {r['equals_twin']}, redo {r['redo_rows']})" if "us" in r
            else r["error"])
-        for r in d["topk_decode_sweep"])
-    return (f"topk_decode us: {tiles}; torch.topk {_fmt(d.get('torch_topk_us'))}; step with select=decode "
+        for r in rows)
+
+
+def _fused_line(d: dict) -> str:
+    """The fused decode index + top-k (``dsa.index_topk_fused``, an option): its tiles (us of index + top-k, equal
+    to the twin select of its scores, misjudged rows) and the fastest."""
+    return f"fused index+top-k us: {_tile_rows_text(d['fused_sweep'])}; fastest {d.get('fused_tiles')}"
+
+
+def _decode_select_line(d: dict) -> str:
+    """The decode top-k (``topk_decode``) beside torch.topk: its tiles (us, equal to the twin, misjudged rows)
+    and the step with it."""
+    tiles = _tile_rows_text(d["topk_decode_sweep"])
+    return (f"topk_decode us: {tiles}; torch.topk {_fmt(d.get('torch_topk_us'))}; step with select="
+            f"{d.get('old_select', 'decode')} "
             f"{_fmt(d.get('step_us_decode_select'))} us (top-k in the step {_fmt(d.get('topk_us_decode_select'))}, "
             f"step / floor {_fmt(d.get('step_over_floor_decode_select'), 2)})")
 
@@ -1163,6 +1233,8 @@ def compact_summary(result: dict) -> str:
         )
         if d.get("topk_decode_sweep"):
             lines.append(f"    {_decode_select_line(d)}")
+        if d.get("fused_sweep"):
+            lines.append(f"    {_fused_line(d)}")
     lines.append("prefill T: scores/topk/mla/total ms | dense ms | speedup")
     for p in result["prefill"]:
         lines.append(
@@ -1177,7 +1249,8 @@ def compact_summary(result: dict) -> str:
         lines.append(f"    twin: scores {p.get('index_scores_rel_err_vs_twin')}, "
                      f"mla {p.get('sparse_mla_rel_err_vs_twin')} {p.get('twin_check_error', '')}")
         for r in p.get("index_sweep", []) + p.get("sparse_mla_sweep", []):
-            opts = {k: v for k, v in r.items() if k not in ("kernel", "us", "TFLOPs", "error")}
+            opts = {k: v for k, v in r.items() if k not in ("kernel", "us", "TFLOPs", "error", "all_rows_ms",
+                                                            "all_rows_TFLOPs")}
             lines.append(f"    {r['kernel']} {opts}: {_fmt(r.get('us'), 0)} us {_fmt(r.get('TFLOPs'), 0)} TFLOP/s "
                          f"{r.get('error', '')}")
     lines += [f"  ERROR {e}" for e in result.get("errors", [])]
@@ -1234,6 +1307,8 @@ def render_markdown(result: dict) -> str:
             lines.append(f"|  | select kernel tiles (us): {sweep} |")
         if d.get("topk_decode_sweep"):
             lines.append(f"|  | {_decode_select_line(d)} |")
+        if d.get("fused_sweep"):
+            lines.append(f"|  | {_fused_line(d)} |")
         if "sparse_mla_rel_err_vs_bf16_q_twin" in d:
             lines.append(f"|  | sparse MLA (q.k in e4m3) against the bf16-q twin: rel. error "
                          f"{d['sparse_mla_rel_err_vs_bf16_q_twin']:.1e} |")
@@ -1281,9 +1356,11 @@ def render_markdown(result: dict) -> str:
     prefill_sweeps = [r for p in result.get("prefill", [])
                       for r in p.get("index_sweep", []) + p.get("sparse_mla_sweep", [])]
     for row in result.get("tile_sweep", []) + prefill_sweeps:
-        opts = {k: v for k, v in row.items() if k not in ("kernel", "us", "TFLOPs", "key_TBps", "error")}
+        opts = {k: v for k, v in row.items() if k not in ("kernel", "us", "TFLOPs", "key_TBps", "error", "all_rows_ms",
+                                                          "all_rows_TFLOPs")}
+        all_rows = f"; all rows {row['all_rows_TFLOPs']:.0f} TFLOP/s" if "all_rows_TFLOPs" in row else ""
         rate = (
-            f"{row['TFLOPs']:.0f} TFLOP/s"
+            f"{row['TFLOPs']:.0f} TFLOP/s{all_rows}"
             if "TFLOPs" in row
             else f"{row['key_TBps']:.2f} TB/s"
             if "key_TBps" in row

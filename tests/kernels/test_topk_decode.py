@@ -50,14 +50,14 @@ def adversarial_rows(gen):
 
 
 # radix passes over the candidates in memory (three parts, small steps); candidates in registers (one part,
-# 4-bit digits in the full-row select); registers over three parts. The GPU runs the first (one build; the
-# graph test below runs the default).
+# 4-bit digits in the full-row select); registers over three parts; the flat select (select_candidates) over
+# three parts. The GPU runs the first and the flat one (the graph test below runs the default).
 TILES = [dict(parts=3, block=512, select_block=256, registers=False), dict(parts=1, digit_bits=4),
-         dict(parts=3, registers=True, select_block=64)]
+         dict(parts=3, registers=True, select_block=64), dict(parts=3, block=512, flat=True)]
 
 
 @pytest.mark.parametrize("device, opts", [("cpu", opts) for opts in TILES]
-                         + [pytest.param("cuda", TILES[0], marks=pytest.mark.gpu)])
+                         + [pytest.param("cuda", TILES[i], marks=pytest.mark.gpu) for i in (0, 3)])
 def test_decode_topk_equals_twin_and_redoes_misjudged_rows_on_device(device, opts):
     """Three parts of 2k slots each: rows 0, 1, 9 select over their candidates. One part (2k slots for about
     1.5k candidates from a 64-score sample) may send those rows to the full select too: still the twin's."""
