@@ -1,7 +1,7 @@
 """Compile adapt's sparse MLA decode kernels for sm_90 on a machine without a GPU and count their SASS.
 
 Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
-       (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K and
+       (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
        SPLIT, PREFETCH, EARLY_LOADS, DIRECT and L2_AHEAD from the object: ``compile_gluon``)
 
 Each JSON object overrides the four-group kernel's constexprs (upper-case keys; the default is the
