@@ -1,7 +1,8 @@
 """Sparse MLA on one H200: the Gluon kernel (adapt/kernels/sparse_mla_gluon.py) beside the tl default, DeepSeek-V3.2
 shapes (128 heads, latent 512 in e4m3 four groups + rope 64 bf16, top-2048).
 
-Usage (repo root, GPU machine): PYTHONPATH=. python benchmarks/sparse_mla_gluon_h200.py OUT.json [variants JSON]
+Usage (repo root, GPU machine): PYTHONPATH=. python benchmarks/sparse_mla_gluon_h200.py OUT.json [spec JSON]
+(spec: ``main``; e.g. '{"only": ["gluon", "gluon l2 ahead 2"], "batches": [64], "step": false}')
 
 Rows: decode batch 64 x 128K and batch 1 x 128K (CUDA-graph medians, adapt.bench.timer.time_graph_ms), the last
 4096 rows of a 128K prefill (eager medians, as bench_dsa's prefill sweep); selected positions are uniform random
@@ -34,6 +35,8 @@ DECODE_VARIANTS = {
     "gluon direct": {"gluon": {"DIRECT": True}},
     "gluon early loads": {"gluon": {"EARLY_LOADS": True}},
     "gluon direct + early loads": {"gluon": {"DIRECT": True, "EARLY_LOADS": True}},
+    "gluon l2 ahead 2": {"gluon": {"L2_AHEAD": 2}},
+    "gluon l2 ahead 4": {"gluon": {"L2_AHEAD": 4}},
 }
 PREFILL_VARIANTS = {
     "tl default": {"gluon": False},
@@ -43,6 +46,8 @@ PREFILL_VARIANTS = {
     "gluon without slot prefetch": {"gluon": True, "prefetch": False},
     "gluon direct": {"gluon": {"DIRECT": True}},
     "gluon direct + early loads": {"gluon": {"DIRECT": True, "EARLY_LOADS": True}},
+    "gluon l2 ahead 2": {"gluon": {"L2_AHEAD": 2}},
+    "gluon l2 ahead 4": {"gluon": {"L2_AHEAD": 4}},
 }
 
 
@@ -106,8 +111,17 @@ def prefill_tail(length: int, rows: int, variants: dict, reps: int) -> list[dict
 def main(path: str, spec: str | None = None) -> None:
     """Ceilings, the sparse MLA rows, then (``step``, default on) bench_dsa's decode case at batch 64 x 128K with
     the default tiles (index + top-k + sparse MLA step against its byte floor); the JSON is rewritten after
-    each part, so a call cut short keeps what finished."""
+    each part, so a call cut short keeps what finished. ``spec`` (JSON) may name ``only`` (the variants to time,
+    by name), ``batches`` (decode batches, default [64, 1]), ``reps``, ``prefill``, ``prefill_reps``, ``step``."""
     cfg = json.loads(spec) if spec else {}
+    only = cfg.get("only")
+    unknown = set(only or ()) - set(DECODE_VARIANTS) - set(PREFILL_VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}")
+
+    def pick(variants: dict) -> dict:
+        return {k: v for k, v in variants.items() if only is None or k in only}
+
     result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit(),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
 
@@ -117,12 +131,12 @@ def main(path: str, spec: str | None = None) -> None:
 
     result["ceilings"] = measure_ceilings(copy_gib=2, reps=10, matmul_reps=5)
     print(json.dumps(result["ceilings"]), flush=True)
-    for batch in (64, 1):
-        result["rows"] += decode(batch, 131072, DECODE_VARIANTS, cfg.get("reps", 20))
+    for batch in cfg.get("batches", (64, 1)):
+        result["rows"] += decode(batch, 131072, pick(DECODE_VARIANTS), cfg.get("reps", 20))
         torch.cuda.empty_cache()
         save()
     if cfg.get("prefill", True):
-        result["rows"] += prefill_tail(131072, 4096, PREFILL_VARIANTS, cfg.get("prefill_reps", 5))
+        result["rows"] += prefill_tail(131072, 4096, pick(PREFILL_VARIANTS), cfg.get("prefill_reps", 5))
         torch.cuda.empty_cache()
         save()
     if cfg.get("step", True):

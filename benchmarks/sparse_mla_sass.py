@@ -1,8 +1,8 @@
 """Compile adapt's sparse MLA decode kernels for sm_90 on a machine without a GPU and count their SASS.
 
 Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
-       (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K and
-       SPLIT from the object: ``compile_gluon``)
+       (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
+       SPLIT, PREFETCH, EARLY_LOADS, DIRECT and L2_AHEAD from the object: ``compile_gluon``)
 
 Each JSON object overrides the four-group kernel's constexprs (upper-case keys; the default is the
 DeepSeek-V3.2 decode tile: 64 heads, 128 positions, rank 512 in four e4m3 groups, rope 64) and the
@@ -46,12 +46,13 @@ def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool 
     return compile_sm90(kern, const, ptrs, (), num_warps, num_stages, floats=("scale_log2",))
 
 
-def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool = False, direct: bool = False):
+def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool = False, direct: bool = False,
+                  l2_ahead: int = 0):
     """``sparse_mla_gluon_kernel`` for sm_90 (8 warps) at the DeepSeek-V3.2 shapes (rank 512 in four e4m3 groups,
     rope 64, 64 heads), pointers 16-byte aligned."""
     kern = smg.sparse_mla_gluon_kernel
     const = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=block_k, PAGE=64, SPLIT=split, PREFETCH=prefetch,
-                 EARLY_LOADS=early, DIRECT=direct)
+                 EARLY_LOADS=early, DIRECT=direct, L2_AHEAD=l2_ahead)
     ptrs = {k: v for k, v in PTRS.items() if k not in ("qscale_ptr",)}
     ptrs["out_ptr"] = "fp32" if split else "bf16"
     sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
@@ -89,7 +90,7 @@ if __name__ == "__main__":
         try:
             if c.get("gluon"):
                 ck = compile_gluon(c.get("BLOCK_K", 64), c.get("SPLIT", False), c.get("PREFETCH", True),
-                                   c.get("EARLY_LOADS", False), c.get("DIRECT", False))
+                                   c.get("EARLY_LOADS", False), c.get("DIRECT", False), c.get("L2_AHEAD", 0))
             else:
                 ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1), c.get("swap_ab", False))
         except Exception as err:  # a variant that does not compile is printed, the others still run

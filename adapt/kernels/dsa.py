@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adapt.kernels import dsa_gluon
 from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
@@ -71,6 +72,10 @@ from adapt.kernels.topk import (
 # block-table entry read per key: 4 x 64 on 8 warps 617-646, 2 x 64 on 4 warps 561-571 (commits 0375b39,
 # ab589f7, 4001191).
 PREFILL_ROWS_PER_TILE = 2
+# Whether prefill scoring takes the Gluon kernel (``dsa_gluon``) by default where it applies (CUDA capability 9.x,
+# 64-key tiles in one page). Off: on an H200 (2026-12-01, commits 146e6ef / 63bde98 / 534dcd7) no Gluon form beat
+# this tl tile over all 128K rows (best 719 against 737-739 TFLOP/s; benchmarks/gpu-2026-12-01-dsa-s4-indexer).
+PREFILL_GLUON = False
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
 KEY_BLOCK = 128
@@ -348,7 +353,9 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
                  num_cols: int, *, rows_per_tile: int | None = None, key_block: int | None = None,
                  num_stages: int | None = None, num_warps: int | None = None,
-                 programs: int | None = None, stacked: bool = True, full_tiles: bool = False) -> torch.Tensor:
+                 programs: int | None = None, stacked: bool = True, full_tiles: bool = False,
+                 gluon: bool | None = None, gluon_w_smem: bool = True,
+                 gluon_maxnreg: int | None = None, gluon_split_rows: bool = False) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -369,6 +376,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     tile's rows x heads, q loaded once (default), else one MMA per row; ``full_tiles`` (stacked): the key
     tiles every row of the query tile sees whole run in a loop without masks (sm_90: 158 registers
     against 125, so one program per SM instead of two; H200: 399 against 663 TFLOP/s; off by default).
+    ``gluon`` (stacked prefill tiles): the Gluon kernel of ``dsa_gluon`` (the same tile and arithmetic, MMA of
+    one key tile overlapped with the epilogue of the one before; 4 warps, 64-key tiles); None: ``PREFILL_GLUON``
+    where ``dsa_gluon.gluon_applies``, True: required (ValueError where it does not apply, e.g. on CPU);
+    ``gluon_w_smem``: its epilogue re-reads the head weights from shared memory; ``gluon_maxnreg``: its
+    register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -386,12 +398,25 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     splits = min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS, tiles.shape[0])))
     tiles_per_split = triton.cdiv(key_tiles, splits)
     grid = (tiles.shape[0], triton.cdiv(key_tiles, tiles_per_split))
+    block_h = max(16, triton.next_power_of_2(n_heads))
+    use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))
+    if use_gluon and (_interpreting() or not dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE)):
+        if gluon:
+            raise ValueError("gluon=True needs a CUDA device of capability 9.x, 64-key tiles inside one page, "
+                             "a head dim that is a multiple of 32 and rows_per_tile x heads <= 256")
+        use_gluon = False
+    if use_gluon:
+        dsa_gluon.launch(grid, q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
+                         limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
+                         rows=per_tile, page=PAGE_SIZE, num_stages=num_stages or 3, w_smem=gluon_w_smem,
+                         maxnreg=gluon_maxnreg, split_rows=gluon_split_rows)
+        return out
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
         limits.to(torch.int32).contiguous(), tiles, token_seq, out,
         n_heads, block_table.stride(0), out.stride(0), num_cols, tiles_per_split,
         out, out, out, out, out, 0, 0,  # the decode candidate outputs (EMIT, ``index_topk_fused``): unused here
-        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s, ROWS=per_tile,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=block_s, ROWS=per_tile,
         PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
         DIRECT=decode, FULL_TILES=bool(full_tiles) and stacked and per_tile > 1,
         num_warps=num_warps or (4 if decode else PREFILL_WARPS),

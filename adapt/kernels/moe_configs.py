@@ -30,7 +30,11 @@ class GemmConfig:
     tile; they are too narrow for the asynchronous copy pipeline); early_up: the fold decodes the gate and
     up tiles before either MMA; maxnreg: a register cap per thread (0: none), so two 8-warp programs fit;
     gluon: the fold runs ``moe_gluon.fold_gemm`` (decode of step k + 1 beside the MMAs of step k) where
-    ``moe_gluon.usable`` (sm_90), token-major only; elsewhere the ``tl`` kernel."""
+    ``moe_gluon.usable`` (sm_90), token-major only; elsewhere the ``tl`` kernel; gluon_ws: with gluon, the
+    warp-specialized form (``moe_gluon.fold_gemm_ws_kernel``: a loader warpgroup fills the ring, the MMA warps
+    issue no global loads in the K loop); probe: with gluon (not gluon_ws), a timing-only variant whose output is
+    wrong (``moe_gluon.fold_gemm_kernel``'s PROBE: 1 no proxy fence, 2 decode only the first two K steps,
+    3 both); 0 everywhere but the probe rows of ``bench_moe.FOLD_SWEEP``."""
 
     block_m: int = 16
     block_n: int = 64
@@ -45,6 +49,8 @@ class GemmConfig:
     early_up: bool = False
     maxnreg: int = 0
     gluon: bool = False
+    gluon_ws: bool = False
+    probe: int = 0
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,25 @@ def _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, ROPE:
 
 
 @gluon.jit
+def _l2_prefetch_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, ROPE: gl.constexpr,
+                      GROUP: gl.constexpr, PFL: gl.constexpr):
+    """Ask L2 for one tile's cache rows ahead of their gathers (``prefetch.global.L2``: no registers held, no
+    data returned). ``slot``: int32 [BLOCK_K] in SliceLayout(1, PFL), -1 = none (prefetches row 0, harmless).
+    PFL spans [BLOCK_K, 8]: columns 0 .. RANK / 128 - 1 are the e4m3 row's 128-byte lines, the next its bf16
+    rope row (ROPE * 2 = 128 bytes), the next its fp32 scales (16 bytes); the rest prefetch row 0's scales."""
+    gl.static_assert(RANK // 128 + 2 <= 8)
+    gl.static_assert(ROPE * 2 <= 128)
+    s2 = gl.expand_dims(gl.maximum(slot, 0).to(gl.int64), 1)
+    j = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, PFL)), 0)
+    nope_a = (nope_ptr + s2 * RANK + gl.minimum(j, RANK // 128 - 1) * 128).to(gl.int64, bitcast=True)
+    rope_a = (rope_ptr + s2 * ROPE).to(gl.int64, bitcast=True)
+    sc_a = (nscale_ptr + gl.where(j == RANK // 128 + 1, s2, 0) * (RANK // GROUP)).to(gl.int64, bitcast=True)
+    addr = gl.where(j < RANK // 128, nope_a, gl.where(j == RANK // 128, rope_a, sc_a))
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.constexpr):
     """Dequantise a gathered tile (fp32 product rounded to bf16, as the twin) into its ring slot."""
     kv = (raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
@@ -106,11 +125,12 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                             RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
                             BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
                             PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
-                            DIRECT: gl.constexpr = False):
+                            DIRECT: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
-    RANK]."""
+    RANK]. L2_AHEAD > 0: at each step the cache rows of the tile L2_AHEAD steps ahead are prefetched into L2
+    (``_l2_prefetch_rows``), so the gathers issued one step ahead wait on L2, not HBM."""
     gl.static_assert(BLOCK_H == 64)
     row = gl.program_id(0).to(gl.int64)
     head0 = gl.program_id(1) * BLOCK_H
@@ -124,6 +144,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, RANK // 2, 16])
     VL: gl.constexpr = gl.SliceLayout(0, S_L)
+    PFL: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 2], [1, 0])  # [64, 8]: one tile's L2 prefetches
+    PFR: gl.constexpr = gl.SliceLayout(1, PFL)
     # shared memory
     q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], gl.bfloat16)
     qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], gl.bfloat16)
@@ -166,6 +188,10 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     slot_rn = _idx_slots(block_table_ptr, seq, bt_stride,
                          _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
 
+    if L2_AHEAD > 0:  # slots of the tile L2_AHEAD steps ahead (its rows are prefetched at the loop's first step)
+        slot_pf = _idx_slots(block_table_ptr, seq, bt_stride,
+                             _tile_idx(idx_ptr, row, first + L2_AHEAD * BLOCK_K, last, topk, BLOCK_K, PFR), PAGE)
+
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, RANK], gl.float32, layout=O_L))
@@ -173,6 +199,9 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     buf = 0
     for k0 in range(first, last, BLOCK_K):
         kv_buf = kv_smem.index(buf)
+        if L2_AHEAD > 0:  # rows of the tile L2_AHEAD ahead into L2; positions of the one after (slots below)
+            _l2_prefetch_rows(slot_pf, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, PFL)
+            idx_pf = _tile_idx(idx_ptr, row, k0 + (L2_AHEAD + 1) * BLOCK_K, last, topk, BLOCK_K, PFR)
         if EARLY_LOADS:  # the next tile's gathers issued before this tile's q.k (PREFETCH: addresses known)
             raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL,
                                                 slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K,
@@ -215,6 +244,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
             slot_n = _idx_slots(block_table_ptr, seq, bt_stride, idx_nn, PAGE)
             if DIRECT:
                 slot_rn = _idx_slots(block_table_ptr, seq, bt_stride, idx_rnn, PAGE)
+        if L2_AHEAD > 0:
+            slot_pf = _idx_slots(block_table_ptr, seq, bt_stride, idx_pf, PAGE)
         _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K)
         valid = valid_n
     if SPLIT:  # the slice's log2-sum-exp first (fewer values live with the accumulator)
@@ -251,7 +282,8 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # softmax validity in their own layouts (4 fewer barriers a tile, 12 more loads). H200, call 2 of
 # benchmarks/gpu-2026-12-01-dsa-s4-mla: DIRECT 134.6 us against 141.3 at decode batch 64 x 128K and 7.75 against
 # 8.14 ms on the last 4096 prefill rows; EARLY_LOADS 147.0 us (slower), with DIRECT 136.8.
-GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True}
+# L2_AHEAD (0 = off; not yet measured): the cache rows of the tile that many steps ahead are prefetched into L2.
+GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0}
 
 
 def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices, softmax_scale,

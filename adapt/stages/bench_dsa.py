@@ -488,7 +488,7 @@ def _prefill_case(
 
     rows_per_chunk = max(1, max_score_bytes // (4 * length))
 
-    def scores_only():
+    def scores_only(options: dict | None = None):
         for r0 in range(0, length, rows_per_chunk):
             r1 = min(length, r0 + rows_per_chunk)
             dsa.index_scores(
@@ -500,10 +500,11 @@ def _prefill_case(
                 token_seq[r0:r1],
                 limits[r0:r1],
                 -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK,
-                **tiles["prefill_index"],
+                **(tiles["prefill_index"] if options is None else options),
             )
 
     tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(length - PREFILL_TAIL_ROWS + 1, length + 1))
+    all_flops = 2 * INDEX_HEADS * INDEX_DIM * length * (length + 1) / 2
     sweep_rows = []
     for opt in index_sweep:
         try:
@@ -515,10 +516,14 @@ def _prefill_case(
             continue
         sweep_rows.append({"kernel": "index_scores prefill last 4096", **opt, "us": ms * 1e3,
                            "TFLOPs": tail_flops / ms / 1e9})
+        if len(index_sweep) > 1:  # each tile also over all rows (the acceptance line's measure)
+            all_ms = _time_ms(lambda o=opt: scores_only(o), reps)
+            sweep_rows[-1].update(all_rows_ms=all_ms, all_rows_TFLOPs=all_flops / all_ms / 1e9)
     timed = [row for row in sweep_rows if "us" in row]
-    if timed:
-        best = min(timed, key=lambda row: row["us"])
-        tiles["prefill_index"] = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
+    if timed:  # over all rows where each tile ran there too (the acceptance line's measure), else the tail
+        best = min(timed, key=lambda row: row.get("all_rows_ms", row["us"]))
+        tiles["prefill_index"] = {k: v for k, v in best.items()
+                                  if k not in ("kernel", "us", "TFLOPs", "all_rows_ms", "all_rows_TFLOPs")}
     tail = dsa.index_scores(q8[last], weights[last], layer.index_k, layer.index_scale, block_table,
                             token_seq[last], limits[last], length, **tiles["prefill_index"])
     tail_limits = limits[last]
@@ -550,8 +555,8 @@ def _prefill_case(
         mla_rows.append({"kernel": "sparse_mla prefill last 4096", **opt, "us": ms * 1e3,
                          "TFLOPs": 2 * HEADS * selected_tail * (RANK + ROPE + RANK) / ms / 1e9})
     timed = [row for row in mla_rows if "us" in row]
-    if timed:
-        best = min(timed, key=lambda row: row["us"])
+    if timed:  # over all rows where each tile ran there too (the acceptance line's measure), else the tail
+        best = min(timed, key=lambda row: row.get("all_rows_ms", row["us"]))
         mla_options = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
     tail_idx = None
     torch.cuda.empty_cache()
@@ -957,6 +962,18 @@ PREFILL_INDEX_SWEEP = (
     dict(rows_per_tile=4, key_block=64, num_stages=2, num_warps=8),
     dict(rows_per_tile=4, key_block=64, num_stages=4, num_warps=8),
     dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
+    # Fourth session: the Gluon kernels of adapt.kernels.dsa_gluon (the same 2 x 64 tile on 4 warps, the MMA of one
+    # key tile or row overlapped with the epilogue of the one before). H200, benchmarks/gpu-2026-12-01-dsa-s4-indexer,
+    # TFLOP/s on the last 4096 rows / over all 128K rows, tl 2 x 64 in the same call 720 / 738 and 706 / 737:
+    # stacked (186 registers, 2 programs per SM) 484 / 499; capped at 168 registers (162, 3 per SM) with 3, 4, 2
+    # stages 681 / 686, 684 / 683, 688 / 687 (656 / 681 in the next call); stacked without the weights re-read
+    # 644 / 651; row-split (117 registers, 4 per SM) with 3, 2, 4 stages 708 / 682, 696 / 686, 701 / 677, and
+    # 4 rows 628 / 637. None beat tl over all rows; the row-split one stays here as the same-run comparison.
+    dict(rows_per_tile=2, key_block=64, num_stages=2, gluon=True, gluon_split_rows=True),
+    # the row-split kernel capped at 96 registers (96, no spill: 5 programs per SM; the tl tile spills 104 bytes
+    # at that cap): 3 / 2 stages 733 / 719 and 731 / 717 against tl 722 / 739 in the same call (534dcd7)
+    dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
+    dict(rows_per_tile=2, key_block=64, num_stages=2, gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
 )
 
 # Sparse MLA prefill tiles (the last 4096 rows of the 128K prefill, 16 tiles of 128 positions per row; H200,
@@ -1232,7 +1249,8 @@ def compact_summary(result: dict) -> str:
         lines.append(f"    twin: scores {p.get('index_scores_rel_err_vs_twin')}, "
                      f"mla {p.get('sparse_mla_rel_err_vs_twin')} {p.get('twin_check_error', '')}")
         for r in p.get("index_sweep", []) + p.get("sparse_mla_sweep", []):
-            opts = {k: v for k, v in r.items() if k not in ("kernel", "us", "TFLOPs", "error")}
+            opts = {k: v for k, v in r.items() if k not in ("kernel", "us", "TFLOPs", "error", "all_rows_ms",
+                                                            "all_rows_TFLOPs")}
             lines.append(f"    {r['kernel']} {opts}: {_fmt(r.get('us'), 0)} us {_fmt(r.get('TFLOPs'), 0)} TFLOP/s "
                          f"{r.get('error', '')}")
     lines += [f"  ERROR {e}" for e in result.get("errors", [])]
@@ -1338,9 +1356,11 @@ def render_markdown(result: dict) -> str:
     prefill_sweeps = [r for p in result.get("prefill", [])
                       for r in p.get("index_sweep", []) + p.get("sparse_mla_sweep", [])]
     for row in result.get("tile_sweep", []) + prefill_sweeps:
-        opts = {k: v for k, v in row.items() if k not in ("kernel", "us", "TFLOPs", "key_TBps", "error")}
+        opts = {k: v for k, v in row.items() if k not in ("kernel", "us", "TFLOPs", "key_TBps", "error", "all_rows_ms",
+                                                          "all_rows_TFLOPs")}
+        all_rows = f"; all rows {row['all_rows_TFLOPs']:.0f} TFLOP/s" if "all_rows_TFLOPs" in row else ""
         rate = (
-            f"{row['TFLOPs']:.0f} TFLOP/s"
+            f"{row['TFLOPs']:.0f} TFLOP/s{all_rows}"
             if "TFLOPs" in row
             else f"{row['key_TBps']:.2f} TB/s"
             if "key_TBps" in row

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import fnmatch
 import json
 import time
 from dataclasses import replace
@@ -380,6 +381,7 @@ _GL1 = _G(128, 128, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
 _GL2 = _G(128, 256, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
 _GLM1 = _G(256, 64, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
 _GLM2 = _G(256, 128, 128, 8, 8, 3, 1, swap_ab=False, gluon=True)
+_GW1, _GW2 = replace(_GL1, gluon_ws=True), replace(_GL2, gluon_ws=True)
 FOLD_SWEEP = {
     # name: (lowest T, highest T, GEMM1 config, GEMM2 config, sign-split words); token-major unless "swap".
     # Call 1 (2026-11-30-s3-prefill, commit efed1d8) timed the first six without the scale prefetch.
@@ -404,6 +406,17 @@ FOLD_SWEEP = {
     "fp8_gluon_m256_split_combine": (16384, _BIG_T, _GLM1, _GLM2, True),
     "fp8_gluon_m256_split_s4_combine": (16384, _BIG_T, replace(_GLM1, num_stages=4), replace(_GLM2, num_stages=4),
                                         True),
+    # round 2 (call 3, commit 2878dba): warp-specialized (``fold_gemm_ws_kernel``): a loader warpgroup issues
+    # every global load of the K loop, the MMA warps decode, fence and multiply; bit-equal, 2-3% slower than
+    # fp8_gluon_split_combine in the same run, so no longer timed by --large
+    "fp8_gluon_ws_split_combine": (16384, 0, _GW1, _GW2, True),
+    "fp8_gluon_ws_split_n128_combine": (16384, 0, _GW1, replace(_GW2, block_n=128), True),
+    "fp8_gluon_ws_n128_combine": (16384, 0, _GW1, replace(_GW2, block_n=128), False),
+    # timing probes of the round-1 kernel (wrong outputs: ``GemmConfig.probe``; only with gluon_check.py, never
+    # in --large): no proxy fence; decode of a tile's first two K steps only; both (the MMA + ring floor)
+    "fp8_gluon_probe_nofence_split_combine": (16384, 0, replace(_GL1, probe=1), replace(_GL2, probe=1), True),
+    "fp8_gluon_probe_nodecode_split_combine": (16384, 0, replace(_GL1, probe=2), replace(_GL2, probe=2), True),
+    "fp8_gluon_probe_floor_split_combine": (16384, 0, replace(_GL1, probe=3), replace(_GL2, probe=3), True),
 }
 """In-GEMM fold configs timed with ``--large`` (``expert_mlp(compute="fp8_fold")``); each row's output is
 checked bit-equal to the offline path's at the same T (``equal_to_offline``)."""
@@ -477,8 +490,14 @@ def _combined(mlp, topw, perm):
     return lambda: combine(mlp(), topw, perm.slot_pos)
 
 
+def _picked(name: str, patterns: list[str]) -> bool:
+    """True when ``name`` matches one of the shell patterns (``fnmatch.fnmatchcase``)."""
+    return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
 def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[str] | None = None,
-                   budget_s: float = 1e9, sweep: bool = False, large: bool = False) -> dict:
+                   budget_s: float = 1e9, sweep: bool = False, large: bool = False,
+                   only: list[str] | None = None) -> dict:
     """The peer beside adapt's MXFP4-storage paths only: same seed and so the same MXFP4 codes as
     ``run_moe_bench``, same CUDA-graph timer, same-run ceilings. adapt's rows include the weighted
     combine of the k expert outputs (``routing.combine``), as the peer's rows include its scatter +
@@ -489,8 +508,9 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
     fused combine, the others the expert GEMMs alone). At the first T of
     each shape the setups of ``PEER_CANDIDATES`` are tried until one gives finite outputs (each try
     recorded, GEMM1 and GEMM2 checked apart), and at T = 16 the peer is checked against a float32
-    reference of its own routing (``rel_err_vs_reference``). Writes moe_bench.json / .md to out_dir
-    after every T."""
+    reference of its own routing (``rel_err_vs_reference``). only: shell patterns (``fnmatch``) of the
+    adapt rows and sweep configs to time (None: all; the peer is always timed). Writes moe_bench.json /
+    .md to out_dir after every T."""
     from adapt.kernels.moe_gemm import expert_mlp
     from adapt.kernels.moe_planar import PlanarExperts
     from adapt.kernels.moe_weights import FP8Weights, mxfp4_expert_bytes
@@ -582,6 +602,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                         break
                 if chosen is None:
                     peer = None
+            if only is not None:
+                variants = {n: f for n, f in variants.items() if _picked(n, only)}
             if chosen is not None:
                 parts = {}
                 variants["peer"] = _peer_variant(peer, x, t, e, k, chosen[1], parts)
@@ -636,7 +658,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                       + (f"  equal_to_offline {same}" if same is not None else ""), flush=True)
             if sweep and t <= PLANAR_MAX_TOKENS:
                 configs = {n: ("planar_fused" if n.endswith(FUSED_SUFFIX) else "planar", a, b)
-                           for n, ((lo, hi), a, b) in PLANAR_SWEEP.items() if lo <= t <= hi}
+                           for n, ((lo, hi), a, b) in PLANAR_SWEEP.items()
+                           if lo <= t <= hi and (only is None or _picked(n, only))}
                 result["sweep"] += _sweep(x, perm, routed, None, dict(shape, name=name), flops, start + budget_s,
                                           configs, wbytes, ceil["copy_tbps"], planar, topw)
             save()
@@ -740,6 +763,27 @@ PLANAR_SWEEP = {
     "t1_g1s2+fc": ((1, 1), {"split_k": 2}, {}),
     "t1_c64+fc": ((1, 1), *[{"maxnreg": 64, "num_stages": 3}] * 2),
     "t1_g1s2_c64+fc": ((1, 1), {"split_k": 2, "maxnreg": 64, "num_stages": 3}, {"maxnreg": 64, "num_stages": 3}),
+    # Session 4 (benchmarks/moe/2026-12-01-s4-small). sm_90 SASS of one 128-K step (sass_report.py, CPU):
+    # a warp's loop is about 120 instructions of loads, addresses, wgmma and barriers whatever its rows,
+    # plus 14.5 of decode per packed word, so 32 rows a warp (block_n 128 with 4 warps: 406 a step,
+    # 25 a word) issue 17% fewer instructions per weight byte than 16 (block_n 64: 245, 31 a word).
+    # T = 1: block_n 128 with split-K keeps the table's program count (GEMM1 2 x 256, GEMM2 2 x 448)
+    # where block_n 128 alone halved it (91.6 us); 8 warps on 256 rows (two warpgroups, 32 rows a
+    # warp) split in 4. Call 1 of 2026-12-01-s4-small (commit f3a639c, vs the table's 88.6 / 48.6 us with the
+    # combine, DeepSeek-V3 / gpt-oss): 89.2 / 48.4, GEMM1 only 86.5 / 51.0, GEMM2 only 87.2 / 46.5, split 4
+    # 91.8 / 47.6, 8 warps 101.8 / 50.8: within the spread, the table stays
+    "s4_t1_n128s2+fc": ((1, 1), *[{"block_n": 128, "split_k": 2}] * 2),
+    "s4_t1_g1n128s2+fc": ((1, 1), {"block_n": 128, "split_k": 2}, {}),
+    "s4_t1_g2n128s2+fc": ((1, 1), {}, {"block_n": 128, "split_k": 2}),
+    "s4_t1_n128s4+fc": ((1, 1), *[{"block_n": 128, "split_k": 4}] * 2),
+    "s4_t1_w8n256s4+fc": ((1, 1), *[{"block_n": 256, "num_warps": 8, "split_k": 4}] * 2),
+    # T = 16 / 64: 256 rows a tile on 8 warps (32 rows a warp, as the table's 128 on 4; SASS 122
+    # registers, no spill, 67 KB shared at 4 stages): half the tiles, so half the per-tile pipeline
+    # fills and epilogues (gpt-oss GEMM1: K = 2880 is 23 steps a tile, DeepSeek-V3's 7168 is 56). Call 1
+    # (vs the table's 719.8 / 1,557.4 us DeepSeek-V3 T = 16 / 64, 246.7 / 483.5 gpt-oss): 6-15% slower each
+    "s4_g1w8n256+fc": ((16, 64), {"block_n": 256, "num_warps": 8}, {}),
+    "s4_w8n256+fc": ((16, 64), *[{"block_n": 256, "num_warps": 8}] * 2),
+    "s4_g1w8n256st3+fc": ((16, 64), {"block_n": 256, "num_warps": 8, "num_stages": 3}, {}),
 }
 FUSED_SUFFIX = "+fc"
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
@@ -1556,7 +1600,9 @@ if __name__ == "__main__":
     ap.add_argument("--planar-sweep", action="store_true", help="time PLANAR_SWEEP at every point")
     ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer variants")
     ap.add_argument("--no-memory", action="store_true", help="skip expert memory and conversion rates")
-    ap.add_argument("--variants", nargs="*", default=None, help="variant names to time (default: all)")
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="variant names to time (default: all); with --peer-only shell patterns of adapt's rows "
+                         "and sweep configs (the peer is always timed)")
     ap.add_argument(
         "--quick-acceptance",
         action="store_true",
@@ -1571,7 +1617,8 @@ if __name__ == "__main__":
         run_format_bench(args.out_dir, args.tokens, (args.shapes or ["deepseek-v3"])[0], args.budget_s)
         raise SystemExit(0)
     if args.peer_only:
-        run_peer_bench(args.out_dir, args.tokens, args.shapes, args.budget_s, args.planar_sweep, args.large)
+        run_peer_bench(args.out_dir, args.tokens, args.shapes, args.budget_s, args.planar_sweep, args.large,
+                       args.variants)
         raise SystemExit(0)
     res = run_moe_bench(
         args.out_dir,

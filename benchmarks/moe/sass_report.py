@@ -54,6 +54,29 @@ def compile_planar(const: dict, num_warps: int, num_stages: int, maxnreg: int):
     return compile_sm90(mp._planar_gemm_kernel, const, PTRS, DIV16, num_warps, num_stages, maxnreg)
 
 
+def sass_ops(sass: str) -> list[tuple[int, str, str]]:
+    """cuobjdump SASS text -> (address, opcode, operands) per instruction."""
+    ops = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    return ops
+
+
+def smallest_loop(ops: list[tuple[int, str, str]], marker: str) -> list[tuple[int, str, str]] | None:
+    """The shortest backward-branch body holding an opcode that contains ``marker`` (a K loop), or None."""
+    at = {a: i for i, (a, _, _) in enumerate(ops)}
+    loop = None
+    for i, (a, op, rest) in enumerate(ops):
+        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if t and int(t.group(1), 16) < a and int(t.group(1), 16) in at:
+            body = ops[at[int(t.group(1), 16)]: i + 1]
+            if any(marker in o for _, o, _ in body) and (loop is None or len(body) < len(loop)):
+                loop = body
+    return loop
+
+
 def report(ck, maxnreg: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
@@ -66,19 +89,7 @@ def report(ck, maxnreg: int) -> dict:
         if maxnreg:
             args[1:1] = ["--maxrregcount", str(maxnreg)]
         info = subprocess.run(args, capture_output=True, text=True).stderr
-    ops = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
-        if m:
-            ops.append((int(m.group(1), 16), m.group(3), m.group(4)))
-    at = {a: i for i, (a, _, _) in enumerate(ops)}
-    loop = None
-    for i, (a, op, rest) in enumerate(ops):
-        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if t and int(t.group(1), 16) < a and int(t.group(1), 16) in at:
-            body = ops[at[int(t.group(1), 16)]: i + 1]
-            if any("GMMA" in o for _, o, _ in body) and (loop is None or len(body) < len(loop)):
-                loop = body
+    loop = smallest_loop(sass_ops(sass), "GMMA")
     regs = re.findall(r"Used (\d+) registers", info)
     spill = re.findall(r"(\d+) bytes spill stores", info)
     return dict(shared=ck.metadata.shared, regs=int(regs[-1]) if regs else None,

@@ -9,6 +9,8 @@ import pytest
 SHIPPED = [{"gluon": True, "BLOCK_K": 64, "SPLIT": split, "PREFETCH": pf} for split in (False, True)
            for pf in (True, False)] + [{"gluon": True, "SPLIT": split, "DIRECT": True, "EARLY_LOADS": early}
                                        for split in (False, True) for early in (False, True)]
+# the L2 prefetch option (``L2_AHEAD``, off by default until measured) on the default flags
+L2_AHEAD = [{"gluon": True, "SPLIT": split, "DIRECT": True, "L2_AHEAD": 2} for split in (False, True)]
 H200_SHARED_BYTES = 232448  # 227 KB per block (CUDA sm_90 limit)
 TWIN_REL_TOL_CUDA = 5e-3  # test_sparse_mla.TWIN_REL_TOL["cuda"]: p rounded to bf16 for p @ v, the twin keeps fp32
 
@@ -17,12 +19,14 @@ TWIN_REL_TOL_CUDA = 5e-3  # test_sparse_mla.TWIN_REL_TOL["cuda"]: p rounded to b
 def test_gluon_kernel_builds_for_sm90_within_registers():
     from tests.kernels.test_sparse_mla_sass import sass_rows
 
-    for row in sass_rows(SHIPPED):
+    for row in sass_rows(SHIPPED + L2_AHEAD):
         assert "error" not in row, row
         assert row["regs"] <= 255 and row["spill_bytes"] == 0, row
         assert row["shared"] <= H200_SHARED_BYTES, row
         # both MMAs of the tile in the loop (bf16 HGMMA), and no fp32 FMA-pipe matmul
         assert row["loop_ops"].get("HGMMA", 0) >= 2 and row["loop_ops"].get("FFMA", 0) < 64, row
+        # L2 prefetches (CCTL) in the loop exactly where asked: 64 rows x 8 lines = 2 per thread
+        assert row["loop_ops"].get("CCTL", 0) == (2 if row["config"].get("L2_AHEAD") else 0), row
 
 
 def _case(lengths, rows, heads, topk, seed=0):
@@ -39,7 +43,9 @@ def _case(lengths, rows, heads, topk, seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"splits": 3}, {"prefetch": False}, {"gluon": {"DIRECT": False}},
-                                     {"gluon": {"DIRECT": True, "EARLY_LOADS": True}}])
+                                     {"gluon": {"DIRECT": True, "EARLY_LOADS": True}},
+                                     pytest.param({"gluon": {"L2_AHEAD": 2}}, id="l2_ahead2"),
+                                     pytest.param({"gluon": {"L2_AHEAD": 4}, "splits": 2}, id="l2_ahead4_splits2")])
 def test_gluon_decode_batch64_matches_twin(options):
     """64 decode rows (one per sequence of 300 tokens), 128 heads, top-256 (rows see all 300 or fewer: -1 pads in
     the tail of some rows' lists are masked)."""
@@ -59,13 +65,17 @@ def test_gluon_decode_batch64_matches_twin(options):
     twin = sparse_mla_torch(*args)
     assert torch.isfinite(got).all()
     assert rel(got, twin) <= TWIN_REL_TOL_CUDA
+    l2 = options.get("gluon", {}).get("L2_AHEAD") if isinstance(options.get("gluon"), dict) else None
+    if l2:  # the L2 prefetches change no arithmetic: bit-equal to the same launch without them
+        assert torch.equal(sparse_mla(*args, **{**options, "gluon": {**options["gluon"], "L2_AHEAD": 0}}), got)
     if not options:  # 64 rows x 2 head blocks take no position slices: the default is the Gluon kernel
         assert torch.equal(sparse_mla(*args), got)
         assert not torch.equal(sparse_mla(*args, gluon=False), got)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"gluon": {"DIRECT": True}, "splits": 16}])
+@pytest.mark.parametrize("options", [{}, {"gluon": {"DIRECT": True}, "splits": 16},
+                                     pytest.param({"gluon": {"L2_AHEAD": 2}}, id="l2_ahead2")])
 def test_gluon_deepseek_v32_shape_matches_twin(options):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens (rows 0 .. 2047 select
     fewer than 2048), against the twin and the float64 reference; a row with no position returns 0."""

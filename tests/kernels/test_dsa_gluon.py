@@ -1,0 +1,102 @@
+"""The Gluon indexer prefill kernel (``adapt.kernels.dsa_gluon``): its sm_90 build on the CPU (ptxas of the triton
+wheel, through ``benchmarks/dsa_gluon_sass.py`` in a process without the interpreter), the dispatch that keeps it
+off the CPU, and on the GPU the kernel against the twin and the tl kernel."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from adapt.kernels import dsa
+from tests.kernels.test_dsa import assert_close_scores, filled_cache, index_scores_float64
+
+ROOT = Path(__file__).resolve().parents[2]
+# The configs the prefill sweep times on the H200 (DeepSeek-V3.2: 64 heads x 128, 2 rows, 64-key pages), and the
+# small head count / head dim of the GPU test below.
+SHIPPED = [{}, {"maxnreg": 168}, {"NUM_STAGES": 4, "maxnreg": 168}, {"W_SMEM": False}, {"SPLIT_ROWS": True},
+           {"SPLIT_ROWS": True, "ROWS": 4}, {"SPLIT_ROWS": True, "maxnreg": 96}]
+SMALL = [{"HEAD_DIM": 32, "BLOCK_H": 16}, {"HEAD_DIM": 32, "BLOCK_H": 16, "SPLIT_ROWS": True}]
+
+
+def test_sm90_build_keeps_the_wgmma_async_without_spills():
+    """Every config compiles for sm_90 with no spill and without ptxas serialising the wgmma (C7514) or waiting
+    on it before the epilogue of the other tile (C7517); the key-tile loop holds its MMAs (stacked: two key
+    tiles per trip; split rows: one MMA per row; HEAD_DIM / 32 k-steps each) and 16-byte copies."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dsa_gluon_sass.py"), json.dumps(SHIPPED + SMALL)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(SHIPPED + SMALL), run.stdout + run.stderr
+    for row in rows:
+        assert "error" not in row, row
+        assert row["notes"] == [], row
+        assert row["spill_bytes"] == 0, row
+        # two key tiles per trip (stacked) or ROWS MMAs per key tile (split rows), HEAD_DIM / 32 k-steps each
+        per_trip = row["config"].get("ROWS", 2) if row["config"].get("SPLIT_ROWS") else 2
+        assert row["loop_ops"].get("QGMMA") == per_trip * row["config"].get("HEAD_DIM", 128) // 32, row
+        assert row["loop_ops"].get("LDGSTS", 0) >= 1, row
+        if "maxnreg" in row["config"]:
+            assert row["regs"] <= row["config"]["maxnreg"], row
+        if row["config"].get("SPLIT_ROWS"):  # 4 programs of 128 threads per SM
+            assert row["regs"] <= 128, row
+
+
+def test_dispatch_keeps_the_tl_kernel_off_hopper():
+    """On the CPU (interpreter) the default takes the tl kernel; asking for the Gluon one is an error."""
+    layer, batch, q8, weights = filled_cache((70,), heads=3, dim=32, device="cpu", seed=2)
+    limits = (batch.positions + 1).int()
+    args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits, 128)
+    got = dsa.index_scores(*args, rows_per_tile=2, key_block=64)
+    assert_close_scores(got, dsa.index_scores_torch(*args), "cpu")
+    with pytest.raises(ValueError, match="gluon=True"):
+        dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=True)
+
+
+GPU_OPTIONS = [dict(gluon=True), dict(gluon=True, gluon_maxnreg=168), dict(gluon=True, num_stages=2),
+               dict(gluon=True, gluon_w_smem=False), dict(gluon=True, programs=1),
+               dict(gluon=True, gluon_split_rows=True), dict(gluon=True, gluon_split_rows=True, programs=1),
+               dict(gluon=True, gluon_split_rows=True, rows_per_tile=4, num_stages=2),
+               dict(gluon=True, gluon_split_rows=True, gluon_maxnreg=96)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", GPU_OPTIONS)
+def test_gluon_scores_match_twin_on_gpu(opts):
+    """Three sequences (pages out of order in one), query tiles cut mid-sequence, odd and even key-tile counts
+    per split, rows past a sequence's end: the Gluon kernel against the twin and float64."""
+    layer, batch, q8, weights = filled_cache((70, 200, 5, 129), heads=3, dim=32, device="cuda", seed=7)
+    table = batch.block_table.clone()
+    table[1, :4] = table[1, :4].flip(0)
+    limits = (batch.positions + 1).int()
+    args = (q8, weights, layer.index_k, layer.index_scale, table, batch.token_seq, limits, 256)
+    got = dsa.index_scores(*args, **{"rows_per_tile": 2, "key_block": 64, **opts})
+    assert_close_scores(got, dsa.index_scores_torch(*args), "cuda")
+    assert_close_scores(got, index_scores_float64(*args), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_rows", [False, True])
+def test_gluon_scores_at_deepseek_shapes_on_gpu(split_rows):
+    """DeepSeek-V3.2's indexer (64 heads x 128) on the last 64 rows of a 4160-token causal prefill: against the
+    twin at the tight GPU tolerance, and against the tl kernel (the same arithmetic)."""
+    n = 4160
+    layer, batch, q8, weights = filled_cache((n,), heads=64, dim=128, device="cuda", seed=11)
+    limits = (batch.positions + 1).int()
+    last = slice(n - 64, n)
+    args = (q8[last], weights[last], layer.index_k, layer.index_scale, batch.block_table, batch.token_seq[last],
+            limits[last], n)
+    got = dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=True, gluon_split_rows=split_rows)
+    tl_scores = dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=False)
+    assert_close_scores(got, dsa.index_scores_torch(*args), "cuda")
+    assert_close_scores(got, tl_scores, "cuda")
+    finite = torch.isfinite(tl_scores)
+    assert float((got[finite] - tl_scores[finite]).abs().max()) <= 1e-3 * float(tl_scores[finite].abs().max())
