@@ -20,12 +20,12 @@ CONFIGS = [
 ]
 
 
-def sass_rows(configs: list[dict]) -> list[dict]:
-    """``benchmarks/sparse_mla_sass.py``'s report of each config, built in a process without the interpreter (one
-    row per config: a build error is a row with ``error``)."""
+def sass_rows(configs: list[dict], script: str = "sparse_mla_sass.py") -> list[dict]:
+    """``benchmarks/<script>``'s report of each config (default: the sparse MLA builds), built in a process without
+    the interpreter (one row per config: a build error is a row with ``error``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sparse_mla_sass.py"), json.dumps(configs)],
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), json.dumps(configs)],
                          capture_output=True, text=True, env=env, timeout=600)
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == len(configs), run.stdout + run.stderr
