@@ -33,13 +33,14 @@ TILES = {
         ("topk_decode", dict(flat=True, parts=128, block=1024, num_warps=4))],
 }
 # The defaults first (radix select at batch 1, topk_decode's register select at 64), then the short select (with
-# 16 warps a select program; the last batch-64 tile also reads 8192 scores a step with 16 warps in the candidate
-# pass: twice the loads in flight, 128 registers, no spills in the CPU sm_90 build). At batch 1 topk_decode's 8
+# 16 warps a select program; the last two batch-64 tiles also change the candidate pass: the next step's scores
+# loaded ahead (prefetch), or 8192 scores a step with 16 warps: twice the loads in flight, 128 registers, no
+# spills in the CPU sm_90 build). At batch 1 topk_decode's 8
 # parts hold 32K slots (past the register select's 8K: radix passes in memory), so the short select runs there
 # as the flat one, beside the flat tile of call 2 (44.1 us).
 FAST_TILES = {
     64: [("topk_decode", {}), ("topk_decode", dict(fast=1)), ("topk_decode", dict(fast=1, select_warps=16)),
-         ("topk_decode", dict(fast=2, select_warps=16)),
+         ("topk_decode", dict(fast=2, select_warps=16)), ("topk_decode", dict(fast=1, select_warps=16, prefetch=True)),
          ("topk_decode", dict(fast=1, select_warps=16, block=8192, num_warps=16))],
     1: [("topk_indices", dict(digit_bits=8))]
     + [("topk_decode", dict(flat=True, parts=128, block=1024, num_warps=4, **o))

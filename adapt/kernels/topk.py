@@ -414,7 +414,8 @@ def order_key(x):
 def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, stride, n_cols, topk,
                               SAMPLE: tl.constexpr, RUN: tl.constexpr, EXPECT_NUM: tl.constexpr,
                               EXPECT_DEN: tl.constexpr, SEG_CAP: tl.constexpr, PARTS: tl.constexpr,
-                              BLOCK: tl.constexpr, ALIGNED: tl.constexpr, TAU_BITS: tl.constexpr):
+                              BLOCK: tl.constexpr, ALIGNED: tl.constexpr, TAU_BITS: tl.constexpr,
+                              PREFETCH: tl.constexpr):
     """Program (row, part). Every part of a row draws the same sample and threshold key tau: the
     k_s-th largest visible sampled key, k_s = ceil(EXPECT * topk * (sampled columns < n) / n), rounded down to
     its top TAU_BITS bits (sign, exponent and 7 mantissa bits at 16: under 1% of the value, so a few more
@@ -422,7 +423,8 @@ def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr,
     key, when the sample holds fewer than k_s visible scores: -inf holes or a short row).
     Then the part's columns (a contiguous 1/PARTS of the row) are read once and its visible keys >= tau go,
     in ascending position order, to the part's SEG_CAP slots (order keys and positions); count = how many
-    there were (possibly more than SEG_CAP: only the first SEG_CAP are stored)."""
+    there were (possibly more than SEG_CAP: only the first SEG_CAP are stored). PREFETCH: the scores of step
+    i + 1 are loaded before step i's scan and stores (Triton does not pipeline this loop on its own)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
@@ -441,16 +443,34 @@ def _decode_candidates_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr,
     pos_base = pos_ptr + seg * SEG_CAP
     offs = tl.arange(0, BLOCK)
     written = 0
-    for start in range(lo, hi, BLOCK):
-        pos = start + offs
-        step_key, step_vis = _slice_keys(base, pos, n, n_read)
-        take = step_vis & (step_key >= tau) & (pos < hi)
-        slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        keep = take & (slot < SEG_CAP)
-        tl.store(key_base + slot, step_key.to(tl.int32, bitcast=True), mask=keep)
-        tl.store(pos_base + slot, pos, mask=keep)
-        written += tl.sum(take.to(tl.int32), axis=0)
+    if PREFETCH:  # the next step's scores requested before this step's scan and stores (one step in flight)
+        if ALIGNED:
+            hi = tl.multiple_of(hi, 16)  # (16-byte loads: lo, width and n_read are multiples of 16)
+        x = tl.load(base + lo + offs, mask=lo + offs < hi, other=float("-inf"))
+        for start in range(lo, hi, BLOCK):
+            pos = start + offs
+            x_next = tl.load(base + pos + BLOCK, mask=pos + BLOCK < hi, other=float("-inf"))
+            written = _emit_candidates(_order_key(x), (x != float("-inf")) & (pos < n), pos, tau, hi, written,
+                                       key_base, pos_base, SEG_CAP)
+            x = x_next
+    else:
+        for start in range(lo, hi, BLOCK):
+            pos = start + offs
+            step_key, step_vis = _slice_keys(base, pos, n, n_read)
+            written = _emit_candidates(step_key, step_vis, pos, tau, hi, written, key_base, pos_base, SEG_CAP)
     tl.store(count_ptr + seg, written)
+
+
+@triton.jit
+def _emit_candidates(step_key, step_vis, pos, tau, hi, written, key_base, pos_base, SEG_CAP: tl.constexpr):
+    """Store the visible keys >= tau at positions < hi of one step (ascending) after the ``written`` before them
+    (those past SEG_CAP slots only counted); returns the new count."""
+    take = step_vis & (step_key >= tau) & (pos < hi)
+    slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    keep = take & (slot < SEG_CAP)
+    tl.store(key_base + slot, step_key.to(tl.int32, bitcast=True), mask=keep)
+    tl.store(pos_base + slot, pos, mask=keep)
+    return written + tl.sum(take.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -523,6 +543,7 @@ def _select_runs(src_ptr, pos_ptr, count_ptr, run_stride, run_cap, out_base, top
 # topk_decode's register and flat select programs; 16 fits the short select's build in 128 registers).
 FAST_SELECT = 0
 DECODE_REGISTER_WARPS = 8
+DECODE_PREFETCH = False  # the candidate pass's next step loaded ahead (``topk_decode(prefetch=)``); not yet timed
 
 
 def _fast_level(fast: int | None) -> int:
@@ -682,7 +703,8 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
                 parts: int | None = None, block: int | None = None, select_block: int | None = None,
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
                 redo: torch.Tensor | None = None, registers: bool | None = None,
-                select_warps: int | None = None, flat: bool = False, fast: int | None = None) -> torch.Tensor:
+                select_warps: int | None = None, flat: bool = False, fast: int | None = None,
+                prefetch: bool | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -705,6 +727,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     ``fast`` (default FAST_SELECT; 0, 1 or 2): the register and flat selects find the k-th key by ``_kth_key``'s
     short bisection (``fast`` bits a step below the candidates' common prefix) and count kept keys and ties in
     one scan; 0: the 32-step bisection.
+    ``prefetch`` (default DECODE_PREFETCH): the candidate pass loads step i + 1's scores before step i's scan.
     ``num_warps`` / ``block`` (scores per loop step): the candidate pass's launch (defaults 8 / 4096; its loop
     is not software-pipelined by Triton: no async copies in the sm_90 build); ``parts`` per row (default
     ``decode_parts``); ``sample`` a power of two.
@@ -750,7 +773,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
         scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
         RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap,
         PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS,
-        num_warps=num_warps or 8)
+        PREFETCH=DECODE_PREFETCH if prefetch is None else prefetch, num_warps=num_warps or 8)
     if flat:
         return select_candidates(scores, limits, tau, keys, positions, counts, topk, out=out, redo=redo,
                                  num_warps=select_warps or DECODE_REGISTER_WARPS, fast=fast)

@@ -51,16 +51,18 @@ def adversarial_rows(gen):
 
 # radix passes over the candidates in memory (three parts, small steps); candidates in registers (one part,
 # 4-bit digits in the full-row select); registers over three parts; the flat select (select_candidates) over
-# three parts; the short select (fast, 2 and 1 bits a step) in registers and flat. The GPU runs the first, the
-# flat ones and the fast register ones (the graph test below runs the default).
+# three parts; the short select (fast, 2 and 1 bits a step) in registers and flat; the candidate pass loading a
+# step ahead (prefetch). The GPU runs the first, the flat ones, the fast register ones and the prefetch one (the
+# graph test below runs the default).
 TILES = [dict(parts=3, block=512, select_block=256, registers=False), dict(parts=1, digit_bits=4),
          dict(parts=3, registers=True, select_block=64), dict(parts=3, block=512, flat=True),
          dict(parts=3, registers=True, select_block=64, fast=2), dict(parts=3, block=512, flat=True, fast=2),
-         dict(parts=3, registers=True, select_block=64, fast=1), dict(parts=3, block=512, flat=True, fast=1)]
+         dict(parts=3, registers=True, select_block=64, fast=1), dict(parts=3, block=512, flat=True, fast=1),
+         dict(parts=3, block=512, registers=True, fast=1, prefetch=True)]
 
 
 @pytest.mark.parametrize("device, opts", [("cpu", opts) for opts in TILES]
-                         + [pytest.param("cuda", TILES[i], marks=pytest.mark.gpu) for i in (0, 3, 4, 5, 6, 7)])
+                         + [pytest.param("cuda", TILES[i], marks=pytest.mark.gpu) for i in (0, 3, 4, 5, 6, 7, 8)])
 def test_decode_topk_equals_twin_and_redoes_misjudged_rows_on_device(device, opts):
     """Three parts of 2k slots each: rows 0, 1, 9 select over their candidates. One part (2k slots for about
     1.5k candidates from a 64-score sample) may send those rows to the full select too: still the twin's."""
@@ -167,11 +169,12 @@ def test_decode_topk_default_sample_and_k_past_the_columns():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [{}, dict(fast=2, select_warps=16), dict(fast=1, select_warps=16)])
+@pytest.mark.parametrize("opts", [{}, dict(fast=2, select_warps=16), dict(fast=1, select_warps=16, prefetch=True)])
 def test_decode_topk_deepseek_v32_batch64_in_a_cuda_graph(opts):
     """64 rows x 128K keys, top-2048, replayed from a CUDA graph: identical to the twin; a row the sample
     misjudges is selected again inside the graph (no host sync); new scores replay with new results. The
-    default select and the short one (16 warps a select program, as timed)."""
+    default select and the short one (16 warps a select program, as timed; one with the candidate pass loading a
+    step ahead)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     s = torch.randn(64, 131072, device="cuda", generator=gen)
     s[1] = torch.round(s[1] * 4)
