@@ -539,11 +539,14 @@ def _select_runs(src_ptr, pos_ptr, count_ptr, run_stride, run_cap, out_base, top
 
 
 # The short select (``fast``): 0 off (the 32-step bisection), 1 one bit a step below the candidates' common
-# prefix, 2 two bits a step there. 0 until timed on the H200 (then set here, with DECODE_REGISTER_WARPS: warps of
-# topk_decode's register and flat select programs; 16 fits the short select's build in 128 registers).
-FAST_SELECT = 0
-DECODE_REGISTER_WARPS = 8
-DECODE_PREFETCH = False  # the candidate pass's next step loaded ahead (``topk_decode(prefetch=)``); not yet timed
+# prefix, 2 two bits a step there. DECODE_REGISTER_WARPS: warps of topk_decode's register and flat select programs
+# (16 fits the short select's build in 128 registers). DECODE_PREFETCH: the candidate pass loads step i + 1's scores
+# ahead (``topk_decode(prefetch=)``). Timed on one H200, 2026-12-01, 64 x 128K, CUDA graph, every row exact
+# (benchmarks/gpu-2026-12-01-dsa-s4-decode/, closing call): the old default 87.7 us, fast 1 81.1, fast 1 with 16 warps
+# 81.1, fast 2 with 16 warps 83.9, fast 1 with 16 warps and the prefetch 76.1 (now the default).
+FAST_SELECT = 1
+DECODE_REGISTER_WARPS = 16
+DECODE_PREFETCH = True
 
 
 def _fast_level(fast: int | None) -> int:
