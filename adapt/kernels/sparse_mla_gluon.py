@@ -282,7 +282,9 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # softmax validity in their own layouts (4 fewer barriers a tile, 12 more loads). H200, call 2 of
 # benchmarks/gpu-2026-12-01-dsa-s4-mla: DIRECT 134.6 us against 141.3 at decode batch 64 x 128K and 7.75 against
 # 8.14 ms on the last 4096 prefill rows; EARLY_LOADS 147.0 us (slower), with DIRECT 136.8.
-# L2_AHEAD (0 = off; not yet measured): the cache rows of the tile that many steps ahead are prefetched into L2.
+# L2_AHEAD (0 = off): the cache rows of the tile that many steps ahead are prefetched into L2; measured slower in the
+# closing call (benchmarks/gpu-2026-12-01-dsa-s4-final, 564516d): decode 144.6 / 144.9 us at 2 / 4 against 137.5,
+# prefill rows 8.34 / 8.40 ms against 7.81.
 GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0}
 
 
