@@ -2,12 +2,8 @@
 wheel, through ``benchmarks/dsa_gluon_sass.py`` in a process without the interpreter), the dispatch that keeps it
 off the CPU, and on the GPU the kernel against the twin and the tl kernel."""
 
-import json
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 if not shutil.which("nvidia-smi"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -17,8 +13,8 @@ import torch
 
 from adapt.kernels import dsa
 from tests.kernels.test_dsa import assert_close_scores, filled_cache, index_scores_float64
+from tests.kernels.test_sparse_mla_sass import sass_rows
 
-ROOT = Path(__file__).resolve().parents[2]
 # The configs the prefill sweep times on the H200 (DeepSeek-V3.2: 64 heads x 128, 2 rows, 64-key pages), and the
 # small head count / head dim of the GPU test below.
 SHIPPED = [{}, {"maxnreg": 168}, {"NUM_STAGES": 4, "maxnreg": 168}, {"W_SMEM": False}, {"SPLIT_ROWS": True},
@@ -30,13 +26,7 @@ def test_sm90_build_keeps_the_wgmma_async_without_spills():
     """Every config compiles for sm_90 with no spill and without ptxas serialising the wgmma (C7514) or waiting
     on it before the epilogue of the other tile (C7517); the key-tile loop holds its MMAs (stacked: two key
     tiles per trip; split rows: one MMA per row; HEAD_DIM / 32 k-steps each) and 16-byte copies."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dsa_gluon_sass.py"), json.dumps(SHIPPED + SMALL)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(SHIPPED + SMALL), run.stdout + run.stderr
-    for row in rows:
+    for row in sass_rows(SHIPPED + SMALL, "dsa_gluon_sass.py"):
         assert "error" not in row, row
         assert row["notes"] == [], row
         assert row["spill_bytes"] == 0, row
