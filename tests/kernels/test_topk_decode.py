@@ -169,12 +169,12 @@ def test_decode_topk_default_sample_and_k_past_the_columns():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [{}, dict(fast=2, select_warps=16), dict(fast=1, select_warps=16, prefetch=True)])
+@pytest.mark.parametrize("opts", [{}, dict(fast=2, select_warps=16), dict(fast=0, select_warps=8, prefetch=False)])
 def test_decode_topk_deepseek_v32_batch64_in_a_cuda_graph(opts):
     """64 rows x 128K keys, top-2048, replayed from a CUDA graph: identical to the twin; a row the sample
     misjudges is selected again inside the graph (no host sync); new scores replay with new results. The
-    default select and the short one (16 warps a select program, as timed; one with the candidate pass loading a
-    step ahead)."""
+    default select (the short one, fast 1, 16 warps a select program, the candidate pass loading a step ahead),
+    fast 2, and the 32-step bisection on 8 warps without the prefetch (the default before 2026-12-01)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     s = torch.randn(64, 131072, device="cuda", generator=gen)
     s[1] = torch.round(s[1] * 4)
