@@ -460,12 +460,12 @@ def index_topk_fused(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     device = q_fp8.device
-    out = torch.empty(n_rows, topk, dtype=torch.int32, device=device) if out is None else out
-    redo = torch.empty(n_rows, dtype=torch.int32, device=device) if redo is None else redo
-    scores = torch.empty(n_rows, num_cols, dtype=torch.float32, device=device)
     sample = sample or FUSED_SAMPLE
     if sample & (sample - 1) or sample < 16:
         raise ValueError(f"sample must be a power of two >= 16, not {sample}")
+    out = torch.empty(n_rows, topk, dtype=torch.int32, device=device) if out is None else out
+    redo = torch.empty(n_rows, dtype=torch.int32, device=device) if redo is None else redo
+    scores = torch.empty(n_rows, num_cols, dtype=torch.float32, device=device)
     if n_rows == 0 or num_cols == 0 or topk == 0:
         out.fill_(-1)
         redo.zero_()
@@ -557,6 +557,15 @@ SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "d
 FUSED_DECODE_MIN_ROWS: int | None = None
 
 
+def auto_select(rows: int, cols: int, topk: int) -> str:
+    """``_select_topk``'s method for ``auto`` on a [rows, cols] score chunk (see there)."""
+    if rows <= TRITON_SELECT_MAX_ROWS:
+        return "triton"
+    if rows >= PREFILTER_MIN_ROWS:
+        return "prefilter" if prefilter_applies(rows, cols, topk) else "torch"
+    return "decode" if DECODE_SELECT_MIN_ROWS is not None and rows >= DECODE_SELECT_MIN_ROWS else "torch"
+
+
 def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
                  method: str = "auto") -> int:
     """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``; returns the
@@ -571,12 +580,7 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     if method not in SELECT_METHODS:
         raise ValueError(f"select must be one of {SELECT_METHODS}, not {method!r}")
     if method == "auto":
-        if rows <= TRITON_SELECT_MAX_ROWS:
-            method = "triton"
-        elif rows >= PREFILTER_MIN_ROWS:
-            method = "prefilter" if prefilter_applies(rows, cols, topk) else "torch"
-        else:
-            method = "decode" if DECODE_SELECT_MIN_ROWS is not None and rows >= DECODE_SELECT_MIN_ROWS else "torch"
+        method = auto_select(rows, cols, topk)
     if method == "triton":
         topk_indices(scores, limits, topk, out=out)
         return 0

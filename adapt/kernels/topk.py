@@ -725,8 +725,8 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
        over them in memory (five loads); ``select_warps`` per select program (default DECODE_REGISTER_WARPS, 4
        for the passes).
     ``flat``: the select is ``select_candidates`` instead (the parts' candidates read as one ascending array of
-    FUSED_CAP slots in registers, any number of parts: ``registers`` and ``digit_bits`` then only shape the
-    full-row select).
+    FUSED_CAP slots in registers, any number of parts; ``registers``, ``digit_bits`` and ``select_block`` do not
+    apply: its full-row select of a misjudged row takes 8-bit digits over DECODE_BLOCK scores a step).
     ``fast`` (default FAST_SELECT; 0, 1 or 2): the register and flat selects find the k-th key by ``_kth_key``'s
     short bisection (``fast`` bits a step below the candidates' common prefix) and count kept keys and ties in
     one scan; 0: the 32-step bisection.

@@ -130,8 +130,10 @@ def _decode_case(
     fused = _fused_rows(q8, weights, layer, block_table, token_seq, limits, topk, context, tiles["decode_index"],
                         reps)
     timed = [row for row in fused if "us" in row and row.get("equals_twin")]
-    best = min(timed, key=lambda row: row["us"]) if timed else {}
-    fused_tiles = {k: best.get(k) for k in FUSED_TILE_KEYS} if timed else None  # the fastest exact fused tile
+    fused_tiles = None  # the fastest exact fused tile
+    if timed:
+        best = min(timed, key=lambda row: row["us"])
+        fused_tiles = {k: best.get(k) for k in FUSED_TILE_KEYS}
 
     attend_tiles = {}
 
@@ -212,16 +214,19 @@ def _decode_case(
     attend_ms = _time_graph_ms(attend, reps)
     step_ms = _time_graph_ms(lambda: (index(), attend()), reps)
 
-    # scores, then the radix select (few rows) or topk_decode: auto's path for these rows while the fused one is off
-    old_select = "triton" if batch <= dsa.TRITON_SELECT_MAX_ROWS else "decode"
+    # scores, then auto's select without the fused path; while that path is off, index() is this path (timed once)
+    old_select = dsa.auto_select(batch, context, topk)
 
     def index_decode_select():
         holder["idx"], _ = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq,
                                           limits, topk, max_keys=context, rows_per_tile=1, select=old_select,
                                           **tiles["decode_index"])
 
-    index_decode_ms = _time_graph_ms(index_decode_select, reps)
-    step_decode_ms = _time_graph_ms(lambda: (index_decode_select(), attend()), reps)
+    if dsa.FUSED_DECODE_MIN_ROWS is None:
+        index_decode_ms, step_decode_ms = index_ms, step_ms
+    else:
+        index_decode_ms = _time_graph_ms(index_decode_select, reps)
+        step_decode_ms = _time_graph_ms(lambda: (index_decode_select(), attend()), reps)
     cache = layer = None
     torch.cuda.empty_cache()
     layered = (_layered_step_us(batch, context, topk, latent_format, block_table, tiles["decode_index"], mla_tiles,
@@ -428,6 +433,8 @@ def _dense_decode(batch: int, context: int, reps: int, copy_tbps: float) -> dict
 
 # Rows at the end of the prefill (the longest) on which the prefill sweeps run.
 PREFILL_TAIL_ROWS = 4096
+MEASURED_KEYS = ("kernel", "us", "TFLOPs", "key_TBps", "error", "all_rows_ms", "all_rows_TFLOPs")
+"""A sweep row's measured fields; the rest are the tile's options."""
 
 
 def _prefill_case(
@@ -522,8 +529,7 @@ def _prefill_case(
     timed = [row for row in sweep_rows if "us" in row]
     if timed:  # over all rows where each tile ran there too (the acceptance line's measure), else the tail
         best = min(timed, key=lambda row: row.get("all_rows_ms", row["us"]))
-        tiles["prefill_index"] = {k: v for k, v in best.items()
-                                  if k not in ("kernel", "us", "TFLOPs", "all_rows_ms", "all_rows_TFLOPs")}
+        tiles["prefill_index"] = {k: v for k, v in best.items() if k not in MEASURED_KEYS}
     tail = dsa.index_scores(q8[last], weights[last], layer.index_k, layer.index_scale, block_table,
                             token_seq[last], limits[last], length, **tiles["prefill_index"])
     tail_limits = limits[last]
@@ -555,9 +561,9 @@ def _prefill_case(
         mla_rows.append({"kernel": "sparse_mla prefill last 4096", **opt, "us": ms * 1e3,
                          "TFLOPs": 2 * HEADS * selected_tail * (RANK + ROPE + RANK) / ms / 1e9})
     timed = [row for row in mla_rows if "us" in row]
-    if timed:  # over all rows where each tile ran there too (the acceptance line's measure), else the tail
-        best = min(timed, key=lambda row: row.get("all_rows_ms", row["us"]))
-        mla_options = {k: v for k, v in best.items() if k not in ("kernel", "us", "TFLOPs")}
+    if timed:
+        best = min(timed, key=lambda row: row["us"])
+        mla_options = {k: v for k, v in best.items() if k not in MEASURED_KEYS}
     tail_idx = None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -1249,8 +1255,7 @@ def compact_summary(result: dict) -> str:
         lines.append(f"    twin: scores {p.get('index_scores_rel_err_vs_twin')}, "
                      f"mla {p.get('sparse_mla_rel_err_vs_twin')} {p.get('twin_check_error', '')}")
         for r in p.get("index_sweep", []) + p.get("sparse_mla_sweep", []):
-            opts = {k: v for k, v in r.items() if k not in ("kernel", "us", "TFLOPs", "error", "all_rows_ms",
-                                                            "all_rows_TFLOPs")}
+            opts = {k: v for k, v in r.items() if k not in MEASURED_KEYS}
             lines.append(f"    {r['kernel']} {opts}: {_fmt(r.get('us'), 0)} us {_fmt(r.get('TFLOPs'), 0)} TFLOP/s "
                          f"{r.get('error', '')}")
     lines += [f"  ERROR {e}" for e in result.get("errors", [])]
@@ -1356,8 +1361,7 @@ def render_markdown(result: dict) -> str:
     prefill_sweeps = [r for p in result.get("prefill", [])
                       for r in p.get("index_sweep", []) + p.get("sparse_mla_sweep", [])]
     for row in result.get("tile_sweep", []) + prefill_sweeps:
-        opts = {k: v for k, v in row.items() if k not in ("kernel", "us", "TFLOPs", "key_TBps", "error", "all_rows_ms",
-                                                          "all_rows_TFLOPs")}
+        opts = {k: v for k, v in row.items() if k not in MEASURED_KEYS}
         all_rows = f"; all rows {row['all_rows_TFLOPs']:.0f} TFLOP/s" if "all_rows_TFLOPs" in row else ""
         rate = (
             f"{row['TFLOPs']:.0f} TFLOP/s{all_rows}"
