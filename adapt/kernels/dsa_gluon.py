@@ -38,6 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from adapt.kernels.formats import is_sm90
+
 GLUON_WARPS = 4  # one warpgroup: the 64-key tile is one wgmma M
 
 
@@ -330,6 +332,6 @@ def gluon_applies(q_fp8: torch.Tensor, rows_per_tile: int, key_block: int, page:
     power of two, at least 16)."""
     n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
     block_h = max(16, 1 << (n_heads - 1).bit_length())
-    return (q_fp8.is_cuda and torch.cuda.get_device_capability(q_fp8.device)[0] == 9 and key_block == 64
+    return (is_sm90(q_fp8.device) and key_block == 64
             and page % key_block == 0 and head_dim % 32 == 0 and head_dim <= 256 and rows_per_tile * block_h <= 256
             and rows_per_tile & (rows_per_tile - 1) == 0)

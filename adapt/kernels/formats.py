@@ -8,6 +8,7 @@ Slot addressing: token ``p`` of a sequence lives in page ``block_table[p // PAGE
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -19,6 +20,19 @@ PAGE_SIZE = 64
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 """Largest finite e4m3fn magnitude (OCP FP8 spec: S.1111.110 = 1.75 * 2**8)."""
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device of compute capability 9.x (Hopper: wgmma), where adapt's Gluon kernels
+    compile and were timed; the capability is read once per device (dispatch asks on every call)."""
+    if device.type != "cuda":
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
 
 
 def slots_of(block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

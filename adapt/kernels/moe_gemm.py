@@ -538,7 +538,8 @@ def moe_gemm(
     if cfg.gluon and op.mode >= 5 and act_fp8 and not act_group and not cfg.swap_ab and moe_gluon.usable(x.device):
         return moe_gluon.fold_gemm(
             x.contiguous(), x_scale, op, perm, tiles, out, top_k=top_k, gather=gather, activation=activation,
-            interleaved=interleaved, alpha=alpha, limit=limit, cfg=cfg, experts=experts, n_work=grid[0],
+            n_out=n_out, e_lo=e_lo, e_hi=e_hi, gate_mult=gate_mult, up_off=up_off, alpha=alpha, limit=limit,
+            cfg=cfg, grid=grid,
         )
     xs = x_scale if x_scale is not None else x
     stride_xs = x_scale.stride(0) if x_scale is not None else 0

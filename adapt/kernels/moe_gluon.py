@@ -33,16 +33,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from adapt.kernels.mxfp4 import FOLD_TABLE_ASM, WORD_FOLD_ASM, WORD_FOLD_SPLIT_ASM
-
-FOLD_TABLE_PTX = gl.constexpr(FOLD_TABLE_ASM.value)
-WORD_FOLD_PTX = gl.constexpr(WORD_FOLD_ASM.value)
-WORD_FOLD_SPLIT_PTX = gl.constexpr(WORD_FOLD_SPLIT_ASM.value)
+from adapt.kernels.formats import is_sm90
+from adapt.kernels.mxfp4 import FOLD_TABLE_ASM as FOLD_TABLE_PTX
+from adapt.kernels.mxfp4 import WORD_FOLD_ASM as WORD_FOLD_PTX
+from adapt.kernels.mxfp4 import WORD_FOLD_SPLIT_ASM as WORD_FOLD_SPLIT_PTX
 
 
 def usable(device: torch.device) -> bool:
     """True on a CUDA device of compute capability 9.x (wgmma), where this kernel compiles and was timed."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return is_sm90(device)
 
 
 @gluon.jit
@@ -517,17 +516,15 @@ def compile_sm90(const: dict, num_warps: int = 8, maxnreg: int = 0):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def fold_gemm(x, x_scale, op, perm, tiles, out, *, top_k: int, gather: bool, activation: int, interleaved: bool,
-              alpha: float, limit: float, cfg, experts: tuple[int, int] | None = None, n_work: int = 0) -> torch.Tensor:
-    """One grouped GEMM launch of ``fold_gemm_kernel`` with ``moe_gemm``'s arguments (op: a
-    ``moe_gemm.folded_operand``, x e4m3 [rows, K] contiguous with fp32 per-row scales x_scale [rows];
-    cfg: block_m / block_n / block_k / group_m / num_warps / num_stages; n_work: programs). out bf16
-    [S, n_out], sorted order. Bytes per tile and step: BLOCK_M * BLOCK_K (x) + (1 or 2) * BLOCK_N * BLOCK_K *
+def fold_gemm(x, x_scale, op, perm, tiles, out, *, top_k: int, gather: bool, activation: int, n_out: int,
+              e_lo: int, e_hi: int, gate_mult: int, up_off: int, alpha: float, limit: float, cfg,
+              grid: tuple[int]) -> torch.Tensor:
+    """One grouped GEMM launch of ``fold_gemm_kernel`` (or its warp-specialized form) with the arguments
+    ``moe_gemm`` worked out (op: a ``moe_gemm.folded_operand``, x e4m3 [rows, K] contiguous with fp32 per-row
+    scales x_scale [rows]; experts e_lo..e_hi; gate_mult / up_off: the gate and up rows' layout; cfg:
+    block_m / block_n / block_k / group_m / num_warps / num_stages / gluon_ws / probe; grid: (programs,)). out
+    bf16 [S, n_out], sorted order. Bytes per tile and step: BLOCK_M * BLOCK_K (x) + (1 or 2) * BLOCK_N * BLOCK_K *
     17/32 (MXFP4); FLOPs 2 * S * N * K."""
-    n_out = op.w.shape[1] if activation == 0 else op.w.shape[1] // 2
-    e_total = perm.expert_offsets.numel() - 1
-    e_lo, e_hi = experts if experts is not None else (0, e_total)
-    gate_mult, up_off = (2, 1) if interleaved else (1, n_out)
     bias = op.bias if op.bias is not None else out
     args = (x, x_scale, op.w, op.sc, op.stride_we, op.stride_se, bias, bias.stride(0) if op.bias is not None else 0,
             out, out.stride(0), perm.sorted_slot, perm.expert_offsets, tiles.tile_expert, tiles.tile_row,
@@ -535,11 +532,11 @@ def fold_gemm(x, x_scale, op, perm, tiles, out, *, top_k: int, gather: bool, act
     const = dict(TOPK=top_k, GATHER=gather, ACTIVATION=activation, HAS_BIAS=op.bias is not None, SPLIT=op.mode == 6,
                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                  STAGES=cfg.num_stages, num_warps=cfg.num_warps)
-    if getattr(cfg, "gluon_ws", False):
-        fold_gemm_ws_kernel[(max(1, n_work),)](*args, LOAD_WARPS=WS_LOAD_WARPS, LOAD_REGS=WS_LOAD_REGS,
-                                               maxnreg=WS_MAXNREG, **const)
+    if cfg.gluon_ws:
+        fold_gemm_ws_kernel[grid](*args, LOAD_WARPS=WS_LOAD_WARPS, LOAD_REGS=WS_LOAD_REGS, maxnreg=WS_MAXNREG,
+                                  **const)
     else:
-        fold_gemm_kernel[(max(1, n_work),)](*args, PROBE=getattr(cfg, "probe", 0), **const)
+        fold_gemm_kernel[grid](*args, PROBE=cfg.probe, **const)
     return out
 
 

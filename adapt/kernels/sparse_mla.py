@@ -604,15 +604,24 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     tl_options = dict(block_h=block_h, v_split=v_split, qk_chunk=qk_chunk, num_warps=num_warps,
                       num_stages=num_stages, groups4=groups4, qk_fp8=qk_fp8, swap_ab=swap_ab,
                       heads_inner=heads_inner, half=half)
+    tl_given = [k for k, v in tl_options.items() if v]
+    flags = gluon if isinstance(gluon, dict) else None  # a dict (even empty): the Gluon kernel with these flags
     if gluon is None:
-        gluon = (GLUON_DEFAULT and not any(tl_options.values()) and prefetch is None and block_k in (None, 64)
+        gluon = (GLUON_DEFAULT and not tl_given and prefetch is None and block_k in (None, 64)
                  and splits in (None, 1) and sparse_mla_gluon.gluon_supported(q_nope, latent_scale)
                  and _default_splits(q_nope.device, n_rows * triton.cdiv(n_heads, sparse_mla_gluon.GLUON_BLOCK_H),
-                                     indices.shape[1], 64) == 1)
+                                     topk, 64) == 1)
+        splits = 1 if gluon else splits  # the one-wave rule just gave 1
+    elif gluon is not False:  # asked for: checked here, the default's conditions above hold by construction
+        if tl_given:
+            raise ValueError(f"gluon takes only block_k and splits, not {', '.join(tl_given)}")
+        if not sparse_mla_gluon.gluon_supported(q_nope, latent_scale) or block_k not in (None, 64):
+            raise ValueError("gluon needs an e4m3 latent of rank 512 in four scale groups on a CUDA device of "
+                             "capability 9.x, and block_k 64")
+        gluon = True
     if gluon:
         return _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq,
-                                 indices, softmax_scale, out, block_k or 64, splits, prefetch is not False,
-                                 [k for k, v in tl_options.items() if v], gluon if isinstance(gluon, dict) else None)
+                                 indices, softmax_scale, out, splits, prefetch is not False, flags)
     # fp8 latent on the GPU: the fused tile with 64-position tiles, one stage (the sweep: benchmarks/dsa/README.md)
     fused_fp8 = fp8 and not interpreting and rank == 512
     block_h = block_h or max(16, min(64, triton.next_power_of_2(n_heads)))
@@ -682,14 +691,11 @@ GLUON_DEFAULT = True
 
 
 def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
-                      softmax_scale, out, block_k, splits, prefetch, tl_given, flags) -> torch.Tensor:
-    """``sparse_mla`` through ``sparse_mla_gluon.launch``: position slices by the same one-wave rule (one
-    program per SM: 64 heads, up to 224 KB of shared memory), then the same combine."""
-    if tl_given:
-        raise ValueError(f"gluon takes only block_k and splits, not {', '.join(tl_given)}")
-    if not sparse_mla_gluon.gluon_supported(q_nope, latent_scale) or block_k != 64:
-        raise ValueError("gluon needs an e4m3 latent of rank 512 in four scale groups on a CUDA device of "
-                         "capability 9.x, and block_k 64")
+                      softmax_scale, out, splits, prefetch, flags) -> torch.Tensor:
+    """``sparse_mla`` through ``sparse_mla_gluon.launch`` (64-position tiles; the caller checked that it
+    applies): position slices by the same one-wave rule (one program per SM: 64 heads, up to 224 KB of shared
+    memory), then the same combine."""
+    block_k = 64
     head_blocks = triton.cdiv(q_nope.shape[1], sparse_mla_gluon.GLUON_BLOCK_H)
     splits, positions_per_split, partial, lse = _slices(out, indices.shape[1], block_k, splits, head_blocks)
     sparse_mla_gluon.launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,

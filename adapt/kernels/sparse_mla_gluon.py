@@ -22,7 +22,8 @@ Shared memory (BLOCK_K = 64): q 64 KB + q_rope 8 KB + ring 2 x (64 + 8) KB + p 8
 benchmarks/gpu-2026-12-01-dsa-s4-mla: ``sparse_mla`` launches 64.)
 
 Gluon compiles only for a CUDA target (no interpreter); ``sparse_mla.sparse_mla`` calls it on devices of
-capability 9.x where it measured faster (``use_gluon``). The module imports without a GPU.
+capability 9.x where it measured faster (its ``gluon`` argument, ``sparse_mla.GLUON_DEFAULT``). The module
+imports without a GPU.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from adapt.kernels.formats import PAGE_SIZE
+from adapt.kernels.formats import PAGE_SIZE, is_sm90
 
 
 @gluon.jit
@@ -274,7 +275,7 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
     four scale groups (the DeepSeek-V3.2 cache), rope 64."""
     if latent_scale is None or q_nope.device.type != "cuda" or q_nope.shape[-1] != 512:
         return False
-    return torch.cuda.get_device_capability(q_nope.device)[0] == 9 and latent_scale.shape[-1] == 4
+    return is_sm90(q_nope.device) and latent_scale.shape[-1] == 4
 
 
 # Kernel flags ``launch`` passes unless the call names them (``sparse_mla(..., gluon={"DIRECT": False})``):
