@@ -349,6 +349,13 @@ def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
     return torch.stack([starts, counts, token_seq[starts].long()], dim=1).to(torch.int32).contiguous()
 
 
+def _key_splits(key_tiles: int, row_tiles: int, programs: int | None) -> tuple[int, int]:
+    """(key tiles per program, programs per row tile): a row tile's key tiles split so that about ``programs``
+    (default DEFAULT_PROGRAMS) programs run in all."""
+    per_split = triton.cdiv(key_tiles, min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS, row_tiles))))
+    return per_split, triton.cdiv(key_tiles, per_split)
+
+
 def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
                  block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor,
                  num_cols: int, *, rows_per_tile: int | None = None, key_block: int | None = None,
@@ -395,9 +402,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         tiles = _query_tiles(token_seq, per_tile).flip(0).contiguous()  # causal: the longest rows start first
     block_s = key_block or (KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     key_tiles = triton.cdiv(num_cols, block_s)
-    splits = min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS, tiles.shape[0])))
-    tiles_per_split = triton.cdiv(key_tiles, splits)
-    grid = (tiles.shape[0], triton.cdiv(key_tiles, tiles_per_split))
+    tiles_per_split, splits = _key_splits(key_tiles, tiles.shape[0], programs)
+    grid = (tiles.shape[0], splits)
     block_h = max(16, triton.next_power_of_2(n_heads))
     use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))
     if use_gluon and (_interpreting() or not dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE)):
@@ -472,9 +478,7 @@ def index_topk_fused(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.
         return out, scores.fill_(float("-inf"))
     block_s = key_block or KEY_BLOCK
     key_tiles = triton.cdiv(num_cols, block_s)
-    tiles_per_split = triton.cdiv(key_tiles, min(key_tiles, max(1, triton.cdiv(programs or DEFAULT_PROGRAMS,
-                                                                               n_rows))))
-    splits = triton.cdiv(key_tiles, tiles_per_split)
+    tiles_per_split, splits = _key_splits(key_tiles, n_rows, programs)
     seg_cap = min(tiles_per_split * block_s, FUSED_SEG_CAP, FUSED_CAP)
     token_seq = token_seq.to(torch.int32).contiguous()
     limits = limits.to(torch.int32).contiguous()
