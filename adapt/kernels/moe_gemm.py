@@ -97,6 +97,7 @@ __all__ = [
     "MoEWeights",
     "PlanarExperts",
     "StackedExperts",
+    "exp_f32",
     "expert_mlp",
     "expert_mlp_torch",
     "moe_flops",
@@ -854,15 +855,28 @@ def moe_forward(
 # ----------------------------------------------------------------------------------------------
 
 
+def exp_f32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 exp as the kernels compute it where their twins are compared. On the CPU the kernels run under the
+    Triton interpreter, which evaluates ``tl.exp`` with numpy; numpy's and torch's fp32 exp differ in the last
+    bit for many inputs (torch's also with the CPU's vector ISA), and a bf16 rounding of the result then moves
+    by a whole unit. On a GPU: torch.exp (the twin tolerance there covers the last bit)."""
+    if x.device.type != "cpu":
+        return torch.exp(x)
+    import numpy as np
+
+    return torch.from_numpy(np.exp(x.detach().float().numpy()))
+
+
 def swiglu_torch(
     gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float
 ) -> torch.Tensor:
-    """fp32 SwiGLU: plain silu(gate) * up, or gpt-oss's clamped form."""
+    """fp32 SwiGLU in the kernels' form: plain gate / (1 + exp(-gate)) * up (silu(gate) * up), or gpt-oss's
+    clamped form gate / (1 + exp(-alpha * gate)) * (up + 1) on the clamped gate and up (``exp_f32``)."""
     if activation == "swiglu":
-        return torch.nn.functional.silu(gate) * up
+        return gate / (1.0 + exp_f32(-gate)) * up
     g = gate.clamp(max=limit)
     u = up.clamp(-limit, limit)
-    return g * torch.sigmoid(alpha * g) * (u + 1.0)
+    return g / (1.0 + exp_f32(-alpha * g)) * (u + 1.0)
 
 
 def split_gate_up(w1: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -181,6 +181,10 @@ class CaptureComparison:
         small drift of the layer input legitimately reorders them) / in some expert beyond it (a
         routing difference no near tie explains; every flip counts here when the reference
         recorded no scores)
+    dsa_flips: DSA layer -> rows (summed over steps), among those that agreed so far, whose indexer
+        selection differs here as a set (both captures with ``dsa_indices``). Like a routing difference,
+        such a row is left out of the value error from this layer on: attending other positions moves
+        its activations legitimately, and one flipped row would otherwise stand for the whole layer.
     """
 
     layer_error: dict[int, float]
@@ -189,16 +193,20 @@ class CaptureComparison:
     dsa_overlap: dict[int, float]
     near_tie_flips: dict[int, int] = field(default_factory=dict)
     routing_flips: dict[int, int] = field(default_factory=dict)
+    dsa_flips: dict[int, int] = field(default_factory=dict)
 
 
 def compare_captures(reference: Capture, other: Capture, steps: int | None = None,
-                     tie_tol: float = 0.0) -> CaptureComparison:
+                     tie_tol: float = 0.0, sequences: list[torch.Tensor] | None = None) -> CaptureComparison:
     """Compare two captures of the same layers over their first ``steps`` steps (default: all).
 
     A row whose top-k differs is a routing difference, reported in ``router_agreement``, and is
     left out of the value error from that layer on (its activations legitimately diverge). Where
     it first differs it is classified by the reference's gate scores (``_near_tie``), with the
     slack stage 3 gives top-k ties: ``tie_tol`` x the row's largest |score|.
+    ``sequences`` (one int tensor [N] per step: each row's sequence, a sequence's rows in position order):
+    a row left out at some layer also takes out, from the next layer on, the later rows of its sequence
+    (this step's and every later step's), which attend to its diverged keys and values.
     """
     layers = sorted(reference.hidden_states)
     count = min(len(reference.hidden_states[layers[0]]), len(other.hidden_states[layers[0]]))
@@ -208,9 +216,13 @@ def compare_captures(reference: Capture, other: Capture, steps: int | None = Non
     router: dict[int, float] = {}
     ties: dict[int, int] = {}
     flips: dict[int, int] = {}
+    dsa_flips: dict[int, int] = {}
+    left: dict[int, set[tuple[int, int, int]]] = {}  # sequence -> (step, layer, row) where its rows were left out
     for step in range(count):
         agree = None
         for layer in layers:
+            if sequences is not None and left:
+                agree = _attending_left_rows(sequences[step], left, step, layer, agree)
             if layer in reference.router:
                 ref_ids = reference.router[layer][step][0].sort(-1).values
                 other_ids = other.router[layer][step][0].long().to(ref_ids.device).sort(-1).values
@@ -228,9 +240,16 @@ def compare_captures(reference: Capture, other: Capture, steps: int | None = Non
                     else:
                         flips[layer] += 1
                 agree = same if agree is None else agree & same
+            if layer in reference.dsa_indices and layer in other.dsa_indices:
+                same = _same_selection(reference.dsa_indices[layer][step], other.dsa_indices[layer][step])
+                dsa_flips[layer] = dsa_flips.get(layer, 0) + int((~same & (True if agree is None else agree)).sum())
+                agree = same if agree is None else agree & same
             ref = reference.hidden_states[layer][step].float()
             out = other.hidden_states[layer][step].float().to(ref.device)
             rows = torch.ones(ref.shape[0], dtype=torch.bool, device=ref.device) if agree is None else agree
+            if sequences is not None:
+                for row in torch.nonzero(~rows.cpu()).flatten().tolist():
+                    left.setdefault(int(sequences[step][row]), set()).add((step, layer, row))
             agreeing[layer] = min(agreeing[layer], float(rows.float().mean()))
             if rows.any():
                 diff = float((out[rows] - ref[rows]).norm() / ref[rows].norm())
@@ -244,7 +263,29 @@ def compare_captures(reference: Capture, other: Capture, steps: int | None = Non
                 shares.append(len(chosen & {i for i in b if i >= 0}) / max(len(chosen), 1))
         if shares:
             overlap[layer] = sum(shares) / len(shares)
-    return CaptureComparison(error, agreeing, router, overlap, near_tie_flips=ties, routing_flips=flips)
+    return CaptureComparison(error, agreeing, router, overlap, near_tie_flips=ties, routing_flips=flips,
+                             dsa_flips=dsa_flips)
+
+
+def _attending_left_rows(seqs: torch.Tensor, left: dict[int, set[tuple[int, int, int]]], step: int, layer: int,
+                         agree: torch.Tensor | None) -> torch.Tensor | None:
+    """``agree`` without the rows that at ``layer`` attend to a row of their sequence left out at an earlier
+    layer (of an earlier step, or earlier in this step's rows)."""
+    seqs = seqs.cpu()
+    out = torch.ones(len(seqs), dtype=torch.bool) if agree is None else agree.cpu().clone()
+    order = torch.arange(len(seqs))
+    for seq, places in left.items():
+        for at_step, at_layer, at_row in places:
+            if layer > at_layer:
+                out &= ~((seqs == seq) & ((step > at_step) | (order > at_row)))
+    return out if agree is None else out.to(agree.device)
+
+
+def _same_selection(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """bool [N]: whether each row of two indexer selections (int [N, k], -1 for none) holds the same positions."""
+    ref = ref.long().cpu().sort(-1).values
+    other = other.long().cpu().sort(-1).values
+    return (ref == other).all(-1)
 
 
 def _near_tie(ref: set[int], other: set[int], scores: torch.Tensor, groups: tuple[int, int],

@@ -12,6 +12,7 @@ import torch
 
 from adapt.kernels.sparse_mla import sparse_mla, sparse_mla_torch
 from tests.kernels.test_sparse_mla import TWIN_REL_TOL, rel, setup
+from tests.kernels.twin import twin_rel
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -81,7 +82,7 @@ def test_half_latent_matches_its_twin_and_reference(device, tiles):
     got = sparse_mla(*args, **tiles)
     twin = sparse_mla_torch(*args, half=True)
     assert torch.isfinite(got).all()
-    assert rel(got, twin) <= TWIN_REL_TOL[device]
+    assert twin_rel(got, twin) <= TWIN_REL_TOL[device]  # softmax exp: torch vs the interpreter's numpy
     assert rel(got, reference(layer, batch, indices, q_nope, q_rope, 0.15)) < 1e-2
     assert rel(twin, sparse_mla_torch(*args)) > 0  # the half twin rounds differently from the bf16 one
 

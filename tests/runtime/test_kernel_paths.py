@@ -142,15 +142,29 @@ def _prompts(lengths):
     return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _layer_errors(ref_cap, ker_cap, tie_tol, max_near_ties=0.1):
-    """Per-layer error on rows whose routing agreed (see ``compare_captures``). Every routing
-    difference must be a near tie of the reference's gate scores (within ``tie_tol`` of the row's
-    largest |score|: the drift this path is allowed reorders those), and near ties may take at
-    most ``max_near_ties`` of all rows out of the comparison."""
-    comparison = compare_captures(ref_cap, ker_cap, tie_tol=tie_tol)
+def _sequences(ref_cap, lengths):
+    """Each captured step's row -> prompt index: the prefill step holds every prompt's rows in order, each decode
+    step one row per prompt (what ``follow`` runs here; another layout fails loudly)."""
+    first = ref_cap.hidden_states[min(ref_cap.hidden_states)]
+    prefill = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    decode = torch.arange(len(lengths))
+    out = [prefill] + [decode] * (len(first) - 1)
+    assert [len(s) for s in out] == [len(h) for h in first], "unexpected step layout"
+    return out
+
+
+def _layer_errors(ref_cap, ker_cap, tie_tol, max_near_ties=0.1, lengths=None):
+    """Per-layer error on rows whose routing and indexer selection agreed (see ``compare_captures``).
+    Every routing difference must be a near tie of the reference's gate scores (within ``tie_tol`` of
+    the row's largest |score|: the drift this path is allowed reorders those); near ties and rows whose
+    DSA selection differs may together take at most ``max_near_ties`` of all rows out of the comparison.
+    ``lengths`` (the prompts'): the later rows of a left-out row's sequence, which attend to it, are left out too."""
+    sequences = None if lengths is None else _sequences(ref_cap, lengths)
+    comparison = compare_captures(ref_cap, ker_cap, tie_tol=tie_tol, sequences=sequences)
     assert not any(comparison.routing_flips.values()), comparison
     rows = sum(len(h) for h in ref_cap.hidden_states[min(ref_cap.hidden_states)])
-    assert sum(comparison.near_tie_flips.values()) <= max_near_ties * rows, comparison
+    left_out = sum(comparison.near_tie_flips.values()) + sum(comparison.dsa_flips.values())
+    assert left_out <= max_near_ties * rows, comparison
     return comparison.layer_error
 
 
@@ -164,11 +178,11 @@ def _layer_errors(ref_cap, ker_cap, tie_tol, max_near_ties=0.1):
     ],
 )
 def test_op_family_kernels_track_the_reference(name, kernels, tolerance):
-    prompts = _prompts((22, 6))
-    ref_cap, ker_cap, ref_tokens, ref_run, ker_run, engine = _run(name, kernels, prompts, 5)
+    lengths = (22, 6)
+    ref_cap, ker_cap, ref_tokens, ref_run, ker_run, engine = _run(name, kernels, _prompts(lengths), 5)
     assert all(engine.model.paths[f] == "kernel" for f in kernels.split(","))
     assert ref_run.predictions == ref_tokens
-    assert max(_layer_errors(ref_cap, ker_cap, tolerance).values()) < tolerance
+    assert max(_layer_errors(ref_cap, ker_cap, tolerance, lengths=lengths).values()) < tolerance
     assert _median_logit_error(ref_run, ker_run) < tolerance
     if tolerance <= 1e-5:
         assert ker_run.predictions == ref_tokens  # fp32 kernels: greedy tokens identical

@@ -62,7 +62,13 @@ def test_adapted_path_passes_and_reports_every_metric(model_dir, tmp_path):
     ("drop_yarn_mscale", "attention", "attention"),  # sparse MLA kernel without YaRN's mscale**2
 ])  # FP8 KV with the wrong scale: test_the_advised_command_passes_with_the_fault_still_injected
 def test_injected_fault_fails_and_is_attributed(model_dir, fault, kernels, component):
-    report = run_precision(str(model_dir), "cpu", gates=_gates(), kernels=kernels,
+    # tiny-dsa is trained on the machine that runs the tests, and its weights differ with the CPU's vector ISA
+    # (AVX2 / AVX-512 builds of torch's kernels round differently): its own FP8 drift, with no fault, measured KL
+    # 0.030-0.035 against the default gate of 0.03 on an AVX-512 machine. Attribution needs the unfaulted config
+    # to pass, so this test gives it room; each fault here still fails several gates far past theirs.
+    gates = _gates()
+    gates["precision"]["max_kl"] = 2 * gates["precision"]["max_kl"]
+    report = run_precision(str(model_dir), "cpu", gates=gates, kernels=kernels,
                            faults=Faults.parse(fault), **ADAPTED)
     assert report.decide() == "fail"
     assert report.metrics["attributed_to"] == [component], report.tables
