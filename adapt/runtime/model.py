@@ -222,7 +222,8 @@ def compare_captures(reference: Capture, other: Capture, steps: int | None = Non
         agree = None
         for layer in layers:
             if sequences is not None and left:
-                agree = _attending_left_rows(sequences[step], left, step, layer, agree)
+                agree = _attending_left_rows(sequences[step], left, step, layer, agree,
+                                             reference.hidden_states[layer][step].device)
             if layer in reference.router:
                 ref_ids = reference.router[layer][step][0].sort(-1).values
                 other_ids = other.router[layer][step][0].long().to(ref_ids.device).sort(-1).values
@@ -241,7 +242,8 @@ def compare_captures(reference: Capture, other: Capture, steps: int | None = Non
                         flips[layer] += 1
                 agree = same if agree is None else agree & same
             if layer in reference.dsa_indices and layer in other.dsa_indices:
-                same = _same_selection(reference.dsa_indices[layer][step], other.dsa_indices[layer][step])
+                same = _same_selection(reference.dsa_indices[layer][step], other.dsa_indices[layer][step]).to(
+                    reference.hidden_states[layer][step].device)
                 dsa_flips[layer] = dsa_flips.get(layer, 0) + int((~same & (True if agree is None else agree)).sum())
                 agree = same if agree is None else agree & same
             ref = reference.hidden_states[layer][step].float()
@@ -268,9 +270,9 @@ def compare_captures(reference: Capture, other: Capture, steps: int | None = Non
 
 
 def _attending_left_rows(seqs: torch.Tensor, left: dict[int, set[tuple[int, int, int]]], step: int, layer: int,
-                         agree: torch.Tensor | None) -> torch.Tensor | None:
-    """``agree`` without the rows that at ``layer`` attend to a row of their sequence left out at an earlier
-    layer (of an earlier step, or earlier in this step's rows)."""
+                         agree: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``agree`` (None: every row) without the rows that at ``layer`` attend to a row of their sequence left out
+    at an earlier layer (of an earlier step, or earlier in this step's rows), on ``device``."""
     seqs = seqs.cpu()
     out = torch.ones(len(seqs), dtype=torch.bool) if agree is None else agree.cpu().clone()
     order = torch.arange(len(seqs))
@@ -278,7 +280,7 @@ def _attending_left_rows(seqs: torch.Tensor, left: dict[int, set[tuple[int, int,
         for at_step, at_layer, at_row in places:
             if layer > at_layer:
                 out &= ~((seqs == seq) & ((step > at_step) | (order > at_row)))
-    return out if agree is None else out.to(agree.device)
+    return out.to(device)
 
 
 def _same_selection(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
