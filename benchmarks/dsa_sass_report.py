@@ -4,9 +4,9 @@
 Usage: PYTHONPATH=. python benchmarks/dsa_sass_report.py [index] '[{"ROWS": 4, "BLOCK_S": 64, "warps": 8}]'
 
 Each JSON object overrides the kernel's constexprs (upper-case keys) and the launch options (warps,
-stages). Prints, one JSON line per object (a build error as ``error``), shared memory, registers, spill bytes and the opcode counts of the innermost loop that
-holds a wgmma (one key tile / one position tile), through ``benchmarks/moe/sass_report.report`` (the ptxas
-and cuobjdump that the triton wheel carries).
+stages). Prints, one JSON line per object (a build error as ``error``), shared memory, registers, spill
+bytes and the opcode counts of the innermost loop that holds a wgmma (one key tile / one position tile),
+through ``benchmarks/moe/sass_report.report`` (the ptxas and cuobjdump that the triton wheel carries).
 """
 
 from __future__ import annotations
