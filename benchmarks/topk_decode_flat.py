@@ -32,19 +32,23 @@ TILES = {
         ("topk_decode", dict(flat=True, parts=32, block=2048, num_warps=4)),
         ("topk_decode", dict(flat=True, parts=128, block=1024, num_warps=4))],
 }
-# The defaults first (radix select at batch 1, topk_decode's register select at 64), then the short select (with
-# 16 warps a select program; the last two batch-64 tiles also change the candidate pass: the next step's scores
-# loaded ahead (prefetch), or 8192 scores a step with 16 warps: twice the loads in flight, 128 registers, no
-# spills in the CPU sm_90 build). At batch 1 topk_decode's 8
+# The defaults of session 4's call A first (radix select at batch 1; at 64 topk_decode's register select by 32-step
+# bisection with 8 warps and no prefetch, pinned since the short select, 16 warps and prefetch became the defaults),
+# then the short select (with 16 warps a select program; the last two batch-64 tiles also change the candidate pass:
+# the next step's scores loaded ahead (prefetch, today's default), or 8192 scores a step with 16 warps: twice the
+# loads in flight, 128 registers, no spills in the CPU sm_90 build). At batch 1 topk_decode's 8
 # parts hold 32K slots (past the register select's 8K: radix passes in memory), so the short select runs there
 # as the flat one, beside the flat tile of call 2 (44.1 us).
+_OLD = dict(select_warps=8, prefetch=False)
 FAST_TILES = {
-    64: [("topk_decode", {}), ("topk_decode", dict(fast=1)), ("topk_decode", dict(fast=1, select_warps=16)),
-         ("topk_decode", dict(fast=2, select_warps=16)), ("topk_decode", dict(fast=1, select_warps=16, prefetch=True)),
+    64: [("topk_decode", dict(fast=0, **_OLD)), ("topk_decode", dict(fast=1, **_OLD)),
+         ("topk_decode", dict(fast=1, select_warps=16, prefetch=False)),
+         ("topk_decode", dict(fast=2, select_warps=16, prefetch=False)),
+         ("topk_decode", dict(fast=1, select_warps=16, prefetch=True)),
          ("topk_decode", dict(fast=1, select_warps=16, block=8192, num_warps=16))],
     1: [("topk_indices", dict(digit_bits=8))]
     + [("topk_decode", dict(flat=True, parts=128, block=1024, num_warps=4, **o))
-       for o in ({}, dict(fast=1, select_warps=16))],
+       for o in (dict(fast=0, **_OLD), dict(fast=1, select_warps=16, prefetch=False))],
 }
 
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 import collections
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "moe"))
 
-from sass_report import BIN, compile_sm90, report  # noqa: E402
+from sass_report import compile_sm90, report, sass_ops, sass_text  # noqa: E402
 
 from adapt.kernels import topk  # noqa: E402
 
@@ -38,16 +36,7 @@ KERNELS = {
 
 def loops(cubin: bytes) -> tuple[int, list[dict]]:
     """(SASS instructions, [{"len", "bar"} of each loop body]) of a cubin."""
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "k.cubin"
-        path.write_bytes(cubin)
-        sass = subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", str(path)], capture_output=True,
-                              text=True).stdout
-    ops = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
-        if m:
-            ops.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    ops = sass_ops(sass_text(cubin))
     at = {a: i for i, (a, _, _) in enumerate(ops)}
     found = []
     for i, (a, op, rest) in enumerate(ops):

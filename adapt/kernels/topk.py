@@ -625,7 +625,6 @@ def _kept_slots(packed, incl, rem):
     return take, (excl & 0xFFFF) + tl.minimum(tie_before, rem)
 
 
-
 @triton.jit
 def _select_in_registers(key_ptr, pos_ptr, count_ptr, out_base, topk, SEG_CAP: tl.constexpr, PARTS: tl.constexpr,
                          PARTS_P2: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
@@ -760,6 +759,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     sample = sample or DECODE_SAMPLE
     if sample & (sample - 1) or sample < DECODE_SAMPLE_RUN:
         raise ValueError(f"sample must be a power of two >= {DECODE_SAMPLE_RUN}, not {sample}")
+    fast = _fast_level(fast)  # checked before any allocation or launch
     seg_cap = DECODE_SEG_CAP * topk
     expect = DECODE_EXPECT[min(parts, 2)]
     limits = limits.to(torch.int32).contiguous()
@@ -784,7 +784,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
         scores, limits, tau, keys, positions, counts, out, redo, scores.stride(0), n_cols, topk, SEG_CAP=seg_cap,
         PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=select_block or DECODE_SELECT_BLOCK,
         BITS=digit_bits, REGISTERS=registers, FULL_BLOCK=block or DECODE_BLOCK,
-        FAST=_fast_level(fast), num_warps=select_warps or (DECODE_REGISTER_WARPS if registers else 4))
+        FAST=fast, num_warps=select_warps or (DECODE_REGISTER_WARPS if registers else 4))
     return out
 
 

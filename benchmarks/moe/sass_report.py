@@ -77,12 +77,18 @@ def smallest_loop(ops: list[tuple[int, str, str]], marker: str) -> list[tuple[in
     return loop
 
 
-def report(ck, maxnreg: int) -> dict:
+def sass_text(cubin: bytes) -> str:
+    """cuobjdump's SASS of a cubin."""
     with tempfile.TemporaryDirectory() as d:
-        cubin = Path(d) / "k.cubin"
-        cubin.write_bytes(ck.asm["cubin"])
-        sass = subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", str(cubin)], capture_output=True,
+        path = Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", str(path)], capture_output=True,
                               text=True).stdout
+
+
+def report(ck, maxnreg: int) -> dict:
+    sass = sass_text(ck.asm["cubin"])
+    with tempfile.TemporaryDirectory() as d:
         ptx = Path(d) / "k.ptx"
         ptx.write_text(ck.asm["ptx"])
         args = [str(BIN / "ptxas"), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(Path(d) / "o.cubin")]
