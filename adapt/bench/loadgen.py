@@ -8,6 +8,12 @@ a point by hand. To pay vLLM's import (~15 s on a 2-core machine) once, all poin
 in one Python process of the serve environment, each parsed by vLLM's own ``bench serve`` parser
 and run by its ``main`` (exactly what the CLI subcommand does).
 
+A point with ``min_duration_s`` (the soak) runs in rounds until that many seconds were spent under
+load: ``vllm bench serve`` takes a request count, not a time, and a count sized from an earlier
+rate can end the load far too early (a sweep point measured while the server warmed up, say).
+Each later round is sized from the rate the earlier rounds measured, with a new seed (no cached
+prompt prefixes); the rounds' requests are then summarized together, with vLLM's definitions.
+
 Units: latencies in milliseconds, throughput in tokens/s, lengths in tokens.
 """
 
@@ -37,15 +43,40 @@ except metadata.PackageNotFoundError:
     pass
 else:
     metadata.version = _version
+import math, os
 from vllm.benchmarks.serve import add_cli_args, main
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+
+def with_value(argv, flag, value):
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = str(value)
+    return argv
+
+
 for point in json.loads(sys.argv[1]):
-    parser = FlexibleArgumentParser(prog="vllm bench serve")
-    add_cli_args(parser)
-    record = {"name": point["name"]}
+    record = {"name": point["name"], "rounds": []}
+    prompts, goal, under_load, completed = point["prompts"], point["min_duration_s"], 0.0, 0
+    result_dir = point["argv"][point["argv"].index("--result-dir") + 1]
     try:
-        main(parser.parse_args(point["argv"]))
+        for n in range(point["max_rounds"]):
+            name = point["name"] + (f"-r{n + 1}" if n else "")
+            argv = with_value(with_value(with_value(point["argv"], "--num-prompts", prompts), "--seed",
+                                         point["seed"] + n), "--result-filename", name + ".json")
+            parser = FlexibleArgumentParser(prog="vllm bench serve")
+            add_cli_args(parser)
+            main(parser.parse_args(argv))
+            record["rounds"].append({"file": name + ".json", "prompts": prompts})
+            with open(os.path.join(result_dir, name + ".json")) as f:
+                result = json.load(f)
+            under_load += float(result.get("duration", 0.0))
+            completed += int(result.get("completed", 0))
+            if under_load >= goal or not completed:
+                break
+            # the rest of the time at the rate measured so far, 10 % over (a round that ends short costs a round)
+            # (rounded first: 99.00000000000001 requests are 99)
+            prompts = max(point["concurrency"],
+                          math.ceil(round(completed / under_load * (goal - under_load) * 1.1, 6)))
     except SystemExit as exc:
         record["error"] = f"vllm bench serve rejected its arguments (exit {exc.code})"
     except Exception as exc:
@@ -61,7 +92,9 @@ class LoadPoint:
     name: unique label (used as the result file name); workload: "long-in/short-out" | ...
     input_len / output_len: tokens per request (random dataset; ``range_ratio`` spreads them
     uniformly over [len * (1 - r), len * (1 + r)]); concurrency: requests in flight at most;
-    prompts: requests sent (all at once, limited by ``concurrency``).
+    prompts: requests sent (all at once, limited by ``concurrency``; the first round's when the point
+    has ``min_duration_s``); min_duration_s: seconds under load to reach, in up to ``max_rounds``
+    rounds (0: one round of ``prompts``).
     """
 
     name: str
@@ -72,6 +105,8 @@ class LoadPoint:
     prompts: int
     range_ratio: float = 0.0
     seed: int = 0
+    min_duration_s: float = 0.0
+    max_rounds: int = 1
 
     def argv(self, base_url: str, model: str, tokenizer: str, result_dir: Path) -> list[str]:
         """The ``vllm bench serve`` arguments (without the ``vllm bench serve`` words)."""
@@ -130,7 +165,9 @@ def run_load(points: list[LoadPoint], base_url: str, model: str, tokenizer: str 
 
     python = serve_python(vllm)
     result_dir.mkdir(parents=True, exist_ok=True)
-    plan = [{"name": p.name, "argv": p.argv(base_url, model, str(tokenizer), result_dir)} for p in points]
+    plan = [{"name": p.name, "argv": p.argv(base_url, model, str(tokenizer), result_dir), "prompts": p.prompts,
+             "seed": p.seed, "concurrency": p.concurrency, "min_duration_s": p.min_duration_s,
+             "max_rounds": max(1, p.max_rounds)} for p in points]
     env = {**os.environ, **cpu_env(), "PYTHONUNBUFFERED": "1"}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run([str(python), "-c", _DRIVER, json.dumps(plan)], capture_output=True, text=True,
@@ -149,14 +186,59 @@ def run_load(points: list[LoadPoint], base_url: str, model: str, tokenizer: str 
     for point, planned in zip(points, plan, strict=True):
         summary: dict[str, Any] = {**asdict(point), "argv": ["vllm", "bench", "serve", *planned["argv"]]}
         record = records.get(point.name, {"error": "no result line (driver stopped early)"})
-        result_file = result_dir / f"{point.name}.json"
+        rounds = record.get("rounds") or [{"file": f"{point.name}.json", "prompts": point.prompts}]
+        missing = [r["file"] for r in rounds if not (result_dir / r["file"]).is_file()]
         if "error" in record:
             summary["error"] = record["error"]
-        elif not result_file.is_file():
-            summary["error"] = f"no result file {result_file.name}"
+        elif missing:
+            summary["error"] = f"no result file {', '.join(missing)}"
         else:
-            summary.update(summarize(json.loads(result_file.read_text()), point.prompts))
+            summary.update(summarize_rounds([(json.loads((result_dir / r["file"]).read_text()), r["prompts"])
+                                             for r in rounds]))
         out.append(summary)
+    return out
+
+
+def request_samples(result: dict[str, Any]) -> dict[str, list[float]]:
+    """Per-request latencies (seconds) of one ``--save-detailed`` result, as vLLM's ``calculate_metrics``
+    takes them: successful requests only (a failed one has output length 0), TPOT of those with more
+    than one output token ((latency - TTFT) / (tokens - 1)), every inter-token latency."""
+    samples: dict[str, list[float]] = {m: [] for m in LATENCY_METRICS}
+    for i, tokens in enumerate(result.get("output_lens") or []):
+        if not tokens:
+            continue
+        ttft, latency = float(result["ttfts"][i]), float(result["latencies"][i])
+        samples["ttft"].append(ttft)
+        samples["e2el"].append(latency)
+        samples["itl"] += [float(x) for x in result["itls"][i]]
+        if tokens > 1:
+            samples["tpot"].append((latency - ttft) / (tokens - 1))
+    return samples
+
+
+def summarize_rounds(rounds: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
+    """``summarize`` over the rounds of one point ((result JSON, requests asked) each): counts, output
+    tokens and seconds under load added up, percentiles over every round's requests (numpy's linear
+    percentile, as vLLM), ``load_window`` from the first start to the last end; ``rounds``: how many."""
+    import numpy as np
+
+    parts = [summarize(result, requested) for result, requested in rounds]
+    if len(parts) == 1:
+        return {**parts[0], "rounds": 1}
+    out: dict[str, Any] = {k: sum(p[k] for p in parts)
+                           for k in ("requested", "completed", "failed", "duration_s", "total_output_tokens")}
+    out["success_rate"] = out["completed"] / out["requested"] if out["requested"] else 0.0
+    out["output_tokens_per_s"] = out["total_output_tokens"] / out["duration_s"] if out["duration_s"] else 0.0
+    samples = [request_samples(result) for result, _ in rounds]
+    for metric in LATENCY_METRICS:
+        values = [v for s in samples for v in s[metric]] or [0.0]
+        for q in PERCENTILES:
+            out[f"{metric}_p{q}_ms"] = float(np.percentile(values, q)) * 1000
+    windows = [p["load_window"] for p in parts if "load_window" in p]
+    if len(windows) == len(parts):
+        out["load_window"] = (min(w[0] for w in windows), max(w[1] for w in windows))
+    out["errors"] = sorted({e for p in parts for e in p["errors"]})[:5]
+    out["rounds"] = len(parts)
     return out
 
 

