@@ -421,9 +421,19 @@ def build_report(measured: dict[str, Any], gates: dict[str, Any], out_dir: Path,
     if predicted is not None:
         rows = prediction_rows(predicted, sweep)
         report.tables["prediction vs measurement"] = rows
+        off = float(gates.get("bench", {}).get("max_prediction_ratio", 3.0))
         for row in rows:
-            report.add("info", "bench.prediction", f"{row['quantity']}: measured {row['measured_ms']:.3g} ms, "
-                       f"stage 4 predicted {row['predicted_ms']:.3g} ms (ratio {row['ratio']:.3g})")
+            text = (f"{row['quantity']}: measured {row['measured_ms']:.3g} ms, stage 4 predicted "
+                    f"{row['predicted_ms']:.3g} ms "
+                    + (f"(ratio {row['ratio']:.3g})" if row["ratio"] is not None else "(no ratio)"))
+            if row["ratio"] and not 1 / off <= row["ratio"] <= off:
+                # the served model may be fine; what is wrong is the model stage 4 chose its plan with
+                report.add("warn", "bench.prediction.off", f"{text}: off by more than {off:g}x",
+                           "stage 4 ranks plans by bytes, FLOPs and link time only, with no per-step engine "
+                           "overhead (scheduling, launches), which dominates small models; measure the target "
+                           "(`adapt calibrate`) and plan again before trusting its ranking")
+            else:
+                report.add("info", "bench.prediction", text)
     else:
         report.add("info", "bench.prediction", "no stage-4 report in the run directory: no prediction to compare")
     memory = measured.get("memory")

