@@ -186,15 +186,13 @@ def run_load(points: list[LoadPoint], base_url: str, model: str, tokenizer: str 
     for point, planned in zip(points, plan, strict=True):
         summary: dict[str, Any] = {**asdict(point), "argv": ["vllm", "bench", "serve", *planned["argv"]]}
         record = records.get(point.name, {"error": "no result line (driver stopped early)"})
-        rounds = record.get("rounds") or [{"file": f"{point.name}.json", "prompts": point.prompts}]
-        missing = [r["file"] for r in rounds if not (result_dir / r["file"]).is_file()]
         if "error" in record:
             summary["error"] = record["error"]
-        elif missing:
+        elif missing := [r["file"] for r in record["rounds"] if not (result_dir / r["file"]).is_file()]:
             summary["error"] = f"no result file {', '.join(missing)}"
         else:
             summary.update(summarize_rounds([(json.loads((result_dir / r["file"]).read_text()), r["prompts"])
-                                             for r in rounds]))
+                                             for r in record["rounds"]]))
         out.append(summary)
     return out
 

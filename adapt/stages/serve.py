@@ -182,8 +182,7 @@ def measure_endpoint(endpoint: Endpoint, options: ServeOptions, gates: dict[str,
     count, how = soak_request_count(options, sweep)
     soak_point = LoadPoint("soak", "mixed", max(1, (options.input_len * 9) // 16),
                            max(1, (options.output_len * 9) // 16), options.soak_concurrency, count, 0.75, seed=1,
-                           min_duration_s=options.soak_s or 0.0,
-                           max_rounds=SOAK_MAX_ROUNDS if options.soak_s is not None else 1)
+                           min_duration_s=options.soak_s or 0.0, max_rounds=SOAK_MAX_ROUNDS)  # no time: one round
     if endpoint.server_pid is not None:
         with MemorySampler(endpoint.server_pid, options.sample_interval_s) as sampler:
             soak = run_load([soak_point], endpoint.base_url, endpoint.model, endpoint.tokenizer,
