@@ -571,8 +571,12 @@ def _prefill_case(
     peak_bytes = torch.cuda.max_memory_allocated()
     stats = holder["stats"]
     select_ms = {selects[0]: index_ms}
+    select_sets = {}
+    first_idx = holder["idx"]
     for select in selects[1:]:
         select_ms[select] = _time_ms(lambda s=select: index(s), reps)
+        select_sets[select] = _same_sets(holder["idx"], first_idx)
+    first_idx = None
     index()  # the step's selection again, for sparse MLA and the twin checks
     all_scores_ms = _time_ms(scores_only, reps)
     scores_ms = _time_ms(
@@ -608,6 +612,7 @@ def _prefill_case(
         "prefilter_fallback_rows": stats.prefilter_fallback_rows,
         "select": selects[0],
         "index_topk_ms_by_select": select_ms,
+        "select_sets_equal_first": select_sets,
         "index_scores_ms": all_scores_ms,
         "topk_ms": index_ms - all_scores_ms,
         "index_scores_all_TFLOPs": index_flops / all_scores_ms / 1e9,
@@ -631,6 +636,15 @@ def _prefill_case(
     }
     torch.cuda.empty_cache()
     return result
+
+
+def _same_sets(got: torch.Tensor, want: torch.Tensor, rows: int = 256) -> dict:
+    """Whether two selections keep the same position sets (each row sorted; order and tie choice aside) on the
+    first and last ``rows`` rows, and how many of those rows differ."""
+    pick = torch.cat([torch.arange(min(rows, got.shape[0])),
+                      torch.arange(max(0, got.shape[0] - rows), got.shape[0])]).to(got.device)
+    differ = (got[pick].sort(dim=1).values != want[pick].sort(dim=1).values).any(dim=1)
+    return {"rows_checked": int(pick.numel()), "rows_differing": int(differ.sum())}
 
 
 def _prefill_twin_checks(q8, weights, q_nope, q_rope, layer, block_table, token_seq, limits, idx, length: int,
@@ -870,7 +884,7 @@ def _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, options, reps
 
 def run_dsa_acceptance(
     out_dir: Path, *, topk: int = 2048, latent_format: str = "fp8", reps: int = 10, sweep: bool = True,
-    prefill_only: bool = False, prefill: bool = True,
+    prefill_only: bool = False, prefill: bool = True, prefill_selects: Sequence[str] | None = None,
 ) -> dict:
     """The acceptance subset: same-run ceilings (torch and Triton 16-byte copy), a sparse MLA tile
     sweep at batch 64 x 128K, decode at batch 1 and 64 x 128K, prefill 128K (indexer + top-k +
@@ -905,7 +919,7 @@ def run_dsa_acceptance(
     if prefill_only:
         tiles = {**RUN2_INDEX_TILES, "mla": {}}
         result.update(tile_sweep=[], tiles_used=tiles, errors=[])
-        _run_prefill(result, context, topk, latent_format, tiles, sweep)
+        _run_prefill(result, context, topk, latent_format, tiles, sweep, selects=prefill_selects)
         _write(out_dir, result)
         return result
     cache = _random_cache(batch * context, latent_format)
@@ -931,13 +945,13 @@ def run_dsa_acceptance(
             result["errors"].append(f"decode batch {b}: {type(err).__name__}: {str(err)[:300]}")
         torch.cuda.empty_cache()
         _write(out_dir, result)
-    _run_prefill(result, context, topk, latent_format, tiles, sweep, run=prefill)
+    _run_prefill(result, context, topk, latent_format, tiles, sweep, run=prefill, selects=prefill_selects)
     _write(out_dir, result)
     return result
 
 
 def _run_prefill(result: dict, context: int, topk: int, latent_format: str, tiles: dict, sweep: bool,
-                 run: bool = True) -> None:
+                 run: bool = True, selects: Sequence[str] | None = None) -> None:
     """The acceptance prefill case into ``result`` when ``run`` (an error is recorded, as for decode), then
     the acceptance lines."""
     try:
@@ -945,8 +959,8 @@ def _run_prefill(result: dict, context: int, topk: int, latent_format: str, tile
             result["prefill"].append(_prefill_case(context, topk, latent_format, 2, 2 << 30, 16384, tiles,
                                                    index_sweep=PREFILL_INDEX_SWEEP if sweep else ({},),
                                                    mla_sweep=PREFILL_MLA_SWEEP if sweep else ({},),
-                                                   selects=("auto", "torch", "prefilter_triton") if sweep
-                                                   else ("auto",)))
+                                                   selects=tuple(selects) if selects else
+                                                   ("auto", "torch", "prefilter_triton") if sweep else ("auto",)))
     except Exception as err:  # recorded, as above
         result["errors"].append(f"prefill: {type(err).__name__}: {str(err)[:300]}")
     result["acceptance"] = acceptance_lines(result)
@@ -1401,10 +1415,18 @@ if __name__ == "__main__":
     parser.add_argument("--prefill-only", action="store_true",
                         help="with --acceptance: ceilings and the 128K prefill case (with its sweeps) only")
     parser.add_argument("--no-prefill", action="store_true", help="with --acceptance: the decode cases only")
+    parser.add_argument("--prefill-selects", default=None,
+                        help="with --acceptance: comma-separated index_topk select methods timed over the whole "
+                             f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
+                             "and with the sweep also torch and prefilter_triton)")
     args = parser.parse_args()
     if args.acceptance:
+        selects = [m.strip() for m in args.prefill_selects.split(",") if m.strip()] if args.prefill_selects else None
+        bad = [m for m in selects or () if m not in dsa.SELECT_METHODS]
+        if bad:
+            parser.error(f"--prefill-selects: {', '.join(bad)} not among {', '.join(dsa.SELECT_METHODS)}")
         summary = run_dsa_acceptance(args.out, sweep=not args.no_sweep, prefill_only=args.prefill_only,
-                                     prefill=not args.no_prefill)
+                                     prefill=not args.no_prefill, prefill_selects=selects)
     elif args.quick:
         summary = run_dsa_bench(
             args.out, decode_batches=(1, 4), contexts=(8192,), prefill_lengths=(8192,), reps=3, prefill_reps=2

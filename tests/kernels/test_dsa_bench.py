@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import torch
+
 from adapt.stages.bench_dsa import acceptance_lines, compact_summary, render_markdown
 
 RECORD = (Path(__file__).resolve().parents[2] / "benchmarks" / "gpu-2026-11-30-dsa-s2"
@@ -42,3 +44,14 @@ def test_markdown_shows_the_select_sweep_and_the_qk_fp8_movement():
     text = render_markdown(result)
     assert "select kernel tiles (us): {'digit_bits': 4, 'slice_size': 1024}: 201.5" in text
     assert "against the bf16-q twin: rel. error 6.3e-03 |" in text
+
+
+def test_same_sets_ignores_order_and_counts_differing_rows():
+    from adapt.stages.bench_dsa import _same_sets
+
+    want = torch.arange(40, dtype=torch.int32).view(10, 4)
+    got = want.flip(1).clone()  # same sets, other order
+    assert _same_sets(got, want, rows=3) == {"rows_checked": 6, "rows_differing": 0}
+    got[9, 0] = 99  # a last row differs
+    got[4, 0] = 99  # a middle row differs, outside the checked first and last 3
+    assert _same_sets(got, want, rows=3) == {"rows_checked": 6, "rows_differing": 1}
