@@ -1,0 +1,128 @@
+"""Where the 128K prefill's top-k time goes (issue 16): the select methods and ``topk_decode`` launch options on
+real prefill score chunks, each checked against torch.topk's position sets, then a per-kernel profile of the
+default prefiltered select and of ``topk_decode`` on one chunk.
+
+On 2026-12-01 (H200, commit b7497e5) the whole prefill's top-k took 72.8 ms with the prefiltered select and about
+76 ms with ``topk_decode`` at its decode defaults, while reading every visible score once is about 10 ms.
+
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/prefill_select.py OUT_DIR [BUDGET_S]
+Writes OUT_DIR/prefill_select.json; prints one line per variant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from adapt.bench.timer import time_cuda
+from adapt.kernels import dsa, topk
+from adapt.kernels.formats import PAGE_SIZE
+from adapt.stages.bench_dsa import RUN2_INDEX_TILES, _queries, _random_cache
+
+LENGTH, TOPK, CHUNK = 131072, 2048, 4096
+# (name, callable options): topk_decode keyword options
+DECODE_VARIANTS = [
+    ("decode default", {}),
+    ("decode select_warps 8", {"select_warps": 8}),
+    ("decode select_warps 4", {"select_warps": 4}),
+    ("decode cand warps 4", {"num_warps": 4}),
+    ("decode cand warps 16", {"num_warps": 16}),
+    ("decode block 8192", {"block": 8192}),
+    ("decode block 2048 cand warps 4", {"block": 2048, "num_warps": 4}),
+    ("decode flat 8 warps", {"flat": True, "select_warps": 8}),
+    ("decode flat 2 parts 8 warps", {"flat": True, "parts": 2, "select_warps": 8}),
+    ("decode no prefetch", {"prefetch": False}),
+]
+
+
+def _sets_differ(got: torch.Tensor, want: torch.Tensor) -> int:
+    return int((got.sort(dim=1).values != want.sort(dim=1).values).any(dim=1).sum())
+
+
+def _profile(fn, steps: int = 3) -> list[dict]:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    launches: dict[str, int] = defaultdict(int)
+    device_us: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            launches[event.name] += 1
+            device_us[event.name] += event.device_time_total
+    return sorted(({"kernel": name[:80], "launches": launches[name] / steps, "us": device_us[name] / steps}
+                   for name in launches), key=lambda r: -r["us"])
+
+
+def run_chunk(layer, block_table, r0: int, t0: float, budget_s: float, result: dict) -> None:
+    """The select variants on the score chunk of rows [r0, r0 + CHUNK) (causal limits), into ``result``."""
+    r1 = r0 + CHUNK
+    q8, weights, _, _ = _queries(CHUNK)
+    token_seq = torch.zeros(CHUNK, device="cuda", dtype=torch.int32)
+    limits = torch.arange(r0 + 1, r1 + 1, device="cuda", dtype=torch.int32)
+    cols = -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK
+    scores = dsa.index_scores(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits, cols,
+                              **RUN2_INDEX_TILES["prefill_index"])
+    visible_bytes = 4 * int(limits.sum())
+    want = torch.topk(scores, TOPK, dim=-1, sorted=False).indices.int()
+    chunk = {"rows": [r0, r1], "cols": cols, "visible_score_bytes": visible_bytes, "variants": []}
+    result["chunks"].append(chunk)
+    out = torch.empty(CHUNK, TOPK, dtype=torch.int32, device="cuda")
+
+    def record(name, fn, graph):
+        if time.monotonic() - t0 > budget_s:
+            chunk["variants"].append({"name": name, "skipped": "budget"})
+            return
+        try:
+            differ = _sets_differ(fn(), want)
+            timing = time_cuda(fn, reps=5, warmup=1, graph=graph)
+        except Exception as err:  # recorded; the other variants still run
+            chunk["variants"].append({"name": name, "error": f"{type(err).__name__}: {str(err)[:200]}"})
+            print(f"rows {r0}: {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+            return
+        ms = timing.median_us / 1e3
+        row = {"name": name, "ms": ms, "mode": timing.mode, "rows_differing": differ,
+               "visible_TBps": visible_bytes / ms / 1e9}
+        chunk["variants"].append(row)
+        print(f"rows {r0}-{r1}: {name:34s} {ms:8.3f} ms ({timing.mode}) {row['visible_TBps']:.2f} TB/s of "
+              f"visible scores, {differ} rows differ", flush=True)
+
+    record("torch.topk", lambda: torch.topk(scores, TOPK, dim=-1, sorted=False).indices.int(), True)
+    record("prefilter (torch final)", lambda: topk.topk_prefiltered(scores, limits, TOPK, out=out)[0], False)
+    record("prefilter (triton final)",
+           lambda: topk.topk_prefiltered(scores, limits, TOPK, out=out, final="triton")[0], False)
+    for name, opts in DECODE_VARIANTS:
+        record(name, lambda o=opts: topk.topk_decode(scores, limits, TOPK, out=out, **o), True)
+    if r1 == LENGTH and time.monotonic() - t0 < budget_s:
+        result["profile"]["prefilter"] = _profile(lambda: topk.topk_prefiltered(scores, limits, TOPK, out=out))
+        result["profile"]["decode default"] = _profile(lambda: topk.topk_decode(scores, limits, TOPK, out=out))
+        for key, rows in result["profile"].items():
+            print(f"profile {key}: " + "; ".join(f"{r['kernel'][:40]} x{r['launches']:g} {r['us']:.0f} us"
+                                                 for r in rows[:6]), flush=True)
+
+
+def main(out_dir: Path, budget_s: float) -> None:
+    t0 = time.monotonic()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    layer = _random_cache(LENGTH, "fp8").dsa_layer(0)
+    block_table = torch.arange(-(-LENGTH // PAGE_SIZE), device="cuda", dtype=torch.int32)[None]
+    result = {"gpu": torch.cuda.get_device_name(), "chunks": [], "profile": {}}
+    for r0 in (32768, LENGTH - CHUNK):
+        run_chunk(layer, block_table, r0, t0, budget_s, result)
+        torch.cuda.empty_cache()
+        (out_dir / "prefill_select.json").write_text(json.dumps(result, indent=1))
+    result["seconds"] = time.monotonic() - t0
+    (out_dir / "prefill_select.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 60.0)
