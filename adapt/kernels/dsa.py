@@ -552,6 +552,9 @@ PREFILTER_MIN_ROWS = 512
 # graph: 64 rows 94.9 us against torch.topk's 144.4 (the batch-64 step 672 -> 617 us); 1 row 68.6 against
 # 57.2, so a single row keeps the Triton radix select (benchmarks/gpu-2026-11-30-dsa-s3-final).
 DECODE_SELECT_MIN_ROWS: int | None = 16
+# ``topk_decode`` launch options for chunks of at least PREFILTER_MIN_ROWS rows (prefill) under ``decode``; empty:
+# its decode defaults.
+PREFILL_DECODE_OPTIONS: dict = {}
 SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "decode", "fused")
 # Decode calls (``rows_per_tile=1``) of at least this many rows and fewer than PREFILTER_MIN_ROWS take
 # ``index_topk_fused`` under ``auto`` (None: never). None: slower than scores + select where measured (H200,
@@ -589,7 +592,7 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
         topk_indices(scores, limits, topk, out=out)
         return 0
     if method == "decode":  # device-side prefilter: exact, no host sync (misjudged rows are redone on the device)
-        topk_decode(scores, limits, topk, out=out)
+        topk_decode(scores, limits, topk, out=out, **(PREFILL_DECODE_OPTIONS if rows >= PREFILTER_MIN_ROWS else {}))
         return 0
     if method in ("prefilter", "prefilter_triton") and prefilter_applies(rows, cols, topk):
         final = "triton" if method == "prefilter_triton" else "torch"

@@ -29,15 +29,21 @@ LENGTH, TOPK, CHUNK = 131072, 2048, 4096
 # (name, callable options): topk_decode keyword options
 DECODE_VARIANTS = [
     ("decode default", {}),
-    ("decode select_warps 8", {"select_warps": 8}),
-    ("decode select_warps 4", {"select_warps": 4}),
-    ("decode cand warps 4", {"num_warps": 4}),
-    ("decode cand warps 16", {"num_warps": 16}),
-    ("decode block 8192", {"block": 8192}),
     ("decode block 2048 cand warps 4", {"block": 2048, "num_warps": 4}),
-    ("decode flat 8 warps", {"flat": True, "select_warps": 8}),
-    ("decode flat 2 parts 8 warps", {"flat": True, "parts": 2, "select_warps": 8}),
-    ("decode no prefetch", {"prefetch": False}),
+    ("decode block 2048 w4 sel 8", {"block": 2048, "num_warps": 4, "select_warps": 8}),
+    ("decode block 2048 w4 sel 4", {"block": 2048, "num_warps": 4, "select_warps": 4}),
+    ("decode block 2048 cand warps 2", {"block": 2048, "num_warps": 2}),
+    ("decode block 1024 cand warps 4", {"block": 1024, "num_warps": 4}),
+    ("decode block 1024 cand warps 2", {"block": 1024, "num_warps": 2}),
+    ("decode block 1024 w2 sel 8", {"block": 1024, "num_warps": 2, "select_warps": 8}),
+    ("decode block 512 cand warps 1", {"block": 512, "num_warps": 1}),
+    ("decode block 2048 w4 no prefetch", {"block": 2048, "num_warps": 4, "prefetch": False}),
+]
+# topk_prefiltered's candidate pass options (its final select: torch.topk over the candidates)
+PREFILTER_VARIANTS = [
+    ("prefilter block 1024 w4", {"block": 1024, "num_warps": 4}),
+    ("prefilter block 2048 w4", {"block": 2048, "num_warps": 4}),
+    ("prefilter block 1024 w2", {"block": 1024, "num_warps": 2}),
 ]
 
 
@@ -99,6 +105,8 @@ def run_chunk(layer, block_table, r0: int, t0: float, budget_s: float, result: d
     record("prefilter (torch final)", lambda: topk.topk_prefiltered(scores, limits, TOPK, out=out)[0], False)
     record("prefilter (triton final)",
            lambda: topk.topk_prefiltered(scores, limits, TOPK, out=out, final="triton")[0], False)
+    for name, opts in PREFILTER_VARIANTS:
+        record(name, lambda o=opts: topk.topk_prefiltered(scores, limits, TOPK, out=out, **o)[0], False)
     for name, opts in DECODE_VARIANTS:
         record(name, lambda o=opts: topk.topk_decode(scores, limits, TOPK, out=out, **o), True)
     if r1 == LENGTH and time.monotonic() - t0 < budget_s:
@@ -107,6 +115,46 @@ def run_chunk(layer, block_table, r0: int, t0: float, budget_s: float, result: d
         for key, rows in result["profile"].items():
             print(f"profile {key}: " + "; ".join(f"{r['kernel'][:40]} x{r['launches']:g} {r['us']:.0f} us"
                                                  for r in rows[:6]), flush=True)
+
+
+def whole_prefill(layer, block_table, result: dict) -> dict:
+    """``index_topk`` over the whole causal prefill (2 GiB score chunks, as bench_dsa) with the default select and
+    with ``decode`` under the ``topk_decode`` options that were fastest summed over the timed chunks
+    (``dsa.PREFILL_DECODE_OPTIONS``), each timed eagerly (the prefilter syncs), and their position sets compared."""
+    totals: dict[str, float] = defaultdict(float)
+    for chunk in result["chunks"]:
+        for row in chunk["variants"]:
+            if "ms" in row and row["name"].startswith("decode") and row["rows_differing"] == 0:
+                totals[row["name"]] += row["ms"]
+    complete = [n for n in totals if all(any(r.get("name") == n and "ms" in r for r in c["variants"])
+                                         for c in result["chunks"])]
+    if not complete:
+        return {"error": "no decode variant ran on every chunk"}
+    best = min(complete, key=totals.get)
+    options = dict(dict(DECODE_VARIANTS)[best])
+    q8, weights, _, _ = _queries(LENGTH)
+    token_seq = torch.zeros(LENGTH, device="cuda", dtype=torch.int32)
+    limits = torch.arange(1, LENGTH + 1, device="cuda", dtype=torch.int32)
+    held = {}
+
+    def run(select):
+        held[select] = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits,
+                                      TOPK, max_score_bytes=2 << 30, select=select,
+                                      **RUN2_INDEX_TILES["prefill_index"])[0]
+
+    out = {"decode_options": options, "chosen_from": best}
+    try:
+        out["auto_ms"] = time_cuda(lambda: run("auto"), reps=3, warmup=1, graph=False).median_us / 1e3
+        dsa.PREFILL_DECODE_OPTIONS = options
+        out["decode_ms"] = time_cuda(lambda: run("decode"), reps=3, warmup=1, graph=False).median_us / 1e3
+        dsa.PREFILL_DECODE_OPTIONS = {}
+        out["decode_default_ms"] = time_cuda(lambda: run("decode"), reps=3, warmup=1, graph=False).median_us / 1e3
+        differ = (held["auto"].sort(dim=1).values != held["decode"].sort(dim=1).values).any(dim=1)
+        out["rows_differing_decode_vs_auto"] = int(differ.sum())
+    except Exception as err:  # recorded
+        out["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+    print(f"whole prefill index_topk: {out}", flush=True)
+    return out
 
 
 def main(out_dir: Path, budget_s: float) -> None:
@@ -120,6 +168,7 @@ def main(out_dir: Path, budget_s: float) -> None:
         run_chunk(layer, block_table, r0, t0, budget_s, result)
         torch.cuda.empty_cache()
         (out_dir / "prefill_select.json").write_text(json.dumps(result, indent=1))
+    result["whole_prefill"] = whole_prefill(layer, block_table, result)
     result["seconds"] = time.monotonic() - t0
     (out_dir / "prefill_select.json").write_text(json.dumps(result, indent=1))
 
