@@ -552,9 +552,16 @@ PREFILTER_MIN_ROWS = 512
 # graph: 64 rows 94.9 us against torch.topk's 144.4 (the batch-64 step 672 -> 617 us); 1 row 68.6 against
 # 57.2, so a single row keeps the Triton radix select (benchmarks/gpu-2026-11-30-dsa-s3-final).
 DECODE_SELECT_MIN_ROWS: int | None = 16
-# ``topk_decode`` launch options for chunks of at least PREFILTER_MIN_ROWS rows (prefill) under ``decode``; empty:
-# its decode defaults.
-PREFILL_DECODE_OPTIONS: dict = {}
+# The select ``auto`` takes for chunks of at least PREFILTER_MIN_ROWS rows (prefill): "decode" (``topk_decode`` with
+# PREFILL_DECODE_OPTIONS: exact, no host sync) or "prefilter" (``topk_prefiltered``, torch.topk over its candidates).
+# H200, 2026-12-01, commit 69853b4 (benchmarks/gpu-2026-12-01-dsa-s7), 128K causal prefill scores in 4096-row chunks,
+# every row's set equal to torch.topk's: rows 32768-36864 prefilter 1.72 ms, topk_decode at its decode defaults 1.39,
+# with these options 0.88; rows 126976-131072: 3.66 / 4.13 / 3.10 ms; the whole prefill's index_topk (eager, 3 reps)
+# 291.1 ms with the prefilter, 283.8 with these options, 304.5 with the decode defaults.
+PREFILL_SELECT = "decode"
+# ``topk_decode`` launch options for chunks of at least PREFILTER_MIN_ROWS rows under ``decode`` (above): candidate
+# pass steps of 2048 scores on 4 warps (decode's 4096 on 8 give too few programs an SM work) and 8 select warps.
+PREFILL_DECODE_OPTIONS: dict = {"block": 2048, "num_warps": 4, "select_warps": 8}
 SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "decode", "fused")
 # Decode calls (``rows_per_tile=1``) of at least this many rows and fewer than PREFILTER_MIN_ROWS take
 # ``index_topk_fused`` under ``auto`` (None: never). None: slower than scores + select where measured (H200,
@@ -569,6 +576,8 @@ def auto_select(rows: int, cols: int, topk: int) -> str:
     if rows <= TRITON_SELECT_MAX_ROWS:
         return "triton"
     if rows >= PREFILTER_MIN_ROWS:
+        if PREFILL_SELECT == "decode":
+            return "decode"
         return "prefilter" if prefilter_applies(rows, cols, topk) else "torch"
     return "decode" if DECODE_SELECT_MIN_ROWS is not None and rows >= DECODE_SELECT_MIN_ROWS else "torch"
 
@@ -577,9 +586,10 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
                  method: str = "auto") -> int:
     """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``; returns the
     rows the prefilter sent back to a full select (0 for the other methods). ``auto``: the Triton radix
-    select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest); the
-    prefiltered select for at least PREFILTER_MIN_ROWS wide rows; else torch.topk (unordered, ties
-    arbitrary, as the prefiltered one); -1 where a row sees fewer than ``topk`` keys. ``decode``:
+    select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest); PREFILL_SELECT
+    (``decode`` with PREFILL_DECODE_OPTIONS, or the prefiltered select for wide rows) for at least
+    PREFILTER_MIN_ROWS rows; else torch.topk (unordered, ties arbitrary, as the prefiltered one); -1 where a row
+    sees fewer than ``topk`` keys. ``decode``:
     ``topk_decode`` (the radix select's result, device-side prefilter, capturable; its rows re-selected
     from their full scores stay on the device and are not counted here); ``auto`` takes it for
     DECODE_SELECT_MIN_ROWS rows and more (None: never) below PREFILTER_MIN_ROWS."""
@@ -650,8 +660,9 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
     row sees fewer than ``topk`` keys; stats). A chunk of at most ``TRITON_SELECT_MAX_ROWS`` rows (decode
     at small batch) selects with ``adapt.kernels.topk.topk_indices`` (ascending positions, -1 after them,
     ties at the k-th score to the lowest positions, exactly as the twin); prefill chunks of at least
-    ``PREFILTER_MIN_ROWS`` wide rows with ``topk.topk_prefiltered`` (H200, 128K prefill: 70 against 107 ms
-    for torch.topk); other chunks with torch.topk (both: order unspecified, ties arbitrary). Rows are
+    ``PREFILTER_MIN_ROWS`` rows with ``PREFILL_SELECT``: ``topk.topk_decode`` (the same exact result, no host
+    sync) or ``topk.topk_prefiltered`` (H200, 128K prefill: 70 against 107 ms for torch.topk); other chunks with
+    torch.topk (it and the prefiltered select: order unspecified, ties arbitrary). Rows are
     chunked so that
     each chunk's score buffer (rows x visible keys of the widest row, fp32) stays under
     ``max_score_bytes``; a chunk holds at least one row (4 * S bytes for S keys).
@@ -659,8 +670,8 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
     ``limits`` back to the host; with it and ``rows_per_tile=1`` a decode step makes no host sync
     (CUDA-graph capturable). The scores of a chunk are still written to memory and read back by the
     select (decode, batch 64 x 128K: 32 MiB, L2-sized); scoring and select are not fused yet.
-    ``select``: ``_select_topk``'s method (``auto``: Triton radix select for a few rows, the prefiltered
-    select for prefill chunks, torch.topk between), or ``fused``: ``index_topk_fused`` (candidates kept by the
+    ``select``: ``_select_topk``'s method (``auto``: Triton radix select for a few rows, PREFILL_SELECT for
+    prefill chunks, torch.topk or ``topk_decode`` between), or ``fused``: ``index_topk_fused`` (candidates kept by the
     scoring kernel, one select over them; the radix select's result; ``auto`` takes it for decode calls, i.e.
     ``rows_per_tile=1``, of FUSED_DECODE_MIN_ROWS to PREFILTER_MIN_ROWS - 1 rows); ``stats.prefilter_fallback_rows``
     counts the rows the prefilter re-selected from their full scores.

@@ -706,7 +706,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
                 redo: torch.Tensor | None = None, registers: bool | None = None,
                 select_warps: int | None = None, flat: bool = False, fast: int | None = None,
-                prefetch: bool | None = None) -> torch.Tensor:
+                prefetch: bool | None = None, seg_cap: int | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -732,13 +732,16 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     ``prefetch`` (default DECODE_PREFETCH): the candidate pass loads step i + 1's scores before step i's scan.
     ``num_warps`` / ``block`` (scores per loop step): the candidate pass's launch (defaults 8 / 4096; its loop
     is not software-pipelined by Triton: no async copies in the sm_90 build); ``parts`` per row (default
-    ``decode_parts``); ``sample`` a power of two.
+    ``decode_parts``); ``sample`` a power of two. ``seg_cap``: candidate slots per (row, part) (default
+    DECODE_SEG_CAP * topk). A part that finds more sends its row to the full-row select, so a smaller cap trades
+    workspace and register-select slots (parts x seg_cap) against more such rows; with two parts or more a part
+    expects about 7/4 * topk / parts candidates.
 
     scores fp32 [N, C] (unit column stride), limits int [N] (row r sees columns < limits[r]; -inf scores are
     not visible). ``out``: optional int32 [N, topk]; ``redo``: optional int32 [N] that receives 1 for the
     rows selected from their full scores. Bytes: each visible score read once (plus the sample, 1/32 of a
     128K row), the candidates (8 B each, about 1.5 * topk a row) written and read 5 times from L2;
-    workspace N * parts * 2 * topk * 8 B.
+    workspace N * parts * seg_cap * 8 B.
     """
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
@@ -760,7 +763,9 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     if sample & (sample - 1) or sample < DECODE_SAMPLE_RUN:
         raise ValueError(f"sample must be a power of two >= {DECODE_SAMPLE_RUN}, not {sample}")
     fast = _fast_level(fast)  # checked before any allocation or launch
-    seg_cap = DECODE_SEG_CAP * topk
+    if seg_cap is not None and seg_cap < 1:
+        raise ValueError(f"seg_cap must be a positive number of slots, not {seg_cap}")
+    seg_cap = seg_cap or DECODE_SEG_CAP * topk
     expect = DECODE_EXPECT[min(parts, 2)]
     limits = limits.to(torch.int32).contiguous()
     tau = torch.empty(n_rows, dtype=torch.int32, device=scores.device)
@@ -771,7 +776,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     slots = triton.next_power_of_2(parts) * seg_cap
     registers = slots <= DECODE_REGISTER_SLOTS and seg_cap & (seg_cap - 1) == 0 if registers is None else registers
     if registers and seg_cap & (seg_cap - 1) and not flat:
-        raise ValueError(f"registers=True needs a power-of-two topk, not {topk}")
+        raise ValueError(f"registers=True needs a power-of-two number of slots per part, not {seg_cap}")
     _decode_candidates_kernel[(n_rows, parts)](
         scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
         RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap,

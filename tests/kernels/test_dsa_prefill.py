@@ -127,9 +127,9 @@ def test_sample_threshold_reads_the_first_run_of_every_span():
 
 
 def test_select_dispatch_takes_the_prefilter_for_prefill_chunks(monkeypatch):
-    """``_select_topk`` (auto) takes the prefiltered select for chunks of at least PREFILTER_MIN_ROWS wide
-    rows (here lowered to 16 rows of 16K keys, causal) and returns torch.topk's sets; a narrower chunk
-    (12 rows) keeps torch.topk."""
+    """With PREFILL_SELECT "prefilter", ``_select_topk`` (auto) takes the prefiltered select for chunks of at
+    least PREFILTER_MIN_ROWS wide rows (here lowered to 16 rows of 16K keys, causal) and returns torch.topk's
+    sets; a narrower chunk (12 rows) keeps torch.topk."""
     calls = []
 
     def spy(*args, **kwargs):
@@ -137,6 +137,7 @@ def test_select_dispatch_takes_the_prefilter_for_prefill_chunks(monkeypatch):
         return topk_prefiltered(*args, **kwargs)
 
     monkeypatch.setattr(dsa, "PREFILTER_MIN_ROWS", 16)
+    monkeypatch.setattr(dsa, "PREFILL_SELECT", "prefilter")
     monkeypatch.setattr(dsa, "topk_prefiltered", spy)
     gen = torch.Generator().manual_seed(8)
     rows, cols, k = 16, 16384, 2048
@@ -151,3 +152,30 @@ def test_select_dispatch_takes_the_prefilter_for_prefill_chunks(monkeypatch):
     assert len(calls) == 1 and sets(out[:12]) == sets(torch.topk(s[:12], k, dim=1).indices)
     with pytest.raises(ValueError, match="select"):
         dsa._select_topk(s, limits, k, out=out, method="radix")
+
+
+def test_select_dispatch_takes_topk_decode_with_its_prefill_options(monkeypatch):
+    """By default (PREFILL_SELECT "decode") ``_select_topk`` (auto) hands chunks of at least PREFILTER_MIN_ROWS rows
+    (here 16 rows of 16K keys, causal, with ties at the k-th score) to topk_decode with PREFILL_DECODE_OPTIONS and
+    returns exactly the twin's positions; a decode-sized chunk gets no prefill options."""
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((args[0].shape[0], {k: v for k, v in kwargs.items() if k != "out"}))
+        return dsa_topk_decode(*args, **kwargs)
+
+    dsa_topk_decode = dsa.topk_decode
+    monkeypatch.setattr(dsa, "PREFILTER_MIN_ROWS", 16)
+    monkeypatch.setattr(dsa, "DECODE_SELECT_MIN_ROWS", 9)
+    monkeypatch.setattr(dsa, "topk_decode", spy)
+    assert dsa.PREFILL_SELECT == "decode"
+    gen = torch.Generator().manual_seed(9)
+    rows, cols, k = 16, 16384, 2048
+    s = torch.randn(rows, cols, generator=gen).round(decimals=1)  # many ties at the k-th score
+    limits = torch.arange(cols - rows + 1, cols + 1)
+    s[torch.arange(cols)[None, :] >= limits[:, None]] = float("-inf")
+    out = torch.empty(rows, k, dtype=torch.int32)
+    assert dsa._select_topk(s, limits, k, out=out) == 0
+    assert torch.equal(out, topk_indices_torch(s, limits, k))
+    dsa._select_topk(s[:12], limits[:12], k, out=out[:12])
+    assert seen == [(rows, dsa.PREFILL_DECODE_OPTIONS), (12, {})]

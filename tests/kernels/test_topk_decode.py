@@ -209,3 +209,24 @@ def test_bench_line_shows_decode_select_beside_torch_topk():
     line = _decode_select_line(case)
     assert "default: 35.5 (graph, twin True, redo 0)" in line and "{'parts': 4}: out of resources" in line
     assert "torch.topk 144.1" in line and "select=decode 600.0 us" in line and "step / floor 1.94" in line
+
+
+def test_decode_topk_slots_per_part_trade_rows_for_the_full_select():
+    """``seg_cap``: with 4 parts of 64 slots (the register select over 256) rows stay exact; a part that finds
+    more candidates than its slots sends its row to the full-row select (``redo``), still exact; a cap below 1 is
+    refused."""
+    gen = torch.Generator().manual_seed(11)
+    s = torch.randn(6, 4096, generator=gen)
+    s[2, :] = 0.5  # all equal: every key is a candidate
+    s[4, 1000:1100] = 9.0  # one part holds the whole top
+    limits = torch.tensor([4096, 4000, 4096, 3000, 4096, 700])
+    want = topk_indices_torch(s, limits, 32)
+    for cap in (64, 16):
+        redo = torch.empty(6, dtype=torch.int32)
+        got = topk_decode(s, limits, 32, parts=4, seg_cap=cap, redo=redo)
+        assert torch.equal(got, want), cap
+        assert redo[2] == 1  # all equal: more candidates than any cap here
+        if cap == 16:
+            assert redo[4] == 1  # 100 equal top keys in one part of 16 slots
+    with pytest.raises(ValueError, match="seg_cap"):
+        topk_decode(s, limits, 32, seg_cap=0)
