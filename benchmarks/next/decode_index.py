@@ -7,7 +7,7 @@ stages, 4 warps, 2048 programs) were chosen in session 2 before the one-page key
 and contiguous keys per tile). This times the key tile, pipeline depth, warps and program count, each checked against
 the default's scores, graph-timed, in TB/s of key bytes beside the same-run read and copy ceilings.
 
-Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/decode_index.py OUT_DIR [BUDGET_S]
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/decode_index.py OUT_DIR [BUDGET_S [first|deep]]
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ from adapt.stages.bench_dsa import INDEX_DIM, RUN2_INDEX_TILES, _queries, _rando
 CONTEXT, BATCH = 131072, 64
 
 
-def configs() -> list[dict]:
+def configs(grid: str) -> list[dict]:
     out = [dict(RUN2_INDEX_TILES["decode_index"])]
+    if grid == "deep":  # the second grid: deeper pipelines of one-page tiles (the first grid's best: 8 stages)
+        for stages, programs in itertools.product((8, 10, 12, 16), (2048, 4096, 8192)):
+            out.append(dict(key_block=64, num_stages=stages, num_warps=4, programs=programs))
+        out += [dict(key_block=128, num_stages=8, num_warps=4, programs=4096),
+                dict(key_block=64, num_stages=12, num_warps=2, programs=8192),
+                dict(key_block=32, num_stages=16, num_warps=4, programs=4096)]
+        return out
     for kb, stages, warps, programs in itertools.product((64, 128), (3, 4, 6), (4, 8), (2048, 4096)):
         cfg = dict(key_block=kb, num_stages=stages, num_warps=warps, programs=programs)
         if cfg != out[0]:
@@ -41,7 +48,7 @@ def configs() -> list[dict]:
     return out
 
 
-def main(out_dir: Path, budget_s: float) -> None:
+def main(out_dir: Path, budget_s: float, grid: str = "first") -> None:
     t0 = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -60,7 +67,7 @@ def main(out_dir: Path, budget_s: float) -> None:
 
     want = run(RUN2_INDEX_TILES["decode_index"]).clone()
     result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "key_bytes": key_bytes, "rows": []}
-    for cfg in configs():
+    for cfg in configs(grid):
         if time.monotonic() - t0 > budget_s:
             result["rows"].append({**cfg, "skipped": "budget"})
             continue
@@ -82,4 +89,5 @@ def main(out_dir: Path, budget_s: float) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 90.0)
+    main(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 90.0,
+         sys.argv[3] if len(sys.argv) > 3 else "first")
