@@ -80,6 +80,14 @@ PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
 KEY_BLOCK = 128
 DEFAULT_PROGRAMS = 1024
+# Decode tiles (one row per program): one-page key tiles of 64 keys (one block-table entry, contiguous keys), 8 in
+# flight, about 4096 programs. H200, 2026-12-01, commit b4f843f/b7693cc (benchmarks/gpu-2026-12-01-dsa-s7,
+# benchmarks/next/decode_index.py), batch 64 x 128K, CUDA graph: 281-283 us (3.91-3.94 TB/s of key bytes, 0.87 of
+# the same-run read ceiling) against 322-324 us for the tiles before (128 keys, 4 stages, 2048 programs); scores
+# identical.
+DECODE_KEY_BLOCK = 64
+DECODE_STAGES = 8
+DECODE_PROGRAMS = 4096
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
 _E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -376,9 +384,10 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     twin by about 1e-3 relative there (exactly equal under the interpreter).
     Tiling: ``rows_per_tile`` query rows share each key tile (default
     ``PREFILL_ROWS_PER_TILE``; 1 when every row is its own sequence, as in decode);
-    ``key_block`` keys per tile (default 128 in decode, 64 in prefill); ``num_stages`` key tiles in
-    flight (default 3); the context is split so that about ``programs`` programs run (default 1024,
-    enough to fill 132 SMs several times); ``num_warps`` per program (default 4 in decode and
+    ``key_block`` keys per tile (default DECODE_KEY_BLOCK = 64 in decode, 64 in prefill); ``num_stages`` key
+    tiles in flight (default DECODE_STAGES = 8 in decode, 3 in prefill); the context is split so that about
+    ``programs`` programs run (default DECODE_PROGRAMS = 4096 in decode, 1024 in prefill: enough to fill 132 SMs
+    several times); ``num_warps`` per program (default 4 in decode and
     ``PREFILL_WARPS`` in prefill); ``stacked`` (rows_per_tile > 1): one MMA per key tile over all the
     tile's rows x heads, q loaded once (default), else one MMA per row; ``full_tiles`` (stacked): the key
     tiles every row of the query tile sees whole run in a loop without masks (sm_90: 158 registers
@@ -400,9 +409,10 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         tiles = token_seq
     else:
         tiles = _query_tiles(token_seq, per_tile).flip(0).contiguous()  # causal: the longest rows start first
-    block_s = key_block or (KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
+    block_s = key_block or (DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     key_tiles = triton.cdiv(num_cols, block_s)
-    tiles_per_split, splits = _key_splits(key_tiles, tiles.shape[0], programs)
+    tiles_per_split, splits = _key_splits(key_tiles, tiles.shape[0], programs or (DECODE_PROGRAMS if decode else None))
+    num_stages = num_stages or (DECODE_STAGES if decode else 3)
     grid = (tiles.shape[0], splits)
     block_h = max(16, triton.next_power_of_2(n_heads))
     use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))

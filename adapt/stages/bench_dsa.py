@@ -842,14 +842,16 @@ SWEEP_BATCH = 64
 # Position-split counts timed for sparse MLA decode below SWEEP_BATCH rows (batch 1: 2 programs of
 # 64 heads per split with the fused tile); the fastest is kept for the step.
 MLA_DECODE_SPLITS = (4, 8, 16, 32, 64)
-# Indexer programs (context splits) timed for decode below SWEEP_BATCH rows (batch 1 x 128K: 1024 key
-# tiles of 128, so 2048 programs give one tile each, 264 give four); the fastest is kept for the step.
+# Indexer programs (context splits) timed for decode below SWEEP_BATCH rows (batch 1 x 128K: 2048 key
+# tiles of 64, so 2048 programs give one tile each, 264 give eight); the fastest is kept for the step.
 DECODE_INDEX_PROGRAMS = (264, 528, 1056, 2048)
 
-# Index tiles measured fastest on the H200 in run 2 (benchmarks/dsa/2026-11-29-run2-grid.json);
-# the acceptance mode uses them instead of re-sweeping.
+# Index tiles measured fastest on the H200 in run 2 (benchmarks/dsa/2026-11-29-run2-grid.json; decode: the
+# dsa.DECODE_* defaults, session 7's grid, benchmarks/gpu-2026-12-01-dsa-s7); the acceptance mode uses them
+# instead of re-sweeping.
 RUN2_INDEX_TILES = {
-    "decode_index": dict(key_block=128, num_stages=4, num_warps=4, programs=2048),
+    "decode_index": dict(key_block=dsa.DECODE_KEY_BLOCK, num_stages=dsa.DECODE_STAGES, num_warps=4,
+                         programs=dsa.DECODE_PROGRAMS),
     "prefill_index": dict(rows_per_tile=4, num_stages=3, num_warps=4),
 }
 
