@@ -7,7 +7,7 @@ slots a part: ``seg_cap`` (a part expects about 7/4 * topk / parts candidates; a
 to the full-row select, still exact). This times parts x seg_cap x the candidate launch on real indexer scores,
 each checked against topk_indices_torch, graph-timed; then the fastest with one row all equal (a misjudged row).
 
-Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/decode_select.py OUT_DIR [BUDGET_S]
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/decode_select.py OUT_DIR [BUDGET_S [parts|tau]]
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from adapt.bench.timer import time_cuda
-from adapt.kernels import dsa
+from adapt.kernels import dsa, topk
 from adapt.kernels.formats import PAGE_SIZE
 from adapt.kernels.topk import topk_decode, topk_indices, topk_indices_torch
 from adapt.stages.bench_dsa import RUN2_INDEX_TILES, _queries, _random_cache
 
 CONTEXT, TOPK = 131072, 2048
+TAU_BITS = topk.DECODE_TAU_BITS
 
 
 def variants(batch: int) -> list[dict]:
@@ -42,7 +43,17 @@ def variants(batch: int) -> list[dict]:
     return out
 
 
-def run_batch(batch: int, t0: float, budget_s: float) -> dict:
+def tau_grid() -> list[dict]:
+    """Where the candidate pass's time goes: the sample's threshold search (TAU_BITS bisection steps over SAMPLE
+    sampled scores, repeated by every part of a row) against the scan, at 2 and 8 parts."""
+    out = []
+    for parts, cap in ((2, None), (8, 1024)):
+        for bits, sample in ((16, 4096), (12, 4096), (8, 4096), (4, 4096), (16, 1024), (16, 512)):
+            out.append(dict(parts=parts, seg_cap=cap, sample=sample, tau_bits=bits))
+    return out
+
+
+def run_batch(batch: int, t0: float, budget_s: float, grid: str = "parts") -> dict:
     layer = _random_cache(batch * CONTEXT, "fp8").dsa_layer(0)
     pages = CONTEXT // PAGE_SIZE
     block_table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
@@ -59,18 +70,23 @@ def run_batch(batch: int, t0: float, budget_s: float) -> dict:
         timing = time_cuda(lambda: topk_indices(scores, limits, TOPK, out=out), 20, warmup=1)
         rows.append({"name": "radix select (the batch-1 default)", "us": timing.median_us,
                      "equals_twin": bool(torch.equal(topk_indices(scores, limits, TOPK, out=out), twin))})
-    for opt in variants(batch):
+    for opt in variants(batch) if grid == "parts" else tau_grid():
         if time.monotonic() - t0 > budget_s:
             rows.append({**opt, "skipped": "budget"})
             continue
+        kw = {k: v for k, v in opt.items() if k != "tau_bits" and v is not None}
+        topk.DECODE_TAU_BITS = opt.get("tau_bits", TAU_BITS)
         try:
-            timing = time_cuda(lambda o=opt: topk_decode(scores, limits, TOPK, out=out, redo=redo, **o), 20, warmup=1)
-            topk_decode(scores, limits, TOPK, out=out, redo=redo, **opt)
+            timing = time_cuda(lambda o=kw: topk_decode(scores, limits, TOPK, out=out, redo=redo, **o), 20, warmup=1)
+            topk_decode(scores, limits, TOPK, out=out, redo=redo, **kw)
             rows.append({**opt, "us": timing.median_us, "equals_twin": bool(torch.equal(out, twin)),
                          "redo_rows": int(redo.sum()), "timed_as": timing.mode})
         except Exception as err:  # recorded; the others still run
             rows.append({**opt, "error": f"{type(err).__name__}: {str(err)[:200]}"})
         print(f"batch {batch}: {rows[-1]}", flush=True)
+    topk.DECODE_TAU_BITS = TAU_BITS
+    if grid != "parts":
+        return {"batch": batch, "grid": grid, "rows": rows}
     exact = [r for r in rows if r.get("equals_twin") and "us" in r and "name" not in r]
     if exact and batch > 1 and time.monotonic() - t0 < budget_s:
         best = min(exact, key=lambda r: r["us"])
@@ -85,16 +101,17 @@ def run_batch(batch: int, t0: float, budget_s: float) -> dict:
     return {"batch": batch, "rows": rows}
 
 
-def main(out_dir: Path, budget_s: float) -> None:
+def main(out_dir: Path, budget_s: float, grid: str = "parts") -> None:
     t0 = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     result = {"gpu": torch.cuda.get_device_name(), "batches": []}
-    for batch in (64, 1):
-        result["batches"].append(run_batch(batch, t0, budget_s))
+    for batch in (64, 1) if grid == "parts" else (64,):
+        result["batches"].append(run_batch(batch, t0, budget_s, grid))
         torch.cuda.empty_cache()
         (out_dir / "decode_select.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 60.0)
+    main(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 60.0,
+         sys.argv[3] if len(sys.argv) > 3 else "parts")
