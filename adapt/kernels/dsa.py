@@ -85,9 +85,12 @@ DEFAULT_PROGRAMS = 1024
 # benchmarks/next/decode_index.py), batch 64 x 128K, CUDA graph: 281-283 us (3.91-3.94 TB/s of key bytes, 0.87 of
 # the same-run read ceiling) against 322-324 us for the tiles before (128 keys, 4 stages, 2048 programs); scores
 # identical.
+# Few rows take at most DECODE_PROGRAMS_PER_ROW programs a row: at batch 1 x 128K one 64-key tile a program (2048)
+# made the step 59-60 us against 53-55 at 264-528 programs (same call, benchmarks/next/b1_index.py, commit 7f65a15).
 DECODE_KEY_BLOCK = 64
 DECODE_STAGES = 8
 DECODE_PROGRAMS = 4096
+DECODE_PROGRAMS_PER_ROW = 512
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
 _E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -386,8 +389,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     ``PREFILL_ROWS_PER_TILE``; 1 when every row is its own sequence, as in decode);
     ``key_block`` keys per tile (default DECODE_KEY_BLOCK = 64 in decode, 64 in prefill); ``num_stages`` key
     tiles in flight (default DECODE_STAGES = 8 in decode, 3 in prefill); the context is split so that about
-    ``programs`` programs run (default DECODE_PROGRAMS = 4096 in decode, 1024 in prefill: enough to fill 132 SMs
-    several times); ``num_warps`` per program (default 4 in decode and
+    ``programs`` programs run (default in decode DECODE_PROGRAMS = 4096, at most DECODE_PROGRAMS_PER_ROW = 512 a
+    row; 1024 in prefill: enough to fill 132 SMs several times); ``num_warps`` per program (default 4 in decode and
     ``PREFILL_WARPS`` in prefill); ``stacked`` (rows_per_tile > 1): one MMA per key tile over all the
     tile's rows x heads, q loaded once (default), else one MMA per row; ``full_tiles`` (stacked): the key
     tiles every row of the query tile sees whole run in a loop without masks (sm_90: 158 registers
@@ -411,7 +414,9 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         tiles = _query_tiles(token_seq, per_tile).flip(0).contiguous()  # causal: the longest rows start first
     block_s = key_block or (DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     key_tiles = triton.cdiv(num_cols, block_s)
-    tiles_per_split, splits = _key_splits(key_tiles, tiles.shape[0], programs or (DECODE_PROGRAMS if decode else None))
+    if decode and not programs:
+        programs = min(DECODE_PROGRAMS, DECODE_PROGRAMS_PER_ROW * tiles.shape[0])
+    tiles_per_split, splits = _key_splits(key_tiles, tiles.shape[0], programs)
     num_stages = num_stages or (DECODE_STAGES if decode else 3)
     grid = (tiles.shape[0], splits)
     block_h = max(16, triton.next_power_of_2(n_heads))

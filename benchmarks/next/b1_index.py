@@ -55,7 +55,9 @@ def main(out_dir: Path) -> None:
                 rows.append({"round": rnd, "tiles": name, **opts, "scores_us": scores, "step_us": whole})
                 print(f"round {rnd} {name:28s} programs {programs:5d}: scores {scores:6.1f} us, step {whole:6.1f} us",
                       flush=True)
-    best = {}
+    defaults = [time_cuda(lambda: step({}), 50).median_us for _ in range(3)]  # index_scores' own decode defaults
+    print(f"the defaults (no tile options): step {defaults} us", flush=True)
+    best = {"defaults_step_us": defaults}
     for name in TILES:
         mine = [r for r in rows if r["tiles"] == name]
         best[name] = {"best_step_us": min(r["step_us"] for r in mine),

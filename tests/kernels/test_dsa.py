@@ -146,6 +146,27 @@ def test_decode_scores_and_topk_match_twin(device, tiles):
     assert_same_topk(synced_free.cpu(), ref.cpu(), want.cpu(), 32, score_tol(device, want))
 
 
+def test_decode_default_tiles_and_programs_per_row(monkeypatch):
+    """Decode calls without tile options take the DECODE_* tiles (64-key tiles, 8 stages) and at most
+    DECODE_PROGRAMS_PER_ROW programs a row up to DECODE_PROGRAMS; explicit programs are kept; the scores are the
+    twin's."""
+    seen = []
+    real = dsa._key_splits
+    monkeypatch.setattr(dsa, "_key_splits", lambda tiles, rows, programs: seen.append((tiles, rows, programs))
+                        or real(tiles, rows, programs))
+    monkeypatch.setattr(dsa, "DECODE_PROGRAMS_PER_ROW", 3)
+    monkeypatch.setattr(dsa, "DECODE_PROGRAMS", 10)
+    layer, batch, q8, weights = filled_cache((10, 64, 65, 129), heads=4, dim=32, device="cpu", decode=True)
+    limits = (batch.positions + 1).int()
+    args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
+    got = dsa.index_scores(*args, 192, rows_per_tile=1)
+    assert_close_scores(got, dsa.index_scores_torch(*args, 192), "cpu")
+    dsa.index_scores(*[a[:1] for a in args[:2]], *args[2:5], batch.token_seq[:1], limits[:1], 192, rows_per_tile=1)
+    dsa.index_scores(*args, 192, rows_per_tile=1, programs=7)
+    assert seen == [(192 // dsa.DECODE_KEY_BLOCK, 4, 10), (192 // dsa.DECODE_KEY_BLOCK, 1, 3),
+                    (192 // dsa.DECODE_KEY_BLOCK, 4, 7)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_topk_chunks_stay_under_the_memory_bound(device):
     layer, batch, q8, weights = filled_cache((100,), heads=4, dim=32, device=device)
