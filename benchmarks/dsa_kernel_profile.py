@@ -22,21 +22,36 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from adapt.kernels import dsa, sparse_mla
-from adapt.kernels.formats import PAGE_SIZE
-from adapt.stages.bench_dsa import _queries, _random_cache
+from adapt.stages.bench_dsa import _decode_inputs
 
 CONTEXT, TOPK, STEPS = 131072, 2048, 20
 MLA_TILES = json.loads(os.environ.get("DSA_MLA_TILES") or "{}")
 
 
+def kernel_times(fn, steps: int, warmup: int = 3) -> list[dict]:
+    """Per kernel name over ``steps`` eager calls of ``fn`` (after ``warmup``): launches and device us per call,
+    the most expensive first."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    launches: dict[str, int] = defaultdict(int)
+    device_us: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            launches[event.name] += 1
+            device_us[event.name] += (event.device_time_total if hasattr(event, "device_time_total")
+                                       else event.cuda_time_total)
+    return sorted(({"kernel": name[:90], "launches_per_step": launches[name] / steps,
+                    "us_per_step": device_us[name] / steps} for name in launches), key=lambda r: -r["us_per_step"])
+
+
 def profile_step(batch: int) -> dict:
     """Kernel names -> (launches per step, device us per step) over STEPS eager decode steps."""
-    layer = _random_cache(batch * CONTEXT, "fp8").dsa_layer(0)
-    pages = CONTEXT // PAGE_SIZE
-    block_table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
-    token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
-    limits = torch.full((batch,), CONTEXT, device="cuda", dtype=torch.int32)
-    q8, weights, q_nope, q_rope = _queries(batch)
+    layer, block_table, token_seq, limits, (q8, weights, q_nope, q_rope) = _decode_inputs(batch, CONTEXT)
 
     def step():
         idx, _ = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits, TOPK,
@@ -44,21 +59,7 @@ def profile_step(batch: int) -> dict:
         return sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
                                      block_table, token_seq, idx, 0.1, **MLA_TILES)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step()
-        torch.cuda.synchronize()
-    launches: dict[str, int] = defaultdict(int)
-    device_us: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            launches[event.name] += 1
-            device_us[event.name] += getattr(event, "device_time_total", event.cuda_time_total)
-    rows = sorted(({"kernel": name[:90], "launches_per_step": launches[name] / STEPS,
-                    "us_per_step": device_us[name] / STEPS} for name in launches), key=lambda r: -r["us_per_step"])
+    rows = kernel_times(step, STEPS)
     return {"batch": batch, "context": CONTEXT, "topk": TOPK, "steps": STEPS, "kernels": rows,
             "kernel_us_per_step": sum(r["us_per_step"] for r in rows),
             "launches_per_step": sum(r["launches_per_step"] for r in rows)}

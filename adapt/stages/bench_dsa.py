@@ -77,6 +77,18 @@ def _queries(rows: int):
     return q8, weights, q_nope, q_rope
 
 
+def _decode_inputs(batch: int, context: int, latent_format: str = "fp8"):
+    """One decode step's inputs: ``batch`` sequences of ``context`` tokens in a random cache (their pages shuffled),
+    the block table, one row a sequence seeing the whole context, and random queries. Returns (layer, block_table,
+    token_seq, limits, (q8, weights, q_nope, q_rope))."""
+    layer = _random_cache(batch * context, latent_format).dsa_layer(0)
+    pages = context // PAGE_SIZE
+    block_table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
+    token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
+    limits = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    return layer, block_table, token_seq, limits, _queries(batch)
+
+
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| over the entries finite in ``want`` (float64)."""
     finite = torch.isfinite(want)
@@ -92,13 +104,8 @@ def _decode_case(
     batch: int, context: int, topk: int, latent_format: str, copy_tbps: float, reps: int, tiles: dict,
     sweep: bool = True,
 ) -> dict:
-    cache = _random_cache(batch * context, latent_format)
-    layer = cache.dsa_layer(0)
-    pages_per_seq = context // PAGE_SIZE
-    block_table = torch.randperm(batch * pages_per_seq, device="cuda").view(batch, pages_per_seq).int()
-    token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
-    limits = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    q8, weights, q_nope, q_rope = _queries(batch)
+    layer, block_table, token_seq, limits, (q8, weights, q_nope, q_rope) = _decode_inputs(batch, context,
+                                                                                         latent_format)
     holder = {}
     tiles = dict(tiles)
     programs_sweep = []
@@ -227,7 +234,7 @@ def _decode_case(
     else:
         index_decode_ms = _time_graph_ms(index_decode_select, reps)
         step_decode_ms = _time_graph_ms(lambda: (index_decode_select(), attend()), reps)
-    cache = layer = None
+    layer = None
     torch.cuda.empty_cache()
     layered = (_layered_step_us(batch, context, topk, latent_format, block_table, tiles["decode_index"], mla_tiles,
                                 reps, GRAPH_LAYERS) if batch < SWEEP_BATCH else None)

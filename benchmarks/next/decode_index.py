@@ -23,8 +23,7 @@ import torch
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.timer import time_cuda
 from adapt.kernels import dsa
-from adapt.kernels.formats import PAGE_SIZE
-from adapt.stages.bench_dsa import INDEX_DIM, RUN2_INDEX_TILES, _queries, _random_cache
+from adapt.stages.bench_dsa import INDEX_DIM, RUN2_INDEX_TILES, _decode_inputs
 
 CONTEXT, BATCH = 131072, 64
 
@@ -53,12 +52,7 @@ def main(out_dir: Path, budget_s: float, grid: str = "first") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     ceil = measure_ceilings(copy_gib=2, reps=10, matmul_reps=3)
-    layer = _random_cache(BATCH * CONTEXT, "fp8").dsa_layer(0)
-    pages = CONTEXT // PAGE_SIZE
-    block_table = torch.randperm(BATCH * pages, device="cuda").view(BATCH, pages).int()
-    token_seq = torch.arange(BATCH, device="cuda", dtype=torch.int32)
-    limits = torch.full((BATCH,), CONTEXT, device="cuda", dtype=torch.int32)
-    q8, weights, _, _ = _queries(BATCH)
+    layer, block_table, token_seq, limits, (q8, weights, _, _) = _decode_inputs(BATCH, CONTEXT)
     key_bytes = BATCH * CONTEXT * (INDEX_DIM + 4)
 
     def run(cfg):

@@ -22,9 +22,8 @@ import torch
 
 from adapt.bench.timer import time_cuda
 from adapt.kernels import dsa, topk
-from adapt.kernels.formats import PAGE_SIZE
 from adapt.kernels.topk import topk_decode, topk_indices, topk_indices_torch
-from adapt.stages.bench_dsa import RUN2_INDEX_TILES, _queries, _random_cache
+from adapt.stages.bench_dsa import RUN2_INDEX_TILES, _decode_inputs
 
 CONTEXT, TOPK = 131072, 2048
 TAU_BITS = topk.DECODE_TAU_BITS
@@ -54,12 +53,7 @@ def tau_grid() -> list[dict]:
 
 
 def run_batch(batch: int, t0: float, budget_s: float, grid: str = "parts") -> dict:
-    layer = _random_cache(batch * CONTEXT, "fp8").dsa_layer(0)
-    pages = CONTEXT // PAGE_SIZE
-    block_table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
-    token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
-    limits = torch.full((batch,), CONTEXT, device="cuda", dtype=torch.int32)
-    q8, weights, _, _ = _queries(batch)
+    layer, block_table, token_seq, limits, (q8, weights, _, _) = _decode_inputs(batch, CONTEXT)
     scores = dsa.index_scores(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits, CONTEXT,
                               rows_per_tile=1, **RUN2_INDEX_TILES["decode_index"])
     twin = topk_indices_torch(scores, limits, TOPK)

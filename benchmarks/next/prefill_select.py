@@ -18,12 +18,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from adapt.bench.timer import time_cuda
 from adapt.kernels import dsa, topk
 from adapt.kernels.formats import PAGE_SIZE
 from adapt.stages.bench_dsa import RUN2_INDEX_TILES, _queries, _random_cache
+from benchmarks.dsa_kernel_profile import kernel_times
 
 LENGTH, TOPK, CHUNK = 131072, 2048, 4096
 # (name, callable options): topk_decode keyword options
@@ -49,23 +49,6 @@ PREFILTER_VARIANTS = [
 
 def _sets_differ(got: torch.Tensor, want: torch.Tensor) -> int:
     return int((got.sort(dim=1).values != want.sort(dim=1).values).any(dim=1).sum())
-
-
-def _profile(fn, steps: int = 3) -> list[dict]:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    launches: dict[str, int] = defaultdict(int)
-    device_us: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            launches[event.name] += 1
-            device_us[event.name] += event.device_time_total
-    return sorted(({"kernel": name[:80], "launches": launches[name] / steps, "us": device_us[name] / steps}
-                   for name in launches), key=lambda r: -r["us"])
 
 
 def run_chunk(layer, block_table, r0: int, t0: float, budget_s: float, result: dict) -> None:
@@ -110,11 +93,11 @@ def run_chunk(layer, block_table, r0: int, t0: float, budget_s: float, result: d
     for name, opts in DECODE_VARIANTS:
         record(name, lambda o=opts: topk.topk_decode(scores, limits, TOPK, out=out, **o), True)
     if r1 == LENGTH and time.monotonic() - t0 < budget_s:
-        result["profile"]["prefilter"] = _profile(lambda: topk.topk_prefiltered(scores, limits, TOPK, out=out))
-        result["profile"]["decode default"] = _profile(lambda: topk.topk_decode(scores, limits, TOPK, out=out))
+        result["profile"]["prefilter"] = kernel_times(lambda: topk.topk_prefiltered(scores, limits, TOPK, out=out), 3)
+        result["profile"]["decode default"] = kernel_times(lambda: topk.topk_decode(scores, limits, TOPK, out=out), 3)
         for key, rows in result["profile"].items():
-            print(f"profile {key}: " + "; ".join(f"{r['kernel'][:40]} x{r['launches']:g} {r['us']:.0f} us"
-                                                 for r in rows[:6]), flush=True)
+            top = [f"{r['kernel'][:40]} x{r['launches_per_step']:g} {r['us_per_step']:.0f} us" for r in rows[:6]]
+            print(f"profile {key}: " + "; ".join(top), flush=True)
 
 
 def whole_prefill(layer, block_table, result: dict) -> dict:
