@@ -29,9 +29,18 @@ LOGIT_METRICS = ("kl_mean", "top1_agreement", "top5_overlap", "perplexity_refere
                  "max_rel_error_layer", "greedy_min_matched")
 
 
+# These models are random, not trained (adapt.model.tiny_hybrid / tiny_multimodal), so their greedy continuations
+# rest on small logit margins, and whether bf16 compute flips one depends on the CPU's vector kernels. On an AVX2-only
+# EPYC (2026-12-01), tiny qwen3_next's second prompt flips at its first token by 0.43 nats, above the 0.25-nat tie gap,
+# where the AVX-512 machines before kept all 8 tokens. The greedy gate is covered on the trained tiny models
+# (tests/stages/test_precision.py); here it is off, and the stage's other gates and warnings are what is checked.
+NO_GREEDY_GATE = {"min_greedy_match_tokens": 0}
+
+
 def _gates():
     gates = load_gates()
     gates["precision"]["greedy_tokens"] = 8
+    gates["precision"].update(NO_GREEDY_GATE)
     return gates
 
 
@@ -85,14 +94,18 @@ def test_stage6_with_url_takes_a_qwen3_next_model(models, tmp_path, vllm_exe):
         while not healthy(url):
             assert proc.poll() is None and time.monotonic() < deadline, "fake server did not start"
             time.sleep(0.1)
+        gates = tmp_path / "gates.yaml"
+        gates.write_text("precision:\n" + "".join(f"  {k}: {v}\n" for k, v in NO_GREEDY_GATE.items()))
+        out = tmp_path / "runs"
         result = CliRunner().invoke(app, ["validate", str(models["qwen3_next"]), "--stage", "6", "--target", "cpu",
                                           "--devices", "1", "--context", "256", "--url", url, "--soak-s", "1",
-                                          "--output", str(tmp_path), "--json"], env={"ADAPT_TEST_FAULTS": ""})
+                                          "--gates", str(gates), "--output", str(out), "--json"],
+                                    env={"ADAPT_TEST_FAULTS": ""})
     finally:
         proc.kill()
         proc.wait()
     assert result.exit_code in (0, 1), result.output  # a gate verdict, never refused input
-    run = next(tmp_path.iterdir())
+    run = next(out.iterdir())
     verdicts = {name: json.loads((run / f"{name}.json").read_text())["verdict"]
                 for name in ("inventory", "kernels", "memory", "parallel", "precision", "bench")}
     assert verdicts["precision"] == "warn" and all(v != "fail" for k, v in verdicts.items() if k != "bench")
