@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from adapt.kernels.formats import interpreting as _interpreting
+from adapt.kernels.formats import is_sm90
 
 TOPK_BLOCK = 1024
 
@@ -547,6 +548,9 @@ def _select_runs(src_ptr, pos_ptr, count_ptr, run_stride, run_cap, out_base, top
 FAST_SELECT = 1
 DECODE_REGISTER_WARPS = 16
 DECODE_PREFETCH = True
+# DECODE_GLUON: the candidate pass by ``topk_gluon.decode_candidates_gluon_kernel`` on sm_90 (one layout from load to
+# store; the same slots, counts and tau), ``topk_decode(gluon=)``. Off until timed against the tl pass on an H200.
+DECODE_GLUON = False
 
 
 def _fast_level(fast: int | None) -> int:
@@ -706,7 +710,7 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
                 num_warps: int | None = None, digit_bits: int = 8, sample: int | None = None,
                 redo: torch.Tensor | None = None, registers: bool | None = None,
                 select_warps: int | None = None, flat: bool = False, fast: int | None = None,
-                prefetch: bool | None = None, seg_cap: int | None = None) -> torch.Tensor:
+                prefetch: bool | None = None, seg_cap: int | None = None, gluon: bool | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, ties at the k-th score to the lowest
     positions, -1 after them) for a decode batch of wide rows, by a device-side prefilter (Triton, two
     launches, no host sync: capturable in a CUDA graph):
@@ -730,6 +734,9 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     short bisection (``fast`` bits a step below the candidates' common prefix) and count kept keys and ties in
     one scan; 0: the 32-step bisection.
     ``prefetch`` (default DECODE_PREFETCH): the candidate pass loads step i + 1's scores before step i's scan.
+    ``gluon`` (default DECODE_GLUON; sm_90 only, elsewhere ignored): the candidate pass is the Gluon kernel
+    (``topk_gluon``: the same slots, counts and tau; ``block`` / ``num_warps`` give its step, ``prefetch`` does not
+    apply: it always loads ahead).
     ``num_warps`` / ``block`` (scores per loop step): the candidate pass's launch (defaults 8 / 4096; its loop
     is not software-pipelined by Triton: no async copies in the sm_90 build); ``parts`` per row (default
     ``decode_parts``); ``sample`` a power of two. ``seg_cap``: candidate slots per (row, part) (default
@@ -766,22 +773,14 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
     if seg_cap is not None and seg_cap < 1:
         raise ValueError(f"seg_cap must be a positive number of slots, not {seg_cap}")
     seg_cap = seg_cap or DECODE_SEG_CAP * topk
-    expect = DECODE_EXPECT[min(parts, 2)]
-    limits = limits.to(torch.int32).contiguous()
-    tau = torch.empty(n_rows, dtype=torch.int32, device=scores.device)
-    keys = torch.empty(n_rows, parts, seg_cap, dtype=torch.int32, device=scores.device)
-    positions = torch.empty(n_rows, parts, seg_cap, dtype=torch.int32, device=scores.device)
-    counts = torch.empty(n_rows, parts, dtype=torch.int32, device=scores.device)
-    aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
     slots = triton.next_power_of_2(parts) * seg_cap
     registers = slots <= DECODE_REGISTER_SLOTS and seg_cap & (seg_cap - 1) == 0 if registers is None else registers
     if registers and seg_cap & (seg_cap - 1) and not flat:
         raise ValueError(f"registers=True needs a power-of-two number of slots per part, not {seg_cap}")
-    _decode_candidates_kernel[(n_rows, parts)](
-        scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
-        RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap,
-        PARTS=parts, BLOCK=block or DECODE_BLOCK, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS,
-        PREFETCH=DECODE_PREFETCH if prefetch is None else prefetch, num_warps=num_warps or 8)
+    limits = limits.to(torch.int32).contiguous()
+    tau, keys, positions, counts = decode_candidates(scores, limits, topk, parts=parts, sample=sample,
+                                                     seg_cap=seg_cap, block=block, num_warps=num_warps,
+                                                     prefetch=prefetch, gluon=gluon)
     if flat:
         return select_candidates(scores, limits, tau, keys, positions, counts, topk, out=out, redo=redo,
                                  num_warps=select_warps or DECODE_REGISTER_WARPS, fast=fast)
@@ -791,6 +790,43 @@ def topk_decode(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: t
         BITS=digit_bits, REGISTERS=registers, FULL_BLOCK=block or DECODE_BLOCK,
         FAST=fast, num_warps=select_warps or (DECODE_REGISTER_WARPS if registers else 4))
     return out
+
+
+def decode_candidates(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, parts: int, sample: int,
+                      seg_cap: int, block: int | None = None, num_warps: int | None = None,
+                      prefetch: bool | None = None, gluon: bool | None = None):
+    """``topk_decode``'s first launch (its options as there; ``limits`` int32, contiguous): (tau int32 [N], keys
+    and positions int32 [N, parts, seg_cap], counts int32 [N, parts]): each row's threshold key and each part's
+    visible keys >= tau in ascending position order, the first seg_cap of them stored. The Gluon kernel
+    (``gluon``, default DECODE_GLUON, sm_90 only) writes the same tau, counts and stored slots as the tl one."""
+    n_rows, n_cols = scores.shape
+    block = block or DECODE_BLOCK
+    warps = num_warps or 8
+    use_gluon = (DECODE_GLUON if gluon is None else gluon) and is_sm90(scores.device) and not _interpreting()
+    per_thread = block // (32 * warps)
+    if use_gluon and (per_thread < 1 or per_thread * 32 * warps != block or per_thread & (per_thread - 1)):
+        raise ValueError(f"the Gluon candidate pass takes a block of 32 * num_warps * 2^i scores, not {block} on "
+                         f"{warps} warps")
+    expect = DECODE_EXPECT[min(parts, 2)]
+    tau = torch.empty(n_rows, dtype=torch.int32, device=scores.device)
+    keys = torch.empty(n_rows, parts, seg_cap, dtype=torch.int32, device=scores.device)
+    positions = torch.empty(n_rows, parts, seg_cap, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(n_rows, parts, dtype=torch.int32, device=scores.device)
+    aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
+    if use_gluon:
+        from adapt.kernels.topk_gluon import decode_candidates_gluon_kernel
+
+        decode_candidates_gluon_kernel[(n_rows, parts)](
+            scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
+            RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap, PARTS=parts,
+            PER_THREAD=per_thread, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS, WARPS=warps, num_warps=warps)
+    else:
+        _decode_candidates_kernel[(n_rows, parts)](
+            scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
+            RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap,
+            PARTS=parts, BLOCK=block, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS,
+            PREFETCH=DECODE_PREFETCH if prefetch is None else prefetch, num_warps=warps)
+    return tau, keys, positions, counts
 
 
 # Select over candidates the indexer's decode scoring kernel emitted (``dsa.index_topk_fused``): one run of

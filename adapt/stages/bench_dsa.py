@@ -40,6 +40,7 @@ from adapt.bench.timer import time_eager_ms as _time_ms
 from adapt.bench.timer import time_graph_ms as _time_graph_ms
 from adapt.errors import InputError
 from adapt.kernels import dsa, sparse_mla
+from adapt.kernels import topk as _topk
 from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
 from adapt.kernels.topk import topk_decode, topk_indices, topk_indices_torch, topk_prefiltered
 from adapt.model.spec import load_spec
@@ -921,6 +922,7 @@ def run_dsa_acceptance(
         "shapes": {"heads": HEADS, "latent": RANK, "rope": ROPE, "index_heads": INDEX_HEADS,
                    "index_dim": INDEX_DIM, "topk": topk, "latent_format": latent_format},
         "ceilings": ceilings,
+        "decode_gluon_candidates": _topk.DECODE_GLUON,
         "decode": [],
         "prefill": [],
     }
@@ -1424,11 +1426,16 @@ if __name__ == "__main__":
     parser.add_argument("--prefill-only", action="store_true",
                         help="with --acceptance: ceilings and the 128K prefill case (with its sweeps) only")
     parser.add_argument("--no-prefill", action="store_true", help="with --acceptance: the decode cases only")
+    parser.add_argument("--decode-gluon", action="store_true",
+                        help="the top-k candidate pass by its Gluon kernel (topk.DECODE_GLUON; sm_90), decode and "
+                             "prefill")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
                              "and with the sweep also torch and prefilter_triton)")
     args = parser.parse_args()
+    if args.decode_gluon:
+        _topk.DECODE_GLUON = True
     if args.acceptance:
         selects = [m.strip() for m in args.prefill_selects.split(",") if m.strip()] if args.prefill_selects else None
         bad = [m for m in selects or () if m not in dsa.SELECT_METHODS]
