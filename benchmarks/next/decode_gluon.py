@@ -123,12 +123,13 @@ def prefill(result: dict, t0: float, budget_s: float) -> None:
         except Exception as err:
             rows.append({"name": name, **opts, "error": f"{type(err).__name__}: {str(err)[:300]}"})
         print(f"prefill rows {r0}-{r1}: {rows[-1]}", flush=True)
-    del scores
+    scores = want = None  # freed before the whole prefill
     torch.cuda.empty_cache()
     q8, weights, _, _ = _queries(CONTEXT)
     token_seq = torch.zeros(CONTEXT, device="cuda", dtype=torch.int32)
     limits = torch.arange(1, CONTEXT + 1, device="cuda", dtype=torch.int32)
-    held, whole = {}, result["whole_prefill"] = {}
+    held: dict = {}
+    whole = result["whole_prefill"] = {}
     for name, flag in (("tl", False), ("gluon", True), ("tl again", False), ("gluon again", True)):
         if time.monotonic() - t0 > budget_s:
             whole[name] = "skipped: budget"
