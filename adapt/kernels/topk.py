@@ -549,8 +549,11 @@ FAST_SELECT = 1
 DECODE_REGISTER_WARPS = 16
 DECODE_PREFETCH = True
 # DECODE_GLUON: the candidate pass by ``topk_gluon.decode_candidates_gluon_kernel`` on sm_90 (one layout from load to
-# store; the same slots, counts and tau), ``topk_decode(gluon=)``. Off until timed against the tl pass on an H200.
-DECODE_GLUON = False
+# store; the same slots, counts and tau), ``topk_decode(gluon=)``. H200, 2026-12-01, commit 23e9a93, one call
+# (benchmarks/gpu-2026-12-01-dsa-s8): batch 64 x 128K candidate pass 56.5 -> 23.8 us, topk_decode 75.4-76.5 ->
+# 42.6-43.2 us (graph), the last 4096-row prefill chunk 3.09 -> 1.59 ms, the whole prefill's index_topk 264-266 ->
+# 236-239 ms; every row the twin's, the candidates the tl pass's.
+DECODE_GLUON = True
 
 
 def _fast_level(fast: int | None) -> int:

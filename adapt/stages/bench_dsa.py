@@ -1426,16 +1426,16 @@ if __name__ == "__main__":
     parser.add_argument("--prefill-only", action="store_true",
                         help="with --acceptance: ceilings and the 128K prefill case (with its sweeps) only")
     parser.add_argument("--no-prefill", action="store_true", help="with --acceptance: the decode cases only")
-    parser.add_argument("--decode-gluon", action="store_true",
-                        help="the top-k candidate pass by its Gluon kernel (topk.DECODE_GLUON; sm_90), decode and "
-                             "prefill")
+    parser.add_argument("--decode-gluon", action=argparse.BooleanOptionalAction, default=None,
+                        help="the top-k candidate pass by its Gluon kernel on sm_90 or by the tl kernel, decode and "
+                             f"prefill (default: topk.DECODE_GLUON, now {_topk.DECODE_GLUON})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
                              "and with the sweep also torch and prefilter_triton)")
     args = parser.parse_args()
-    if args.decode_gluon:
-        _topk.DECODE_GLUON = True
+    if args.decode_gluon is not None:
+        _topk.DECODE_GLUON = args.decode_gluon
     if args.acceptance:
         selects = [m.strip() for m in args.prefill_selects.split(",") if m.strip()] if args.prefill_selects else None
         bad = [m for m in selects or () if m not in dsa.SELECT_METHODS]
