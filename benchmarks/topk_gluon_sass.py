@@ -4,7 +4,7 @@ Usage: PYTHONPATH=. python benchmarks/topk_gluon_sass.py ['[{"kernel": "gluon", 
 
 Each JSON object picks a kernel (``gluon``: ``topk_gluon.decode_candidates_gluon_kernel``; ``tl``:
 ``topk._decode_candidates_kernel``), at batch 64's launch (2 parts of 4096 slots, the 4096-score sample, 16-byte
-aligned rows) and its warps; upper-case keys override constexprs (``PER_THREAD``, ``SPLIT_TAIL``; ``BLOCK`` for
+aligned rows) and its warps; upper-case keys override constexprs (``PER_THREAD``, ``DEPTH``; ``BLOCK`` for
 tl). One JSON line each: ptxas registers and spills, SASS length, and every loop (SASS instructions and barriers of
 each backward branch's body: the step loops). Run it in a process without TRITON_INTERPRET.
 """

@@ -554,6 +554,7 @@ DECODE_PREFETCH = True
 # 42.6-43.2 us (graph), the last 4096-row prefill chunk 3.09 -> 1.59 ms, the whole prefill's index_topk 264-266 ->
 # 236-239 ms; every row the twin's, the candidates the tl pass's.
 DECODE_GLUON = True
+DECODE_GLUON_DEPTH = 2  # whole steps the Gluon pass keeps in flight (1 or 2; call 1 of session 8 ran 1)
 
 
 def _fast_level(fast: int | None) -> int:
@@ -822,7 +823,8 @@ def decode_candidates(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, 
         decode_candidates_gluon_kernel[(n_rows, parts)](
             scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,
             RUN=DECODE_SAMPLE_RUN, EXPECT_NUM=expect[0], EXPECT_DEN=expect[1], SEG_CAP=seg_cap, PARTS=parts,
-            PER_THREAD=per_thread, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS, WARPS=warps, num_warps=warps)
+            PER_THREAD=per_thread, ALIGNED=aligned, TAU_BITS=DECODE_TAU_BITS, WARPS=warps, DEPTH=DECODE_GLUON_DEPTH,
+            num_warps=warps)
     else:
         _decode_candidates_kernel[(n_rows, parts)](
             scores, limits, tau, keys, positions, counts, scores.stride(0), n_cols, topk, SAMPLE=sample,

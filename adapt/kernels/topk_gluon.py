@@ -85,15 +85,23 @@ def _emit(x, pos, tau, n, hi, written, key_base, pos_base, below, SEG_CAP: gl.co
 
 
 @gluon.jit
+def _whole_step(base, start, full_end, off, WARPS: gl.constexpr, WIDTH: gl.constexpr, LT: gl.constexpr):
+    """The scores of the whole step at ``start`` when it lies before ``full_end`` (one scalar predicate on the
+    loads); undefined registers otherwise (never read)."""
+    inside = gl.full([WARPS, WIDTH], 0, gl.int32, LT) + start < full_end
+    return gl.load(base + start + off, mask=inside)
+
+@gluon.jit
 def decode_candidates_gluon_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos_ptr, count_ptr, stride, n_cols,
                                    topk, SAMPLE: gl.constexpr, RUN: gl.constexpr, EXPECT_NUM: gl.constexpr,
                                    EXPECT_DEN: gl.constexpr, SEG_CAP: gl.constexpr, PARTS: gl.constexpr,
                                    PER_THREAD: gl.constexpr, ALIGNED: gl.constexpr, TAU_BITS: gl.constexpr,
-                                   WARPS: gl.constexpr, SPLIT_TAIL: gl.constexpr = True):
+                                   WARPS: gl.constexpr, DEPTH: gl.constexpr = 2):
     """Program (row, part) of ``topk._decode_candidates_kernel`` (same arguments and result; BLOCK = WARPS * 32 *
-    PER_THREAD scores a step, the next step's loads issued before this step's scan and stores). SPLIT_TAIL: the
-    steps wholly inside the part's visible columns are built without position masks (and their stores without
-    the slot cap when the step cannot pass it), the one or two steps after them with."""
+    PER_THREAD scores a step). The steps wholly inside the part's visible columns are built without position
+    masks (and their stores without the slot cap when the step cannot pass it), the one or two after them with.
+    DEPTH (1 or 2) whole steps are in flight: step i + DEPTH is requested before step i's scan and stores, and
+    the first DEPTH before the sample's threshold search."""
     LT: gl.constexpr = gl.BlockedLayout([1, PER_THREAD], [1, 32], [WARPS, 1], [1, 0])
     LW: gl.constexpr = gl.BlockedLayout([1, WARPS], [1, 32], [WARPS, 1], [1, 0])  # [WARPS, WARPS]: a row a warp
     WIDTH: gl.constexpr = 32 * PER_THREAD
@@ -106,9 +114,6 @@ def decode_candidates_gluon_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos
     else:
         n_read = n
     base = scores_ptr + row * stride
-    tau = _sample_tau(base, n, n_read, topk, SAMPLE, RUN, EXPECT_NUM, EXPECT_DEN, TAU_BITS, WARPS)
-    if part == 0:
-        gl.store(tau_ptr + row, tau.to(gl.int32, bitcast=True))
     width = gl.cdiv(gl.cdiv(n_read, PARTS), 16) * 16
     lo = part * width
     hi = gl.minimum(lo + width, n_read)
@@ -122,30 +127,27 @@ def decode_candidates_gluon_kernel(scores_ptr, limits_ptr, tau_ptr, key_ptr, pos
     # below[w, v]: warp v's run comes before warp w's (the exclusive sum over warps)
     below = (gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(0, LW)), 0)
              < gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, LW)), 1))
+    # whole steps of visible columns (no position masks), then the one or two steps after them (masked)
+    full_end = lo + gl.maximum(gl.minimum(hi, n) - lo, 0) // BLOCK * BLOCK
+    x = _whole_step(base, lo, full_end, off, WARPS, WIDTH, LT)  # requested before the sample's threshold
+    x1 = x
+    if DEPTH > 1:
+        x1 = _whole_step(base, lo + BLOCK, full_end, off, WARPS, WIDTH, LT)
+    tau = _sample_tau(base, n, n_read, topk, SAMPLE, RUN, EXPECT_NUM, EXPECT_DEN, TAU_BITS, WARPS)
+    if part == 0:
+        gl.store(tau_ptr + row, tau.to(gl.int32, bitcast=True))
     written = gl.zeros([], gl.int32)
-    if SPLIT_TAIL:  # whole steps of visible columns without position masks, then the rest masked
-        full_end = lo + gl.maximum(gl.minimum(hi, n) - lo, 0) // BLOCK * BLOCK
-        if full_end > lo:
-            x = gl.load(base + lo + off)
+    for start in range(lo, full_end, BLOCK):
+        if DEPTH > 1:  # DEPTH steps in flight: step i + 2 requested before step i's work
+            x2 = _whole_step(base, start + 2 * BLOCK, full_end, off, WARPS, WIDTH, LT)
         else:
-            x = gl.full([WARPS, WIDTH], float("-inf"), gl.float32, LT)
-        for start in range(lo, full_end, BLOCK):
-            if start + BLOCK < full_end:  # the next whole step's scores requested before this step's work
-                x_next = gl.load(base + start + BLOCK + off)
-            else:
-                x_next = x
-            written = _emit(x, start + off, tau, n, hi, written, key_base, pos_base, below, SEG_CAP, LT, LW,
-                            False)
-            x = x_next
-        for start in range(full_end, hi, BLOCK):
-            pos = start + off
-            x = gl.load(base + pos, mask=pos < hi, other=float("-inf"))
-            written = _emit(x, pos, tau, n, hi, written, key_base, pos_base, below, SEG_CAP, LT, LW, True)
-    else:
-        x = gl.load(base + lo + off, mask=lo + off < hi, other=float("-inf"))
-        for start in range(lo, hi, BLOCK):
-            pos = start + off
-            x_next = gl.load(base + pos + BLOCK, mask=pos + BLOCK < hi, other=float("-inf"))
-            written = _emit(x, pos, tau, n, hi, written, key_base, pos_base, below, SEG_CAP, LT, LW, True)
-            x = x_next
+            x2 = x1
+            x1 = _whole_step(base, start + BLOCK, full_end, off, WARPS, WIDTH, LT)
+        written = _emit(x, start + off, tau, n, hi, written, key_base, pos_base, below, SEG_CAP, LT, LW, False)
+        x = x1
+        x1 = x2
+    for start in range(full_end, hi, BLOCK):
+        pos = start + off
+        x = gl.load(base + pos, mask=pos < hi, other=float("-inf"))
+        written = _emit(x, pos, tau, n, hi, written, key_base, pos_base, below, SEG_CAP, LT, LW, True)
     gl.store(count_ptr + seg, written)

@@ -1,5 +1,8 @@
 """The decode top-k's Gluon candidate pass against the tl pass (issue 16), on real indexer scores.
 
+Session 8, call 2: the Gluon pass with one or two whole steps in flight (``topk.DECODE_GLUON_DEPTH``; both
+request their first steps before the sample's threshold search), against the tl pass.
+
 ``topk_decode``'s first launch (``decode_candidates``) at batch 64 x 128K: the tl pass ran at 0.55 TB/s (58 us of
 a 72 us top-k on 2026-12-01); its sm_90 step builds two scans, four layout conversions and 23 barriers for 16
 scores a thread. The Gluon pass (``topk_gluon``) keeps one layout from load to store (2 barriers a step).
@@ -29,24 +32,25 @@ from adapt.stages.bench_dsa import RUN2_INDEX_TILES, _decode_inputs, _queries, _
 from benchmarks.dsa_kernel_profile import kernel_times
 
 CONTEXT, TOPK, CHUNK = 131072, 2048, 4096
+# (name, topk_decode options, Gluon steps in flight: topk.DECODE_GLUON_DEPTH)
 DECODE_VARIANTS = [
-    ("tl default", {}),
-    ("gluon default", dict(gluon=True)),
-    ("gluon block 2048", dict(gluon=True, block=2048)),
-    ("gluon w4 block 2048", dict(gluon=True, num_warps=4, block=2048)),
-    ("gluon parts 4", dict(gluon=True, parts=4, seg_cap=2048)),
-    ("gluon parts 4 block 2048", dict(gluon=True, parts=4, seg_cap=2048, block=2048)),
-    ("gluon parts 8", dict(gluon=True, parts=8, seg_cap=1024)),
-    ("tl parts 4", dict(parts=4, seg_cap=2048)),
-    ("gluon default again", dict(gluon=True)),
-    ("tl default again", {}),
+    ("tl default", dict(gluon=False), 2),
+    ("gluon depth 1", dict(gluon=True), 1),
+    ("gluon depth 2", dict(gluon=True), 2),
+    ("gluon depth 1 block 2048", dict(gluon=True, block=2048), 1),
+    ("gluon depth 2 block 2048", dict(gluon=True, block=2048), 2),
+    ("gluon depth 2 parts 4", dict(gluon=True, parts=4, seg_cap=2048), 2),
+    ("gluon depth 1 again", dict(gluon=True), 1),
+    ("gluon depth 2 again", dict(gluon=True), 2),
+    ("tl default again", dict(gluon=False), 2),
 ]
 PREFILL_VARIANTS = [
-    ("tl prefill options", dict(dsa.PREFILL_DECODE_OPTIONS)),
-    ("gluon prefill options", dict(dsa.PREFILL_DECODE_OPTIONS, gluon=True)),
-    ("gluon w8 block 4096 sel 8", dict(gluon=True, block=4096, num_warps=8, select_warps=8)),
-    ("gluon w4 block 4096 sel 8", dict(gluon=True, block=4096, num_warps=4, select_warps=8)),
-    ("gluon w4 block 1024 sel 8", dict(gluon=True, block=1024, num_warps=4, select_warps=8)),
+    ("tl prefill options", dict(dsa.PREFILL_DECODE_OPTIONS, gluon=False), 2),
+    ("gluon depth 1 prefill options", dict(dsa.PREFILL_DECODE_OPTIONS, gluon=True), 1),
+    ("gluon depth 2 prefill options", dict(dsa.PREFILL_DECODE_OPTIONS, gluon=True), 2),
+    ("gluon depth 2 w8 block 4096 sel 8", dict(gluon=True, block=4096, num_warps=8, select_warps=8), 2),
+    ("gluon depth 2 w4 block 1024 sel 8", dict(gluon=True, block=1024, num_warps=4, select_warps=8), 2),
+    ("gluon depth 1 w4 block 1024 sel 8", dict(gluon=True, block=1024, num_warps=4, select_warps=8), 1),
 ]
 
 
@@ -71,15 +75,16 @@ def decode_batch(result: dict, t0: float, budget_s: float) -> None:
     out = torch.empty(64, TOPK, dtype=torch.int32, device="cuda")
     redo = torch.empty(64, dtype=torch.int32, device="cuda")
     rows = result["decode_batch64"] = []
-    for name, opts in DECODE_VARIANTS:
+    for name, opts, depth in DECODE_VARIANTS:
         if time.monotonic() - t0 > budget_s:
             rows.append({"name": name, "skipped": "budget"})
             continue
+        topk.DECODE_GLUON_DEPTH = depth
         try:
             timing = time_cuda(lambda o=opts: topk_decode(scores, limits, TOPK, out=out, redo=redo, **o), 20,
                                warmup=2)
             topk_decode(scores, limits, TOPK, out=out, redo=redo, **opts)
-            row = {"name": name, **opts, "us": timing.median_us, "timed_as": timing.mode,
+            row = {"name": name, **opts, "depth": depth, "us": timing.median_us, "timed_as": timing.mode,
                    "equals_twin": bool(torch.equal(out, twin)), "redo_rows": int(redo.sum())}
             if opts.get("gluon"):
                 row["same_candidates_as_tl"] = same_candidates(scores, limits, opts)
@@ -88,7 +93,9 @@ def decode_batch(result: dict, t0: float, budget_s: float) -> None:
             rows.append({"name": name, **opts, "error": f"{type(err).__name__}: {str(err)[:300]}"})
         print(f"batch 64: {rows[-1]}", flush=True)
     result["read_bytes"] = 4 * int(limits.sum())
-    for name, opts in (("tl", {}), ("gluon", dict(gluon=True))):
+    for name, opts, depth in (("tl", dict(gluon=False), 2), ("gluon depth 1", dict(gluon=True), 1),
+                              ("gluon depth 2", dict(gluon=True), 2)):
+        topk.DECODE_GLUON_DEPTH = depth
         try:
             prof = kernel_times(lambda o=opts: topk_decode(scores, limits, TOPK, out=out, redo=redo, **o), 5)
             result["profile_" + name] = prof
@@ -110,15 +117,16 @@ def prefill(result: dict, t0: float, budget_s: float) -> None:
     want = torch.topk(scores, TOPK, dim=-1, sorted=False).indices.int().sort(dim=1).values
     out = torch.empty(CHUNK, TOPK, dtype=torch.int32, device="cuda")
     rows = result["prefill_chunk"] = []
-    for name, opts in PREFILL_VARIANTS:
+    for name, opts, depth in PREFILL_VARIANTS:
         if time.monotonic() - t0 > budget_s:
             rows.append({"name": name, "skipped": "budget"})
             continue
+        topk.DECODE_GLUON_DEPTH = depth
         try:
             timing = time_cuda(lambda o=opts: topk_decode(scores, limits, TOPK, out=out, **o), 5, warmup=1)
             differ = int((topk_decode(scores, limits, TOPK, out=out, **opts).sort(dim=1).values != want)
                          .any(dim=1).sum())
-            rows.append({"name": name, **opts, "ms": timing.median_us / 1e3, "timed_as": timing.mode,
+            rows.append({"name": name, **opts, "depth": depth, "ms": timing.median_us / 1e3, "timed_as": timing.mode,
                          "rows_differing": differ})
         except Exception as err:
             rows.append({"name": name, **opts, "error": f"{type(err).__name__}: {str(err)[:300]}"})
@@ -129,12 +137,15 @@ def prefill(result: dict, t0: float, budget_s: float) -> None:
     token_seq = torch.zeros(CONTEXT, device="cuda", dtype=torch.int32)
     limits = torch.arange(1, CONTEXT + 1, device="cuda", dtype=torch.int32)
     held: dict = {}
+    adopted = topk.DECODE_GLUON, topk.DECODE_GLUON_DEPTH
     whole = result["whole_prefill"] = {}
-    for name, flag in (("tl", False), ("gluon", True), ("tl again", False), ("gluon again", True)):
+    for name, flag, depth in (("tl", False, 2), ("gluon", True, 1), ("gluon depth 2", True, 2), ("tl again", False, 2),
+                              ("gluon again", True, 1), ("gluon depth 2 again", True, 2)):
         if time.monotonic() - t0 > budget_s:
             whole[name] = "skipped: budget"
             continue
         topk.DECODE_GLUON = flag
+        topk.DECODE_GLUON_DEPTH = depth
         try:
             def run(n=name):
                 held[n] = dsa.index_topk(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq,
@@ -144,14 +155,16 @@ def prefill(result: dict, t0: float, budget_s: float) -> None:
         except Exception as err:
             whole[name] = f"{type(err).__name__}: {str(err)[:300]}"
         finally:
-            topk.DECODE_GLUON = False
+            topk.DECODE_GLUON, topk.DECODE_GLUON_DEPTH = adopted
         print(f"whole prefill index_topk ({name}): {whole.get(name + '_ms', whole.get(name))}", flush=True)
-    if "tl" in held and "gluon" in held:
-        whole["rows_differing_gluon_vs_tl"] = int((held["tl"] != held["gluon"]).any(dim=1).sum())
+    for name in ("gluon", "gluon depth 2"):
+        if "tl" in held and name in held:
+            whole[f"rows_differing_{name}_vs_tl"] = int((held["tl"] != held[name]).any(dim=1).sum())
 
 
 def main(out_dir: Path, budget_s: float) -> None:
     t0 = time.monotonic()
+    depth = topk.DECODE_GLUON_DEPTH
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     result = {"gpu": torch.cuda.get_device_name()}
@@ -159,6 +172,7 @@ def main(out_dir: Path, budget_s: float) -> None:
     torch.cuda.empty_cache()
     (out_dir / "decode_gluon.json").write_text(json.dumps(result, indent=1))
     prefill(result, t0, budget_s)
+    topk.DECODE_GLUON_DEPTH = depth
     result["seconds"] = time.monotonic() - t0
     (out_dir / "decode_gluon.json").write_text(json.dumps(result, indent=1))
 

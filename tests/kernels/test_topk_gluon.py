@@ -11,7 +11,7 @@ from tests.kernels.test_sparse_mla_sass import sass_rows
 
 @pytest.mark.slow
 def test_gluon_candidate_pass_builds_for_sm90_with_two_barriers_a_step():
-    *gluon_rows, tl_row = sass_rows([{}, {"warps": 4}, {"kernel": "tl"}], script="topk_gluon_sass.py")
+    *gluon_rows, tl_row = sass_rows([{}, {"warps": 4}, {"DEPTH": 1}, {"kernel": "tl"}], script="topk_gluon_sass.py")
     for row in gluon_rows:
         assert "error" not in row, row
         assert row["spill_bytes"] == 0 and row["regs"] <= 255, row
@@ -38,9 +38,10 @@ def _same_candidates(a, b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("opts", [dict(parts=3, block=512, num_warps=8), dict(parts=1, block=2048, num_warps=4),
                                   dict(parts=2, block=4096, num_warps=8), dict(parts=5, block=256, num_warps=8)])
-def test_gluon_candidates_equal_the_tl_pass_on_adversarial_rows(opts):
+def test_gluon_candidates_equal_the_tl_pass_on_adversarial_rows(opts, depth, monkeypatch):
     """test_topk_decode's adversarial rows (ties, misjudged samples, -inf holes, short and empty rows), columns not a
     multiple of 16 too (unaligned rows: scalar loads), at several step sizes and part counts: the same workspace."""
     from tests.kernels.test_topk_decode import SAMPLE, K, adversarial_rows
