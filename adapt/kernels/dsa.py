@@ -559,6 +559,12 @@ class IndexStats:
 # faster there. H200, 2026-11-30, commit 0375b39, scores of 128K keys, top-2048: 1 row 28.6 us (Triton,
 # 8-bit digits) against 56.0 us (torch.topk); 64 rows 225 against 146 us; 4096 rows 12.0 against 6.0 ms.
 TRITON_SELECT_MAX_ROWS = 8
+# Chunks of at most TRITON_SELECT_MAX_ROWS rows (decode batches of a few sequences) select under ``auto`` with
+# FEW_ROWS_SELECT: "triton" (the radix select, ``topk_indices``: 11 launches) or "decode" (``topk_decode`` with
+# FEW_ROWS_DECODE_OPTIONS: two launches, a row's candidate pass spread over many programs, the flat select).
+FEW_ROWS_SELECT = "triton"
+FEW_ROWS_DECODE_OPTIONS: dict = {"parts": 64, "seg_cap": 2048, "flat": True, "block": 1024, "num_warps": 4,
+                                 "select_warps": 16}
 # Chunks of at least this many rows (prefill; decode batches stay below it) select through
 # ``topk.topk_prefiltered`` when their rows are wide enough (``topk.prefilter_applies``).
 PREFILTER_MIN_ROWS = 512
@@ -589,7 +595,7 @@ FUSED_DECODE_MIN_ROWS: int | None = None
 def auto_select(rows: int, cols: int, topk: int) -> str:
     """``_select_topk``'s method for ``auto`` on a [rows, cols] score chunk (see there)."""
     if rows <= TRITON_SELECT_MAX_ROWS:
-        return "triton"
+        return FEW_ROWS_SELECT
     if rows >= PREFILTER_MIN_ROWS:
         if PREFILL_SELECT == "decode":
             return "decode"
@@ -600,13 +606,15 @@ def auto_select(rows: int, cols: int, topk: int) -> str:
 def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
                  method: str = "auto") -> int:
     """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``; returns the
-    rows the prefilter sent back to a full select (0 for the other methods). ``auto``: the Triton radix
-    select for at most TRITON_SELECT_MAX_ROWS rows (ascending positions, ties to the lowest); PREFILL_SELECT
+    rows the prefilter sent back to a full select (0 for the other methods). ``auto``: FEW_ROWS_SELECT (the Triton
+    radix select by default; ascending positions, ties to the lowest) for at most TRITON_SELECT_MAX_ROWS rows;
+    PREFILL_SELECT
     (``decode`` with PREFILL_DECODE_OPTIONS, or the prefiltered select for wide rows) for at least
     PREFILTER_MIN_ROWS rows; else torch.topk (unordered, ties arbitrary, as the prefiltered one); -1 where a row
     sees fewer than ``topk`` keys. ``decode``:
     ``topk_decode`` (the radix select's result, device-side prefilter, capturable; its rows re-selected
-    from their full scores stay on the device and are not counted here); ``auto`` takes it for
+    from their full scores stay on the device and are not counted here; FEW_ROWS_DECODE_OPTIONS for at most
+    TRITON_SELECT_MAX_ROWS rows, PREFILL_DECODE_OPTIONS from PREFILTER_MIN_ROWS); ``auto`` takes it for
     DECODE_SELECT_MIN_ROWS rows and more (None: never) below PREFILTER_MIN_ROWS."""
     rows, cols = scores.shape
     if method not in SELECT_METHODS:
@@ -617,7 +625,9 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
         topk_indices(scores, limits, topk, out=out)
         return 0
     if method == "decode":  # device-side prefilter: exact, no host sync (misjudged rows are redone on the device)
-        topk_decode(scores, limits, topk, out=out, **(PREFILL_DECODE_OPTIONS if rows >= PREFILTER_MIN_ROWS else {}))
+        options = (PREFILL_DECODE_OPTIONS if rows >= PREFILTER_MIN_ROWS
+                   else FEW_ROWS_DECODE_OPTIONS if rows <= TRITON_SELECT_MAX_ROWS else {})
+        topk_decode(scores, limits, topk, out=out, **options)
         return 0
     if method in ("prefilter", "prefilter_triton") and prefilter_applies(rows, cols, topk):
         final = "triton" if method == "prefilter_triton" else "torch"

@@ -554,7 +554,11 @@ DECODE_PREFETCH = True
 # 42.6-43.2 us (graph), the last 4096-row prefill chunk 3.09 -> 1.59 ms, the whole prefill's index_topk 264-266 ->
 # 236-239 ms; every row the twin's, the candidates the tl pass's.
 DECODE_GLUON = True
-DECODE_GLUON_DEPTH = 2  # whole steps the Gluon pass keeps in flight (1 or 2; call 1 of session 8 ran 1)
+# DECODE_GLUON_DEPTH: whole steps the Gluon pass keeps in flight (1 or 2). H200, 2026-12-01, commit 7a70a7c (call 2 of
+# benchmarks/gpu-2026-12-01-dsa-s8): batch 64 candidate pass 23.2 us at 1, 23.0 at 2; topk_decode 44.4-44.7 / 44.1-44.3;
+# the last prefill chunk 1.65 / 1.63 ms; the whole prefill's index_topk 229.0-232.7 / 228.6-232.1 ms: no gain from
+# the second step in flight (and 15% more instructions a step), so 1.
+DECODE_GLUON_DEPTH = 1
 
 
 def _fast_level(fast: int | None) -> int:

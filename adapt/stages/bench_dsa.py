@@ -923,6 +923,8 @@ def run_dsa_acceptance(
                    "index_dim": INDEX_DIM, "topk": topk, "latent_format": latent_format},
         "ceilings": ceilings,
         "decode_gluon_candidates": _topk.DECODE_GLUON,
+        "few_rows_select": dsa.FEW_ROWS_SELECT,
+        "few_rows_decode_options": dsa.FEW_ROWS_DECODE_OPTIONS,
         "decode": [],
         "prefill": [],
     }
@@ -1429,6 +1431,12 @@ if __name__ == "__main__":
     parser.add_argument("--decode-gluon", action=argparse.BooleanOptionalAction, default=None,
                         help="the top-k candidate pass by its Gluon kernel on sm_90 or by the tl kernel, decode and "
                              f"prefill (default: topk.DECODE_GLUON, now {_topk.DECODE_GLUON})")
+    parser.add_argument("--few-rows-select", choices=("triton", "decode"), default=None,
+                        help="the select of decode batches of at most dsa.TRITON_SELECT_MAX_ROWS rows (default: "
+                             f"dsa.FEW_ROWS_SELECT, now {dsa.FEW_ROWS_SELECT})")
+    parser.add_argument("--few-rows-options", default=None, metavar="JSON",
+                        help="topk_decode options for those batches under --few-rows-select decode (default: "
+                             f"dsa.FEW_ROWS_DECODE_OPTIONS, now {dsa.FEW_ROWS_DECODE_OPTIONS})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1436,6 +1444,13 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.decode_gluon is not None:
         _topk.DECODE_GLUON = args.decode_gluon
+    if args.few_rows_select:
+        dsa.FEW_ROWS_SELECT = args.few_rows_select
+    if args.few_rows_options:
+        try:
+            dsa.FEW_ROWS_DECODE_OPTIONS = dict(json.loads(args.few_rows_options))
+        except (ValueError, TypeError) as err:
+            parser.error(f"--few-rows-options: not a JSON object of topk_decode options ({err})")
     if args.acceptance:
         selects = [m.strip() for m in args.prefill_selects.split(",") if m.strip()] if args.prefill_selects else None
         bad = [m for m in selects or () if m not in dsa.SELECT_METHODS]

@@ -7,7 +7,7 @@ slots a part: ``seg_cap`` (a part expects about 7/4 * topk / parts candidates; a
 to the full-row select, still exact). This times parts x seg_cap x the candidate launch on real indexer scores,
 each checked against topk_indices_torch, graph-timed; then the fastest with one row all equal (a misjudged row).
 
-Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/decode_select.py OUT_DIR [BUDGET_S [parts|tau]]
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/decode_select.py OUT_DIR [BUDGET_S [parts|tau|b1]]
 """
 
 from __future__ import annotations
@@ -42,6 +42,19 @@ def variants(batch: int) -> list[dict]:
     return out
 
 
+def b1_grid() -> list[dict]:
+    """Batch 1 with the Gluon candidate pass (session 8): the flat select over 32-128 parts of 2048 slots, steps of
+    512-2048 scores on 2-8 warps, 8 or 16 select warps; the tl pass at one of them for comparison."""
+    out = []
+    for parts in (32, 64, 128):
+        for warps, block in ((4, 1024), (2, 512), (8, 2048)):
+            for sel in (16, 8):
+                out.append(dict(parts=parts, seg_cap=2048, flat=True, num_warps=warps, block=block,
+                                select_warps=sel))
+    out.append(dict(parts=64, seg_cap=2048, flat=True, num_warps=4, block=1024, select_warps=16, gluon=False))
+    return out
+
+
 def tau_grid() -> list[dict]:
     """Where the candidate pass's time goes: the sample's threshold search (TAU_BITS bisection steps over SAMPLE
     sampled scores, repeated by every part of a row) against the scan, at 2 and 8 parts."""
@@ -64,7 +77,7 @@ def run_batch(batch: int, t0: float, budget_s: float, grid: str = "parts") -> di
         timing = time_cuda(lambda: topk_indices(scores, limits, TOPK, out=out), 20, warmup=1)
         rows.append({"name": "radix select (the batch-1 default)", "us": timing.median_us,
                      "equals_twin": bool(torch.equal(topk_indices(scores, limits, TOPK, out=out), twin))})
-    for opt in variants(batch) if grid == "parts" else tau_grid():
+    for opt in {"parts": variants, "b1": lambda b: b1_grid(), "tau": lambda b: tau_grid()}[grid](batch):
         if time.monotonic() - t0 > budget_s:
             rows.append({**opt, "skipped": "budget"})
             continue
@@ -100,7 +113,7 @@ def main(out_dir: Path, budget_s: float, grid: str = "parts") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     result = {"gpu": torch.cuda.get_device_name(), "batches": []}
-    for batch in (64, 1) if grid == "parts" else (64,):
+    for batch in {"parts": (64, 1), "b1": (1,), "tau": (64,)}[grid]:
         result["batches"].append(run_batch(batch, t0, budget_s, grid))
         torch.cuda.empty_cache()
         (out_dir / "decode_select.json").write_text(json.dumps(result, indent=1))

@@ -179,3 +179,30 @@ def test_select_dispatch_takes_topk_decode_with_its_prefill_options(monkeypatch)
     assert torch.equal(out, topk_indices_torch(s, limits, k))
     dsa._select_topk(s[:12], limits[:12], k, out=out[:12])
     assert seen == [(rows, dsa.PREFILL_DECODE_OPTIONS), (12, {})]
+
+
+def test_few_rows_select_takes_topk_decode_with_its_options_when_asked(monkeypatch):
+    """A decode batch of at most TRITON_SELECT_MAX_ROWS rows takes the radix select by default; with FEW_ROWS_SELECT
+    "decode" it takes topk_decode with FEW_ROWS_DECODE_OPTIONS (here 3 rows of 4K keys, many parts over the flat
+    select, ties at the k-th score), the twin's positions either way."""
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((args[0].shape[0], {k: v for k, v in kwargs.items() if k != "out"}))
+        return dsa_topk_decode(*args, **kwargs)
+
+    dsa_topk_decode = dsa.topk_decode
+    monkeypatch.setattr(dsa, "topk_decode", spy)
+    gen = torch.Generator().manual_seed(10)
+    s = torch.randn(3, 4096, generator=gen).round(decimals=1)
+    limits = torch.tensor([4096, 3000, 100])
+    out = torch.empty(3, 256, dtype=torch.int32)
+    assert dsa.auto_select(3, 4096, 256) == dsa.FEW_ROWS_SELECT == "triton"
+    dsa._select_topk(s, limits, 256, out=out)
+    assert seen == [] and torch.equal(out, topk_indices_torch(s, limits, 256))
+    options = {"parts": 8, "seg_cap": 512, "flat": True, "block": 256, "num_warps": 4, "select_warps": 4}
+    monkeypatch.setattr(dsa, "FEW_ROWS_SELECT", "decode")
+    monkeypatch.setattr(dsa, "FEW_ROWS_DECODE_OPTIONS", options)
+    out.fill_(-7)
+    dsa._select_topk(s, limits, 256, out=out)
+    assert seen == [(3, options)] and torch.equal(out, topk_indices_torch(s, limits, 256))
