@@ -1,7 +1,7 @@
 """The decode top-k's Gluon candidate pass against the tl pass (issue 16), on real indexer scores.
 
-Session 8, call 2: the Gluon pass with one or two whole steps in flight (``topk.DECODE_GLUON_DEPTH``; both
-request their first steps before the sample's threshold search), against the tl pass.
+Session 8: call 2 timed the Gluon pass with one or two whole steps in flight (``topk.DECODE_GLUON_DEPTH``); the
+variants now are the warps a candidate program (8 or 16) and its step, against the tl pass.
 
 ``topk_decode``'s first launch (``decode_candidates``) at batch 64 x 128K: the tl pass ran at 0.55 TB/s (58 us of
 a 72 us top-k on 2026-12-01); its sm_90 step builds two scans, four layout conversions and 23 barriers for 16
@@ -32,25 +32,27 @@ from adapt.stages.bench_dsa import RUN2_INDEX_TILES, _decode_inputs, _queries, _
 from benchmarks.dsa_kernel_profile import kernel_times
 
 CONTEXT, TOPK, CHUNK = 131072, 2048, 4096
-# (name, topk_decode options, Gluon steps in flight: topk.DECODE_GLUON_DEPTH)
+# (name, topk_decode options, Gluon steps in flight: topk.DECODE_GLUON_DEPTH). Session 8's call 2 timed depth 1
+# against 2; its last call the warps a candidate program (16: two warps a scheduler more than 8).
 DECODE_VARIANTS = [
-    ("tl default", dict(gluon=False), 2),
-    ("gluon depth 1", dict(gluon=True), 1),
-    ("gluon depth 2", dict(gluon=True), 2),
-    ("gluon depth 1 block 2048", dict(gluon=True, block=2048), 1),
-    ("gluon depth 2 block 2048", dict(gluon=True, block=2048), 2),
-    ("gluon depth 2 parts 4", dict(gluon=True, parts=4, seg_cap=2048), 2),
-    ("gluon depth 1 again", dict(gluon=True), 1),
-    ("gluon depth 2 again", dict(gluon=True), 2),
-    ("tl default again", dict(gluon=False), 2),
+    ("tl default", dict(gluon=False), 1),
+    ("gluon default", dict(gluon=True), 1),
+    ("gluon w16 block 8192", dict(gluon=True, num_warps=16, block=8192), 1),
+    ("gluon w16 block 4096", dict(gluon=True, num_warps=16, block=4096), 1),
+    ("gluon w8 block 2048", dict(gluon=True, block=2048), 1),
+    ("gluon w16 block 4096 parts 4", dict(gluon=True, num_warps=16, block=4096, parts=4, seg_cap=2048), 1),
+    ("gluon default again", dict(gluon=True), 1),
+    ("gluon w16 block 8192 again", dict(gluon=True, num_warps=16, block=8192), 1),
+    ("gluon w16 block 4096 again", dict(gluon=True, num_warps=16, block=4096), 1),
+    ("tl default again", dict(gluon=False), 1),
 ]
 PREFILL_VARIANTS = [
-    ("tl prefill options", dict(dsa.PREFILL_DECODE_OPTIONS, gluon=False), 2),
-    ("gluon depth 1 prefill options", dict(dsa.PREFILL_DECODE_OPTIONS, gluon=True), 1),
-    ("gluon depth 2 prefill options", dict(dsa.PREFILL_DECODE_OPTIONS, gluon=True), 2),
-    ("gluon depth 2 w8 block 4096 sel 8", dict(gluon=True, block=4096, num_warps=8, select_warps=8), 2),
-    ("gluon depth 2 w4 block 1024 sel 8", dict(gluon=True, block=1024, num_warps=4, select_warps=8), 2),
-    ("gluon depth 1 w4 block 1024 sel 8", dict(gluon=True, block=1024, num_warps=4, select_warps=8), 1),
+    ("tl prefill options", dict(dsa.PREFILL_DECODE_OPTIONS, gluon=False), 1),
+    ("gluon prefill options", dict(dsa.PREFILL_DECODE_OPTIONS, gluon=True), 1),
+    ("gluon w8 block 4096 sel 8", dict(gluon=True, block=4096, num_warps=8, select_warps=8), 1),
+    ("gluon w16 block 8192 sel 8", dict(gluon=True, block=8192, num_warps=16, select_warps=8), 1),
+    ("gluon w8 block 2048 sel 8", dict(gluon=True, block=2048, num_warps=8, select_warps=8), 1),
+    ("gluon w8 block 4096 sel 16", dict(gluon=True, block=4096, num_warps=8, select_warps=16), 1),
 ]
 
 
@@ -93,8 +95,8 @@ def decode_batch(result: dict, t0: float, budget_s: float) -> None:
             rows.append({"name": name, **opts, "error": f"{type(err).__name__}: {str(err)[:300]}"})
         print(f"batch 64: {rows[-1]}", flush=True)
     result["read_bytes"] = 4 * int(limits.sum())
-    for name, opts, depth in (("tl", dict(gluon=False), 2), ("gluon depth 1", dict(gluon=True), 1),
-                              ("gluon depth 2", dict(gluon=True), 2)):
+    for name, opts, depth in (("tl", dict(gluon=False), 1), ("gluon", dict(gluon=True), 1),
+                              ("gluon w16 block 8192", dict(gluon=True, num_warps=16, block=8192), 1)):
         topk.DECODE_GLUON_DEPTH = depth
         try:
             prof = kernel_times(lambda o=opts: topk_decode(scores, limits, TOPK, out=out, redo=redo, **o), 5)
@@ -131,6 +133,13 @@ def prefill(result: dict, t0: float, budget_s: float) -> None:
         except Exception as err:
             rows.append({"name": name, **opts, "error": f"{type(err).__name__}: {str(err)[:300]}"})
         print(f"prefill rows {r0}-{r1}: {rows[-1]}", flush=True)
+    try:
+        result["prefill_chunk_profile"] = kernel_times(
+            lambda: topk_decode(scores, limits, TOPK, out=out, **dsa.PREFILL_DECODE_OPTIONS), 3)
+        print("prefill chunk profile: " + "; ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f} us"
+                                                    for r in result["prefill_chunk_profile"][:4]), flush=True)
+    except Exception as err:
+        result["prefill_chunk_profile"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
     scores = want = None  # freed before the whole prefill
     torch.cuda.empty_cache()
     q8, weights, _, _ = _queries(CONTEXT)
@@ -139,8 +148,7 @@ def prefill(result: dict, t0: float, budget_s: float) -> None:
     held: dict = {}
     adopted = topk.DECODE_GLUON, topk.DECODE_GLUON_DEPTH
     whole = result["whole_prefill"] = {}
-    for name, flag, depth in (("tl", False, 2), ("gluon", True, 1), ("gluon depth 2", True, 2), ("tl again", False, 2),
-                              ("gluon again", True, 1), ("gluon depth 2 again", True, 2)):
+    for name, flag, depth in (("tl", False, 1), ("gluon", True, 1), ("tl again", False, 1), ("gluon again", True, 1)):
         if time.monotonic() - t0 > budget_s:
             whole[name] = "skipped: budget"
             continue
@@ -157,7 +165,7 @@ def prefill(result: dict, t0: float, budget_s: float) -> None:
         finally:
             topk.DECODE_GLUON, topk.DECODE_GLUON_DEPTH = adopted
         print(f"whole prefill index_topk ({name}): {whole.get(name + '_ms', whole.get(name))}", flush=True)
-    for name in ("gluon", "gluon depth 2"):
+    for name in ("gluon",):
         if "tl" in held and name in held:
             whole[f"rows_differing_{name}_vs_tl"] = int((held["tl"] != held[name]).any(dim=1).sum())
 

@@ -40,7 +40,8 @@ def _same_candidates(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("opts", [dict(parts=3, block=512, num_warps=8), dict(parts=1, block=2048, num_warps=4),
-                                  dict(parts=2, block=4096, num_warps=8), dict(parts=5, block=256, num_warps=8)])
+                                  dict(parts=2, block=4096, num_warps=8), dict(parts=5, block=256, num_warps=8),
+                                  dict(parts=1, block=4096, num_warps=16), dict(parts=2, block=8192, num_warps=16)])
 def test_gluon_candidates_equal_the_tl_pass_on_adversarial_rows(opts, depth, monkeypatch):
     """test_topk_decode's adversarial rows (ties, misjudged samples, -inf holes, short and empty rows), columns not a
     multiple of 16 too (unaligned rows: scalar loads), at several step sizes and part counts: the same workspace."""
@@ -56,7 +57,8 @@ def test_gluon_candidates_equal_the_tl_pass_on_adversarial_rows(opts, depth, mon
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [{}, dict(parts=4, seg_cap=2048), dict(block=2048, num_warps=4, select_warps=8)])
+@pytest.mark.parametrize("opts", [{}, dict(parts=4, seg_cap=2048), dict(block=2048, num_warps=4, select_warps=8),
+                                  dict(block=8192, num_warps=16)])
 def test_topk_decode_through_the_gluon_pass_at_deepseek_v32_batch64(opts):
     """64 rows x 128K keys, top-2048 (random limits; one row of rounded scores: ties; one all equal: the full-row
     select), in a CUDA graph: the twin's positions, the same candidates as the tl pass."""
