@@ -46,6 +46,7 @@ def build(config: dict) -> dict:
     const = dict(BASE, **{k: v for k, v in config.items() if k.isupper()})
     if config.get("kernel", "gluon") == "gluon":
         const.setdefault("PER_THREAD", 16)
+        const.setdefault("DEPTH", topk.DECODE_GLUON_DEPTH)  # as dispatched
         ck = compile_gluon(const, warps)
     else:
         const.setdefault("BLOCK", topk.DECODE_BLOCK)
