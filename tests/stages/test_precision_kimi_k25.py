@@ -40,3 +40,18 @@ def test_a_scaled_expert_fails(tiny):
                            faults=Faults.parse("expert_scale=1:0:3"))
     assert report.decide() == "fail"
     assert "expert-gain" in {f.code for f in report.findings if f.severity == "error"}
+
+
+def test_image_prompt_top1_counts_near_ties_apart():
+    """A top-1 change the reference ranks within logit_tie_gap is a near tie; a wider one is a real flip."""
+    import torch
+
+    from adapt.stages.precision import compare_logits
+
+    pad = [0.0] * 4  # top-5 overlap needs five tokens
+    ref = torch.tensor([[[2.0, 1.9, *pad], [3.0, 0.0, *pad], [2.0, 0.5, *pad]]])
+    ad = torch.tensor([[[1.9, 2.0, *pad], [3.0, 0.0, *pad], [0.5, 2.0, *pad]]])  # position 0: near tie, 2: real
+    out = compare_logits([ref], [ad], tie_gap=0.25)
+    assert out["top1_agreement"] == pytest.approx(1 / 3)
+    assert out["top1_near_ties"] == 1 and out["top1_agreement_beyond_ties"] == pytest.approx(2 / 3)
+    assert "top1_near_ties" not in compare_logits([ref], [ad])
