@@ -47,19 +47,35 @@ def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool 
 
 
 def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool = False, direct: bool = False,
-                  l2_ahead: int = 0):
+                  l2_ahead: int = 0, warps: int = 8, ablate: int = 0):
     """``sparse_mla_gluon_kernel`` for sm_90 (8 warps) at the DeepSeek-V3.2 shapes (rank 512 in four e4m3 groups,
     rope 64, 64 heads), pointers 16-byte aligned."""
     kern = smg.sparse_mla_gluon_kernel
     const = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=block_k, PAGE=64, SPLIT=split, PREFETCH=prefetch,
-                 EARLY_LOADS=early, DIRECT=direct, L2_AHEAD=l2_ahead)
+                 EARLY_LOADS=early, DIRECT=direct, L2_AHEAD=l2_ahead, WARPS=warps, ABLATE=ablate)
     ptrs = {k: v for k, v in PTRS.items() if k not in ("qscale_ptr",)}
     ptrs["out_ptr"] = "fp32" if split else "bf16"
     sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
            for n in kern.arg_names}
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
     return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8))
+                          options=dict(num_warps=warps))
+
+
+def compile_gluon_ws(split: bool, pwarps: int = 4, pregs: int = 152, maxnreg: int = 168, pair: bool = True,
+                     pv_wait: bool = False):
+    """``sparse_mla_gluon_ws_kernel`` for sm_90 (8 consumer warps + a producer of ``pwarps``) at the DeepSeek-V3.2
+    shapes, capped at ``maxnreg`` registers as ``sparse_mla_gluon.launch`` launches it."""
+    kern = smg.sparse_mla_gluon_ws_kernel
+    const = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=64, PAGE=64, SPLIT=split, PWARPS=pwarps,
+                 PREGS=pregs, PAIR=pair, PV_WAIT=pv_wait)
+    ptrs = {k: v for k, v in PTRS.items() if k not in ("qscale_ptr",)}
+    ptrs["out_ptr"] = "fp32" if split else "bf16"
+    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
+           for n in kern.arg_names}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
+    return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8, maxnreg=maxnreg))
 
 
 def load_mma_order(ck) -> str:
@@ -88,9 +104,19 @@ if __name__ == "__main__":
     for c in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
         const = dict(BASE, **{k: v for k, v in c.items() if k.isupper()})
         try:
+            if c.get("ws"):
+                ck = compile_gluon_ws(c.get("SPLIT", False), c.get("PWARPS", 4), c.get("PREGS", 152),
+                                      c.get("MAXNREG", 168), c.get("PAIR", True), c.get("PV_WAIT", False))
+                ptx = ck.asm["ptx"]
+                print(json.dumps(dict(config=c, **report(ck, c.get("MAXNREG", 168)), order=load_mma_order(ck),
+                                      setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                       ptx))),
+                                      mbarrier_waits=ptx.count("mbarrier.try_wait"))), flush=True)
+                continue
             if c.get("gluon"):
                 ck = compile_gluon(c.get("BLOCK_K", 64), c.get("SPLIT", False), c.get("PREFETCH", True),
-                                   c.get("EARLY_LOADS", False), c.get("DIRECT", False), c.get("L2_AHEAD", 0))
+                                   c.get("EARLY_LOADS", False), c.get("DIRECT", False), c.get("L2_AHEAD", 0),
+                                   c.get("WARPS", 8), c.get("ABLATE", 0))
             else:
                 ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1), c.get("swap_ab", False))
         except Exception as err:  # a variant that does not compile is printed, the others still run

@@ -36,6 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -126,26 +127,33 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                             RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
                             BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
                             PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
-                            DIRECT: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0):
+                            DIRECT: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0, WARPS: gl.constexpr = 8,
+                            ABLATE: gl.constexpr = 0):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
     RANK]. L2_AHEAD > 0: at each step the cache rows of the tile L2_AHEAD steps ahead are prefetched into L2
-    (``_l2_prefetch_rows``), so the gathers issued one step ahead wait on L2, not HBM."""
+    (``_l2_prefetch_rows``), so the gathers issued one step ahead wait on L2, not HBM.
+
+    ABLATE (a timing probe only, ``launch(ablate=)``; the output is wrong when it is not 0): a bit mask of parts
+    left out, to time the rest: 1 the gathers (every cache slot -1: masked loads), 2 the q.k MMAs, 4 the p @ v
+    MMA, 8 the softmax arithmetic (p = s), 16 the block-table lookups (positions read as cache slots)."""
     gl.static_assert(BLOCK_H == 64)
     row = gl.program_id(0).to(gl.int64)
     head0 = gl.program_id(1) * BLOCK_H
     split = gl.program_id(2)
-    # register layouts (8 warps)
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [8, 1, 1], [2, 1, 0])  # e4m3 rows, 16 B a thread
-    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # bf16 rows of 64
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # bf16 rows of 512
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_K // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, RANK // 2, 16])
+    # register layouts (WARPS = 8 or 16: WARPS / 4 warpgroups split both MMAs' N side)
+    gl.static_assert(WARPS == 8 or WARPS == 16)
+    WG: gl.constexpr = WARPS // 4
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # e4m3 rows, 16 B a thread
+    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])  # bf16 rows of 64
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])  # bf16 rows of 512
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                  instr_shape=[16, BLOCK_K // WG, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                  instr_shape=[16, RANK // WG, 16])
     VL: gl.constexpr = gl.SliceLayout(0, S_L)
-    PFL: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 2], [1, 0])  # [64, 8]: one tile's L2 prefetches
+    PFL: gl.constexpr = gl.BlockedLayout([1, 16 // WARPS], [16, 2], [4, WG], [1, 0])  # [64, 8]: a tile's L2 prefetches
     PFR: gl.constexpr = gl.SliceLayout(1, PFL)
     # shared memory
     q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], gl.bfloat16)
@@ -179,6 +187,9 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     slot = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, SL), PAGE)
     slot_r = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, RS), PAGE)
     idx_v = _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, VL)
+    if ABLATE & 1:
+        slot = slot * 0 - 1
+        slot_r = slot_r * 0 - 1
     raw, sc, kr, valid = _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL, slot_r,
                                       idx_v, DIRECT)
     _stage_tile(raw, sc, kr, kv_smem.index(0), kr_smem.index(0), RANK, BLOCK_K)
@@ -207,8 +218,12 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
             raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL,
                                                 slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K,
                                                                    VL), DIRECT)
-        s = warpgroup_mma(qr_smem, kr_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_smem, kv_buf.permute((1, 0)), s, is_async=True)
+        if not (ABLATE & 2):
+            s = warpgroup_mma(qr_smem, kr_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_smem, kv_buf.permute((1, 0)), s, is_async=True)
+        if ABLATE & 1:
+            slot_n = slot_n * 0 - 1
+            slot_rn = slot_rn * 0 - 1
         # the next tile's gathers fly while q.k runs
         if PREFETCH:
             if not EARLY_LOADS:
@@ -226,25 +241,42 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
             raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL,
                                                 slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K,
                                                                    VL), DIRECT)
-        s, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))  # q.k of this tile, p @ v of the last
-        s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        if ABLATE & 2:
+            acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            s = s_zero + 1.0
+        else:
+            s, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))  # q.k of this tile, p @ v of the last
+        if ABLATE & 8:
+            p = s
+            alpha = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
+            l_i = l_i + 1.0
+        else:
+            s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
         acc_t = acc_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        acc = warpgroup_mma(p_smem, kv_buf, acc_t, is_async=True)
+        if ABLATE & 4:  # no p @ v: the accumulator passes through (the loop-carried type of an MMA's)
+            acc = warpgroup_mma_init(acc_t)
+        else:
+            acc = warpgroup_mma(p_smem, kv_buf, acc_t, is_async=True)
         # dequantise the next tile into the other slot while p @ v runs
         buf = 1 - buf
         if PREFETCH:  # the block-table entries of the tile after next fly during the dequantisation
-            slot_n = _idx_slots(block_table_ptr, seq, bt_stride, idx_nn, PAGE)
-            if DIRECT:
-                slot_rn = _idx_slots(block_table_ptr, seq, bt_stride, idx_rnn, PAGE)
+            if ABLATE & 16:  # no block table: the positions themselves as slots (one dependent load fewer)
+                slot_n = idx_nn
+                if DIRECT:
+                    slot_rn = idx_rnn
+            else:
+                slot_n = _idx_slots(block_table_ptr, seq, bt_stride, idx_nn, PAGE)
+                if DIRECT:
+                    slot_rn = _idx_slots(block_table_ptr, seq, bt_stride, idx_rnn, PAGE)
         if L2_AHEAD > 0:
             slot_pf = _idx_slots(block_table_ptr, seq, bt_stride, idx_pf, PAGE)
         _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K)
@@ -267,6 +299,279 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                  o.to(gl.bfloat16), mask=hmask)
 
 
+
+@gluon.jit
+def _ws_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, RB: gl.constexpr, PAGE: gl.constexpr,
+              L3: gl.constexpr, RL: gl.constexpr):
+    """Cache slots of positions k0 .. k0 + RB (-1 = none) in the gathers' two row layouts (e4m3 rows, rope rows)."""
+    SL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+    RS: gl.constexpr = gl.SliceLayout(1, RL)
+    slot = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, k0, last, topk, RB, SL), PAGE)
+    slot_r = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, k0, last, topk, RB, RS), PAGE)
+    return slot, slot_r
+
+
+@gluon.jit
+def _ws_gather(slot, slot_r, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, ROPE: gl.constexpr,
+               GROUP: gl.constexpr, L3: gl.constexpr, RL: gl.constexpr):
+    """Issue the loads of RB gathered rows (e4m3 [RB, RANK / 16, 16], fp32 scales [RB, RANK / 16], bf16 rope
+    [RB, ROPE]); rows without a slot read as zeros."""
+    c32 = gl.arange(0, RANK // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    cols3 = gl.expand_dims(gl.expand_dims(c32 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(c16, 0), 1)
+    s64 = slot.to(gl.int64)
+    raw = gl.load(nope_ptr + gl.expand_dims(gl.expand_dims(s64, 1), 2) * RANK + cols3,
+                  mask=gl.expand_dims(gl.expand_dims(slot >= 0, 1), 2), other=0.0)
+    sc = gl.load(nscale_ptr + gl.expand_dims(s64, 1) * (RANK // GROUP) + gl.expand_dims(c32 * 16 // GROUP, 0),
+                 mask=gl.expand_dims(slot >= 0, 1), other=0.0)
+    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
+    kr = gl.load(rope_ptr + gl.expand_dims(slot_r.to(gl.int64), 1) * ROPE + gl.expand_dims(rc, 0),
+                 mask=gl.expand_dims(slot_r >= 0, 1), other=0.0)
+    return raw, sc, kr
+
+
+@gluon.jit
+def _ws_stage(raw, sc, kr, kv_view, kr_view, RANK: gl.constexpr, RB: gl.constexpr):
+    """Dequantise RB gathered rows (fp32 product rounded to bf16, as the twin) into their rows of a ring slot."""
+    kv = (raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
+    kv_view.store(gl.reshape(kv, [RB, RANK]))
+    kr_view.store(kr)
+
+
+@gluon.jit
+def _ws_producer(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_smem, kr_smem, ready, empty, row, seq,
+                 first, n_tiles, last, topk, bt_stride, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
+                 BLOCK_K: gl.constexpr, PAGE: gl.constexpr, PWARPS: gl.constexpr):
+    """The one producer partition (PWARPS warps) of ``sparse_mla_gluon_ws_kernel`` with PARTS = 1: each tile in four
+    blocks of BLOCK_K / 4 rows (gathered e4m3 rows, fp32 scales, bf16 rope rows), all four issued at the top of
+    the tile's step (their cache slots looked up one tile ahead), then dequantised into the tile's ring slot once
+    it is empty, then the slot's ``ready`` barrier signalled."""
+    RB: gl.constexpr = BLOCK_K // 4
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [PWARPS, 1, 1], [2, 1, 0])
+    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PWARPS, 1], [1, 0])
+    s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    for t in range(n_tiles):
+        buf = t % 2
+        raw0, sc0, kr0 = _ws_gather(s0, r0, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        raw1, sc1, kr1 = _ws_gather(s1, r1, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        raw2, sc2, kr2 = _ws_gather(s2, r2, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        raw3, sc3, kr3 = _ws_gather(s3, r3, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        kn = first + (t + 1) * BLOCK_K
+        s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, kn, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, kn + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, kn + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, kn + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        mbarrier.wait(empty.index(buf), ((t // 2) & 1) ^ 1)
+        kv_buf = kv_smem.index(buf)
+        kr_buf = kr_smem.index(buf)
+        _ws_stage(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
+        _ws_stage(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
+        _ws_stage(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
+        _ws_stage(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(buf), count=1)
+
+
+@gluon.jit
+def _ws_stage_tile(raw0, sc0, kr0, raw1, sc1, kr1, raw2, sc2, kr2, raw3, sc3, kr3, kv_buf, kr_buf, RANK: gl.constexpr,
+                   RB: gl.constexpr):
+    """A whole tile's four gathered blocks dequantised into its ring slot."""
+    _ws_stage(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
+    _ws_stage(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
+    _ws_stage(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
+    _ws_stage(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
+
+
+@gluon.jit
+def _ws_producer_pair(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_smem, kr_smem, ready, empty, row,
+                      seq, first, n_tiles, last, topk, bt_stride, RANK: gl.constexpr, ROPE: gl.constexpr,
+                      GROUP: gl.constexpr, BLOCK_K: gl.constexpr, PAGE: gl.constexpr, PWARPS: gl.constexpr):
+    """The producer of ``sparse_mla_gluon_ws_kernel`` with PAIR: tiles two at a step (t0 = 2u into slot 0, t1 into
+    slot 1). The first tile's four blocks are issued at the top of the step; each block of the second tile is issued
+    as soon as the same block of the first is stored, so the second tile's loads fly while the first is
+    dequantised (no gathered data is carried across steps: the loop carries only cache slots)."""
+    RB: gl.constexpr = BLOCK_K // 4
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [PWARPS, 1, 1], [2, 1, 0])
+    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PWARPS, 1], [1, 0])
+    s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    for u in range(gl.cdiv(n_tiles, 2)):
+        phase = u & 1
+        k1 = first + (2 * u + 1) * BLOCK_K
+        raw0, sc0, kr0 = _ws_gather(s0, r0, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        raw1, sc1, kr1 = _ws_gather(s1, r1, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        raw2, sc2, kr2 = _ws_gather(s2, r2, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        raw3, sc3, kr3 = _ws_gather(s3, r3, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        # cache slots of the second tile (positions past ``last`` give -1: masked loads, no traffic)
+        s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k1, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k1 + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k1 + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k1 + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        mbarrier.wait(empty.index(0), phase ^ 1)
+        kv_buf = kv_smem.index(0)
+        kr_buf = kr_smem.index(0)
+        _ws_stage(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
+        raw0, sc0, kr0 = _ws_gather(s0, r0, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        _ws_stage(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
+        raw1, sc1, kr1 = _ws_gather(s1, r1, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        _ws_stage(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
+        raw2, sc2, kr2 = _ws_gather(s2, r2, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        _ws_stage(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
+        raw3, sc3, kr3 = _ws_gather(s3, r3, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(0), count=1)
+        # cache slots of the next step's first tile, read while the second tile is dequantised
+        k2 = k1 + BLOCK_K
+        s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k2, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k2 + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k2 + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k2 + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        if 2 * u + 1 < n_tiles:
+            mbarrier.wait(empty.index(1), phase ^ 1)
+            _ws_stage_tile(raw0, sc0, kr0, raw1, sc1, kr1, raw2, sc2, kr2, raw3, sc3, kr3, kv_smem.index(1),
+                           kr_smem.index(1), RANK, RB)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(1), count=1)
+
+
+@gluon.jit
+def _ws_consumer(q_smem, qr_smem, kv_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr, row, head0,
+                 split, n_heads, first, n_tiles, last, topk, scale_log2, RANK: gl.constexpr, BLOCK_H: gl.constexpr,
+                 BLOCK_K: gl.constexpr, SPLIT: gl.constexpr, PV_WAIT: gl.constexpr):
+    """Default partition (8 warps = 2 warpgroups splitting the MMA N side, as ``sparse_mla_gluon_kernel``): per
+    tile, wait for its ring slot, issue q.k, wait for p @ v of the tile before and hand that slot back to the
+    producer, then the online softmax and p @ v (asynchronous); the normalised output and log2-sum-exp at the end."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_K // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, RANK // 2, 16])
+    VL: gl.constexpr = gl.SliceLayout(0, S_L)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, RANK], gl.float32, layout=O_L))
+    s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=S_L)
+    for t in range(n_tiles):
+        buf = t % 2
+        idx_v = _tile_idx(idx_ptr, row, first + t * BLOCK_K, last, topk, BLOCK_K, VL)
+        mbarrier.wait(ready.index(buf), (t // 2) & 1)
+        s = warpgroup_mma(qr_smem, kr_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem, kv_smem.index(buf).permute((1, 0)), s, is_async=True)
+        # q.k of this tile and p @ v of the one before (its slot is then free). Waiting for p @ v alone first
+        # (num_outstanding=1) would free the slot earlier but makes ptxas serialise every wgmma (C7514: "non
+        # wgmma instructions reading accumulator registers"); as written ptxas still serialises them (C7515:
+        # "... defining accumulator registers ..."), which the single-partition kernel does not have
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(1 - buf), count=1, pred=t > 0)
+        s = gl.where(gl.expand_dims(idx_v >= 0, 0), s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        acc = warpgroup_mma(p_smem, kv_smem.index(buf), acc, is_async=True)
+        if PV_WAIT:  # p @ v done inside its step: no wgmma in flight across the loop's back edge
+            acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=0, deps=(acc,)))
+    if SPLIT:
+        hs = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        gl.store(lse_ptr + (row * gl.num_programs(2) + split) * n_heads + hs, lse, mask=hs < n_heads)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    o = o / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
+    ho = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    oc = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_L))
+    hmask = gl.expand_dims(ho < n_heads, 1)
+    if SPLIT:
+        part = (row * gl.num_programs(2) + split) * n_heads + ho
+        gl.store(out_ptr + gl.expand_dims(part * RANK, 1) + gl.expand_dims(oc, 0), o, mask=hmask)
+    else:
+        gl.store(out_ptr + gl.expand_dims((row * n_heads + ho) * RANK, 1) + gl.expand_dims(oc, 0),
+                 o.to(gl.bfloat16), mask=hmask)
+
+
+@gluon.jit
+def sparse_mla_gluon_ws_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
+                               out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
+                               RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
+                               BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+                               PWARPS: gl.constexpr, PREGS: gl.constexpr, PAIR: gl.constexpr,
+                               PV_WAIT: gl.constexpr = False):
+    """Warp-specialised form of ``sparse_mla_gluon_kernel`` (same grid, arguments, outputs and arithmetic): a
+    producer partition of PWARPS warps (PREGS registers a thread) gathers and dequantises each tile into the two-slot
+    ring while the 8 warps of the default partition run q.k, the softmax and p @ v. The two sides meet at an mbarrier
+    pair per slot (``ready``: dequantised; ``empty``: p @ v done reading it), so the gathers and the dequantisation
+    leave the MMA chain that bounds the single-partition kernel (benchmarks/NEXT_CALL.md, sparse MLA decode)."""
+    gl.static_assert(BLOCK_H == 64)
+    row = gl.program_id(0).to(gl.int64)
+    head0 = gl.program_id(1) * BLOCK_H
+    split = gl.program_id(2)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], gl.bfloat16)
+    qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], gl.bfloat16)
+    kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], gl.bfloat16)
+    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROPE], gl.bfloat16)
+    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, RANK], q_lay)
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], qr_lay)
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, RANK], kv_lay)
+    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, ROPE], kr_lay)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K], p_lay)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    hq = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    qc = gl.arange(0, RANK, layout=gl.SliceLayout(0, QL))
+    q = gl.load(qn_ptr + gl.expand_dims((row * n_heads + hq) * RANK, 1) + gl.expand_dims(qc, 0),
+                mask=gl.expand_dims(hq < n_heads, 1), other=0.0)
+    q_smem.store(q)
+    hr = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, RL))
+    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
+    qr = gl.load(qr_ptr + gl.expand_dims((row * n_heads + hr) * ROPE, 1) + gl.expand_dims(rc, 0),
+                 mask=gl.expand_dims(hr < n_heads, 1), other=0.0)
+    qr_smem.store(qr)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    seq = gl.load(seq_ptr + row).to(gl.int64)
+    first = split * positions_per_split
+    last = gl.minimum(first + positions_per_split, topk)
+    n_tiles = gl.cdiv(gl.maximum(last - first, 0), BLOCK_K)
+    if PAIR:
+        gl.warp_specialize([
+            (_ws_consumer, (q_smem, qr_smem, kv_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr, row,
+                            head0, split, n_heads, first, n_tiles, last, topk, scale_log2, RANK, BLOCK_H, BLOCK_K,
+                            SPLIT, PV_WAIT)),
+            (_ws_producer_pair, (nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_smem, kr_smem, ready,
+                                 empty, row, seq, first, n_tiles, last, topk, bt_stride, RANK, ROPE, GROUP, BLOCK_K,
+                                 PAGE, PWARPS)),
+        ], [PWARPS], [PREGS])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (q_smem, qr_smem, kv_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr, row,
+                            head0, split, n_heads, first, n_tiles, last, topk, scale_log2, RANK, BLOCK_H, BLOCK_K,
+                            SPLIT, PV_WAIT)),
+            (_ws_producer, (nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_smem, kr_smem, ready, empty,
+                            row, seq, first, n_tiles, last, topk, bt_stride, RANK, ROPE, GROUP, BLOCK_K, PAGE, PWARPS)),
+        ], [PWARPS], [PREGS])
+
 GLUON_BLOCK_H = 64
 
 
@@ -286,24 +591,36 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # L2_AHEAD (0 = off): the cache rows of the tile that many steps ahead are prefetched into L2; measured slower in the
 # closing call (benchmarks/gpu-2026-12-01-dsa-s4-final, 564516d): decode 144.6 / 144.9 us at 2 / 4 against 137.5,
 # prefill rows 8.34 / 8.40 ms against 7.81.
-GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0}
+GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8}
+# WS: ``sparse_mla_gluon_ws_kernel`` instead (a producer partition of PWARPS warps with PREGS registers a thread
+# gathers and dequantises; MAXNREG caps the launch so that 8 + PWARPS warps fit one SM's 64K registers: the
+# default partition gets (MAXNREG * (8 + PWARPS) - PREGS * PWARPS) / 8 a thread). Off until measured faster.
+WS_FLAGS = {"WS": False, "PWARPS": 4, "PREGS": 152, "MAXNREG": 168, "PAIR": True, "PV_WAIT": False}
 
 
 def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices, softmax_scale,
            partial, lse, splits: int, positions_per_split: int, block_k: int = 64, prefetch: bool = True,
-           flags: dict | None = None) -> None:
-    """Launch ``sparse_mla_gluon_kernel`` on grid (rows, heads / 64, splits): ``partial``/``lse`` as
-    ``sparse_mla.sparse_mla`` allocates them (the bf16 output itself when splits == 1); ``flags`` override
-    ``GLUON_FLAGS``."""
-    unknown = set(flags or {}) - set(GLUON_FLAGS)
+           flags: dict | None = None, ablate: int = 0) -> None:
+    """Launch ``sparse_mla_gluon_kernel`` (or, with the WS flag, ``sparse_mla_gluon_ws_kernel``) on grid (rows,
+    heads / 64, splits): ``partial``/``lse`` as ``sparse_mla.sparse_mla`` allocates them (the bf16 output itself
+    when splits == 1); ``flags`` override ``GLUON_FLAGS`` and ``WS_FLAGS``. ``ablate``: the kernel's ABLATE
+    (timing probes only: a non-zero value gives a wrong output; ``sparse_mla`` never passes it)."""
+    unknown = set(flags or {}) - set(GLUON_FLAGS) - set(WS_FLAGS)
     if unknown:
-        raise ValueError(f"unknown Gluon kernel flags {sorted(unknown)}; known: {sorted(GLUON_FLAGS)}")
+        raise ValueError(f"unknown Gluon kernel flags {sorted(unknown)}; known: {sorted({**GLUON_FLAGS, **WS_FLAGS})}")
+    opts = {**GLUON_FLAGS, **WS_FLAGS, **(flags or {})}
     n_rows, n_heads, rank = q_nope.shape
     topk = indices.shape[1]
-    sparse_mla_gluon_kernel[(n_rows, triton.cdiv(n_heads, GLUON_BLOCK_H), splits)](
-        q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale, latent_rope, block_table,
-        token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(), partial, lse,
-        n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e),
-        RANK=rank, ROPE=q_rope.shape[-1], GROUP=rank // latent_scale.shape[-1], BLOCK_H=GLUON_BLOCK_H,
-        BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1, PREFETCH=prefetch, **{**GLUON_FLAGS, **(flags or {})},
-        num_warps=8)
+    grid = (n_rows, triton.cdiv(n_heads, GLUON_BLOCK_H), splits)
+    args = (q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale, latent_rope, block_table,
+            token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(), partial, lse,
+            n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e))
+    shape = dict(RANK=rank, ROPE=q_rope.shape[-1], GROUP=rank // latent_scale.shape[-1], BLOCK_H=GLUON_BLOCK_H,
+                 BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1)
+    if opts["WS"]:
+        sparse_mla_gluon_ws_kernel[grid](*args, **shape, PWARPS=opts["PWARPS"], PREGS=opts["PREGS"],
+                                         PAIR=opts["PAIR"], PV_WAIT=opts["PV_WAIT"], num_warps=8,
+                                         maxnreg=opts["MAXNREG"])
+    else:
+        sparse_mla_gluon_kernel[grid](*args, **shape, PREFETCH=prefetch, ABLATE=ablate,
+                                      **{k: opts[k] for k in GLUON_FLAGS}, num_warps=opts["WARPS"])

@@ -29,6 +29,25 @@ def test_gluon_kernel_builds_for_sm90_within_registers():
         assert row["loop_ops"].get("CCTL", 0) == (2 if row["config"].get("L2_AHEAD") else 0), row
 
 
+@pytest.mark.slow
+def test_warp_specialised_kernel_builds_for_sm90():
+    """The WS form (benchmarks/gpu-2026-12-01-dsa-s9): 8 consumer warps + 4 producer warps under the launch's
+    168-register cap, the producer at PREGS and the consumers at the rest (setmaxnreg), within shared memory;
+    with PV_WAIT its wgmmas run in flight (a few WARPGROUP ops a tile, not an arrive/wait pair per HGMMA)."""
+    from tests.kernels.test_sparse_mla_sass import sass_rows
+
+    rows = sass_rows([{"ws": True, "PV_WAIT": True, "PAIR": False}, {"ws": True, "PV_WAIT": True, "SPLIT": True},
+                      {"ws": True, "PAIR": False}])
+    for row in rows:
+        assert "error" not in row, row
+        assert row["regs"] <= 168 and row["shared"] <= H200_SHARED_BYTES, row
+        # producer 152, consumers (168 * 12 - 152 * 4) / 8 = 176; 24 and 240 around the region
+        assert {"152", "176"} <= set(row["setmaxnreg"]), row
+        assert row["mbarrier_waits"] >= 2 and row["loop_ops"].get("HGMMA", 0) >= 40, row
+    assert rows[0]["loop_ops"].get("WARPGROUP", 0) <= 8, rows[0]
+    assert rows[2]["loop_ops"].get("WARPGROUP", 0) >= 40, rows[2]  # without PV_WAIT ptxas serialises (C7515)
+
+
 def _case(lengths, rows, heads, topk, seed=0):
     from tests.kernels.test_sparse_mla import setup
 
@@ -45,7 +64,16 @@ def _case(lengths, rows, heads, topk, seed=0):
 @pytest.mark.parametrize("options", [{}, {"splits": 3}, {"prefetch": False}, {"gluon": {"DIRECT": False}},
                                      {"gluon": {"DIRECT": True, "EARLY_LOADS": True}},
                                      pytest.param({"gluon": {"L2_AHEAD": 2}}, id="l2_ahead2"),
-                                     pytest.param({"gluon": {"L2_AHEAD": 4}, "splits": 2}, id="l2_ahead4_splits2")])
+                                     pytest.param({"gluon": {"L2_AHEAD": 4}, "splits": 2}, id="l2_ahead4_splits2"),
+                                     pytest.param({"gluon": {"WS": True}}, id="ws"),
+                                     pytest.param({"gluon": {"WS": True}, "splits": 3}, id="ws_splits3"),
+                                     pytest.param({"gluon": {"WS": True}, "splits": 5}, id="ws_one_tile_slices"),
+                                     pytest.param({"gluon": {"WS": True, "PAIR": False}}, id="ws_single_tiles"),
+                                     pytest.param({"gluon": {"WARPS": 16}}, id="w16"),
+                                     pytest.param({"gluon": {"WARPS": 16}, "splits": 3}, id="w16_splits3"),
+                                     pytest.param({"gluon": {"WS": True, "PV_WAIT": True}}, id="ws_pv_wait"),
+                                     pytest.param({"gluon": {"WS": True, "PV_WAIT": True, "PAIR": False}, "splits": 5},
+                                                  id="ws_pv_wait_single_tiles")])
 def test_gluon_decode_batch64_matches_twin(options):
     """64 decode rows (one per sequence of 300 tokens), 128 heads, top-256 (rows see all 300 or fewer: -1 pads in
     the tail of some rows' lists are masked)."""
@@ -68,6 +96,10 @@ def test_gluon_decode_batch64_matches_twin(options):
     l2 = options.get("gluon", {}).get("L2_AHEAD") if isinstance(options.get("gluon"), dict) else None
     if l2:  # the L2 prefetches change no arithmetic: bit-equal to the same launch without them
         assert torch.equal(sparse_mla(*args, **{**options, "gluon": {**options["gluon"], "L2_AHEAD": 0}}), got)
+    flags = options.get("gluon", {})
+    if flags.get("WS"):  # same arithmetic and reduction order as the single-partition kernel: bit-equal
+        # (WARPS 16 is not: its softmax row sums add four warpgroups' parts, not two)
+        assert torch.equal(sparse_mla(*args, **{**options, "gluon": {}}), got)
     if not options:  # 64 rows x 2 head blocks take no position slices: the default is the Gluon kernel
         assert torch.equal(sparse_mla(*args), got)
         assert not torch.equal(sparse_mla(*args, gluon=False), got)
@@ -75,7 +107,13 @@ def test_gluon_decode_batch64_matches_twin(options):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"gluon": {"DIRECT": True}, "splits": 16},
-                                     pytest.param({"gluon": {"L2_AHEAD": 2}}, id="l2_ahead2")])
+                                     pytest.param({"gluon": {"L2_AHEAD": 2}}, id="l2_ahead2"),
+                                     pytest.param({"gluon": {"WS": True}}, id="ws"),
+                                     pytest.param({"gluon": {"WS": True}, "splits": 16}, id="ws_splits16"),
+                                     pytest.param({"gluon": {"WS": True}, "splits": 11}, id="ws_three_tile_slices"),
+                                     pytest.param({"gluon": {"WARPS": 16}}, id="w16"),
+                                     pytest.param({"gluon": {"WS": True, "PV_WAIT": True}, "splits": 11},
+                                                  id="ws_pv_wait_three_tile_slices")])
 def test_gluon_deepseek_v32_shape_matches_twin(options):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens (rows 0 .. 2047 select
     fewer than 2048), against the twin and the float64 reference; a row with no position returns 0."""
