@@ -594,7 +594,10 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8}
 # WS: ``sparse_mla_gluon_ws_kernel`` instead (a producer partition of PWARPS warps with PREGS registers a thread
 # gathers and dequantises; MAXNREG caps the launch so that 8 + PWARPS warps fit one SM's 64K registers: the
-# default partition gets (MAXNREG * (8 + PWARPS) - PREGS * PWARPS) / 8 a thread). Off until measured faster.
+# default partition gets (MAXNREG * (8 + PWARPS) - PREGS * PWARPS) / 8 a thread). PAIR: the producer takes tiles
+# two at a step; PV_WAIT: the consumers wait for p @ v inside its step (else ptxas serialises their wgmmas).
+# Measured slower than the single-partition kernel on the H200 (benchmarks/gpu-2026-12-01-dsa-s9): batch 64 x 128K
+# 146.8-149.7 us (PV_WAIT 153.8-156.1, PAIR 175-188) against 134.4-141.4; WARPS 16: 201-203 us. Off by default.
 WS_FLAGS = {"WS": False, "PWARPS": 4, "PREGS": 152, "MAXNREG": 168, "PAIR": True, "PV_WAIT": False}
 
 
