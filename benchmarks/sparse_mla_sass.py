@@ -46,36 +46,33 @@ def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool 
     return compile_sm90(kern, const, ptrs, (), num_warps, num_stages, floats=("scale_log2",))
 
 
-def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool = False, direct: bool = False,
-                  l2_ahead: int = 0, warps: int = 8, ablate: int = 0):
-    """``sparse_mla_gluon_kernel`` for sm_90 (8 warps) at the DeepSeek-V3.2 shapes (rank 512 in four e4m3 groups,
-    rope 64, 64 heads), pointers 16-byte aligned."""
-    kern = smg.sparse_mla_gluon_kernel
-    const = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=block_k, PAGE=64, SPLIT=split, PREFETCH=prefetch,
-                 EARLY_LOADS=early, DIRECT=direct, L2_AHEAD=l2_ahead, WARPS=warps, ABLATE=ablate)
+def _compile_gluon_sm90(kern, const: dict, options: dict):
+    """A Gluon sparse MLA kernel for sm_90 at the DeepSeek-V3.2 shapes (rank 512 in four e4m3 groups, rope 64, 64
+    heads) with these constexprs (SPLIT among them) and launch options; pointers 16-byte aligned."""
+    const = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, PAGE=64, **const)
     ptrs = {k: v for k, v in PTRS.items() if k not in ("qscale_ptr",)}
-    ptrs["out_ptr"] = "fp32" if split else "bf16"
+    ptrs["out_ptr"] = "fp32" if const["SPLIT"] else "bf16"
     sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
            for n in kern.arg_names}
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
     return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps))
+                          options=options)
+
+
+def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool = False, direct: bool = False,
+                  l2_ahead: int = 0, warps: int = 8, ablate: int = 0):
+    """``sparse_mla_gluon_kernel`` for sm_90 (``warps`` warps, 8 as launched by default)."""
+    const = dict(BLOCK_K=block_k, SPLIT=split, PREFETCH=prefetch, EARLY_LOADS=early, DIRECT=direct,
+                 L2_AHEAD=l2_ahead, WARPS=warps, ABLATE=ablate)
+    return _compile_gluon_sm90(smg.sparse_mla_gluon_kernel, const, dict(num_warps=warps))
 
 
 def compile_gluon_ws(split: bool, pwarps: int = 4, pregs: int = 152, maxnreg: int = 168, pair: bool = True,
                      pv_wait: bool = False):
-    """``sparse_mla_gluon_ws_kernel`` for sm_90 (8 consumer warps + a producer of ``pwarps``) at the DeepSeek-V3.2
-    shapes, capped at ``maxnreg`` registers as ``sparse_mla_gluon.launch`` launches it."""
-    kern = smg.sparse_mla_gluon_ws_kernel
-    const = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, BLOCK_K=64, PAGE=64, SPLIT=split, PWARPS=pwarps,
-                 PREGS=pregs, PAIR=pair, PV_WAIT=pv_wait)
-    ptrs = {k: v for k, v in PTRS.items() if k not in ("qscale_ptr",)}
-    ptrs["out_ptr"] = "fp32" if split else "bf16"
-    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
-           for n in kern.arg_names}
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
-    return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8, maxnreg=maxnreg))
+    """``sparse_mla_gluon_ws_kernel`` for sm_90 (8 consumer warps + a producer of ``pwarps``), capped at ``maxnreg``
+    registers as ``sparse_mla_gluon.launch`` launches it."""
+    const = dict(BLOCK_K=64, SPLIT=split, PWARPS=pwarps, PREGS=pregs, PAIR=pair, PV_WAIT=pv_wait)
+    return _compile_gluon_sm90(smg.sparse_mla_gluon_ws_kernel, const, dict(num_warps=8, maxnreg=maxnreg))
 
 
 def load_mma_order(ck) -> str:

@@ -122,6 +122,74 @@ def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.con
 
 
 @gluon.jit
+def _online_softmax(s, valid, m_i, l_i, scale_log2):
+    """One tile's online-softmax step in log2 units: the tile's probabilities p (positions not ``valid`` -inf),
+    the rescale alpha of what came before, and the running max and sum."""
+    s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _allocate(RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The shared memory of a sparse MLA program: q, q_rope, the two-slot ring of dequantised tiles (latent and
+    rope) and p, each in the NVMMA layout its MMA reads."""
+    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], gl.bfloat16)
+    qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], gl.bfloat16)
+    kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], gl.bfloat16)
+    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROPE], gl.bfloat16)
+    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, RANK], q_lay)
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], qr_lay)
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, RANK], kv_lay)
+    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, ROPE], kr_lay)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K], p_lay)
+    return q_smem, qr_smem, kv_smem, kr_smem, p_smem
+
+
+@gluon.jit
+def _load_q(qn_ptr, qr_ptr, q_smem, qr_smem, row, head0, n_heads, RANK: gl.constexpr, ROPE: gl.constexpr,
+            BLOCK_H: gl.constexpr, QL: gl.constexpr, RL: gl.constexpr):
+    """q and q_rope of the row's BLOCK_H heads from head0 into shared memory (masked heads are zeros)."""
+    hq = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    qc = gl.arange(0, RANK, layout=gl.SliceLayout(0, QL))
+    q = gl.load(qn_ptr + gl.expand_dims((row * n_heads + hq) * RANK, 1) + gl.expand_dims(qc, 0),
+                mask=gl.expand_dims(hq < n_heads, 1), other=0.0)
+    q_smem.store(q)
+    hr = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, RL))
+    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
+    qr = gl.load(qr_ptr + gl.expand_dims((row * n_heads + hr) * ROPE, 1) + gl.expand_dims(rc, 0),
+                 mask=gl.expand_dims(hr < n_heads, 1), other=0.0)
+    qr_smem.store(qr)
+
+
+@gluon.jit
+def _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK: gl.constexpr, BLOCK_H: gl.constexpr,
+            SPLIT: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
+    """A program's end: with SPLIT the slice's log2-sum-exp first (fewer values live beside the accumulator) and its
+    normalised fp32 partial, else the bf16 output; waits for the last p @ v."""
+    if SPLIT:
+        hs = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        gl.store(lse_ptr + (row * gl.num_programs(2) + split) * n_heads + hs, lse, mask=hs < n_heads)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    o = o / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
+    ho = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    oc = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_L))
+    hmask = gl.expand_dims(ho < n_heads, 1)
+    if SPLIT:
+        part = (row * gl.num_programs(2) + split) * n_heads + ho
+        gl.store(out_ptr + gl.expand_dims(part * RANK, 1) + gl.expand_dims(oc, 0), o, mask=hmask)
+    else:
+        gl.store(out_ptr + gl.expand_dims((row * n_heads + ho) * RANK, 1) + gl.expand_dims(oc, 0),
+                 o.to(gl.bfloat16), mask=hmask)
+
+
+@gluon.jit
 def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
                             out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
                             RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
@@ -155,29 +223,9 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     VL: gl.constexpr = gl.SliceLayout(0, S_L)
     PFL: gl.constexpr = gl.BlockedLayout([1, 16 // WARPS], [16, 2], [4, WG], [1, 0])  # [64, 8]: a tile's L2 prefetches
     PFR: gl.constexpr = gl.SliceLayout(1, PFL)
-    # shared memory
-    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], gl.bfloat16)
-    qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], gl.bfloat16)
-    kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], gl.bfloat16)
-    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROPE], gl.bfloat16)
-    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, RANK], q_lay)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], qr_lay)
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, RANK], kv_lay)
-    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, ROPE], kr_lay)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K], p_lay)
+    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K)
 
-    # q and q_rope of the row's heads into shared memory (masked heads are zeros)
-    hq = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-    qc = gl.arange(0, RANK, layout=gl.SliceLayout(0, QL))
-    q = gl.load(qn_ptr + gl.expand_dims((row * n_heads + hq) * RANK, 1) + gl.expand_dims(qc, 0),
-                mask=gl.expand_dims(hq < n_heads, 1), other=0.0)
-    q_smem.store(q)
-    hr = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, RL))
-    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
-    qr = gl.load(qr_ptr + gl.expand_dims((row * n_heads + hr) * ROPE, 1) + gl.expand_dims(rc, 0),
-                 mask=gl.expand_dims(hr < n_heads, 1), other=0.0)
-    qr_smem.store(qr)
+    _load_q(qn_ptr, qr_ptr, q_smem, qr_smem, row, head0, n_heads, RANK, ROPE, BLOCK_H, QL, RL)
 
     seq = gl.load(seq_ptr + row).to(gl.int64)
     first = split * positions_per_split
@@ -251,13 +299,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
             alpha = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
             l_i = l_i + 1.0
         else:
-            s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _online_softmax(s, valid, m_i, l_i, scale_log2)
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
@@ -281,22 +323,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
             slot_pf = _idx_slots(block_table_ptr, seq, bt_stride, idx_pf, PAGE)
         _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K)
         valid = valid_n
-    if SPLIT:  # the slice's log2-sum-exp first (fewer values live with the accumulator)
-        hs = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
-        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        gl.store(lse_ptr + (row * gl.num_programs(2) + split) * n_heads + hs, lse, mask=hs < n_heads)
-    o = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    o = o / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
-    ho = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-    oc = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_L))
-    hmask = gl.expand_dims(ho < n_heads, 1)
-    if SPLIT:
-        part = (row * gl.num_programs(2) + split) * n_heads + ho
-        gl.store(out_ptr + gl.expand_dims(part * RANK, 1) + gl.expand_dims(oc, 0), o, mask=hmask)
-    else:
-        gl.store(out_ptr + gl.expand_dims((row * n_heads + ho) * RANK, 1) + gl.expand_dims(oc, 0),
-                 o.to(gl.bfloat16), mask=hmask)
+    _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK, BLOCK_H, SPLIT, S_L, O_L)
 
 
 
@@ -309,6 +336,17 @@ def _ws_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, RB:
     slot = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, k0, last, topk, RB, SL), PAGE)
     slot_r = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, k0, last, topk, RB, RS), PAGE)
     return slot, slot_r
+
+
+@gluon.jit
+def _ws_tile_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, RB: gl.constexpr,
+                   PAGE: gl.constexpr, L3: gl.constexpr, RL: gl.constexpr):
+    """``_ws_slots`` of the four RB-row blocks of the tile at k0 (block b: positions k0 + b * RB ..)."""
+    s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k0 + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k0 + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k0 + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    return s0, r0, s1, r1, s2, r2, s3, r3
 
 
 @gluon.jit
@@ -349,10 +387,8 @@ def _ws_producer(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_sm
     RB: gl.constexpr = BLOCK_K // 4
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [PWARPS, 1, 1], [2, 1, 0])
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PWARPS, 1], [1, 0])
-    s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, RB, PAGE, L3, RL)
-    s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-    s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-    s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s0, r0, s1, r1, s2, r2, s3, r3 = _ws_tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride,
+                                                     RB, PAGE, L3, RL)
     for t in range(n_tiles):
         buf = t % 2
         raw0, sc0, kr0 = _ws_gather(s0, r0, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
@@ -360,10 +396,8 @@ def _ws_producer(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_sm
         raw2, sc2, kr2 = _ws_gather(s2, r2, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
         raw3, sc3, kr3 = _ws_gather(s3, r3, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
         kn = first + (t + 1) * BLOCK_K
-        s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, kn, last, topk, bt_stride, RB, PAGE, L3, RL)
-        s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, kn + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-        s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, kn + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-        s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, kn + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s0, r0, s1, r1, s2, r2, s3, r3 = _ws_tile_slots(idx_ptr, block_table_ptr, row, seq, kn, last, topk, bt_stride,
+                                                         RB, PAGE, L3, RL)
         mbarrier.wait(empty.index(buf), ((t // 2) & 1) ^ 1)
         kv_buf = kv_smem.index(buf)
         kr_buf = kr_smem.index(buf)
@@ -397,10 +431,8 @@ def _ws_producer_pair(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, 
     RB: gl.constexpr = BLOCK_K // 4
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [PWARPS, 1, 1], [2, 1, 0])
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PWARPS, 1], [1, 0])
-    s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, RB, PAGE, L3, RL)
-    s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-    s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-    s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+    s0, r0, s1, r1, s2, r2, s3, r3 = _ws_tile_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride,
+                                                     RB, PAGE, L3, RL)
     for u in range(gl.cdiv(n_tiles, 2)):
         phase = u & 1
         k1 = first + (2 * u + 1) * BLOCK_K
@@ -409,10 +441,8 @@ def _ws_producer_pair(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, 
         raw2, sc2, kr2 = _ws_gather(s2, r2, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
         raw3, sc3, kr3 = _ws_gather(s3, r3, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
         # cache slots of the second tile (positions past ``last`` give -1: masked loads, no traffic)
-        s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k1, last, topk, bt_stride, RB, PAGE, L3, RL)
-        s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k1 + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-        s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k1 + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-        s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k1 + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s0, r0, s1, r1, s2, r2, s3, r3 = _ws_tile_slots(idx_ptr, block_table_ptr, row, seq, k1, last, topk, bt_stride,
+                                                         RB, PAGE, L3, RL)
         mbarrier.wait(empty.index(0), phase ^ 1)
         kv_buf = kv_smem.index(0)
         kr_buf = kr_smem.index(0)
@@ -429,10 +459,8 @@ def _ws_producer_pair(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, 
         mbarrier.arrive(ready.index(0), count=1)
         # cache slots of the next step's first tile, read while the second tile is dequantised
         k2 = k1 + BLOCK_K
-        s0, r0 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k2, last, topk, bt_stride, RB, PAGE, L3, RL)
-        s1, r1 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k2 + RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-        s2, r2 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k2 + 2 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
-        s3, r3 = _ws_slots(idx_ptr, block_table_ptr, row, seq, k2 + 3 * RB, last, topk, bt_stride, RB, PAGE, L3, RL)
+        s0, r0, s1, r1, s2, r2, s3, r3 = _ws_tile_slots(idx_ptr, block_table_ptr, row, seq, k2, last, topk, bt_stride,
+                                                         RB, PAGE, L3, RL)
         if 2 * u + 1 < n_tiles:
             mbarrier.wait(empty.index(1), phase ^ 1)
             _ws_stage_tile(raw0, sc0, kr0, raw1, sc1, kr1, raw2, sc2, kr2, raw3, sc3, kr3, kv_smem.index(1),
@@ -471,13 +499,7 @@ def _ws_consumer(q_smem, qr_smem, kv_smem, kr_smem, p_smem, ready, empty, idx_pt
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
         gl.thread_barrier()
         mbarrier.arrive(empty.index(1 - buf), count=1, pred=t > 0)
-        s = gl.where(gl.expand_dims(idx_v >= 0, 0), s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(s, idx_v >= 0, m_i, l_i, scale_log2)
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
@@ -485,22 +507,7 @@ def _ws_consumer(q_smem, qr_smem, kv_smem, kr_smem, p_smem, ready, empty, idx_pt
         acc = warpgroup_mma(p_smem, kv_smem.index(buf), acc, is_async=True)
         if PV_WAIT:  # p @ v done inside its step: no wgmma in flight across the loop's back edge
             acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=0, deps=(acc,)))
-    if SPLIT:
-        hs = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
-        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        gl.store(lse_ptr + (row * gl.num_programs(2) + split) * n_heads + hs, lse, mask=hs < n_heads)
-    o = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    o = o / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
-    ho = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-    oc = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_L))
-    hmask = gl.expand_dims(ho < n_heads, 1)
-    if SPLIT:
-        part = (row * gl.num_programs(2) + split) * n_heads + ho
-        gl.store(out_ptr + gl.expand_dims(part * RANK, 1) + gl.expand_dims(oc, 0), o, mask=hmask)
-    else:
-        gl.store(out_ptr + gl.expand_dims((row * n_heads + ho) * RANK, 1) + gl.expand_dims(oc, 0),
-                 o.to(gl.bfloat16), mask=hmask)
+    _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK, BLOCK_H, SPLIT, S_L, O_L)
 
 
 @gluon.jit
@@ -521,32 +528,14 @@ def sparse_mla_gluon_ws_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
     split = gl.program_id(2)
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], gl.bfloat16)
-    qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], gl.bfloat16)
-    kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], gl.bfloat16)
-    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROPE], gl.bfloat16)
-    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, RANK], q_lay)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], qr_lay)
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, RANK], kv_lay)
-    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, ROPE], kr_lay)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K], p_lay)
+    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
 
-    hq = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-    qc = gl.arange(0, RANK, layout=gl.SliceLayout(0, QL))
-    q = gl.load(qn_ptr + gl.expand_dims((row * n_heads + hq) * RANK, 1) + gl.expand_dims(qc, 0),
-                mask=gl.expand_dims(hq < n_heads, 1), other=0.0)
-    q_smem.store(q)
-    hr = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, RL))
-    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
-    qr = gl.load(qr_ptr + gl.expand_dims((row * n_heads + hr) * ROPE, 1) + gl.expand_dims(rc, 0),
-                 mask=gl.expand_dims(hr < n_heads, 1), other=0.0)
-    qr_smem.store(qr)
+    _load_q(qn_ptr, qr_ptr, q_smem, qr_smem, row, head0, n_heads, RANK, ROPE, BLOCK_H, QL, RL)
     fence_async_shared()
     gl.thread_barrier()
 
