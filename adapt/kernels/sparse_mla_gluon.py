@@ -112,11 +112,17 @@ def _l2_prefetch_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, 
 
 
 @gluon.jit
-def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.constexpr):
-    """Dequantise a gathered tile (fp32 product rounded to bf16, as the twin) into its ring slot."""
+def _dequant_rows(raw, sc, kr, kv_view, kr_view, RANK: gl.constexpr, ROWS: gl.constexpr):
+    """Dequantise ROWS gathered rows (fp32 product rounded to bf16, as the twin) into their rows of a ring slot."""
     kv = (raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
-    kv_buf.store(gl.reshape(kv, [BLOCK_K, RANK]))
-    kr_buf.store(kr)
+    kv_view.store(gl.reshape(kv, [ROWS, RANK]))
+    kr_view.store(kr)
+
+
+@gluon.jit
+def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Dequantise a gathered tile into its ring slot, visible to the MMAs' async reads."""
+    _dequant_rows(raw, sc, kr, kv_buf, kr_buf, RANK, BLOCK_K)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -369,18 +375,20 @@ def _ws_gather(slot, slot_r, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr,
 
 
 @gluon.jit
-def _ws_stage(raw, sc, kr, kv_view, kr_view, RANK: gl.constexpr, RB: gl.constexpr):
-    """Dequantise RB gathered rows (fp32 product rounded to bf16, as the twin) into their rows of a ring slot."""
-    kv = (raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
-    kv_view.store(gl.reshape(kv, [RB, RANK]))
-    kr_view.store(kr)
+def _ws_stage_tile(raw0, sc0, kr0, raw1, sc1, kr1, raw2, sc2, kr2, raw3, sc3, kr3, kv_buf, kr_buf, RANK: gl.constexpr,
+                   RB: gl.constexpr):
+    """A whole tile's four gathered blocks dequantised into its ring slot."""
+    _dequant_rows(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
+    _dequant_rows(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
+    _dequant_rows(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
+    _dequant_rows(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
 
 
 @gluon.jit
 def _ws_producer(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_smem, kr_smem, ready, empty, row, seq,
                  first, n_tiles, last, topk, bt_stride, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
                  BLOCK_K: gl.constexpr, PAGE: gl.constexpr, PWARPS: gl.constexpr):
-    """The one producer partition (PWARPS warps) of ``sparse_mla_gluon_ws_kernel`` with PARTS = 1: each tile in four
+    """The producer partition (PWARPS warps) of ``sparse_mla_gluon_ws_kernel`` without PAIR: each tile in four
     blocks of BLOCK_K / 4 rows (gathered e4m3 rows, fp32 scales, bf16 rope rows), all four issued at the top of
     the tile's step (their cache slots looked up one tile ahead), then dequantised into the tile's ring slot once
     it is empty, then the slot's ``ready`` barrier signalled."""
@@ -399,25 +407,11 @@ def _ws_producer(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_sm
         s0, r0, s1, r1, s2, r2, s3, r3 = _ws_tile_slots(idx_ptr, block_table_ptr, row, seq, kn, last, topk, bt_stride,
                                                          RB, PAGE, L3, RL)
         mbarrier.wait(empty.index(buf), ((t // 2) & 1) ^ 1)
-        kv_buf = kv_smem.index(buf)
-        kr_buf = kr_smem.index(buf)
-        _ws_stage(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
-        _ws_stage(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
-        _ws_stage(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
-        _ws_stage(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
+        _ws_stage_tile(raw0, sc0, kr0, raw1, sc1, kr1, raw2, sc2, kr2, raw3, sc3, kr3, kv_smem.index(buf),
+                       kr_smem.index(buf), RANK, RB)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(buf), count=1)
-
-
-@gluon.jit
-def _ws_stage_tile(raw0, sc0, kr0, raw1, sc1, kr1, raw2, sc2, kr2, raw3, sc3, kr3, kv_buf, kr_buf, RANK: gl.constexpr,
-                   RB: gl.constexpr):
-    """A whole tile's four gathered blocks dequantised into its ring slot."""
-    _ws_stage(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
-    _ws_stage(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
-    _ws_stage(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
-    _ws_stage(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
 
 
 @gluon.jit
@@ -446,13 +440,13 @@ def _ws_producer_pair(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, 
         mbarrier.wait(empty.index(0), phase ^ 1)
         kv_buf = kv_smem.index(0)
         kr_buf = kr_smem.index(0)
-        _ws_stage(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
+        _dequant_rows(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
         raw0, sc0, kr0 = _ws_gather(s0, r0, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
-        _ws_stage(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
+        _dequant_rows(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
         raw1, sc1, kr1 = _ws_gather(s1, r1, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
-        _ws_stage(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
+        _dequant_rows(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
         raw2, sc2, kr2 = _ws_gather(s2, r2, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
-        _ws_stage(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
+        _dequant_rows(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
         raw3, sc3, kr3 = _ws_gather(s3, r3, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
         fence_async_shared()
         gl.thread_barrier()

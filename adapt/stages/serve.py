@@ -637,14 +637,16 @@ STAGE_LAUNCH = {"dtype": "float32", "max_model_len": 2048, "memory_fraction": 0.
 
 
 def launch_arguments(engine_args: dict[str, Any], *, cuda: bool, dtype: str, max_model_len: int,
-                     memory_fraction: float, kv_cache_bytes: int | None = None) -> dict[str, Any]:
+                     memory_fraction: float, kv_cache_bytes: int | None = None,
+                     model_dir: Path | None = None) -> dict[str, Any]:
     """The ``vllm serve`` engine arguments stage 6 starts the model with: the plan's ``engine_args`` adapted to
-    this machine (``adapt.handoff.smoke.local_engine_args``), served as "adapt-bench", with a KV pool of
-    ``kv_cache_bytes`` when given and, without CUDA, room for 16 sequences (the sweep's concurrency)."""
+    this machine (``adapt.handoff.smoke.local_engine_args``, which reads ``model_dir``'s config when given), served
+    as "adapt-bench", with a KV pool of ``kv_cache_bytes`` when given and, without CUDA, room for 16 sequences (the
+    sweep's concurrency)."""
     from adapt.handoff.smoke import local_engine_args
 
     args, _ = local_engine_args(engine_args, cuda=cuda, dtype=dtype, max_model_len=max_model_len,
-                                memory_fraction=memory_fraction)
+                                memory_fraction=memory_fraction, model_dir=model_dir)
     args["served_model_name"] = "adapt-bench"
     if kv_cache_bytes:
         args["kv_cache_memory_bytes"] = kv_cache_bytes
@@ -706,7 +708,7 @@ class served:
             raise InputError("not a model directory (no config.json)", file=str(model_dir),
                              hint="stage 6 serves a checkpoint on this machine, or pass --url of a running server")
         args = launch_arguments(engine_args, cuda=has_cuda(), dtype=dtype, max_model_len=max_model_len,
-                                memory_fraction=memory_fraction, kv_cache_bytes=kv_cache_bytes)
+                                memory_fraction=memory_fraction, kv_cache_bytes=kv_cache_bytes, model_dir=model_dir)
         if tokenizer:
             args["tokenizer"] = tokenizer
         self.command = serve_command(str(model_dir.resolve()), args)

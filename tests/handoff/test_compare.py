@@ -75,3 +75,22 @@ def test_token_id_spelling():
         assert "token_id" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_cpu_launch_serves_mla_checkpoints_with_the_reference_cpu_mla_backend(tmp_path):
+    import json
+
+    from adapt.handoff.smoke import local_engine_args
+
+    mla, gqa = tmp_path / "mla", tmp_path / "gqa"
+    mla.mkdir()
+    gqa.mkdir()
+    (mla / "config.json").write_text(json.dumps({"text_config": {"kv_lora_rank": 512}}))
+    (gqa / "config.json").write_text(json.dumps({"num_key_value_heads": 4}))
+    common = dict(dtype="float32", max_model_len=512, memory_fraction=0.1)
+    args, changed = local_engine_args({}, cuda=False, model_dir=mla, **common)
+    assert args["attention_backend"] == changed["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in local_engine_args({}, cuda=False, model_dir=gqa, **common)[0]
+    assert "attention_backend" not in local_engine_args({}, cuda=True, model_dir=mla, **common)[0]
+    asked = local_engine_args({"attention_backend": "AMX_MLA"}, cuda=False, model_dir=mla, **common)
+    assert asked[0]["attention_backend"] == "AMX_MLA" and "attention_backend" not in asked[1]
