@@ -28,6 +28,7 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -164,9 +165,21 @@ def _twin_fields(variant: str, out, twins: dict, tolerance: float) -> dict:
     return fields
 
 
-PEER_SOURCE = "triton_kernels (triton-lang/triton python/triton_kernels, tag v3.6.0), matmul_ogs"
+PEER_SOURCE = "triton_kernels (triton-lang/triton python/triton_kernels), matmul_ogs"
 """The peer timed beside adapt when ``triton_kernels`` is importable (e.g. ``PYTHONPATH=.peer``, a
-git-ignored copy; never part of adapt)."""
+git-ignored copy; never part of adapt). Since 2026-12-02 the copy is the one vLLM's wheels vendor
+(``vllm/third_party/triton_kernels`` of vLLM 0.26-0.33, fetched by vLLM's build from triton's tag v3.6.0);
+sessions 2-3 ran a copy from triton's main after v3.6.0 (``_peer_api`` tells them apart)."""
+
+
+def _peer_api() -> str | None:
+    """Which triton_kernels API is importable: "v3.6.0" (``routing.routing``, ``reduction_n`` on
+    ``FusedActivation``), "main" (``topk`` + ``make_ragged_tensor_metadata``), or None."""
+    try:
+        import triton_kernels.tensor as tk_tensor
+    except ImportError:
+        return None
+    return "main" if hasattr(tk_tensor, "make_ragged_tensor_metadata") else "v3.6.0"
 
 
 def _peer_setup(routed, shape: dict, source: str = "codes"):
@@ -211,7 +224,7 @@ def _peer_setup(routed, shape: dict, source: str = "codes"):
         w2, s2 = weights(routed.w2_blocks, routed.w2_scales, h, inter)
         # the peer's SwiGLU is gpt-oss's (interleaved gate/up, alpha 1.702, clamp 7); the DeepSeek-V3
         # shape runs it too: same bytes and MMAs, a different elementwise function
-        act = FusedActivation(FnSpecs("swiglu", tk_swiglu.swiglu_fn, ("alpha", "limit"), reduction_n=2), (1.702, 7.0))
+        act = _peer_swiglu(FnSpecs, FusedActivation, tk_swiglu.swiglu_fn)
         b1 = routed.w1_bias.float() if routed.w1_bias is not None else None
         b2 = routed.w2_bias.float() if routed.w2_bias is not None else None
         return dict(matmul_ogs=matmul_ogs, PrecisionConfig=PrecisionConfig, w1=w1, s1=s1, w2=w2, s2=s2,
@@ -220,15 +233,34 @@ def _peer_setup(routed, shape: dict, source: str = "codes"):
         return f"triton_kernels setup failed: {type(exc).__name__}: {str(exc)[:200]}"
 
 
-def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.float32, parts: dict | None = None):
-    """The peer's MoE experts at one T: gate-up matmul_ogs (gather, SwiGLU fused) then down matmul_ogs
-    (routing weights as ``gammas``, scatter + reduce over the k experts), routing from the peer's own top-k over random
-    logits computed once outside the timed call (as adapt's variants get ``perm``)."""
-    from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
-    from triton_kernels.tensor import make_ragged_tensor_metadata
+def _peer_swiglu(fn_specs, fused_activation, swiglu_fn):
+    """The peer's fused SwiGLU (alpha 1.702, clamp 7, two inputs an output). Its API moved ``reduction_n``: at tag
+    v3.6.0 (the copy vLLM's wheels vendor as ``vllm.third_party.triton_kernels``) it is a field of
+    ``FusedActivation``, on triton's main after it one of ``FnSpecs``."""
+    if "reduction_n" in {f.name for f in dataclasses.fields(fn_specs)}:
+        return fused_activation(fn_specs("swiglu", swiglu_fn, ("alpha", "limit"), reduction_n=2), (1.702, 7.0))
+    return fused_activation(fn_specs("swiglu", swiglu_fn, ("alpha", "limit")), (1.702, 7.0), 2)
+
+
+def _peer_routing(logits, k: int, parts: dict | None):
+    """(routing data, gather, scatter) from the peer's own top-k (softmax over the k picked). At tag v3.6.0 one call,
+    ``triton_kernels.routing.routing``, as vLLM's gpt-oss path calls it; on triton's main after it the sparse top-k
+    and ragged metadata built apart (``topk`` + ``make_ragged_tensor_metadata``)."""
     from triton_kernels.topk import topk
 
-    logits = torch.randn(t, e, device=x.device, dtype=logits_dtype)
+    e = logits.shape[-1]
+    try:
+        from triton_kernels.tensor import make_ragged_tensor_metadata
+    except ImportError:
+        from triton_kernels.routing import routing_from_bitmatrix
+
+        # what ``routing(logits, k)`` does, with the top-k kept for the reference check
+        vals, indx, bitmatrix = topk(logits, k, apply_softmax=True)
+        if parts is not None:
+            parts["sparse"] = SimpleNamespace(vals=vals, indx=indx)
+        return routing_from_bitmatrix(bitmatrix, vals, indx, e, k)
+    from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
+
     sparse = topk(logits, k, apply_softmax=True)
     if parts is not None:
         parts["sparse"] = sparse
@@ -236,7 +268,15 @@ def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.floa
     combine = sparse.mask_metadata.col_sorted_indx
     ragged = make_ragged_tensor_metadata(sparse.mask_metadata.col_sum, dispatch.shape[0])
     rdata = RoutingData(sparse.vals.flatten()[combine], ragged.slice_sizes, e, k, ragged)
-    gather, scatter = GatherIndx(combine, dispatch), ScatterIndx(dispatch, combine)
+    return rdata, GatherIndx(combine, dispatch), ScatterIndx(dispatch, combine)
+
+
+def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.float32, parts: dict | None = None):
+    """The peer's MoE experts at one T: gate-up matmul_ogs (gather, SwiGLU fused) then down matmul_ogs
+    (routing weights as ``gammas``, scatter + reduce over the k experts), routing from the peer's own top-k over random
+    logits computed once outside the timed call (as adapt's variants get ``perm``)."""
+    logits = torch.randn(t, e, device=x.device, dtype=logits_dtype)
+    rdata, gather, scatter = _peer_routing(logits, k, parts)
     warps = 4 if t <= 512 else 8
     pc1 = peer["PrecisionConfig"](weight_scale=peer["s1"][warps])
     pc2 = peer["PrecisionConfig"](weight_scale=peer["s2"][warps])
@@ -524,7 +564,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": _git_commit(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "ceilings": ceil, "rows": rows, "memory": [], "sweep": [],
-        "peer": PEER_SOURCE, "peer_tries": tries,
+        "peer": PEER_SOURCE, "peer_api": _peer_api(), "peer_tries": tries,
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

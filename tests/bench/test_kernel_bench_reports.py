@@ -147,3 +147,40 @@ def test_dsa_prefill_twin_checks_on_cpu(monkeypatch):
 
     monkeypatch.setattr(bench_dsa.dsa, "index_scores", refuse)   # a check that cannot run is recorded, not raised
     assert bench_dsa._prefill_twin_checks(**args) == {"twin_check_error": "RuntimeError: out of resources"}
+
+
+def test_peer_swiglu_follows_both_triton_kernels_apis():
+    """The peer's fused SwiGLU is built for either triton_kernels API: ``reduction_n`` on ``FusedActivation`` (tag
+    v3.6.0, as vLLM vendors it) or on ``FnSpecs`` (triton's main after it); both give two inputs an output."""
+    from dataclasses import dataclass
+
+    from adapt.stages.bench_moe import _peer_swiglu
+
+    @dataclass(frozen=True)
+    class SpecsOld:
+        name: str
+        fn: object
+        fn_arg_names: tuple
+
+    @dataclass(frozen=True)
+    class ActOld:
+        specs: SpecsOld
+        fn_args: tuple = ()
+        reduction_n: int = 1
+
+    @dataclass(frozen=True)
+    class SpecsNew:
+        name: str
+        fn: object
+        fn_arg_names: tuple
+        reduction_n: int = 1
+
+    @dataclass(frozen=True)
+    class ActNew:
+        specs: SpecsNew
+        fn_args: tuple = ()
+
+    old = _peer_swiglu(SpecsOld, ActOld, "fn")
+    assert (old.reduction_n, old.fn_args, old.specs.fn_arg_names) == (2, (1.702, 7.0), ("alpha", "limit"))
+    new = _peer_swiglu(SpecsNew, ActNew, "fn")
+    assert (new.specs.reduction_n, new.fn_args) == (2, (1.702, 7.0))
