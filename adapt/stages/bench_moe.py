@@ -271,11 +271,31 @@ def _peer_routing(logits, k: int, parts: dict | None):
     return rdata, GatherIndx(combine, dispatch), ScatterIndx(dispatch, combine)
 
 
-def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.float32, parts: dict | None = None):
+def routing_logits(perm, topw: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Router logits [T, n_experts] fp32 whose top-k, softmaxed over the k picked, is adapt's routing: each token's
+    experts (from ``perm``) get log(weight) (``topw`` [T, k] sums to 1 a token), every other expert -1e4. So the
+    peer routes the same tokens to the same experts with the same weights, and both move the same expert bytes."""
+    t, k = topw.shape
+    s = perm.sorted_slot.numel()
+    pos = torch.arange(s, device=topw.device)
+    expert = torch.searchsorted(perm.expert_offsets[1:].long(), pos, right=True)
+    ids = torch.empty(s, dtype=torch.long, device=topw.device)
+    ids[perm.sorted_slot.long()] = expert
+    logits = torch.full((t, n_experts), -1e4, device=topw.device)
+    logits.scatter_(1, ids.view(t, k), topw.float().log())
+    return logits
+
+
+def _peer_variant(peer: dict, x, t: int, e: int, k: int, logits_dtype=torch.float32, parts: dict | None = None,
+                  routing: tuple | None = None):
     """The peer's MoE experts at one T: gate-up matmul_ogs (gather, SwiGLU fused) then down matmul_ogs
-    (routing weights as ``gammas``, scatter + reduce over the k experts), routing from the peer's own top-k over random
-    logits computed once outside the timed call (as adapt's variants get ``perm``)."""
-    logits = torch.randn(t, e, device=x.device, dtype=logits_dtype)
+    (routing weights as ``gammas``, scatter + reduce over the k experts), routing from the peer's own top-k, computed
+    once outside the timed call (as adapt's variants get ``perm``), over ``routing_logits`` of adapt's (perm, topw)
+    when ``routing`` is given (the same experts and weights as adapt's rows), else over random logits."""
+    if routing is not None:
+        logits = routing_logits(*routing, e).to(logits_dtype)
+    else:
+        logits = torch.randn(t, e, device=x.device, dtype=logits_dtype)
     rdata, gather, scatter = _peer_routing(logits, k, parts)
     warps = 4 if t <= 512 else 8
     pc1 = peer["PrecisionConfig"](weight_scale=peer["s1"][warps])
@@ -625,7 +645,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                         peer = dict(got, source=source)
                     parts = {}
                     try:
-                        out = _peer_variant(peer, x, t, e, k, ldt, parts)()
+                        out = _peer_variant(peer, x, t, e, k, ldt, parts, (perm, topw))()
                         torch.cuda.synchronize()
                         g1 = bool(torch.isfinite(parts["gemm1"]).all())
                         g2 = bool(torch.isfinite(out).all())
@@ -646,7 +666,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 variants = {n: f for n, f in variants.items() if _picked(n, only)}
             if chosen is not None:
                 parts = {}
-                variants["peer"] = _peer_variant(peer, x, t, e, k, chosen[1], parts)
+                variants["peer"] = _peer_variant(peer, x, t, e, k, chosen[1], parts, (perm, topw))
             if not warmed and variants:
                 # the first point of a shape ran ~8% slow in call 1 of 2026-11-30-s2 (T = 64 first: DeepSeek-V3
                 # 2,324 us, the same kernel 2,133 us a few seconds later): a second of work first. In call 6
@@ -975,7 +995,7 @@ def _bench_shape(
             print(f"{name} T={t}: skipped (time budget)", flush=True)
             rows.append({"shape": name, "tokens": t, "variant": "all", "error": "skipped: time budget"})
             continue
-        x, perm, active, _ = _point(t, e, k, h, dev)
+        x, perm, active, topw = _point(t, e, k, h, dev)
         flops = 6 * t * k * h * inter
         wbytes = active * expert_bytes
         floor_us = wbytes / (ceil["copy_tbps"] * 1e6)
@@ -984,7 +1004,7 @@ def _bench_shape(
         )
         if not isinstance(peer, str):
             try:
-                variants["peer"] = _peer_variant(peer, x, t, e, k)
+                variants["peer"] = _peer_variant(peer, x, t, e, k, routing=(perm, topw))
             except Exception as exc:  # noqa: BLE001 - recorded; adapt's rows go on
                 rows.append({"shape": name, "tokens": t, "variant": "peer", "error": f"routing: {exc}"[:300]})
         if only is not None:

@@ -184,3 +184,22 @@ def test_peer_swiglu_follows_both_triton_kernels_apis():
     assert (old.reduction_n, old.fn_args, old.specs.fn_arg_names) == (2, (1.702, 7.0), ("alpha", "limit"))
     new = _peer_swiglu(SpecsNew, ActNew, "fn")
     assert (new.specs.reduction_n, new.fn_args) == (2, (1.702, 7.0))
+
+
+def test_routing_logits_give_the_peer_adapts_routing():
+    """The peer's router logits built from adapt's permutation: their top-k is adapt's experts of every token, and the
+    softmax over the k picked is adapt's routing weights."""
+    import torch
+
+    from adapt.kernels.routing import permute_by_expert_torch
+    from adapt.stages.bench_moe import _uniform_routing, routing_logits
+
+    torch.manual_seed(3)
+    t, e, k = 37, 16, 4
+    topw, ids = _uniform_routing(t, e, k, "cpu")
+    logits = routing_logits(permute_by_expert_torch(ids, e), topw, e)
+    vals, picked = logits.topk(k, dim=-1)
+    assert torch.equal(picked.sort(-1).values, ids.long().sort(-1).values)
+    got = torch.zeros(t, e).scatter_(1, picked, vals.softmax(-1))
+    want = torch.zeros(t, e).scatter_(1, ids.long(), topw)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
