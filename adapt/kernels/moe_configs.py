@@ -61,7 +61,9 @@ class PlanarConfig:
     planes joined into the operand) instead of eight dots of K = 16, and maxnreg: a register cap
     per thread (0: none; 128 fits four 4-warp programs per SM where the compiler would take 156),
     flatten: with programs_per_sm > 0, the tile and K loops pipelined as one loop (loads run ahead
-    across a program's tiles)."""
+    across a program's tiles), stream_k: num_sms * programs_per_sm (at least 1 a SM) persistent programs,
+    each one equal run of the tiles x K steps, sums out by fp32 atomic adds (``moe_planar._planar_gemm_kernel``'s
+    STREAM_K; split_k and flatten ignored)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -73,6 +75,7 @@ class PlanarConfig:
     one_dot: bool = False
     maxnreg: int = 0
     flatten: bool = False
+    stream_k: bool = False
 
 
 @dataclass(frozen=True)

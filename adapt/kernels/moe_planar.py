@@ -394,6 +394,7 @@ def _planar_gemm_kernel(
     EVEN_K: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
     COMBINE: tl.constexpr = False,
+    STREAM_K: tl.constexpr = False,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
@@ -407,6 +408,11 @@ def _planar_gemm_kernel(
     slot, by atomic adds; with SPLIT_K > 1 each split adds its partial the same way (bias by split 0),
     so no partial buffer and no epilogue kernel. FLATTEN: the tile and K loops pipelined as one loop
     (persistent programs, ``programs_per_sm`` > 0), so a program's loads run ahead across tiles.
+    STREAM_K (persistent programs, SPLIT_K 1): the tiles x K steps are cut into one equal run of steps a
+    program, so every program ends at the same time (no last partial wave); a tile cut between programs
+    gets one partial sum from each. Each tile's sum goes out by relaxed fp32 atomic adds: with COMBINE as
+    above (bias by the part that holds step 0), else raw into part fp32 [S, n_rows] (zeroed by the caller),
+    which ``_split_k_epilogue_kernel`` (SPLIT_K 1) finishes (bias, SwiGLU, bf16).
     """
     n_m = tl.load(tile_start_ptr + n_experts)
     n_n = tl.cdiv(n_rows, BLOCK_N)
@@ -415,7 +421,18 @@ def _planar_gemm_kernel(
     per_split = tl.cdiv(steps, SPLIT_K)
     s_lo = tl.program_id(1) * per_split
     s_hi = tl.minimum(s_lo + per_split, steps)
-    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+    if STREAM_K:
+        iters = total.to(tl.int64) * steps
+        it_lo = (tl.program_id(0) * iters // tl.num_programs(0)).to(tl.int32)
+        it_hi = ((tl.program_id(0) + 1) * iters // tl.num_programs(0)).to(tl.int32)
+        t_lo, t_hi, t_step = it_lo // steps, tl.cdiv(it_hi, steps), 1
+    else:
+        it_lo, it_hi = 0, 0
+        t_lo, t_hi, t_step = tl.program_id(0), total, tl.num_programs(0)
+    for tile in tl.range(t_lo, t_hi, t_step, flatten=FLATTEN):
+        if STREAM_K:
+            s_lo = tl.maximum(it_lo - tile * steps, 0)
+            s_hi = tl.minimum(it_hi - tile * steps, steps)
         e, nt, rows, row_ok, tok = tile_slots(
             tile, n_m, n_n, 0, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr,
             TOPK, GATHER, BLOCK_M, GROUP_M,
@@ -466,11 +483,15 @@ def _planar_gemm_kernel(
             gam = tl.load(gamma_ptr + slot, mask=row_ok, other=0.0)
             if HAS_BIAS:
                 bv = tl.load(bias_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
-                if SPLIT_K > 1:
-                    bv = tl.where(tl.program_id(1) == 0, bv, 0.0)
+                if SPLIT_K > 1 or STREAM_K:
+                    bv = tl.where(s_lo == 0, bv, 0.0)
                 acc += bv[:, None]
             optr = out_ptr + (slot // TOPK).to(tl.int64)[None, :] * stride_o + n[:, None]
-            tl.atomic_add(optr, acc * gam[None, :], mask=n_ok[:, None] & row_ok[None, :], sem="relaxed")
+            tl.atomic_add(optr, acc * gam[None, :], mask=n_ok[:, None] & row_ok[None, :] & (s_hi > s_lo),
+                          sem="relaxed")
+        elif STREAM_K:
+            pptr = part_ptr + rows[None, :].to(tl.int64) * n_rows + n[:, None]
+            tl.atomic_add(pptr, acc, mask=n_ok[:, None] & row_ok[None, :] & (s_hi > s_lo), sem="relaxed")
         elif SPLIT_K > 1:
             pptr = part_ptr + (tl.program_id(1) * n_slots + rows[None, :]).to(tl.int64) * n_rows + n[:, None]
             tl.store(pptr, acc, mask=n_ok[:, None] & row_ok[None, :])
@@ -744,9 +765,14 @@ def planar_gemm(
     if cfg.programs_per_sm > 0:
         n_work = min(n_work, num_sms(x.device) * cfg.programs_per_sm)
     split = max(1, min(cfg.split_k, k_words // 16))
+    stream = cfg.stream_k
+    if stream:  # one equal run of tiles x K steps a persistent program
+        n_work, split = num_sms(x.device) * max(1, cfg.programs_per_sm), 1
     part = out
     if split > 1 and not combine:
         part = torch.empty(split, s, n_rows, dtype=torch.float32, device=x.device)
+    elif stream and not combine:
+        part = torch.zeros(s, n_rows, dtype=torch.float32, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else out
     interp_f32 = INTERPRET
@@ -788,13 +814,14 @@ def planar_gemm(
         DOT_F32=interp_f32,
         ONE_DOT=cfg.one_dot,
         EVEN_K=w.k % PLANAR_STEP == 0,
-        FLATTEN=cfg.flatten and cfg.programs_per_sm > 0,
+        FLATTEN=cfg.flatten and cfg.programs_per_sm > 0 and not stream,
         COMBINE=combine,
+        STREAM_K=stream,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg or None,
     )
-    if split > 1 and s and not combine:
+    if (split > 1 or stream) and s and not combine:
         n_out = n_rows if activation == 0 else n_rows // 2
         block_r = min(1024, triton.next_power_of_2(n_out))
         _split_k_epilogue_kernel[(s, triton.cdiv(n_out, block_r))](

@@ -844,6 +844,14 @@ PLANAR_SWEEP = {
     "s4_g1w8n256+fc": ((16, 64), {"block_n": 256, "num_warps": 8}, {}),
     "s4_w8n256+fc": ((16, 64), *[{"block_n": 256, "num_warps": 8}] * 2),
     "s4_g1w8n256st3+fc": ((16, 64), {"block_n": 256, "num_warps": 8, "num_stages": 3}, {}),
+    # Session 10 (benchmarks/moe/2026-12-02-s10): stream-K (``PlanarConfig.stream_k``): the table's tiles in
+    # persistent programs (4 an SM where 128 registers and 42 KB of shared memory fit four), each one equal run of
+    # the tiles x K steps, so no last partial wave; GEMM1's sums through an fp32 buffer and the epilogue kernel
+    "s10_sk4+fc": ((1, 256), *[{"programs_per_sm": 4, "stream_k": True}] * 2),
+    "s10_sk4g1+fc": ((1, 256), {"programs_per_sm": 4, "stream_k": True}, {}),
+    "s10_sk4g2+fc": ((1, 256), {}, {"programs_per_sm": 4, "stream_k": True}),
+    "s10_sk3+fc": ((16, 256), *[{"programs_per_sm": 3, "stream_k": True}] * 2),
+    "s10_sk2+fc": ((1024, 1024), *[{"programs_per_sm": 2, "stream_k": True}] * 2),  # 64 x 128 tiles, 8 warps
 }
 FUSED_SUFFIX = "+fc"
 """Planar configs timed at each T in their range (``--planar-sweep``)."""
