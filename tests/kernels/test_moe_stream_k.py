@@ -104,7 +104,7 @@ def test_stream_k_real_shapes_gpu(name):
         topw = torch.rand(t, s["k"], generator=_gen(85), device=DEV)
         c1, c2 = mc.pick_planar_configs(t * s["k"], e, torch.cuda.get_device_name(), s["h"], s["i"])
         st = tuple(dataclasses.replace(c, programs_per_sm=4, stream_k=True) for c in (c1, c2))
-        for cfg, got, twin, unfused in _combined_cases(planar, x, perm, topw, s["k"], s["act"], [st]):
+        for _cfg, got, twin, unfused in _combined_cases(planar, x, perm, topw, s["k"], s["act"], [st]):
             assert rel(got, twin) < TWIN_TOL, (name, t)
             assert rel(got, unfused) < 4e-3, (name, t)
         plain = mg.expert_mlp(x, perm, w, top_k=s["k"], activation=s["act"], planar=planar, config=(c1, c2))
