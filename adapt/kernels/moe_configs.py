@@ -181,7 +181,11 @@ PLANAR_TABLES: dict[tuple[str, str], list[tuple[float, PlanarConfig, PlanarConfi
         (float("inf"), _BIG, _BIG),  # T = 4096: 7830 us with combine (128 x 128: 8329 without)
     ],
     ("NVIDIA H200", "2880x2880"): [
-        (0.1, _N64, _N64),  # T = 1: 48.3 us with the combine (block_n 128: 49.4 without)
+        # T = 1: 48.3 us with the combine (block_n 128: 49.4 without). 2026-12-02 (benchmarks/moe/2026-12-02-s10,
+        # call 4, commit 4e32908, fused combine, 3 rounds in turns): GEMM2 stream-K, 4 programs an SM, 47.8 us
+        # against the table's 52.5 (both stream-K 48.1, GEMM1 alone 50.4): GEMM2's 4 x 45 tiles of 64 rows are
+        # 180 programs on 132 SMs, so a third of the SMs streamed twice the bytes; now every SM the same
+        (0.1, _N64, replace(_N64, programs_per_sm=4, stream_k=True)),
         # T = 16 / 64 / 256: 238 / 513 / 575 us (no register cap: 246 / 543 / 612); call 6 at T = 64 (fused
         # combine, vs this row 520.7 us): GEMM2 block_n 64 537, GEMM1 split 2 540, GEMM1 block_n 64 3 stages
         # 568, 96-register cap 587, flattened loop 599-624: the row stays
@@ -202,8 +206,11 @@ PLANAR_FUSED_COMBINE: dict[tuple[str, str], tuple[float, float]] = {
     # paths on the table's tiles: DeepSeek-V3 T = 64 1,529.8 vs 1,617.2 us, T = 16 717.8 vs 716.3 (a tie,
     # the same row of PLANAR_TABLES); slower at T = 1 (88.8 vs 86.4), 256 (1,848 vs 1,822), 1024 (3,483
     # vs 3,100) and 4096 (8,253 vs 7,739: 4 fp32 atomics per output element of each slot). gpt-oss-120b:
-    # no T faster beyond the spread (T = 64 520.7 vs 522.6, T = 16 246.6 vs 244.9), so no entry.
+    # no T faster beyond the spread (T = 64 520.7 vs 522.6, T = 16 246.6 vs 244.9) but T = 1 below.
     ("NVIDIA H200", "7168x2048"): (0.1, 2.0),
+    # gpt-oss-120b T = 1 only: its GEMM2 runs stream-K (PLANAR_TABLES), whose sums go out by atomic adds either way,
+    # so the fused combine saves the fp32 buffer, the epilogue and the combine kernels (2026-12-02-s10, call 4)
+    ("NVIDIA H200", "2880x2880"): (0.0, 0.1),
 }
 """Where the fused combine was measured faster; keys absent: never."""
 

@@ -774,7 +774,7 @@ def test_planar_combine_in_gemm2_epilogue_matches_twin():
 
 def test_planar_moe_picks_the_measured_combine_and_adds_shared():
     # planar_moe: both ways give expert_mlp + routing.combine (shared experts' output included); the
-    # pick follows moe_configs.PLANAR_FUSED_COMBINE (DeepSeek-V3's H200 T = 16 / 64 row only)
+    # pick follows moe_configs.PLANAR_FUSED_COMBINE (DeepSeek-V3's H200 T = 16 / 64 rows, gpt-oss-120b's T = 1)
     from adapt.kernels import moe_planar as mp
 
     e, k, t = 4, 2, 5
@@ -788,7 +788,12 @@ def test_planar_moe_picks_the_measured_combine_and_adds_shared():
     assert mc.pick_planar_fused_combine(64 * 8, 256, "NVIDIA H200", 7168, 2048) == (not mx.INTERPRET)
     span = mc.PLANAR_FUSED_COMBINE[("NVIDIA H200", "7168x2048")]
     assert span[0] < 64 * 8 / 256 <= span[1] and not span[0] < 8 / 256 <= span[1]
-    assert ("NVIDIA H200", "2880x2880") not in mc.PLANAR_FUSED_COMBINE
+    # gpt-oss-120b: T = 1 only (its GEMM2 runs stream-K there), fused; T = 16 not
+    assert mc.pick_planar_fused_combine(1 * 4, 128, "NVIDIA H200", 2880, 2880) == (not mx.INTERPRET)
+    assert not mc.pick_planar_fused_combine(16 * 4, 128, "NVIDIA H200", 2880, 2880)
+    if not mx.INTERPRET:
+        c1, c2 = mc.pick_planar_configs(1 * 4, 128, "NVIDIA H200", 2880, 2880)
+        assert c2.stream_k and not c1.stream_k
 
 
 @pytest.mark.gpu
