@@ -94,3 +94,15 @@ def time_graph_ms(fn: Callable[[], object], reps: int) -> float:
     """Median milliseconds of ``reps`` CUDA-graph replays of ``fn`` (no host launch gaps, as a serving
     engine runs a decode step); eager when ``fn`` cannot be captured."""
     return time_cuda(fn, reps, warmup=1).median_us / 1e3
+
+
+def time_in_turns(variants: dict[str, Callable[[], object]], rounds: int = 3, reps: int = 20,
+                  timer: Callable[..., Timing] = time_cuda) -> dict[str, list[float]]:
+    """Each variant timed once a round (``timer(fn, reps=reps)``'s median, us), ``rounds`` rounds, every round
+    over all variants in order: a drift of the clock or the memory over the run falls on every variant alike,
+    where timing one variant's rounds back to back puts it on whichever ran last. Returns name -> per-round us."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            times[name].append(timer(fn, reps=reps).median_us)
+    return times

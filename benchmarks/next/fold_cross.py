@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from adapt.bench.timer import time_cuda
+from adapt.bench.timer import time_in_turns
 from adapt.kernels.moe_gemm import ACTIVATIONS, expert_mlp
 from adapt.kernels.moe_planar import PlanarExperts, planar_moe
 from adapt.kernels.moe_weights import FP8Weights
@@ -58,10 +58,7 @@ def main(out: str, budget: float = 150.0) -> None:
                                                   split_words=split if sw else None), topw, perm)
             ref = variants["fp8_offline_combine"]()
             same = {v: bool(torch.equal(fn(), ref)) for v, fn in variants.items() if v.startswith("fp8_gluon")}
-            times = {v: [] for v in variants}
-            for _ in range(ROUNDS):
-                for v, fn in variants.items():
-                    times[v].append(time_cuda(fn, reps=10).median_us)
+            times = time_in_turns(variants, ROUNDS, 10)
             base = statistics.median(times["planar_runtime"])
             for v in variants:
                 us = statistics.median(times[v])

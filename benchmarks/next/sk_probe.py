@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from adapt.bench.ceilings import measure_ceilings
-from adapt.bench.timer import time_cuda
+from adapt.bench.timer import time_in_turns
 from adapt.kernels.moe_planar import PlanarExperts
 from adapt.kernels.moe_weights import mxfp4_expert_bytes
 from adapt.stages.bench_moe import PLANAR_SWEEP, SHAPES, _fused, _planar_config, _point, _random_layer
@@ -53,10 +53,7 @@ def main(out: str, budget: float = 200.0) -> None:
             for v, fn in variants.items():
                 got = fn().float()
                 errs[v] = float((got - ref).norm() / ref.norm())
-            times = {v: [] for v in variants}
-            for _ in range(ROUNDS):
-                for v, fn in variants.items():
-                    times[v].append(time_cuda(fn, reps=20).median_us)
+            times = time_in_turns(variants, ROUNDS, 20)
             floor = active * ebytes / (ceil["copy_tbps"] * 1e6)
             for v in variants:
                 us = statistics.median(times[v])

@@ -203,3 +203,18 @@ def test_routing_logits_give_the_peer_adapts_routing():
     got = torch.zeros(t, e).scatter_(1, picked, vals.softmax(-1))
     want = torch.zeros(t, e).scatter_(1, ids.long(), topw)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_time_in_turns_times_every_variant_once_a_round():
+    """Rounds go over all variants in order (so a drift falls on each alike), each variant's times in round order."""
+    from adapt.bench.timer import Timing, time_in_turns
+
+    calls = []
+
+    def fake_timer(fn, reps):
+        calls.append((fn(), reps))
+        return Timing(median_us=float(len(calls)), reps=reps, mode="graph")
+
+    got = time_in_turns({"a": lambda: "a", "b": lambda: "b"}, rounds=3, reps=7, timer=fake_timer)
+    assert calls == [("a", 7), ("b", 7)] * 3
+    assert got == {"a": [1.0, 3.0, 5.0], "b": [2.0, 4.0, 6.0]}
