@@ -156,7 +156,8 @@ def _twin_fields(variant: str, out, twins: dict, tolerance: float) -> dict:
     fields = {"baseline": variant in BASELINES}
     twin = twins.get(TWIN_OF.get(variant, ""))
     if variant == "peer":
-        fields["twin_error"] = "the peer routes by its own top-k: checked for shape and finite values only"
+        fields["twin_error"] = ("the peer routes by its own top-k (over logits that give adapt's draw): checked "
+                                "for shape and finite values only")
     elif isinstance(twin, str) or twin is None or out is None:
         fields["twin_error"] = twin if isinstance(twin, str) else "no twin output"
     else:
