@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapt.kernels import dsa_gluon
+from adapt.kernels import dsa_gluon, pdl
 from adapt.kernels.formats import FP8_DTYPE, FP8_E4M3_MAX, PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.fp8 import AMAX_FLOOR, amax_scale, quantize_fp8_groups
@@ -199,7 +199,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
                          UPCAST: tl.constexpr, STACKED: tl.constexpr, DIRECT: tl.constexpr = False,
                          FULL_TILES: tl.constexpr = False, EMIT: tl.constexpr = False, SAMPLE: tl.constexpr = 1,
                          RUN: tl.constexpr = 1, EXPECT_NUM: tl.constexpr = 1, EXPECT_DEN: tl.constexpr = 1,
-                         TAU_BITS: tl.constexpr = 1):
+                         TAU_BITS: tl.constexpr = 1, PDL: tl.constexpr = False):
     """One program: one query tile (up to ROWS consecutive rows of one sequence) against
     ``tiles_per_split`` consecutive BLOCK_S-key tiles (split ``program_id(1)`` of the
     context). Key tiles stream through a NUM_STAGES-deep software pipeline; each is read
@@ -215,7 +215,9 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
     every program of the row the same tau; split 0 stores it in ``tau_ptr``), then, beside the scores, keeps
     each visible score whose order key is >= tau: order key and position, ascending, into this program's run of
     ``seg_cap`` slots at ``(row * splits + split) * seg_cap`` of ``cand_key_ptr`` / ``cand_pos_ptr``;
-    ``cand_count_ptr[row * splits + split]`` = how many there were (possibly more than seg_cap)."""
+    ``cand_count_ptr[row * splits + split]`` = how many there were (possibly more than seg_cap).
+    PDL: the first kernel of the decode chain launched with programmatic dependent launch (``pdl``)."""
+    pdl.enter(PDL)
     tile = tl.program_id(0)
     if DIRECT:
         row0 = tile
@@ -441,6 +443,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
         DIRECT=decode, FULL_TILES=bool(full_tiles) and stacked and per_tile > 1,
         num_warps=num_warps or (4 if decode else PREFILL_WARPS),
+        **(pdl.launch_options(q_fp8.device) if decode else {}),
     )
     return out
 

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapt.kernels import sparse_mla_gluon
+from adapt.kernels import pdl, sparse_mla_gluon
 from adapt.kernels.dsa import quantize_fp8_rows
 from adapt.kernels.formats import PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
@@ -354,7 +354,7 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
                              PREFETCH: tl.constexpr, QK_FP8: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
-                             HEADS_INNER: tl.constexpr = False, HALF: tl.constexpr = False):
+                             HEADS_INNER: tl.constexpr = False, HALF: tl.constexpr = False, PDL: tl.constexpr = False):
     """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
     per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
     and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
@@ -380,6 +380,7 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
 
     HEADS_INNER: ``_row_heads``' launch order. HALF (neither QK_FP8 nor SWAP_AB): the latent is dequantized
     to fp16 and q.k (latent part) and p @ v run as fp16 MMAs (``_dequant_chunk``; the rope part stays bf16)."""
+    pdl.enter(PDL)
     row, heads = _row_heads(n_heads, BLOCK_H, HEADS_INNER)
     split = tl.program_id(2)
     hmask = heads < n_heads
@@ -491,12 +492,13 @@ def _softmax_step_t(s_t, valid, scale_log2, m_i, l_i):
 
 @triton.jit
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_C: tl.constexpr, UPCAST: tl.constexpr):
+                    BLOCK_C: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """One program: one row, BLOCK_H heads, BLOCK_C output columns. Merges the n_splits partial
     outputs by their log2-sum-exp weights: out = sum_s 2**lse_s * o_s / sum_s 2**lse_s (0 when no
     slice saw a valid position). Bytes: reads n_splits * BLOCK_H * (BLOCK_C + 1) * 4, writes
     BLOCK_H * BLOCK_C * 2. Small blocks on purpose: batch-1 decode has one row, and the partials
     (splits x 128 heads x 512 x 4 B) must be read by many SMs at once."""
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
@@ -667,6 +669,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
             UPCAST=interpreting, PREFETCH=bool(prefetch), QK_FP8=bool(qk_fp8), SWAP_AB=bool(swap_ab),
             HEADS_INNER=bool(heads_inner), HALF=bool(half), num_warps=num_warps, num_stages=num_stages,
+            **pdl.launch_options(q_nope.device),
         )
     else:
         _sparse_mla_kernel[(grid_rows, grid_heads, v_split * splits)](
@@ -727,7 +730,7 @@ def _combine(partial, lse, out, splits: int, interpreting: bool) -> None:
     combine_h = min(triton.next_power_of_2(n_heads), 4)
     _combine_kernel[(n_rows, triton.cdiv(n_heads, combine_h), rank // combine_c)](
         partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, BLOCK_C=combine_c,
-        UPCAST=interpreting, num_warps=4)
+        UPCAST=interpreting, num_warps=4, **pdl.launch_options(out.device))
 
 
 def quantize_q_groups(q_nope: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adapt.kernels import pdl
 from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.formats import is_sm90
 
@@ -75,7 +76,8 @@ def _slice_keys(base, pos, n, n_read):
 @triton.jit
 def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_cols,
                        SLICE: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, PASS: tl.constexpr,
-                       ALIGNED: tl.constexpr):
+                       ALIGNED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
     BINS: tl.constexpr = 1 << BITS
@@ -98,9 +100,17 @@ def _digit_hist_kernel(scores_ptr, limits_ptr, state_ptr, hist_ptr, stride, n_co
 
 
 @triton.jit
-def _digit_pick_kernel(hist_ptr, state_ptr, topk, BITS: tl.constexpr, PASS: tl.constexpr):
+def _zero_rows_kernel(ptr, WIDTH: tl.constexpr, PDL: tl.constexpr = False):
+    """Row ``program_id(0)`` of an int32 [N, WIDTH] buffer set to zero (the radix histogram, in the PDL chain)."""
+    pdl.enter(PDL)
+    tl.store(ptr + tl.program_id(0).to(tl.int64) * WIDTH + tl.arange(0, WIDTH), tl.zeros([WIDTH], tl.int32))
+
+
+@triton.jit
+def _digit_pick_kernel(hist_ptr, state_ptr, topk, BITS: tl.constexpr, PASS: tl.constexpr, PDL: tl.constexpr = False):
     """Row state (int32 [4]): threshold key bits fixed so far, keys still to take at the
     threshold, settled (every visible key taken: fewer than k), unused."""
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     BINS: tl.constexpr = 1 << BITS
     shift = 32 - (PASS + 1) * BITS
@@ -127,7 +137,8 @@ def _digit_pick_kernel(hist_ptr, state_ptr, topk, BITS: tl.constexpr, PASS: tl.c
 
 @triton.jit
 def _slice_count_kernel(scores_ptr, limits_ptr, state_ptr, counts_ptr, stride, n_cols, n_parts,
-                        SLICE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+                        SLICE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
@@ -147,7 +158,9 @@ def _slice_count_kernel(scores_ptr, limits_ptr, state_ptr, counts_ptr, stride, n
 
 @triton.jit
 def _slice_write_kernel(scores_ptr, limits_ptr, state_ptr, counts_ptr, out_ptr, stride, n_cols, n_parts, topk,
-                        SLICE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, ALIGNED: tl.constexpr):
+                        SLICE: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, ALIGNED: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
@@ -209,7 +222,12 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     size = slice_size or (4096 if n_rows * triton.cdiv(n_cols, 4096) >= 264 else 1024)
     size = max(block, triton.cdiv(size, block) * block)
     parts = max(1, triton.cdiv(n_cols, size))
-    hist = torch.zeros(n_rows, 1 << bits, dtype=torch.int32, device=scores.device)
+    chain = pdl.launch_options(scores.device)  # programmatic dependent launch of the passes (off by default)
+    if chain["PDL"]:  # the zeroing joins the chain (torch's fill kernel would wait for the whole kernel before)
+        hist = torch.empty(n_rows, 1 << bits, dtype=torch.int32, device=scores.device)
+        _zero_rows_kernel[(n_rows,)](hist, WIDTH=1 << bits, num_warps=1, **chain)
+    else:
+        hist = torch.zeros(n_rows, 1 << bits, dtype=torch.int32, device=scores.device)
     state = torch.empty(n_rows, 4, dtype=torch.int32, device=scores.device)
     counts = torch.empty(n_rows, parts, 2, dtype=torch.int32, device=scores.device)
     limits = limits.to(torch.int32).contiguous()
@@ -217,13 +235,14 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     warps = num_warps or 4
     for p in range(32 // bits):
         _digit_hist_kernel[(n_rows, parts)](scores, limits, state, hist, scores.stride(0), n_cols, SLICE=size,
-                                            BLOCK=block, BITS=bits, PASS=p, ALIGNED=aligned, num_warps=warps)
-        _digit_pick_kernel[(n_rows,)](hist, state, topk, BITS=bits, PASS=p, num_warps=1)
+                                            BLOCK=block, BITS=bits, PASS=p, ALIGNED=aligned, num_warps=warps,
+                                            **chain)
+        _digit_pick_kernel[(n_rows,)](hist, state, topk, BITS=bits, PASS=p, num_warps=1, **chain)
     _slice_count_kernel[(n_rows, parts)](scores, limits, state, counts, scores.stride(0), n_cols, parts, SLICE=size,
-                                         BLOCK=block, ALIGNED=aligned, num_warps=warps)
+                                         BLOCK=block, ALIGNED=aligned, num_warps=warps, **chain)
     _slice_write_kernel[(n_rows, parts)](scores, limits, state, counts, out, scores.stride(0), n_cols, parts, topk,
                                          SLICE=size, BLOCK=block, PARTS=triton.next_power_of_2(parts),
-                                         ALIGNED=aligned, num_warps=warps)
+                                         ALIGNED=aligned, num_warps=warps, **chain)
     return out
 
 
