@@ -9,7 +9,9 @@ after it), then ``griddepcontrol.launch_dependents`` (the next kernel may launch
 started). The chain adapt runs this way, when enabled: the decode step's indexer scores, radix top-k and sparse
 MLA with its combine (``dsa.index_scores`` decode, ``topk.topk_indices``, ``sparse_mla.sparse_mla``'s tl kernel).
 
-Off unless ``ADAPT_PDL=1`` in the environment or ``set_enabled(True)``; never under the interpreter or below sm_90.
+On by default where it applies (a CUDA device of capability 9.0 or newer, not the interpreter); ``ADAPT_PDL=0`` in
+the environment or ``set_enabled(False)`` turns it off. Measured on the H200 (benchmarks/gpu-2026-12-02-dsa-s10,
+2026-12-02): the batch-1 x 128K step 53.3 -> 46.8 us per layer (8-layer graph 53.8 -> 47.2), outputs bit-equal.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_ENABLED = os.environ.get("ADAPT_PDL", "0") == "1"
+_ENABLED = os.environ.get("ADAPT_PDL", "1") != "0"
 
 
 def set_enabled(on: bool) -> bool:

@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (``adapt.kernels.pdl``): off by default, never without a CUDA device, and a chain
-kernel built with PDL for sm_90 waits for the kernel before and lets the next one launch (PTX), with Triton's
-``launch_pdl`` in its metadata. Compiled on the CPU (ptxas from the triton wheel), no device."""
+"""Programmatic dependent launch (``adapt.kernels.pdl``): on by default where it applies, never without a CUDA
+device; a chain kernel built with PDL for sm_90 waits for the kernel before and lets the next one launch (PTX), with
+Triton's ``launch_pdl`` in its metadata. Compiled on the CPU (ptxas from the triton wheel), no device."""
 
 import json
 import os
@@ -44,15 +44,25 @@ def test_chain_kernel_with_pdl_waits_then_releases_the_next():
     assert "griddepcontrol" not in rows[False]["ptx"] and not rows[False]["launch_pdl"]
 
 
-def test_pdl_is_off_by_default_and_on_the_cpu():
-    assert not pdl.active(torch.device("cpu"))
-    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+def test_pdl_never_applies_on_the_cpu_and_can_be_turned_off():
     previous = pdl.set_enabled(True)
     try:
-        assert not pdl.active(torch.device("cpu"))  # no CUDA device: never
+        assert not pdl.active(torch.device("cpu"))  # no CUDA device: never, enabled or not
+        assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+        assert pdl.set_enabled(False) is True
+        assert not pdl.active(torch.device("cuda", 0))  # turned off: no device query at all
     finally:
         pdl.set_enabled(previous)
-    assert pdl.set_enabled(previous) == previous
+
+
+def test_pdl_default_follows_the_environment():
+    env = {k: v for k, v in os.environ.items() if k != "ADAPT_PDL"}
+    env["PYTHONPATH"] = str(ROOT)
+    code = "from adapt.kernels import pdl; print(pdl._ENABLED)"
+    for value, want in ((None, "True"), ("0", "False"), ("1", "True")):
+        run_env = dict(env, **({} if value is None else {"ADAPT_PDL": value}))
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run_env, timeout=300)
+        assert got.stdout.strip() == want, (value, got.stdout, got.stderr)
 
 
 def test_zero_rows_kernel_clears_every_row():
