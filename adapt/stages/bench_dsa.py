@@ -39,7 +39,7 @@ from adapt.bench.timer import time_cuda
 from adapt.bench.timer import time_eager_ms as _time_ms
 from adapt.bench.timer import time_graph_ms as _time_graph_ms
 from adapt.errors import InputError
-from adapt.kernels import dsa, sparse_mla
+from adapt.kernels import dsa, pdl, sparse_mla
 from adapt.kernels import topk as _topk
 from adapt.kernels.formats import FP8_DTYPE, PAGE_SIZE
 from adapt.kernels.topk import topk_decode, topk_indices, topk_indices_torch, topk_prefiltered
@@ -782,6 +782,7 @@ def run_dsa_bench(
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": _commit(),
         "gpu": torch.cuda.get_device_name(),
+        "pdl": pdl.active(torch.device("cuda")),  # programmatic dependent launch of the decode chain (adapt.kernels.pdl)
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "shapes": {
@@ -917,6 +918,7 @@ def run_dsa_acceptance(
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": _commit(),
         "gpu": torch.cuda.get_device_name(),
+        "pdl": pdl.active(torch.device("cuda")),  # programmatic dependent launch of the decode chain (adapt.kernels.pdl)
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "shapes": {"heads": HEADS, "latent": RANK, "rope": ROPE, "index_heads": INDEX_HEADS,
