@@ -782,7 +782,7 @@ def run_dsa_bench(
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": _commit(),
         "gpu": torch.cuda.get_device_name(),
-        "pdl": pdl.active(torch.device("cuda")),  # programmatic dependent launch of the decode chain (adapt.kernels.pdl)
+        "pdl": pdl.active(torch.device("cuda")),  # programmatic dependent launch of the decode chain (kernels.pdl)
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "shapes": {
@@ -918,7 +918,7 @@ def run_dsa_acceptance(
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": _commit(),
         "gpu": torch.cuda.get_device_name(),
-        "pdl": pdl.active(torch.device("cuda")),  # programmatic dependent launch of the decode chain (adapt.kernels.pdl)
+        "pdl": pdl.active(torch.device("cuda")),  # programmatic dependent launch of the decode chain (kernels.pdl)
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "shapes": {"heads": HEADS, "latent": RANK, "rope": ROPE, "index_heads": INDEX_HEADS,
