@@ -222,7 +222,7 @@ def topk_indices(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     size = slice_size or (4096 if n_rows * triton.cdiv(n_cols, 4096) >= 264 else 1024)
     size = max(block, triton.cdiv(size, block) * block)
     parts = max(1, triton.cdiv(n_cols, size))
-    chain = pdl.launch_options(scores.device)  # programmatic dependent launch of the passes (off by default)
+    chain = pdl.launch_options(scores.device)  # programmatic dependent launch of the passes (on sm_90 and newer)
     if chain["PDL"]:  # the zeroing joins the chain (torch's fill kernel would wait for the whole kernel before)
         hist = torch.empty(n_rows, 1 << bits, dtype=torch.int32, device=scores.device)
         _zero_rows_kernel[(n_rows,)](hist, WIDTH=1 << bits, num_warps=1, **chain)
