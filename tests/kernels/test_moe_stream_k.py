@@ -39,7 +39,7 @@ def _cuts_a_tile(perm, n_rows: int, k: int, cfg) -> bool:
     return any(q * tiles * steps // p % steps for q in range(1, p))
 
 
-@pytest.mark.parametrize("pps", [5, 7])
+@pytest.mark.parametrize("pps", [5])
 def test_stream_k_expert_gemms_match_plain_tiles(pps):
     # GEMM1 (bias, gpt-oss clamp, interleaved gate/up: its partial sums through the epilogue kernel) and GEMM2
     # (bias) with every program's run crossing tile boundaries: the plain tiles' outputs within the twin tolerance

@@ -59,7 +59,7 @@ def test_pdl_default_follows_the_environment():
     env = {k: v for k, v in os.environ.items() if k != "ADAPT_PDL"}
     env["PYTHONPATH"] = str(ROOT)
     code = "from adapt.kernels import pdl; print(pdl._ENABLED)"
-    for value, want in ((None, "True"), ("0", "False"), ("1", "True")):
+    for value, want in ((None, "True"), ("0", "False")):
         run_env = dict(env, **({} if value is None else {"ADAPT_PDL": value}))
         got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run_env, timeout=300)
         assert got.stdout.strip() == want, (value, got.stdout, got.stderr)
