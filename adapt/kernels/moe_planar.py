@@ -426,7 +426,7 @@ def _planar_gemm_kernel(
         it_lo = (tl.program_id(0) * iters // tl.num_programs(0)).to(tl.int32)
         it_hi = ((tl.program_id(0) + 1) * iters // tl.num_programs(0)).to(tl.int32)
         t_lo, t_hi, t_step = it_lo // steps, tl.cdiv(it_hi, steps), 1
-    else:
+    else:  # it_lo / it_hi unused here, but Triton's loop analysis needs them defined
         it_lo, it_hi = 0, 0
         t_lo, t_hi, t_step = tl.program_id(0), total, tl.num_programs(0)
     for tile in tl.range(t_lo, t_hi, t_step, flatten=FLATTEN):

@@ -250,9 +250,7 @@ def _peer_routing(logits, k: int, parts: dict | None):
     from triton_kernels.topk import topk
 
     e = logits.shape[-1]
-    try:
-        from triton_kernels.tensor import make_ragged_tensor_metadata
-    except ImportError:
+    if _peer_api() == "v3.6.0":
         from triton_kernels.routing import routing_from_bitmatrix
 
         # what ``routing(logits, k)`` does, with the top-k kept for the reference check
@@ -261,6 +259,7 @@ def _peer_routing(logits, k: int, parts: dict | None):
             parts["sparse"] = SimpleNamespace(vals=vals, indx=indx)
         return routing_from_bitmatrix(bitmatrix, vals, indx, e, k)
     from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
+    from triton_kernels.tensor import make_ragged_tensor_metadata
 
     sparse = topk(logits, k, apply_softmax=True)
     if parts is not None:
