@@ -57,7 +57,7 @@ import triton.language as tl
 from adapt.errors import InputError
 from adapt.kernels.moe_configs import PlanarConfig, PlanarMLPConfig
 from adapt.kernels.moe_tiles import num_sms, tile_slots
-from adapt.kernels.mxfp4 import INTERPRET, dequantize_mxfp4_torch, to_bf16
+from adapt.kernels.mxfp4 import INTERPRET, dequantize_mxfp4_torch, pow2_f32, to_bf16, to_e4m3
 
 PLANAR_STEP = 128
 """K elements per step of the planar layout (16 words per row)."""
@@ -318,9 +318,27 @@ def _tile(w0, w1, s4, TWO_MULS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl
     K, so with the MMA's register layout no data moves between threads."""
     a0 = _half_planes(w0, s4, 0, TWO_MULS, DOT_F32, BLOCK_N)
     a1 = _half_planes(w1, s4, 1, TWO_MULS, DOT_F32, BLOCK_N)
+    return _natural_order(a0, a1, BLOCK_N)
+
+
+@triton.jit
+def _natural_order(a0, a1, BLOCK_N: tl.constexpr):
+    """The joined planes of both halves of a step ([BLOCK_N, 16, 2, 2] each, ``_half_planes``) -> [BLOCK_N,
+    128] in natural K order (see ``_tile``)."""
     # [BN, 16 = (c, s), q0, q1] x h -> (BN, posb, t, s, q0, q1, h) -> (BN, h, q1, q0, posb, t, s)
     a = tl.reshape(tl.join(a0, a1), (BLOCK_N, 2, 4, 2, 2, 2, 2))
     return tl.reshape(tl.permute(a, (0, 6, 5, 4, 1, 2, 3)), (BLOCK_N, 128))
+
+
+@triton.jit
+def _half_planes_f32(w, f_lo, f_hi, BLOCK_N: tl.constexpr):
+    """The four planes of words w [BLOCK_N, 8] as fp32 code values times a factor a row: planes 0 and 1 times
+    f_lo, planes 2 and 3 times f_hi (fp32 [BLOCK_N]: the half's two 32-blocks), joined as ``_half_planes``."""
+    p0 = _plane(w, f_lo, 0, BLOCK_N)
+    p1 = _plane(w, f_lo, 1, BLOCK_N)
+    p2 = _plane(w, f_hi, 2, BLOCK_N)
+    p3 = _plane(w, f_hi, 3, BLOCK_N)
+    return tl.join(tl.join(p0, p1), tl.join(p2, p3))
 
 
 @triton.jit
@@ -919,6 +937,146 @@ class PlanarExperts:
         """Bytes held: planar codes and scales (the MXFP4 bytes, K padded to 128) and biases."""
         bias = sum(b.numel() * b.element_size() for b in (self.w1_bias, self.w2_bias) if b is not None)
         return self.w1.nbytes() + self.w2.nbytes() + bias
+
+    # the shape attributes of ``MoEWeights``, so the FP8 workspace can take a planar layer as its source
+    @property
+    def n_experts(self) -> int:
+        return self.w1.words.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w2.n
+
+    @property
+    def intermediate(self) -> int:
+        return self.w2.k
+
+    gate_up_interleaved = True
+    """GEMM1's rows alternate gate and up whatever the checkpoint's order (``planar_from_mxfp4``)."""
+
+    def expert_mxfp4(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert ``e`` back in the MXFP4 tensor layout, gate/up rows interleaved: (w1 packed uint8 [2I, H/2],
+        w1 scales [2I, H/32], w2 packed [H, I/2], w2 scales [H, I/32]) (torch; for the reference path)."""
+        out = []
+        for p in (self.w1, self.w2):
+            one = PlanarMXFP4(p.words[e : e + 1], p.scales[e : e + 1], p.n, p.k, False, p.two_muls)
+            packed, scales = planar_to_mxfp4_torch(one)
+            out += [packed[0], scales[0]]
+        return tuple(out)
+
+
+@triton.jit
+def _planar_to_fp8_kernel(
+    words_ptr,
+    scales_ptr,
+    out_ptr,
+    exp_ptr,
+    offsets_ptr,
+    e_lo,
+    slot_base,
+    n_rows,
+    k,
+    steps,
+    stride_we,
+    stride_se,
+    TWO_MULS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """Program (i, rb): expert e_lo + i, rows rb * BLOCK_R.. of a planar GEMM operand -> slot slot_base + i of
+    the FP8 workspace (skipped when the expert has no tokens), UNROLL steps of 128 K an iteration.
+
+    words int32 [E, Np/64, steps, 64, 16], scales int32 [E, Np/64, steps, 64] (a step's four bytes) -> out e4m3
+    [slots, n_rows, k] and exp int32 [slots, n_rows]: the row exponent g = max block exponent - 6 and each
+    element e4m3(code * 2**(block exponent - g)), the fold of ``mxfp4.mxfp4_to_fp8(group_k=None)``. The code
+    values come from the planar bits as fp32 (``_plane``), times 2**d exactly, and round once to e4m3 (exact
+    for d >= -5; below, the same nearest-even rounding as the fold's)."""
+    i = tl.program_id(0)
+    e = e_lo + i
+    if tl.load(offsets_ptr + e + 1) > tl.load(offsets_ptr + e):
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rm = r < n_rows
+        rb = (r // 64).to(tl.int64)
+        ri = r % 64
+        wrow = words_ptr + e.to(tl.int64) * stride_we + rb * (steps * 1024) + ri * 16
+        srow = scales_ptr + e.to(tl.int64) * stride_se + rb * (steps * 64) + ri
+        if TWO_MULS:
+            bias = 127  # E8M0 bytes
+        else:
+            bias = 127 + SCALE_BIAS  # bytes stored as s + SCALE_BIAS
+        n_blocks = k // 32
+        gmax = tl.full((BLOCK_R,), -127, tl.int32)
+        for st in range(0, steps):
+            s4 = tl.load(srow + st * 64)
+            for b in tl.static_range(4):
+                sb = (s4 >> (8 * b)) & 0xFF
+                gmax = tl.where(st * 4 + b < n_blocks, tl.maximum(gmax, sb - bias), gmax)
+        g = gmax - 6
+        dst = (slot_base + i).to(tl.int64) * n_rows + r
+        tl.store(exp_ptr + dst, g, mask=rm)
+        orow = out_ptr + dst * k
+        c8 = tl.arange(0, 8)
+        for st0 in range(0, steps, UNROLL):
+            for u in tl.static_range(UNROLL):
+                st = st0 + u
+                sok = st < steps
+                w0 = tl.load(wrow[:, None] + (st * 1024 + c8)[None, :], mask=sok, other=0)
+                w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :], mask=sok, other=0)
+                s4 = tl.load(srow + st * 64, mask=sok, other=0)
+                f0 = pow2_f32((s4 & 0xFF) - bias - g)
+                f1 = pow2_f32(((s4 >> 8) & 0xFF) - bias - g)
+                f2 = pow2_f32(((s4 >> 16) & 0xFF) - bias - g)
+                f3 = pow2_f32(((s4 >> 24) & 0xFF) - bias - g)
+                v = _natural_order(_half_planes_f32(w0, f0, f1, BLOCK_R), _half_planes_f32(w1, f2, f3, BLOCK_R),
+                                   BLOCK_R)
+                kk = st * 128 + tl.arange(0, 128)
+                tl.store(orow[:, None] + kk[None, :], to_e4m3(v), mask=rm[:, None] & (kk < k)[None, :])
+
+
+PLANAR_CONVERT_CONFIG = (16, 1, 4)
+"""The planar -> e4m3 conversion's program: (rows, steps an iteration, warps). Not yet timed on the H200."""
+
+
+def planar_to_fp8(
+    p: PlanarMXFP4,
+    out: torch.Tensor,
+    exps: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    experts: tuple[int, int],
+    slot_base: int,
+    config: tuple[int, int, int] | None = None,
+) -> None:
+    """Convert experts [lo, hi) of planar operand ``p`` that own tokens (``expert_offsets`` int32 [E + 1]) into
+    slots slot_base + (e - lo) of ``out`` (e4m3 [slots, p.n, p.k]) and ``exps`` (int32 [slots, p.n]): the same
+    bytes and row exponents as ``workspace.convert_experts`` on the MXFP4 tensors ``p`` was made from (rows in
+    the planar order: gate/up interleaved for GEMM1). config: (rows, steps an iteration, warps)."""
+    lo, hi = experts
+    if hi <= lo:
+        return
+    br, unroll, warps = config or PLANAR_CONVERT_CONFIG
+    if ROW_BLOCK % br:
+        raise InputError(f"conversion rows {br} must divide {ROW_BLOCK}", field="config")
+    if out.shape[1:] != (p.n, p.k) or exps.shape[1:] != (p.n,):
+        raise InputError(f"workspace slots {tuple(out.shape)} do not hold rows of {p.n} x {p.k}", field="out")
+    steps = p.words.shape[2]
+    _planar_to_fp8_kernel[(hi - lo, triton.cdiv(p.n, br))](
+        p.words,
+        p.scales.view(torch.int32),
+        out,
+        exps,
+        expert_offsets,
+        lo,
+        slot_base,
+        p.n,
+        p.k,
+        steps,
+        p.words.stride(0),
+        p.scales.stride(0) // 4,
+        TWO_MULS=p.two_muls,
+        BLOCK_R=br,
+        UNROLL=unroll,
+        num_warps=warps,
+    )
 
 
 

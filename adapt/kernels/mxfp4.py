@@ -244,6 +244,7 @@ def to_e4m3(v):
         e = tl.maximum(((f.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
         ulp = pow2_f32(e - 3)
         q = ((f / ulp + 12582912.0) - 12582912.0) * ulp
+        q = tl.where(q == 0, f * 0.0, q)  # a zero keeps the input's sign, as in hardware
         return tl.minimum(tl.maximum(q, -_E4M3_MAX), _E4M3_MAX).to(tl.float8e4nv)
     else:
         return v.to(tl.float8e4nv)

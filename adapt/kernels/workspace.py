@@ -18,6 +18,10 @@ once (2 * chunk_experts), never the expert count; ``online_memory_ratio`` gives 
     ws.record_fold_loss(weights)   # once, at load time: count elements the e4m3 fold cannot hold
     ws.lost              # int64 [1] on the device: elements that lost bits (recorded layers)
 
+The source is the layer's ``MoEWeights`` or its ``PlanarExperts`` (the runtime's one MXFP4 copy:
+``moe_planar.planar_to_fp8`` writes the same bytes, GEMM1's rows gate/up interleaved, so the GEMMs
+read them with ``interleaved=True``).
+
 The per-step conversion does no loss counting (``count_loss=False``, the default): the fold of a
 layer is fixed by its weights, so its loss is counted once by ``record_fold_loss``.
 
@@ -31,13 +35,13 @@ integer ops, 8 codes per lane, into 32 e4m3 bytes (``mxfp4.e2m1_words_to_e4m3``)
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from adapt.errors import InputError
+from adapt.kernels.moe_planar import PlanarExperts, planar_to_fp8
 from adapt.kernels.mxfp4 import FOLD_WORD_MIN_SHIFT, decode_mxfp4_tile_fp8, e2m1_words_to_e4m3, fold_loss
 
 
@@ -257,9 +261,15 @@ SCHEDULES = ("serial", "side", "split")
 
 def online_memory_ratio(n_layers: int, n_experts: int, hidden: int, intermediate: int, chunk_experts: int) -> float:
     """Expert memory of the online path over the offline FP8 copy, for a model of ``n_layers`` MoE
-    layers of ``n_experts`` experts: (layers x MXFP4 experts + one shared workspace) / (layers x e4m3
-    experts with int32 row exponents). Biases are left out (the same bytes on both sides)."""
-    mx = math.ceil(3 * hidden * intermediate * 17 / 32)
+    layers of ``n_experts`` experts: (layers x MXFP4 experts as the runtime holds them, the planar layout
+    with K padded to 128 and rows to 64, + one shared workspace) / (layers x e4m3 experts with int32 row
+    exponents). Biases are left out (the same bytes on both sides)."""
+    from adapt.kernels.moe_planar import PLANAR_STEP, ROW_BLOCK
+
+    def padded(n: int, k: int) -> int:
+        return -(-n // ROW_BLOCK) * ROW_BLOCK * (-(-k // PLANAR_STEP) * PLANAR_STEP) * 17 // 32
+
+    mx = padded(2 * intermediate, hidden) + padded(hidden, intermediate)
     fp8 = 3 * hidden * intermediate + 4 * (2 * intermediate + hidden)
     ws = workspace_bytes(chunk_experts, hidden, intermediate)
     return (n_layers * n_experts * mx + ws) / (n_layers * n_experts * fp8)
@@ -278,6 +288,7 @@ class FP8Workspace:
         schedule: str = "serial",
         reserve_sms: int = 16,
         convert_config: tuple[int, int, int] | None = None,
+        planar_config: tuple[int, int, int] | None = None,
     ):
         if chunk_experts < 1:
             raise InputError(f"chunk_experts must be >= 1, got {chunk_experts}", field="chunk_experts")
@@ -288,6 +299,7 @@ class FP8Workspace:
         self.schedule = schedule
         self.reserve_sms = reserve_sms
         self.convert_config = convert_config
+        self.planar_config = planar_config
         self.chunk_experts = chunk_experts
         self.hidden = hidden
         self.intermediate = intermediate
@@ -310,11 +322,14 @@ class FP8Workspace:
         return sum(t.numel() * t.element_size() for t in (self.w1, self.w1_exp, self.w2, self.w2_exp))
 
     def record_fold_loss(self, weights) -> int:
-        """Count (once, at load time) the elements of ``weights`` whose e4m3 fold is not exact.
+        """Count (once, at load time) the elements of ``weights`` (``MoEWeights``) whose e4m3 fold is not exact.
 
         Converts every expert chunk by chunk with loss counting into the workspace buffers and adds
         the count to ``self.lost``; returns this layer's count. Synchronises with the device.
         """
+        if isinstance(weights, PlanarExperts):
+            raise InputError("the fold loss is counted on the MXFP4 tensors, before the planar copy replaces them",
+                             field="weights", hint="call record_fold_loss(MoEWeights) at load, then to_planar")
         e = weights.n_experts
         every = torch.tensor([0] + [1] * e, dtype=torch.int32, device=self.w1.device).cumsum(0).int()
         before = int(self.lost.item())
@@ -329,6 +344,10 @@ class FP8Workspace:
 
     def _convert(self, weights, perm, chunk: tuple[int, int], buf: int) -> None:
         base = buf * self.chunk_experts
+        if isinstance(weights, PlanarExperts):  # the layer's only MXFP4 copy is planar: convert from it
+            for p, out, exps in ((weights.w1, self.w1, self.w1_exp), (weights.w2, self.w2, self.w2_exp)):
+                planar_to_fp8(p, out, exps, perm.expert_offsets, chunk, base, self.planar_config)
+            return
         convert_experts(
             weights.w1_packed,
             weights.w1_scales,

@@ -21,16 +21,16 @@ Paths: ``torch`` loops over the experts that received tokens, dequantizing one e
 SwiGLU, down) and the weighted combine, whose output is bf16. The experts' format is chosen once, at
 load (``Experts.kernel_weights``):
 
-- MXFP4 (gpt-oss): without a workspace, a planar copy of the experts made at load
-  (``moe_planar.PlanarExperts``, the layout the planar GEMM decodes in a few integer ops per word)
-  runs ``moe_planar.planar_moe`` up to ``PLANAR_MAX_TOKENS`` tokens a call (the fastest measured
-  MXFP4-storage path there: benchmarks/moe/2026-11-30-s2, calls 2-4, T = 1..4096 at both real
-  shapes) and the MXFP4 decode in the GEMM above; with the shared FP8 workspace, the workspace path.
-  The planar copy holds the MXFP4 bytes once more (K padded to 128). Above PLANAR_MAX_TOKENS the
-  workspace path is the fastest online path measured (H200, T = 16384, benchmarks/moe/2026-11-30-s3-prefill:
-  DeepSeek-V3 17.5-18.3 ms, gpt-oss-120b 6.6 ms; the in-GEMM fold ``compute="fp8_fold"``, same output
-  bits, 25.9 / 8.4 ms), so it stays the large-T path. The Gluon fold (``moe_gluon``, 2026-12-01-s4-fold:
-  19.0 / 5.9 ms) beats it only on gpt-oss and only on sign-split bytes, a layout this layer does not hold;
+- MXFP4 (gpt-oss): at load the experts move into the planar layout (``Experts.to_planar``:
+  ``moe_planar.PlanarExperts``, the layout the planar GEMM decodes in a few integer ops per word), which
+  replaces the checkpoint's tensors, so the layer holds the MXFP4 bytes once (K padded to 128). Without a
+  workspace every call runs ``moe_planar.planar_moe`` (bf16 activations), in calls of at most
+  ``PLANAR_MAX_TOKENS`` tokens (the fastest measured MXFP4-storage path up to there: benchmarks/moe/2026-11-30-s2,
+  calls 2-4, and 2026-12-02-s10, T = 1..4096 at both real shapes). With the shared FP8 workspace every call
+  runs the workspace path (e4m3 activations, the 'fp8' expert format of the precision stage), converting the
+  active experts from the planar copy (``moe_planar.planar_to_fp8``, the same bytes as the conversion from
+  the checkpoint's tensors): the fastest online path measured at large T (H200, T = 16384,
+  benchmarks/moe/2026-11-30-s3-prefill: DeepSeek-V3 17.5-18.3 ms, gpt-oss-120b 6.6 ms);
 - FP8 with 128 x 128 block scales (DeepSeek-V3/V3.2, Kimi K2): e4m3 weights read as stored, activations
   in e4m3 per 1x128 group, fp8 MMA, each block's partial sum times its scales (DeepSeek-V3's W8A8);
 - bf16 (Qwen3, Mixtral, GLM): read as stored, bf16 activations; with the 'fp8' expert format
@@ -131,12 +131,10 @@ class MoE:
         self.clamped, self.alpha, self.limit = clamped, alpha, limit
         self.path = path if path == "torch" or self.kernel_refusal is None else "torch"
         self.workspace = workspace
-        self.kernel_experts = experts.kernel_weights() if self.path == "kernel" else None
         self.planar = None
-        if self.kernel_experts is not None and experts.kernel_format == "mxfp4" and workspace is None:
-            from adapt.kernels.moe_planar import PlanarExperts
-
-            self.planar = PlanarExperts.from_weights(self.kernel_experts)
+        if self.path == "kernel" and experts.kernel_format == "mxfp4":
+            self.planar = experts.to_planar()  # the layer's one MXFP4 copy from here on
+        self.kernel_experts = experts.kernel_weights() if self.path == "kernel" else None
         self._fp8_copy = None
         self.last_topk: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_scores: torch.Tensor | None = None
@@ -241,12 +239,12 @@ class MoE:
         if self.expert_fp8:
             from adapt.runtime.variants import round_fp8_rows
 
-            w = self.experts.mxfp4
+            w = self.experts.expert_mxfp4(e)
             if w is not None:
                 from adapt.kernels.mxfp4 import mxfp4_to_fp8_torch
 
                 folded = []
-                for packed, scales in ((w.w1_packed[e], w.w1_scales[e]), (w.w2_packed[e], w.w2_scales[e])):
+                for packed, scales in ((w[0], w[1]), (w[2], w[3])):
                     f = mxfp4_to_fp8_torch(packed, scales, group_k=None, validate=False)
                     folded.append((f.values.float() * torch.pow(2.0, f.exponents.float())).to(dtype))
                 gate_up, down = folded
@@ -266,9 +264,9 @@ class MoE:
         kw = dict(top_k=top_k, activation="swiglu_clamped" if self.clamped else "swiglu", alpha=self.alpha,
                   limit=self.limit)
         if self.experts.kernel_format == "mxfp4":
-            if self.planar is not None and x.shape[0] <= PLANAR_MAX_TOKENS:
-                return expert_mlp(x, perm, weights, compute="bf16", planar=self.planar, **kw)
-            return expert_mlp(x, perm, weights, workspace=self.workspace, **kw)
+            if self.workspace is not None:  # converted from the planar copy, chunk by chunk
+                return expert_mlp(x, perm, weights, workspace=self.workspace, **kw)
+            return expert_mlp(x, perm, weights, compute="bf16", planar=self.planar, **kw)
         if weights.format == "bf16" and self.expert_fp8:
             if self._fp8_copy is None:
                 from adapt.kernels.moe_weights import fp8_block_copy
@@ -289,6 +287,15 @@ class MoE:
         from adapt.kernels.routing import RouterConfig, combine, gate_logits, permute_by_expert, route
 
         r = self.router
+        if self.planar is not None and self.workspace is None and x.shape[0] > PLANAR_MAX_TOKENS:
+            # the planar path at the token counts it was measured at, PLANAR_MAX_TOKENS rows a call
+            outs, ids, weights = [], [], []
+            for a in range(0, x.shape[0], PLANAR_MAX_TOKENS):
+                outs.append(self._forward_kernel(x[a : a + PLANAR_MAX_TOKENS]))
+                ids.append(self.last_topk[0])
+                weights.append(self.last_topk[1])
+            self.last_topk = (torch.cat(ids), torch.cat(weights))
+            return torch.cat(outs)
         config = RouterConfig(
             top_k=r.top_k,
             scoring="sigmoid" if r.kind == "deepseek" else "softmax",
@@ -309,7 +316,7 @@ class MoE:
                 weights = torch.where(ids == expert, weights * factor, weights)
         perm = permute_by_expert(ids, self.experts.count)
         xb = x.to(torch.bfloat16).contiguous()
-        if self.experts.kernel_format == "mxfp4" and self.planar is not None and x.shape[0] <= PLANAR_MAX_TOKENS:
+        if self.planar is not None and self.workspace is None:
             from adapt.kernels.moe_planar import planar_moe  # routed experts + combine, the faster measured way
 
             out = planar_moe(xb, perm, self.planar, weights, top_k=r.top_k, activation=2 if self.clamped else 1,

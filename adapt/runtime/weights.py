@@ -111,7 +111,9 @@ class Experts:
     or e4m3 with gate_up_scale [E, ceil(2I/128), ceil(H/128)] and down_scale
     [E, ceil(H/128), ceil(I/128)]); optional biases gate_up_bias [E, 2I], down_bias [E, H].
     MXFP4 form: ``mxfp4`` is an ``adapt.kernels.moe_gemm.MoEWeights`` (packed blocks and E8M0
-    scales, biases inside) and the stacked fields are None.
+    scales, biases inside) and the stacked fields are None; after ``to_planar`` (the kernel path, at load)
+    ``planar`` (``adapt.kernels.moe_planar.PlanarExperts``) holds the same bytes in the planar layout and
+    ``mxfp4`` is None, so the layer keeps one MXFP4 copy.
     interleaved: gate/up rows alternate (gpt-oss) instead of gate rows then up rows.
     """
 
@@ -124,18 +126,49 @@ class Experts:
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     mxfp4: object | None = None
+    planar: object | None = None
+
+    def to_planar(self):
+        """Replace the MXFP4 tensors by their planar copy (``PlanarExperts``, load time) and return it: the
+        kernels' layout, read by the planar GEMMs and by the FP8 workspace's conversion alike; the torch path
+        and ``expert_mxfp4`` unpack one expert from it when asked."""
+        if self.planar is None:
+            from adapt.kernels.moe_planar import PlanarExperts
+
+            self.planar = PlanarExperts.from_weights(self.mxfp4)
+            self.mxfp4 = None
+        return self.planar
+
+    def expert_mxfp4(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Expert ``index`` of an MXFP4 layer as stored (w1 packed [2I, H/2], w1 scales [2I, H/32], w2 packed
+        [H, I/2], w2 scales [H, I/32], rows in the checkpoint's gate/up order); None for other formats."""
+        if self.mxfp4 is not None:
+            w = self.mxfp4
+            return w.w1_packed[index], w.w1_scales[index], w.w2_packed[index], w.w2_scales[index]
+        if self.planar is None:
+            return None
+        p1, s1, p2, s2 = self.planar.expert_mxfp4(index)  # gate/up rows interleaved
+        if not self.interleaved:
+            p1, s1 = torch.cat((p1[0::2], p1[1::2])), torch.cat((s1[0::2], s1[1::2]))
+        return p1, s1, p2, s2
 
     def expert(
         self, index: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Expert ``index`` dequantized to ``dtype``: (gate_up [2I, H], down [H, I], gate_up_bias [2I] | None,
         down_bias [H] | None)."""
-        if self.mxfp4 is not None:
-            w = self.mxfp4
-            gate_up = dequantize_mxfp4(w.w1_packed[index], w.w1_scales[index], dtype)
-            down = dequantize_mxfp4(w.w2_packed[index], w.w2_scales[index], dtype)
-            b1 = None if w.w1_bias is None else w.w1_bias[index].to(dtype)
-            b2 = None if w.w2_bias is None else w.w2_bias[index].to(dtype)
+        if self.mxfp4 is not None or self.planar is not None:
+            p1, s1, p2, s2 = self.expert_mxfp4(index)
+            gate_up = dequantize_mxfp4(p1, s1, dtype)
+            down = dequantize_mxfp4(p2, s2, dtype)
+            if self.mxfp4 is not None:
+                b1, b2 = self.mxfp4.w1_bias, self.mxfp4.w2_bias
+            else:  # the planar copy keeps fp32 biases, GEMM1's interleaved
+                b1, b2 = self.planar.w1_bias, self.planar.w2_bias
+                if b1 is not None and not self.interleaved:
+                    b1 = torch.cat((b1[:, 0::2], b1[:, 1::2]), dim=1)
+            b1 = None if b1 is None else b1[index].to(dtype)
+            b2 = None if b2 is None else b2[index].to(dtype)
             return gate_up, down, b1, b2
         if self.gate_up_scale is not None:
             gate_up = dequantize_fp8_blocks(self.gate_up[index], self.gate_up_scale[index]).to(dtype)
@@ -150,15 +183,18 @@ class Experts:
     def kernel_format(self) -> str | None:
         """The format adapt's grouped MoE kernels read these experts in: 'mxfp4', 'fp8_block' or 'bf16'
         (None: stored in a dtype the kernels do not take, fp16 / fp32)."""
-        if self.mxfp4 is not None:
+        if self.mxfp4 is not None or self.planar is not None:
             return "mxfp4"
         if self.gate_up_scale is not None:
             return "fp8_block"
         return "bf16" if self.gate_up.dtype == torch.bfloat16 else None
 
     def kernel_weights(self):
-        """The experts as the grouped kernels take them, without a copy: the MXFP4 ``MoEWeights``, or a
-        ``StackedExperts`` over the stacked bf16 / FP8 tensors (block scales as fp32)."""
+        """The experts as the grouped kernels take them, without a copy: the MXFP4 ``MoEWeights`` (or their
+        ``PlanarExperts`` after ``to_planar``), or a ``StackedExperts`` over the stacked bf16 / FP8 tensors (block
+        scales as fp32)."""
+        if self.planar is not None:
+            return self.planar
         if self.mxfp4 is not None:
             return self.mxfp4
         from adapt.kernels.moe_weights import StackedExperts
@@ -176,6 +212,8 @@ class Experts:
 
     @property
     def nbytes(self) -> int:
+        if self.planar is not None:
+            return self.planar.nbytes()
         if self.mxfp4 is not None:
             return self.mxfp4.nbytes()
         parts = (

@@ -508,6 +508,52 @@ def _convert_all(routed, ws, perm, config=None) -> torch.Tensor:
     return ws.w1[0, 0].float()
 
 
+def _convert_all_planar(planar, ws, perm, config=None) -> torch.Tensor:
+    """``_convert_all`` from the planar copy (``moe_planar.planar_to_fp8``), as ``run_layer`` converts a layer
+    that holds only that copy."""
+    from adapt.kernels.moe_planar import planar_to_fp8
+
+    e, c = planar.n_experts, ws.chunk_experts
+    for n, lo in enumerate(range(0, e, c)):
+        for p, out, exps in ((planar.w1, ws.w1, ws.w1_exp), (planar.w2, ws.w2, ws.w2_exp)):
+            planar_to_fp8(p, out, exps, perm.expert_offsets, (lo, min(e, lo + c)), (n % 2) * c, config)
+    return ws.w1[0, 0].float()
+
+
+def _sliced(x, perm, planar, topw, shape: dict, slice_tokens: int):
+    """The runtime's MXFP4 layer without a workspace above PLANAR_MAX_TOKENS: ``planar_moe`` on slices of
+    ``slice_tokens`` tokens (each slice's permutation made here, untimed, as the runtime's routing is not in
+    these rows) -> a function returning [T, H]."""
+    from adapt.kernels.moe_gemm import ACTIVATIONS
+    from adapt.kernels.moe_planar import planar_moe
+    from adapt.kernels.routing import permute_by_expert
+
+    t, k, e = x.shape[0], shape["top_k"], planar.n_experts
+    pos = torch.arange(t * k, device=x.device)
+    expert_of_pos = torch.searchsorted(perm.expert_offsets[1:].long(), pos, right=True)
+    ids = torch.empty(t * k, dtype=torch.long, device=x.device)
+    ids[perm.sorted_slot.long()] = expert_of_pos
+    ids = ids.view(t, k)
+    parts = [(a, permute_by_expert(ids[a : a + slice_tokens].int(), e)) for a in range(0, t, slice_tokens)]
+    act = ACTIVATIONS[shape["activation"]]
+
+    def run():
+        return torch.cat([planar_moe(x[a : a + slice_tokens], p, planar, topw[a : a + slice_tokens], top_k=k,
+                                     activation=act) for a, p in parts])
+
+    return run
+
+
+PLANAR_CONVERT_SWEEP = {
+    "wsp_convert_r8_u2_w2": (8, 2, 2),
+    "wsp_convert_r32_u1_w4": (32, 1, 4),
+    "wsp_convert_r32_u2_w4": (32, 2, 4),
+    "wsp_convert_r64_u2_w8": (64, 2, 8),
+}
+"""Programs (rows, steps an iteration, warps) of the conversion from the planar copy timed beside
+``wsp_convert_only`` (``moe_planar.PLANAR_CONVERT_CONFIG``) with ``--large`` above PLANAR_MAX_TOKENS."""
+
+
 def _fused(x, perm, planar, topw, shape: dict, config=None) -> torch.Tensor:
     """The planar experts with the weighted combine in GEMM2's epilogue (``planar_moe(fused=True)``) -> [T, H]."""
     from adapt.kernels.moe_gemm import ACTIVATIONS
@@ -620,10 +666,16 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                         variants[oname] = partial(_one_kernel, x, perm, planar, topw, shape, fields)
             if large and t >= LARGE_MIN_TOKENS:
                 if fp8 is None:
-                    fp8 = FP8Weights.from_mxfp4(routed, validate=False), FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE)
+                    fp8 = (FP8Weights.from_mxfp4(routed, validate=False),
+                           FP8Workspace(WORKSPACE_CHUNK, h, inter, DEVICE), FP8Workspace(16, h, inter, DEVICE))
                     split = to_sign_split_words(routed.w1_packed), to_sign_split_words(routed.w2_packed)
                 variants["fp8_ws_combine"] = _combined(partial(mlp, workspace=fp8[1]), topw, perm)
                 variants["fp8_offline_combine"] = _combined(partial(mlp, fp8_weights=fp8[0]), topw, perm)
+                # the runtime's layer, which holds only the planar copy: the workspace converts from it (two
+                # chunks of WORKSPACE_CHUNK experts, and of 16, the size that keeps gpt-oss-120b within 0.55x)
+                pmlp = partial(expert_mlp, x, perm, planar, top_k=k, activation=shape["activation"])
+                variants["fp8_wsp_combine"] = _combined(partial(pmlp, workspace=fp8[1]), topw, perm)
+                variants["fp8_wsp16_combine"] = _combined(partial(pmlp, workspace=fp8[2]), topw, perm)
                 for fname, (lo, hi, c1, c2, sw) in FOLD_SWEEP.items():
                     if lo <= t <= hi:
                         variants[fname] = _combined(partial(mlp, compute="fp8_fold", config=(c1, c2),
@@ -632,6 +684,12 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     variants["ws_convert_only"] = partial(_convert_all, routed, fp8[1], perm)
                     for cname, cc in CONVERT_SWEEP.items():
                         variants[cname] = partial(_convert_all, routed, fp8[1], perm, cc)
+                    variants["wsp_convert_only"] = partial(_convert_all_planar, planar, fp8[1], perm)
+                    for cname, cc in PLANAR_CONVERT_SWEEP.items():
+                        variants[cname] = partial(_convert_all_planar, planar, fp8[1], perm, cc)
+                    # without a workspace: the planar path in slices of PLANAR_MAX_TOKENS (the runtime), or whole
+                    variants["planar_sliced"] = _sliced(x, perm, planar, topw, shape, PLANAR_MAX_TOKENS)
+                    variants["planar_combine"] = _combined(partial(mlp, compute="bf16", planar=planar), topw, perm)
             if chosen is None and not tried:
                 tried = True
                 for source, ldt in PEER_CANDIDATES:
@@ -677,7 +735,7 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     if vname.startswith("planar"):
                         _warm(fn, 0.5)
                 warmed = True
-            offline_out = None
+            offline_out = ws_out = None
             for vname, fn in variants.items():
                 try:
                     out = fn()
@@ -692,9 +750,13 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                         err = _twin_error(out, x, perm, topw, routed, shape, round_y=vname == "planar_combine")
                     if vname == "fp8_offline_combine":
                         offline_out = out
+                    if vname == "fp8_ws_combine":
+                        ws_out = out
                     same = None
                     if vname in FOLD_SWEEP and offline_out is not None:
                         same = bool(torch.equal(out, offline_out))
+                    if vname.startswith("fp8_wsp") and ws_out is not None:  # same e4m3 operands as fp8_ws
+                        same = bool(torch.equal(out, ws_out))
                     timing = time_cuda(fn, reps=10 if t >= 4096 else 20)
                 except Exception as exc:  # noqa: BLE001 - a failed variant is a recorded row
                     rows.append({"shape": name, "tokens": t, "variant": vname, "error": str(exc)[:300]})
@@ -711,11 +773,11 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                 if vname == "peer":
                     row["peer_setup"] = f"{chosen[0]}, logits {chosen[1]}"
                 if same is not None:
-                    row["equal_to_offline"] = same
+                    row["equal_to_ws" if vname.startswith("fp8_wsp") else "equal_to_offline"] = same
                 rows.append(row)
                 print(f"{name:13s} T={t:6d} {vname:8s} {us:10.1f} us  {row['copy_fraction']:.2f} of copy  "
                       f"{row['tflops']:7.1f} TFLOP/s" + (f"  err {err:.2e}" if err is not None else "")
-                      + (f"  equal_to_offline {same}" if same is not None else ""), flush=True)
+                      + (f"  equal {same}" if same is not None else ""), flush=True)
             if sweep and t <= PLANAR_MAX_TOKENS:
                 configs = {n: ("planar_fused" if n.endswith(FUSED_SUFFIX) else "planar", a, b)
                            for n, ((lo, hi), a, b) in PLANAR_SWEEP.items()

@@ -89,3 +89,38 @@ def test_fp8_expert_format_on_bf16_experts_runs_an_fp8_block_copy():
     assert layer._fp8_copy is not None and layer._fp8_copy.format == "fp8_block"
     ref = out["torch", False]
     assert 5 * _rel(out["kernel", False], ref) < _rel(out["kernel", True], ref) < PRECISION["max_rel_error_expert"]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mxfp4_kernel_layer_holds_one_planar_copy(interleaved, monkeypatch):
+    # the kernel path moves MXFP4 experts into the planar layout at load and drops the checkpoint's tensors;
+    # the torch path and the FP8 fold still read every expert as stored, and calls above PLANAR_MAX_TOKENS run
+    # in slices of it with the same output
+    import dataclasses
+
+    from adapt.runtime import moe as moe_mod
+    from tests.kernels.test_moe import make_layer
+
+    e, h, i, t = 5, 64, 32, 7
+    w = make_layer(e, h, i, bias=True, interleaved=interleaved, seed=5)
+    g = torch.Generator().manual_seed(5)
+    gate, x = Linear(torch.randn(e, h, generator=g)), torch.randn(t, h, generator=g).bfloat16()
+    stored = Experts(count=e, interleaved=interleaved, mxfp4=w)
+    ref = MoE(RouterSpec("qwen3", 2), gate, stored, path="torch")
+    planar = Experts(count=e, interleaved=interleaved, mxfp4=dataclasses.replace(w))
+    layer = MoE(RouterSpec("qwen3", 2), gate, planar, path="kernel")
+    assert planar.mxfp4 is None and layer.planar is planar.planar is layer.kernel_experts
+    assert planar.kernel_format == "mxfp4" and planar.nbytes == layer.planar.nbytes()
+    for ex in range(e):
+        for a, b in zip(stored.expert(ex, torch.float32), planar.expert(ex, torch.float32), strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(stored.expert_mxfp4(ex), planar.expert_mxfp4(ex), strict=True):
+            assert torch.equal(a, b)
+    on_planar = MoE(RouterSpec("qwen3", 2), gate, planar, path="torch")
+    assert torch.equal(on_planar.forward(x), ref.forward(x))
+    on_planar.expert_fp8 = ref.expert_fp8 = True  # the workspace's fold, from either copy
+    assert torch.equal(on_planar.forward(x), ref.forward(x))
+    whole = layer.forward(x)
+    ids = layer.last_topk[0]
+    monkeypatch.setattr(moe_mod, "PLANAR_MAX_TOKENS", 3)
+    assert torch.equal(layer.forward(x), whole) and torch.equal(layer.last_topk[0], ids)
