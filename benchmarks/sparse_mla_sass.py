@@ -2,7 +2,9 @@
 
 Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
        (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
-       SPLIT, PREFETCH, EARLY_LOADS, DIRECT and L2_AHEAD from the object: ``compile_gluon``)
+       SPLIT, PREFETCH, EARLY_LOADS, DIRECT, L2_AHEAD, WARPS, ABLATE and LAZY from the object: ``compile_gluon``;
+       its row adds ``branch_skip``, the loop's longest forward branch: with LAZY the accumulator's rescale, so
+       loop_len - branch_skip.len instructions a tile on the tiles that skip it)
 
 Each JSON object overrides the four-group kernel's constexprs (upper-case keys; the default is the
 DeepSeek-V3.2 decode tile: 64 heads, 128 positions, rank 512 in four e4m3 groups, rope 64) and the
@@ -14,6 +16,7 @@ and cuobjdump that the triton wheel carries (``benchmarks/moe/sass_report.report
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import subprocess
@@ -23,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "moe"))
 import triton  # noqa: E402
-from sass_report import BIN, compile_sm90, report  # noqa: E402
+from sass_report import BIN, compile_sm90, report, sass_ops, sass_text, smallest_loop  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
@@ -60,10 +63,10 @@ def _compile_gluon_sm90(kern, const: dict, options: dict):
 
 
 def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool = False, direct: bool = False,
-                  l2_ahead: int = 0, warps: int = 8, ablate: int = 0):
-    """``sparse_mla_gluon_kernel`` for sm_90 (``warps`` warps, 8 as launched by default)."""
+                  l2_ahead: int = 0, warps: int = 8, ablate: int = 0, lazy: float = 0.0):
+    """``sparse_mla_gluon_kernel`` for sm_90 (``warps`` warps, 8 as launched by default; ``lazy``: its LAZY)."""
     const = dict(BLOCK_K=block_k, SPLIT=split, PREFETCH=prefetch, EARLY_LOADS=early, DIRECT=direct,
-                 L2_AHEAD=l2_ahead, WARPS=warps, ABLATE=ablate)
+                 L2_AHEAD=l2_ahead, WARPS=warps, ABLATE=ablate, LAZY=float(lazy))
     return _compile_gluon_sm90(smg.sparse_mla_gluon_kernel, const, dict(num_warps=warps))
 
 
@@ -73,6 +76,19 @@ def compile_gluon_ws(split: bool, pwarps: int = 4, pregs: int = 152, maxnreg: in
     registers as ``sparse_mla_gluon.launch`` launches it."""
     const = dict(BLOCK_K=64, SPLIT=split, PWARPS=pwarps, PREGS=pregs, PAIR=pair, PV_WAIT=pv_wait)
     return _compile_gluon_sm90(smg.sparse_mla_gluon_ws_kernel, const, dict(num_warps=8, maxnreg=maxnreg))
+
+
+def branch_skip(ck) -> dict:
+    """The longest forward branch inside the loop that holds the MMAs: the instructions it jumps over (``len``) and
+    their opcode counts. With LAZY that is the accumulator's rescale (128 FMUL a thread at 8 warps)."""
+    loop = smallest_loop(sass_ops(sass_text(ck.asm["cubin"])), "GMMA") or []
+    at = {a: i for i, (a, _, _) in enumerate(loop)}
+    best: list = []
+    for i, (a, op, rest) in enumerate(loop):
+        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if t and int(t.group(1), 16) > a and int(t.group(1), 16) in at and at[int(t.group(1), 16)] - i - 1 > len(best):
+            best = loop[i + 1: at[int(t.group(1), 16)]]
+    return dict(len=len(best), ops=dict(collections.Counter(o.split(".")[0] for _, o, _ in best).most_common(8)))
 
 
 def load_mma_order(ck) -> str:
@@ -113,9 +129,11 @@ if __name__ == "__main__":
             if c.get("gluon"):
                 ck = compile_gluon(c.get("BLOCK_K", 64), c.get("SPLIT", False), c.get("PREFETCH", True),
                                    c.get("EARLY_LOADS", False), c.get("DIRECT", False), c.get("L2_AHEAD", 0),
-                                   c.get("WARPS", 8), c.get("ABLATE", 0))
-            else:
-                ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1), c.get("swap_ab", False))
+                                   c.get("WARPS", 8), c.get("ABLATE", 0), c.get("LAZY", 0.0))
+                print(json.dumps(dict(config=c, **report(ck, 0), order=load_mma_order(ck),
+                                      branch_skip=branch_skip(ck))), flush=True)
+                continue
+            ck = compile_groups4(const, c.get("warps", 8), c.get("stages", 1), c.get("swap_ab", False))
         except Exception as err:  # a variant that does not compile is printed, the others still run
             print(json.dumps(dict(config=c, error=str(err).splitlines()[-1][:300])), flush=True)
             continue

@@ -331,17 +331,6 @@ def _natural_order(a0, a1, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _half_planes_f32(w, f_lo, f_hi, BLOCK_N: tl.constexpr):
-    """The four planes of words w [BLOCK_N, 8] as fp32 code values times a factor a row: planes 0 and 1 times
-    f_lo, planes 2 and 3 times f_hi (fp32 [BLOCK_N]: the half's two 32-blocks), joined as ``_half_planes``."""
-    p0 = _plane(w, f_lo, 0, BLOCK_N)
-    p1 = _plane(w, f_lo, 1, BLOCK_N)
-    p2 = _plane(w, f_hi, 2, BLOCK_N)
-    p3 = _plane(w, f_hi, 3, BLOCK_N)
-    return tl.join(tl.join(p0, p1), tl.join(p2, p3))
-
-
-@triton.jit
 def _scale_factor(b, TWO_MULS: tl.constexpr):
     """One stored scale byte (int32, 0..255) -> 2**(s - 127) as fp32 (s: the E8M0 byte; stored
     biased by SCALE_BIAS unless TWO_MULS)."""
@@ -966,6 +955,29 @@ class PlanarExperts:
 
 
 @triton.jit
+def _plane_e4m3_pairs(w, f, P: tl.constexpr):
+    """Plane P of words w int32 [BLOCK_N, C] as e4m3(code * f) (f fp32 [BLOCK_N], a power of two): uint32 [BLOCK_N, C],
+    bytes 0 and 1 of word c the plane's elements 2c and 2c + 1 of the word."""
+    u = w.to(tl.uint32, bitcast=True)
+    if P == 0:
+        pair = (u << 6) & 0x81C081C0
+    elif P == 1:
+        pair = (u << 3) & 0x81C081C0
+    elif P == 2:
+        pair = (u & 0x01C001C0) | ((u << 5) & 0x80008000)
+    else:
+        pair = ((u >> 7) & 0x01C001C0) | ((u << 4) & 0x80008000)
+    # each half: the code value times 2**-126 as the high bits of an fp32 (``_plane``), then times 2**126 * f
+    lo = (pair << 16).to(tl.float32, bitcast=True) * 8.507059173023462e37 * f[:, None]
+    hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True) * 8.507059173023462e37 * f[:, None]
+    return to_e4m3(lo).to(tl.uint8, bitcast=True).to(tl.uint32) | (to_e4m3(hi).to(tl.uint8, bitcast=True).to(tl.uint32) << 8)
+
+
+_BIASED_ONE = tl.constexpr(127 + SCALE_BIAS)
+"""The stored byte of a one-multiply layer's scale 2**0."""
+
+
+@triton.jit
 def _planar_to_fp8_kernel(
     words_ptr,
     scales_ptr,
@@ -987,10 +999,10 @@ def _planar_to_fp8_kernel(
     the FP8 workspace (skipped when the expert has no tokens), UNROLL steps of 128 K an iteration.
 
     words int32 [E, Np/64, steps, 64, 16], scales int32 [E, Np/64, steps, 64] (a step's four bytes) -> out e4m3
-    [slots, n_rows, k] and exp int32 [slots, n_rows]: the row exponent g = max block exponent - 6 and each
+    [slots, n_rows, k] (as int32 words: K is a multiple of 32) and exp int32 [slots, n_rows]: the row exponent g = max block exponent - 6 and each
     element e4m3(code * 2**(block exponent - g)), the fold of ``mxfp4.mxfp4_to_fp8(group_k=None)``. The code
-    values come from the planar bits as fp32 (``_plane``), times 2**d exactly, and round once to e4m3 (exact
-    for d >= -5; below, the same nearest-even rounding as the fold's)."""
+    values come from the planar bits as fp32 (as ``_plane``), times 2**d exactly, and round once to e4m3 (exact
+    for d >= -5; below, the same nearest-even rounding as the fold's), packed four to a 32-bit word for the store."""
     i = tl.program_id(0)
     e = e_lo + i
     if tl.load(offsets_ptr + e + 1) > tl.load(offsets_ptr + e):
@@ -1003,7 +1015,7 @@ def _planar_to_fp8_kernel(
         if TWO_MULS:
             bias = 127  # E8M0 bytes
         else:
-            bias = 127 + SCALE_BIAS  # bytes stored as s + SCALE_BIAS
+            bias = _BIASED_ONE  # bytes stored as s + SCALE_BIAS
         n_blocks = k // 32
         gmax = tl.full((BLOCK_R,), -127, tl.int32)
         for st in range(0, steps):
@@ -1014,23 +1026,37 @@ def _planar_to_fp8_kernel(
         g = gmax - 6
         dst = (slot_base + i).to(tl.int64) * n_rows + r
         tl.store(exp_ptr + dst, g, mask=rm)
-        orow = out_ptr + dst * k
-        c8 = tl.arange(0, 8)
+        orow = out_ptr + dst * (k // 4)  # the e4m3 rows as 32-bit words
+        q4 = tl.arange(0, 4)
         for st0 in range(0, steps, UNROLL):
             for u in tl.static_range(UNROLL):
                 st = st0 + u
                 sok = st < steps
-                w0 = tl.load(wrow[:, None] + (st * 1024 + c8)[None, :], mask=sok, other=0)
-                w1 = tl.load(wrow[:, None] + (st * 1024 + 8 + c8)[None, :], mask=sok, other=0)
+                # the even and the odd words of each half apart: word q of plane j is pairs 2q (even) and 2q + 1
+                # (odd), so every output word is made in the thread that loaded both
+                we = wrow[:, None] + (st * 1024 + 2 * q4)[None, :]
+                w0e = tl.load(we, mask=sok, other=0)
+                w0o = tl.load(we + 1, mask=sok, other=0)
+                w1e = tl.load(we + 8, mask=sok, other=0)
+                w1o = tl.load(we + 9, mask=sok, other=0)
                 s4 = tl.load(srow + st * 64, mask=sok, other=0)
                 f0 = pow2_f32((s4 & 0xFF) - bias - g)
                 f1 = pow2_f32(((s4 >> 8) & 0xFF) - bias - g)
                 f2 = pow2_f32(((s4 >> 16) & 0xFF) - bias - g)
                 f3 = pow2_f32(((s4 >> 24) & 0xFF) - bias - g)
-                v = _natural_order(_half_planes_f32(w0, f0, f1, BLOCK_R), _half_planes_f32(w1, f2, f3, BLOCK_R),
-                                   BLOCK_R)
-                kk = st * 128 + tl.arange(0, 128)
-                tl.store(orow[:, None] + kk[None, :], to_e4m3(v), mask=rm[:, None] & (kk < k)[None, :])
+                # plane j = 4h + p is the step's words 4j..4j + 3; each stored apart (no data moves between threads)
+                for j in tl.static_range(8):
+                    if j < 2:
+                        words = _plane_e4m3_pairs(w0e, f0, j) | (_plane_e4m3_pairs(w0o, f0, j) << 16)
+                    elif j < 4:
+                        words = _plane_e4m3_pairs(w0e, f1, j) | (_plane_e4m3_pairs(w0o, f1, j) << 16)
+                    elif j < 6:
+                        words = _plane_e4m3_pairs(w1e, f2, j - 4) | (_plane_e4m3_pairs(w1o, f2, j - 4) << 16)
+                    else:
+                        words = _plane_e4m3_pairs(w1e, f3, j - 4) | (_plane_e4m3_pairs(w1o, f3, j - 4) << 16)
+                    kw = st * 32 + j * 4 + q4
+                    tl.store(orow[:, None] + kw[None, :], words.to(tl.int32, bitcast=True),
+                             mask=rm[:, None] & (kw * 4 < k)[None, :])
 
 
 PLANAR_CONVERT_CONFIG = (16, 1, 4)
@@ -1062,7 +1088,7 @@ def planar_to_fp8(
     _planar_to_fp8_kernel[(hi - lo, triton.cdiv(p.n, br))](
         p.words,
         p.scales.view(torch.int32),
-        out,
+        out.view(torch.int32),
         exps,
         expert_offsets,
         lo,

@@ -128,15 +128,29 @@ def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.con
 
 
 @gluon.jit
-def _online_softmax(s, valid, m_i, l_i, scale_log2):
+def _online_softmax(s, valid, m_i, l_i, scale_log2, LAZY: gl.constexpr = 0.0):
     """One tile's online-softmax step in log2 units: the tile's probabilities p (positions not ``valid`` -inf),
-    the rescale alpha of what came before, and the running max and sum."""
+    the rescale alpha of what came before, the running max and sum, and which rows' accumulators need alpha (max
+    moved from a finite value; a row still at -inf has a zero accumulator). LAZY > 0 (log2 units): a row keeps its
+    running max unless the tile's exceeds it by more than LAZY (alpha is then exactly 1 and p at most 2^LAZY)."""
     s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    moved = m_new > m_i + LAZY
+    rescale = moved & (m_i > float("-inf"))
+    if LAZY > 0:
+        m_new = gl.where(moved, m_new, m_i)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1), rescale
+
+
+@gluon.jit
+def _any_rescale(flag_smem, BLOCK_H: gl.constexpr, WARPS: gl.constexpr):
+    """Whether any row of the program flagged its accumulator for a rescale (``flag_smem``: int32 [BLOCK_H], 1 =
+    rescale, stored before a barrier), as a scalar the same in every thread: each warp reads all BLOCK_H flags (2
+    a thread, no barrier of its own) and reduces them in one warp reduction (sm_90: a REDUX to a uniform register)."""
+    return gl.max(flag_smem.load(gl.BlockedLayout([BLOCK_H // 32], [32], [WARPS], [0])), axis=0) > 0
 
 
 @gluon.jit
@@ -202,7 +216,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                             BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
                             PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
                             DIRECT: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0, WARPS: gl.constexpr = 8,
-                            ABLATE: gl.constexpr = 0):
+                            ABLATE: gl.constexpr = 0, LAZY: gl.constexpr = 0.0):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
@@ -211,7 +225,17 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
 
     ABLATE (a timing probe only, ``launch(ablate=)``; the output is wrong when it is not 0): a bit mask of parts
     left out, to time the rest: 1 the gathers (every cache slot -1: masked loads), 2 the q.k MMAs, 4 the p @ v
-    MMA, 8 the softmax arithmetic (p = s), 16 the block-table lookups (positions read as cache slots)."""
+    MMA, 8 the softmax arithmetic (p = s), 16 the block-table lookups (positions read as cache slots).
+
+    LAZY > 0 (log2 units; 0 = off, the exact online softmax): the lazy rescale of FlashAttention-4. A row keeps its
+    running max unless a tile's row max exceeds it by more than LAZY, so p = exp2(s * scale - m) stays at most
+    2^LAZY (8: 256; bf16 rounds it with the same relative error, the fp32 accumulator is far from its range); l and
+    the log2-sum-exp m + log2(l) stay consistent with the stale max. The rows that moved are flagged in shared
+    memory before the tile's existing barrier after ``p_smem.store``; after it every warp reduces the flags to one
+    scalar (``_any_rescale``: one LDS and a REDUX, no barrier of its own) and the accumulator's rescale (128 FMUL a
+    thread) runs under that uniform branch. Rows still at -inf before the tile have a zero accumulator and never ask
+    for it, so with random scores only rare tiles take the branch. Not bit-equal to LAZY 0 (p and l are taken
+    against another max, so they round differently): within the kernel-vs-twin tolerance."""
     gl.static_assert(BLOCK_H == 64)
     row = gl.program_id(0).to(gl.int64)
     head0 = gl.program_id(1) * BLOCK_H
@@ -263,6 +287,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, RANK], gl.float32, layout=O_L))
     s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=S_L)
     buf = 0
+    if LAZY > 0:  # per row, each tile: 1 = its accumulator takes the rescale
+        flag_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for k0 in range(first, last, BLOCK_K):
         kv_buf = kv_smem.index(buf)
         if L2_AHEAD > 0:  # rows of the tile L2_AHEAD ahead into L2; positions of the one after (slots below)
@@ -304,12 +330,20 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
             p = s
             alpha = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
             l_i = l_i + 1.0
+            rescale = alpha < 0.0  # no row
         else:
-            p, alpha, m_i, l_i = _online_softmax(s, valid, m_i, l_i, scale_log2)
+            p, alpha, m_i, l_i, rescale = _online_softmax(s, valid, m_i, l_i, scale_log2, LAZY)
         p_smem.store(p.to(gl.bfloat16))
+        if LAZY > 0:  # read by every warp after the barrier below
+            flag_smem.store(rescale.to(gl.int32))
         fence_async_shared()
         gl.thread_barrier()
-        acc_t = acc_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        if LAZY > 0:  # a uniform branch: the rescale (128 FMUL a thread) only on tiles where some row's max moved
+            if _any_rescale(flag_smem, BLOCK_H, WARPS):
+                acc_t = acc_t * alpha_o
+        else:
+            acc_t = acc_t * alpha_o
         if ABLATE & 4:  # no p @ v: the accumulator passes through (the loop-carried type of an MMA's)
             acc = warpgroup_mma_init(acc_t)
         else:
@@ -493,7 +527,7 @@ def _ws_consumer(q_smem, qr_smem, kv_smem, kr_smem, p_smem, ready, empty, idx_pt
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
         gl.thread_barrier()
         mbarrier.arrive(empty.index(1 - buf), count=1, pred=t > 0)
-        p, alpha, m_i, l_i = _online_softmax(s, idx_v >= 0, m_i, l_i, scale_log2)
+        p, alpha, m_i, l_i, _ = _online_softmax(s, idx_v >= 0, m_i, l_i, scale_log2)
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
@@ -574,7 +608,9 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # L2_AHEAD (0 = off): the cache rows of the tile that many steps ahead are prefetched into L2; measured slower in the
 # closing call (benchmarks/gpu-2026-12-01-dsa-s4-final, 564516d): decode 144.6 / 144.9 us at 2 / 4 against 137.5,
 # prefill rows 8.34 / 8.40 ms against 7.81.
-GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8}
+# LAZY (0 = off, else the threshold in log2 units, 8.0 as FlashAttention-4): the lazy rescale of
+# ``sparse_mla_gluon_kernel`` (its docstring); not yet timed (benchmarks/next/mla_ws.py compares it with the default).
+GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0}
 # WS: ``sparse_mla_gluon_ws_kernel`` instead (a producer partition of PWARPS warps with PREGS registers a thread
 # gathers and dequantises; MAXNREG caps the launch so that 8 + PWARPS warps fit one SM's 64K registers: the
 # default partition gets (MAXNREG * (8 + PWARPS) - PREGS * PWARPS) / 8 a thread). PAIR: the producer takes tiles
@@ -595,6 +631,8 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
     if unknown:
         raise ValueError(f"unknown Gluon kernel flags {sorted(unknown)}; known: {sorted({**GLUON_FLAGS, **WS_FLAGS})}")
     opts = {**GLUON_FLAGS, **WS_FLAGS, **(flags or {})}
+    if opts["WS"] and opts["LAZY"]:
+        raise ValueError("the Gluon flag LAZY applies to the single-partition kernel only; drop WS or LAZY")
     n_rows, n_heads, rank = q_nope.shape
     topk = indices.shape[1]
     grid = (n_rows, triton.cdiv(n_heads, GLUON_BLOCK_H), splits)

@@ -24,9 +24,10 @@ load (``Experts.kernel_weights``):
 - MXFP4 (gpt-oss): at load the experts move into the planar layout (``Experts.to_planar``:
   ``moe_planar.PlanarExperts``, the layout the planar GEMM decodes in a few integer ops per word), which
   replaces the checkpoint's tensors, so the layer holds the MXFP4 bytes once (K padded to 128). Without a
-  workspace every call runs ``moe_planar.planar_moe`` (bf16 activations), in calls of at most
-  ``PLANAR_MAX_TOKENS`` tokens (the fastest measured MXFP4-storage path up to there: benchmarks/moe/2026-11-30-s2,
-  calls 2-4, and 2026-12-02-s10, T = 1..4096 at both real shapes). With the shared FP8 workspace every call
+  workspace every call runs ``moe_planar.planar_moe`` (bf16 activations): the fastest measured MXFP4-storage
+  path at T = 1..4096 at both real shapes (benchmarks/moe/2026-11-30-s2, calls 2-4, and 2026-12-02-s10), and at
+  T = 16384 in one call 1.28x / 1.33x faster than in slices of 4096 (DeepSeek-V3 23.6 ms, gpt-oss-120b 7.3 ms;
+  2026-12-02-s11, call 1). With the shared FP8 workspace every call
   runs the workspace path (e4m3 activations, the 'fp8' expert format of the precision stage), converting the
   active experts from the planar copy (``moe_planar.planar_to_fp8``, the same bytes as the conversion from
   the checkpoint's tensors): the fastest online path measured at large T (H200, T = 16384,
@@ -47,10 +48,6 @@ import torch
 import torch.nn.functional as F
 
 from adapt.runtime.weights import Experts, Linear, apply_linear
-
-PLANAR_MAX_TOKENS = 4096
-"""Largest tokens per call of the planar MXFP4 path (the largest T it was measured at on the H200)."""
-
 
 @dataclass(frozen=True)
 class RouterSpec:
@@ -287,15 +284,6 @@ class MoE:
         from adapt.kernels.routing import RouterConfig, combine, gate_logits, permute_by_expert, route
 
         r = self.router
-        if self.planar is not None and self.workspace is None and x.shape[0] > PLANAR_MAX_TOKENS:
-            # the planar path at the token counts it was measured at, PLANAR_MAX_TOKENS rows a call
-            outs, ids, weights = [], [], []
-            for a in range(0, x.shape[0], PLANAR_MAX_TOKENS):
-                outs.append(self._forward_kernel(x[a : a + PLANAR_MAX_TOKENS]))
-                ids.append(self.last_topk[0])
-                weights.append(self.last_topk[1])
-            self.last_topk = (torch.cat(ids), torch.cat(weights))
-            return torch.cat(outs)
         config = RouterConfig(
             top_k=r.top_k,
             scoring="sigmoid" if r.kind == "deepseek" else "softmax",

@@ -521,8 +521,8 @@ def _convert_all_planar(planar, ws, perm, config=None) -> torch.Tensor:
 
 
 def _sliced(x, perm, planar, topw, shape: dict, slice_tokens: int):
-    """The runtime's MXFP4 layer without a workspace above PLANAR_MAX_TOKENS: ``planar_moe`` on slices of
-    ``slice_tokens`` tokens (each slice's permutation made here, untimed, as the runtime's routing is not in
+    """``planar_moe`` on slices of ``slice_tokens`` tokens (the way to keep the planar path at the token counts its
+    tables were measured at; at T = 16384 one call was faster, 2026-12-02-s11 call 1, so the runtime makes one) (each slice's permutation made here, untimed, as the runtime's routing is not in
     these rows) -> a function returning [T, H]."""
     from adapt.kernels.moe_gemm import ACTIVATIONS
     from adapt.kernels.moe_planar import planar_moe

@@ -11,6 +11,8 @@ SHIPPED = [{"gluon": True, "BLOCK_K": 64, "SPLIT": split, "PREFETCH": pf} for sp
                                        for split in (False, True) for early in (False, True)]
 # the L2 prefetch option (``L2_AHEAD``, off by default until measured) on the default flags
 L2_AHEAD = [{"gluon": True, "SPLIT": split, "DIRECT": True, "L2_AHEAD": 2} for split in (False, True)]
+# the lazy rescale (``LAZY``, off by default until measured) on the default flags
+LAZY = [{"gluon": True, "SPLIT": split, "DIRECT": True, "LAZY": 8.0} for split in (False, True)]
 H200_SHARED_BYTES = 232448  # 227 KB per block (CUDA sm_90 limit)
 TWIN_REL_TOL_CUDA = 5e-3  # test_sparse_mla.TWIN_REL_TOL["cuda"]: p rounded to bf16 for p @ v, the twin keeps fp32
 
@@ -27,6 +29,23 @@ def test_gluon_kernel_builds_for_sm90_within_registers():
         assert row["loop_ops"].get("HGMMA", 0) >= 2 and row["loop_ops"].get("FFMA", 0) < 64, row
         # L2 prefetches (CCTL) in the loop exactly where asked: 64 rows x 8 lines = 2 per thread
         assert row["loop_ops"].get("CCTL", 0) == (2 if row["config"].get("L2_AHEAD") else 0), row
+
+
+@pytest.mark.slow
+def test_lazy_rescale_skips_the_accumulator_multiplies():
+    """With LAZY the accumulator's rescale ([64, 512] fp32 over 256 threads: 128 FMUL a thread) sits alone under a
+    forward branch of the tile loop, which adds no barrier and keeps the wgmmas in flight (no WARPGROUP pair per
+    HGMMA, as ptxas's serialisation would give); the default build has no such branch."""
+    from tests.kernels.test_sparse_mla_sass import sass_rows
+
+    default, *lazy = sass_rows([{"gluon": True, "DIRECT": True}] + LAZY)
+    assert default["branch_skip"]["len"] < 16, default
+    for row in lazy:
+        assert "error" not in row, row
+        assert row["regs"] <= 255 and row["spill_bytes"] == 0 and row["shared"] <= H200_SHARED_BYTES, row
+        assert row["branch_skip"] == {"len": 128, "ops": {"FMUL": 128}}, row
+        assert row["loop_ops"]["BAR"] == default["loop_ops"]["BAR"], row
+        assert row["loop_ops"].get("WARPGROUP", 0) <= 8, row
 
 
 @pytest.mark.slow
@@ -73,7 +92,9 @@ def _case(lengths, rows, heads, topk, seed=0):
                                      pytest.param({"gluon": {"WARPS": 16}, "splits": 3}, id="w16_splits3"),
                                      pytest.param({"gluon": {"WS": True, "PV_WAIT": True}}, id="ws_pv_wait"),
                                      pytest.param({"gluon": {"WS": True, "PV_WAIT": True, "PAIR": False}, "splits": 5},
-                                                  id="ws_pv_wait_single_tiles")])
+                                                  id="ws_pv_wait_single_tiles"),
+                                     pytest.param({"gluon": {"LAZY": 8.0}}, id="lazy8"),
+                                     pytest.param({"gluon": {"LAZY": 0.25}, "splits": 3}, id="lazy_small_splits3")])
 def test_gluon_decode_batch64_matches_twin(options):
     """64 decode rows (one per sequence of 300 tokens), 128 heads, top-256 (rows see all 300 or fewer: -1 pads in
     the tail of some rows' lists are masked)."""
@@ -113,7 +134,8 @@ def test_gluon_decode_batch64_matches_twin(options):
                                      pytest.param({"gluon": {"WS": True}, "splits": 11}, id="ws_three_tile_slices"),
                                      pytest.param({"gluon": {"WARPS": 16}}, id="w16"),
                                      pytest.param({"gluon": {"WS": True, "PV_WAIT": True}, "splits": 11},
-                                                  id="ws_pv_wait_three_tile_slices")])
+                                                  id="ws_pv_wait_three_tile_slices"),
+                                     pytest.param({"gluon": {"LAZY": 8.0}, "splits": 16}, id="lazy8_splits16")])
 def test_gluon_deepseek_v32_shape_matches_twin(options):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens (rows 0 .. 2047 select
     fewer than 2048), against the twin and the float64 reference; a row with no position returns 0."""

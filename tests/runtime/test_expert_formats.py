@@ -92,13 +92,11 @@ def test_fp8_expert_format_on_bf16_experts_runs_an_fp8_block_copy():
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_mxfp4_kernel_layer_holds_one_planar_copy(interleaved, monkeypatch):
+def test_mxfp4_kernel_layer_holds_one_planar_copy(interleaved):
     # the kernel path moves MXFP4 experts into the planar layout at load and drops the checkpoint's tensors;
-    # the torch path and the FP8 fold still read every expert as stored, and calls above PLANAR_MAX_TOKENS run
-    # in slices of it with the same output
+    # the torch path and the FP8 fold still read every expert as stored
     import dataclasses
 
-    from adapt.runtime import moe as moe_mod
     from tests.kernels.test_moe import make_layer
 
     e, h, i, t = 5, 64, 32, 7
@@ -120,7 +118,4 @@ def test_mxfp4_kernel_layer_holds_one_planar_copy(interleaved, monkeypatch):
     assert torch.equal(on_planar.forward(x), ref.forward(x))
     on_planar.expert_fp8 = ref.expert_fp8 = True  # the workspace's fold, from either copy
     assert torch.equal(on_planar.forward(x), ref.forward(x))
-    whole = layer.forward(x)
-    ids = layer.last_topk[0]
-    monkeypatch.setattr(moe_mod, "PLANAR_MAX_TOKENS", 3)
-    assert torch.equal(layer.forward(x), whole) and torch.equal(layer.last_topk[0], ids)
+    assert (layer.forward(x) - ref.forward(x)).abs().max() < 0.05  # bf16 activations, as the kernels tests bound
