@@ -29,7 +29,9 @@ for shape in ${SHAPES:-deepseek-v3 gpt-oss-120b}; do
   echo "$shape rc=$?"; cp /tmp/s11/$shape/moe_bench.json $R/moe_$shape.json 2>/dev/null
   grep -E "T=|FAILED|Error|peer try" $R/bench_$shape.log | tail -30
 done
-if [ -n "${MLA:-}" ]; then
+if [ -n "${MLA:-}" ]; then  # issue 16: the sparse MLA variants of mla_ws.py (LAZY rescale)
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -k "lazy" tests/kernels/test_sparse_mla_gluon.py \
+    > $R/pytest_gpu_mla.log 2>&1; echo "rc=$?" >> $R/pytest_gpu_mla.log; tail -3 $R/pytest_gpu_mla.log
   timeout 120 python3 benchmarks/next/mla_ws.py $R/mla 100 > $R/mla_ws.log 2>&1; echo "mla rc=$?"; tail -20 $R/mla_ws.log
 fi
 date -u
