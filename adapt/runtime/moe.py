@@ -21,17 +21,19 @@ Paths: ``torch`` loops over the experts that received tokens, dequantizing one e
 SwiGLU, down) and the weighted combine, whose output is bf16. The experts' format is chosen once, at
 load (``Experts.kernel_weights``):
 
-- MXFP4 (gpt-oss): at load the experts move into the planar layout (``Experts.to_planar``:
-  ``moe_planar.PlanarExperts``, the layout the planar GEMM decodes in a few integer ops per word), which
-  replaces the checkpoint's tensors, so the layer holds the MXFP4 bytes once (K padded to 128). Without a
-  workspace every call runs ``moe_planar.planar_moe`` (bf16 activations): the fastest measured MXFP4-storage
+- MXFP4 (gpt-oss): without a workspace the experts move into the planar layout at load
+  (``Experts.to_planar``: ``moe_planar.PlanarExperts``, the layout the planar GEMM decodes in a few integer
+  ops per word), which replaces the checkpoint's tensors, so the layer holds the MXFP4 bytes once (K padded to
+  128), and every call runs ``moe_planar.planar_moe`` (bf16 activations): the fastest measured MXFP4-storage
   path at T = 1..4096 at both real shapes (benchmarks/moe/2026-11-30-s2, calls 2-4, and 2026-12-02-s10), and at
-  T = 16384 in one call 1.28x / 1.33x faster than in slices of 4096 (DeepSeek-V3 23.6 ms, gpt-oss-120b 7.3 ms;
-  2026-12-02-s11, call 1). With the shared FP8 workspace every call
-  runs the workspace path (e4m3 activations, the 'fp8' expert format of the precision stage), converting the
-  active experts from the planar copy (``moe_planar.planar_to_fp8``, the same bytes as the conversion from
-  the checkpoint's tensors): the fastest online path measured at large T (H200, T = 16384,
-  benchmarks/moe/2026-11-30-s3-prefill: DeepSeek-V3 17.5-18.3 ms, gpt-oss-120b 6.6 ms);
+  T = 16384 in one call 1.28x / 1.33x faster than in slices of 4096 (DeepSeek-V3 23.6-24.0 ms, gpt-oss-120b
+  7.3 ms, the peer 23.9-24.3 / 6.9; 2026-12-02-s11). With the shared FP8 workspace the layer keeps the
+  checkpoint's MXFP4 tensors (its one copy) and every call runs the workspace path (e4m3 activations, the
+  'fp8' expert format of the precision stage): the fastest online path measured at large T (H200, T = 16384:
+  DeepSeek-V3 17.3-17.6 ms, gpt-oss-120b 6.3 ms, 2026-12-02-s11). The workspace can convert from the planar
+  copy too (``moe_planar.planar_to_fp8``, the same bytes), but that conversion measured 1.7x the word
+  conversion's time (8.7 against 5.0 ms at DeepSeek-V3 T = 16384), so the layer does not hold that layout
+  with a workspace;
 - FP8 with 128 x 128 block scales (DeepSeek-V3/V3.2, Kimi K2): e4m3 weights read as stored, activations
   in e4m3 per 1x128 group, fp8 MMA, each block's partial sum times its scales (DeepSeek-V3's W8A8);
 - bf16 (Qwen3, Mixtral, GLM): read as stored, bf16 activations; with the 'fp8' expert format
@@ -129,7 +131,7 @@ class MoE:
         self.path = path if path == "torch" or self.kernel_refusal is None else "torch"
         self.workspace = workspace
         self.planar = None
-        if self.path == "kernel" and experts.kernel_format == "mxfp4":
+        if self.path == "kernel" and experts.kernel_format == "mxfp4" and workspace is None:
             self.planar = experts.to_planar()  # the layer's one MXFP4 copy from here on
         self.kernel_experts = experts.kernel_weights() if self.path == "kernel" else None
         self._fp8_copy = None
@@ -261,7 +263,7 @@ class MoE:
         kw = dict(top_k=top_k, activation="swiglu_clamped" if self.clamped else "swiglu", alpha=self.alpha,
                   limit=self.limit)
         if self.experts.kernel_format == "mxfp4":
-            if self.workspace is not None:  # converted from the planar copy, chunk by chunk
+            if self.workspace is not None:  # converted from the MXFP4 tensors, chunk by chunk
                 return expert_mlp(x, perm, weights, workspace=self.workspace, **kw)
             return expert_mlp(x, perm, weights, compute="bf16", planar=self.planar, **kw)
         if weights.format == "bf16" and self.expert_fp8:

@@ -97,12 +97,13 @@ def test_mxfp4_kernel_layer_holds_one_planar_copy(interleaved):
     # the torch path and the FP8 fold still read every expert as stored
     import dataclasses
 
-    from tests.kernels.test_moe import make_layer
+    from tests.kernels.test_moe import DEV, make_layer
 
     e, h, i, t = 5, 64, 32, 7
     w = make_layer(e, h, i, bias=True, interleaved=interleaved, seed=5)
-    g = torch.Generator().manual_seed(5)
-    gate, x = Linear(torch.randn(e, h, generator=g)), torch.randn(t, h, generator=g).bfloat16()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    gate = Linear(torch.randn(e, h, generator=g, device=DEV))
+    x = torch.randn(t, h, generator=g, device=DEV).bfloat16()
     stored = Experts(count=e, interleaved=interleaved, mxfp4=w)
     ref = MoE(RouterSpec("qwen3", 2), gate, stored, path="torch")
     planar = Experts(count=e, interleaved=interleaved, mxfp4=dataclasses.replace(w))
@@ -119,3 +120,9 @@ def test_mxfp4_kernel_layer_holds_one_planar_copy(interleaved):
     on_planar.expert_fp8 = ref.expert_fp8 = True  # the workspace's fold, from either copy
     assert torch.equal(on_planar.forward(x), ref.forward(x))
     assert (layer.forward(x) - ref.forward(x)).abs().max() < 0.05  # bf16 activations, as the kernels tests bound
+    # with a workspace the layer keeps the checkpoint's tensors (the faster conversion's source) and no planar copy
+    from adapt.kernels.workspace import FP8Workspace
+
+    kept = Experts(count=e, interleaved=interleaved, mxfp4=dataclasses.replace(w))
+    with_ws = MoE(RouterSpec("qwen3", 2), gate, kept, path="kernel", workspace=FP8Workspace(2, h, i, DEV))
+    assert with_ws.planar is None and kept.mxfp4 is not None and kept.planar is None
