@@ -1001,9 +1001,10 @@ def _planar_to_fp8_kernel(
 
     words int32 [E, Np/64, steps, 64, 16], scales int32 [E, Np/64, steps, 64] (a step's four bytes) -> out e4m3
     [slots, n_rows, k] (as int32 words: K is a multiple of 32) and exp int32 [slots, n_rows]: the row exponent
-    g = max block exponent - 6 and each element e4m3(code * 2**(block exponent - g)), the fold of ``mxfp4.mxfp4_to_fp8(group_k=None)``. The code
-    values come from the planar bits as fp32 (as ``_plane``), times 2**d exactly, and round once to e4m3 (exact
-    for d >= -5; below, the same nearest-even rounding as the fold's), packed four to a 32-bit word for the store."""
+    g = max block exponent - 6 and each element e4m3(code * 2**(block exponent - g)), the fold of
+    ``mxfp4.mxfp4_to_fp8(group_k=None)``. The code values come from the planar bits as fp32 (as ``_plane``), times
+    2**d exactly, and round once to e4m3 (exact for d >= -5; below, the same nearest-even rounding as the fold's),
+    packed four to a 32-bit word for the store."""
     i = tl.program_id(0)
     e = e_lo + i
     if tl.load(offsets_ptr + e + 1) > tl.load(offsets_ptr + e):
