@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from adapt.runtime.weights import Experts, Linear, apply_linear
 
+
 @dataclass(frozen=True)
 class RouterSpec:
     """kind: 'deepseek' | 'gpt_oss' | 'qwen3'; top_k experts per token; DeepSeek grouping and scaling."""
