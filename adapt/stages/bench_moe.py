@@ -522,8 +522,9 @@ def _convert_all_planar(planar, ws, perm, config=None) -> torch.Tensor:
 
 def _sliced(x, perm, planar, topw, shape: dict, slice_tokens: int):
     """``planar_moe`` on slices of ``slice_tokens`` tokens (the way to keep the planar path at the token counts its
-    tables were measured at; at T = 16384 one call was faster, 2026-12-02-s11 call 1, so the runtime makes one) (each slice's permutation made here, untimed, as the runtime's routing is not in
-    these rows) -> a function returning [T, H]."""
+    tables were measured at; at T = 16384 one call was faster, 2026-12-02-s11 call 1, so the runtime makes one),
+    each slice's permutation made here, untimed (the runtime's routing is not in these rows) -> a function
+    returning [T, H]."""
     from adapt.kernels.moe_gemm import ACTIVATIONS
     from adapt.kernels.moe_planar import planar_moe
     from adapt.kernels.routing import permute_by_expert
