@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
+from adapt.kernels import pdl
 from adapt.kernels.moe_configs import PlanarConfig, PlanarMLPConfig
 from adapt.kernels.moe_tiles import num_sms, tile_slots
 from adapt.kernels.mxfp4 import INTERPRET, dequantize_mxfp4_torch, pow2_f32, to_bf16, to_e4m3
@@ -402,6 +403,7 @@ def _planar_gemm_kernel(
     FLATTEN: tl.constexpr = False,
     COMBINE: tl.constexpr = False,
     STREAM_K: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
@@ -419,8 +421,9 @@ def _planar_gemm_kernel(
     program, so every program ends at the same time (no last partial wave); a tile cut between programs
     gets one partial sum from each. Each tile's sum goes out by relaxed fp32 atomic adds: with COMBINE as
     above (bias by the part that holds step 0), else raw into part fp32 [S, n_rows] (zeroed by the caller),
-    which ``_split_k_epilogue_kernel`` (SPLIT_K 1) finishes (bias, SwiGLU, bf16).
+    which ``_split_k_epilogue_kernel`` (SPLIT_K 1) finishes (bias, SwiGLU, bf16). PDL: ``pdl.enter`` first.
     """
+    pdl.enter(PDL)
     n_m = tl.load(tile_start_ptr + n_experts)
     n_n = tl.cdiv(n_rows, BLOCK_N)
     total = n_m * n_n
@@ -548,9 +551,11 @@ def _split_k_epilogue_kernel(
     SPLIT_K: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (sorted position r, column block): sum the SPLIT_K partials, + bias of r's expert,
     SwiGLU of interleaved pairs (ACTIVATION 1/2) -> out bf16 [S, n_out]."""
+    pdl.enter(PDL)
     r = tl.program_id(0)
     ee = tl.arange(0, E_PAD)
     offs = tl.load(offsets_ptr + 1 + ee, mask=ee < n_experts, other=2**30)
@@ -827,6 +832,7 @@ def planar_gemm(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg or None,
+        **pdl.launch_options(x.device),
     )
     if (split > 1 or stream) and s and not combine:
         n_out = n_rows if activation == 0 else n_rows // 2
@@ -849,6 +855,7 @@ def planar_gemm(
             SPLIT_K=split,
             E_PAD=triton.next_power_of_2(e),
             BLOCK_R=block_r,
+            **pdl.launch_options(x.device),
         )
     return out
 

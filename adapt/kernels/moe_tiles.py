@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adapt.kernels import pdl
+
 
 @dataclass
 class TileMap:
@@ -58,8 +60,10 @@ def _tile_map_kernel(
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: tiles per expert, their exclusive prefix, then expert and row of every tile."""
+    pdl.enter(PDL)
     e = tl.arange(0, E_PAD)
     em = e < n_experts
     lo = tl.load(offsets_ptr + e, mask=em, other=0)
@@ -97,6 +101,7 @@ def tile_map(expert_offsets: torch.Tensor, block_m: int, max_tiles: int) -> Tile
         BLOCK_M=block_m,
         E_PAD=triton.next_power_of_2(e),
         CHUNK=32,
+        **pdl.launch_options(dev),
     )
     return TileMap(ex, row, start, block_m, max_tiles)
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from adapt.errors import InputError
+from adapt.kernels import pdl
 from adapt.kernels.mxfp4 import to_bf16
 
 
@@ -360,8 +361,10 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: one token x BLOCK_H columns."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cm = c < h
@@ -394,5 +397,6 @@ def combine(
             TOPK=k,
             HAS_SHARED=shared is not None,
             BLOCK_H=bh,
+            **pdl.launch_options(y.device),
         )
     return out
