@@ -235,7 +235,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     scalar (``_any_rescale``: one LDS and a REDUX, no barrier of its own) and the accumulator's rescale (128 FMUL a
     thread) runs under that uniform branch. Rows still at -inf before the tile have a zero accumulator and never ask
     for it, so with random scores only rare tiles take the branch. Not bit-equal to LAZY 0 (p and l are taken
-    against another max, so they round differently): within the kernel-vs-twin tolerance."""
+    against another max, so they round differently): within the kernel-vs-twin tolerance. Measured 4-6% slower than
+    LAZY 0 on the H200 (``GLUON_FLAGS``): the flag round trip sits on the q.k -> p @ v chain."""
     gl.static_assert(BLOCK_H == 64)
     row = gl.program_id(0).to(gl.int64)
     head0 = gl.program_id(1) * BLOCK_H
@@ -609,7 +610,8 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # closing call (benchmarks/gpu-2026-12-01-dsa-s4-final, 564516d): decode 144.6 / 144.9 us at 2 / 4 against 137.5,
 # prefill rows 8.34 / 8.40 ms against 7.81.
 # LAZY (0 = off, else the threshold in log2 units, 8.0 as FlashAttention-4): the lazy rescale of
-# ``sparse_mla_gluon_kernel`` (its docstring); not yet timed (benchmarks/next/mla_ws.py compares it with the default).
+# ``sparse_mla_gluon_kernel`` (its docstring). Slower, so off: benchmarks/gpu-2026-12-02-dsa-s11 (422ab57), TAU 8 at
+# batch 64 x 128K 141.8 / 142.3 us against 136.1 / 133.9, 4096 prefill rows 8.18 / 8.19 ms against 7.73 / 7.74.
 GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0}
 # WS: ``sparse_mla_gluon_ws_kernel`` instead (a producer partition of PWARPS warps with PREGS registers a thread
 # gathers and dequantises; MAXNREG caps the launch so that 8 + PWARPS warps fit one SM's 64K registers: the
