@@ -63,7 +63,10 @@ class PlanarConfig:
     flatten: with programs_per_sm > 0, the tile and K loops pipelined as one loop (loads run ahead
     across a program's tiles), stream_k: num_sms * programs_per_sm (at least 1 a SM) persistent programs,
     each one equal run of the tiles x K steps, sums out by fp32 atomic adds (``moe_planar._planar_gemm_kernel``'s
-    STREAM_K; split_k and flatten ignored)."""
+    STREAM_K; split_k and flatten ignored); l2_next (GEMM1 only, 0 off): the programs of each expert's first
+    m-tile prefetch that fraction of the expert's next-GEMM words into L2 (evict-last priority), so GEMM2 reads
+    them from L2 (``moe_planar._planar_gemm_kernel``'s L2_NEXT; small T, where GEMM1 leaves HBM bandwidth
+    unused)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -76,6 +79,7 @@ class PlanarConfig:
     maxnreg: int = 0
     flatten: bool = False
     stream_k: bool = False
+    l2_next: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -362,6 +362,19 @@ def _scale_pairs(s4, ODD: tl.constexpr, TWO_MULS: tl.constexpr):
 
 
 @triton.jit
+def _l2_prefetch_share(base, n_words, part, parts):
+    """Prefetch share ``part`` of ``parts`` of words [0, n_words) at ``base`` (int32 pointer) into L2, evict-last:
+    one ``prefetch.global.L2`` a 128-byte line, no registers written, nothing waited for."""
+    per = tl.cdiv(tl.cdiv(n_words, parts), 32) * 32
+    lo = part * per
+    hi = tl.minimum(lo + per, n_words)
+    for i0 in range(lo, hi, 32 * 256):
+        offs = tl.minimum(i0 + tl.arange(0, 256) * 32, hi - 1)  # clamped: a repeated line costs nothing
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _planar_gemm_kernel(
     x_ptr,
     stride_x,
@@ -404,6 +417,10 @@ def _planar_gemm_kernel(
     COMBINE: tl.constexpr = False,
     STREAM_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    pf_ptr=None,
+    pf_words=0,
+    pf_stride_e=0,
+    L2_NEXT: tl.constexpr = False,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
@@ -422,6 +439,9 @@ def _planar_gemm_kernel(
     gets one partial sum from each. Each tile's sum goes out by relaxed fp32 atomic adds: with COMBINE as
     above (bias by the part that holds step 0), else raw into part fp32 [S, n_rows] (zeroed by the caller),
     which ``_split_k_epilogue_kernel`` (SPLIT_K 1) finishes (bias, SwiGLU, bf16). PDL: ``pdl.enter`` first.
+    L2_NEXT (``PlanarConfig.l2_next``): the programs of each expert's first m-tile prefetch n-tile nt's share of the
+    first pf_words words of that expert's next-GEMM words (pf_ptr, pf_stride_e words an expert) into L2 with the
+    evict-last priority (this GEMM's words, streamed once through the asynchronous copies, keep the normal one).
     """
     pdl.enter(PDL)
     n_m = tl.load(tile_start_ptr + n_experts)
@@ -447,6 +467,9 @@ def _planar_gemm_kernel(
             tile, n_m, n_n, 0, tile_expert_ptr, tile_row_ptr, offsets_ptr, sorted_slot_ptr,
             TOPK, GATHER, BLOCK_M, GROUP_M,
         )
+        if L2_NEXT:
+            if tl.min(rows, axis=0) == tl.load(offsets_ptr + e):  # the expert's first m-tile
+                _l2_prefetch_share(pf_ptr + e.to(tl.int64) * pf_stride_e, pf_words, nt, n_n)
         n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_rows
         nc = tl.minimum(n, n_rows - 1).to(tl.int64)  # clamped rows: loads need no mask
@@ -760,12 +783,14 @@ def planar_gemm(
     limit: float,
     cfg: PlanarConfig,
     gamma: torch.Tensor | None = None,
+    next_w: PlanarMXFP4 | None = None,
 ) -> torch.Tensor:
     """One grouped GEMM on planar weights: x bf16 [T, K] (gather) or [S, K] (sorted) -> out bf16
     [S, n_out] in sorted order (see ``_planar_gemm_kernel``). bias: float [E, N] in the planar row
     order (GEMM1: interleaved gate/up) or None. tiles: ``moe_tiles.TileMap`` with block_m = cfg.block_m.
     gamma: fp32 [T * top_k] routing weights by slot: the weighted combine in the epilogue (activation
-    0, sorted x), out then fp32 [T, N] zeroed, the sums added into it.
+    0, sorted x), out then fp32 [T, N] zeroed, the sums added into it. next_w: the next GEMM's weights, whose
+    words ``cfg.l2_next`` of each active expert are prefetched into L2 (compiled only, never the interpreter).
     """
     combine = gamma is not None
     if combine and (activation != 0 or gather or out.dtype != torch.float32):
@@ -788,6 +813,11 @@ def planar_gemm(
     has_bias = bias is not None
     b = bias if has_bias else out
     interp_f32 = INTERPRET
+    prefetch = {}
+    if next_w is not None and cfg.l2_next > 0 and not INTERPRET and x.device.type == "cuda":
+        per_e = next_w.words.stride(0)
+        prefetch = dict(pf_ptr=next_w.words, pf_words=max(32, int(per_e * min(1.0, cfg.l2_next))), pf_stride_e=per_e,
+                        L2_NEXT=True)
     _planar_gemm_kernel[(max(1, n_work), split)](
         x,
         x.stride(0),
@@ -833,6 +863,7 @@ def planar_gemm(
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg or None,
         **pdl.launch_options(x.device),
+        **prefetch,
     )
     if (split > 1 or stream) and s and not combine:
         n_out = n_rows if activation == 0 else n_rows // 2
@@ -1153,7 +1184,9 @@ def planar_experts_run(
     hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
     gemm = planar_gemm_torch if twin else planar_gemm
     common = dict(top_k=top_k, alpha=alpha, limit=limit)
-    gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=activation, cfg=c1, **common)
+    nxt = {} if twin else {"next_w": planar.w2}
+    gemm(hidden, planar.w1, planar.w1_bias, perm, tiles, hbuf, gather=True, activation=activation, cfg=c1, **common,
+         **nxt)
     if topw is None:
         y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
         return gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2, **common)

@@ -962,3 +962,23 @@ def test_planar_mlp_one_kernel_real_shapes_gpu(name, t):
         got = mp.planar_moe(x, perm, planar, topw, top_k=s["k"], activation=code,
                             one_kernel=mc.PlanarMLPConfig(**fields))
         assert rel(got, twin) < TWIN_TOL, fields
+
+
+def test_planar_l2_next_prefetch_keeps_the_output():
+    """GEMM1 prefetching GEMM2's words into L2 (``PlanarConfig.l2_next``) changes no output bit (compiled: the
+    prefetch instructions; under the interpreter the option is ignored, so a small layer only)."""
+    from adapt.kernels.moe_configs import PlanarConfig
+    from adapt.kernels.moe_planar import PlanarExperts, planar_moe
+
+    g = _gen(21)
+    e, h, i = (8, 512, 256) if DEV == "cuda" else (4, 128, 64)
+    planar = PlanarExperts.from_weights(make_layer(e, h, i, bias=True, seed=21))
+    x = torch.randn(3, h, generator=g, device=DEV).bfloat16()
+    ids = torch.randint(0, e, (3, 2), generator=g, device=DEV).int()
+    topw = torch.rand(3, 2, generator=g, device=DEV)
+    perm = rt.permute_by_expert(ids, e)
+    c = PlanarConfig(16, 64, 1, 4, 4, 3, 0, True, 128) if DEV == "cuda" else mc.pick_planar_configs(6, e)[0]
+    ref = planar_moe(x, perm, planar, topw, top_k=2, activation=1, config=(c, c), fused=False)
+    for fraction in (0.5, 1.0) if DEV == "cuda" else (1.0,):
+        cfg = (dataclasses.replace(c, l2_next=fraction), c)
+        assert torch.equal(planar_moe(x, perm, planar, topw, top_k=2, activation=1, config=cfg, fused=False), ref)
