@@ -65,8 +65,8 @@ class PlanarConfig:
     each one equal run of the tiles x K steps, sums out by fp32 atomic adds (``moe_planar._planar_gemm_kernel``'s
     STREAM_K; split_k and flatten ignored); l2_next (GEMM1 only, 0 off): the programs of each expert's first
     m-tile prefetch that fraction of the expert's next-GEMM words into L2 (evict-last priority), so GEMM2 reads
-    them from L2 (``moe_planar._planar_gemm_kernel``'s L2_NEXT; small T, where GEMM1 leaves HBM bandwidth
-    unused)."""
+    them from L2 (``moe_planar._planar_gemm_kernel``'s L2_NEXT). Measured slower at T = 1..64 on the H200 (3-14%,
+    benchmarks/moe/2026-12-02-s11 call 5), so no table row sets it."""
 
     block_m: int = 16
     block_n: int = 64
