@@ -1,0 +1,76 @@
+"""Planar tiles of 256 weight rows and 8 warps at small T (issue 15: DeepSeek-V3 T = 64 at 0.85 of copy). The table's
+rows at T = 16..256 are 128-row tiles of 4 warps (32 rows a warp). A 256-row tile of 8 warps keeps 32 rows a warp
+(the same 391-instruction step a warp, sm_90 build, 128 registers, no spills) and halves the activation tile's loads
+and the programs per weight byte: two programs an SM instead of four. ``planar_moe`` (the runtime's path) on the
+table's configs and with GEMM1, GEMM2 or both at (256 rows, 8 warps, 3 or 4 stages), in turns (ROUNDS rounds,
+CUDA-graph medians of REPS replays), beside the same-run copy rate.
+
+Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_n256.py OUT_JSON
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+from adapt.bench.ceilings import measure_ceilings
+from adapt.bench.timer import time_in_turns
+from adapt.kernels.moe_configs import pick_planar_configs
+from adapt.kernels.moe_gemm import ACTIVATIONS
+from adapt.kernels.moe_planar import PlanarExperts, planar_moe
+from adapt.kernels.moe_weights import mxfp4_expert_bytes
+from adapt.stages.bench_moe import SHAPES, _point, _random_layer
+
+TOKENS = {"deepseek-v3": (16, 64), "gpt-oss-120b": (16, 64, 256)}
+ROUNDS, REPS = 7, 20
+
+
+def _wide(c, stages):
+    return dataclasses.replace(c, block_n=256, num_warps=8, num_stages=stages)
+
+
+def main(out: str) -> None:
+    ceil = measure_ceilings()
+    res = dict(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), commit=os.environ.get("ADAPT_COMMIT"),
+               gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tbps=ceil["copy_tbps"], rows=[])
+    dev_name = torch.cuda.get_device_name()
+    for name, tokens in TOKENS.items():
+        shape = SHAPES[name]
+        torch.manual_seed(0)
+        routed, _ = _random_layer(shape, "cuda")
+        planar = PlanarExperts.from_weights(routed)
+        routed = None
+        e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
+        act = ACTIVATIONS[shape["activation"]]
+        for t in tokens:
+            x, perm, active, topw = _point(t, e, k, h, "cuda")
+            c1, c2 = pick_planar_configs(t * k, e, dev_name, h, inter)
+            variants = {"table": (c1, c2), "g1 n256 st3": (_wide(c1, 3), c2),
+                        "both n256 st3": (_wide(c1, 3), _wide(c2, 3)), "both n256 st4": (_wide(c1, 4), _wide(c2, 4)),
+                        "g2 n256 st3": (c1, _wide(c2, 3))}
+            fns = {v: (lambda cfg=cfg, x=x, perm=perm, topw=topw, p=planar, k=k, a=act:
+                       planar_moe(x, perm, p, topw, top_k=k, activation=a, config=cfg)) for v, cfg in variants.items()}
+            ref = fns["table"]().float()
+            err = {v: float((fn().float() - ref).abs().max() / ref.abs().max()) for v, fn in fns.items()}
+            times = time_in_turns(fns, ROUNDS, REPS)
+            floor = active * mxfp4_expert_bytes(h, inter) / (ceil["copy_tbps"] * 1e6)
+            med = {v: statistics.median(ts) for v, ts in times.items()}
+            res["rows"].append(dict(shape=name, tokens=t, active=active, floor_us=floor, max_rel_diff=err, us=times,
+                                    median_us=med))
+            print(f"{name:13s} T={t:4d} | " + " | ".join(
+                f"{v} {m:8.1f} ({m / med['table']:.3f}, {floor / m:.3f} of copy, diff {err[v]:.1e})"
+                for v, m in med.items()), flush=True)
+        planar = None
+        torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
