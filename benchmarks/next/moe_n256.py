@@ -3,7 +3,10 @@ rows at T = 16..256 are 128-row tiles of 4 warps (32 rows a warp). A 256-row til
 (the same 391-instruction step a warp, sm_90 build, 128 registers, no spills) and halves the activation tile's loads
 and the programs per weight byte: two programs an SM instead of four. ``planar_moe`` (the runtime's path) on the
 table's configs and with GEMM1, GEMM2 or both at (256 rows, 8 warps, 3 or 4 stages), in turns (ROUNDS rounds,
-CUDA-graph medians of REPS replays), beside the same-run copy rate.
+CUDA-graph medians of REPS replays), beside the same-run copy rate. From T = LARGE (the planar path of the
+runtime's layer without a workspace, 0.89-0.92x the peer on gpt-oss-120b at 4096 and 16384): the table's 128 x 256
+tiles of 8 warps, 3 stages (sm_90 build: 255 registers, 64 bytes spilled) against 128-row tiles of 8 warps (3 or 4
+stages: 236 registers, no spills), 64-token tiles (254, none) and 128-row GEMM2 tiles alone.
 
 Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_n256.py OUT_JSON
 """
@@ -27,8 +30,10 @@ from adapt.kernels.moe_planar import PlanarExperts, planar_moe
 from adapt.kernels.moe_weights import mxfp4_expert_bytes
 from adapt.stages.bench_moe import SHAPES, _point, _random_layer
 
-TOKENS = {"deepseek-v3": (16, 64), "gpt-oss-120b": (16, 64, 256)}
+TOKENS = {"deepseek-v3": (16, 64, 16384), "gpt-oss-120b": (16, 64, 256, 4096, 16384)}
 ROUNDS, REPS = 7, 20
+LARGE = 4096
+"""From this T (the table's 128 x 256 tiles of 8 warps, 3 stages): other large tiles, 3 rounds of 10 replays."""
 
 
 def _wide(c, stages):
@@ -51,14 +56,22 @@ def main(out: str) -> None:
         for t in tokens:
             x, perm, active, topw = _point(t, e, k, h, "cuda")
             c1, c2 = pick_planar_configs(t * k, e, dev_name, h, inter)
-            variants = {"table": (c1, c2), "g1 n256 st3": (_wide(c1, 3), c2),
-                        "both n256 st3": (_wide(c1, 3), _wide(c2, 3)), "both n256 st4": (_wide(c1, 4), _wide(c2, 4)),
-                        "g2 n256 st3": (c1, _wide(c2, 3))}
+            if t >= LARGE:
+                r = dataclasses.replace
+                n128 = {"block_n": 128, "num_warps": 8, "num_stages": 4}
+                variants = {"table": (c1, c2), "n128 w8 st3": (r(c1, block_n=128), r(c2, block_n=128)),
+                            "n128 w8 st4": (r(c1, **n128), r(c2, **n128)),
+                            "m64": (r(c1, block_m=64), r(c2, block_m=64)),
+                            "g2 n128 w8 st4": (c1, r(c2, **n128))}
+            else:
+                variants = {"table": (c1, c2), "g1 n256 st3": (_wide(c1, 3), c2),
+                            "both n256 st3": (_wide(c1, 3), _wide(c2, 3)),
+                            "both n256 st4": (_wide(c1, 4), _wide(c2, 4)), "g2 n256 st3": (c1, _wide(c2, 3))}
             fns = {v: (lambda cfg=cfg, x=x, perm=perm, topw=topw, p=planar, k=k, a=act:
                        planar_moe(x, perm, p, topw, top_k=k, activation=a, config=cfg)) for v, cfg in variants.items()}
             ref = fns["table"]().float()
             err = {v: float((fn().float() - ref).abs().max() / ref.abs().max()) for v, fn in fns.items()}
-            times = time_in_turns(fns, ROUNDS, REPS)
+            times = time_in_turns(fns, 3 if t >= LARGE else ROUNDS, 10 if t >= LARGE else REPS)
             floor = active * mxfp4_expert_bytes(h, inter) / (ceil["copy_tbps"] * 1e6)
             med = {v: statistics.median(ts) for v, ts in times.items()}
             res["rows"].append(dict(shape=name, tokens=t, active=active, floor_us=floor, max_rel_diff=err, us=times,
