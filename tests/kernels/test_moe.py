@@ -658,15 +658,14 @@ def test_workspace_from_the_planar_copy_matches_the_checkpoint_tensors(interleav
     from adapt.kernels.moe_planar import PlanarExperts
 
     g = _gen(12)
-    w = make_layer(5, 64, 32, bias=True, interleaved=interleaved, seed=12)
-    x = torch.randn(7, 64, generator=g, device=DEV).bfloat16()
-    ids = torch.randint(0, 5, (7, 2), generator=g, device=DEV).int()
-    perm = rt.permute_by_expert(ids, 5)
-    ref = mg.expert_mlp(x, perm, w, top_k=2, workspace=FP8Workspace(2, 64, 32, DEV))
+    w = make_layer(3, 64, 32, bias=True, interleaved=interleaved, seed=12)
+    x = torch.randn(5, 64, generator=g, device=DEV).bfloat16()
+    ids = torch.randint(0, 3, (5, 2), generator=g, device=DEV).int()
+    perm = rt.permute_by_expert(ids, 3)
+    ref = mg.expert_mlp(x, perm, w, top_k=2, workspace=FP8Workspace(2, 64, 32, DEV))  # chunks (0, 2), (2, 3)
     planar = PlanarExperts.from_weights(w)
-    for schedule in ("serial", "side"):
-        ws = FP8Workspace(2, 64, 32, DEV, schedule=schedule)
-        assert torch.equal(mg.expert_mlp(x, perm, planar, top_k=2, workspace=ws), ref), schedule
+    ws = FP8Workspace(2, 64, 32, DEV)
+    assert torch.equal(mg.expert_mlp(x, perm, planar, top_k=2, workspace=ws), ref)
     with pytest.raises(InputError, match="before the planar copy"):
         ws.record_fold_loss(planar)
 
