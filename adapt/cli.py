@@ -523,7 +523,7 @@ def run_command(
     moe_workspace: Annotated[int, typer.Option(
         "--moe-workspace", min=0, help="With the moe kernel: experts per chunk of the shared FP8 workspace "
         "(online MXFP4 -> FP8 of active experts, fp8 GEMMs); 0 runs the planar MXFP4 GEMMs, bf16 activations. "
-        "Either way the experts are held once, in the planar layout.")] = 0,
+        "Either way the expert bytes are held once.")] = 0,
     as_json: JsonOpt = False,
     image: Annotated[Path | None, typer.Option(
         "--image", help="Image file for a multimodal model (llama4: one tile; kimi_k25: native resolution), "

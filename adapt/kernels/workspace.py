@@ -18,9 +18,10 @@ once (2 * chunk_experts), never the expert count; ``online_memory_ratio`` gives 
     ws.record_fold_loss(weights)   # once, at load time: count elements the e4m3 fold cannot hold
     ws.lost              # int64 [1] on the device: elements that lost bits (recorded layers)
 
-The source is the layer's ``MoEWeights`` or its ``PlanarExperts`` (the runtime's one MXFP4 copy:
-``moe_planar.planar_to_fp8`` writes the same bytes, GEMM1's rows gate/up interleaved, so the GEMMs
-read them with ``interleaved=True``).
+The source is the layer's ``MoEWeights`` or its ``PlanarExperts`` (``moe_planar.planar_to_fp8``
+writes the same bytes, GEMM1's rows gate/up interleaved, so the GEMMs read them with
+``interleaved=True``). That conversion measured 1.7x the word conversion's time on the H200
+(benchmarks/moe/2026-12-02-s11), so the runtime's layers with a workspace keep ``MoEWeights``.
 
 The per-step conversion does no loss counting (``count_loss=False``, the default): the fold of a
 layer is fixed by its weights, so its loss is counted once by ``record_fold_loss``.

@@ -161,9 +161,9 @@ class Engine:
         layers: None (all), a count, or indices ('0,3,60'); kernels: see ``parse_kernels``;
         dtype: compute dtype (float32 for reference comparisons, bfloat16 to run);
         moe_workspace: with the MoE kernel, experts per chunk of the shared FP8 workspace (online
-        MXFP4 -> e4m3 conversion of the active experts only, from the planar copy, fp8 GEMMs);
-        0 runs the planar MXFP4 GEMMs (bf16 activations) instead; latent_fp8: MLA layers cache
-        their latent as e4m3 + fp32 scales.
+        MXFP4 -> e4m3 conversion of the active experts only, fp8 GEMMs; MXFP4 layers keep their
+        tensors); 0 runs the planar MXFP4 GEMMs (bf16 activations) instead, the planar copy
+        replacing the tensors; latent_fp8: MLA layers cache their latent as e4m3 + fp32 scales.
         formats / faults: ``adapt.runtime.variants.Formats`` / ``Faults``
         (precision variants and test hooks; None: as stored, no faults).
         """

@@ -130,8 +130,8 @@ class Experts:
 
     def to_planar(self):
         """Replace the MXFP4 tensors by their planar copy (``PlanarExperts``, load time) and return it: the
-        kernels' layout, read by the planar GEMMs and by the FP8 workspace's conversion alike; the torch path
-        and ``expert_mxfp4`` unpack one expert from it when asked."""
+        layout the planar GEMMs read (``moe_planar.planar_to_fp8`` also converts it into an FP8 workspace); the
+        torch path and ``expert_mxfp4`` unpack one expert from it when asked."""
         if self.planar is None:
             from adapt.kernels.moe_planar import PlanarExperts
 
