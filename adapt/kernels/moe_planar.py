@@ -189,9 +189,9 @@ def planar_to_mxfp4_torch(p: PlanarMXFP4, interleaved: bool = False) -> tuple[to
 
 
 @triton.jit
-def _plane(w, f, P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Plane p of words w int32 [BLOCK_N, 8] -> fp32 [BLOCK_N, 16] times f fp32 [BLOCK_N] (2**(s-127)):
-    the bit moves of ``_plane_ptx`` in plain Triton (the interpreter's path)."""
+def _plane_bits(w, P: tl.constexpr):
+    """Plane P of words w (int32) as uint32 pairs: in each 16-bit half the code's magnitude at bits 6..8 and its
+    sign at bit 15, the bf16 of code * 2**-126 (the bit moves of ``_plane_ptx``)."""
     u = w.to(tl.uint32, bitcast=True)
     if P == 0:
         pair = (u << 6) & 0x81C081C0
@@ -201,6 +201,14 @@ def _plane(w, f, P: tl.constexpr, BLOCK_N: tl.constexpr):
         pair = (u & 0x01C001C0) | ((u << 5) & 0x80008000)
     else:
         pair = ((u >> 7) & 0x01C001C0) | ((u << 4) & 0x80008000)
+    return pair
+
+
+@triton.jit
+def _plane(w, f, P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Plane p of words w int32 [BLOCK_N, 8] -> fp32 [BLOCK_N, 16] times f fp32 [BLOCK_N] (2**(s-127)):
+    the bit moves of ``_plane_ptx`` in plain Triton (the interpreter's path)."""
+    pair = _plane_bits(w, P)
     lo = (pair << 16).to(tl.float32, bitcast=True)
     hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
     v = tl.reshape(tl.join(lo, hi), (BLOCK_N, 16))
@@ -996,15 +1004,7 @@ class PlanarExperts:
 def _plane_e4m3_pairs(w, f, P: tl.constexpr):
     """Plane P of words w int32 [BLOCK_N, C] as e4m3(code * f) (f fp32 [BLOCK_N], a power of two): uint32 [BLOCK_N, C],
     bytes 0 and 1 of word c the plane's elements 2c and 2c + 1 of the word."""
-    u = w.to(tl.uint32, bitcast=True)
-    if P == 0:
-        pair = (u << 6) & 0x81C081C0
-    elif P == 1:
-        pair = (u << 3) & 0x81C081C0
-    elif P == 2:
-        pair = (u & 0x01C001C0) | ((u << 5) & 0x80008000)
-    else:
-        pair = ((u >> 7) & 0x01C001C0) | ((u << 4) & 0x80008000)
+    pair = _plane_bits(w, P)
     # each half: the code value times 2**-126 as the high bits of an fp32 (``_plane``), then times 2**126 * f
     lo = (pair << 16).to(tl.float32, bitcast=True) * 8.507059173023462e37 * f[:, None]
     hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True) * 8.507059173023462e37 * f[:, None]

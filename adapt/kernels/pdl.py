@@ -47,6 +47,17 @@ def launch_options(device: torch.device) -> dict:
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
+def with_setting(on: bool, fn):
+    """``fn`` wrapped to run with PDL set to ``on`` (benchmarks time a chain both ways in turns; a CUDA graph
+    captured inside keeps the launches' setting)."""
+
+    def run():
+        set_enabled(on)
+        return fn()
+
+    return run
+
+
 @triton.jit
 def enter(PDL: tl.constexpr):
     """First statement of a chain kernel: with PDL, wait for the kernel before, then let the next one launch."""

@@ -12,50 +12,36 @@ Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_l2.py OUT_JSON
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
-import os
-import statistics
 import sys
 
 import torch
+from moe_probe import floor_us, header, in_turns, moe_fn, planar_layer
 
 from adapt.bench.ceilings import measure_ceilings
-from adapt.bench.timer import time_in_turns
 from adapt.kernels.moe_configs import pick_planar_configs
-from adapt.kernels.moe_gemm import ACTIVATIONS
-from adapt.kernels.moe_planar import PlanarExperts, planar_moe
-from adapt.kernels.moe_weights import mxfp4_expert_bytes
-from adapt.stages.bench_moe import SHAPES, _point, _random_layer
+from adapt.stages.bench_moe import _point
 
 TOKENS, FRACTIONS, ROUNDS, REPS = (1, 16, 64), (0.4, 0.7, 1.0), 5, 20
 
 
 def main(out: str) -> None:
     ceil = measure_ceilings()
-    res = dict(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), commit=os.environ.get("ADAPT_COMMIT"),
-               gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tbps=ceil["copy_tbps"], rows=[])
+    res = header(ceil)
     name_dev = torch.cuda.get_device_name()
     for name in ("deepseek-v3", "gpt-oss-120b"):
-        shape = SHAPES[name]
-        torch.manual_seed(0)
-        routed, _ = _random_layer(shape, "cuda")
-        planar = PlanarExperts.from_weights(routed)
-        routed = None
+        shape, planar = planar_layer(name)
         e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
-        act = ACTIVATIONS[shape["activation"]]
         for t in TOKENS:
             x, perm, active, topw = _point(t, e, k, h, "cuda")
             c1, c2 = pick_planar_configs(t * k, e, name_dev, h, inter)
             variants = {"table": (c1, c2)}
             variants |= {f"l2_next {f}": (dataclasses.replace(c1, l2_next=f), c2) for f in FRACTIONS}
-            fns = {v: (lambda cfg=cfg, x=x, perm=perm, topw=topw, p=planar, k=k, a=act:
-                       planar_moe(x, perm, p, topw, top_k=k, activation=a, config=cfg)) for v, cfg in variants.items()}
+            fns = {v: moe_fn(shape, planar, x, perm, topw, cfg) for v, cfg in variants.items()}
             ref = fns["table"]()
             equal = {v: bool(torch.equal(fn(), ref)) for v, fn in fns.items()}
-            times = time_in_turns(fns, ROUNDS, REPS)
-            floor = active * mxfp4_expert_bytes(h, inter) / (ceil["copy_tbps"] * 1e6)
-            med = {v: statistics.median(ts) for v, ts in times.items()}
+            times, med = in_turns(fns, ROUNDS, REPS)
+            floor = floor_us(shape, active, ceil["copy_tbps"])
             row = dict(shape=name, tokens=t, active=active, floor_us=floor, equal=equal, us=times, median_us=med)
             res["rows"].append(row)
             print(f"{name:13s} T={t:4d} floor {floor:7.1f} us | " + " | ".join(

@@ -14,21 +14,15 @@ Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_n256.py OUT_JSON
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
-import os
-import statistics
 import sys
 
 import torch
+from moe_probe import floor_us, header, in_turns, moe_fn, planar_layer
 
 from adapt.bench.ceilings import measure_ceilings
-from adapt.bench.timer import time_in_turns
 from adapt.kernels.moe_configs import pick_planar_configs
-from adapt.kernels.moe_gemm import ACTIVATIONS
-from adapt.kernels.moe_planar import PlanarExperts, planar_moe
-from adapt.kernels.moe_weights import mxfp4_expert_bytes
-from adapt.stages.bench_moe import SHAPES, _point, _random_layer
+from adapt.stages.bench_moe import _point
 
 TOKENS = {"deepseek-v3": (16, 64, 16384), "gpt-oss-120b": (16, 64, 256, 4096, 16384)}
 ROUNDS, REPS = 7, 20
@@ -42,17 +36,11 @@ def _wide(c, stages):
 
 def main(out: str) -> None:
     ceil = measure_ceilings()
-    res = dict(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), commit=os.environ.get("ADAPT_COMMIT"),
-               gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tbps=ceil["copy_tbps"], rows=[])
+    res = header(ceil)
     dev_name = torch.cuda.get_device_name()
     for name, tokens in TOKENS.items():
-        shape = SHAPES[name]
-        torch.manual_seed(0)
-        routed, _ = _random_layer(shape, "cuda")
-        planar = PlanarExperts.from_weights(routed)
-        routed = None
+        shape, planar = planar_layer(name)
         e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
-        act = ACTIVATIONS[shape["activation"]]
         for t in tokens:
             x, perm, active, topw = _point(t, e, k, h, "cuda")
             c1, c2 = pick_planar_configs(t * k, e, dev_name, h, inter)
@@ -67,13 +55,11 @@ def main(out: str) -> None:
                 variants = {"table": (c1, c2), "g1 n256 st3": (_wide(c1, 3), c2),
                             "both n256 st3": (_wide(c1, 3), _wide(c2, 3)),
                             "both n256 st4": (_wide(c1, 4), _wide(c2, 4)), "g2 n256 st3": (c1, _wide(c2, 3))}
-            fns = {v: (lambda cfg=cfg, x=x, perm=perm, topw=topw, p=planar, k=k, a=act:
-                       planar_moe(x, perm, p, topw, top_k=k, activation=a, config=cfg)) for v, cfg in variants.items()}
+            fns = {v: moe_fn(shape, planar, x, perm, topw, cfg) for v, cfg in variants.items()}
             ref = fns["table"]().float()
             err = {v: float((fn().float() - ref).abs().max() / ref.abs().max()) for v, fn in fns.items()}
-            times = time_in_turns(fns, 3 if t >= LARGE else ROUNDS, 10 if t >= LARGE else REPS)
-            floor = active * mxfp4_expert_bytes(h, inter) / (ceil["copy_tbps"] * 1e6)
-            med = {v: statistics.median(ts) for v, ts in times.items()}
+            times, med = in_turns(fns, 3 if t >= LARGE else ROUNDS, 10 if t >= LARGE else REPS)
+            floor = floor_us(shape, active, ceil["copy_tbps"])
             res["rows"].append(dict(shape=name, tokens=t, active=active, floor_us=floor, max_rel_diff=err, us=times,
                                     median_us=med))
             print(f"{name:13s} T={t:4d} | " + " | ".join(

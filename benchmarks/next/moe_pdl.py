@@ -10,54 +10,35 @@ Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_pdl.py OUT_JSON
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import os
-import statistics
 import sys
 
 import torch
+from moe_probe import floor_us, header, in_turns, moe_fn, planar_layer
 
 from adapt.bench.ceilings import measure_ceilings
-from adapt.bench.timer import time_in_turns
 from adapt.kernels import pdl
-from adapt.kernels.moe_gemm import ACTIVATIONS
-from adapt.kernels.moe_planar import PlanarExperts, planar_moe
-from adapt.kernels.moe_weights import mxfp4_expert_bytes
-from adapt.stages.bench_moe import SHAPES, _point, _random_layer
+from adapt.stages.bench_moe import _point
 
 TOKENS, ROUNDS, REPS = (1, 16, 64, 256, 1024), 5, 20
 
 
-def _with(on: bool, fn):
-    def run():
-        pdl.set_enabled(on)
-        return fn()
-    return run
-
-
 def main(out: str) -> None:
     ceil = measure_ceilings()
-    res = dict(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), commit=os.environ.get("ADAPT_COMMIT"),
-               gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tbps=ceil["copy_tbps"], rows=[])
+    res = header(ceil)
     for name in ("deepseek-v3", "gpt-oss-120b"):
-        shape = SHAPES[name]
-        torch.manual_seed(0)
-        routed, _ = _random_layer(shape, "cuda")
-        planar = PlanarExperts.from_weights(routed)
-        routed = None
-        e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
+        shape, planar = planar_layer(name)
+        e, k, h = shape["experts"], shape["top_k"], shape["hidden"]
         for t in TOKENS:
             x, perm, active, topw = _point(t, e, k, h, "cuda")
-            fn = lambda x=x, perm=perm, topw=topw, p=planar, k=k, a=ACTIVATIONS[shape["activation"]]: planar_moe(  # noqa: E731
-                x, perm, p, topw, top_k=k, activation=a)
-            got = {on: _with(on, fn)() for on in (False, True)}
+            fn = moe_fn(shape, planar, x, perm, topw)
+            got = {on: pdl.with_setting(on, fn)() for on in (False, True)}
             torch.cuda.synchronize()
             equal = bool(torch.equal(got[False], got[True]))
-            times = time_in_turns({"off": _with(False, fn), "on": _with(True, fn)}, ROUNDS, REPS)
-            floor = active * mxfp4_expert_bytes(h, inter) / (ceil["copy_tbps"] * 1e6)
+            times, med = in_turns({"off": pdl.with_setting(False, fn), "on": pdl.with_setting(True, fn)}, ROUNDS, REPS)
+            floor = floor_us(shape, active, ceil["copy_tbps"])
             row = dict(shape=name, tokens=t, active=active, equal=equal, floor_us=floor, us=times,
-                       off_us=statistics.median(times["off"]), on_us=statistics.median(times["on"]))
+                       off_us=med["off"], on_us=med["on"])
             row["x_floor_on"], row["copy_fraction_on"] = row["on_us"] / floor, floor / row["on_us"]
             res["rows"].append(row)
             print(f"{name:13s} T={t:5d} equal {equal} off {row['off_us']:9.1f} on {row['on_us']:9.1f} us "

@@ -32,26 +32,20 @@ def _step(inputs):
                                       0.1)
 
 
-def _with(on: bool, fn):
-    def run():
-        pdl.set_enabled(on)
-        return fn()
-    return run
-
-
 def main(out: str) -> None:
     res = dict(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), commit=os.environ.get("ADAPT_COMMIT"),
                gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     equal = {}
     for batch in (1, 4):
         inputs = _decode_inputs(batch, CONTEXT)
-        got = {on: _with(on, lambda i=inputs: _step(i))() for on in (False, True)}
+        got = {on: pdl.with_setting(on, lambda i=inputs: _step(i))() for on in (False, True)}
         torch.cuda.synchronize()
         equal[batch] = bool(torch.equal(got[False][0], got[True][0]) and torch.equal(got[False][1], got[True][1]))
         print(f"batch {batch}: PDL output equal {equal[batch]}", flush=True)
     res["equal"] = equal
     inputs = _decode_inputs(1, CONTEXT)
-    times = time_in_turns({"off": _with(False, lambda: _step(inputs)), "on": _with(True, lambda: _step(inputs))},
+    times = time_in_turns({"off": pdl.with_setting(False, lambda: _step(inputs)),
+                           "on": pdl.with_setting(True, lambda: _step(inputs))},
                           ROUNDS, 50)
     res["one_layer_us"] = times
     print(json.dumps({k: [round(v, 2) for v in t] for k, t in times.items()}), flush=True)
