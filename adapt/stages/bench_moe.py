@@ -688,7 +688,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     variants["wsp_convert_only"] = partial(_convert_all_planar, planar, fp8[1], perm)
                     for cname, cc in PLANAR_CONVERT_SWEEP.items():
                         variants[cname] = partial(_convert_all_planar, planar, fp8[1], perm, cc)
-                    # without a workspace: the planar path in slices of PLANAR_MAX_TOKENS (the runtime), or whole
+                    # without a workspace: the planar path whole (the runtime's, since 2026-12-02-s11) and in slices
+                    # of PLANAR_MAX_TOKENS
                     variants["planar_sliced"] = _sliced(x, perm, planar, topw, shape, PLANAR_MAX_TOKENS)
                     variants["planar_combine"] = _combined(partial(mlp, compute="bf16", planar=planar), topw, perm)
             if chosen is None and not tried:
@@ -853,7 +854,8 @@ SWEEP_CONFIGS = {
 """Configs timed at the sweep point (largest T of the first shape) for the e4m3-stored and fused fp8 GEMMs."""
 
 PLANAR_MAX_TOKENS = 4096
-"""The planar variant is timed up to this T."""
+"""The planar rows of every T are timed up to this T (above it with ``--large``: the whole-call and sliced planar
+rows beside the FP8 paths)."""
 
 _PC = lambda bm, bn, split, stages=4, warps=4, dot1=True, cap=128, pps=0, flat=False: (  # noqa: E731
     bm, bn, split, 4, warps, stages, pps, dot1, cap, flat)
