@@ -307,7 +307,7 @@ class MoE:
                 weights = torch.where(ids == expert, weights * factor, weights)
         perm = permute_by_expert(ids, self.experts.count)
         xb = x.to(torch.bfloat16).contiguous()
-        if self.planar is not None and self.workspace is None:
+        if self.planar is not None:  # made only without a workspace
             from adapt.kernels.moe_planar import planar_moe  # routed experts + combine, the faster measured way
 
             out = planar_moe(xb, perm, self.planar, weights, top_k=r.top_k, activation=2 if self.clamped else 1,

@@ -672,8 +672,8 @@ def run_peer_bench(out_dir: Path, tokens: list[int] | None = None, shapes: list[
                     split = to_sign_split_words(routed.w1_packed), to_sign_split_words(routed.w2_packed)
                 variants["fp8_ws_combine"] = _combined(partial(mlp, workspace=fp8[1]), topw, perm)
                 variants["fp8_offline_combine"] = _combined(partial(mlp, fp8_weights=fp8[0]), topw, perm)
-                # the runtime's layer, which holds only the planar copy: the workspace converts from it (two
-                # chunks of WORKSPACE_CHUNK experts, and of 16, the size that keeps gpt-oss-120b within 0.55x)
+                # the workspace converting from the planar copy (two chunks of WORKSPACE_CHUNK experts, and of 16,
+                # the size that keeps gpt-oss-120b within 0.55x); the runtime converts from the MXFP4 tensors
                 pmlp = partial(expert_mlp, x, perm, planar, top_k=k, activation=shape["activation"])
                 variants["fp8_wsp_combine"] = _combined(partial(pmlp, workspace=fp8[1]), topw, perm)
                 variants["fp8_wsp16_combine"] = _combined(partial(pmlp, workspace=fp8[2]), topw, perm)
