@@ -61,6 +61,7 @@ from adapt.kernels.topk import (
     sample_tau,
     select_candidates,
     topk_decode,
+    topk_grid,
     topk_indices,
     topk_indices_torch,
     topk_prefiltered,
@@ -563,7 +564,8 @@ class IndexStats:
 # 8-bit digits) against 56.0 us (torch.topk); 64 rows 225 against 146 us; 4096 rows 12.0 against 6.0 ms.
 TRITON_SELECT_MAX_ROWS = 8
 # Chunks of at most TRITON_SELECT_MAX_ROWS rows (decode batches of a few sequences) select under ``auto`` with
-# FEW_ROWS_SELECT: "triton" (the radix select, ``topk_indices``: 11 launches) or "decode" (``topk_decode`` with
+# FEW_ROWS_SELECT: "triton" (the radix select, ``topk_indices``: 11 launches), "grid" (``topk.topk_grid``: the same
+# passes in one launch whose programs meet at grid barriers, plus a zeroing launch) or "decode" (``topk_decode`` with
 # FEW_ROWS_DECODE_OPTIONS: two launches, a row's candidate pass spread over many programs, the flat select).
 FEW_ROWS_SELECT = "triton"
 FEW_ROWS_DECODE_OPTIONS: dict = {"parts": 64, "seg_cap": 2048, "flat": True, "block": 1024, "num_warps": 4,
@@ -586,7 +588,7 @@ PREFILL_SELECT = "decode"
 # ``topk_decode`` launch options for chunks of at least PREFILTER_MIN_ROWS rows under ``decode`` (above): candidate
 # pass steps of 2048 scores on 4 warps (decode's 4096 on 8 give too few programs an SM work) and 8 select warps.
 PREFILL_DECODE_OPTIONS: dict = {"block": 2048, "num_warps": 4, "select_warps": 8}
-SELECT_METHODS = ("auto", "triton", "torch", "prefilter", "prefilter_triton", "decode", "fused")
+SELECT_METHODS = ("auto", "triton", "grid", "torch", "prefilter", "prefilter_triton", "decode", "fused")
 # Decode calls (``rows_per_tile=1``) of at least this many rows and fewer than PREFILTER_MIN_ROWS take
 # ``index_topk_fused`` under ``auto`` (None: never). None: slower than scores + select where measured (H200,
 # 2026-12-01, commit 59af2df, 128K keys, top-2048, CUDA graph, index + top-k: batch 1 57.9 us at its fastest tile
@@ -626,6 +628,9 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
         method = auto_select(rows, cols, topk)
     if method == "triton":
         topk_indices(scores, limits, topk, out=out)
+        return 0
+    if method == "grid":  # the radix select in one launch (rows too many or too wide: ``topk_indices``)
+        topk_grid(scores, limits, topk, out=out)
         return 0
     if method == "decode":  # device-side prefilter: exact, no host sync (misjudged rows are redone on the device)
         options = (PREFILL_DECODE_OPTIONS if rows >= PREFILTER_MIN_ROWS

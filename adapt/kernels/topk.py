@@ -264,6 +264,166 @@ def topk_indices_torch(scores: torch.Tensor, limits: torch.Tensor, topk: int, *,
     return out
 
 
+# One-launch select for a few rows (the batch-1 decode step): the radix select's passes in one kernel whose programs
+# meet at grid barriers instead of kernel boundaries. Each program holds its slice's keys in registers for the
+# whole select (loaded once); a pass is a histogram per program, one atomic add per non-empty bin into the row's
+# histogram for that pass, a barrier, and every program of the row then picks the digit from the same histogram.
+GRID_BITS = 8
+GRID_WORK = 2048  # int32 workspace per row: 4 x 256 histogram bins, the barrier counter at 1024, part counts at 1056
+GRID_MAX_SLICE = 8192  # keys a program holds at most (registers); wider rows go to ``topk_indices``
+GRID_MAX_PARTS = 256
+
+
+@triton.jit
+def _load_acquire(ptr):
+    """int32 at ``ptr``, read with gpu-scope acquire (CUDA only: the interpreter never reaches a barrier)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _grid_barrier(bar_ptr, target):
+    """Every program of the row arrives at ``bar_ptr`` (a gpu-scope release after the program's own threads met),
+    then waits until ``target`` programs in all have arrived (gpu-scope acquire reads). Needs every
+    program of the row resident at once: ``topk_grid`` launches at most one program per SM."""
+    tl.debug_barrier()
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    while _load_acquire(bar_ptr) < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _grid_pick(hist, bins, prefix, rem, settled, topk, shift, FIRST: tl.constexpr):
+    """``_digit_pick_kernel``'s step on a row histogram held in registers."""
+    total = tl.sum(hist, axis=0)
+    if FIRST:
+        settled = total <= topk
+    at_least = total - tl.cumsum(hist, axis=0) + hist  # keys whose digit >= bin
+    d = tl.maximum(tl.max(tl.where(at_least >= rem, bins, -1), axis=0), 0)
+    rem = rem - tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
+    prefix = prefix | (d.to(tl.uint32) << shift)
+    return prefix, rem, settled
+
+
+@triton.jit
+def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_cols, topk,
+                        SLICE: tl.constexpr, PARTS: tl.constexpr, BITS: tl.constexpr, WORK: tl.constexpr,
+                        PHASE: tl.constexpr, ALIGNED: tl.constexpr, FILL: tl.constexpr = 1024,
+                        PDL: tl.constexpr = False):
+    """Program (row, part) of ``topk_grid``: the keys of columns [part * SLICE, (part + 1) * SLICE) of the row.
+    PHASE -1: the whole select with grid barriers (CUDA). PHASE p >= 0: only step p, the barriers being kernel
+    boundaries (the interpreter runs programs one after another, so a barrier would never open): steps
+    0 .. 32 / BITS - 1 are the digit passes, then the count, then the write; every step re-derives what the
+    steps before it fixed from the histograms in ``work_ptr``."""
+    pdl.enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    PASSES: tl.constexpr = 32 // BITS
+    BINS: tl.constexpr = 1 << BITS
+    n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
+    pos = part * SLICE + tl.arange(0, SLICE)
+    key, vis = _slice_keys(scores_ptr + row * stride, pos, n, n_read)
+    hist_base = work_ptr + row * WORK
+    bar = hist_base + PASSES * BINS
+    counts = bar + 32
+    bins = tl.arange(0, BINS)
+    prefix = tl.zeros([], tl.uint32)
+    rem = tl.zeros([], tl.int32) + topk
+    settled = rem < 0
+    for p in tl.static_range(PASSES):
+        shift = 32 - (p + 1) * BITS
+        if PHASE < 0 or PHASE == p:
+            match = vis
+            if p > 0:
+                match = match & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
+            hist = tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
+            tl.atomic_add(hist_base + p * BINS + bins, hist, mask=hist > 0, sem="relaxed")
+        if PHASE < 0:
+            _grid_barrier(bar, (p + 1) * PARTS)
+        if PHASE < 0 or PHASE > p:
+            row_hist = tl.load(hist_base + p * BINS + bins, volatile=True)
+            prefix, rem, settled = _grid_pick(row_hist, bins, prefix, rem, settled, topk, shift, p == 0)
+    threshold = tl.where(settled, 0, prefix)
+    rem = tl.where(settled, 0, rem)
+    if PHASE < 0 or PHASE == PASSES:
+        tl.store(counts + part * 2, tl.sum((vis & (key > threshold)).to(tl.int32), axis=0))
+        tl.store(counts + part * 2 + 1, tl.sum((vis & (key == threshold)).to(tl.int32), axis=0))
+    if PHASE < 0:
+        _grid_barrier(bar, (PASSES + 1) * PARTS)
+    if PHASE < 0 or PHASE == PASSES + 1:
+        parts = tl.arange(0, PARTS)
+        before = parts < part
+        c_above = tl.load(counts + parts * 2, volatile=True)
+        c_ties = tl.load(counts + parts * 2 + 1, volatile=True)
+        ties_seen = tl.sum(tl.where(before, c_ties, 0), axis=0)
+        written = tl.sum(tl.where(before, c_above, 0), axis=0) + tl.minimum(ties_seen, rem)
+        tie = vis & (key == threshold)
+        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        take = (vis & (key > threshold)) | (tie & (tie_rank < rem))
+        slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        out_base = out_ptr + row * topk
+        tl.store(out_base + slot, pos, mask=take)
+        if part == 0:  # -1 after the selected positions when fewer than k are visible
+            selected = tl.sum(c_above, axis=0) + tl.minimum(tl.sum(c_ties, axis=0), rem)
+            for start in range(selected, topk, FILL):
+                fill = start + tl.arange(0, FILL)
+                tl.store(out_base + fill, tl.full([FILL], -1, tl.int32), mask=fill < topk)
+
+
+def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None = None) -> tuple[int, int] | None:
+    """(programs per row, keys per program) for ``topk_grid``, or None where it does not apply: every program of
+    every row must be resident at once, so rows x programs stays within the SM count (CUDA; the interpreter runs
+    the steps as separate launches and takes 16, or ``parts``), a power of two of programs per row up to
+    GRID_MAX_PARTS, and at most GRID_MAX_SLICE keys a program."""
+    if n_rows == 0 or n_cols == 0:
+        return None
+    if device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).multi_processor_count // n_rows
+        if parts is not None:
+            budget = min(budget, parts)
+    else:
+        budget = parts or 16
+    if budget < 1:
+        return None
+    budget = min(GRID_MAX_PARTS, 1 << (budget.bit_length() - 1))
+    size = max(16, triton.next_power_of_2(triton.cdiv(n_cols, budget)))
+    if size > GRID_MAX_SLICE:
+        return None
+    return triton.next_power_of_2(triton.cdiv(n_cols, size)), size
+
+
+def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
+              parts: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """``topk_indices``' result (the same positions, ascending, -1 after them) in one kernel launch plus a
+    zeroing one, for a few rows: ``grid_parts`` programs per row meet at five grid barriers (four 8-bit digit
+    passes and the per-program counts) instead of the eleven launches of ``topk_indices``. Rows too wide or too
+    many for every program to be resident fall back to ``topk_indices``. ``parts``: at most this many programs a
+    row (default: the SM count over the rows). No host sync (capturable)."""
+    n_rows, n_cols = scores.shape
+    if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
+        raise ValueError("topk_grid needs fp32 scores with unit column stride")
+    shape = grid_parts(n_rows, n_cols, scores.device, parts)
+    if shape is None or topk == 0:
+        return topk_indices(scores, limits, topk, out=out)
+    parts, size = shape
+    if out is None:
+        out = torch.empty(n_rows, topk, dtype=torch.int32, device=scores.device)
+    limits = limits.to(torch.int32).contiguous()
+    aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
+    chain = pdl.launch_options(scores.device)
+    work = torch.empty(n_rows, GRID_WORK, dtype=torch.int32, device=scores.device)
+    _zero_rows_kernel[(n_rows,)](work, WIDTH=GRID_WORK, num_warps=4, **chain)
+    common = dict(SLICE=size, PARTS=parts, BITS=GRID_BITS, WORK=GRID_WORK, ALIGNED=aligned, num_warps=num_warps)
+    args = (scores, limits, work, out, scores.stride(0), n_cols, topk)
+    if _interpreting():  # the barriers as launch boundaries: one launch per step
+        for phase in range(32 // GRID_BITS + 2):
+            _grid_select_kernel[(n_rows, parts)](*args, PHASE=phase, **common)
+    else:
+        _grid_select_kernel[(n_rows, parts)](*args, PHASE=-1, **common, **chain)
+    return out
+
+
 # Prefiltered select for many wide rows (prefill chunks): a sample fixes a threshold below the k-th score,
 # one pass keeps the scores at or above it, and the exact select runs over those few candidates.
 SAMPLE_SPAN = 1024  # the sample: the first SAMPLE_RUN positions of every SAMPLE_SPAN (1/16 of a row)

@@ -1433,7 +1433,7 @@ if __name__ == "__main__":
     parser.add_argument("--decode-gluon", action=argparse.BooleanOptionalAction, default=None,
                         help="the top-k candidate pass by its Gluon kernel on sm_90 or by the tl kernel, decode and "
                              f"prefill (default: topk.DECODE_GLUON, now {_topk.DECODE_GLUON})")
-    parser.add_argument("--few-rows-select", choices=("triton", "decode"), default=None,
+    parser.add_argument("--few-rows-select", choices=("triton", "grid", "decode"), default=None,
                         help="the select of decode batches of at most dsa.TRITON_SELECT_MAX_ROWS rows (default: "
                              f"dsa.FEW_ROWS_SELECT, now {dsa.FEW_ROWS_SELECT})")
     parser.add_argument("--few-rows-options", default=None, metavar="JSON",

@@ -9,7 +9,7 @@ if not shutil.which("nvidia-smi"):
 import pytest
 import torch
 
-from adapt.kernels.topk import topk_indices, topk_indices_torch
+from adapt.kernels.topk import GRID_MAX_SLICE, grid_parts, topk_grid, topk_indices, topk_indices_torch
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -86,3 +86,54 @@ def test_topk_deepseek_v32_decode_shape_on_gpu():
         want = topk_indices_torch(s[:rows], limits[:rows], 2048)
         for bits in (4, 8):
             assert torch.equal(topk_indices(s[:rows], limits[:rows], 2048, digit_bits=bits), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("k", "parts"), [(1, 4), (13, 4), (256, 4), (150, 16)])
+def test_grid_select_matches_twin_exactly(device, k, parts):
+    """The one-launch select (``topk_grid``): the radix select's positions on the same rows, 4 programs of 64
+    keys a row or 16 of 16 (the last three past the row); on the CPU each grid barrier is a launch boundary."""
+    s, limits = score_rows(torch.Generator().manual_seed(100 + k))
+    assert grid_parts(9, 200, torch.device("cpu"), parts) == ((4, 64) if parts == 4 else (16, 16))
+    got = topk_grid(s.to(device), limits.to(device), k, parts=parts).cpu()
+    assert torch.equal(got, topk_indices_torch(s, limits, k))
+
+
+def test_grid_select_writes_into_a_strided_chunk_and_falls_back_when_rows_are_too_wide():
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(3, 48, generator=gen)
+    limits = torch.tensor([40, 9, 33])
+    for r, lim in enumerate(limits.tolist()):
+        wide[r, lim:] = float("nan")  # past the limit: never read
+    out = torch.full((6, 20), -7, dtype=torch.int32)
+    topk_grid(wide[:, :40], limits, 20, out=out[1:4], parts=2)
+    assert (out[0] == -7).all() and (out[4:] == -7).all()
+    assert torch.equal(out[1:4], reference(wide[:, :40], limits, 20))
+    # more keys than the programs a row may hold: no grid shape, topk_indices selects instead
+    assert grid_parts(1, 16 * GRID_MAX_SLICE + 1, torch.device("cpu")) is None
+    assert grid_parts(1, 16 * GRID_MAX_SLICE, torch.device("cpu")) == (16, GRID_MAX_SLICE)
+
+
+@pytest.mark.gpu
+def test_grid_select_deepseek_v32_decode_shape_on_gpu():
+    """1, 2 and 8 rows x 128K keys, top-2048, with ties and short rows: the grid select equals the twin, with the
+    programs a row the SM count allows and with fewer."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    s = torch.randn(8, 131072, device="cuda", generator=gen)
+    s[1] = torch.round(s[1] * 4)
+    limits = torch.randint(1000, 131073, (8,), device="cuda")
+    limits[0] = 131072
+    limits[2] = 1500  # fewer visible keys than k
+    for rows in (1, 2, 8):
+        want = topk_indices_torch(s[:rows], limits[:rows], 2048)
+        for parts in (None, 32):
+            assert torch.equal(topk_grid(s[:rows], limits[:rows], 2048, parts=parts), want)
+        graph = torch.cuda.CUDAGraph()  # replays reuse the zeroed workspace each time
+        out = torch.empty(rows, 2048, dtype=torch.int32, device="cuda")
+        topk_grid(s[:rows], limits[:rows], 2048, out=out)
+        with torch.cuda.graph(graph):
+            topk_grid(s[:rows], limits[:rows], 2048, out=out)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            assert torch.equal(out, want)

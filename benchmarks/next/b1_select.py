@@ -1,0 +1,85 @@
+"""The batch-1 decode select (issue 16): the radix select's 11 launches (``topk.topk_indices``) against the same
+passes in one launch meeting at grid barriers (``topk.topk_grid``), on the indexer's real 1 x 128K scores, alone and
+in the whole step (index + top-k + sparse MLA: a one-layer graph and the acceptance's graph of 8 layers), three
+interleaved rounds. Every select's positions are compared with the twin first.
+
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/b1_select.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from adapt.bench.timer import time_cuda
+from adapt.kernels import dsa, sparse_mla, topk
+from adapt.kernels.formats import PAGE_SIZE
+from adapt.stages.bench_dsa import GRAPH_LAYERS, _layered_step_us, _queries, _random_cache
+
+CONTEXT, TOPK = 131072, 2048
+SELECTS = {  # name: (FEW_ROWS_SELECT, topk_grid options for the select-alone rows)
+    "triton (11 launches)": ("triton", None),
+    "grid": ("grid", {}),
+    "grid, 64 programs": ("grid", {"parts": 64}),
+    "grid, 8 warps": ("grid", {"num_warps": 8}),
+}
+
+
+def main(out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    layer = _random_cache(CONTEXT, "fp8").dsa_layer(0)
+    block_table = torch.arange(CONTEXT // PAGE_SIZE, device="cuda", dtype=torch.int32)[None]
+    token_seq = torch.zeros(1, device="cuda", dtype=torch.int32)
+    limits = torch.full((1,), CONTEXT, device="cuda", dtype=torch.int32)
+    q8, weights, q_nope, q_rope = _queries(1)
+    args = (q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits)
+    scores = dsa.index_scores(*args, CONTEXT, rows_per_tile=1)
+    twin = topk.topk_indices_torch(scores, limits, TOPK)
+    out = torch.empty(1, TOPK, dtype=torch.int32, device="cuda")
+    equal = {}
+    for name, (_, opts) in SELECTS.items():
+        if opts is None:
+            topk.topk_indices(scores, limits, TOPK, out=out)
+        else:
+            topk.topk_grid(scores, limits, TOPK, out=out, **opts)
+        equal[name] = bool(torch.equal(out, twin))
+    print("equal to the twin:", equal, flush=True)
+
+    def step():
+        idx, _ = dsa.index_topk(*args, TOPK, max_keys=CONTEXT, rows_per_tile=1)
+        return sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
+                                     block_table, token_seq, idx, 0.1)
+
+    rows = []
+    for rnd in range(3):
+        for name, (method, opts) in SELECTS.items():
+            if opts is None:
+                alone = time_cuda(lambda: topk.topk_indices(scores, limits, TOPK, out=out), 200).median_us
+            else:
+                alone = time_cuda(lambda o=opts: topk.topk_grid(scores, limits, TOPK, out=out, **o), 200).median_us
+            row = {"round": rnd, "select": name, "select_us": alone}
+            if not opts:  # the step at the dsa dispatch's options
+                dsa.FEW_ROWS_SELECT = method
+                row["step_us"] = time_cuda(step, 200).median_us
+                row["step_us_per_layer_graph_of_8"] = _layered_step_us(1, CONTEXT, TOPK, "fp8", block_table, {}, {},
+                                                                       100, GRAPH_LAYERS)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    dsa.FEW_ROWS_SELECT = "triton"
+    summary = {}
+    for name in SELECTS:
+        mine = [r for r in rows if r["select"] == name]
+        summary[name] = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k.endswith("_us") or
+                         k.endswith("graph_of_8")}
+    print(json.dumps(summary, indent=1))
+    (out_dir / "b1_select.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "equal": equal,
+                                                        "rows": rows, "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
