@@ -264,14 +264,29 @@ def topk_indices_torch(scores: torch.Tensor, limits: torch.Tensor, topk: int, *,
     return out
 
 
-# One-launch select for a few rows (the batch-1 decode step): the radix select's passes in one kernel whose programs
-# meet at grid barriers instead of kernel boundaries. Each program holds its slice's keys in registers for the
-# whole select (loaded once); a pass is a histogram per program, one atomic add per non-empty bin into the row's
-# histogram for that pass, a barrier, and every program of the row then picks the digit from the same histogram.
-GRID_BITS = 8
-GRID_WORK = 2048  # int32 workspace per row: 4 x 256 histogram bins, the barrier counter at 1024, part counts at 1056
+# One-launch select for a few rows (the batch-1 decode step): the radix select's result from one kernel whose
+# programs meet at grid barriers instead of kernel boundaries. Each program holds its slice's keys in registers for
+# the whole select (loaded once). A grid barrier costs about what a kernel boundary does (H200, 2026-12-02: the four
+# 8-bit passes and the count, five barriers, ran 22.0 us against topk_indices' 23.1), so the select is arranged to
+# need two in the common case:
+# 1. the top 16 bits of the threshold key in one pass: a 256-bin histogram of the top 8 bits (per program, then one
+#    atomic per non-empty bin) and a 65,536-bin one of the top 16 (one atomic per key); after the barrier every
+#    program picks the 8-bit bin, then the 16-bit bin inside it;
+# 2. each program stores how many of its keys lie above that 16-bit bin and the low 16 bits of its keys inside it
+#    (at most CAP of them); after the barrier every program finds the exact threshold among those few candidates
+#    and the offset its positions start at, and writes them.
+# When a program has more than CAP keys in the bin (heavy ties, or very narrow scores), the row takes two more 8-bit
+# passes over the low 16 bits and a count (three barriers more), as ``topk_indices`` does.
+GRID_CAP = 16
 GRID_MAX_SLICE = 8192  # keys a program holds at most (registers); wider rows go to ``topk_indices``
 GRID_MAX_PARTS = 256
+_GRID_FIXED = 256 + 65536 + 2 * 256 + 32  # zeroed: coarse + fine histograms, the low passes' two, the barrier
+
+
+def grid_work(parts: int, cap: int = GRID_CAP) -> int:
+    """int32 workspace per row of ``topk_grid``: the zeroed histograms and barrier counter, then per program the
+    count above the 16-bit bin, the count inside it, the count pass's two counts, and CAP candidates."""
+    return _GRID_FIXED + parts * (4 + cap)
 
 
 @triton.jit
@@ -284,8 +299,8 @@ def _load_acquire(ptr):
 @triton.jit
 def _grid_barrier(bar_ptr, target):
     """Every program of the row arrives at ``bar_ptr`` (a gpu-scope release after the program's own threads met),
-    then waits until ``target`` programs in all have arrived (gpu-scope acquire reads). Needs every
-    program of the row resident at once: ``topk_grid`` launches at most one program per SM."""
+    then waits until ``target`` programs in all have arrived (gpu-scope acquire reads). Needs every program of the
+    row resident at once: ``grid_parts`` keeps rows x programs within the SM count."""
     tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
     while _load_acquire(bar_ptr) < target:
@@ -295,7 +310,7 @@ def _grid_barrier(bar_ptr, target):
 
 @triton.jit
 def _grid_pick(hist, bins, prefix, rem, settled, topk, shift, FIRST: tl.constexpr):
-    """``_digit_pick_kernel``'s step on a row histogram held in registers."""
+    """``_digit_pick_kernel``'s step on a 256-bin histogram held in registers."""
     total = tl.sum(hist, axis=0)
     if FIRST:
         settled = total <= topk
@@ -307,68 +322,135 @@ def _grid_pick(hist, bins, prefix, rem, settled, topk, shift, FIRST: tl.constexp
 
 
 @triton.jit
+def _grid_write(key, vis, pos, threshold, rem, written, ties_seen, out_base):
+    """This program's positions: keys above ``threshold``, and ties at it while the row's tie rank (``ties_seen``
+    in earlier programs) is below ``rem``, in ascending order from slot ``written``."""
+    tie = vis & (key == threshold)
+    tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+    take = (vis & (key > threshold)) | (tie & (tie_rank < rem))
+    slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_base + slot, pos, mask=take)
+
+
+@triton.jit
+def _grid_fill(out_base, selected, topk, FILL: tl.constexpr):
+    """-1 after the ``selected`` positions (fewer than k visible)."""
+    for start in range(selected, topk, FILL):
+        fill = start + tl.arange(0, FILL)
+        tl.store(out_base + fill, tl.full([FILL], -1, tl.int32), mask=fill < topk)
+
+
+@triton.jit
 def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_cols, topk,
-                        SLICE: tl.constexpr, PARTS: tl.constexpr, BITS: tl.constexpr, WORK: tl.constexpr,
+                        SLICE: tl.constexpr, PARTS: tl.constexpr, CAP: tl.constexpr, WORK: tl.constexpr,
                         PHASE: tl.constexpr, ALIGNED: tl.constexpr, FILL: tl.constexpr = 1024,
                         PDL: tl.constexpr = False):
-    """Program (row, part) of ``topk_grid``: the keys of columns [part * SLICE, (part + 1) * SLICE) of the row.
-    PHASE -1: the whole select with grid barriers (CUDA). PHASE p >= 0: only step p, the barriers being kernel
-    boundaries (the interpreter runs programs one after another, so a barrier would never open): steps
-    0 .. 32 / BITS - 1 are the digit passes, then the count, then the write; every step re-derives what the
-    steps before it fixed from the histograms in ``work_ptr``."""
+    """Program (row, part) of ``topk_grid``: the keys of columns [part * SLICE, (part + 1) * SLICE) of the row (see
+    the comment above GRID_CAP). PHASE -1: the whole select with grid barriers (CUDA). PHASE p >= 0: only step p,
+    the barriers being kernel boundaries (the interpreter runs programs one after another, so a barrier would never
+    open): 0 the 16-bit pass, 1 the candidates, 2 the write (or the first low pass), 3 the second low pass, 4 the
+    count, 5 the write after a low pass; every step re-derives what the steps before it fixed from ``work_ptr``."""
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    PASSES: tl.constexpr = 32 // BITS
-    BINS: tl.constexpr = 1 << BITS
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
     pos = part * SLICE + tl.arange(0, SLICE)
     key, vis = _slice_keys(scores_ptr + row * stride, pos, n, n_read)
-    hist_base = work_ptr + row * WORK
-    bar = hist_base + PASSES * BINS
-    counts = bar + 32
-    bins = tl.arange(0, BINS)
-    prefix = tl.zeros([], tl.uint32)
-    rem = tl.zeros([], tl.int32) + topk
-    settled = rem < 0
-    for p in tl.static_range(PASSES):
-        shift = 32 - (p + 1) * BITS
-        if PHASE < 0 or PHASE == p:
-            match = vis
-            if p > 0:
-                match = match & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
-            hist = tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
-            tl.atomic_add(hist_base + p * BINS + bins, hist, mask=hist > 0, sem="relaxed")
-        if PHASE < 0:
-            _grid_barrier(bar, (p + 1) * PARTS)
-        if PHASE < 0 or PHASE > p:
-            row_hist = tl.load(hist_base + p * BINS + bins, volatile=True)
-            prefix, rem, settled = _grid_pick(row_hist, bins, prefix, rem, settled, topk, shift, p == 0)
-    threshold = tl.where(settled, 0, prefix)
-    rem = tl.where(settled, 0, rem)
-    if PHASE < 0 or PHASE == PASSES:
-        tl.store(counts + part * 2, tl.sum((vis & (key > threshold)).to(tl.int32), axis=0))
-        tl.store(counts + part * 2 + 1, tl.sum((vis & (key == threshold)).to(tl.int32), axis=0))
+    coarse = work_ptr + row * WORK
+    fine = coarse + 256
+    low = fine + 65536  # the low passes' two histograms
+    bar = low + 512
+    above_ptr = bar + 32
+    inside_ptr = above_ptr + PARTS
+    counts = inside_ptr + PARTS
+    cand = counts + 2 * PARTS
+    out_base = out_ptr + row * topk
+    bins = tl.arange(0, 256)
+    hi = key >> 16
+    if PHASE < 0 or PHASE == 0:
+        hist = tl.histogram((hi >> 8).to(tl.int32), 256, mask=vis)
+        tl.atomic_add(coarse + bins, hist, mask=hist > 0, sem="relaxed")
+        tl.atomic_add(fine + hi.to(tl.int32), 1, mask=vis, sem="relaxed")
     if PHASE < 0:
-        _grid_barrier(bar, (PASSES + 1) * PARTS)
-    if PHASE < 0 or PHASE == PASSES + 1:
-        parts = tl.arange(0, PARTS)
-        before = parts < part
-        c_above = tl.load(counts + parts * 2, volatile=True)
-        c_ties = tl.load(counts + parts * 2 + 1, volatile=True)
-        ties_seen = tl.sum(tl.where(before, c_ties, 0), axis=0)
-        written = tl.sum(tl.where(before, c_above, 0), axis=0) + tl.minimum(ties_seen, rem)
-        tie = vis & (key == threshold)
-        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-        take = (vis & (key > threshold)) | (tie & (tie_rank < rem))
-        slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        out_base = out_ptr + row * topk
-        tl.store(out_base + slot, pos, mask=take)
-        if part == 0:  # -1 after the selected positions when fewer than k are visible
-            selected = tl.sum(c_above, axis=0) + tl.minimum(tl.sum(c_ties, axis=0), rem)
-            for start in range(selected, topk, FILL):
-                fill = start + tl.arange(0, FILL)
-                tl.store(out_base + fill, tl.full([FILL], -1, tl.int32), mask=fill < topk)
+        _grid_barrier(bar, PARTS)
+    if PHASE < 0 or PHASE >= 1:
+        prefix, rem, settled = _grid_pick(tl.load(coarse + bins, volatile=True), bins, tl.zeros([], tl.uint32),
+                                          tl.zeros([], tl.int32) + topk, False, topk, 24, True)
+        fine_bins = tl.load(fine + (prefix >> 24).to(tl.int32) * 256 + bins, volatile=True)
+        prefix, rem, settled = _grid_pick(fine_bins, bins, prefix, rem, settled, topk, 16, False)
+        p16 = tl.where(settled, 0, prefix >> 16)
+        rem = tl.where(settled, 0, rem)
+        if PHASE < 0 or PHASE == 1:
+            inside = vis & (hi == p16)
+            tl.store(above_ptr + part, tl.sum((vis & (hi > p16)).to(tl.int32), axis=0))
+            tl.store(inside_ptr + part, tl.sum(inside.to(tl.int32), axis=0))
+            slot = tl.cumsum(inside.to(tl.int32), axis=0) - 1
+            tl.store(cand + part * CAP + slot, (key & 0xFFFF).to(tl.int32), mask=inside & (slot < CAP))
+        if PHASE < 0:
+            _grid_barrier(bar, 2 * PARTS)
+        if PHASE < 0 or PHASE >= 2:
+            parts = tl.arange(0, PARTS)
+            inside_n = tl.load(inside_ptr + parts, volatile=True)
+            if tl.max(inside_n, axis=0) <= CAP:  # the threshold among the row's candidates
+                if PHASE < 0 or PHASE == 2:
+                    ci = tl.arange(0, PARTS * CAP)
+                    cpart = ci // CAP
+                    cvalid = (ci % CAP) < tl.load(inside_ptr + cpart, volatile=True)
+                    clo = tl.load(cand + ci, mask=cvalid, other=0, volatile=True).to(tl.uint32)
+                    t, crem, settled = _grid_pick(tl.histogram((clo >> 8).to(tl.int32), 256, mask=cvalid), bins,
+                                                  tl.zeros([], tl.uint32), rem, settled, topk, 8, False)
+                    low_bins = tl.histogram((clo & 255).to(tl.int32), 256, mask=cvalid & ((clo >> 8) == (t >> 8)))
+                    t, crem, settled = _grid_pick(low_bins, bins, t, crem, settled, topk, 0, False)
+                    t = tl.where(settled, 0, t)
+                    crem = tl.where(settled, 0, crem)
+                    above = tl.load(above_ptr + parts, volatile=True)
+                    before = cvalid & (cpart < part)
+                    ties_seen = tl.sum((before & (clo == t)).to(tl.int32), axis=0)
+                    written = (tl.sum(tl.where(parts < part, above, 0), axis=0)
+                               + tl.sum((before & (clo > t)).to(tl.int32), axis=0) + tl.minimum(ties_seen, crem))
+                    _grid_write(key, vis, pos, (p16 << 16) | t, crem, written, ties_seen, out_base)
+                    if part == 0:
+                        selected = (tl.sum(above, axis=0) + tl.sum((cvalid & (clo > t)).to(tl.int32), axis=0)
+                                    + tl.minimum(tl.sum((cvalid & (clo == t)).to(tl.int32), axis=0), crem))
+                        _grid_fill(out_base, selected, topk, FILL)
+            else:  # too many keys of one program in the bin: two 8-bit passes over the low 16 bits, then a count
+                prefix = p16 << 16
+                for p in tl.static_range(2):
+                    shift = 8 - 8 * p
+                    if PHASE < 0 or PHASE == 2 + p:
+                        match = vis & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                        hist = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+                        tl.atomic_add(low + p * 256 + bins, hist, mask=hist > 0, sem="relaxed")
+                    if PHASE < 0:
+                        _grid_barrier(bar, (3 + p) * PARTS)
+                    if PHASE < 0 or PHASE > 2 + p:
+                        prefix, rem, settled = _grid_pick(tl.load(low + p * 256 + bins, volatile=True), bins, prefix,
+                                                          rem, settled, topk, shift, False)
+                threshold = tl.where(settled, 0, prefix)
+                rem = tl.where(settled, 0, rem)
+                if PHASE < 0 or PHASE == 4:
+                    tl.store(counts + part * 2, tl.sum((vis & (key > threshold)).to(tl.int32), axis=0))
+                    tl.store(counts + part * 2 + 1, tl.sum((vis & (key == threshold)).to(tl.int32), axis=0))
+                if PHASE < 0:
+                    _grid_barrier(bar, 5 * PARTS)
+                if PHASE < 0 or PHASE == 5:
+                    c_above = tl.load(counts + parts * 2, volatile=True)
+                    c_ties = tl.load(counts + parts * 2 + 1, volatile=True)
+                    ties_seen = tl.sum(tl.where(parts < part, c_ties, 0), axis=0)
+                    written = tl.sum(tl.where(parts < part, c_above, 0), axis=0) + tl.minimum(ties_seen, rem)
+                    _grid_write(key, vis, pos, threshold, rem, written, ties_seen, out_base)
+                    if part == 0:
+                        selected = tl.sum(c_above, axis=0) + tl.minimum(tl.sum(c_ties, axis=0), rem)
+                        _grid_fill(out_base, selected, topk, FILL)
+
+
+@triton.jit
+def _zero_prefix_kernel(ptr, row_stride, width, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Columns [0, width) of row ``program_id(0)`` of an int32 buffer set to zero, BLOCK a program (in the PDL
+    chain)."""
+    pdl.enter(PDL)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + tl.program_id(0).to(tl.int64) * row_stride + cols, tl.zeros([BLOCK], tl.int32), mask=cols < width)
 
 
 def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None = None) -> tuple[int, int] | None:
@@ -393,13 +475,21 @@ def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None
     return triton.next_power_of_2(triton.cdiv(n_cols, size)), size
 
 
+def grid_low_pass_rows(work: torch.Tensor) -> torch.Tensor:
+    """bool [N]: the rows of a ``topk_grid`` workspace whose select took the two low passes (more than ``cap`` keys
+    of one program in the threshold's 16-bit bin) rather than the candidates."""
+    return (work[:, 256 + 65536:256 + 65536 + 512] != 0).any(dim=1)
+
+
 def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
-              parts: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """``topk_indices``' result (the same positions, ascending, -1 after them) in one kernel launch plus a
-    zeroing one, for a few rows: ``grid_parts`` programs per row meet at five grid barriers (four 8-bit digit
-    passes and the per-program counts) instead of the eleven launches of ``topk_indices``. Rows too wide or too
-    many for every program to be resident fall back to ``topk_indices``. ``parts``: at most this many programs a
-    row (default: the SM count over the rows). No host sync (capturable)."""
+              parts: int | None = None, cap: int = GRID_CAP, num_warps: int = 4,
+              work: torch.Tensor | None = None) -> torch.Tensor:
+    """``topk_indices``' result (the same positions, ascending, -1 after them) from one kernel launch plus a
+    zeroing one, for a few rows: ``grid_parts`` programs a row meet at two grid barriers (three more for a row
+    whose threshold bin holds more than ``cap`` keys of one program; see the comment above GRID_CAP). Rows too wide
+    or too many for every program to be resident go to ``topk_indices``. ``parts``: at most this many programs a
+    row (default: the SM count over the rows). ``work``: int32 [N, >= grid_work(parts, cap)] to use as the
+    workspace (default: a new one). No host sync (capturable)."""
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
         raise ValueError("topk_grid needs fp32 scores with unit column stride")
@@ -412,12 +502,18 @@ def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: tor
     limits = limits.to(torch.int32).contiguous()
     aligned = n_cols % 16 == 0 and scores.stride(0) % 16 == 0
     chain = pdl.launch_options(scores.device)
-    work = torch.empty(n_rows, GRID_WORK, dtype=torch.int32, device=scores.device)
-    _zero_rows_kernel[(n_rows,)](work, WIDTH=GRID_WORK, num_warps=4, **chain)
-    common = dict(SLICE=size, PARTS=parts, BITS=GRID_BITS, WORK=GRID_WORK, ALIGNED=aligned, num_warps=num_warps)
+    width = grid_work(parts, cap)
+    if work is None:
+        work = torch.empty(n_rows, width, dtype=torch.int32, device=scores.device)
+    elif work.dtype != torch.int32 or work.shape[0] != n_rows or work.shape[1] < width or not work.is_contiguous():
+        raise ValueError(f"topk_grid's work must be contiguous int32 [{n_rows}, >= {width}], not "
+                         f"{work.dtype} {list(work.shape)}")
+    _zero_prefix_kernel[(n_rows, triton.cdiv(_GRID_FIXED, 4096))](work, work.shape[1], _GRID_FIXED, BLOCK=4096,
+                                                                   num_warps=4, **chain)
+    common = dict(SLICE=size, PARTS=parts, CAP=cap, WORK=work.shape[1], ALIGNED=aligned, num_warps=num_warps)
     args = (scores, limits, work, out, scores.stride(0), n_cols, topk)
     if _interpreting():  # the barriers as launch boundaries: one launch per step
-        for phase in range(32 // GRID_BITS + 2):
+        for phase in range(6):
             _grid_select_kernel[(n_rows, parts)](*args, PHASE=phase, **common)
     else:
         _grid_select_kernel[(n_rows, parts)](*args, PHASE=-1, **common, **chain)

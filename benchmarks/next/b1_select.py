@@ -1,7 +1,8 @@
-"""The batch-1 decode select (issue 16): the radix select's 11 launches (``topk.topk_indices``) against the same
-passes in one launch meeting at grid barriers (``topk.topk_grid``), on the indexer's real 1 x 128K scores, alone and
-in the whole step (index + top-k + sparse MLA: a one-layer graph and the acceptance's graph of 8 layers), three
-interleaved rounds. Every select's positions are compared with the twin first.
+"""The batch-1 decode select (issue 16): the radix select's 11 launches (``topk.topk_indices``) against the one-launch
+select meeting at grid barriers (``topk.topk_grid``), on the indexer's real 1 x 128K scores, alone and in the whole
+step (index + top-k + sparse MLA: a one-layer graph and the acceptance's graph of 8 layers), three interleaved
+rounds. Every select's positions are compared with the twin first. Then what one grid barrier costs: a kernel of
+128 programs passing 0, 1, 4 or 8 barriers and doing nothing else (CUDA graph with the counter's zeroing).
 
 Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/b1_select.py OUT_DIR
 """
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from adapt.bench.timer import time_cuda
 from adapt.kernels import dsa, sparse_mla, topk
@@ -26,7 +29,27 @@ SELECTS = {  # name: (FEW_ROWS_SELECT, topk_grid options for the select-alone ro
     "grid": ("grid", {}),
     "grid, 64 programs": ("grid", {"parts": 64}),
     "grid, 8 warps": ("grid", {"num_warps": 8}),
+    "grid, cap 64": ("grid", {"cap": 64}),
 }
+
+
+@triton.jit
+def _barriers_kernel(bar_ptr, N: tl.constexpr, PARTS: tl.constexpr):
+    for i in tl.static_range(N):
+        topk._grid_barrier(bar_ptr, (i + 1) * PARTS)
+
+
+def barrier_rows() -> list[dict]:
+    bar = torch.zeros(32, dtype=torch.int32, device="cuda")
+    rows = []
+    for rnd in range(3):
+        for n in (0, 1, 4, 8):
+            def run(n=n):
+                bar.zero_()
+                _barriers_kernel[(128,)](bar, N=n, PARTS=128, num_warps=4)
+            rows.append({"round": rnd, "barriers": n, "us": time_cuda(run, 200).median_us})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main(out_dir: Path) -> None:
@@ -71,14 +94,17 @@ def main(out_dir: Path) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     dsa.FEW_ROWS_SELECT = "triton"
-    summary = {}
+    barriers = barrier_rows()
+    summary = {"barrier_us": {n: statistics.median(r["us"] for r in barriers if r["barriers"] == n)
+                              for n in (0, 1, 4, 8)}}
     for name in SELECTS:
         mine = [r for r in rows if r["select"] == name]
         summary[name] = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k.endswith("_us") or
                          k.endswith("graph_of_8")}
     print(json.dumps(summary, indent=1))
     (out_dir / "b1_select.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "equal": equal,
-                                                        "rows": rows, "summary": summary}, indent=1))
+                                                        "rows": rows, "barriers": barriers, "summary": summary},
+                                                       indent=1))
 
 
 if __name__ == "__main__":
