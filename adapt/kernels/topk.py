@@ -272,21 +272,22 @@ def topk_indices_torch(scores: torch.Tensor, limits: torch.Tensor, topk: int, *,
 # 1. the top 16 bits of the threshold key in one pass: a 256-bin histogram of the top 8 bits (per program, then one
 #    atomic per non-empty bin) and a 65,536-bin one of the top 16 (one atomic per key); after the barrier every
 #    program picks the 8-bit bin, then the 16-bit bin inside it;
-# 2. each program stores how many of its keys lie above that 16-bit bin and the low 16 bits of its keys inside it
-#    (at most CAP of them); after the barrier every program finds the exact threshold among those few candidates
-#    and the offset its positions start at, and writes them.
-# When a program has more than CAP keys in the bin (heavy ties, or very narrow scores), the row takes two more 8-bit
+# 2. each program stores how many of its keys lie above that 16-bit bin and appends the low 16 bits of its keys inside
+#    it (with its index) to the row's candidate list (an atomic counter hands out the slots); after the barrier every
+#    program finds the exact threshold among the candidates (three sweeps over the list, 256 at a time) and the
+#    offset its positions start at, and writes them.
+# When the bin holds more than CAP keys of the row (heavy ties, or very narrow scores), the row takes two more 8-bit
 # passes over the low 16 bits and a count (three barriers more), as ``topk_indices`` does.
-GRID_CAP = 16
+GRID_CAP = 4096
 GRID_MAX_SLICE = 8192  # keys a program holds at most (registers); wider rows go to ``topk_indices``
 GRID_MAX_PARTS = 256
 _GRID_FIXED = 256 + 65536 + 2 * 256 + 32  # zeroed: coarse + fine histograms, the low passes' two, the barrier
 
 
 def grid_work(parts: int, cap: int = GRID_CAP) -> int:
-    """int32 workspace per row of ``topk_grid``: the zeroed histograms and barrier counter, then per program the
-    count above the 16-bit bin, the count inside it, the count pass's two counts, and CAP candidates."""
-    return _GRID_FIXED + parts * (4 + cap)
+    """int32 workspace per row of ``topk_grid``: the zeroed histograms, barrier and candidate counters, then per
+    program the count above the 16-bit bin and the count pass's two counts, then the row's CAP candidates."""
+    return _GRID_FIXED + parts * 3 + cap
 
 
 @triton.jit
@@ -341,6 +342,49 @@ def _grid_fill(out_base, selected, topk, FILL: tl.constexpr):
 
 
 @triton.jit
+def _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk, STEP: tl.constexpr = 256):
+    """(t, rem): the low 16 bits of the row's threshold key, the ``rem``-th largest of the ``n_cand`` candidates'
+    (two 8-bit digits, a sweep over the list each), and how many candidates equal to it are still to take
+    (0 and 0 for a settled row)."""
+    offs = tl.arange(0, STEP)
+    hist = tl.zeros([256], tl.int32)
+    for start in range(0, n_cand, STEP):
+        i = start + offs
+        c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
+        hist += tl.histogram((c >> 8) & 255, 256, mask=i < n_cand)
+    t, rem, settled = _grid_pick(hist, bins, tl.zeros([], tl.uint32), rem, settled, topk, 8, False)
+    hist = tl.zeros([256], tl.int32)
+    for start in range(0, n_cand, STEP):
+        i = start + offs
+        c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
+        hist += tl.histogram(c & 255, 256, mask=(i < n_cand) & (((c >> 8) & 255).to(tl.uint32) == (t >> 8)))
+    t, rem, settled = _grid_pick(hist, bins, t, rem, settled, topk, 0, False)
+    return tl.where(settled, 0, t), tl.where(settled, 0, rem)
+
+
+@triton.jit
+def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256):
+    """(ties, above) among the candidates of programs before ``part``, and among all: low 16 bits equal to ``t``
+    and above it."""
+    offs = tl.arange(0, STEP)
+    ties_seen = 0
+    above_seen = 0
+    ties_all = 0
+    above_all = 0
+    for start in range(0, n_cand, STEP):
+        i = start + offs
+        c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
+        ok = i < n_cand
+        low16 = (c & 0xFFFF).to(tl.uint32)
+        before = ok & ((c >> 16) < part)
+        ties_seen += tl.sum((before & (low16 == t)).to(tl.int32), axis=0)
+        above_seen += tl.sum((before & (low16 > t)).to(tl.int32), axis=0)
+        ties_all += tl.sum((ok & (low16 == t)).to(tl.int32), axis=0)
+        above_all += tl.sum((ok & (low16 > t)).to(tl.int32), axis=0)
+    return ties_seen, above_seen, ties_all, above_all
+
+
+@triton.jit
 def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_cols, topk,
                         SLICE: tl.constexpr, PARTS: tl.constexpr, CAP: tl.constexpr, WORK: tl.constexpr,
                         PHASE: tl.constexpr, ALIGNED: tl.constexpr, FILL: tl.constexpr = 1024,
@@ -360,9 +404,9 @@ def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_col
     fine = coarse + 256
     low = fine + 65536  # the low passes' two histograms
     bar = low + 512
+    n_cand_ptr = bar + 16
     above_ptr = bar + 32
-    inside_ptr = above_ptr + PARTS
-    counts = inside_ptr + PARTS
+    counts = above_ptr + PARTS
     cand = counts + 2 * PARTS
     out_base = out_ptr + row * topk
     bins = tl.arange(0, 256)
@@ -383,37 +427,27 @@ def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_col
         if PHASE < 0 or PHASE == 1:
             inside = vis & (hi == p16)
             tl.store(above_ptr + part, tl.sum((vis & (hi > p16)).to(tl.int32), axis=0))
-            tl.store(inside_ptr + part, tl.sum(inside.to(tl.int32), axis=0))
-            slot = tl.cumsum(inside.to(tl.int32), axis=0) - 1
-            tl.store(cand + part * CAP + slot, (key & 0xFFFF).to(tl.int32), mask=inside & (slot < CAP))
+            n_inside = tl.sum(inside.to(tl.int32), axis=0)
+            first = tl.atomic_add(n_cand_ptr, n_inside, sem="relaxed")
+            slot = first + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+            tl.store(cand + slot, (part << 16) | (key & 0xFFFF).to(tl.int32), mask=inside & (slot < CAP))
         if PHASE < 0:
             _grid_barrier(bar, 2 * PARTS)
         if PHASE < 0 or PHASE >= 2:
             parts = tl.arange(0, PARTS)
-            inside_n = tl.load(inside_ptr + parts, volatile=True)
-            if tl.max(inside_n, axis=0) <= CAP:  # the threshold among the row's candidates
+            n_cand = tl.load(n_cand_ptr, volatile=True)
+            if n_cand <= CAP:  # the threshold among the row's candidates
                 if PHASE < 0 or PHASE == 2:
-                    ci = tl.arange(0, PARTS * CAP)
-                    cpart = ci // CAP
-                    cvalid = (ci % CAP) < tl.load(inside_ptr + cpart, volatile=True)
-                    clo = tl.load(cand + ci, mask=cvalid, other=0, volatile=True).to(tl.uint32)
-                    t, crem, settled = _grid_pick(tl.histogram((clo >> 8).to(tl.int32), 256, mask=cvalid), bins,
-                                                  tl.zeros([], tl.uint32), rem, settled, topk, 8, False)
-                    low_bins = tl.histogram((clo & 255).to(tl.int32), 256, mask=cvalid & ((clo >> 8) == (t >> 8)))
-                    t, crem, settled = _grid_pick(low_bins, bins, t, crem, settled, topk, 0, False)
-                    t = tl.where(settled, 0, t)
-                    crem = tl.where(settled, 0, crem)
+                    t, crem = _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk)
+                    ties_seen, above_seen, ties_all, above_all = _grid_candidates_before(cand, n_cand, part, t)
                     above = tl.load(above_ptr + parts, volatile=True)
-                    before = cvalid & (cpart < part)
-                    ties_seen = tl.sum((before & (clo == t)).to(tl.int32), axis=0)
-                    written = (tl.sum(tl.where(parts < part, above, 0), axis=0)
-                               + tl.sum((before & (clo > t)).to(tl.int32), axis=0) + tl.minimum(ties_seen, crem))
+                    written = tl.sum(tl.where(parts < part, above, 0), axis=0) + above_seen
+                    written += tl.minimum(ties_seen, crem)
                     _grid_write(key, vis, pos, (p16 << 16) | t, crem, written, ties_seen, out_base)
                     if part == 0:
-                        selected = (tl.sum(above, axis=0) + tl.sum((cvalid & (clo > t)).to(tl.int32), axis=0)
-                                    + tl.minimum(tl.sum((cvalid & (clo == t)).to(tl.int32), axis=0), crem))
+                        selected = tl.sum(above, axis=0) + above_all + tl.minimum(ties_all, crem)
                         _grid_fill(out_base, selected, topk, FILL)
-            else:  # too many keys of one program in the bin: two 8-bit passes over the low 16 bits, then a count
+            else:  # too many keys in the bin: two 8-bit passes over the low 16 bits, then a count
                 prefix = p16 << 16
                 for p in tl.static_range(2):
                     shift = 8 - 8 * p
@@ -477,7 +511,7 @@ def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None
 
 def grid_low_pass_rows(work: torch.Tensor) -> torch.Tensor:
     """bool [N]: the rows of a ``topk_grid`` workspace whose select took the two low passes (more than ``cap`` keys
-    of one program in the threshold's 16-bit bin) rather than the candidates."""
+    of the row in the threshold's 16-bit bin) rather than the candidates."""
     return (work[:, 256 + 65536:256 + 65536 + 512] != 0).any(dim=1)
 
 
@@ -486,7 +520,7 @@ def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: tor
               work: torch.Tensor | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, -1 after them) from one kernel launch plus a
     zeroing one, for a few rows: ``grid_parts`` programs a row meet at two grid barriers (three more for a row
-    whose threshold bin holds more than ``cap`` keys of one program; see the comment above GRID_CAP). Rows too wide
+    whose threshold bin holds more than ``cap`` keys; see the comment above GRID_CAP). Rows too wide
     or too many for every program to be resident go to ``topk_indices``. ``parts``: at most this many programs a
     row (default: the SM count over the rows). ``work``: int32 [N, >= grid_work(parts, cap)] to use as the
     workspace (default: a new one). No host sync (capturable)."""

@@ -29,7 +29,7 @@ SELECTS = {  # name: (FEW_ROWS_SELECT, topk_grid options for the select-alone ro
     "grid": ("grid", {}),
     "grid, 64 programs": ("grid", {"parts": 64}),
     "grid, 8 warps": ("grid", {"num_warps": 8}),
-    "grid, cap 64": ("grid", {"cap": 64}),
+    "grid, cap 1 (the low passes)": ("grid", {"cap": 1}),
 }
 
 
@@ -93,6 +93,18 @@ def main(out_dir: Path) -> None:
                                                                        100, GRAPH_LAYERS)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    for method in ("triton", "grid"):  # kernel times in the eager step (torch.profiler, CUPTI)
+        dsa.FEW_ROWS_SELECT = method
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        print(f"eager step kernels, select {method} (20 steps):\n{table}", flush=True)
+        (out_dir / f"profile_{method}.txt").write_text(table)
     dsa.FEW_ROWS_SELECT = "triton"
     barriers = barrier_rows()
     summary = {"barrier_us": {n: statistics.median(r["us"] for r in barriers if r["barriers"] == n)
