@@ -266,22 +266,21 @@ def topk_indices_torch(scores: torch.Tensor, limits: torch.Tensor, topk: int, *,
 
 # One-launch select for a few rows (the batch-1 decode step): the radix select's result from one kernel whose
 # programs meet at grid barriers instead of kernel boundaries. Each program holds its slice's keys in registers for
-# the whole select (loaded once). A grid barrier costs about what a kernel boundary does (H200, 2026-12-02: the four
-# 8-bit passes and the count, five barriers, ran 22.0 us against topk_indices' 23.1), so the select is arranged to
-# need two in the common case:
-# 1. the top 16 bits of the threshold key in one pass: a 256-bin histogram of the top 8 bits (per program, then one
-#    atomic per non-empty bin) and a 65,536-bin one of the top 16 (one atomic per key); after the barrier every
-#    program picks the 8-bit bin, then the 16-bit bin inside it;
-# 2. each program stores how many of its keys lie above that 16-bit bin and appends the low 16 bits of its keys inside
+# the whole select (loaded once). Three barriers in the common case:
+# 1. the top 8 bits of the threshold key: a 256-bin histogram per program, one atomic per non-empty bin into the
+#    row's, a barrier, then every program picks the bin from the same histogram;
+# 2. the next 8 bits the same way, over the keys in that bin;
+# 3. each program stores how many of its keys lie above that 16-bit bin and appends the low 16 bits of its keys inside
 #    it (with its index) to the row's candidate list (an atomic counter hands out the slots); after the barrier every
 #    program finds the exact threshold among the candidates (three sweeps over the list, 256 at a time) and the
 #    offset its positions start at, and writes them.
 # When the bin holds more than CAP keys of the row (heavy ties, or very narrow scores), the row takes two more 8-bit
 # passes over the low 16 bits and a count (three barriers more), as ``topk_indices`` does.
+# Measured slower than ``topk_indices`` (H200, 2026-12-02, benchmarks/gpu-2026-12-02-dsa-s12): off by default.
 GRID_CAP = 4096
 GRID_MAX_SLICE = 8192  # keys a program holds at most (registers); wider rows go to ``topk_indices``
 GRID_MAX_PARTS = 256
-_GRID_FIXED = 256 + 65536 + 2 * 256 + 32  # zeroed: coarse + fine histograms, the low passes' two, the barrier
+_GRID_FIXED = 256 + 256 + 2 * 256 + 32  # zeroed: coarse + fine histograms, the low passes' two, the barrier
 
 
 def grid_work(parts: int, cap: int = GRID_CAP) -> int:
@@ -392,8 +391,9 @@ def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_col
     """Program (row, part) of ``topk_grid``: the keys of columns [part * SLICE, (part + 1) * SLICE) of the row (see
     the comment above GRID_CAP). PHASE -1: the whole select with grid barriers (CUDA). PHASE p >= 0: only step p,
     the barriers being kernel boundaries (the interpreter runs programs one after another, so a barrier would never
-    open): 0 the 16-bit pass, 1 the candidates, 2 the write (or the first low pass), 3 the second low pass, 4 the
-    count, 5 the write after a low pass; every step re-derives what the steps before it fixed from ``work_ptr``."""
+    open): 0 and 1 the two 8-bit passes, 2 the candidates, 3 the write (or the first low pass), 4 the second low
+    pass, 5 the count, 6 the write after a low pass; every step re-derives what the steps before it fixed from
+    ``work_ptr``."""
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -402,7 +402,7 @@ def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_col
     key, vis = _slice_keys(scores_ptr + row * stride, pos, n, n_read)
     coarse = work_ptr + row * WORK
     fine = coarse + 256
-    low = fine + 65536  # the low passes' two histograms
+    low = fine + 256  # the low passes' two histograms
     bar = low + 512
     n_cand_ptr = bar + 16
     above_ptr = bar + 32
@@ -414,17 +414,22 @@ def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_col
     if PHASE < 0 or PHASE == 0:
         hist = tl.histogram((hi >> 8).to(tl.int32), 256, mask=vis)
         tl.atomic_add(coarse + bins, hist, mask=hist > 0, sem="relaxed")
-        tl.atomic_add(fine + hi.to(tl.int32), 1, mask=vis, sem="relaxed")
     if PHASE < 0:
         _grid_barrier(bar, PARTS)
     if PHASE < 0 or PHASE >= 1:
         prefix, rem, settled = _grid_pick(tl.load(coarse + bins, volatile=True), bins, tl.zeros([], tl.uint32),
                                           tl.zeros([], tl.int32) + topk, False, topk, 24, True)
-        fine_bins = tl.load(fine + (prefix >> 24).to(tl.int32) * 256 + bins, volatile=True)
-        prefix, rem, settled = _grid_pick(fine_bins, bins, prefix, rem, settled, topk, 16, False)
+        if PHASE < 0 or PHASE == 1:
+            hist = tl.histogram((hi & 255).to(tl.int32), 256, mask=vis & ((hi >> 8) == (prefix >> 24)))
+            tl.atomic_add(fine + bins, hist, mask=hist > 0, sem="relaxed")
+        if PHASE < 0:
+            _grid_barrier(bar, 2 * PARTS)
+    if PHASE < 0 or PHASE >= 2:
+        prefix, rem, settled = _grid_pick(tl.load(fine + bins, volatile=True), bins, prefix, rem, settled, topk, 16,
+                                          False)
         p16 = tl.where(settled, 0, prefix >> 16)
         rem = tl.where(settled, 0, rem)
-        if PHASE < 0 or PHASE == 1:
+        if PHASE < 0 or PHASE == 2:
             inside = vis & (hi == p16)
             tl.store(above_ptr + part, tl.sum((vis & (hi > p16)).to(tl.int32), axis=0))
             n_inside = tl.sum(inside.to(tl.int32), axis=0)
@@ -432,12 +437,12 @@ def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_col
             slot = first + tl.cumsum(inside.to(tl.int32), axis=0) - 1
             tl.store(cand + slot, (part << 16) | (key & 0xFFFF).to(tl.int32), mask=inside & (slot < CAP))
         if PHASE < 0:
-            _grid_barrier(bar, 2 * PARTS)
-        if PHASE < 0 or PHASE >= 2:
+            _grid_barrier(bar, 3 * PARTS)
+        if PHASE < 0 or PHASE >= 3:
             parts = tl.arange(0, PARTS)
             n_cand = tl.load(n_cand_ptr, volatile=True)
             if n_cand <= CAP:  # the threshold among the row's candidates
-                if PHASE < 0 or PHASE == 2:
+                if PHASE < 0 or PHASE == 3:
                     t, crem = _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk)
                     ties_seen, above_seen, ties_all, above_all = _grid_candidates_before(cand, n_cand, part, t)
                     above = tl.load(above_ptr + parts, volatile=True)
@@ -451,23 +456,23 @@ def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_col
                 prefix = p16 << 16
                 for p in tl.static_range(2):
                     shift = 8 - 8 * p
-                    if PHASE < 0 or PHASE == 2 + p:
+                    if PHASE < 0 or PHASE == 3 + p:
                         match = vis & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
                         hist = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
                         tl.atomic_add(low + p * 256 + bins, hist, mask=hist > 0, sem="relaxed")
                     if PHASE < 0:
-                        _grid_barrier(bar, (3 + p) * PARTS)
-                    if PHASE < 0 or PHASE > 2 + p:
+                        _grid_barrier(bar, (4 + p) * PARTS)
+                    if PHASE < 0 or PHASE > 3 + p:
                         prefix, rem, settled = _grid_pick(tl.load(low + p * 256 + bins, volatile=True), bins, prefix,
                                                           rem, settled, topk, shift, False)
                 threshold = tl.where(settled, 0, prefix)
                 rem = tl.where(settled, 0, rem)
-                if PHASE < 0 or PHASE == 4:
+                if PHASE < 0 or PHASE == 5:
                     tl.store(counts + part * 2, tl.sum((vis & (key > threshold)).to(tl.int32), axis=0))
                     tl.store(counts + part * 2 + 1, tl.sum((vis & (key == threshold)).to(tl.int32), axis=0))
                 if PHASE < 0:
-                    _grid_barrier(bar, 5 * PARTS)
-                if PHASE < 0 or PHASE == 5:
+                    _grid_barrier(bar, 6 * PARTS)
+                if PHASE < 0 or PHASE == 6:
                     c_above = tl.load(counts + parts * 2, volatile=True)
                     c_ties = tl.load(counts + parts * 2 + 1, volatile=True)
                     ties_seen = tl.sum(tl.where(parts < part, c_ties, 0), axis=0)
@@ -512,14 +517,14 @@ def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None
 def grid_low_pass_rows(work: torch.Tensor) -> torch.Tensor:
     """bool [N]: the rows of a ``topk_grid`` workspace whose select took the two low passes (more than ``cap`` keys
     of the row in the threshold's 16-bit bin) rather than the candidates."""
-    return (work[:, 256 + 65536:256 + 65536 + 512] != 0).any(dim=1)
+    return (work[:, 512:1024] != 0).any(dim=1)
 
 
 def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
               parts: int | None = None, cap: int = GRID_CAP, num_warps: int = 4,
               work: torch.Tensor | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, -1 after them) from one kernel launch plus a
-    zeroing one, for a few rows: ``grid_parts`` programs a row meet at two grid barriers (three more for a row
+    zeroing one, for a few rows: ``grid_parts`` programs a row meet at three grid barriers (three more for a row
     whose threshold bin holds more than ``cap`` keys; see the comment above GRID_CAP). Rows too wide
     or too many for every program to be resident go to ``topk_indices``. ``parts``: at most this many programs a
     row (default: the SM count over the rows). ``work``: int32 [N, >= grid_work(parts, cap)] to use as the
@@ -547,7 +552,7 @@ def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: tor
     common = dict(SLICE=size, PARTS=parts, CAP=cap, WORK=work.shape[1], ALIGNED=aligned, num_warps=num_warps)
     args = (scores, limits, work, out, scores.stride(0), n_cols, topk)
     if _interpreting():  # the barriers as launch boundaries: one launch per step
-        for phase in range(6):
+        for phase in range(7):
             _grid_select_kernel[(n_rows, parts)](*args, PHASE=phase, **common)
     else:
         _grid_select_kernel[(n_rows, parts)](*args, PHASE=-1, **common, **chain)
