@@ -564,10 +564,14 @@ class IndexStats:
 # 8-bit digits) against 56.0 us (torch.topk); 64 rows 225 against 146 us; 4096 rows 12.0 against 6.0 ms.
 TRITON_SELECT_MAX_ROWS = 8
 # Chunks of at most TRITON_SELECT_MAX_ROWS rows (decode batches of a few sequences) select under ``auto`` with
-# FEW_ROWS_SELECT: "triton" (the radix select, ``topk_indices``: 11 launches), "grid" (``topk.topk_grid``: the same
-# passes in one launch whose programs meet at grid barriers, plus a zeroing launch) or "decode" (``topk_decode`` with
-# FEW_ROWS_DECODE_OPTIONS: two launches, a row's candidate pass spread over many programs, the flat select).
-FEW_ROWS_SELECT = "triton"
+# FEW_ROWS_SELECT: "grid" (``topk.topk_grid``: the radix select's result from one launch whose programs meet at grid
+# barriers, plus a zeroing launch), "triton" (the radix select, ``topk_indices``: 11 launches) or "decode"
+# (``topk_decode`` with FEW_ROWS_DECODE_OPTIONS: two launches, a row's candidate pass spread over many programs, the
+# flat select). H200, 2026-12-02, commit ed727c7, batch 1 x 128K, top-2048 (benchmarks/gpu-2026-12-02-dsa-s12): the
+# step per layer in a graph of 8 layers 45.1-46.0 us with "grid" against 46.9-47.3 with "triton" (three rounds in
+# turn); the select's kernels 14.0 against 20.7 us (profile).
+FEW_ROWS_SELECT = "grid"
+FEW_ROWS_GRID_OPTIONS: dict = {}  # ``topk_grid`` options under "grid" (``parts``, ``cap``, ``num_warps``)
 FEW_ROWS_DECODE_OPTIONS: dict = {"parts": 64, "seg_cap": 2048, "flat": True, "block": 1024, "num_warps": 4,
                                  "select_warps": 16}
 # Chunks of at least this many rows (prefill; decode batches stay below it) select through
@@ -630,7 +634,7 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
         topk_indices(scores, limits, topk, out=out)
         return 0
     if method == "grid":  # the radix select in one launch (rows too many or too wide: ``topk_indices``)
-        topk_grid(scores, limits, topk, out=out)
+        topk_grid(scores, limits, topk, out=out, **FEW_ROWS_GRID_OPTIONS)
         return 0
     if method == "decode":  # device-side prefilter: exact, no host sync (misjudged rows are redone on the device)
         options = (PREFILL_DECODE_OPTIONS if rows >= PREFILTER_MIN_ROWS

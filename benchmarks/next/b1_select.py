@@ -86,8 +86,9 @@ def main(out_dir: Path) -> None:
             else:
                 alone = time_cuda(lambda o=opts: topk.topk_grid(scores, limits, TOPK, out=out, **o), 200).median_us
             row = {"round": rnd, "select": name, "select_us": alone}
-            if not opts:  # the step at the dsa dispatch's options
+            if opts is None or not ({"parts", "cap"} & set(opts)):  # the step with the dispatch taking this select
                 dsa.FEW_ROWS_SELECT = method
+                dsa.FEW_ROWS_GRID_OPTIONS = opts or {}
                 row["step_us"] = time_cuda(step, 200).median_us
                 row["step_us_per_layer_graph_of_8"] = _layered_step_us(1, CONTEXT, TOPK, "fp8", block_table, {}, {},
                                                                        100, GRAPH_LAYERS)
@@ -95,6 +96,7 @@ def main(out_dir: Path) -> None:
             print(json.dumps(row), flush=True)
     for method in ("triton", "grid"):  # kernel times in the eager step (torch.profiler, CUPTI)
         dsa.FEW_ROWS_SELECT = method
+        dsa.FEW_ROWS_GRID_OPTIONS = {}
         for _ in range(3):
             step()
         torch.cuda.synchronize()

@@ -182,7 +182,7 @@ def test_select_dispatch_takes_topk_decode_with_its_prefill_options(monkeypatch)
 
 
 def test_few_rows_select_takes_topk_decode_with_its_options_when_asked(monkeypatch):
-    """A decode batch of at most TRITON_SELECT_MAX_ROWS rows takes the radix select by default; with FEW_ROWS_SELECT
+    """A decode batch of at most TRITON_SELECT_MAX_ROWS rows takes the grid select by default; with FEW_ROWS_SELECT
     "decode" it takes topk_decode with FEW_ROWS_DECODE_OPTIONS (here 3 rows of 4K keys, many parts over the flat
     select, ties at the k-th score), the twin's positions either way."""
     seen = []
@@ -197,7 +197,7 @@ def test_few_rows_select_takes_topk_decode_with_its_options_when_asked(monkeypat
     s = torch.randn(3, 4096, generator=gen).round(decimals=1)
     limits = torch.tensor([4096, 3000, 100])
     out = torch.empty(3, 256, dtype=torch.int32)
-    assert dsa.auto_select(3, 4096, 256) == dsa.FEW_ROWS_SELECT == "triton"
+    assert dsa.auto_select(3, 4096, 256) == dsa.FEW_ROWS_SELECT == "grid"
     dsa._select_topk(s, limits, 256, out=out)
     assert seen == [] and torch.equal(out, topk_indices_torch(s, limits, 256))
     options = {"parts": 8, "seg_cap": 512, "flat": True, "block": 256, "num_warps": 4, "select_warps": 4}
