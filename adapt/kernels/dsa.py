@@ -567,11 +567,11 @@ TRITON_SELECT_MAX_ROWS = 8
 # FEW_ROWS_SELECT: "grid" (``topk.topk_grid``: the radix select's result from one launch whose programs meet at grid
 # barriers, plus a zeroing launch), "triton" (the radix select, ``topk_indices``: 11 launches) or "decode"
 # (``topk_decode`` with FEW_ROWS_DECODE_OPTIONS: two launches, a row's candidate pass spread over many programs, the
-# flat select). H200, 2026-12-02, commit ed727c7, batch 1 x 128K, top-2048 (benchmarks/gpu-2026-12-02-dsa-s12): the
-# step per layer in a graph of 8 layers 45.1-46.0 us with "grid" against 46.9-47.3 with "triton" (three rounds in
-# turn); the select's kernels 14.0 against 20.7 us (profile).
+# flat select). H200, 2026-12-02, commit 114a308, batch 1 x 128K, top-2048 (benchmarks/gpu-2026-12-02-dsa-s12), the
+# step per layer in a graph of 8 layers, three rounds in turn: "grid" with 8 warps 43.8-43.9 us, with 4 warps
+# 45.1-45.6, "triton" 47.0-47.5; the select's kernels (4 warps) 14.0 against 20.7 us (profile, commit ed727c7).
 FEW_ROWS_SELECT = "grid"
-FEW_ROWS_GRID_OPTIONS: dict = {}  # ``topk_grid`` options under "grid" (``parts``, ``cap``, ``num_warps``)
+FEW_ROWS_GRID_OPTIONS: dict = {"num_warps": 8}  # ``topk_grid`` options under "grid" (``parts``, ``cap``, ``num_warps``)
 FEW_ROWS_DECODE_OPTIONS: dict = {"parts": 64, "seg_cap": 2048, "flat": True, "block": 1024, "num_warps": 4,
                                  "select_warps": 16}
 # Chunks of at least this many rows (prefill; decode batches stay below it) select through
