@@ -1,8 +1,9 @@
-"""The batch-1 decode select (issue 16): the radix select's 11 launches (``topk.topk_indices``) against the one-launch
-select meeting at grid barriers (``topk.topk_grid``), on the indexer's real 1 x 128K scores, alone and in the whole
+"""The batch-1 decode select (issue 16): the radix select's 11 launches (``topk.topk_indices``), the one-launch select
+meeting at grid barriers (``topk.topk_grid``) and the decode index + grid select in one launch
+(``dsa.index_topk_grid``), on the indexer's real 1 x 128K scores: the select (or index + select) alone and the whole
 step (index + top-k + sparse MLA: a one-layer graph and the acceptance's graph of 8 layers), three interleaved
-rounds. Every select's positions are compared with the twin first. Then what one grid barrier costs: a kernel of
-128 programs passing 0, 1, 4 or 8 barriers and doing nothing else (CUDA graph with the counter's zeroing).
+rounds. Positions are compared with the twin first; then the eager step's kernel times (torch.profiler), and with
+BARRIERS what one grid barrier costs (a kernel of 128 programs passing 0, 1, 4 or 8 barriers, nothing else).
 
 Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/b1_select.py OUT_DIR
 """
@@ -24,12 +25,13 @@ from adapt.kernels.formats import PAGE_SIZE
 from adapt.stages.bench_dsa import GRAPH_LAYERS, _layered_step_us, _queries, _random_cache
 
 CONTEXT, TOPK = 131072, 2048
-SELECTS = {  # name: (FEW_ROWS_SELECT, topk_grid options for the select-alone rows)
-    "triton (11 launches)": ("triton", None),
-    "grid": ("grid", {}),
-    "grid, 64 programs": ("grid", {"parts": 64}),
-    "grid, 8 warps": ("grid", {"num_warps": 8}),
-    "grid, cap 1 (the low passes)": ("grid", {"cap": 1}),
+BARRIERS = False  # the barrier-cost rows (session 12, calls 2-4)
+SELECTS = {  # name: (FEW_ROWS_SELECT, FEW_ROWS_GRID_SCORES, topk_grid options; None: topk_indices)
+    "triton (11 launches)": ("triton", False, None),
+    "grid, 8 warps": ("grid", False, {"num_warps": 8}),
+    "grid, 4 warps": ("grid", False, {"num_warps": 4}),
+    "index + grid in one launch, 8 warps": ("grid", True, {"num_warps": 8}),
+    "index + grid in one launch, 4 warps": ("grid", True, {"num_warps": 4}),
 }
 
 
@@ -65,38 +67,50 @@ def main(out_dir: Path) -> None:
     twin = topk.topk_indices_torch(scores, limits, TOPK)
     out = torch.empty(1, TOPK, dtype=torch.int32, device="cuda")
     equal = {}
-    for name, (_, opts) in SELECTS.items():
+    for name, (_, fused, opts) in SELECTS.items():
+        if fused:
+            idx, own = dsa.index_topk_grid(*args, TOPK, CONTEXT, **opts)
+            equal[name + ": positions = twin of its scores"] = bool(
+                torch.equal(idx, topk.topk_indices_torch(own, limits, TOPK)))
+            equal[name + ": scores = index_scores'"] = bool(torch.equal(own, scores))
+            continue
         if opts is None:
             topk.topk_indices(scores, limits, TOPK, out=out)
         else:
             topk.topk_grid(scores, limits, TOPK, out=out, **opts)
         equal[name] = bool(torch.equal(out, twin))
-    print("equal to the twin:", equal, flush=True)
+    print("equal:", equal, flush=True)
 
     def step():
         idx, _ = dsa.index_topk(*args, TOPK, max_keys=CONTEXT, rows_per_tile=1)
         return sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
                                      block_table, token_seq, idx, 0.1)
 
+    def use(method, fused, opts):
+        dsa.FEW_ROWS_SELECT = method
+        dsa.FEW_ROWS_GRID_SCORES = fused
+        dsa.FEW_ROWS_GRID_OPTIONS = opts or {}
+
     rows = []
     for rnd in range(3):
-        for name, (method, opts) in SELECTS.items():
-            if opts is None:
-                alone = time_cuda(lambda: topk.topk_indices(scores, limits, TOPK, out=out), 200).median_us
+        for name, (method, fused, opts) in SELECTS.items():
+            row = {"round": rnd, "select": name}
+            use(method, fused, opts)
+            if fused:  # index + select alone
+                row["index_topk_us"] = time_cuda(lambda: dsa.index_topk(*args, TOPK, max_keys=CONTEXT,
+                                                                        rows_per_tile=1), 200).median_us
+            elif opts is None:
+                row["select_us"] = time_cuda(lambda: topk.topk_indices(scores, limits, TOPK, out=out), 200).median_us
             else:
-                alone = time_cuda(lambda o=opts: topk.topk_grid(scores, limits, TOPK, out=out, **o), 200).median_us
-            row = {"round": rnd, "select": name, "select_us": alone}
-            if opts is None or not ({"parts", "cap"} & set(opts)):  # the step with the dispatch taking this select
-                dsa.FEW_ROWS_SELECT = method
-                dsa.FEW_ROWS_GRID_OPTIONS = opts or {}
-                row["step_us"] = time_cuda(step, 200).median_us
-                row["step_us_per_layer_graph_of_8"] = _layered_step_us(1, CONTEXT, TOPK, "fp8", block_table, {}, {},
-                                                                       100, GRAPH_LAYERS)
+                row["select_us"] = time_cuda(lambda o=opts: topk.topk_grid(scores, limits, TOPK, out=out, **o),
+                                             200).median_us
+            row["step_us"] = time_cuda(step, 200).median_us
+            row["step_us_per_layer_graph_of_8"] = _layered_step_us(1, CONTEXT, TOPK, "fp8", block_table, {}, {}, 100,
+                                                                   GRAPH_LAYERS)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    for method in ("triton", "grid"):  # kernel times in the eager step (torch.profiler, CUPTI)
-        dsa.FEW_ROWS_SELECT = method
-        dsa.FEW_ROWS_GRID_OPTIONS = {}
+    for name in ("triton (11 launches)", "index + grid in one launch, 8 warps"):  # the eager step's kernels
+        use(*SELECTS[name])
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -104,17 +118,15 @@ def main(out_dir: Path) -> None:
             for _ in range(20):
                 step()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        print(f"eager step kernels, select {method} (20 steps):\n{table}", flush=True)
-        (out_dir / f"profile_{method}.txt").write_text(table)
-    dsa.FEW_ROWS_SELECT = "triton"
-    barriers = barrier_rows()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+        print(f"eager step kernels, {name} (20 steps):\n{table}", flush=True)
+        (out_dir / f"profile_{SELECTS[name][0]}.txt").write_text(table)
+    barriers = barrier_rows() if BARRIERS else []
     summary = {"barrier_us": {n: statistics.median(r["us"] for r in barriers if r["barriers"] == n)
-                              for n in (0, 1, 4, 8)}}
+                              for n in (0, 1, 4, 8)} if barriers else None}
     for name in SELECTS:
         mine = [r for r in rows if r["select"] == name]
-        summary[name] = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k.endswith("_us") or
-                         k.endswith("graph_of_8")}
+        summary[name] = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k not in ("round", "select")}
     print(json.dumps(summary, indent=1))
     (out_dir / "b1_select.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "equal": equal,
                                                         "rows": rows, "barriers": barriers, "summary": summary},
