@@ -55,12 +55,6 @@ from adapt.kernels.topk import (
     DECODE_SAMPLE_RUN,
     DECODE_TAU_BITS,
     FUSED_CAP,
-    GRID_CAP,
-    GRID_PHASES,
-    grid_parts,
-    grid_select_slice,
-    grid_work,
-    grid_zero,
     order_key,
     prefilter_applies,
     sample_columns,
@@ -455,90 +449,6 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     return out
 
 
-# Decode index + grid select in one launch (plus the workspace's zeroing) for a few rows (batch-1 decode): the grid
-# select's programs first score their own slice of keys (the ``index_scores`` decode arithmetic, 64-key tiles), write
-# the scores, and select from them without a kernel boundary between.
-FEW_ROWS_GRID_SCORES = True
-
-
-@triton.jit
-def _index_grid_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, seq_ptr, scores_ptr, work_ptr,
-                       out_ptr, n_heads, bt_stride, n_cols, topk,
-                       HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PAGE: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr, SLICE: tl.constexpr, PARTS: tl.constexpr,
-                       CAP: tl.constexpr, WORK: tl.constexpr, PHASE: tl.constexpr, ALIGNED: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """Program (row, part): the row's scores of keys [part * SLICE, (part + 1) * SLICE) into ``scores_ptr`` ([N,
-    n_cols] fp32, -inf from the row's limit on), then ``topk.grid_select_slice`` over them (PHASE as there; the
-    scoring runs in step 0)."""
-    pdl.enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    if PHASE <= 0:
-        seq = tl.load(seq_ptr + row).to(tl.int64)
-        limit = tl.load(limit_ptr + row)
-        heads = tl.arange(0, BLOCK_H)
-        hmask = heads < n_heads
-        dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + (row * n_heads + heads[:, None]) * HEAD_DIM + dims[None, :], mask=hmask[:, None],
-                    other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-        w = tl.load(w_ptr + row * n_heads + heads, mask=hmask, other=0.0)
-        first = part * (SLICE // BLOCK_S)
-        last = tl.minimum(first + SLICE // BLOCK_S, tl.cdiv(n_cols, BLOCK_S))
-        live = tl.minimum(last, tl.cdiv(limit, BLOCK_S))
-        base = scores_ptr + row * n_cols
-        for kt in tl.range(first, live, num_stages=NUM_STAGES):
-            pos, keys, kscale = _key_tile(k_ptr, ks_ptr, block_table_ptr, seq, bt_stride, kt, limit, HEAD_DIM,
-                                          BLOCK_S, PAGE, UPCAST)
-            score = tl.sum(tl.maximum(tl.dot(keys, tl.trans(q)), 0.0) * w[None, :], axis=1) * kscale
-            tl.store(base + pos, tl.where(pos < limit, score, float("-inf")), mask=pos < n_cols)
-        for kt in range(tl.maximum(first, live), last):
-            pos = kt * BLOCK_S + tl.arange(0, BLOCK_S)
-            tl.store(base + pos, tl.full([BLOCK_S], float("-inf"), tl.float32), mask=pos < n_cols)
-        tl.debug_barrier()  # the program's scores written before any of its threads reads them back
-    grid_select_slice(scores_ptr, limit_ptr, work_ptr, out_ptr, row, part, n_cols, n_cols, topk, SLICE, PARTS, CAP,
-                      WORK, PHASE, ALIGNED, 1024)
-
-
-def index_topk_grid(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor,
-                    block_table: torch.Tensor, token_seq: torch.Tensor, limits: torch.Tensor, topk: int,
-                    num_cols: int, *, out: torch.Tensor | None = None, key_block: int | None = None,
-                    num_stages: int | None = None, parts: int | None = None, cap: int = GRID_CAP,
-                    num_warps: int = 8, **_tile_options) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Decode index + top-k for rows that are each their own sequence, in one launch plus a zeroing one, no host
-    sync (capturable): (int32 [N, topk] positions, exactly ``topk_indices`` of the returned scores; fp32 [N,
-    num_cols] scores, as ``index_scores`` computes them). None where the grid select does not apply (too many rows
-    or keys for every program to be resident, or slices shorter than a key tile): the caller scores and selects
-    apart. ``key_block`` keys a tile (default DECODE_KEY_BLOCK), ``num_stages`` tiles in flight (default
-    DECODE_STAGES), ``parts`` / ``cap`` / ``num_warps`` as in ``topk_grid``; other index tile options are ignored."""
-    n_rows, n_heads, head_dim = q_fp8.shape
-    block_s = key_block or DECODE_KEY_BLOCK
-    shape = grid_parts(n_rows, num_cols, q_fp8.device, parts)
-    if shape is None or shape[1] < block_s or topk == 0:
-        return None
-    parts, size = shape
-    if out is None:
-        out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
-    scores = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
-    work = torch.empty(n_rows, grid_work(parts, cap), dtype=torch.int32, device=q_fp8.device)
-    chain = pdl.launch_options(q_fp8.device)
-    grid_zero(work, chain)
-    args = (q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
-            limits.to(torch.int32).contiguous(), token_seq.to(torch.int32).contiguous(), scores, work, out, n_heads,
-            block_table.stride(0), num_cols, topk)
-    common = dict(HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_S=block_s,
-                  PAGE=PAGE_SIZE, NUM_STAGES=num_stages or DECODE_STAGES, UPCAST=_interpreting(), SLICE=size,
-                  PARTS=parts, CAP=cap, WORK=work.shape[1], ALIGNED=num_cols % 16 == 0, num_warps=num_warps)
-    if _interpreting():  # the barriers as launch boundaries: one launch per step
-        for phase in range(GRID_PHASES):
-            _index_grid_kernel[(n_rows, parts)](*args, PHASE=phase, **common)
-    else:
-        _index_grid_kernel[(n_rows, parts)](*args, PHASE=-1, **common, **chain)
-    return out, scores
-
-
 # Fused decode top-k (``index_topk_fused``): sampled keys scored per row, candidates kept by the scoring kernel.
 FUSED_SAMPLE = 4096  # sampled keys per row (runs of DECODE_SAMPLE_RUN spread over the visible keys)
 FUSED_SAMPLE_BLOCK = 128  # sampled keys per sample program
@@ -746,18 +656,8 @@ def _select_twin(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     return 0
 
 
-def _grid_scores_apply(rows: int, select: str, tile_options: dict) -> bool:
-    """Whether ``index_topk`` scores and selects a chunk of ``rows`` in ``index_topk_grid``'s one launch: the grid
-    select is the chunk's select (``select`` "grid", or "auto" with FEW_ROWS_SELECT "grid", at most
-    TRITON_SELECT_MAX_ROWS rows), each row is its own sequence (``rows_per_tile=1`` or one row) and
-    FEW_ROWS_GRID_SCORES is on."""
-    chosen = select == "grid" or (select == "auto" and FEW_ROWS_SELECT == "grid")
-    return (FEW_ROWS_GRID_SCORES and chosen and rows <= TRITON_SELECT_MAX_ROWS
-            and (tile_options.get("rows_per_tile") == 1 or rows == 1))
-
-
 def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
-                        topk, max_score_bytes, max_keys, select, tile_options, fused=False, grid=False):
+                        topk, max_score_bytes, max_keys, select, tile_options, fused=False):
     n_rows = q_fp8.shape[0]
     out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
     if n_rows == 0:
@@ -776,12 +676,7 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
         cols = widest if max_keys is not None else round_up(int(limits[start:end].max()))
         args = (q_fp8[start:end], weights[start:end], index_k, index_scale, block_table, token_seq[start:end],
                 limits[start:end])
-        done = None
-        if grid and _grid_scores_apply(end - start, select, tile_options):  # None where the grid does not apply
-            done = index_topk_grid(*args, topk, cols, out=out[start:end], **{**tile_options, **FEW_ROWS_GRID_OPTIONS})
-        if done is not None:
-            scores = done[1]
-        elif fused:  # scoring keeps the candidates, one select over them (misjudged rows: redone on the device)
+        if fused:  # scoring keeps the candidates, one select over them (misjudged rows: redone on the device)
             scores = index_topk_fused(*args, topk, cols, out=out[start:end], **tile_options)[1]
         else:
             scores = score_fn(*args, cols, **tile_options)
@@ -823,8 +718,7 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
                                   and FUSED_DECODE_MIN_ROWS is not None and FUSED_DECODE_MIN_ROWS <= n_rows
                                   < PREFILTER_MIN_ROWS)
     return _index_topk_chunked(index_scores, _select_topk, q_fp8, weights, index_k, index_scale, block_table,
-                               token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options, fused,
-                               grid=True)
+                               token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options, fused)
 
 
 def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,

@@ -1,9 +1,10 @@
-"""The batch-1 decode select (issue 16): the radix select's 11 launches (``topk.topk_indices``), the one-launch select
-meeting at grid barriers (``topk.topk_grid``) and the decode index + grid select in one launch
-(``dsa.index_topk_grid``), on the indexer's real 1 x 128K scores: the select (or index + select) alone and the whole
-step (index + top-k + sparse MLA: a one-layer graph and the acceptance's graph of 8 layers), three interleaved
-rounds. Positions are compared with the twin first; then the eager step's kernel times (torch.profiler), and with
-BARRIERS what one grid barrier costs (a kernel of 128 programs passing 0, 1, 4 or 8 barriers, nothing else).
+"""The batch-1 decode select (issue 16): the radix select's 11 launches (``topk.topk_indices``) and the one-launch
+select meeting at grid barriers (``topk.topk_grid``), on the indexer's real 1 x 128K scores: the select alone and the
+whole step (index + top-k + sparse MLA: a one-layer graph and the acceptance's graph of 8 layers), three interleaved
+rounds, then sparse MLA tiles in that graph. Positions are compared with the twin first; then the eager step's kernel
+times (torch.profiler), and with BARRIERS what one grid barrier costs (a kernel of 128 programs passing 0, 1, 4 or 8
+barriers, nothing else). Session 12's call 6 also timed the indexer's scoring inside the grid select's kernel (one
+launch): 46.4-47.7 us a layer against 43.7-44.2 apart (the scoring at one program an SM is slower); removed.
 
 Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/b1_select.py OUT_DIR
 """
@@ -26,13 +27,14 @@ from adapt.stages.bench_dsa import GRAPH_LAYERS, _layered_step_us, _queries, _ra
 
 CONTEXT, TOPK = 131072, 2048
 BARRIERS = False  # the barrier-cost rows (session 12, calls 2-4)
-SELECTS = {  # name: (FEW_ROWS_SELECT, FEW_ROWS_GRID_SCORES, topk_grid options; None: topk_indices)
-    "triton (11 launches)": ("triton", False, None),
-    "grid, 8 warps": ("grid", False, {"num_warps": 8}),
-    "grid, 4 warps": ("grid", False, {"num_warps": 4}),
-    "index + grid in one launch, 8 warps": ("grid", True, {"num_warps": 8}),
-    "index + grid in one launch, 4 warps": ("grid", True, {"num_warps": 4}),
+SELECTS = {  # name: (FEW_ROWS_SELECT, topk_grid options; None: topk_indices)
+    "triton (11 launches)": ("triton", None),
+    "grid, 8 warps": ("grid", {"num_warps": 8}),
+    "grid, 4 warps": ("grid", {"num_warps": 4}),
 }
+# sparse MLA options timed in the graph of 8 layers with the default select (batch 1: 64-position tiles, one slice
+# each by the wave rule, 32 slices whose partial outputs the combine reads)
+MLA_TILES = ({}, {"splits": 16}, {"splits": 8}, {"block_k": 32})
 
 
 @triton.jit
@@ -67,13 +69,7 @@ def main(out_dir: Path) -> None:
     twin = topk.topk_indices_torch(scores, limits, TOPK)
     out = torch.empty(1, TOPK, dtype=torch.int32, device="cuda")
     equal = {}
-    for name, (_, fused, opts) in SELECTS.items():
-        if fused:
-            idx, own = dsa.index_topk_grid(*args, TOPK, CONTEXT, **opts)
-            equal[name + ": positions = twin of its scores"] = bool(
-                torch.equal(idx, topk.topk_indices_torch(own, limits, TOPK)))
-            equal[name + ": scores = index_scores'"] = bool(torch.equal(own, scores))
-            continue
+    for name, (_, opts) in SELECTS.items():
         if opts is None:
             topk.topk_indices(scores, limits, TOPK, out=out)
         else:
@@ -86,20 +82,16 @@ def main(out_dir: Path) -> None:
         return sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
                                      block_table, token_seq, idx, 0.1)
 
-    def use(method, fused, opts):
+    def use(method, opts):
         dsa.FEW_ROWS_SELECT = method
-        dsa.FEW_ROWS_GRID_SCORES = fused
         dsa.FEW_ROWS_GRID_OPTIONS = opts or {}
 
     rows = []
     for rnd in range(3):
-        for name, (method, fused, opts) in SELECTS.items():
+        for name, (method, opts) in SELECTS.items():
             row = {"round": rnd, "select": name}
-            use(method, fused, opts)
-            if fused:  # index + select alone
-                row["index_topk_us"] = time_cuda(lambda: dsa.index_topk(*args, TOPK, max_keys=CONTEXT,
-                                                                        rows_per_tile=1), 200).median_us
-            elif opts is None:
+            use(method, opts)
+            if opts is None:
                 row["select_us"] = time_cuda(lambda: topk.topk_indices(scores, limits, TOPK, out=out), 200).median_us
             else:
                 row["select_us"] = time_cuda(lambda o=opts: topk.topk_grid(scores, limits, TOPK, out=out, **o),
@@ -109,7 +101,14 @@ def main(out_dir: Path) -> None:
                                                                    GRAPH_LAYERS)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    for name in ("triton (11 launches)", "index + grid in one launch, 8 warps"):  # the eager step's kernels
+    use(*SELECTS["grid, 8 warps"])
+    mla_rows = []
+    for rnd in range(3):
+        for tiles in MLA_TILES:
+            us = _layered_step_us(1, CONTEXT, TOPK, "fp8", block_table, {}, tiles, 100, GRAPH_LAYERS)
+            mla_rows.append({"round": rnd, "mla_tiles": tiles, "step_us_per_layer_graph_of_8": us})
+            print(json.dumps(mla_rows[-1]), flush=True)
+    for name in ("triton (11 launches)", "grid, 8 warps"):  # the eager step's kernels
         use(*SELECTS[name])
         for _ in range(3):
             step()
@@ -127,10 +126,12 @@ def main(out_dir: Path) -> None:
     for name in SELECTS:
         mine = [r for r in rows if r["select"] == name]
         summary[name] = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k not in ("round", "select")}
+    summary["mla_tiles"] = {json.dumps(t): statistics.median(r["step_us_per_layer_graph_of_8"] for r in mla_rows
+                                                             if r["mla_tiles"] == t) for t in MLA_TILES}
     print(json.dumps(summary, indent=1))
     (out_dir / "b1_select.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "equal": equal,
-                                                        "rows": rows, "barriers": barriers, "summary": summary},
-                                                       indent=1))
+                                                        "rows": rows, "mla_rows": mla_rows, "barriers": barriers,
+                                                        "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":

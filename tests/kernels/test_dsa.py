@@ -196,25 +196,3 @@ def test_deepseek_v32_shapes_on_gpu():
     assert stats.peak_score_bytes <= 1 << 24 and stats.chunks > 1
     ref, _ = dsa.index_topk_torch(q8[rows], weights[rows], *args, batch.token_seq[rows], limits[rows], 2048)
     assert_same_topk(idx[rows].cpu(), ref.cpu(), want.cpu(), 2048, score_tol("cuda", want))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_index_topk_grid_scores_and_selects_in_one_launch(device, monkeypatch):
-    """Decode index + grid select (``index_topk_grid``): the scores are the twin's, the positions exactly the radix
-    select's of those scores (a row seeing fewer keys than k included), and ``index_topk`` takes it for a decode
-    chunk of a few rows; slices shorter than a key tile leave it to the separate kernels (None)."""
-    layer, batch, q8, weights = filled_cache((40, 700, 1500), heads=4, dim=32, device=device, decode=True)
-    limits = (batch.positions + 1).int()
-    args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
-    idx, scores = dsa.index_topk_grid(*args, 64, 2048, parts=8)
-    assert_close_scores(scores, dsa.index_scores_torch(*args, 2048), device)
-    assert torch.equal(idx.cpu(), dsa.topk_indices_torch(scores.cpu(), limits.cpu(), 64))
-    assert (idx[0].cpu() == -1).sum() == 64 - 40
-    assert dsa.index_topk_grid(*args, 64, 2048, parts=64) is None  # 32 keys a program: under one 64-key tile
-    seen = []
-    real = dsa.index_topk_grid
-    monkeypatch.setattr(dsa, "index_topk_grid", lambda *a, **k: seen.append(k) or real(*a, **k))
-    monkeypatch.setattr(dsa, "FEW_ROWS_GRID_OPTIONS", {"parts": 8})
-    via, _ = dsa.index_topk(*args, 64, max_keys=2048, rows_per_tile=1)
-    assert len(seen) == 1 and seen[0]["parts"] == 8
-    assert torch.equal(via.cpu(), idx.cpu())  # the same kernel on the same inputs
