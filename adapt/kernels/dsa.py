@@ -615,8 +615,9 @@ def auto_select(rows: int, cols: int, topk: int) -> str:
 def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
                  method: str = "auto") -> int:
     """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``; returns the
-    rows the prefilter sent back to a full select (0 for the other methods). ``auto``: FEW_ROWS_SELECT (the Triton
-    radix select by default; ascending positions, ties to the lowest) for at most TRITON_SELECT_MAX_ROWS rows;
+    rows the prefilter sent back to a full select (0 for the other methods). ``auto``: FEW_ROWS_SELECT (the radix
+    select's result from ``topk_grid``'s one launch by default; ascending positions, ties to the lowest) for at most
+    TRITON_SELECT_MAX_ROWS rows;
     PREFILL_SELECT
     (``decode`` with PREFILL_DECODE_OPTIONS, or the prefiltered select for wide rows) for at least
     PREFILTER_MIN_ROWS rows; else torch.topk (unordered, ties arbitrary, as the prefiltered one); -1 where a row
@@ -695,8 +696,9 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
 
     Arguments (and tile options) as in ``index_scores``. Returns (int32 [N, topk] positions, -1 where the
     row sees fewer than ``topk`` keys; stats). A chunk of at most ``TRITON_SELECT_MAX_ROWS`` rows (decode
-    at small batch) selects with ``adapt.kernels.topk.topk_indices`` (ascending positions, -1 after them,
-    ties at the k-th score to the lowest positions, exactly as the twin); prefill chunks of at least
+    at small batch) selects with FEW_ROWS_SELECT, ``adapt.kernels.topk.topk_grid`` by default (``topk_indices``' result
+    in one launch: ascending positions, -1 after them, ties at the k-th score to the lowest positions, exactly as the
+    twin); prefill chunks of at least
     ``PREFILTER_MIN_ROWS`` rows with ``PREFILL_SELECT``: ``topk.topk_decode`` (the same exact result, no host
     sync) or ``topk.topk_prefiltered`` (H200, 128K prefill: 70 against 107 ms for torch.topk); other chunks with
     torch.topk (it and the prefiltered select: order unspecified, ties arbitrary). Rows are
@@ -707,7 +709,7 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
     ``limits`` back to the host; with it and ``rows_per_tile=1`` a decode step makes no host sync
     (CUDA-graph capturable). The scores of a chunk are still written to memory and read back by the
     select (decode, batch 64 x 128K: 32 MiB, L2-sized); scoring and select are not fused yet.
-    ``select``: ``_select_topk``'s method (``auto``: Triton radix select for a few rows, PREFILL_SELECT for
+    ``select``: ``_select_topk``'s method (``auto``: FEW_ROWS_SELECT for a few rows, PREFILL_SELECT for
     prefill chunks, torch.topk or ``topk_decode`` between), or ``fused``: ``index_topk_fused`` (candidates kept by the
     scoring kernel, one select over them; the radix select's result; ``auto`` takes it for decode calls, i.e.
     ``rows_per_tile=1``, of FUSED_DECODE_MIN_ROWS to PREFILTER_MIN_ROWS - 1 rows); ``stats.prefilter_fallback_rows``

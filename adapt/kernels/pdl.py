@@ -7,7 +7,8 @@ dependency is kept as a programmatic edge. Each kernel of a chain calls ``enter(
 load or store (so every read of an earlier kernel's output and every write an earlier kernel may still read come
 after it), then ``griddepcontrol.launch_dependents`` (the next kernel may launch once every program of this one has
 started). The chain adapt runs this way, when enabled: the decode step's indexer scores, radix top-k and sparse
-MLA with its combine (``dsa.index_scores`` decode, ``topk.topk_indices``, ``sparse_mla.sparse_mla``'s tl kernel).
+MLA with its combine (``dsa.index_scores`` decode, ``topk.topk_grid`` or ``topk.topk_indices``,
+``sparse_mla.sparse_mla``'s tl kernel).
 
 On by default where it applies (a CUDA device of capability 9.0 or newer, not the interpreter); ``ADAPT_PDL=0`` in
 the environment or ``set_enabled(False)`` turns it off. Measured on the H200 (benchmarks/gpu-2026-12-02-dsa-s10,

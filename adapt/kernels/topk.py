@@ -30,6 +30,9 @@ A 2**b-bin ``tl.histogram`` costs about b warp ballots plus 2**b / 32 bin counts
 ``slice_size`` scores (a one-program-per-row form leaves all but one SM idle per row; its H200
 times are in benchmarks/gpu-2026-11-30-dsa/README.md).
 
+``topk_grid`` (a few rows: the batch-1 decode step, capturable) returns the same positions from one launch whose
+programs meet at grid barriers instead of kernel boundaries (see the comment above GRID_CAP).
+
 ``topk_decode`` (decode batches, capturable) returns the same positions with two launches: a sampled
 threshold and one candidate pass over each row, then a select over the few thousand candidates, with
 rows the sample misjudged selected again from their full scores inside the same select kernel.
@@ -276,7 +279,10 @@ def topk_indices_torch(scores: torch.Tensor, limits: torch.Tensor, topk: int, *,
 #    offset its positions start at, and writes them.
 # When the bin holds more than CAP keys of the row (heavy ties, or very narrow scores), the row takes two more 8-bit
 # passes over the low 16 bits and a count (three barriers more), as ``topk_indices`` does.
-# Measured slower than ``topk_indices`` (H200, 2026-12-02, benchmarks/gpu-2026-12-02-dsa-s12): off by default.
+# H200, 2026-12-02, 1 x 128K, top-2048 (benchmarks/gpu-2026-12-02-dsa-s12): the kernel takes 13.4 us at 8 warps (14.0
+# at 4) against 20.7 us for ``topk_indices``' eleven; the batch-1 step takes it (``dsa.FEW_ROWS_SELECT``). A grid
+# barrier alone costs about 0.5 us; one 65,536-bin histogram filled by one atomic a key made the kernel 27.7 us
+# (hot bins serialise), hence two aggregated 8-bit passes.
 GRID_CAP = 4096
 GRID_MAX_SLICE = 8192  # keys a program holds at most (registers); wider rows go to ``topk_indices``
 GRID_MAX_PARTS = 256
