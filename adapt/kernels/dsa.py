@@ -616,7 +616,8 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
                  method: str = "auto") -> int:
     """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``; returns the
     rows the prefilter sent back to a full select (0 for the other methods). ``auto``: FEW_ROWS_SELECT (the radix
-    select's result from ``topk_grid``'s one launch by default; ascending positions, ties to the lowest) for at most
+    select's result from ``topk_grid``'s one launch by default, ``topk_indices`` under the interpreter, which runs
+    the grid's steps as separate launches; ascending positions, ties to the lowest) for at most
     TRITON_SELECT_MAX_ROWS rows;
     PREFILL_SELECT
     (``decode`` with PREFILL_DECODE_OPTIONS, or the prefiltered select for wide rows) for at least
@@ -631,6 +632,8 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
         raise ValueError(f"select must be one of {SELECT_METHODS}, not {method!r}")
     if method == "auto":
         method = auto_select(rows, cols, topk)
+        if method == "grid" and _interpreting():  # same positions; the interpreter's grid steps cost 10-30x more
+            method = "triton"
     if method == "triton":
         topk_indices(scores, limits, topk, out=out)
         return 0

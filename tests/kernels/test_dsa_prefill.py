@@ -182,7 +182,8 @@ def test_select_dispatch_takes_topk_decode_with_its_prefill_options(monkeypatch)
 
 
 def test_few_rows_select_takes_topk_decode_with_its_options_when_asked(monkeypatch):
-    """A decode batch of at most TRITON_SELECT_MAX_ROWS rows takes the grid select by default; with FEW_ROWS_SELECT
+    """A decode batch of at most TRITON_SELECT_MAX_ROWS rows takes the grid select by default (the radix select's
+    kernels under the interpreter, which runs the grid's steps one launch each); with FEW_ROWS_SELECT
     "decode" it takes topk_decode with FEW_ROWS_DECODE_OPTIONS (here 3 rows of 4K keys, many parts over the flat
     select, ties at the k-th score), the twin's positions either way."""
     seen = []
@@ -198,8 +199,14 @@ def test_few_rows_select_takes_topk_decode_with_its_options_when_asked(monkeypat
     limits = torch.tensor([4096, 3000, 100])
     out = torch.empty(3, 256, dtype=torch.int32)
     assert dsa.auto_select(3, 4096, 256) == dsa.FEW_ROWS_SELECT == "grid"
-    dsa._select_topk(s, limits, 256, out=out)
-    assert seen == [] and torch.equal(out, topk_indices_torch(s, limits, 256))
+    grids = []
+    real_grid = dsa.topk_grid
+    monkeypatch.setattr(dsa, "topk_grid", lambda *a, **k: grids.append(a[0].shape) or real_grid(*a, **k))
+    dsa._select_topk(s, limits, 256, out=out)  # the interpreter: auto takes topk_indices (the same positions)
+    assert seen == [] and grids == [] and torch.equal(out, topk_indices_torch(s, limits, 256))
+    out.fill_(-7)
+    dsa._select_topk(s[:1], limits[:1], 256, out=out[:1], method="grid")  # asked for: the grid select
+    assert grids == [(1, 4096)] and torch.equal(out[:1], topk_indices_torch(s[:1], limits[:1], 256))
     options = {"parts": 8, "seg_cap": 512, "flat": True, "block": 256, "num_warps": 4, "select_warps": 4}
     monkeypatch.setattr(dsa, "FEW_ROWS_SELECT", "decode")
     monkeypatch.setattr(dsa, "FEW_ROWS_DECODE_OPTIONS", options)
