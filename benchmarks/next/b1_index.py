@@ -30,14 +30,20 @@ TILES = {
 PROGRAMS = (264, 528, 1056, 2048)
 
 
-def main(out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def batch1_inputs():
+    """One decode row over a random 128K FP8 cache (seed 0): (layer, block table, token_seq, limits, q8, weights,
+    q_nope, q_rope); also ``b1_select.py``'s."""
     torch.manual_seed(0)
     layer = _random_cache(CONTEXT, "fp8").dsa_layer(0)
     block_table = torch.arange(CONTEXT // PAGE_SIZE, device="cuda", dtype=torch.int32)[None]
     token_seq = torch.zeros(1, device="cuda", dtype=torch.int32)
     limits = torch.full((1,), CONTEXT, device="cuda", dtype=torch.int32)
-    q8, weights, q_nope, q_rope = _queries(1)
+    return (layer, block_table, token_seq, limits, *_queries(1))
+
+
+def main(out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layer, block_table, token_seq, limits, q8, weights, q_nope, q_rope = batch1_inputs()
     args = (q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits)
 
     def step(opts):

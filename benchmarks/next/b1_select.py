@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from b1_index import CONTEXT, TOPK, batch1_inputs  # benchmarks/next, the script's own folder
 
 from adapt.bench.timer import time_cuda
 from adapt.kernels import dsa, sparse_mla, topk
-from adapt.kernels.formats import PAGE_SIZE
-from adapt.stages.bench_dsa import GRAPH_LAYERS, _layered_step_us, _queries, _random_cache
+from adapt.stages.bench_dsa import GRAPH_LAYERS, _layered_step_us
 
-CONTEXT, TOPK = 131072, 2048
 BARRIERS = False  # the barrier-cost rows (session 12, calls 2-4)
 SELECTS = {  # name: (FEW_ROWS_SELECT, topk_grid options; None: topk_indices)
     "triton (11 launches)": ("triton", None),
@@ -58,12 +57,7 @@ def barrier_rows() -> list[dict]:
 
 def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    layer = _random_cache(CONTEXT, "fp8").dsa_layer(0)
-    block_table = torch.arange(CONTEXT // PAGE_SIZE, device="cuda", dtype=torch.int32)[None]
-    token_seq = torch.zeros(1, device="cuda", dtype=torch.int32)
-    limits = torch.full((1,), CONTEXT, device="cuda", dtype=torch.int32)
-    q8, weights, q_nope, q_rope = _queries(1)
+    layer, block_table, token_seq, limits, q8, weights, q_nope, q_rope = batch1_inputs()
     args = (q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits)
     scores = dsa.index_scores(*args, CONTEXT, rows_per_tile=1)
     twin = topk.topk_indices_torch(scores, limits, TOPK)
