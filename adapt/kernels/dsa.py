@@ -569,7 +569,9 @@ TRITON_SELECT_MAX_ROWS = 8
 # (``topk_decode`` with FEW_ROWS_DECODE_OPTIONS: two launches, a row's candidate pass spread over many programs, the
 # flat select). H200, 2026-12-02, commit 114a308, batch 1 x 128K, top-2048 (benchmarks/gpu-2026-12-02-dsa-s12), the
 # step per layer in a graph of 8 layers, three rounds in turn: "grid" with 8 warps 43.8-43.9 us, with 4 warps
-# 45.1-45.6, "triton" 47.0-47.5; the select's kernels (4 warps) 14.0 against 20.7 us (profile, commit ed727c7).
+# 45.1-45.6, "triton" 47.0-47.5; the select's kernels (4 warps) 14.0 against 20.7 us (profile, commit ed727c7); the
+# acceptance harness (commit bc05ba3, four rounds in turn, medians): 42.6 / 46.0 us (one layer / graph of 8) against
+# 44.6 / 48.9.
 FEW_ROWS_SELECT = "grid"
 FEW_ROWS_GRID_OPTIONS: dict = {"num_warps": 8}  # ``topk_grid`` options under "grid" (``parts``, ``cap``, ``num_warps``)
 FEW_ROWS_DECODE_OPTIONS: dict = {"parts": 64, "seg_cap": 2048, "flat": True, "block": 1024, "num_warps": 4,

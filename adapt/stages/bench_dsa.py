@@ -927,6 +927,7 @@ def run_dsa_acceptance(
         "decode_gluon_candidates": _topk.DECODE_GLUON,
         "few_rows_select": dsa.FEW_ROWS_SELECT,
         "few_rows_decode_options": dsa.FEW_ROWS_DECODE_OPTIONS,
+        "few_rows_grid_options": dsa.FEW_ROWS_GRID_OPTIONS,
         "decode": [],
         "prefill": [],
     }
