@@ -315,26 +315,45 @@ def _grid_barrier(bar_ptr, target):
 
 
 @triton.jit
-def _grid_pick(hist, bins, prefix, rem, settled, topk, shift, FIRST: tl.constexpr):
-    """``_digit_pick_kernel``'s step on a 256-bin histogram held in registers."""
-    total = tl.sum(hist, axis=0)
-    if FIRST:
-        settled = total <= topk
-    at_least = total - tl.cumsum(hist, axis=0) + hist  # keys whose digit >= bin
-    d = tl.maximum(tl.max(tl.where(at_least >= rem, bins, -1), axis=0), 0)
-    rem = rem - tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
+def _grid_pick(hist, bins, prefix, rem, settled, topk, shift, FIRST: tl.constexpr, PACKED: tl.constexpr = False):
+    """``_digit_pick_kernel``'s step on a 256-bin histogram held in registers. PACKED: two CTA-wide reductions
+    instead of four (a suffix sum, then one max over (bin, keys above the bin) packed in 64 bits); the same digit
+    and count wherever some bin holds the ``rem``-th key (a settled row's values are discarded by the caller)."""
+    if PACKED:
+        at_least = tl.cumsum(hist, axis=0, reverse=True)  # keys whose digit >= bin
+        if FIRST:
+            settled = tl.max(at_least, axis=0) <= topk
+        packed = tl.where(at_least >= rem, (bins.to(tl.int64) << 32) | (at_least - hist).to(tl.int64), -1)
+        best = tl.max(packed, axis=0)
+        d = tl.maximum(best >> 32, 0).to(tl.int32)
+        rem = rem - tl.where(best >= 0, best & 0xFFFFFFFF, 0).to(tl.int32)
+    else:
+        total = tl.sum(hist, axis=0)
+        if FIRST:
+            settled = total <= topk
+        at_least = total - tl.cumsum(hist, axis=0) + hist  # keys whose digit >= bin
+        d = tl.maximum(tl.max(tl.where(at_least >= rem, bins, -1), axis=0), 0)
+        rem = rem - tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
     prefix = prefix | (d.to(tl.uint32) << shift)
     return prefix, rem, settled
 
 
 @triton.jit
-def _grid_write(key, vis, pos, threshold, rem, written, ties_seen, out_base):
+def _grid_write(key, vis, pos, threshold, rem, written, ties_seen, out_base, PACKED: tl.constexpr = False):
     """This program's positions: keys above ``threshold``, and ties at it while the row's tie rank (``ties_seen``
-    in earlier programs) is below ``rem``, in ascending order from slot ``written``."""
+    in earlier programs) is below ``rem``, in ascending order from slot ``written``. PACKED: one prefix sum over
+    (above, tie) counts packed in 64 bits instead of two."""
     tie = vis & (key == threshold)
-    tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-    take = (vis & (key > threshold)) | (tie & (tie_rank < rem))
-    slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    above = vis & (key > threshold)
+    if PACKED:
+        both = tl.cumsum((above.to(tl.int64) << 32) | tie.to(tl.int64), axis=0)
+        ties_in = (both & 0xFFFFFFFF).to(tl.int32)  # ties up to and including each key
+        take = above | (tie & (ties_seen + ties_in - 1 < rem))
+        slot = written + (both >> 32).to(tl.int32) + tl.minimum(ties_in, tl.maximum(rem - ties_seen, 0)) - 1
+    else:
+        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        take = above | (tie & (tie_rank < rem))
+        slot = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_base + slot, pos, mask=take)
 
 
@@ -347,7 +366,8 @@ def _grid_fill(out_base, selected, topk, FILL: tl.constexpr):
 
 
 @triton.jit
-def _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk, STEP: tl.constexpr = 256):
+def _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk, STEP: tl.constexpr = 256,
+                         PACKED: tl.constexpr = False):
     """(t, rem): the low 16 bits of the row's threshold key, the ``rem``-th largest of the ``n_cand`` candidates'
     (two 8-bit digits, a sweep over the list each), and how many candidates equal to it are still to take
     (0 and 0 for a settled row)."""
@@ -357,20 +377,20 @@ def _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk, STEP: tl.conste
         i = start + offs
         c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
         hist += tl.histogram((c >> 8) & 255, 256, mask=i < n_cand)
-    t, rem, settled = _grid_pick(hist, bins, tl.zeros([], tl.uint32), rem, settled, topk, 8, False)
+    t, rem, settled = _grid_pick(hist, bins, tl.zeros([], tl.uint32), rem, settled, topk, 8, False, PACKED)
     hist = tl.zeros([256], tl.int32)
     for start in range(0, n_cand, STEP):
         i = start + offs
         c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
         hist += tl.histogram(c & 255, 256, mask=(i < n_cand) & (((c >> 8) & 255).to(tl.uint32) == (t >> 8)))
-    t, rem, settled = _grid_pick(hist, bins, t, rem, settled, topk, 0, False)
+    t, rem, settled = _grid_pick(hist, bins, t, rem, settled, topk, 0, False, PACKED)
     return tl.where(settled, 0, t), tl.where(settled, 0, rem)
 
 
 @triton.jit
-def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256):
+def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256, PACKED: tl.constexpr = False):
     """(ties, above) among the candidates of programs before ``part``, and among all: low 16 bits equal to ``t``
-    and above it."""
+    and above it. PACKED: the four counts in one reduction (16 bits each of an int64: at most CAP < 65,536)."""
     offs = tl.arange(0, STEP)
     ties_seen = 0
     above_seen = 0
@@ -382,10 +402,18 @@ def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256):
         ok = i < n_cand
         low16 = (c & 0xFFFF).to(tl.uint32)
         before = ok & ((c >> 16) < part)
-        ties_seen += tl.sum((before & (low16 == t)).to(tl.int32), axis=0)
-        above_seen += tl.sum((before & (low16 > t)).to(tl.int32), axis=0)
-        ties_all += tl.sum((ok & (low16 == t)).to(tl.int32), axis=0)
-        above_all += tl.sum((ok & (low16 > t)).to(tl.int32), axis=0)
+        if PACKED:
+            four = tl.sum((before & (low16 == t)).to(tl.int64) | ((before & (low16 > t)).to(tl.int64) << 16)
+                          | ((ok & (low16 == t)).to(tl.int64) << 32) | ((ok & (low16 > t)).to(tl.int64) << 48), axis=0)
+            ties_seen += (four & 0xFFFF).to(tl.int32)
+            above_seen += ((four >> 16) & 0xFFFF).to(tl.int32)
+            ties_all += ((four >> 32) & 0xFFFF).to(tl.int32)
+            above_all += ((four >> 48) & 0xFFFF).to(tl.int32)
+        else:
+            ties_seen += tl.sum((before & (low16 == t)).to(tl.int32), axis=0)
+            above_seen += tl.sum((before & (low16 > t)).to(tl.int32), axis=0)
+            ties_all += tl.sum((ok & (low16 == t)).to(tl.int32), axis=0)
+            above_all += tl.sum((ok & (low16 > t)).to(tl.int32), axis=0)
     return ties_seen, above_seen, ties_all, above_all
 
 
@@ -393,11 +421,11 @@ def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256):
 def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_cols, topk,
                         SLICE: tl.constexpr, PARTS: tl.constexpr, CAP: tl.constexpr, WORK: tl.constexpr,
                         PHASE: tl.constexpr, ALIGNED: tl.constexpr, FILL: tl.constexpr = 1024,
-                        PDL: tl.constexpr = False):
+                        PACKED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (row, part) of ``topk_grid``: ``grid_select_slice``."""
     pdl.enter(PDL)
     grid_select_slice(scores_ptr, limits_ptr, work_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
-                      stride, n_cols, topk, SLICE, PARTS, CAP, WORK, PHASE, ALIGNED, FILL)
+                      stride, n_cols, topk, SLICE, PARTS, CAP, WORK, PHASE, ALIGNED, FILL, PACKED)
 
 
 GRID_PHASES = 7  # the steps of ``grid_select_slice`` launched one by one under the interpreter
@@ -406,7 +434,8 @@ GRID_PHASES = 7  # the steps of ``grid_select_slice`` launched one by one under 
 @triton.jit
 def grid_select_slice(scores_ptr, limits_ptr, work_ptr, out_ptr, row, part, stride, n_cols, topk,
                       SLICE: tl.constexpr, PARTS: tl.constexpr, CAP: tl.constexpr, WORK: tl.constexpr,
-                      PHASE: tl.constexpr, ALIGNED: tl.constexpr, FILL: tl.constexpr):
+                      PHASE: tl.constexpr, ALIGNED: tl.constexpr, FILL: tl.constexpr,
+                      PACKED: tl.constexpr = False):
     """Program (row, part) of the grid select: the keys of columns [part * SLICE, (part + 1) * SLICE) of the row
     (see the comment above GRID_CAP). PHASE -1: the whole select with grid barriers (CUDA). PHASE p >= 0: only step
     p, the barriers being kernel boundaries (the interpreter runs programs one after another, so a barrier would
@@ -434,7 +463,7 @@ def grid_select_slice(scores_ptr, limits_ptr, work_ptr, out_ptr, row, part, stri
         _grid_barrier(bar, PARTS)
     if PHASE < 0 or PHASE >= 1:
         prefix, rem, settled = _grid_pick(tl.load(coarse + bins, volatile=True), bins, tl.zeros([], tl.uint32),
-                                          tl.zeros([], tl.int32) + topk, False, topk, 24, True)
+                                          tl.zeros([], tl.int32) + topk, False, topk, 24, True, PACKED)
         if PHASE < 0 or PHASE == 1:
             hist = tl.histogram((hi & 255).to(tl.int32), 256, mask=vis & ((hi >> 8) == (prefix >> 24)))
             tl.atomic_add(fine + bins, hist, mask=hist > 0, sem="relaxed")
@@ -442,7 +471,7 @@ def grid_select_slice(scores_ptr, limits_ptr, work_ptr, out_ptr, row, part, stri
             _grid_barrier(bar, 2 * PARTS)
     if PHASE < 0 or PHASE >= 2:
         prefix, rem, settled = _grid_pick(tl.load(fine + bins, volatile=True), bins, prefix, rem, settled, topk, 16,
-                                          False)
+                                          False, PACKED)
         p16 = tl.where(settled, 0, prefix >> 16)
         rem = tl.where(settled, 0, rem)
         if PHASE < 0 or PHASE == 2:
@@ -459,12 +488,13 @@ def grid_select_slice(scores_ptr, limits_ptr, work_ptr, out_ptr, row, part, stri
             n_cand = tl.load(n_cand_ptr, volatile=True)
             if n_cand <= CAP:  # the threshold among the row's candidates
                 if PHASE < 0 or PHASE == 3:
-                    t, crem = _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk)
-                    ties_seen, above_seen, ties_all, above_all = _grid_candidates_before(cand, n_cand, part, t)
+                    t, crem = _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk, 256, PACKED)
+                    ties_seen, above_seen, ties_all, above_all = _grid_candidates_before(cand, n_cand, part, t, 256,
+                                                                                         PACKED)
                     above = tl.load(above_ptr + parts, volatile=True)
                     written = tl.sum(tl.where(parts < part, above, 0), axis=0) + above_seen
                     written += tl.minimum(ties_seen, crem)
-                    _grid_write(key, vis, pos, (p16 << 16) | t, crem, written, ties_seen, out_base)
+                    _grid_write(key, vis, pos, (p16 << 16) | t, crem, written, ties_seen, out_base, PACKED)
                     if part == 0:
                         selected = tl.sum(above, axis=0) + above_all + tl.minimum(ties_all, crem)
                         _grid_fill(out_base, selected, topk, FILL)
@@ -480,7 +510,7 @@ def grid_select_slice(scores_ptr, limits_ptr, work_ptr, out_ptr, row, part, stri
                         _grid_barrier(bar, (4 + p) * PARTS)
                     if PHASE < 0 or PHASE > 3 + p:
                         prefix, rem, settled = _grid_pick(tl.load(low + p * 256 + bins, volatile=True), bins, prefix,
-                                                          rem, settled, topk, shift, False)
+                                                          rem, settled, topk, shift, False, PACKED)
                 threshold = tl.where(settled, 0, prefix)
                 rem = tl.where(settled, 0, rem)
                 if PHASE < 0 or PHASE == 5:
@@ -493,7 +523,7 @@ def grid_select_slice(scores_ptr, limits_ptr, work_ptr, out_ptr, row, part, stri
                     c_ties = tl.load(counts + parts * 2 + 1, volatile=True)
                     ties_seen = tl.sum(tl.where(parts < part, c_ties, 0), axis=0)
                     written = tl.sum(tl.where(parts < part, c_above, 0), axis=0) + tl.minimum(ties_seen, rem)
-                    _grid_write(key, vis, pos, threshold, rem, written, ties_seen, out_base)
+                    _grid_write(key, vis, pos, threshold, rem, written, ties_seen, out_base, PACKED)
                     if part == 0:
                         selected = tl.sum(c_above, axis=0) + tl.minimum(tl.sum(c_ties, axis=0), rem)
                         _grid_fill(out_base, selected, topk, FILL)
@@ -544,13 +574,15 @@ def grid_low_pass_rows(work: torch.Tensor) -> torch.Tensor:
 
 def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
               parts: int | None = None, cap: int = GRID_CAP, num_warps: int = 4,
-              work: torch.Tensor | None = None) -> torch.Tensor:
+              work: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, -1 after them) from one kernel launch plus a
     zeroing one, for a few rows: ``grid_parts`` programs a row meet at three grid barriers (three more for a row
     whose threshold bin holds more than ``cap`` keys; see the comment above GRID_CAP). Rows too wide
     or too many for every program to be resident go to ``topk_indices``. ``parts``: at most this many programs a
     row (default: the SM count over the rows). ``work``: int32 [N, >= grid_work(parts, cap)] to use as the
-    workspace (default: a new one). No host sync (capturable)."""
+    workspace (default: a new one). ``packed``: the picks, counts and prefix sums with fewer CTA-wide reductions
+    (counts packed in 64-bit words; the same positions; unmeasured on the GPU, off by default). No host sync
+    (capturable)."""
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
         raise ValueError("topk_grid needs fp32 scores with unit column stride")
@@ -570,7 +602,10 @@ def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: tor
         raise ValueError(f"topk_grid's work must be contiguous int32 [{n_rows}, >= {width}], not "
                          f"{work.dtype} {list(work.shape)}")
     grid_zero(work, chain)
-    common = dict(SLICE=size, PARTS=parts, CAP=cap, WORK=work.shape[1], ALIGNED=aligned, num_warps=num_warps)
+    if packed and cap >= 1 << 16:
+        raise ValueError(f"topk_grid packs candidate counts in 16 bits: packed needs cap < 65536, not {cap}")
+    common = dict(SLICE=size, PARTS=parts, CAP=cap, WORK=work.shape[1], ALIGNED=aligned, PACKED=bool(packed),
+                  num_warps=num_warps)
     args = (scores, limits, work, out, scores.stride(0), n_cols, topk)
     if _interpreting():  # the barriers as launch boundaries: one launch per step
         for phase in range(GRID_PHASES):

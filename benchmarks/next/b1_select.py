@@ -30,6 +30,7 @@ SELECTS = {  # name: (FEW_ROWS_SELECT, topk_grid options; None: topk_indices)
     "triton (11 launches)": ("triton", None),
     "grid, 8 warps": ("grid", {"num_warps": 8}),
     "grid, 4 warps": ("grid", {"num_warps": 4}),
+    "grid, 8 warps, packed reductions": ("grid", {"num_warps": 8, "packed": True}),
 }
 # sparse MLA options timed in the graph of 8 layers with the default select (batch 1: 64-position tiles, one slice
 # each by the wave rule, 32 slices whose partial outputs the combine reads)

@@ -98,16 +98,18 @@ def test_topk_deepseek_v32_decode_shape_on_gpu():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("k", "parts", "cap"), [(1, 4, 4096), (13, 4, 64), (256, 4, 4096), (150, 16, 64)])
-def test_grid_select_matches_twin_exactly(device, k, parts, cap):
+@pytest.mark.parametrize(("k", "parts", "cap", "packed"), [(1, 4, 4096, False), (13, 4, 64, False),
+                                                           (256, 4, 4096, False), (150, 16, 64, False),
+                                                           (1, 4, 4096, True), (13, 4, 64, True)])
+def test_grid_select_matches_twin_exactly(device, k, parts, cap, packed):
     """The one-launch select (``topk_grid``): the radix select's positions on the same rows, 4 programs of 64
     keys a row or 16 of 16 (the last three past the row) on the CPU; rows whose threshold bin holds more than
-    ``cap`` keys take the low passes, the others the candidates. On the CPU each grid barrier is a launch
-    boundary."""
+    ``cap`` keys take the low passes, the others the candidates; ``packed``: fewer CTA-wide reductions, the same
+    positions. On the CPU each grid barrier is a launch boundary."""
     s, limits = score_rows(torch.Generator().manual_seed(100 + k))
     assert grid_parts(9, 200, torch.device("cpu"), parts) == ((4, 64) if parts == 4 else (16, 16))
     work = torch.zeros(9, grid_work(parts, cap), dtype=torch.int32, device=device)
-    got = topk_grid(s.to(device), limits.to(device), k, parts=parts, cap=cap, work=work).cpu()
+    got = topk_grid(s.to(device), limits.to(device), k, parts=parts, cap=cap, work=work, packed=packed).cpu()
     assert torch.equal(got, topk_indices_torch(s, limits, k))
     low = grid_low_pass_rows(work).cpu()
     assert not low[0]  # random scores: a few keys in the bin, the candidates
@@ -131,13 +133,15 @@ def test_grid_select_writes_into_a_strided_chunk_and_falls_back_when_rows_are_to
     assert grid_parts(1, 16 * GRID_MAX_SLICE, torch.device("cpu")) == (16, GRID_MAX_SLICE)
     with pytest.raises(ValueError, match="work must be contiguous int32"):
         topk_grid(wide[:, :40], limits, 20, parts=2, work=torch.zeros(3, 10, dtype=torch.int32))
+    with pytest.raises(ValueError, match="packed needs cap < 65536"):
+        topk_grid(wide[:, :40], limits, 20, parts=2, cap=1 << 16, packed=True)
 
 
 @pytest.mark.gpu
 def test_grid_select_deepseek_v32_decode_shape_on_gpu():
     """1, 2 and 8 rows x 128K keys, top-2048, with ties and short rows: the grid select equals the twin, with the
-    programs a row the SM count allows and with fewer, by the candidates and (caps 1 and 64) the low passes; and
-    in a CUDA graph replayed several times."""
+    programs a row the SM count allows and with fewer, by the candidates and (caps 1 and 64) the low passes, with
+    and without the packed reductions; and in a CUDA graph replayed several times."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     s = torch.randn(8, 131072, device="cuda", generator=gen)
     s[1] = torch.round(s[1] * 4)
@@ -147,7 +151,9 @@ def test_grid_select_deepseek_v32_decode_shape_on_gpu():
     for rows in (1, 2, 8):
         want = topk_indices_torch(s[:rows], limits[:rows], 2048)
         for parts, cap in ((None, GRID_CAP), (32, GRID_CAP), (None, 1), (None, 64)):
-            assert torch.equal(topk_grid(s[:rows], limits[:rows], 2048, parts=parts, cap=cap), want)
+            for packed in (False, True):
+                got = topk_grid(s[:rows], limits[:rows], 2048, parts=parts, cap=cap, packed=packed)
+                assert torch.equal(got, want)
         graph = torch.cuda.CUDAGraph()  # replays reuse the zeroed workspace each time
         out = torch.empty(rows, 2048, dtype=torch.int32, device="cuda")
         topk_grid(s[:rows], limits[:rows], 2048, out=out)
