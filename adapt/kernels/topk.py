@@ -417,31 +417,23 @@ def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256, PAC
     return ties_seen, above_seen, ties_all, above_all
 
 
+GRID_PHASES = 7  # the steps of ``_grid_select_kernel`` launched one by one under the interpreter
+
+
 @triton.jit
 def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_cols, topk,
                         SLICE: tl.constexpr, PARTS: tl.constexpr, CAP: tl.constexpr, WORK: tl.constexpr,
                         PHASE: tl.constexpr, ALIGNED: tl.constexpr, FILL: tl.constexpr = 1024,
                         PACKED: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Program (row, part) of ``topk_grid``: ``grid_select_slice``."""
-    pdl.enter(PDL)
-    grid_select_slice(scores_ptr, limits_ptr, work_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
-                      stride, n_cols, topk, SLICE, PARTS, CAP, WORK, PHASE, ALIGNED, FILL, PACKED)
-
-
-GRID_PHASES = 7  # the steps of ``grid_select_slice`` launched one by one under the interpreter
-
-
-@triton.jit
-def grid_select_slice(scores_ptr, limits_ptr, work_ptr, out_ptr, row, part, stride, n_cols, topk,
-                      SLICE: tl.constexpr, PARTS: tl.constexpr, CAP: tl.constexpr, WORK: tl.constexpr,
-                      PHASE: tl.constexpr, ALIGNED: tl.constexpr, FILL: tl.constexpr,
-                      PACKED: tl.constexpr = False):
-    """Program (row, part) of the grid select: the keys of columns [part * SLICE, (part + 1) * SLICE) of the row
+    """Program (row, part) of ``topk_grid``: the keys of columns [part * SLICE, (part + 1) * SLICE) of the row
     (see the comment above GRID_CAP). PHASE -1: the whole select with grid barriers (CUDA). PHASE p >= 0: only step
     p, the barriers being kernel boundaries (the interpreter runs programs one after another, so a barrier would
     never open): 0 and 1 the two 8-bit passes, 2 the candidates, 3 the write (or the first low pass), 4 the second
     low pass, 5 the count, 6 the write after a low pass; every step re-derives what the steps before it fixed from
     ``work_ptr``."""
+    pdl.enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     n, n_read = _row_extent(limits_ptr, row, n_cols, ALIGNED)
     pos = part * SLICE + tl.arange(0, SLICE)
     key, vis = _slice_keys(scores_ptr + row * stride, pos, n, n_read)
@@ -538,12 +530,6 @@ def _zero_prefix_kernel(ptr, row_stride, width, BLOCK: tl.constexpr, PDL: tl.con
     tl.store(ptr + tl.program_id(0).to(tl.int64) * row_stride + cols, tl.zeros([BLOCK], tl.int32), mask=cols < width)
 
 
-def grid_zero(work: torch.Tensor, chain: dict) -> None:
-    """Zero the counters of a grid-select workspace (int32 [N, >= grid_work]) with the chain's launch options."""
-    _zero_prefix_kernel[(work.shape[0], triton.cdiv(_GRID_FIXED, 4096))](work, work.shape[1], _GRID_FIXED, BLOCK=4096,
-                                                                          num_warps=4, **chain)
-
-
 def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None = None) -> tuple[int, int] | None:
     """(programs per row, keys per program) for ``topk_grid``, or None where it does not apply: every program of
     every row must be resident at once, so rows x programs stays within the SM count (CUDA; the interpreter runs
@@ -601,7 +587,8 @@ def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: tor
     elif work.dtype != torch.int32 or work.shape[0] != n_rows or work.shape[1] < width or not work.is_contiguous():
         raise ValueError(f"topk_grid's work must be contiguous int32 [{n_rows}, >= {width}], not "
                          f"{work.dtype} {list(work.shape)}")
-    grid_zero(work, chain)
+    _zero_prefix_kernel[(n_rows, triton.cdiv(_GRID_FIXED, 4096))](work, work.shape[1], _GRID_FIXED, BLOCK=4096,
+                                                                   num_warps=4, **chain)
     if packed and cap >= 1 << 16:
         raise ValueError(f"topk_grid packs candidate counts in 16 bits: packed needs cap < 65536, not {cap}")
     common = dict(SLICE=size, PARTS=parts, CAP=cap, WORK=work.shape[1], ALIGNED=aligned, PACKED=bool(packed),
