@@ -492,31 +492,45 @@ def _softmax_step_t(s_t, valid, scale_log2, m_i, l_i):
 
 @triton.jit
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_C: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_C: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False, SLICES: tl.constexpr = 0):
     """One program: one row, BLOCK_H heads, BLOCK_C output columns. Merges the n_splits partial
     outputs by their log2-sum-exp weights: out = sum_s 2**lse_s * o_s / sum_s 2**lse_s (0 when no
     slice saw a valid position). Bytes: reads n_splits * BLOCK_H * (BLOCK_C + 1) * 4, writes
     BLOCK_H * BLOCK_C * 2. Small blocks on purpose: batch-1 decode has one row, and the partials
-    (splits x 128 heads x 512 x 4 B) must be read by many SMs at once."""
+    (splits x 128 heads x 512 x 4 B) must be read by many SMs at once.
+    SLICES (a power of two >= n_splits): every slice's log-sum-exp and partial loaded at once (two loads in
+    flight, then the max, the weights and one sum over the slices), instead of one slice after the other
+    with an online rescale (SLICES 0: n_splits dependent load round trips, 32 at batch-1 decode)."""
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    for s in range(0, n_splits):
-        part = (row * n_splits + s) * n_heads + heads
-        lse = tl.load(lse_ptr + part, mask=hmask, other=float("-inf"))
-        o = tl.load(part_ptr + part[:, None] * RANK + cols[None, :], mask=hmask[:, None], other=0.0)
-        m_new = tl.maximum(m_run, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_safe)
-        w = tl.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        l_run = l_run * alpha + w
-        m_run = m_new
+    if SLICES > 0:
+        sl = tl.arange(0, SLICES)
+        part = (row * n_splits + sl[:, None]) * n_heads + heads[None, :]  # [SLICES, BLOCK_H]
+        ok = (sl[:, None] < n_splits) & hmask[None, :]
+        lse = tl.load(lse_ptr + part, mask=ok, other=float("-inf"))
+        o = tl.load(part_ptr + part[:, :, None] * RANK + cols[None, None, :], mask=ok[:, :, None], other=0.0)
+        m = tl.max(lse, axis=0)
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for empty and padding slices
+        l_run = tl.sum(w, axis=0)
+        acc = tl.sum(w[:, :, None] * o, axis=0)
+    else:
+        m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_run = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+        for s in range(0, n_splits):
+            part = (row * n_splits + s) * n_heads + heads
+            lse = tl.load(lse_ptr + part, mask=hmask, other=float("-inf"))
+            o = tl.load(part_ptr + part[:, None] * RANK + cols[None, :], mask=hmask[:, None], other=0.0)
+            m_new = tl.maximum(m_run, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_run - m_safe)
+            w = tl.exp2(lse - m_safe)
+            acc = acc * alpha[:, None] + w[:, None] * o
+            l_run = l_run * alpha + w
+            m_run = m_new
     out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
     tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + cols[None, :], _to_bf16(out, UPCAST),
              mask=hmask[:, None])
@@ -723,14 +737,34 @@ def _slices(out: torch.Tensor, topk: int, block_k: int, splits: int | None, bloc
     return splits, positions_per_split, partial, lse
 
 
+# The combine loads every slice at once up to this many slices (``_combine_kernel``'s SLICES); more, or
+# COMBINE_AT_ONCE False: one slice after the other. Batch-1 decode has 32 slices of 64 positions (Gluon tiles).
+COMBINE_AT_ONCE = True
+COMBINE_MAX_SLICES = 64
+COMBINE_ELEMENTS = 8192  # partial values a combine program holds at once (64 a thread at 4 warps)
+
+
+def combine_blocks(n_heads: int, rank: int, splits: int, at_once: bool) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_C, SLICES) of ``_combine_kernel``: 4 heads (fewer when there are fewer) and 128 columns a
+    program one slice after the other; at once, SLICES = splits to a power of two and the columns narrowed so that
+    a program holds at most COMBINE_ELEMENTS partial values (at least 16 columns)."""
+    block_h = min(triton.next_power_of_2(n_heads), 4)
+    block_c = min(rank, 128)
+    if not at_once or splits > COMBINE_MAX_SLICES:
+        return block_h, block_c, 0
+    slices = triton.next_power_of_2(splits)
+    while block_c > 16 and slices * block_h * block_c > COMBINE_ELEMENTS and rank % (block_c // 2) == 0:
+        block_c //= 2
+    return block_h, block_c, slices
+
+
 def _combine(partial, lse, out, splits: int, interpreting: bool) -> None:
     """``_combine_kernel`` over the ``splits`` partial outputs of every row into ``out`` (bf16 [N, H, R])."""
     n_rows, n_heads, rank = out.shape
-    combine_c = min(rank, 128)
-    combine_h = min(triton.next_power_of_2(n_heads), 4)
-    _combine_kernel[(n_rows, triton.cdiv(n_heads, combine_h), rank // combine_c)](
-        partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=combine_h, BLOCK_C=combine_c,
-        UPCAST=interpreting, num_warps=4, **pdl.launch_options(out.device))
+    block_h, block_c, slices = combine_blocks(n_heads, rank, splits, COMBINE_AT_ONCE)
+    _combine_kernel[(n_rows, triton.cdiv(n_heads, block_h), triton.cdiv(rank, block_c))](
+        partial, lse, out, n_heads, splits, RANK=rank, BLOCK_H=block_h, BLOCK_C=block_c,
+        UPCAST=interpreting, SLICES=slices, num_warps=4, **pdl.launch_options(out.device))
 
 
 def quantize_q_groups(q_nope: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

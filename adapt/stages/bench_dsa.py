@@ -928,6 +928,7 @@ def run_dsa_acceptance(
         "few_rows_select": dsa.FEW_ROWS_SELECT,
         "few_rows_decode_options": dsa.FEW_ROWS_DECODE_OPTIONS,
         "few_rows_grid_options": dsa.FEW_ROWS_GRID_OPTIONS,
+        "combine_at_once": sparse_mla.COMBINE_AT_ONCE,
         "decode": [],
         "prefill": [],
     }
@@ -1438,8 +1439,12 @@ if __name__ == "__main__":
                         help="the select of decode batches of at most dsa.TRITON_SELECT_MAX_ROWS rows (default: "
                              f"dsa.FEW_ROWS_SELECT, now {dsa.FEW_ROWS_SELECT})")
     parser.add_argument("--few-rows-options", default=None, metavar="JSON",
-                        help="topk_decode options for those batches under --few-rows-select decode (default: "
-                             f"dsa.FEW_ROWS_DECODE_OPTIONS, now {dsa.FEW_ROWS_DECODE_OPTIONS})")
+                        help="options of those batches' select: topk_decode's under --few-rows-select decode "
+                             f"(default: dsa.FEW_ROWS_DECODE_OPTIONS, now {dsa.FEW_ROWS_DECODE_OPTIONS}), topk_grid's "
+                             f"under grid (default: dsa.FEW_ROWS_GRID_OPTIONS, now {dsa.FEW_ROWS_GRID_OPTIONS})")
+    parser.add_argument("--combine-at-once", action=argparse.BooleanOptionalAction, default=None,
+                        help="the sparse MLA slice combine loads every slice at once, or one slice after the other "
+                             f"(default: sparse_mla.COMBINE_AT_ONCE, now {sparse_mla.COMBINE_AT_ONCE})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1449,11 +1454,17 @@ if __name__ == "__main__":
         _topk.DECODE_GLUON = args.decode_gluon
     if args.few_rows_select:
         dsa.FEW_ROWS_SELECT = args.few_rows_select
+    if args.combine_at_once is not None:
+        sparse_mla.COMBINE_AT_ONCE = args.combine_at_once
     if args.few_rows_options:
         try:
-            dsa.FEW_ROWS_DECODE_OPTIONS = dict(json.loads(args.few_rows_options))
+            options = dict(json.loads(args.few_rows_options))
         except (ValueError, TypeError) as err:
-            parser.error(f"--few-rows-options: not a JSON object of topk_decode options ({err})")
+            parser.error(f"--few-rows-options: not a JSON object of select options ({err})")
+        if dsa.FEW_ROWS_SELECT == "grid":
+            dsa.FEW_ROWS_GRID_OPTIONS = options
+        else:
+            dsa.FEW_ROWS_DECODE_OPTIONS = options
     if args.acceptance:
         selects = [m.strip() for m in args.prefill_selects.split(",") if m.strip()] if args.prefill_selects else None
         bad = [m for m in selects or () if m not in dsa.SELECT_METHODS]

@@ -34,7 +34,7 @@ SELECTS = {  # name: (FEW_ROWS_SELECT, topk_grid options; None: topk_indices)
 }
 # sparse MLA options timed in the graph of 8 layers with the default select (batch 1: 64-position tiles, one slice
 # each by the wave rule, 32 slices whose partial outputs the combine reads)
-MLA_TILES = ({}, {"splits": 16}, {"splits": 8}, {"block_k": 32})
+MLA_TILES = ({}, {"splits": 16}, {"splits": 8})
 
 
 @triton.jit
@@ -97,6 +97,25 @@ def main(out_dir: Path) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     use(*SELECTS["grid, 8 warps"])
+    # the slice combine: every slice at once (sparse_mla.COMBINE_AT_ONCE, session 13) against one after the other,
+    # alone on the step's 32 slices x 128 heads x 512 partials and in the one-layer and 8-layer step graphs
+    splits = 32
+    partial = torch.randn(1, splits, 128, 512, device="cuda")
+    lse = torch.randn(1, splits, 128, device="cuda")
+    cout = torch.empty(1, 128, 512, dtype=torch.bfloat16, device="cuda")
+    combine_rows = []
+    for rnd in range(3):
+        for at_once in (False, True):
+            sparse_mla.COMBINE_AT_ONCE = at_once
+            row = {"round": rnd, "combine_at_once": at_once,
+                   "combine_us": time_cuda(lambda: sparse_mla._combine(partial, lse, cout, splits, False),
+                                           200).median_us,
+                   "step_us": time_cuda(step, 200).median_us,
+                   "step_us_per_layer_graph_of_8": _layered_step_us(1, CONTEXT, TOPK, "fp8", block_table, {}, {},
+                                                                    100, GRAPH_LAYERS)}
+            combine_rows.append(row)
+            print(json.dumps(row), flush=True)
+    sparse_mla.COMBINE_AT_ONCE = True
     mla_rows = []
     for rnd in range(3):
         for tiles in MLA_TILES:
@@ -121,11 +140,14 @@ def main(out_dir: Path) -> None:
     for name in SELECTS:
         mine = [r for r in rows if r["select"] == name]
         summary[name] = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k not in ("round", "select")}
+    summary["combine"] = {str(a): {k: statistics.median(r[k] for r in combine_rows if r["combine_at_once"] == a)
+                                   for k in ("combine_us", "step_us", "step_us_per_layer_graph_of_8")}
+                          for a in (False, True)}
     summary["mla_tiles"] = {json.dumps(t): statistics.median(r["step_us_per_layer_graph_of_8"] for r in mla_rows
                                                              if r["mla_tiles"] == t) for t in MLA_TILES}
     print(json.dumps(summary, indent=1))
     (out_dir / "b1_select.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "equal": equal,
-                                                        "rows": rows, "mla_rows": mla_rows, "barriers": barriers,
+                                                        "rows": rows, "combine_rows": combine_rows, "mla_rows": mla_rows, "barriers": barriers,
                                                         "summary": summary}, indent=1))
 
 

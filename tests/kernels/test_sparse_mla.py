@@ -178,3 +178,54 @@ def test_position_splits_fill_one_wave_of_the_sms():
     assert wave_splits(128, 2048, 128, 132) == 1
     assert wave_splits(32768, 2048, 128, 132) == 1
     assert wave_splits(2, 2048, 64, 132) == 32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits,heads,rank", [(3, 6, 64), (32, 5, 128), (5, 2, 32)])
+def test_combine_all_slices_at_once_matches_the_slice_loop(device, splits, heads, rank):
+    """The combine's two forms (every slice loaded at once, and one slice after the other with an online rescale)
+    against the float64 merge sum_s 2**lse_s o_s / sum_s 2**lse_s, with empty slices (lse -inf, partial 0) and a
+    row whose slices are all empty (output 0)."""
+    from adapt.kernels import sparse_mla as sm
+
+    gen = torch.Generator().manual_seed(splits)
+    rows = 3
+    partial = torch.randn(rows, splits, heads, rank, generator=gen)
+    lse = torch.randn(rows, splits, heads, generator=gen) * 4
+    empty = torch.rand(rows, splits, heads, generator=gen) < 0.3
+    empty[2] = True
+    lse[empty] = float("-inf")
+    partial[empty] = 0.0
+    w = torch.exp2(lse.double() - lse.double().amax(1, keepdim=True).nan_to_num(0.0, neginf=0.0))
+    den = w.sum(1)
+    want = (w[..., None] * partial.double()).sum(1) / torch.where(den > 0, den, 1.0)[..., None]
+    got = {}
+    for at_once in (True, False):
+        out = torch.empty(rows, heads, rank, dtype=torch.bfloat16, device=device)
+        sm.COMBINE_AT_ONCE = at_once
+        try:
+            sm._combine(partial.to(device), lse.to(device), out, splits, device == "cpu")
+        finally:
+            sm.COMBINE_AT_ONCE = True
+        got[at_once] = out.float().cpu()
+        assert torch.equal(got[at_once][2], torch.zeros(heads, rank))
+        # the bf16 output rounding of an fp32 sum: every element within one bf16 ulp of the float64 merge
+        ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2.0 ** -126))) - 7)
+        assert bool(((got[at_once].double() - want).abs() <= ulp).all())
+    assert sm.combine_blocks(heads, rank, splits, True)[2] == triton_pow2(splits)
+
+
+def triton_pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
+def test_combine_blocks_hold_at_most_the_element_budget():
+    from adapt.kernels.sparse_mla import COMBINE_ELEMENTS, COMBINE_MAX_SLICES, combine_blocks
+
+    assert combine_blocks(128, 512, 32, True) == (4, 64, 32)  # batch-1 decode: 32 slices of 64 positions
+    assert combine_blocks(128, 512, 16, True) == (4, 128, 16)
+    assert combine_blocks(128, 512, 32, False) == (4, 128, 0)
+    assert combine_blocks(128, 512, COMBINE_MAX_SLICES + 1, True)[2] == 0
+    for splits in (2, 3, 9, 17, 33, 64):
+        h, c, s = combine_blocks(128, 512, splits, True)
+        assert s >= splits and h * c * s <= COMBINE_ELEMENTS and 512 % c == 0
