@@ -929,6 +929,7 @@ def run_dsa_acceptance(
         "few_rows_decode_options": dsa.FEW_ROWS_DECODE_OPTIONS,
         "few_rows_grid_options": dsa.FEW_ROWS_GRID_OPTIONS,
         "combine_at_once": sparse_mla.COMBINE_AT_ONCE,
+        "grid_zero_in_scores": dsa.GRID_ZERO_IN_SCORES,
         "decode": [],
         "prefill": [],
     }
@@ -1442,6 +1443,9 @@ if __name__ == "__main__":
                         help="options of those batches' select: topk_decode's under --few-rows-select decode "
                              f"(default: dsa.FEW_ROWS_DECODE_OPTIONS, now {dsa.FEW_ROWS_DECODE_OPTIONS}), topk_grid's "
                              f"under grid (default: dsa.FEW_ROWS_GRID_OPTIONS, now {dsa.FEW_ROWS_GRID_OPTIONS})")
+    parser.add_argument("--grid-zero-in-scores", action=argparse.BooleanOptionalAction, default=None,
+                        help="the grid select's counters zeroed by the decode scoring kernel, or by a launch of their "
+                             f"own (default: dsa.GRID_ZERO_IN_SCORES, now {dsa.GRID_ZERO_IN_SCORES})")
     parser.add_argument("--combine-at-once", action=argparse.BooleanOptionalAction, default=None,
                         help="the sparse MLA slice combine loads every slice at once, or one slice after the other "
                              f"(default: sparse_mla.COMBINE_AT_ONCE, now {sparse_mla.COMBINE_AT_ONCE})")
@@ -1454,6 +1458,8 @@ if __name__ == "__main__":
         _topk.DECODE_GLUON = args.decode_gluon
     if args.few_rows_select:
         dsa.FEW_ROWS_SELECT = args.few_rows_select
+    if args.grid_zero_in_scores is not None:
+        dsa.GRID_ZERO_IN_SCORES = args.grid_zero_in_scores
     if args.combine_at_once is not None:
         sparse_mla.COMBINE_AT_ONCE = args.combine_at_once
     if args.few_rows_options:

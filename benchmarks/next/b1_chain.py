@@ -1,0 +1,89 @@
+"""The batch-1 decode step (issue 16) taken apart in the acceptance's form (one CUDA graph of 8 layers, each over its
+own random 128K cache), interleaved rounds: the whole step, the step's prefixes (scores; scores + select) and the
+sparse MLA alone on fixed positions (with and without its slice combine), so that each part's marginal cost in the
+chain shows; then the session-13 switches in turn: the select's counters zeroed by the scoring kernel
+(``dsa.GRID_ZERO_IN_SCORES``) and the combine loading every slice at once (``sparse_mla.COMBINE_AT_ONCE``).
+
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/b1_chain.py OUT_DIR [ROUNDS]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from adapt.bench.timer import time_graph_ms
+from adapt.kernels import dsa, sparse_mla
+from adapt.stages.bench_dsa import GRAPH_LAYERS, _queries, _random_cache
+
+CONTEXT, TOPK = 131072, 2048
+
+
+def layers(n: int):
+    block_table = torch.arange(CONTEXT // 64, device="cuda", dtype=torch.int32)[None]
+    token_seq = torch.zeros(1, device="cuda", dtype=torch.int32)
+    limits = torch.full((1,), CONTEXT, device="cuda", dtype=torch.int32)
+    stack = []
+    for _ in range(n):
+        layer = _random_cache(CONTEXT, "fp8").dsa_layer(0)
+        q8, weights, q_nope, q_rope = _queries(1)
+        args = (q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits)
+        idx, _ = dsa.index_topk(*args, TOPK, max_keys=CONTEXT, rows_per_tile=1)
+        stack.append((layer, args, q_nope, q_rope, idx.clone()))
+    return stack, block_table, token_seq
+
+
+def main(out_dir: Path, rounds: int) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stack, block_table, token_seq = layers(GRAPH_LAYERS)
+
+    def mla(layer, q_nope, q_rope, idx):
+        return sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
+                                     block_table, token_seq, idx, 0.1)
+
+    def part(name):
+        def run():
+            for layer, args, q_nope, q_rope, idx in stack:
+                if name == "scores":
+                    dsa.index_scores(*args, CONTEXT, rows_per_tile=1)
+                elif name == "scores+select":
+                    dsa.index_topk(*args, TOPK, max_keys=CONTEXT, rows_per_tile=1)
+                elif name in ("mla", "mla without combine"):
+                    mla(layer, q_nope, q_rope, idx)
+                else:
+                    got, _ = dsa.index_topk(*args, TOPK, max_keys=CONTEXT, rows_per_tile=1)
+                    mla(layer, q_nope, q_rope, got)
+        return run
+
+    real_combine = sparse_mla._combine
+    parts = ("step", "scores", "scores+select", "mla", "mla without combine")
+    switches = {"zero in scores, combine at once": (True, True), "zero launch, combine at once": (False, True),
+                "zero in scores, combine a slice at a time": (True, False),
+                "zero launch, combine a slice at a time": (False, False)}
+    rows = []
+    for rnd in range(rounds):
+        for name in parts:
+            sparse_mla._combine = (lambda *a, **k: None) if name == "mla without combine" else real_combine
+            us = time_graph_ms(part(name), 100) * 1e3 / GRAPH_LAYERS
+            rows.append({"round": rnd, "part": name, "us_per_layer": us})
+            print(json.dumps(rows[-1]), flush=True)
+        sparse_mla._combine = real_combine
+        for name, (zero, at_once) in switches.items():
+            dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = zero, at_once
+            us = time_graph_ms(part("step"), 100) * 1e3 / GRAPH_LAYERS
+            rows.append({"round": rnd, "part": "step: " + name, "us_per_layer": us})
+            print(json.dumps(rows[-1]), flush=True)
+        dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = True, True
+    names = list(dict.fromkeys(r["part"] for r in rows))
+    summary = {n: statistics.median(r["us_per_layer"] for r in rows if r["part"] == n) for n in names}
+    print(json.dumps(summary, indent=1))
+    (out_dir / "b1_chain.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows,
+                                                       "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 5)
