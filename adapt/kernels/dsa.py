@@ -600,8 +600,12 @@ TRITON_SELECT_MAX_ROWS = 8
 FEW_ROWS_SELECT = "grid"
 FEW_ROWS_GRID_OPTIONS: dict = {"num_warps": 8}  # ``topk_grid`` options under "grid" (``parts``, ``cap``, ``num_warps``)
 # The grid select's counters zeroed by the decode scoring kernel before it (``index_scores(zero_work=...)``) rather
-# than by a zeroing launch of their own in the chain.
-GRID_ZERO_IN_SCORES = True
+# than by a zeroing launch of their own in the chain. Off: slower on the H200 (2026-12-02, commit 0a33c3e,
+# benchmarks/gpu-2026-12-02-dsa-s13, batch 1 x 128K, graph of 8 layers, five rounds in turn: 50.0-51.0 us a layer
+# against 44.4-44.5 with the zeroing launch). Likely why: with programmatic dependent launch a kernel lets the next
+# one launch once it starts, so without the launch between them the select's 128 programs are placed while the
+# scoring kernel's 512 still run and take their room on the SMs.
+GRID_ZERO_IN_SCORES = False
 FEW_ROWS_DECODE_OPTIONS: dict = {"parts": 64, "seg_cap": 2048, "flat": True, "block": 1024, "num_warps": 4,
                                  "select_warps": 16}
 # Chunks of at least this many rows (prefill; decode batches stay below it) select through

@@ -1,8 +1,9 @@
 """The batch-1 decode step (issue 16) taken apart in the acceptance's form (one CUDA graph of 8 layers, each over its
 own random 128K cache), interleaved rounds: the whole step, the step's prefixes (scores; scores + select) and the
 sparse MLA alone on fixed positions (with and without its slice combine), so that each part's marginal cost in the
-chain shows; then the session-13 switches in turn: the select's counters zeroed by the scoring kernel
-(``dsa.GRID_ZERO_IN_SCORES``) and the combine loading every slice at once (``sparse_mla.COMBINE_AT_ONCE``).
+chain shows; then the session-13 switches in turn (SWITCHES): the select's counters zeroed by the scoring kernel
+(``dsa.GRID_ZERO_IN_SCORES``), the combine loading every slice at once (``sparse_mla.COMBINE_AT_ONCE``), the slices
+merged inside the sparse MLA kernel (``sparse_mla.MERGE_IN_KERNEL``).
 
 Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/b1_chain.py OUT_DIR [ROUNDS]
 """
@@ -21,6 +22,11 @@ from adapt.kernels import dsa, sparse_mla
 from adapt.stages.bench_dsa import GRAPH_LAYERS, _queries, _random_cache
 
 CONTEXT, TOPK = 131072, 2048
+# (dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE, sparse_mla.MERGE_IN_KERNEL) timed in turn. Session 13's
+# call 2 also timed the zeroing in the scoring kernel (50.0-51.0 us a layer against 44.4-44.5) and the combine a
+# slice at a time (44.4 against 44.5 at once).
+SWITCHES = {"zero launch, combine launch": (False, True, False), "zero launch, merged in the MLA kernel":
+            (False, True, True)}
 
 
 def layers(n: int):
@@ -61,9 +67,8 @@ def main(out_dir: Path, rounds: int) -> None:
 
     real_combine = sparse_mla._combine
     parts = ("step", "scores", "scores+select", "mla", "mla without combine")
-    switches = {"zero in scores, combine at once": (True, True), "zero launch, combine at once": (False, True),
-                "zero in scores, combine a slice at a time": (True, False),
-                "zero launch, combine a slice at a time": (False, False)}
+    switches = SWITCHES
+    defaults = dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE, sparse_mla.MERGE_IN_KERNEL
     rows = []
     for rnd in range(rounds):
         for name in parts:
@@ -72,12 +77,13 @@ def main(out_dir: Path, rounds: int) -> None:
             rows.append({"round": rnd, "part": name, "us_per_layer": us})
             print(json.dumps(rows[-1]), flush=True)
         sparse_mla._combine = real_combine
-        for name, (zero, at_once) in switches.items():
-            dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = zero, at_once
-            us = time_graph_ms(part("step"), 100) * 1e3 / GRAPH_LAYERS
-            rows.append({"round": rnd, "part": "step: " + name, "us_per_layer": us})
-            print(json.dumps(rows[-1]), flush=True)
-        dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = True, True
+        for name, (zero, at_once, merge) in switches.items():
+            dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE, sparse_mla.MERGE_IN_KERNEL = zero, at_once, merge
+            for what in ("step", "mla"):
+                us = time_graph_ms(part(what), 100) * 1e3 / GRAPH_LAYERS
+                rows.append({"round": rnd, "part": f"{what}: {name}", "us_per_layer": us})
+                print(json.dumps(rows[-1]), flush=True)
+        dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE, sparse_mla.MERGE_IN_KERNEL = defaults
     names = list(dict.fromkeys(r["part"] for r in rows))
     summary = {n: statistics.median(r["us_per_layer"] for r in rows if r["part"] == n) for n in names}
     print(json.dumps(summary, indent=1))

@@ -173,6 +173,7 @@ def test_decode_scoring_zeroes_the_grid_select_workspace(device, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(dsa, "topk_grid", spy)
+    monkeypatch.setattr(dsa, "GRID_ZERO_IN_SCORES", True)
     idx, _ = dsa.index_topk(*args, 32, max_keys=192, rows_per_tile=1, select="grid")
     ref, _ = dsa.index_topk_torch(*args, 32)
     want = dsa.index_scores_torch(*args, 192)

@@ -229,3 +229,49 @@ def test_combine_blocks_hold_at_most_the_element_budget():
     for splits in (2, 3, 9, 17, 33, 64):
         h, c, s = combine_blocks(128, 512, splits, True)
         assert s >= splits and h * c * s <= COMBINE_ELEMENTS and 512 % c == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [[4999], [0, 2048, 4999]])
+def test_slices_merged_in_the_kernel_match_the_combine_launch_on_gpu(monkeypatch, rows):
+    """MERGE_IN_KERNEL (the four-group kernel merges its position slices after a grid barrier) against the
+    ``_combine_kernel`` launch at DeepSeek-V3.2 shapes: within one bf16 ulp, the same over repeated calls and
+    CUDA-graph replays (the kernel leaves its counters at 0), and a row without positions stays 0. Batch 1 is
+    the decode shape (16 slices, 32 programs); three rows take 48 programs."""
+    from adapt.kernels import sparse_mla as sm
+
+    layer, batch, indices, q_nope, q_rope = setup((4000, 1000), heads=128, rank=512, rope=64, topk=2048,
+                                                  latent_format="fp8", device="cuda")
+    pick = torch.tensor(rows).cuda()
+    idx = indices[pick].clone()
+    if len(rows) > 1:
+        idx[1] = -1  # no positions: output 0
+    args = (q_nope[pick], q_rope[pick], layer.latent_nope, layer.latent_scale, layer.latent_rope, batch.block_table,
+            batch.token_seq[pick], idx, 0.07)
+    monkeypatch.setattr(sm, "MERGE_IN_KERNEL", False)
+    want = sparse_mla(*args)
+    monkeypatch.setattr(sm, "MERGE_IN_KERNEL", True)
+    launches = []
+    real = sm._combine
+    monkeypatch.setattr(sm, "_combine", lambda *a, **k: launches.append(1) or real(*a, **k))
+    runs = [sparse_mla(*args) for _ in range(3)]
+    assert not launches  # merged in the kernel
+    assert sm._MERGE_SYNC[torch.cuda.current_device()].tolist() == [0, 0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sparse_mla(*args)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    runs.append(captured.clone())
+    assert sm._MERGE_SYNC[torch.cuda.current_device()].tolist() == [0, 0]
+    w = want.float().cpu()
+    ulp = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(2.0 ** -126))) - 7)
+    for got in runs:
+        g = got.float().cpu()
+        assert bool(((g - w).abs() <= ulp).all())
+        assert torch.equal(got, runs[0])
+    if len(rows) > 1:
+        assert torch.equal(runs[0][1].float().cpu(), torch.zeros(128, 512))
+    twin = sparse_mla_torch(*args)
+    assert rel(runs[0], twin) <= TWIN_REL_TOL["cuda"]
