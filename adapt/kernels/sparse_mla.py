@@ -822,8 +822,10 @@ def _merge_in_kernel(out: torch.Tensor, splits: int, programs: int, interpreting
 
 
 # The combine loads every slice at once up to this many slices (``_combine_kernel``'s SLICES); more, or
-# COMBINE_AT_ONCE False: one slice after the other. Batch-1 decode has 32 slices of 64 positions (Gluon tiles).
-COMBINE_AT_ONCE = True
+# COMBINE_AT_ONCE False: one slice after the other. Off: no faster in the batch-1 step on the H200 (2026-12-02,
+# commits 7edd973 / 0a33c3e, benchmarks/gpu-2026-12-02-dsa-s13, 16 slices, rounds in turn: one-layer graph 46.0-46.2
+# us against 45.2-45.5 a slice at a time, graph of 8 layers 44.0-44.5 against 44.0-44.4).
+COMBINE_AT_ONCE = False
 COMBINE_MAX_SLICES = 64
 COMBINE_ELEMENTS = 8192  # partial values a combine program holds at once (64 a thread at 4 warps)
 

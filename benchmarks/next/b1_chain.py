@@ -25,8 +25,7 @@ CONTEXT, TOPK = 131072, 2048
 # (dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE, sparse_mla.MERGE_IN_KERNEL) timed in turn. Session 13's
 # call 2 also timed the zeroing in the scoring kernel (50.0-51.0 us a layer against 44.4-44.5) and the combine a
 # slice at a time (44.4 against 44.5 at once).
-SWITCHES = {"zero launch, combine launch": (False, True, False), "zero launch, merged in the MLA kernel":
-            (False, True, True)}
+SWITCHES = {"combine launch": (False, False, False), "merged in the MLA kernel": (False, False, True)}
 
 
 def layers(n: int):

@@ -200,13 +200,14 @@ def test_combine_all_slices_at_once_matches_the_slice_loop(device, splits, heads
     den = w.sum(1)
     want = (w[..., None] * partial.double()).sum(1) / torch.where(den > 0, den, 1.0)[..., None]
     got = {}
+    default = sm.COMBINE_AT_ONCE
     for at_once in (True, False):
         out = torch.empty(rows, heads, rank, dtype=torch.bfloat16, device=device)
         sm.COMBINE_AT_ONCE = at_once
         try:
             sm._combine(partial.to(device), lse.to(device), out, splits, device == "cpu")
         finally:
-            sm.COMBINE_AT_ONCE = True
+            sm.COMBINE_AT_ONCE = default
         got[at_once] = out.float().cpu()
         assert torch.equal(got[at_once][2], torch.zeros(heads, rank))
         # the bf16 output rounding of an fp32 sum: every element within one bf16 ulp of the float64 merge
