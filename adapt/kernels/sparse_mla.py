@@ -43,7 +43,6 @@ from adapt.kernels.dsa import quantize_fp8_rows
 from adapt.kernels.formats import PAGE_SIZE
 from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.fp8 import amax_scale, quantize_fp8_groups
-from adapt.kernels.topk import _grid_barrier
 
 
 @triton.jit
@@ -355,9 +354,7 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
                              RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_K: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
                              PREFETCH: tl.constexpr, QK_FP8: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
-                             HEADS_INNER: tl.constexpr = False, HALF: tl.constexpr = False, PDL: tl.constexpr = False,
-                             final_ptr=None, sync_ptr=None, n_rows=0, MERGE: tl.constexpr = 0,
-                             MERGE_H: tl.constexpr = 4, MERGE_C: tl.constexpr = 128):
+                             HEADS_INNER: tl.constexpr = False, HALF: tl.constexpr = False, PDL: tl.constexpr = False):
     """The fused fp8 tile of ``_sparse_mla_kernel`` in four column groups (RANK == 4 * GROUP, one fp32 scale
     per row and group): q is held as four [BLOCK_H, GROUP] slices, each gathered latent tile is loaded
     and dequantized one scale group at a time (no reshape of the tile), q.k chains four MMAs over the
@@ -382,14 +379,7 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
     p @ v too (rows^T as A) kept the rows in registers for a transpose and spilled 2.2 KB: not an option.
 
     HEADS_INNER: ``_row_heads``' launch order. HALF (neither QK_FP8 nor SWAP_AB): the latent is dequantized
-    to fp16 and q.k (latent part) and p @ v run as fp16 MMAs (``_dequant_chunk``; the rope part stays bf16).
-
-    MERGE (SPLIT, CUDA; a power of two >= the slice count): the slices merged in this launch instead of by
-    ``_combine_kernel``: after storing its partial, every program meets the others at a grid barrier (all
-    resident: the caller keeps the grid within the SM count) on ``sync_ptr[0]``, then merges blocks of MERGE_H
-    heads x MERGE_C columns of the bf16 output ``final_ptr`` [n_rows, H, RANK] (``_merge_slices``, the blocks
-    dealt out round-robin), and counts itself out on ``sync_ptr[1]``; the last one out sets both counters back
-    to 0 for the next launch (a program reads the barrier only before it counts out)."""
+    to fp16 and q.k (latent part) and p @ v run as fp16 MMAs (``_dequant_chunk``; the rope part stays bf16)."""
     pdl.enter(PDL)
     row, heads = _row_heads(n_heads, BLOCK_H, HEADS_INNER)
     split = tl.program_id(2)
@@ -466,16 +456,6 @@ def _sparse_mla_fp8x4_kernel(qn_ptr, qr_ptr, qscale_ptr, nope_ptr, nscale_ptr, r
         tl.store(base + 3 * GROUP, acc3 / denom, mask=hmask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=hmask)
-        if MERGE > 0:
-            programs = tl.num_programs(0) * tl.num_programs(1) * n_splits
-            me = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * n_splits + split
-            _grid_barrier(sync_ptr, programs)
-            _merge_share(out_ptr, lse_ptr, final_ptr, me, programs, n_rows, n_heads, n_splits, RANK, MERGE, MERGE_H,
-                         MERGE_C, UPCAST)
-            tl.debug_barrier()
-            if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
-                tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
     else:
         base = out_ptr + q_base + cols[None, :]
         tl.store(base, _to_bf16(acc0 / denom, UPCAST), mask=hmask[:, None])
@@ -512,21 +492,16 @@ def _softmax_step_t(s_t, valid, scale_log2, m_i, l_i):
 
 @triton.jit
 def _merge_slices(part_ptr, lse_ptr, out_ptr, row, heads, cols, n_heads, n_splits, RANK: tl.constexpr,
-                  SLICES: tl.constexpr, UPCAST: tl.constexpr, CG: tl.constexpr = False):
+                  SLICES: tl.constexpr, UPCAST: tl.constexpr):
     """Output [heads, cols] of one row from every slice's partial and log2-sum-exp loaded at once (SLICES a power
     of two >= n_splits): out = sum_s 2**lse_s * o_s / sum_s 2**lse_s, 0 where no slice saw a position, stored
-    bf16. CG: the loads bypass L1 (partials written by other programs of the same launch)."""
+    bf16."""
     hmask = heads < n_heads
     sl = tl.arange(0, SLICES)
     part = (row * n_splits + sl[:, None]) * n_heads + heads[None, :]  # [SLICES, heads]
     ok = (sl[:, None] < n_splits) & hmask[None, :]
-    if CG:
-        lse = tl.load(lse_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_ptr + part[:, :, None] * RANK + cols[None, None, :], mask=ok[:, :, None], other=0.0,
-                    cache_modifier=".cg")
-    else:
-        lse = tl.load(lse_ptr + part, mask=ok, other=float("-inf"))
-        o = tl.load(part_ptr + part[:, :, None] * RANK + cols[None, None, :], mask=ok[:, :, None], other=0.0)
+    lse = tl.load(lse_ptr + part, mask=ok, other=float("-inf"))
+    o = tl.load(part_ptr + part[:, :, None] * RANK + cols[None, None, :], mask=ok[:, :, None], other=0.0)
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for empty and padding slices
     den = tl.sum(w, axis=0)
@@ -534,22 +509,6 @@ def _merge_slices(part_ptr, lse_ptr, out_ptr, row, heads, cols, n_heads, n_split
     out = acc / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out_ptr + (row * n_heads + heads[:, None]) * RANK + cols[None, :], _to_bf16(out, UPCAST),
              mask=hmask[:, None])
-
-
-@triton.jit(noinline=True)
-def _merge_share(part_ptr, lse_ptr, out_ptr, me, programs, n_rows, n_heads, n_splits, RANK: tl.constexpr,
-                 SLICES: tl.constexpr, MERGE_H: tl.constexpr, MERGE_C: tl.constexpr, UPCAST: tl.constexpr):
-    """Program ``me`` of ``programs``' share of the merge (``_sparse_mla_fp8x4_kernel``'s MERGE): blocks of MERGE_H
-    heads of every row dealt out round-robin, each merged MERGE_C columns at a time (``_merge_slices``, loads past
-    L1). A call, not inlined: its offsets stay out of the attention loop's registers (sm_90: 84 bytes of spills
-    inlined at 4 x 32, 868 at 4 x 64)."""
-    head_blocks = tl.cdiv(n_heads, MERGE_H)
-    for b in range(me, n_rows * head_blocks, programs):
-        row = (b // head_blocks).to(tl.int64)
-        heads = (b % head_blocks) * MERGE_H + tl.arange(0, MERGE_H)
-        for c in tl.static_range(RANK // MERGE_C):
-            _merge_slices(part_ptr, lse_ptr, out_ptr, row, heads, c * MERGE_C + tl.arange(0, MERGE_C), n_heads,
-                          n_splits, RANK, SLICES, UPCAST, True)
 
 
 @triton.jit
@@ -729,7 +688,6 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             q_arg, q_scale = quantize_q_groups(q_nope, group)
         else:
             q_arg, q_scale = q_nope.contiguous(), latent_scale
-        merge = _merge_in_kernel(out, splits, grid_rows * grid_heads * splits, interpreting)
         _sparse_mla_fp8x4_kernel[(grid_rows, grid_heads, splits)](
             q_arg, q_rope.contiguous(), q_scale, latent_nope, latent_scale, latent_rope,
             block_table, token_seq.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous(),
@@ -738,10 +696,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
             RANK=rank, ROPE=rope, GROUP=group, BLOCK_H=block_h, BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1,
             UPCAST=interpreting, PREFETCH=bool(prefetch), QK_FP8=bool(qk_fp8), SWAP_AB=bool(swap_ab),
             HEADS_INNER=bool(heads_inner), HALF=bool(half), num_warps=num_warps, num_stages=num_stages,
-            **pdl.launch_options(q_nope.device), **merge,
+            **pdl.launch_options(q_nope.device),
         )
-        if merge:
-            return out
     else:
         _sparse_mla_kernel[(grid_rows, grid_heads, v_split * splits)](
             q_nope.contiguous(), q_rope.contiguous(), latent_nope, latent_scale_arg, latent_rope,
@@ -792,33 +748,6 @@ def _slices(out: torch.Tensor, topk: int, block_k: int, splits: int | None, bloc
     partial = torch.empty(n_rows, splits, n_heads, rank, dtype=torch.float32, device=out.device)
     lse = torch.empty(n_rows, splits, n_heads, dtype=torch.float32, device=out.device)
     return splits, positions_per_split, partial, lse
-
-
-# Position slices merged inside the four-group kernel (``_sparse_mla_fp8x4_kernel``'s MERGE: a grid barrier, then
-# every program merges a share of the output) instead of by a ``_combine_kernel`` launch, where the grid fits on
-# the SMs at once (batch-1 decode: 32 programs). Not under the interpreter (programs run one after another there).
-MERGE_IN_KERNEL = False
-_MERGE_SYNC: dict = {}  # device index -> int32 [2] counters (barrier, out), 0 between launches
-
-
-def _merge_in_kernel(out: torch.Tensor, splits: int, programs: int, interpreting: bool) -> dict:
-    """The MERGE launch arguments of ``_sparse_mla_fp8x4_kernel`` when this launch merges its slices itself
-    (MERGE_IN_KERNEL, CUDA, 2..COMBINE_MAX_SLICES slices, every program resident: at most one per SM), else {}.
-    The counters are allocated (zeroed) on the first such call outside a CUDA-graph capture; a call captured
-    before that takes the ``_combine_kernel`` launch."""
-    device = out.device
-    if (not MERGE_IN_KERNEL or interpreting or device.type != "cuda" or splits < 2 or splits > COMBINE_MAX_SLICES
-            or programs > torch.cuda.get_device_properties(device).multi_processor_count):
-        return {}
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    sync = _MERGE_SYNC.get(key)
-    if sync is None:
-        if torch.cuda.is_current_stream_capturing():
-            return {}
-        sync = _MERGE_SYNC[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    n_rows, n_heads, rank = out.shape
-    block_h, block_c, slices = combine_blocks(n_heads, rank, splits, True)
-    return dict(final_ptr=out, sync_ptr=sync, n_rows=n_rows, MERGE=slices, MERGE_H=block_h, MERGE_C=block_c)
 
 
 # The combine loads every slice at once up to this many slices (``_combine_kernel``'s SLICES); more, or

@@ -930,7 +930,6 @@ def run_dsa_acceptance(
         "few_rows_grid_options": dsa.FEW_ROWS_GRID_OPTIONS,
         "combine_at_once": sparse_mla.COMBINE_AT_ONCE,
         "grid_zero_in_scores": dsa.GRID_ZERO_IN_SCORES,
-        "merge_in_kernel": sparse_mla.MERGE_IN_KERNEL,
         "decode": [],
         "prefill": [],
     }
@@ -1447,9 +1446,6 @@ if __name__ == "__main__":
     parser.add_argument("--grid-zero-in-scores", action=argparse.BooleanOptionalAction, default=None,
                         help="the grid select's counters zeroed by the decode scoring kernel, or by a launch of their "
                              f"own (default: dsa.GRID_ZERO_IN_SCORES, now {dsa.GRID_ZERO_IN_SCORES})")
-    parser.add_argument("--merge-in-kernel", action=argparse.BooleanOptionalAction, default=None,
-                        help="the sparse MLA position slices merged inside its kernel after a grid barrier, or by a "
-                             f"combine launch (default: sparse_mla.MERGE_IN_KERNEL, now {sparse_mla.MERGE_IN_KERNEL})")
     parser.add_argument("--combine-at-once", action=argparse.BooleanOptionalAction, default=None,
                         help="the sparse MLA slice combine loads every slice at once, or one slice after the other "
                              f"(default: sparse_mla.COMBINE_AT_ONCE, now {sparse_mla.COMBINE_AT_ONCE})")
@@ -1464,8 +1460,6 @@ if __name__ == "__main__":
         dsa.FEW_ROWS_SELECT = args.few_rows_select
     if args.grid_zero_in_scores is not None:
         dsa.GRID_ZERO_IN_SCORES = args.grid_zero_in_scores
-    if args.merge_in_kernel is not None:
-        sparse_mla.MERGE_IN_KERNEL = args.merge_in_kernel
     if args.combine_at_once is not None:
         sparse_mla.COMBINE_AT_ONCE = args.combine_at_once
     if args.few_rows_options:

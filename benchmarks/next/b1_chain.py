@@ -2,8 +2,8 @@
 own random 128K cache), interleaved rounds: the whole step, the step's prefixes (scores; scores + select) and the
 sparse MLA alone on fixed positions (with and without its slice combine), so that each part's marginal cost in the
 chain shows; then the session-13 switches in turn (SWITCHES): the select's counters zeroed by the scoring kernel
-(``dsa.GRID_ZERO_IN_SCORES``), the combine loading every slice at once (``sparse_mla.COMBINE_AT_ONCE``), the slices
-merged inside the sparse MLA kernel (``sparse_mla.MERGE_IN_KERNEL``).
+(``dsa.GRID_ZERO_IN_SCORES``), the combine loading every slice at once (``sparse_mla.COMBINE_AT_ONCE``), then sparse MLA
+options (MLA_VARIANTS) alone and in the step.
 
 Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/b1_chain.py OUT_DIR [ROUNDS]
 """
@@ -22,10 +22,16 @@ from adapt.kernels import dsa, sparse_mla
 from adapt.stages.bench_dsa import GRAPH_LAYERS, _queries, _random_cache
 
 CONTEXT, TOPK = 131072, 2048
-# (dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE, sparse_mla.MERGE_IN_KERNEL) timed in turn. Session 13's
+# (dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE) timed in turn. Session 13's
 # call 2 also timed the zeroing in the scoring kernel (50.0-51.0 us a layer against 44.4-44.5) and the combine a
 # slice at a time (44.4 against 44.5 at once).
-SWITCHES = {"combine launch": (False, False, False), "merged in the MLA kernel": (False, False, True)}
+SWITCHES: dict = {}
+# sparse MLA options at batch 1 (default: the four-group tl kernel, 128-position tiles, 16 slices x 2 head blocks =
+# 32 programs), each timed alone and in the step. Session 13's call 3 also timed the slices merged inside the kernel
+# after a grid barrier (its share of the merge a program each): MLA 42.9 us against 18.3, removed.
+MLA_VARIANTS = ({}, {"block_k": 64, "splits": 32}, {"block_k": 64, "splits": 32, "num_warps": 4}, {"block_h": 32},
+                {"gluon": True}, {"block_k": 64, "splits": 16}, {"block_k": 64, "splits": 32, "_at_once": True},
+                {"gluon": True, "_at_once": True})  # _at_once: sparse_mla.COMBINE_AT_ONCE on for the variant
 
 
 def layers(n: int):
@@ -46,11 +52,13 @@ def main(out_dir: Path, rounds: int) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     stack, block_table, token_seq = layers(GRAPH_LAYERS)
 
-    def mla(layer, q_nope, q_rope, idx):
+    def mla(layer, q_nope, q_rope, idx, **opts):
         return sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
-                                     block_table, token_seq, idx, 0.1)
+                                     block_table, token_seq, idx, 0.1, **opts)
 
-    def part(name):
+    def part(name, opts=None):
+        opts = opts or {}
+
         def run():
             for layer, args, q_nope, q_rope, idx in stack:
                 if name == "scores":
@@ -58,16 +66,16 @@ def main(out_dir: Path, rounds: int) -> None:
                 elif name == "scores+select":
                     dsa.index_topk(*args, TOPK, max_keys=CONTEXT, rows_per_tile=1)
                 elif name in ("mla", "mla without combine"):
-                    mla(layer, q_nope, q_rope, idx)
+                    mla(layer, q_nope, q_rope, idx, **opts)
                 else:
                     got, _ = dsa.index_topk(*args, TOPK, max_keys=CONTEXT, rows_per_tile=1)
-                    mla(layer, q_nope, q_rope, got)
+                    mla(layer, q_nope, q_rope, got, **opts)
         return run
 
     real_combine = sparse_mla._combine
     parts = ("step", "scores", "scores+select", "mla", "mla without combine")
     switches = SWITCHES
-    defaults = dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE, sparse_mla.MERGE_IN_KERNEL
+    defaults = dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE
     rows = []
     for rnd in range(rounds):
         for name in parts:
@@ -76,15 +84,28 @@ def main(out_dir: Path, rounds: int) -> None:
             rows.append({"round": rnd, "part": name, "us_per_layer": us})
             print(json.dumps(rows[-1]), flush=True)
         sparse_mla._combine = real_combine
-        for name, (zero, at_once, merge) in switches.items():
-            dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE, sparse_mla.MERGE_IN_KERNEL = zero, at_once, merge
+        for name, (zero, at_once) in switches.items():
+            dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = zero, at_once
             for what in ("step", "mla"):
                 us = time_graph_ms(part(what), 100) * 1e3 / GRAPH_LAYERS
                 rows.append({"round": rnd, "part": f"{what}: {name}", "us_per_layer": us})
                 print(json.dumps(rows[-1]), flush=True)
-        dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE, sparse_mla.MERGE_IN_KERNEL = defaults
+        dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = defaults
+        for opts in MLA_VARIANTS[1:]:
+            sparse_mla.COMBINE_AT_ONCE = opts.get("_at_once", defaults[1])
+            kwargs = {k: v for k, v in opts.items() if k != "_at_once"}
+            for what in ("mla", "step"):
+                try:
+                    us = time_graph_ms(part(what, kwargs), 100) * 1e3 / GRAPH_LAYERS
+                except Exception as err:  # a variant that does not compile or apply: recorded
+                    us = None
+                    print(f"{what} {opts}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                rows.append({"round": rnd, "part": f"{what}: {json.dumps(opts)}", "us_per_layer": us})
+                print(json.dumps(rows[-1]), flush=True)
+            sparse_mla.COMBINE_AT_ONCE = defaults[1]
     names = list(dict.fromkeys(r["part"] for r in rows))
-    summary = {n: statistics.median(r["us_per_layer"] for r in rows if r["part"] == n) for n in names}
+    summary = {n: statistics.median(r["us_per_layer"] for r in rows if r["part"] == n and r["us_per_layer"])
+               if any(r["us_per_layer"] for r in rows if r["part"] == n) else None for n in names}
     print(json.dumps(summary, indent=1))
     (out_dir / "b1_chain.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows,
                                                        "summary": summary}, indent=1))
