@@ -606,9 +606,9 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     CUDA device of capability 9.x; only ``block_k`` (64), ``splits`` and ``prefetch`` apply, ``prefetch`` there
     on unless False: the slots of the tile after next read a step ahead; a dict: the Gluon kernel with these
     ``sparse_mla_gluon.GLUON_FLAGS`` overridden). None: the Gluon kernel where
-    ``GLUON_DEFAULT`` holds, it applies, no other tile option is given and the one-wave rule takes no position
-    slices (rows x 64-head blocks near the SM count or more), i.e. where the H200 measured it faster: batch 64
-    decode and prefill; at batch 1 (position slices) the tl tile was as fast or faster.
+    ``GLUON_DEFAULT`` holds, it applies and no other tile option is given (``splits`` may be): batch 64 decode and
+    prefill, and with GLUON_SLICED the decode batches that take position slices (batch 1: 32 slices of 64
+    positions, merged by the combine loading every slice at once).
     ``qk_fp8`` (groups4 only): q.k as e4m3 x e4m3, q quantized first (``quantize_q_groups``: one scale per
     row, head and scale group, one extra launch; the twin: ``sparse_mla_torch(..., qk_fp8=True)``); p @ v
     stays bf16. Off by default (H200 sweep of 2026-11-30: benchmarks/gpu-2026-11-30-dsa-s3-decode). ``swap_ab`` (groups4
@@ -637,10 +637,9 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     flags = gluon if isinstance(gluon, dict) else None  # a dict (even empty): the Gluon kernel with these flags
     if gluon is None:
         gluon = (GLUON_DEFAULT and not tl_given and prefetch is None and block_k in (None, 64)
-                 and splits in (None, 1) and sparse_mla_gluon.gluon_supported(q_nope, latent_scale)
-                 and _default_splits(q_nope.device, n_rows * triton.cdiv(n_heads, sparse_mla_gluon.GLUON_BLOCK_H),
-                                     topk, 64) == 1)
-        splits = 1 if gluon else splits  # the one-wave rule just gave 1
+                 and sparse_mla_gluon.gluon_supported(q_nope, latent_scale)
+                 and (GLUON_SLICED or (splits in (None, 1) and _default_splits(
+                     q_nope.device, n_rows * triton.cdiv(n_heads, sparse_mla_gluon.GLUON_BLOCK_H), topk, 64) == 1)))
     elif gluon is not False:  # asked for: checked here, the default's conditions above hold by construction
         if tl_given:
             raise ValueError(f"gluon takes only block_k and splits, not {', '.join(tl_given)}")
@@ -718,6 +717,12 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
 # default; the last 4096 rows of a 128K prefill 7.75 ms against 11.19 ms for the tl sweep's best tile; batch 1
 # with position slices: 23.3-24.8 us either way, so the tl tile stays there).
 GLUON_DEFAULT = True
+# ... also where the one-wave rule takes position slices (a few decode rows): H200, 2026-12-02, commit 6db6369,
+# benchmarks/gpu-2026-12-02-dsa-s13 (call 4), batch 1 x 128K, graph of 8 layers, medians of four rounds in turn:
+# step 39.6 us a layer with the Gluon kernel (32 slices of 64 positions) and the combine at once, against 43.8 for
+# the four-group tl kernel (16 slices of 128 positions) and the slice loop; 43.6 Gluon with the slice loop (32
+# dependent round trips). Sparse MLA alone 15.8 against 18.4 us.
+GLUON_SLICED = True
 
 
 def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
@@ -751,10 +756,10 @@ def _slices(out: torch.Tensor, topk: int, block_k: int, splits: int | None, bloc
 
 
 # The combine loads every slice at once up to this many slices (``_combine_kernel``'s SLICES); more, or
-# COMBINE_AT_ONCE False: one slice after the other. Off: no faster in the batch-1 step on the H200 (2026-12-02,
-# commits 7edd973 / 0a33c3e, benchmarks/gpu-2026-12-02-dsa-s13, 16 slices, rounds in turn: one-layer graph 46.0-46.2
-# us against 45.2-45.5 a slice at a time, graph of 8 layers 44.0-44.5 against 44.0-44.4).
-COMBINE_AT_ONCE = False
+# COMBINE_AT_ONCE False: one slice after the other. H200, 2026-12-02 (benchmarks/gpu-2026-12-02-dsa-s13): over the
+# tl kernel's 16 slices no faster in the batch-1 step (calls 1-2: graph of 8 layers 44.0-44.5 us against
+# 44.0-44.4); over the Gluon kernel's 32 slices 39.6 against 43.6 (call 4).
+COMBINE_AT_ONCE = True
 COMBINE_MAX_SLICES = 64
 COMBINE_ELEMENTS = 8192  # partial values a combine program holds at once (64 a thread at 4 warps)
 

@@ -153,3 +153,27 @@ def test_gluon_deepseek_v32_shape_matches_twin(options):
     assert torch.equal(got[1].float().cpu(), torch.zeros(128, 512))
     assert rel(got, want) < 1e-2
     assert rel(got, twin) <= TWIN_REL_TOL_CUDA
+
+
+@pytest.mark.gpu
+def test_gluon_kernel_is_the_batch1_default_with_its_slices_merged_at_once(monkeypatch):
+    """One decode row at DeepSeek-V3.2 shapes: the default dispatch takes the Gluon kernel in 32 slices of 64
+    positions (GLUON_SLICED) and merges them with the combine loading every slice at once (COMBINE_AT_ONCE):
+    bit-equal to asking for that, within the twin tolerance, and within one bf16 ulp of the slice loop."""
+    import torch
+
+    from adapt.kernels import sparse_mla as sm
+    from tests.kernels.test_sparse_mla import rel
+
+    rows = torch.tensor([4999]).cuda()
+    _, _, args = _case((4000, 1000), rows, heads=128, topk=2048)
+    assert sm.GLUON_SLICED and sm.COMBINE_AT_ONCE
+    got = sm.sparse_mla(*args)
+    assert torch.equal(got, sm.sparse_mla(*args, gluon=True))
+    assert rel(got, sm.sparse_mla_torch(*args)) <= TWIN_REL_TOL_CUDA
+    monkeypatch.setattr(sm, "COMBINE_AT_ONCE", False)
+    loop = sm.sparse_mla(*args).float().cpu()
+    ulp = torch.exp2(torch.floor(torch.log2(loop.abs().clamp_min(2.0 ** -126))) - 7)
+    assert bool(((got.float().cpu() - loop).abs() <= ulp).all())
+    monkeypatch.setattr(sm, "GLUON_SLICED", False)
+    assert not torch.equal(sm.sparse_mla(*args), sm.sparse_mla(*args, gluon=True))  # the tl kernel again
