@@ -27,11 +27,13 @@ CONTEXT, TOPK = 131072, 2048
 # slice at a time (44.4 against 44.5 at once).
 SWITCHES: dict = {}
 # sparse MLA options at batch 1 (default: the four-group tl kernel, 128-position tiles, 16 slices x 2 head blocks =
-# 32 programs), each timed alone and in the step. Session 13's call 3 also timed the slices merged inside the kernel
+# 32 programs, before session 13; now the Gluon kernel in 32 slices), each timed alone and in the step. Session 13's call 3 also timed the slices merged inside the kernel
 # after a grid barrier (its share of the merge a program each): MLA 42.9 us against 18.3, removed.
-MLA_VARIANTS = ({}, {"block_k": 64, "splits": 32}, {"block_k": 64, "splits": 32, "num_warps": 4}, {"block_h": 32},
-                {"gluon": True}, {"block_k": 64, "splits": 16}, {"block_k": 64, "splits": 32, "_at_once": True},
-                {"gluon": True, "_at_once": True})  # _at_once: sparse_mla.COMBINE_AT_ONCE on for the variant
+MLA_VARIANTS = ({}, {"gluon": False, "_at_once": False})  # _at_once: sparse_mla.COMBINE_AT_ONCE for the variant
+# Call 4 (commit 6db6369, when the default was the tl kernel in 16 slices with the slice loop) timed: {"block_k": 64,
+# "splits": 32} 18.8 / 44.0 us (MLA / step), the same with 4 warps 28.3 / 58.3, {"block_h": 32} 25.3 / 55.6,
+# {"gluon": True} 19.6 / 43.6, {"block_k": 64, "splits": 16} 20.6 / 45.7, {"block_k": 64, "splits": 32} with the
+# combine at once 16.3 / 41.5, {"gluon": True} with it 15.8 / 39.6; the default 18.4 / 43.8.
 
 
 def layers(n: int):
@@ -92,7 +94,7 @@ def main(out_dir: Path, rounds: int) -> None:
                 print(json.dumps(rows[-1]), flush=True)
         dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = defaults
         for opts in MLA_VARIANTS[1:]:
-            sparse_mla.COMBINE_AT_ONCE = opts.get("_at_once", defaults[1])
+            sparse_mla.COMBINE_AT_ONCE = opts.get("_at_once", defaults[1])  # (the MLA_VARIANTS comment)
             kwargs = {k: v for k, v in opts.items() if k != "_at_once"}
             for what in ("mla", "step"):
                 try:
