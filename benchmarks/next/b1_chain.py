@@ -26,9 +26,10 @@ CONTEXT, TOPK = 131072, 2048
 # call 2 also timed the zeroing in the scoring kernel (50.0-51.0 us a layer against 44.4-44.5) and the combine a
 # slice at a time (44.4 against 44.5 at once).
 SWITCHES: dict = {}
-# sparse MLA options at batch 1 (default: the four-group tl kernel, 128-position tiles, 16 slices x 2 head blocks =
-# 32 programs, before session 13; now the Gluon kernel in 32 slices), each timed alone and in the step. Session 13's call 3 also timed the slices merged inside the kernel
-# after a grid barrier (its share of the merge a program each): MLA 42.9 us against 18.3, removed.
+# sparse MLA options at batch 1 (the default since session 13: the Gluon kernel, 32 slices of 64 positions x 2 head
+# blocks, the combine at once; before: the four-group tl kernel, 16 slices of 128), each timed alone and in the
+# step. Session 13's call 3 also timed the slices merged inside the tl kernel after a grid barrier (its share of
+# the merge a program each): MLA 42.9 us against 18.3, removed.
 MLA_VARIANTS = ({}, {"gluon": False, "_at_once": False})  # _at_once: sparse_mla.COMBINE_AT_ONCE for the variant
 # Call 4 (commit 6db6369, when the default was the tl kernel in 16 slices with the slice loop) timed: {"block_k": 64,
 # "splits": 32} 18.8 / 44.0 us (MLA / step), the same with 4 warps 28.3 / 58.3, {"block_h": 32} 25.3 / 55.6,
