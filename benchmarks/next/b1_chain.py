@@ -30,7 +30,10 @@ SWITCHES: dict = {}
 # blocks, the combine at once; before: the four-group tl kernel, 16 slices of 128), each timed alone and in the
 # step. Session 13's call 3 also timed the slices merged inside the tl kernel after a grid barrier (its share of
 # the merge a program each): MLA 42.9 us against 18.3, removed.
-MLA_VARIANTS = ({}, {"gluon": False, "_at_once": False})  # _at_once: sparse_mla.COMBINE_AT_ONCE for the variant
+# _at_once: sparse_mla.COMBINE_AT_ONCE for the variant; _elements: sparse_mla.COMBINE_ELEMENTS (the combine's
+# program size: 8192 partial values, 4 heads x 64 columns x 32 slices, 256 programs at batch 1)
+MLA_VARIANTS = ({}, {"gluon": False, "_at_once": False}, {"_elements": 2048}, {"_elements": 4096},
+                {"_elements": 16384})
 # Call 4 (commit 6db6369, when the default was the tl kernel in 16 slices with the slice loop) timed: {"block_k": 64,
 # "splits": 32} 18.8 / 44.0 us (MLA / step), the same with 4 warps 28.3 / 58.3, {"block_h": 32} 25.3 / 55.6,
 # {"gluon": True} 19.6 / 43.6, {"block_k": 64, "splits": 16} 20.6 / 45.7, {"block_k": 64, "splits": 32} with the
@@ -79,6 +82,7 @@ def main(out_dir: Path, rounds: int) -> None:
     parts = ("step", "scores", "scores+select", "mla", "mla without combine")
     switches = SWITCHES
     defaults = dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE
+    elements = sparse_mla.COMBINE_ELEMENTS
     rows = []
     for rnd in range(rounds):
         for name in parts:
@@ -96,7 +100,8 @@ def main(out_dir: Path, rounds: int) -> None:
         dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = defaults
         for opts in MLA_VARIANTS[1:]:
             sparse_mla.COMBINE_AT_ONCE = opts.get("_at_once", defaults[1])  # (the MLA_VARIANTS comment)
-            kwargs = {k: v for k, v in opts.items() if k != "_at_once"}
+            sparse_mla.COMBINE_ELEMENTS = opts.get("_elements", elements)
+            kwargs = {k: v for k, v in opts.items() if not k.startswith("_")}
             for what in ("mla", "step"):
                 try:
                     us = time_graph_ms(part(what, kwargs), 100) * 1e3 / GRAPH_LAYERS
@@ -105,7 +110,7 @@ def main(out_dir: Path, rounds: int) -> None:
                     print(f"{what} {opts}: {type(err).__name__}: {str(err)[:300]}", flush=True)
                 rows.append({"round": rnd, "part": f"{what}: {json.dumps(opts)}", "us_per_layer": us})
                 print(json.dumps(rows[-1]), flush=True)
-            sparse_mla.COMBINE_AT_ONCE = defaults[1]
+            sparse_mla.COMBINE_AT_ONCE, sparse_mla.COMBINE_ELEMENTS = defaults[1], elements
     names = list(dict.fromkeys(r["part"] for r in rows))
     summary = {n: statistics.median(r["us_per_layer"] for r in rows if r["part"] == n and r["us_per_layer"])
                if any(r["us_per_layer"] for r in rows if r["part"] == n) else None for n in names}
