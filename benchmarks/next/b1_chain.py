@@ -31,7 +31,8 @@ SWITCHES: dict = {}
 # step. Session 13's call 3 also timed the slices merged inside the tl kernel after a grid barrier (its share of
 # the merge a program each): MLA 42.9 us against 18.3, removed.
 # _at_once: sparse_mla.COMBINE_AT_ONCE for the variant; _elements: sparse_mla.COMBINE_ELEMENTS (the combine's
-# program size: 8192 partial values, 4 heads x 64 columns x 32 slices, 256 programs at batch 1)
+# program size: 8192 partial values, 4 heads x 64 columns x 32 slices, 256 programs at batch 1; call 7: 2048 / 4096 /
+# 16384 gave MLA 17.5 / 16.2 / 16.2 us and step 41.6 / 40.3 / 40.3 against 15.8 / 40.0)
 MLA_VARIANTS = ({}, {"gluon": False, "_at_once": False}, {"_elements": 2048}, {"_elements": 4096},
                 {"_elements": 16384})
 # Call 4 (commit 6db6369, when the default was the tl kernel in 16 slices with the slice loop) timed: {"block_k": 64,
