@@ -26,7 +26,7 @@ KERNELS = {
                    tau_ptr="fp32", cand_key_ptr="fp32", cand_pos_ptr="fp32", cand_count_ptr="fp32"),
               dict(HEAD_DIM=128, BLOCK_H=64, BLOCK_S=64, ROWS=4, PAGE=64, NUM_STAGES=3, UPCAST=False, STACKED=True,
                    DIRECT=False, FULL_TILES=False, EMIT=False, SAMPLE=1, RUN=1, EXPECT_NUM=1, EXPECT_DEN=1,
-                   TAU_BITS=1, PDL=False, ZERO=0), dict(warps=8, stages=3)),
+                   TAU_BITS=1, PDL=False), dict(warps=8, stages=3)),
 }
 
 

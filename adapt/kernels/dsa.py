@@ -55,9 +55,6 @@ from adapt.kernels.topk import (
     DECODE_SAMPLE_RUN,
     DECODE_TAU_BITS,
     FUSED_CAP,
-    GRID_CAP,
-    GRID_ZERO_WIDTH,
-    grid_workspace,
     order_key,
     prefilter_applies,
     sample_columns,
@@ -203,8 +200,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
                          UPCAST: tl.constexpr, STACKED: tl.constexpr, DIRECT: tl.constexpr = False,
                          FULL_TILES: tl.constexpr = False, EMIT: tl.constexpr = False, SAMPLE: tl.constexpr = 1,
                          RUN: tl.constexpr = 1, EXPECT_NUM: tl.constexpr = 1, EXPECT_DEN: tl.constexpr = 1,
-                         TAU_BITS: tl.constexpr = 1, PDL: tl.constexpr = False,
-                         zero_ptr=None, zero_stride=0, zero_width=0, ZERO: tl.constexpr = 0):
+                         TAU_BITS: tl.constexpr = 1, PDL: tl.constexpr = False):
     """One program: one query tile (up to ROWS consecutive rows of one sequence) against
     ``tiles_per_split`` consecutive BLOCK_S-key tiles (split ``program_id(1)`` of the
     context). Key tiles stream through a NUM_STAGES-deep software pipeline; each is read
@@ -221,16 +217,9 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr
     each visible score whose order key is >= tau: order key and position, ascending, into this program's run of
     ``seg_cap`` slots at ``(row * splits + split) * seg_cap`` of ``cand_key_ptr`` / ``cand_pos_ptr``;
     ``cand_count_ptr[row * splits + split]`` = how many there were (possibly more than seg_cap).
-    PDL: the first kernel of the decode chain launched with programmatic dependent launch (``pdl``).
-    ZERO (DIRECT decode, a power of two >= zero_width): split 0 of row r also sets columns [0, zero_width) of row r
-    of the int32 ``zero_ptr`` (row stride ``zero_stride``) to 0: the next kernel's workspace (``topk.topk_grid``'s
-    counters) zeroed without a launch of its own."""
+    PDL: the first kernel of the decode chain launched with programmatic dependent launch (``pdl``)."""
     pdl.enter(PDL)
     tile = tl.program_id(0)
-    if ZERO > 0:
-        if tl.program_id(1) == 0:
-            zcols = tl.arange(0, ZERO)
-            tl.store(zero_ptr + tile.to(tl.int64) * zero_stride + zcols, tl.zeros_like(zcols), mask=zcols < zero_width)
     if DIRECT:
         row0 = tile
         n_rows = 1
@@ -387,8 +376,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  num_stages: int | None = None, num_warps: int | None = None,
                  programs: int | None = None, stacked: bool = True, full_tiles: bool = False,
                  gluon: bool | None = None, gluon_w_smem: bool = True,
-                 gluon_maxnreg: int | None = None, gluon_split_rows: bool = False,
-                 zero_work: torch.Tensor | None = None, zero_width: int = 0) -> torch.Tensor:
+                 gluon_maxnreg: int | None = None, gluon_split_rows: bool = False) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -415,8 +403,6 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     where ``dsa_gluon.gluon_applies``, True: required (ValueError where it does not apply, e.g. on CPU);
     ``gluon_w_smem``: its epilogue re-reads the head weights from shared memory; ``gluon_maxnreg``: its
     register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``).
-    ``zero_work`` (int32 [N, >= zero_width]): columns [0, zero_width) of every row set to 0, by the decode scoring
-    kernel itself (the select's workspace without a zeroing launch; elsewhere by torch).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -424,17 +410,6 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         return out
     decode = rows_per_tile == 1 or (rows_per_tile is None and bool((token_seq[1:] != token_seq[:-1]).all()))
     per_tile = 1 if decode else (rows_per_tile or PREFILL_ROWS_PER_TILE)
-    zero = {}
-    if zero_work is not None and zero_width > 0:
-        if (zero_work.dtype != torch.int32 or zero_work.shape[0] != n_rows or zero_work.shape[1] < zero_width
-                or zero_work.stride(1) != 1):
-            raise ValueError(f"zero_work must be int32 [{n_rows}, >= {zero_width}] with unit column stride, not "
-                             f"{zero_work.dtype} {list(zero_work.shape)}")
-        if decode:
-            zero = dict(zero_ptr=zero_work, zero_stride=zero_work.stride(0), zero_width=zero_width,
-                        ZERO=triton.next_power_of_2(zero_width))
-        else:
-            zero_work[:, :zero_width].zero_()
     token_seq = token_seq.to(torch.int32).contiguous()
     if decode:  # one row per program, sequence read in the kernel: no tile table (no extra launches)
         tiles = token_seq
@@ -469,7 +444,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         PAGE=PAGE_SIZE, NUM_STAGES=num_stages or 3, UPCAST=_interpreting(), STACKED=stacked and per_tile > 1,
         DIRECT=decode, FULL_TILES=bool(full_tiles) and stacked and per_tile > 1,
         num_warps=num_warps or (4 if decode else PREFILL_WARPS),
-        **(pdl.launch_options(q_fp8.device) if decode else {}), **zero,
+        **(pdl.launch_options(q_fp8.device) if decode else {}),
     )
     return out
 
@@ -599,13 +574,11 @@ TRITON_SELECT_MAX_ROWS = 8
 # 44.6 / 48.9.
 FEW_ROWS_SELECT = "grid"
 FEW_ROWS_GRID_OPTIONS: dict = {"num_warps": 8}  # ``topk_grid`` options under "grid" (``parts``, ``cap``, ``num_warps``)
-# The grid select's counters zeroed by the decode scoring kernel before it (``index_scores(zero_work=...)``) rather
-# than by a zeroing launch of their own in the chain. Off: slower on the H200 (2026-12-02, commit 0a33c3e,
-# benchmarks/gpu-2026-12-02-dsa-s13, batch 1 x 128K, graph of 8 layers, five rounds in turn: 50.0-51.0 us a layer
-# against 44.4-44.5 with the zeroing launch). Likely why: with programmatic dependent launch a kernel lets the next
-# one launch once it starts, so without the launch between them the select's 128 programs are placed while the
-# scoring kernel's 512 still run and take their room on the SMs.
-GRID_ZERO_IN_SCORES = False
+# Measured and removed (session 13, commit 0a33c3e, benchmarks/gpu-2026-12-02-dsa-s13): the grid select's counters
+# zeroed by the decode scoring kernel instead of a zeroing launch, 50.0-51.0 us a layer against 44.4-44.5 (batch 1 x
+# 128K, graph of 8 layers). Likely why: with programmatic dependent launch a kernel lets the next one launch once it
+# starts, so without the launch between them the select's 128 programs are placed while the scoring kernel's 512
+# still run.
 FEW_ROWS_DECODE_OPTIONS: dict = {"parts": 64, "seg_cap": 2048, "flat": True, "block": 1024, "num_warps": 4,
                                  "select_warps": 16}
 # Chunks of at least this many rows (prefill; decode batches stay below it) select through
@@ -647,7 +620,7 @@ def auto_select(rows: int, cols: int, topk: int) -> str:
 
 
 def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor,
-                 method: str = "auto", work: torch.Tensor | None = None) -> int:
+                 method: str = "auto") -> int:
     """Top-``topk`` positions of each row of ``scores`` (-inf past ``limits``) into ``out``; returns the
     rows the prefilter sent back to a full select (0 for the other methods). ``auto``: FEW_ROWS_SELECT (the radix
     select's result from ``topk_grid``'s one launch by default, ``topk_indices`` under the interpreter, which runs
@@ -660,8 +633,7 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     ``topk_decode`` (the radix select's result, device-side prefilter, capturable; its rows re-selected
     from their full scores stay on the device and are not counted here; FEW_ROWS_DECODE_OPTIONS for at most
     TRITON_SELECT_MAX_ROWS rows, PREFILL_DECODE_OPTIONS from PREFILTER_MIN_ROWS); ``auto`` takes it for
-    DECODE_SELECT_MIN_ROWS rows and more (None: never) below PREFILTER_MIN_ROWS. ``work``: ``topk_grid``'s
-    workspace with its counters already zeroed (by the scoring kernel), used when the method is ``grid``."""
+    DECODE_SELECT_MIN_ROWS rows and more (None: never) below PREFILTER_MIN_ROWS."""
     rows, cols = scores.shape
     if method not in SELECT_METHODS:
         raise ValueError(f"select must be one of {SELECT_METHODS}, not {method!r}")
@@ -673,8 +645,7 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
         topk_indices(scores, limits, topk, out=out)
         return 0
     if method == "grid":  # the radix select in one launch (rows too many or too wide: ``topk_indices``)
-        topk_grid(scores, limits, topk, out=out, **FEW_ROWS_GRID_OPTIONS,
-                  **({"work": work, "zeroed": True} if work is not None else {}))
+        topk_grid(scores, limits, topk, out=out, **FEW_ROWS_GRID_OPTIONS)
         return 0
     if method == "decode":  # device-side prefilter: exact, no host sync (misjudged rows are redone on the device)
         options = (PREFILL_DECODE_OPTIONS if rows >= PREFILTER_MIN_ROWS
@@ -691,25 +662,13 @@ def _select_topk(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: 
     return 0
 
 
-def _select_twin(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor, method: str,
-                 work: torch.Tensor | None = None) -> int:
+def _select_twin(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor, method: str) -> int:
     topk_indices_torch(scores, limits, topk, out=out)
     return 0
 
 
-def _grid_work_for(rows: int, cols: int, topk: int, select: str, device: torch.device) -> torch.Tensor | None:
-    """The grid select's workspace for a [rows, cols] chunk whose select will be ``topk_grid`` (its counters then
-    zeroed by the scoring kernel, GRID_ZERO_IN_SCORES), else None."""
-    if not GRID_ZERO_IN_SCORES or select not in ("auto", "grid"):
-        return None
-    if select == "auto" and (auto_select(rows, cols, topk) != "grid" or _interpreting()):
-        return None
-    opts = FEW_ROWS_GRID_OPTIONS
-    return grid_workspace(rows, cols, device, parts=opts.get("parts"), cap=opts.get("cap", GRID_CAP))
-
-
 def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scale, block_table, token_seq, limits,
-                        topk, max_score_bytes, max_keys, select, tile_options, fused=False, grid_zero=False):
+                        topk, max_score_bytes, max_keys, select, tile_options, fused=False):
     n_rows = q_fp8.shape[0]
     out = torch.empty(n_rows, topk, dtype=torch.int32, device=q_fp8.device)
     if n_rows == 0:
@@ -731,10 +690,8 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
         if fused:  # scoring keeps the candidates, one select over them (misjudged rows: redone on the device)
             scores = index_topk_fused(*args, topk, cols, out=out[start:end], **tile_options)[1]
         else:
-            work = _grid_work_for(end - start, cols, topk, select, q_fp8.device) if grid_zero and topk else None
-            zero = {"zero_work": work, "zero_width": GRID_ZERO_WIDTH} if work is not None else {}
-            scores = score_fn(*args, cols, **tile_options, **zero)
-            fallback += select_fn(scores, limits[start:end], topk, out=out[start:end], method=select, work=work)
+            scores = score_fn(*args, cols, **tile_options)
+            fallback += select_fn(scores, limits[start:end], topk, out=out[start:end], method=select)
         peak = max(peak, scores.numel() * 4)
         del scores
         chunks += 1
@@ -773,8 +730,7 @@ def index_topk(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
                                   and FUSED_DECODE_MIN_ROWS is not None and FUSED_DECODE_MIN_ROWS <= n_rows
                                   < PREFILTER_MIN_ROWS)
     return _index_topk_chunked(index_scores, _select_topk, q_fp8, weights, index_k, index_scale, block_table,
-                               token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options, fused,
-                               grid_zero=True)
+                               token_seq, limits, topk, max_score_bytes, max_keys, select, tile_options, fused)
 
 
 def index_topk_torch(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,

@@ -287,7 +287,6 @@ GRID_CAP = 4096
 GRID_MAX_SLICE = 8192  # keys a program holds at most (registers); wider rows go to ``topk_indices``
 GRID_MAX_PARTS = 256
 _GRID_FIXED = 256 + 256 + 2 * 256 + 32  # zeroed: coarse + fine histograms, the low passes' two, the barrier
-GRID_ZERO_WIDTH = _GRID_FIXED  # the columns of a row of ``topk_grid``'s workspace that must be 0 when it starts
 
 
 def grid_work(parts: int, cap: int = GRID_CAP) -> int:
@@ -553,17 +552,6 @@ def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None
     return triton.next_power_of_2(triton.cdiv(n_cols, size)), size
 
 
-def grid_workspace(n_rows: int, n_cols: int, device: torch.device, *, parts: int | None = None,
-                   cap: int = GRID_CAP) -> torch.Tensor | None:
-    """An uninitialised int32 workspace for ``topk_grid`` over [n_rows, n_cols] scores (its first GRID_ZERO_WIDTH
-    columns must be zeroed before the select, which is then told ``zeroed=True``), or None where the grid select
-    does not apply."""
-    shape = grid_parts(n_rows, n_cols, device, parts)
-    if shape is None:
-        return None
-    return torch.empty(n_rows, grid_work(shape[0], cap), dtype=torch.int32, device=device)
-
-
 def grid_low_pass_rows(work: torch.Tensor) -> torch.Tensor:
     """bool [N]: the rows of a ``topk_grid`` workspace whose select took the two low passes (more than ``cap`` keys
     of the row in the threshold's 16-bit bin) rather than the candidates."""
@@ -572,16 +560,15 @@ def grid_low_pass_rows(work: torch.Tensor) -> torch.Tensor:
 
 def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
               parts: int | None = None, cap: int = GRID_CAP, num_warps: int = 4,
-              work: torch.Tensor | None = None, packed: bool = False, zeroed: bool = False) -> torch.Tensor:
+              work: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, -1 after them) from one kernel launch plus a
     zeroing one, for a few rows: ``grid_parts`` programs a row meet at three grid barriers (three more for a row
     whose threshold bin holds more than ``cap`` keys; see the comment above GRID_CAP). Rows too wide
     or too many for every program to be resident go to ``topk_indices``. ``parts``: at most this many programs a
     row (default: the SM count over the rows). ``work``: int32 [N, >= grid_work(parts, cap)] to use as the
     workspace (default: a new one). ``packed``: the picks, counts and prefix sums with fewer CTA-wide reductions
-    (counts packed in 64-bit words; the same positions; H200: no faster, off by default). ``zeroed``: the caller
-    already set the first GRID_ZERO_WIDTH columns of every row of ``work`` to 0 (the decode scoring kernel does,
-    ``dsa.index_scores(zero_work=...)``): no zeroing launch. No host sync (capturable)."""
+    (counts packed in 64-bit words; the same positions; H200: no faster, off by default). No host sync
+    (capturable)."""
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
         raise ValueError("topk_grid needs fp32 scores with unit column stride")
@@ -600,11 +587,10 @@ def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: tor
     elif work.dtype != torch.int32 or work.shape[0] != n_rows or work.shape[1] < width or not work.is_contiguous():
         raise ValueError(f"topk_grid's work must be contiguous int32 [{n_rows}, >= {width}], not "
                          f"{work.dtype} {list(work.shape)}")
-    if not zeroed:
-        _zero_prefix_kernel[(n_rows, triton.cdiv(_GRID_FIXED, 4096))](work, work.shape[1], _GRID_FIXED, BLOCK=4096,
-                                                                       num_warps=4, **chain)
     if packed and cap >= 1 << 16:
         raise ValueError(f"topk_grid packs candidate counts in 16 bits: packed needs cap < 65536, not {cap}")
+    _zero_prefix_kernel[(n_rows, triton.cdiv(_GRID_FIXED, 4096))](work, work.shape[1], _GRID_FIXED, BLOCK=4096,
+                                                                   num_warps=4, **chain)
     common = dict(SLICE=size, PARTS=parts, CAP=cap, WORK=work.shape[1], ALIGNED=aligned, PACKED=bool(packed),
                   num_warps=num_warps)
     args = (scores, limits, work, out, scores.stride(0), n_cols, topk)

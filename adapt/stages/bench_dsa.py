@@ -929,7 +929,6 @@ def run_dsa_acceptance(
         "few_rows_decode_options": dsa.FEW_ROWS_DECODE_OPTIONS,
         "few_rows_grid_options": dsa.FEW_ROWS_GRID_OPTIONS,
         "combine_at_once": sparse_mla.COMBINE_AT_ONCE,
-        "grid_zero_in_scores": dsa.GRID_ZERO_IN_SCORES,
         "mla_gluon_sliced": sparse_mla.GLUON_SLICED,
         "decode": [],
         "prefill": [],
@@ -1444,9 +1443,6 @@ if __name__ == "__main__":
                         help="options of those batches' select: topk_decode's under --few-rows-select decode "
                              f"(default: dsa.FEW_ROWS_DECODE_OPTIONS, now {dsa.FEW_ROWS_DECODE_OPTIONS}), topk_grid's "
                              f"under grid (default: dsa.FEW_ROWS_GRID_OPTIONS, now {dsa.FEW_ROWS_GRID_OPTIONS})")
-    parser.add_argument("--grid-zero-in-scores", action=argparse.BooleanOptionalAction, default=None,
-                        help="the grid select's counters zeroed by the decode scoring kernel, or by a launch of their "
-                             f"own (default: dsa.GRID_ZERO_IN_SCORES, now {dsa.GRID_ZERO_IN_SCORES})")
     parser.add_argument("--mla-gluon-sliced", action=argparse.BooleanOptionalAction, default=None,
                         help="the Gluon sparse MLA kernel also for decode batches that take position slices, or the "
                              f"tl kernel there (default: sparse_mla.GLUON_SLICED, now {sparse_mla.GLUON_SLICED})")
@@ -1462,8 +1458,6 @@ if __name__ == "__main__":
         _topk.DECODE_GLUON = args.decode_gluon
     if args.few_rows_select:
         dsa.FEW_ROWS_SELECT = args.few_rows_select
-    if args.grid_zero_in_scores is not None:
-        dsa.GRID_ZERO_IN_SCORES = args.grid_zero_in_scores
     if args.mla_gluon_sliced is not None:
         sparse_mla.GLUON_SLICED = args.mla_gluon_sliced
     if args.combine_at_once is not None:

@@ -1,9 +1,7 @@
 """The batch-1 decode step (issue 16) taken apart in the acceptance's form (one CUDA graph of 8 layers, each over its
 own random 128K cache), interleaved rounds: the whole step, the step's prefixes (scores; scores + select) and the
 sparse MLA alone on fixed positions (with and without its slice combine), so that each part's marginal cost in the
-chain shows; then the session-13 switches in turn (SWITCHES): the select's counters zeroed by the scoring kernel
-(``dsa.GRID_ZERO_IN_SCORES``), the combine loading every slice at once (``sparse_mla.COMBINE_AT_ONCE``), then sparse MLA
-options (MLA_VARIANTS) alone and in the step.
+chain shows; then sparse MLA options (MLA_VARIANTS, with the combine's switches) alone and in the step.
 
 Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/b1_chain.py OUT_DIR [ROUNDS]
 """
@@ -22,10 +20,8 @@ from adapt.kernels import dsa, sparse_mla
 from adapt.stages.bench_dsa import GRAPH_LAYERS, _queries, _random_cache
 
 CONTEXT, TOPK = 131072, 2048
-# (dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE) timed in turn. Session 13's
-# call 2 also timed the zeroing in the scoring kernel (50.0-51.0 us a layer against 44.4-44.5) and the combine a
-# slice at a time (44.4 against 44.5 at once).
-SWITCHES: dict = {}
+# Session 13's call 2 also timed the select's counters zeroed by the scoring kernel (50.0-51.0 us a layer against
+# 44.4-44.5, removed) and, over the tl kernel's 16 slices, the combine a slice at a time (44.4 against 44.5 at once).
 # sparse MLA options at batch 1 (the default since session 13: the Gluon kernel, 32 slices of 64 positions x 2 head
 # blocks, the combine at once; before: the four-group tl kernel, 16 slices of 128), each timed alone and in the
 # step. Session 13's call 3 also timed the slices merged inside the tl kernel after a grid barrier (its share of
@@ -81,9 +77,7 @@ def main(out_dir: Path, rounds: int) -> None:
 
     real_combine = sparse_mla._combine
     parts = ("step", "scores", "scores+select", "mla", "mla without combine")
-    switches = SWITCHES
-    defaults = dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE
-    elements = sparse_mla.COMBINE_ELEMENTS
+    at_once, elements = sparse_mla.COMBINE_AT_ONCE, sparse_mla.COMBINE_ELEMENTS
     rows = []
     for rnd in range(rounds):
         for name in parts:
@@ -92,15 +86,8 @@ def main(out_dir: Path, rounds: int) -> None:
             rows.append({"round": rnd, "part": name, "us_per_layer": us})
             print(json.dumps(rows[-1]), flush=True)
         sparse_mla._combine = real_combine
-        for name, (zero, at_once) in switches.items():
-            dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = zero, at_once
-            for what in ("step", "mla"):
-                us = time_graph_ms(part(what), 100) * 1e3 / GRAPH_LAYERS
-                rows.append({"round": rnd, "part": f"{what}: {name}", "us_per_layer": us})
-                print(json.dumps(rows[-1]), flush=True)
-        dsa.GRID_ZERO_IN_SCORES, sparse_mla.COMBINE_AT_ONCE = defaults
         for opts in MLA_VARIANTS[1:]:
-            sparse_mla.COMBINE_AT_ONCE = opts.get("_at_once", defaults[1])  # (the MLA_VARIANTS comment)
+            sparse_mla.COMBINE_AT_ONCE = opts.get("_at_once", at_once)  # (the MLA_VARIANTS comment)
             sparse_mla.COMBINE_ELEMENTS = opts.get("_elements", elements)
             kwargs = {k: v for k, v in opts.items() if not k.startswith("_")}
             for what in ("mla", "step"):
@@ -111,7 +98,7 @@ def main(out_dir: Path, rounds: int) -> None:
                     print(f"{what} {opts}: {type(err).__name__}: {str(err)[:300]}", flush=True)
                 rows.append({"round": rnd, "part": f"{what}: {json.dumps(opts)}", "us_per_layer": us})
                 print(json.dumps(rows[-1]), flush=True)
-            sparse_mla.COMBINE_AT_ONCE, sparse_mla.COMBINE_ELEMENTS = defaults[1], elements
+            sparse_mla.COMBINE_AT_ONCE, sparse_mla.COMBINE_ELEMENTS = at_once, elements
     names = list(dict.fromkeys(r["part"] for r in rows))
     summary = {n: statistics.median(r["us_per_layer"] for r in rows if r["part"] == n and r["us_per_layer"])
                if any(r["us_per_layer"] for r in rows if r["part"] == n) else None for n in names}

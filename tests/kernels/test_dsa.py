@@ -146,46 +146,6 @@ def test_decode_scores_and_topk_match_twin(device, tiles):
     assert_same_topk(synced_free.cpu(), ref.cpu(), want.cpu(), 32, score_tol(device, want))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_scoring_zeroes_the_grid_select_workspace(device, monkeypatch):
-    """The decode scoring kernel sets the first ``zero_width`` columns of each row of ``zero_work`` to 0 and
-    leaves the rest and the scores as they were; ``index_topk`` with the grid select then needs no zeroing
-    launch (``topk_grid`` is told ``zeroed``) and gives the twin's positions."""
-    from adapt.kernels import topk as topk_mod
-
-    layer, batch, q8, weights = filled_cache((10, 64, 65, 129), heads=4, dim=32, device=device, decode=True)
-    limits = (batch.positions + 1).int()
-    args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
-    work = torch.full((4, 40), -7, dtype=torch.int32, device=device)
-    got = dsa.index_scores(*args, 192, zero_work=work, zero_width=33)
-    assert torch.equal(got, dsa.index_scores(*args, 192))
-    assert bool((work[:, :33] == 0).all()) and bool((work[:, 33:] == -7).all())
-    with pytest.raises(ValueError, match="zero_work"):
-        dsa.index_scores(*args, 192, zero_work=work[:3], zero_width=33)
-
-    calls = []
-    real = topk_mod.topk_grid
-
-    def spy(*a, **kw):
-        calls.append(kw.get("zeroed", False))
-        if kw.get("work") is not None:  # the counters the scoring kernel must have zeroed
-            assert bool((kw["work"][:, :topk_mod.GRID_ZERO_WIDTH] == 0).all())
-        return real(*a, **kw)
-
-    monkeypatch.setattr(dsa, "topk_grid", spy)
-    monkeypatch.setattr(dsa, "GRID_ZERO_IN_SCORES", True)
-    idx, _ = dsa.index_topk(*args, 32, max_keys=192, rows_per_tile=1, select="grid")
-    ref, _ = dsa.index_topk_torch(*args, 32)
-    want = dsa.index_scores_torch(*args, 192)
-    assert_same_topk(idx.cpu(), ref.cpu(), want.cpu(), 32, score_tol(device, want))
-    if device == "cpu":
-        assert torch.equal(idx, ref)
-    assert calls == [True]
-    monkeypatch.setattr(dsa, "GRID_ZERO_IN_SCORES", False)
-    idx2, _ = dsa.index_topk(*args, 32, max_keys=192, rows_per_tile=1, select="grid")
-    assert torch.equal(idx2, idx) and calls == [True, False]
-
-
 def test_decode_default_tiles_and_programs_per_row(monkeypatch):
     """Decode calls without tile options take the DECODE_* tiles (64-key tiles, 8 stages) and at most
     DECODE_PROGRAMS_PER_ROW programs a row up to DECODE_PROGRAMS; explicit programs are kept; the scores are the
