@@ -2,7 +2,7 @@
 
 Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
        (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
-       SPLIT, PREFETCH, EARLY_LOADS, DIRECT, L2_AHEAD, WARPS, ABLATE and LAZY from the object: ``compile_gluon``;
+       SPLIT, PREFETCH, EARLY_LOADS, DIRECT, L2_AHEAD, WARPS, ABLATE, LAZY, PDL and PARTIAL_BF16 from the object: ``compile_gluon``;
        its row adds ``branch_skip``, the loop's longest forward branch: with LAZY the accumulator's rescale, so
        loop_len - branch_skip.len instructions a tile on the tiles that skip it)
 
@@ -49,12 +49,13 @@ def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool 
     return compile_sm90(kern, const, ptrs, (), num_warps, num_stages, floats=("scale_log2",))
 
 
-def _compile_gluon_sm90(kern, const: dict, options: dict):
+def _compile_gluon_sm90(kern, const: dict, options: dict, partial: str = "fp32"):
     """A Gluon sparse MLA kernel for sm_90 at the DeepSeek-V3.2 shapes (rank 512 in four e4m3 groups, rope 64, 64
-    heads) with these constexprs (SPLIT among them) and launch options; pointers 16-byte aligned."""
+    heads) with these constexprs (SPLIT among them) and launch options; pointers 16-byte aligned; ``partial``: the
+    slice partials' element type under SPLIT."""
     const = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, PAGE=64, **const)
     ptrs = {k: v for k, v in PTRS.items() if k not in ("qscale_ptr",)}
-    ptrs["out_ptr"] = "fp32" if const["SPLIT"] else "bf16"
+    ptrs["out_ptr"] = partial if const["SPLIT"] else "bf16"
     sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
            for n in kern.arg_names}
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
@@ -63,11 +64,14 @@ def _compile_gluon_sm90(kern, const: dict, options: dict):
 
 
 def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool = False, direct: bool = False,
-                  l2_ahead: int = 0, warps: int = 8, ablate: int = 0, lazy: float = 0.0):
-    """``sparse_mla_gluon_kernel`` for sm_90 (``warps`` warps, 8 as launched by default; ``lazy``: its LAZY)."""
+                  l2_ahead: int = 0, warps: int = 8, ablate: int = 0, lazy: float = 0.0, pdl: bool = False,
+                  partial_bf16: bool = False):
+    """``sparse_mla_gluon_kernel`` for sm_90 (``warps`` warps, 8 as launched by default; ``lazy``: its LAZY;
+    ``pdl``: its PDL; ``partial_bf16``: bf16 slice partials, as ``sparse_mla.PARTIAL_BF16`` allocates them)."""
     const = dict(BLOCK_K=block_k, SPLIT=split, PREFETCH=prefetch, EARLY_LOADS=early, DIRECT=direct,
-                 L2_AHEAD=l2_ahead, WARPS=warps, ABLATE=ablate, LAZY=float(lazy))
-    return _compile_gluon_sm90(smg.sparse_mla_gluon_kernel, const, dict(num_warps=warps))
+                 L2_AHEAD=l2_ahead, WARPS=warps, ABLATE=ablate, LAZY=float(lazy), PDL=bool(pdl))
+    return _compile_gluon_sm90(smg.sparse_mla_gluon_kernel, const, dict(num_warps=warps),
+                               "bf16" if partial_bf16 else "fp32")
 
 
 def compile_gluon_ws(split: bool, pwarps: int = 4, pregs: int = 152, maxnreg: int = 168, pair: bool = True,
@@ -129,7 +133,8 @@ if __name__ == "__main__":
             if c.get("gluon"):
                 ck = compile_gluon(c.get("BLOCK_K", 64), c.get("SPLIT", False), c.get("PREFETCH", True),
                                    c.get("EARLY_LOADS", False), c.get("DIRECT", False), c.get("L2_AHEAD", 0),
-                                   c.get("WARPS", 8), c.get("ABLATE", 0), c.get("LAZY", 0.0))
+                                   c.get("WARPS", 8), c.get("ABLATE", 0), c.get("LAZY", 0.0), c.get("PDL", False),
+                                   c.get("PARTIAL_BF16", False))
                 print(json.dumps(dict(config=c, **report(ck, 0), order=load_mma_order(ck),
                                       branch_skip=branch_skip(ck))), flush=True)
                 continue

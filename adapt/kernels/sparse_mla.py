@@ -501,7 +501,8 @@ def _merge_slices(part_ptr, lse_ptr, out_ptr, row, heads, cols, n_heads, n_split
     part = (row * n_splits + sl[:, None]) * n_heads + heads[None, :]  # [SLICES, heads]
     ok = (sl[:, None] < n_splits) & hmask[None, :]
     lse = tl.load(lse_ptr + part, mask=ok, other=float("-inf"))
-    o = tl.load(part_ptr + part[:, :, None] * RANK + cols[None, None, :], mask=ok[:, :, None], other=0.0)
+    o = tl.load(part_ptr + part[:, :, None] * RANK + cols[None, None, :], mask=ok[:, :, None],
+                other=0.0).to(tl.float32)
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for empty and padding slices
     den = tl.sum(w, axis=0)
@@ -536,7 +537,7 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_heads, n_splits, RANK: tl.cons
         for s in range(0, n_splits):
             part = (row * n_splits + s) * n_heads + heads
             lse = tl.load(lse_ptr + part, mask=hmask, other=float("-inf"))
-            o = tl.load(part_ptr + part[:, None] * RANK + cols[None, :], mask=hmask[:, None], other=0.0)
+            o = tl.load(part_ptr + part[:, None] * RANK + cols[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
             m_new = tl.maximum(m_run, lse)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_run - m_safe)
@@ -723,6 +724,9 @@ GLUON_DEFAULT = True
 # the four-group tl kernel (16 slices of 128 positions) and the slice loop; 43.6 Gluon with the slice loop (32
 # dependent round trips). Sparse MLA alone 15.8 against 18.4 us.
 GLUON_SLICED = True
+# The Gluon kernel's slice partials in bf16 instead of fp32 (half the bytes written and read back by the combine: 4
+# instead of 8 MB at batch 1 x 128 heads x 32 slices); one more rounding of each partial before the merge.
+PARTIAL_BF16 = False
 
 
 def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
@@ -732,7 +736,8 @@ def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, bl
     memory), then the same combine."""
     block_k = 64
     head_blocks = triton.cdiv(q_nope.shape[1], sparse_mla_gluon.GLUON_BLOCK_H)
-    splits, positions_per_split, partial, lse = _slices(out, indices.shape[1], block_k, splits, head_blocks)
+    splits, positions_per_split, partial, lse = _slices(out, indices.shape[1], block_k, splits, head_blocks,
+                                                        torch.bfloat16 if PARTIAL_BF16 else torch.float32)
     sparse_mla_gluon.launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
                             softmax_scale, partial, lse, splits, positions_per_split, block_k, prefetch, flags)
     if splits > 1:
@@ -740,17 +745,18 @@ def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, bl
     return out
 
 
-def _slices(out: torch.Tensor, topk: int, block_k: int, splits: int | None, blocks_per_row: int):
-    """Position slices of each row: (slices, positions per slice (a multiple of block_k), fp32 partial outputs
-    [N, slices, H, R] and log2-sum-exps [N, slices, H] for the combine; with one slice both are ``out``).
-    ``splits`` None: ``_default_splits`` for N x ``blocks_per_row`` programs."""
+def _slices(out: torch.Tensor, topk: int, block_k: int, splits: int | None, blocks_per_row: int,
+            partial_dtype: torch.dtype = torch.float32):
+    """Position slices of each row: (slices, positions per slice (a multiple of block_k), partial outputs
+    [N, slices, H, R] (``partial_dtype``) and fp32 log2-sum-exps [N, slices, H] for the combine; with one slice both
+    are ``out``). ``splits`` None: ``_default_splits`` for N x ``blocks_per_row`` programs."""
     n_rows, n_heads, rank = out.shape
     splits = splits or _default_splits(out.device, n_rows * blocks_per_row, topk, block_k)
     positions_per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
     splits = triton.cdiv(topk, positions_per_split)
     if splits == 1:
         return splits, positions_per_split, out, out
-    partial = torch.empty(n_rows, splits, n_heads, rank, dtype=torch.float32, device=out.device)
+    partial = torch.empty(n_rows, splits, n_heads, rank, dtype=partial_dtype, device=out.device)
     lse = torch.empty(n_rows, splits, n_heads, dtype=torch.float32, device=out.device)
     return splits, positions_per_split, partial, lse
 

@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from adapt.kernels import pdl
 from adapt.kernels.formats import PAGE_SIZE, is_sm90
 
 
@@ -190,7 +191,7 @@ def _load_q(qn_ptr, qr_ptr, q_smem, qr_smem, row, head0, n_heads, RANK: gl.const
 def _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK: gl.constexpr, BLOCK_H: gl.constexpr,
             SPLIT: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
     """A program's end: with SPLIT the slice's log2-sum-exp first (fewer values live beside the accumulator) and its
-    normalised fp32 partial, else the bf16 output; waits for the last p @ v."""
+    normalised partial (fp32, or bf16 where ``out_ptr`` is), else the bf16 output; waits for the last p @ v."""
     if SPLIT:
         hs = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
         lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -201,9 +202,10 @@ def _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK: g
     ho = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
     oc = gl.arange(0, RANK, layout=gl.SliceLayout(0, O_L))
     hmask = gl.expand_dims(ho < n_heads, 1)
-    if SPLIT:
+    if SPLIT:  # the partial in the buffer's type (fp32, or bf16 with ``sparse_mla.PARTIAL_BF16``)
         part = (row * gl.num_programs(2) + split) * n_heads + ho
-        gl.store(out_ptr + gl.expand_dims(part * RANK, 1) + gl.expand_dims(oc, 0), o, mask=hmask)
+        gl.store(out_ptr + gl.expand_dims(part * RANK, 1) + gl.expand_dims(oc, 0), o.to(out_ptr.dtype.element_ty),
+                 mask=hmask)
     else:
         gl.store(out_ptr + gl.expand_dims((row * n_heads + ho) * RANK, 1) + gl.expand_dims(oc, 0),
                  o.to(gl.bfloat16), mask=hmask)
@@ -216,7 +218,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                             BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
                             PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
                             DIRECT: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0, WARPS: gl.constexpr = 8,
-                            ABLATE: gl.constexpr = 0, LAZY: gl.constexpr = 0.0):
+                            ABLATE: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, PDL: gl.constexpr = False):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
@@ -236,7 +238,11 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     thread) runs under that uniform branch. Rows still at -inf before the tile have a zero accumulator and never ask
     for it, so with random scores only rare tiles take the branch. Not bit-equal to LAZY 0 (p and l are taken
     against another max, so they round differently): within the kernel-vs-twin tolerance. Measured 4-6% slower than
-    LAZY 0 on the H200 (``GLUON_FLAGS``): the flag round trip sits on the q.k -> p @ v chain."""
+    LAZY 0 on the H200 (``GLUON_FLAGS``): the flag round trip sits on the q.k -> p @ v chain.
+
+    PDL: a kernel of the decode chain launched with programmatic dependent launch (``adapt.kernels.pdl``): it waits
+    for the kernel before (the select) before any load, then lets the next (the slices' combine) launch."""
+    pdl.enter(PDL)
     gl.static_assert(BLOCK_H == 64)
     row = gl.program_id(0).to(gl.int64)
     head0 = gl.program_id(1) * BLOCK_H
@@ -613,6 +619,9 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # ``sparse_mla_gluon_kernel`` (its docstring). Slower, so off: benchmarks/gpu-2026-12-02-dsa-s11 (422ab57), TAU 8 at
 # batch 64 x 128K 141.8 / 142.3 us against 136.1 / 133.9, 4096 prefill rows 8.18 / 8.19 ms against 7.73 / 7.74.
 GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0}
+# Programmatic dependent launch for ``sparse_mla_gluon_kernel`` where ``pdl.active`` (the decode chain's other kernels
+# take it there since session 10): the kernel launches while the select ends and waits for it in hardware.
+GLUON_PDL = False
 # WS: ``sparse_mla_gluon_ws_kernel`` instead (a producer partition of PWARPS warps with PREGS registers a thread
 # gathers and dequantises; MAXNREG caps the launch so that 8 + PWARPS warps fit one SM's 64K registers: the
 # default partition gets (MAXNREG * (8 + PWARPS) - PREGS * PWARPS) / 8 a thread). PAIR: the producer takes tiles
@@ -648,5 +657,6 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
                                          PAIR=opts["PAIR"], PV_WAIT=opts["PV_WAIT"], num_warps=8,
                                          maxnreg=opts["MAXNREG"])
     else:
+        chain = pdl.launch_options(q_nope.device) if GLUON_PDL else {}
         sparse_mla_gluon_kernel[grid](*args, **shape, PREFETCH=prefetch, ABLATE=ablate,
-                                      **{k: opts[k] for k in GLUON_FLAGS}, num_warps=opts["WARPS"])
+                                      **{k: opts[k] for k in GLUON_FLAGS}, num_warps=opts["WARPS"], **chain)

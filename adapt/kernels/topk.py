@@ -366,40 +366,51 @@ def _grid_fill(out_base, selected, topk, FILL: tl.constexpr):
 
 
 @triton.jit
+def _grid_cand_block(cand, n_cand, start, c0, STEP: tl.constexpr, ONCE: tl.constexpr):
+    """Candidates [start, start + STEP) of the row's list (0 past ``n_cand``); ONCE: the first block is ``c0``,
+    loaded once before the sweeps (no L2 round trip a sweep for a list of at most STEP candidates)."""
+    i = start + tl.arange(0, STEP)
+    if ONCE:
+        if start == 0:
+            c = c0
+        else:
+            c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
+    else:
+        c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
+    return c, i < n_cand
+
+
+@triton.jit
 def _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk, STEP: tl.constexpr = 256,
-                         PACKED: tl.constexpr = False):
+                         PACKED: tl.constexpr = False, c0=None, ONCE: tl.constexpr = False):
     """(t, rem): the low 16 bits of the row's threshold key, the ``rem``-th largest of the ``n_cand`` candidates'
     (two 8-bit digits, a sweep over the list each), and how many candidates equal to it are still to take
-    (0 and 0 for a settled row)."""
-    offs = tl.arange(0, STEP)
+    (0 and 0 for a settled row). ONCE: the list's first STEP entries are ``c0`` (``_grid_cand_block``)."""
     hist = tl.zeros([256], tl.int32)
     for start in range(0, n_cand, STEP):
-        i = start + offs
-        c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
-        hist += tl.histogram((c >> 8) & 255, 256, mask=i < n_cand)
+        c, ok = _grid_cand_block(cand, n_cand, start, c0, STEP, ONCE)
+        hist += tl.histogram((c >> 8) & 255, 256, mask=ok)
     t, rem, settled = _grid_pick(hist, bins, tl.zeros([], tl.uint32), rem, settled, topk, 8, False, PACKED)
     hist = tl.zeros([256], tl.int32)
     for start in range(0, n_cand, STEP):
-        i = start + offs
-        c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
-        hist += tl.histogram(c & 255, 256, mask=(i < n_cand) & (((c >> 8) & 255).to(tl.uint32) == (t >> 8)))
+        c, ok = _grid_cand_block(cand, n_cand, start, c0, STEP, ONCE)
+        hist += tl.histogram(c & 255, 256, mask=ok & (((c >> 8) & 255).to(tl.uint32) == (t >> 8)))
     t, rem, settled = _grid_pick(hist, bins, t, rem, settled, topk, 0, False, PACKED)
     return tl.where(settled, 0, t), tl.where(settled, 0, rem)
 
 
 @triton.jit
-def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256, PACKED: tl.constexpr = False):
+def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256, PACKED: tl.constexpr = False,
+                            c0=None, ONCE: tl.constexpr = False):
     """(ties, above) among the candidates of programs before ``part``, and among all: low 16 bits equal to ``t``
-    and above it. PACKED: the four counts in one reduction (16 bits each of an int64: at most CAP < 65,536)."""
-    offs = tl.arange(0, STEP)
+    and above it. PACKED: the four counts in one reduction (16 bits each of an int64: at most CAP < 65,536).
+    ONCE: as ``_grid_candidates_kth``."""
     ties_seen = 0
     above_seen = 0
     ties_all = 0
     above_all = 0
     for start in range(0, n_cand, STEP):
-        i = start + offs
-        c = tl.load(cand + i, mask=i < n_cand, other=0, volatile=True)
-        ok = i < n_cand
+        c, ok = _grid_cand_block(cand, n_cand, start, c0, STEP, ONCE)
         low16 = (c & 0xFFFF).to(tl.uint32)
         before = ok & ((c >> 16) < part)
         if PACKED:
@@ -417,6 +428,9 @@ def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256, PAC
     return ties_seen, above_seen, ties_all, above_all
 
 
+# ``topk_grid``'s candidate list (the keys of the threshold's 16-bit bin: a few tens at batch 1 x 128K) loaded once
+# for its three sweeps instead of once a sweep (two fewer L2 round trips on the select's chain)
+GRID_CAND_ONCE = False
 GRID_PHASES = 7  # the steps of ``_grid_select_kernel`` launched one by one under the interpreter
 
 
@@ -424,13 +438,14 @@ GRID_PHASES = 7  # the steps of ``_grid_select_kernel`` launched one by one unde
 def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_cols, topk,
                         SLICE: tl.constexpr, PARTS: tl.constexpr, CAP: tl.constexpr, WORK: tl.constexpr,
                         PHASE: tl.constexpr, ALIGNED: tl.constexpr, FILL: tl.constexpr = 1024,
-                        PACKED: tl.constexpr = False, PDL: tl.constexpr = False):
+                        PACKED: tl.constexpr = False, PDL: tl.constexpr = False, CAND_ONCE: tl.constexpr = False):
     """Program (row, part) of ``topk_grid``: the keys of columns [part * SLICE, (part + 1) * SLICE) of the row
     (see the comment above GRID_CAP). PHASE -1: the whole select with grid barriers (CUDA). PHASE p >= 0: only step
     p, the barriers being kernel boundaries (the interpreter runs programs one after another, so a barrier would
     never open): 0 and 1 the two 8-bit passes, 2 the candidates, 3 the write (or the first low pass), 4 the second
     low pass, 5 the count, 6 the write after a low pass; every step re-derives what the steps before it fixed from
-    ``work_ptr``."""
+    ``work_ptr``. CAND_ONCE: the candidate list's first 256 entries loaded once for the three sweeps over it
+    (``_grid_cand_block``)."""
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -480,9 +495,13 @@ def _grid_select_kernel(scores_ptr, limits_ptr, work_ptr, out_ptr, stride, n_col
             n_cand = tl.load(n_cand_ptr, volatile=True)
             if n_cand <= CAP:  # the threshold among the row's candidates
                 if PHASE < 0 or PHASE == 3:
-                    t, crem = _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk, 256, PACKED)
+                    if CAND_ONCE:
+                        c0 = tl.load(cand + bins, mask=bins < n_cand, other=0, volatile=True)
+                    else:
+                        c0 = bins
+                    t, crem = _grid_candidates_kth(cand, n_cand, bins, rem, settled, topk, 256, PACKED, c0, CAND_ONCE)
                     ties_seen, above_seen, ties_all, above_all = _grid_candidates_before(cand, n_cand, part, t, 256,
-                                                                                         PACKED)
+                                                                                         PACKED, c0, CAND_ONCE)
                     above = tl.load(above_ptr + parts, volatile=True)
                     written = tl.sum(tl.where(parts < part, above, 0), axis=0) + above_seen
                     written += tl.minimum(ties_seen, crem)
@@ -560,15 +579,16 @@ def grid_low_pass_rows(work: torch.Tensor) -> torch.Tensor:
 
 def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
               parts: int | None = None, cap: int = GRID_CAP, num_warps: int = 4,
-              work: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
+              work: torch.Tensor | None = None, packed: bool = False, cand_once: bool | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, -1 after them) from one kernel launch plus a
     zeroing one, for a few rows: ``grid_parts`` programs a row meet at three grid barriers (three more for a row
     whose threshold bin holds more than ``cap`` keys; see the comment above GRID_CAP). Rows too wide
     or too many for every program to be resident go to ``topk_indices``. ``parts``: at most this many programs a
     row (default: the SM count over the rows). ``work``: int32 [N, >= grid_work(parts, cap)] to use as the
     workspace (default: a new one). ``packed``: the picks, counts and prefix sums with fewer CTA-wide reductions
-    (counts packed in 64-bit words; the same positions; H200: no faster, off by default). No host sync
-    (capturable)."""
+    (counts packed in 64-bit words; the same positions; H200: no faster, off by default). ``cand_once``: the
+    candidate list's first 256 entries loaded once for the three sweeps over it (None: GRID_CAND_ONCE; the same
+    positions). No host sync (capturable)."""
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
         raise ValueError("topk_grid needs fp32 scores with unit column stride")
@@ -591,8 +611,9 @@ def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: tor
         raise ValueError(f"topk_grid packs candidate counts in 16 bits: packed needs cap < 65536, not {cap}")
     _zero_prefix_kernel[(n_rows, triton.cdiv(_GRID_FIXED, 4096))](work, work.shape[1], _GRID_FIXED, BLOCK=4096,
                                                                    num_warps=4, **chain)
+    once = GRID_CAND_ONCE if cand_once is None else bool(cand_once)
     common = dict(SLICE=size, PARTS=parts, CAP=cap, WORK=work.shape[1], ALIGNED=aligned, PACKED=bool(packed),
-                  num_warps=num_warps)
+                  CAND_ONCE=once, num_warps=num_warps)
     args = (scores, limits, work, out, scores.stride(0), n_cols, topk)
     if _interpreting():  # the barriers as launch boundaries: one launch per step
         for phase in range(GRID_PHASES):

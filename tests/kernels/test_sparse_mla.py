@@ -185,7 +185,7 @@ def test_position_splits_fill_one_wave_of_the_sms():
 def test_combine_all_slices_at_once_matches_the_slice_loop(device, splits, heads, rank):
     """The combine's two forms (every slice loaded at once, and one slice after the other with an online rescale)
     against the float64 merge sum_s 2**lse_s o_s / sum_s 2**lse_s, with empty slices (lse -inf, partial 0) and a
-    row whose slices are all empty (output 0)."""
+    row whose slices are all empty (output 0); bf16 partials give the merge of their fp32 values bit for bit."""
     from adapt.kernels import sparse_mla as sm
 
     gen = torch.Generator().manual_seed(splits)
@@ -213,6 +213,15 @@ def test_combine_all_slices_at_once_matches_the_slice_loop(device, splits, heads
         # the bf16 output rounding of an fp32 sum: every element within one bf16 ulp of the float64 merge
         ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2.0 ** -126))) - 7)
         assert bool(((got[at_once].double() - want).abs() <= ulp).all())
+        # bf16 partials (``PARTIAL_BF16``): read and widened to fp32, so the merge of the bf16-rounded values
+        out16 = torch.empty(rows, heads, rank, dtype=torch.bfloat16, device=device)
+        sm.COMBINE_AT_ONCE = at_once
+        try:
+            sm._combine(partial.to(device).bfloat16(), lse.to(device), out16, splits, device == "cpu")
+            sm._combine(partial.to(device).bfloat16().float(), lse.to(device), out, splits, device == "cpu")
+        finally:
+            sm.COMBINE_AT_ONCE = default
+        assert torch.equal(out16, out)
     assert sm.combine_blocks(heads, rank, splits, True)[2] == triton_pow2(splits)
 
 

@@ -13,6 +13,10 @@ SHIPPED = [{"gluon": True, "BLOCK_K": 64, "SPLIT": split, "PREFETCH": pf} for sp
 L2_AHEAD = [{"gluon": True, "SPLIT": split, "DIRECT": True, "L2_AHEAD": 2} for split in (False, True)]
 # the lazy rescale (``LAZY``, off by default until measured) on the default flags
 LAZY = [{"gluon": True, "SPLIT": split, "DIRECT": True, "LAZY": 8.0} for split in (False, True)]
+# programmatic dependent launch (``GLUON_PDL``) and bf16 slice partials (``sparse_mla.PARTIAL_BF16``), off by default
+# until measured, on the default flags
+CHAIN = [{"gluon": True, "SPLIT": True, "DIRECT": True, "PDL": True},
+         {"gluon": True, "SPLIT": True, "DIRECT": True, "PARTIAL_BF16": True}]
 H200_SHARED_BYTES = 232448  # 227 KB per block (CUDA sm_90 limit)
 TWIN_REL_TOL_CUDA = 5e-3  # test_sparse_mla.TWIN_REL_TOL["cuda"]: p rounded to bf16 for p @ v, the twin keeps fp32
 
@@ -21,7 +25,7 @@ TWIN_REL_TOL_CUDA = 5e-3  # test_sparse_mla.TWIN_REL_TOL["cuda"]: p rounded to b
 def test_gluon_kernel_builds_for_sm90_within_registers():
     from tests.kernels.test_sparse_mla_sass import sass_rows
 
-    for row in sass_rows(SHIPPED + L2_AHEAD):
+    for row in sass_rows(SHIPPED + L2_AHEAD + CHAIN):
         assert "error" not in row, row
         assert row["regs"] <= 255 and row["spill_bytes"] == 0, row
         assert row["shared"] <= H200_SHARED_BYTES, row
@@ -177,3 +181,28 @@ def test_gluon_kernel_is_the_batch1_default_with_its_slices_merged_at_once(monke
     assert bool(((got.float().cpu() - loop).abs() <= ulp).all())
     monkeypatch.setattr(sm, "GLUON_SLICED", False)
     assert not torch.equal(sm.sparse_mla(*args), sm.sparse_mla(*args, gluon=True))  # the tl kernel again
+
+
+@pytest.mark.gpu
+def test_batch1_chain_options_pdl_and_bf16_partials(monkeypatch):
+    """One decode row at DeepSeek-V3.2 shapes (the Gluon kernel in 32 slices): with programmatic dependent launch
+    (GLUON_PDL) the output is bit-equal to the launch without it; with bf16 slice partials (PARTIAL_BF16) within
+    2**-8 of the fp32 partials' output (relative, over the whole output: one more bf16 rounding of each partial
+    before the merge; an element near zero after the merge may move by more than its own ulps) and within the twin
+    tolerance."""
+    import torch
+
+    from adapt.kernels import sparse_mla as sm
+    from adapt.kernels import sparse_mla_gluon as smg
+    from tests.kernels.test_sparse_mla import rel
+
+    rows = torch.tensor([4999]).cuda()
+    _, _, args = _case((4000, 1000), rows, heads=128, topk=2048)
+    want = sm.sparse_mla(*args)
+    monkeypatch.setattr(smg, "GLUON_PDL", True)
+    assert torch.equal(sm.sparse_mla(*args), want)
+    monkeypatch.setattr(sm, "PARTIAL_BF16", True)
+    got = sm.sparse_mla(*args)
+    assert not torch.equal(got, want)  # the bf16 partials did run
+    assert rel(got, want) <= 2.0 ** -8
+    assert rel(got, sm.sparse_mla_torch(*args)) <= TWIN_REL_TOL_CUDA

@@ -111,11 +111,31 @@ def test_grid_select_matches_twin_exactly(device, k, parts, cap, packed):
     work = torch.zeros(9, grid_work(parts, cap), dtype=torch.int32, device=device)
     got = topk_grid(s.to(device), limits.to(device), k, parts=parts, cap=cap, work=work, packed=packed).cpu()
     assert torch.equal(got, topk_indices_torch(s, limits, k))
+    once = topk_grid(s.to(device), limits.to(device), k, parts=parts, cap=cap, packed=packed, cand_once=True).cpu()
+    assert torch.equal(once, got)
     low = grid_low_pass_rows(work).cpu()
     assert not low[0]  # random scores: a few keys in the bin, the candidates
     # row 6, 200 keys all +-0 (one bin): more than cap takes the low passes, unless k covers the row (every visible
     # key taken after the first barrier)
     assert low[6] == (k < 200 and cap < 200)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grid_select_candidates_loaded_once_past_the_first_block(device):
+    """A row whose threshold bin holds 1,024 candidates (every key in one 16-bit bin, distinct low bits, shuffled):
+    with ``cand_once`` the list's first 256 entries come from the one load before the sweeps and the rest from
+    the sweeps' own loads; the same positions as the twin either way."""
+    gen = torch.Generator().manual_seed(7)
+    base = torch.tensor([1.5]).view(torch.int32)
+    keys = (base & ~0xFFFF) | torch.randperm(1024, generator=gen).to(torch.int32) * 61 % 65536
+    s = keys.view(torch.float32)[None]
+    limits = torch.tensor([1024])
+    want = topk_indices_torch(s, limits, 500)
+    for once in (False, True):
+        work = torch.zeros(1, grid_work(4), dtype=torch.int32, device=device)
+        got = topk_grid(s.to(device), limits.to(device), 500, parts=4, work=work, cand_once=once).cpu()
+        assert torch.equal(got, want)
+        assert not grid_low_pass_rows(work).cpu()[0]  # 1,024 candidates within the cap: the candidate list
 
 
 def test_grid_select_writes_into_a_strided_chunk_and_falls_back_when_rows_are_too_wide():
@@ -151,8 +171,8 @@ def test_grid_select_deepseek_v32_decode_shape_on_gpu():
     for rows in (1, 2, 8):
         want = topk_indices_torch(s[:rows], limits[:rows], 2048)
         for parts, cap in ((None, GRID_CAP), (32, GRID_CAP), (None, 1), (None, 64)):
-            for packed in (False, True):
-                got = topk_grid(s[:rows], limits[:rows], 2048, parts=parts, cap=cap, packed=packed)
+            for packed, once in ((False, False), (True, False), (False, True)):
+                got = topk_grid(s[:rows], limits[:rows], 2048, parts=parts, cap=cap, packed=packed, cand_once=once)
                 assert torch.equal(got, want)
         graph = torch.cuda.CUDAGraph()  # replays reuse the zeroed workspace each time
         out = torch.empty(rows, 2048, dtype=torch.int32, device="cuda")
