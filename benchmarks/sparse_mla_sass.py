@@ -3,8 +3,8 @@
 Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
        (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
        SPLIT, PREFETCH, EARLY_LOADS, DIRECT, L2_AHEAD, WARPS, ABLATE, LAZY, PDL and PARTIAL_BF16 from the object:
-       ``compile_gluon``; its row adds ``branch_skip``, the loop's longest forward branch: with LAZY the accumulator's rescale, so
-       loop_len - branch_skip.len instructions a tile on the tiles that skip it)
+       ``compile_gluon``; its row adds ``branch_skip``, the loop's longest forward branch: with LAZY the
+       accumulator's rescale, so loop_len - branch_skip.len instructions a tile on the tiles that skip it)
 
 Each JSON object overrides the four-group kernel's constexprs (upper-case keys; the default is the
 DeepSeek-V3.2 decode tile: 64 heads, 128 positions, rank 512 in four e4m3 groups, rope 64) and the
