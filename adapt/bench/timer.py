@@ -6,10 +6,15 @@ capture requires) and times ``reps`` replays with CUDA events; when ``fn`` canno
 and records why. ``flush_l2=True`` overwrites a buffer of twice the device's L2 between timed
 runs (outside the timed interval), so each run reads its operands from HBM, as a layer does in a
 model whose weights exceed L2. Times are medians, in microseconds.
+
+``WARM_MS`` (environment ``ADAPT_TIMER_WARM_MS``, default 0): before the timed replays, replay back to back for
+about that many milliseconds of device time, so that a graph of a few microseconds, timed one replay at a time with
+a sync after each, does not start at a clock the device lowered during the host work before it.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +33,27 @@ class Timing:
     mode: str
     fallback: str = ""
     l2_flushed: bool = False
+
+
+WARM_MS = float(os.environ.get("ADAPT_TIMER_WARM_MS", "0"))
+WARM_MAX_RUNS = 8192
+
+
+def _warm(run: Callable[[], object], warm_ms: float) -> int:
+    """``run`` back to back in doubling batches until about ``warm_ms`` of device time (at most WARM_MAX_RUNS
+    runs); returns the runs made."""
+    done_ms, runs, batch = 0.0, 0, 1
+    while done_ms < warm_ms and runs < WARM_MAX_RUNS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(batch):
+            run()
+        end.record()
+        end.synchronize()
+        done_ms += start.elapsed_time(end)
+        runs += batch
+        batch = min(2 * batch, WARM_MAX_RUNS - runs) or 1
+    return runs
 
 
 def _event_times_us(run: Callable[[], object], reps: int, flush: torch.Tensor | None) -> list[float]:
@@ -71,11 +97,13 @@ def time_cuda(fn: Callable[[], object], reps: int = 20, *, warmup: int = 2, grap
         else:
             cuda_graph.replay()
             torch.cuda.synchronize()
+            _warm(cuda_graph.replay, WARM_MS)
             times = _event_times_us(cuda_graph.replay, reps, flush)
             del cuda_graph
             return Timing(statistics.median(times), reps, "graph", "", flush is not None)
     else:
         fallback = "graph capture not requested"
+    _warm(fn, WARM_MS)
     times = _event_times_us(fn, reps, flush)
     return Timing(statistics.median(times), reps, "eager", fallback, flush is not None)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from adapt.bench import timer
 from adapt.bench.acceptance import Criterion, benchmark_report, evaluate, find_row
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.provenance import commit as _commit
@@ -118,7 +119,8 @@ def _decode_case(
                                                                rows_per_tile=1, **o), reps)
             programs_sweep.append({"programs": programs, "us": ms * 1e3})
         best = min(programs_sweep, key=lambda row: row["us"])["programs"]
-        tiles["decode_index"] = {**tiles["decode_index"], "programs": best}
+        if STEP_SWEPT_TILES:  # else the step runs the defaults a user gets; the sweep is a record beside it
+            tiles["decode_index"] = {**tiles["decode_index"], "programs": best}
 
     def index():  # the default decode path (dsa.index_topk's auto)
         holder["idx"], _ = dsa.index_topk(
@@ -209,7 +211,7 @@ def _decode_case(
                 continue
             splits_sweep.append({"splits": splits, "us": ms * 1e3})
         timed = [row for row in splits_sweep if "us" in row]
-        if timed:
+        if timed and STEP_SWEPT_TILES:
             mla_tiles = {**mla_tiles, "splits": min(timed, key=lambda row: row["us"])["splits"]}
     attend_tiles.update(mla_tiles)
     twin_args = (q_nope[:4], q_rope[:4], layer.latent_nope, layer.latent_scale, layer.latent_rope, block_table,
@@ -270,6 +272,7 @@ def _decode_case(
         "sparse_mla_splits_sweep": splits_sweep,
         "index_programs_sweep": programs_sweep,
         "index_tiles": tiles["decode_index"],
+        "step_swept_tiles": STEP_SWEPT_TILES if batch < SWEEP_BATCH else None,
         "step_us": step_ms * 1e3,
         "step_us_per_layer_in_graph_of_layers": layered,
         "graph_layers": GRAPH_LAYERS if layered is not None else None,
@@ -848,6 +851,12 @@ MLA_SWEEP = (
     dict(block_h=64, block_k=32, v_split=2, qk_chunk=512, num_warps=8, num_stages=2, splits=2),
 )
 SWEEP_BATCH = 64
+# Below SWEEP_BATCH rows the indexer's program count and the sparse MLA's position splits are timed alone (the
+# sweeps below). False: the step runs the library's defaults (what a user gets) and the sweeps are a record beside
+# it; True: the step takes each sweep's fastest (the harness before session 14, when the pick, made on a ~10 us
+# graph timed alone, changed from one process to the next and was slower in the step than the default: 2026-12-02,
+# benchmarks/gpu-2026-12-02-dsa-s13 and -s14).
+STEP_SWEPT_TILES = False
 # Position-split counts timed for sparse MLA decode below SWEEP_BATCH rows (batch 1: 2 programs of
 # 64 heads per split with the fused tile); the fastest is kept for the step.
 MLA_DECODE_SPLITS = (4, 8, 16, 32, 64)
@@ -896,13 +905,15 @@ def _mla_sweep(layer, block_table, token_seq, q_nope, q_rope, idx, options, reps
 def run_dsa_acceptance(
     out_dir: Path, *, topk: int = 2048, latent_format: str = "fp8", reps: int = 10, sweep: bool = True,
     prefill_only: bool = False, prefill: bool = True, prefill_selects: Sequence[str] | None = None,
+    decode_batches: Sequence[int] = (1, 64),
 ) -> dict:
     """The acceptance subset: same-run ceilings (torch and Triton 16-byte copy), a sparse MLA tile
     sweep at batch 64 x 128K, decode at batch 1 and 64 x 128K, prefill 128K (indexer + top-k +
     sparse MLA and dense causal SDPA, with the indexer, sparse MLA and select sweeps of
     ``_prefill_case``). ``sweep=False``: the kernels' default tiles only (one row in each sweep).
     ``prefill_only``: ceilings and the prefill case only (its decode acceptance lines then count as
-    unmet); ``prefill=False``: the decode cases only (the prefill lines then count as unmet).
+    unmet); ``prefill=False``: the decode cases only (the prefill lines then count as unmet); ``decode_batches``: the
+    decode cases' batches (1 and 64; a batch left out leaves its lines unmet).
     Writes ``dsa_bench.json`` / ``.md`` into ``out_dir``."""
     if not torch.cuda.is_available():
         raise InputError(
@@ -930,6 +941,8 @@ def run_dsa_acceptance(
         "few_rows_grid_options": dsa.FEW_ROWS_GRID_OPTIONS,
         "combine_at_once": sparse_mla.COMBINE_AT_ONCE,
         "mla_gluon_sliced": sparse_mla.GLUON_SLICED,
+        "step_swept_tiles": STEP_SWEPT_TILES,
+        "timer_warm_ms": timer.WARM_MS,
         "decode": [],
         "prefill": [],
     }
@@ -955,7 +968,7 @@ def run_dsa_acceptance(
     result.update(tile_sweep=mla_rows, tiles_used=tiles)
     _write(out_dir, result)
     result["errors"] = []
-    for b in (1, batch):
+    for b in decode_batches:
         try:
             result["decode"].append(_decode_case(b, context, topk, latent_format, ceilings["copy_tbps"], reps,
                                                        tiles, sweep))
@@ -1433,6 +1446,9 @@ if __name__ == "__main__":
     parser.add_argument("--prefill-only", action="store_true",
                         help="with --acceptance: ceilings and the 128K prefill case (with its sweeps) only")
     parser.add_argument("--no-prefill", action="store_true", help="with --acceptance: the decode cases only")
+    parser.add_argument("--decode-batches", default="1,64", metavar="LIST",
+                        help="with --acceptance: comma-separated decode batches of 1 and 64 (default: both; one left "
+                             "out leaves its acceptance lines unmet)")
     parser.add_argument("--decode-gluon", action=argparse.BooleanOptionalAction, default=None,
                         help="the top-k candidate pass by its Gluon kernel on sm_90 or by the tl kernel, decode and "
                              f"prefill (default: topk.DECODE_GLUON, now {_topk.DECODE_GLUON})")
@@ -1449,6 +1465,10 @@ if __name__ == "__main__":
     parser.add_argument("--combine-at-once", action=argparse.BooleanOptionalAction, default=None,
                         help="the sparse MLA slice combine loads every slice at once, or one slice after the other "
                              f"(default: sparse_mla.COMBINE_AT_ONCE, now {sparse_mla.COMBINE_AT_ONCE})")
+    parser.add_argument("--step-swept-tiles", action=argparse.BooleanOptionalAction, default=None,
+                        help="below batch 64, the step with the indexer programs and sparse MLA splits its sweeps "
+                             "timed fastest alone, or with the library's defaults (default: "
+                             f"STEP_SWEPT_TILES, now {STEP_SWEPT_TILES})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1462,6 +1482,8 @@ if __name__ == "__main__":
         sparse_mla.GLUON_SLICED = args.mla_gluon_sliced
     if args.combine_at_once is not None:
         sparse_mla.COMBINE_AT_ONCE = args.combine_at_once
+    if args.step_swept_tiles is not None:
+        globals()["STEP_SWEPT_TILES"] = args.step_swept_tiles
     if args.few_rows_options:
         try:
             options = dict(json.loads(args.few_rows_options))
@@ -1476,8 +1498,14 @@ if __name__ == "__main__":
         bad = [m for m in selects or () if m not in dsa.SELECT_METHODS]
         if bad:
             parser.error(f"--prefill-selects: {', '.join(bad)} not among {', '.join(dsa.SELECT_METHODS)}")
+        try:
+            batches = sorted({int(b) for b in args.decode_batches.split(",") if b.strip()})
+        except ValueError:
+            batches = []
+        if not batches or any(b not in (1, 64) for b in batches):
+            parser.error(f"--decode-batches: a comma-separated list of 1 and 64, not {args.decode_batches!r}")
         summary = run_dsa_acceptance(args.out, sweep=not args.no_sweep, prefill_only=args.prefill_only,
-                                     prefill=not args.no_prefill, prefill_selects=selects)
+                                     prefill=not args.no_prefill, prefill_selects=selects, decode_batches=batches)
     elif args.quick:
         summary = run_dsa_bench(
             args.out, decode_batches=(1, 4), contexts=(8192,), prefill_lengths=(8192,), reps=3, prefill_reps=2

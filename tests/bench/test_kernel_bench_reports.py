@@ -218,3 +218,31 @@ def test_time_in_turns_times_every_variant_once_a_round():
     got = time_in_turns({"a": lambda: "a", "b": lambda: "b"}, rounds=3, reps=7, timer=fake_timer)
     assert calls == [("a", 7), ("b", 7)] * 3
     assert got == {"a": [1.0, 3.0, 5.0], "b": [2.0, 4.0, 6.0]}
+
+
+def test_timer_warm_up_runs_back_to_back_until_its_device_time(monkeypatch):
+    """``timer._warm``: doubling batches of back-to-back runs until about ``warm_ms`` of event time, at most
+    WARM_MAX_RUNS runs, none for 0 ms (events stubbed: each run takes 0.5 ms)."""
+    from adapt.bench import timer
+
+    calls = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.at = 0
+
+        def record(self):
+            self.at = len(calls)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 0.5 * (end.at - self.at)
+
+    monkeypatch.setattr(timer.torch.cuda, "Event", FakeEvent)
+    assert timer._warm(lambda: calls.append(1), 0.0) == 0 and not calls
+    assert timer._warm(lambda: calls.append(1), 10.0) == 31  # 1 + 2 + 4 + 8 = 15 runs (7.5 ms), then 16 more
+    assert len(calls) == 31
+    calls.clear()
+    assert timer._warm(lambda: calls.append(1), 1e9) == timer.WARM_MAX_RUNS == len(calls)
