@@ -222,7 +222,8 @@ def _decode_case(
     if mla_tiles.get("qk_fp8"):  # what q.k in e4m3 moves the output from the bf16-q function (not a twin check)
         checks["sparse_mla_rel_err_vs_bf16_q_twin"] = _rel_err(got, sparse_mla.sparse_mla_torch(*twin_args))
     attend_ms = _time_graph_ms(attend, reps)
-    step_ms = _time_graph_ms(lambda: (index(), attend()), reps)
+    step_ms = _time_steady_ms(lambda: (index(), attend()), reps)
+    step_synced_ms = _time_graph_ms(lambda: (index(), attend()), reps)
 
     # scores, then auto's select without the fused path; while that path is off, index() is this path (timed once)
     old_select = dsa.auto_select(batch, context, topk)
@@ -239,8 +240,9 @@ def _decode_case(
         step_decode_ms = _time_graph_ms(lambda: (index_decode_select(), attend()), reps)
     layer = None
     torch.cuda.empty_cache()
-    layered = (_layered_step_us(batch, context, topk, latent_format, block_table, tiles["decode_index"], mla_tiles,
-                                reps, GRAPH_LAYERS) if batch < SWEEP_BATCH else None)
+    layered, layered_synced = (_layered_step_us(batch, context, topk, latent_format, block_table,
+                                                tiles["decode_index"], mla_tiles, reps, GRAPH_LAYERS)
+                               if batch < SWEEP_BATCH else (None, None))
     key_bytes = batch * context * (INDEX_DIM + 4)
     latent_bytes = batch * topk * _latent_row_bytes(latent_format)
     floor_bytes = key_bytes + latent_bytes
@@ -274,7 +276,11 @@ def _decode_case(
         "index_tiles": tiles["decode_index"],
         "step_swept_tiles": STEP_SWEPT_TILES if batch < SWEEP_BATCH else None,
         "step_us": step_ms * 1e3,
+        "step_us_synced": step_synced_ms * 1e3,
         "step_us_per_layer_in_graph_of_layers": layered,
+        "step_us_per_layer_in_graph_of_layers_synced": layered_synced,
+        "step_timing": f"CUDA-graph replays, {STEADY_BATCH} back to back a sample (device time, the host ahead); "
+                       "_synced: one replay a sample with a sync after it (host launch latency included)",
         "graph_layers": GRAPH_LAYERS if layered is not None else None,
         "floor_bytes": floor_bytes,
         "floor_us": floor_us,
@@ -383,10 +389,11 @@ def _decode_select_rows(scores: torch.Tensor, limits: torch.Tensor, topk: int, o
 
 
 def _layered_step_us(batch: int, context: int, topk: int, latent_format: str, block_table: torch.Tensor,
-                     index_tiles: dict, mla_tiles: dict, reps: int, layers: int) -> float:
+                     index_tiles: dict, mla_tiles: dict, reps: int, layers: int) -> tuple[float, float]:
     """Microseconds per layer of one CUDA graph that runs the decode step (index + top-k + sparse MLA) of
     ``layers`` layers in sequence, each over its own random cache and queries (no layer reads another's
-    data from L2). Median of graph replays / layers."""
+    data from L2): (steady, synced), the median of replays / layers timed as ``_time_steady_ms`` and as
+    ``_time_graph_ms``."""
     token_seq = torch.arange(batch, device="cuda", dtype=torch.int32)
     limits = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     stack = []
@@ -401,10 +408,11 @@ def _layered_step_us(batch: int, context: int, topk: int, latent_format: str, bl
             sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope,
                                   block_table, token_seq, idx, 0.1, **mla_tiles)
 
-    us = _time_graph_ms(step, reps) * 1e3 / layers
+    us = _time_steady_ms(step, reps) * 1e3 / layers
+    synced = _time_graph_ms(step, reps) * 1e3 / layers
     stack = None
     torch.cuda.empty_cache()
-    return us
+    return us, synced
 
 
 def _mla_tiles(tiles: dict, rows: int) -> dict:
@@ -851,6 +859,19 @@ MLA_SWEEP = (
     dict(block_h=64, block_k=32, v_split=2, qk_chunk=512, num_warps=8, num_stages=2, splits=2),
 )
 SWEEP_BATCH = 64
+# The decode step's timing (``_time_steady_ms``): CUDA-graph replays this many back to back a sample, so that a
+# step of tens of microseconds is timed as the device runs it in a serving loop (the host ahead), not with the
+# host's launch latency of each replay in it. The per-replay figure (a sync after each) is kept beside it as
+# ``*_synced``: on 2026-12-02 (H100, benchmarks/gpu-2026-12-02-dsa-s14, call 3) it swung between processes (the
+# batch-1 scoring graph 10-20 us a replay, 7.3-7.5 back to back; the one-layer step 40.4-42.9 against 37.5).
+STEADY_BATCH = 20
+
+
+def _time_steady_ms(fn, reps: int) -> float:
+    """Median milliseconds of one CUDA-graph replay of ``fn``, replays timed STEADY_BATCH back to back a sample."""
+    return time_cuda(fn, reps, warmup=1, batch=STEADY_BATCH).median_us / 1e3
+
+
 # Below SWEEP_BATCH rows the indexer's program count and the sparse MLA's position splits are timed alone (the
 # sweeps below). False: the step runs the library's defaults (what a user gets) and the sweeps are a record beside
 # it; True: the step takes each sweep's fastest (the harness before session 14, when the pick, made on a ~10 us
@@ -1368,7 +1389,11 @@ def render_markdown(result: dict) -> str:
                          f"{d['sparse_mla_rel_err_vs_twin']:.1e} |")
         if d.get("step_us_per_layer_in_graph_of_layers") is not None:
             lines.append(f"|  | step per layer in one graph of {d['graph_layers']} layers (own caches): "
-                         f"{_fmt(d['step_us_per_layer_in_graph_of_layers'])} us |")
+                         f"{_fmt(d['step_us_per_layer_in_graph_of_layers'])} us (a sync after each replay: "
+                         f"{_fmt(d.get('step_us_per_layer_in_graph_of_layers_synced'))} us) |")
+        if d.get("step_us_synced") is not None:
+            lines.append(f"|  | step (one-layer graph) with a sync after each replay: {_fmt(d['step_us_synced'])} us; "
+                         f"the step column: {STEADY_BATCH} replays back to back a sample |")
         if d.get("index_programs_sweep"):
             sweep = ", ".join(f"{r['programs']}: {_fmt(r['us'])}" for r in d["index_programs_sweep"])
             lines.append(f"|  | indexer programs (us): {sweep} |")

@@ -246,3 +246,33 @@ def test_timer_warm_up_runs_back_to_back_until_its_device_time(monkeypatch):
     assert len(calls) == 31
     calls.clear()
     assert timer._warm(lambda: calls.append(1), 1e9) == timer.WARM_MAX_RUNS == len(calls)
+
+
+def test_timer_batched_samples_average_back_to_back_runs(monkeypatch):
+    """``timer._batched_times_us``: each sample is one event pair around ``batch`` runs, divided by ``batch``
+    (events stubbed: run i takes i ms, so the samples are the batches' means); ``time_cuda`` refuses a batch with
+    an L2 flush between runs."""
+    import pytest
+
+    from adapt.bench import timer
+
+    calls = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.at = 0
+
+        def record(self):
+            self.at = len(calls)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return float(sum(range(self.at + 1, end.at + 1)))
+
+    monkeypatch.setattr(timer.torch.cuda, "Event", FakeEvent)
+    got = timer._batched_times_us(lambda: calls.append(1), 3, 4)
+    assert got == [1e3 * (1 + 2 + 3 + 4) / 4, 1e3 * (5 + 6 + 7 + 8) / 4, 1e3 * (9 + 10 + 11 + 12) / 4]
+    with pytest.raises(ValueError, match="cannot flush L2"):
+        timer.time_cuda(lambda: None, 3, flush_l2=True, batch=4)
