@@ -889,8 +889,9 @@ DECODE_INDEX_PROGRAMS = (264, 528, 1056, 2048)
 # dsa.DECODE_* defaults, session 7's grid, benchmarks/gpu-2026-12-01-dsa-s7); the acceptance mode uses them
 # instead of re-sweeping.
 RUN2_INDEX_TILES = {
-    "decode_index": dict(key_block=dsa.DECODE_KEY_BLOCK, num_stages=dsa.DECODE_STAGES, num_warps=4,
-                         programs=dsa.DECODE_PROGRAMS),
+    # no ``programs``: index_scores' decode default (DECODE_PROGRAMS, at most DECODE_PROGRAMS_PER_ROW a row); passing
+    # DECODE_PROGRAMS gave batch 1 2048 one-tile programs instead of the default 512 (until session 14)
+    "decode_index": dict(key_block=dsa.DECODE_KEY_BLOCK, num_stages=dsa.DECODE_STAGES, num_warps=4),
     "prefill_index": dict(rows_per_tile=4, num_stages=3, num_warps=4),
 }
 
