@@ -1,6 +1,7 @@
 """The batch-1 decode step (issue 16) under module switches, in turns: each variant sets module attributes (the
 Gluon sparse MLA's programmatic dependent launch, its partials in bf16, the grid select's warps, ...) and the step
-runs in the acceptance's form (one CUDA graph of 8 layers over their own 128K caches, us a layer). Before timing,
+runs in the acceptance's form (one CUDA graph of 8 layers over their own 128K caches, us a layer; replays STEADY
+back to back a sample). Before timing,
 each variant's output on layer 0 is compared with the default's (bit-equal, or the largest difference in bf16 ulps
 of the output) and with the float64 twin (``sparse_mla_torch`` on the same positions: relative error). Then the
 parts of the default and of the last variant (scores + select; sparse MLA with and without its combine).
@@ -17,23 +18,22 @@ from pathlib import Path
 
 import torch
 
-from adapt.bench.timer import time_graph_ms
-from adapt.kernels import dsa, sparse_mla, sparse_mla_gluon
+from adapt.bench.timer import time_cuda
+from adapt.kernels import dsa, sparse_mla
 from adapt.stages.bench_dsa import GRAPH_LAYERS, _queries, _random_cache
 
 CONTEXT, TOPK = 131072, 2048
+STEADY = 10  # graph replays back to back a sample (``time_cuda``'s batch; session 14 on: the host's latency hidden)
 # name -> {(module, attribute): value}
 VARIANTS = {
     "default": {},
-    "mla pdl": {(sparse_mla_gluon, "GLUON_PDL"): True},
-    "partials bf16": {(sparse_mla, "PARTIAL_BF16"): True},
-    "mla pdl + partials bf16": {(sparse_mla_gluon, "GLUON_PDL"): True, (sparse_mla, "PARTIAL_BF16"): True},
+    # session 14, call 2 (H200, commit cc5df85, 5 rounds, graph of 8 synced a replay): default 39.70, GLUON_PDL
+    # 41.25, PARTIAL_BF16 43.05, both 47.13, cand_once 39.50, 16 select warps 44.20, PDL + cand once 41.62
     "select cand once": {(dsa, "FEW_ROWS_GRID_OPTIONS"): {"num_warps": 8, "cand_once": True}},
-    "select 16 warps": {(dsa, "FEW_ROWS_GRID_OPTIONS"): {"num_warps": 16}},
-    "pdl + cand once": {(sparse_mla_gluon, "GLUON_PDL"): True,
-                        (dsa, "FEW_ROWS_GRID_OPTIONS"): {"num_warps": 8, "cand_once": True}},
-    "pdl + cand once + bf16": {(sparse_mla_gluon, "GLUON_PDL"): True, (sparse_mla, "PARTIAL_BF16"): True,
-                               (dsa, "FEW_ROWS_GRID_OPTIONS"): {"num_warps": 8, "cand_once": True}},
+    "select 2 an SM": {(dsa, "FEW_ROWS_GRID_OPTIONS"): {"num_warps": 8, "per_sm": 2}},
+    "select 2 an SM, 4 warps": {(dsa, "FEW_ROWS_GRID_OPTIONS"): {"num_warps": 4, "per_sm": 2}},
+    "select 2 an SM + cand once": {(dsa, "FEW_ROWS_GRID_OPTIONS"): {"num_warps": 8, "per_sm": 2,
+                                                                    "cand_once": True}},
 }
 
 
@@ -105,7 +105,7 @@ def main(out_dir: Path, rounds: int) -> None:
     for rnd in range(rounds):
         for name in names:
             apply(name)
-            us = time_graph_ms(graph(), 100) * 1e3 / GRAPH_LAYERS
+            us = time_cuda(graph(), 30, warmup=1, batch=STEADY).median_us / GRAPH_LAYERS
             rows.append({"round": rnd, "variant": name, "us_per_layer": us})
             print(json.dumps(rows[-1]), flush=True)
     real_combine = sparse_mla._combine
@@ -122,7 +122,7 @@ def main(out_dir: Path, rounds: int) -> None:
                             sparse_mla.sparse_mla(q_nope, q_rope, layer.latent_nope, layer.latent_scale,
                                                   layer.latent_rope, block_table, token_seq, idx0, 0.1)
                         sparse_mla._combine = real_combine
-                us = time_graph_ms(fn, 100) * 1e3 / GRAPH_LAYERS
+                us = time_cuda(fn, 30, warmup=1, batch=STEADY).median_us / GRAPH_LAYERS
                 rows.append({"round": rnd, "variant": f"{name}: {parts}", "us_per_layer": us})
                 print(json.dumps(rows[-1]), flush=True)
     apply("default")

@@ -155,6 +155,10 @@ def test_grid_select_writes_into_a_strided_chunk_and_falls_back_when_rows_are_to
         topk_grid(wide[:, :40], limits, 20, parts=2, work=torch.zeros(3, 10, dtype=torch.int32))
     with pytest.raises(ValueError, match="packed needs cap < 65536"):
         topk_grid(wide[:, :40], limits, 20, parts=2, cap=1 << 16, packed=True)
+    with pytest.raises(ValueError, match="per_sm \\* num_warps must stay within 16"):
+        topk_grid(wide[:, :40], limits, 20, parts=2, num_warps=8, per_sm=4)
+    with pytest.raises(ValueError, match="per_sm must be 1..4"):
+        grid_parts(1, 40, torch.device("cpu"), per_sm=5)
 
 
 @pytest.mark.gpu
@@ -174,6 +178,9 @@ def test_grid_select_deepseek_v32_decode_shape_on_gpu():
             for packed, once in ((False, False), (True, False), (False, True)):
                 got = topk_grid(s[:rows], limits[:rows], 2048, parts=parts, cap=cap, packed=packed, cand_once=once)
                 assert torch.equal(got, want)
+        for warps, per_sm in ((8, 2), (4, 4)):  # two or four programs an SM, all resident
+            got = topk_grid(s[:rows], limits[:rows], 2048, num_warps=warps, per_sm=per_sm)
+            assert torch.equal(got, want)
         graph = torch.cuda.CUDAGraph()  # replays reuse the zeroed workspace each time
         out = torch.empty(rows, 2048, dtype=torch.int32, device="cuda")
         topk_grid(s[:rows], limits[:rows], 2048, out=out)
