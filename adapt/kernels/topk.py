@@ -286,9 +286,6 @@ def topk_indices_torch(scores: torch.Tensor, limits: torch.Tensor, topk: int, *,
 GRID_CAP = 4096
 GRID_MAX_SLICE = 8192  # keys a program holds at most (registers); wider rows go to ``topk_indices``
 GRID_MAX_PARTS = 256
-# programs of the grid select an SM may hold (all resident at once: at 8 warps and 64 registers a thread, two fit
-# an SM's 64K registers; at 4 warps, four)
-GRID_MAX_PER_SM = 4
 _GRID_FIXED = 256 + 256 + 2 * 256 + 32  # zeroed: coarse + fine histograms, the low passes' two, the barrier
 
 
@@ -432,8 +429,11 @@ def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256, PAC
 
 
 # ``topk_grid``'s candidate list (the keys of the threshold's 16-bit bin: a few tens at batch 1 x 128K) loaded once
-# for its three sweeps instead of once a sweep (two fewer L2 round trips on the select's chain)
-GRID_CAND_ONCE = False
+# for its three sweeps instead of once a sweep (two fewer L2 round trips on the select's chain). H200, 2026-12-02
+# (benchmarks/gpu-2026-12-02-dsa-s14, calls 2 and 5, five rounds in turn, batch-1 step in a graph of 8 layers):
+# 39.47-39.52 against 38.28-39.79 us a layer (synced replays), 39.20-39.26 against 39.38-39.39 (back to back, rounds
+# 2-5); the same positions.
+GRID_CAND_ONCE = True
 GRID_PHASES = 7  # the steps of ``_grid_select_kernel`` launched one by one under the interpreter
 
 
@@ -552,18 +552,17 @@ def _zero_prefix_kernel(ptr, row_stride, width, BLOCK: tl.constexpr, PDL: tl.con
     tl.store(ptr + tl.program_id(0).to(tl.int64) * row_stride + cols, tl.zeros([BLOCK], tl.int32), mask=cols < width)
 
 
-def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None = None,
-               per_sm: int = 1) -> tuple[int, int] | None:
+def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None = None) -> tuple[int, int] | None:
     """(programs per row, keys per program) for ``topk_grid``, or None where it does not apply: every program of
-    every row must be resident at once, so rows x programs stays within ``per_sm`` programs an SM (CUDA; the
-    interpreter runs the steps as separate launches and takes 16, or ``parts``), a power of two of programs per row
-    up to GRID_MAX_PARTS, and at most GRID_MAX_SLICE keys a program."""
+    every row must be resident at once, so rows x programs stays within the SM count (CUDA; the interpreter runs
+    the steps as separate launches and takes 16, or ``parts``), a power of two of programs per row up to
+    GRID_MAX_PARTS, and at most GRID_MAX_SLICE keys a program. (Two programs an SM, 256 of 512 keys at batch 1,
+    were slower: H200, 2026-12-02, benchmarks/gpu-2026-12-02-dsa-s14 call 5, batch-1 step 46.4 us a layer at 8 warps
+    and 42.9 at 4 against 39.4.)"""
     if n_rows == 0 or n_cols == 0:
         return None
-    if not 1 <= per_sm <= GRID_MAX_PER_SM:
-        raise ValueError(f"topk_grid: per_sm must be 1..{GRID_MAX_PER_SM} programs an SM, not {per_sm}")
     if device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).multi_processor_count * per_sm // n_rows
+        budget = torch.cuda.get_device_properties(device).multi_processor_count // n_rows
         if parts is not None:
             budget = min(budget, parts)
     else:
@@ -585,8 +584,7 @@ def grid_low_pass_rows(work: torch.Tensor) -> torch.Tensor:
 
 def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: torch.Tensor | None = None,
               parts: int | None = None, cap: int = GRID_CAP, num_warps: int = 4,
-              work: torch.Tensor | None = None, packed: bool = False, cand_once: bool | None = None,
-              per_sm: int = 1) -> torch.Tensor:
+              work: torch.Tensor | None = None, packed: bool = False, cand_once: bool | None = None) -> torch.Tensor:
     """``topk_indices``' result (the same positions, ascending, -1 after them) from one kernel launch plus a
     zeroing one, for a few rows: ``grid_parts`` programs a row meet at three grid barriers (three more for a row
     whose threshold bin holds more than ``cap`` keys; see the comment above GRID_CAP). Rows too wide
@@ -595,15 +593,11 @@ def topk_grid(scores: torch.Tensor, limits: torch.Tensor, topk: int, *, out: tor
     workspace (default: a new one). ``packed``: the picks, counts and prefix sums with fewer CTA-wide reductions
     (counts packed in 64-bit words; the same positions; H200: no faster, off by default). ``cand_once``: the
     candidate list's first 256 entries loaded once for the three sweeps over it (None: GRID_CAND_ONCE; the same
-    positions). ``per_sm``: programs an SM the row's programs may take (1 to GRID_MAX_PER_SM; above 1 only where
-    that many programs of ``num_warps`` warps fit an SM at once: ``grid_parts``). No host sync (capturable)."""
+    positions). No host sync (capturable)."""
     n_rows, n_cols = scores.shape
     if scores.dtype != torch.float32 or (n_cols > 1 and scores.stride(1) != 1):
         raise ValueError("topk_grid needs fp32 scores with unit column stride")
-    if per_sm > 1 and num_warps * per_sm > 16:
-        raise ValueError(f"topk_grid: {per_sm} programs of {num_warps} warps an SM need more than its registers at "
-                         "64 a thread; per_sm * num_warps must stay within 16")
-    shape = grid_parts(n_rows, n_cols, scores.device, parts, per_sm)
+    shape = grid_parts(n_rows, n_cols, scores.device, parts)
     if shape is None or topk == 0:
         return topk_indices(scores, limits, topk, out=out)
     parts, size = shape
