@@ -8,8 +8,10 @@ runs (outside the timed interval), so each run reads its operands from HBM, as a
 model whose weights exceed L2. Times are medians, in microseconds.
 
 ``WARM_MS`` (environment ``ADAPT_TIMER_WARM_MS``, default 0): before the timed replays, replay back to back for
-about that many milliseconds of device time, so that a graph of a few microseconds, timed one replay at a time with
-a sync after each, does not start at a clock the device lowered during the host work before it.
+about that many milliseconds of device time (a device that lowered its clock during host work is back up before the
+timing). It did not change the batch-1 DSA figures on the H100 (2026-12-02, benchmarks/gpu-2026-12-02-dsa-s14, call
+3: the SM clock read 1980 MHz throughout); what moved them was the host's launch latency in every synced replay,
+which ``batch`` takes out.
 """
 
 from __future__ import annotations

@@ -725,7 +725,9 @@ GLUON_DEFAULT = True
 # dependent round trips). Sparse MLA alone 15.8 against 18.4 us.
 GLUON_SLICED = True
 # The Gluon kernel's slice partials in bf16 instead of fp32 (half the bytes written and read back by the combine: 4
-# instead of 8 MB at batch 1 x 128 heads x 32 slices); one more rounding of each partial before the merge.
+# instead of 8 MB at batch 1 x 128 heads x 32 slices); one more rounding of each partial before the merge. Slower,
+# so off: H200, 2026-12-02 (benchmarks/gpu-2026-12-02-dsa-s14, call 2), the batch-1 step in a graph of 8 layers
+# 43.01-43.39 us a layer against 38.28-39.79 (the kernel's 4-byte stores and the combine's bf16 loads both slower).
 PARTIAL_BF16 = False
 
 

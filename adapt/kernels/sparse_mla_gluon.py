@@ -620,7 +620,9 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # batch 64 x 128K 141.8 / 142.3 us against 136.1 / 133.9, 4096 prefill rows 8.18 / 8.19 ms against 7.73 / 7.74.
 GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0}
 # Programmatic dependent launch for ``sparse_mla_gluon_kernel`` where ``pdl.active`` (the decode chain's other kernels
-# take it there since session 10): the kernel launches while the select ends and waits for it in hardware.
+# take it there since session 10): the kernel launches while the select ends and waits for it in hardware. Bit-equal
+# and slower, so off: H200, 2026-12-02 (benchmarks/gpu-2026-12-02-dsa-s14, call 2, five rounds in turn), the batch-1
+# step in a graph of 8 layers 40.92-41.65 us a layer against 38.28-39.79 without.
 GLUON_PDL = False
 # WS: ``sparse_mla_gluon_ws_kernel`` instead (a producer partition of PWARPS warps with PREGS registers a thread
 # gathers and dequantises; MAXNREG caps the launch so that 8 + PWARPS warps fit one SM's 64K registers: the

@@ -430,7 +430,7 @@ def _grid_candidates_before(cand, n_cand, part, t, STEP: tl.constexpr = 256, PAC
 
 # ``topk_grid``'s candidate list (the keys of the threshold's 16-bit bin: a few tens at batch 1 x 128K) loaded once
 # for its three sweeps instead of once a sweep (two fewer L2 round trips on the select's chain). H200, 2026-12-02
-# (benchmarks/gpu-2026-12-02-dsa-s14, calls 2 and 5, five rounds in turn, batch-1 step in a graph of 8 layers):
+# (benchmarks/gpu-2026-12-02-dsa-s14, calls 2 and 6, five rounds in turn, batch-1 step in a graph of 8 layers):
 # 39.47-39.52 against 38.28-39.79 us a layer (synced replays), 39.20-39.26 against 39.38-39.39 (back to back, rounds
 # 2-5); the same positions.
 GRID_CAND_ONCE = True
@@ -557,7 +557,7 @@ def grid_parts(n_rows: int, n_cols: int, device: torch.device, parts: int | None
     every row must be resident at once, so rows x programs stays within the SM count (CUDA; the interpreter runs
     the steps as separate launches and takes 16, or ``parts``), a power of two of programs per row up to
     GRID_MAX_PARTS, and at most GRID_MAX_SLICE keys a program. (Two programs an SM, 256 of 512 keys at batch 1,
-    were slower: H200, 2026-12-02, benchmarks/gpu-2026-12-02-dsa-s14 call 5, batch-1 step 46.4 us a layer at 8 warps
+    were slower: H200, 2026-12-02, benchmarks/gpu-2026-12-02-dsa-s14 call 6, batch-1 step 46.4 us a layer at 8 warps
     and 42.9 at 4 against 39.4.)"""
     if n_rows == 0 or n_cols == 0:
         return None

@@ -28,7 +28,7 @@ STEADY = 10  # graph replays back to back a sample (``time_cuda``'s batch; sessi
 VARIANTS = {
     "default": {},
     # session 14, call 2 (H200, commit cc5df85, 5 rounds, graph of 8 synced a replay): default 39.70, GLUON_PDL
-    # 41.25, PARTIAL_BF16 43.05, both 47.13, cand_once 39.50, 16 select warps 44.20, PDL + cand once 41.62; call 5
+    # 41.25, PARTIAL_BF16 43.05, both 47.13, cand_once 39.50, 16 select warps 44.20, PDL + cand once 41.62; call 6
     # (b7fcd5c, back to back): default 39.38, cand_once 39.21 (the default since), two select programs an SM (256 of
     # 512 keys) 46.43 at 8 warps and 42.87 at 4 (removed)
     "select cand once off": {(dsa, "FEW_ROWS_GRID_OPTIONS"): {"num_warps": 8, "cand_once": False}},
