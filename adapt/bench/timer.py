@@ -41,18 +41,23 @@ WARM_MS = float(os.environ.get("ADAPT_TIMER_WARM_MS", "0"))
 WARM_MAX_RUNS = 8192
 
 
+def _back_to_back_ms(run: Callable[[], object], n: int) -> float:
+    """Milliseconds between one pair of events around ``n`` runs enqueued back to back (a sync at the end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def _warm(run: Callable[[], object], warm_ms: float) -> int:
     """``run`` back to back in doubling batches until about ``warm_ms`` of device time (at most WARM_MAX_RUNS
     runs); returns the runs made."""
     done_ms, runs, batch = 0.0, 0, 1
     while done_ms < warm_ms and runs < WARM_MAX_RUNS:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(batch):
-            run()
-        end.record()
-        end.synchronize()
-        done_ms += start.elapsed_time(end)
+        done_ms += _back_to_back_ms(run, batch)
         runs += batch
         batch = min(2 * batch, WARM_MAX_RUNS - runs) or 1
     return runs
@@ -76,16 +81,7 @@ def _batched_times_us(run: Callable[[], object], reps: int, batch: int) -> list[
     """``reps`` samples, each the mean of ``batch`` runs enqueued back to back between one pair of events: the
     device time of a run in steady state, the host's launch latency hidden behind the runs before it (as a
     serving engine replays its decode graph with the host ahead of the device)."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(batch):
-            run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / batch)
-    return times
+    return [_back_to_back_ms(run, batch) * 1e3 / batch for _ in range(reps)]
 
 
 def time_cuda(fn: Callable[[], object], reps: int = 20, *, warmup: int = 2, graph: bool = True,

@@ -220,12 +220,10 @@ def test_time_in_turns_times_every_variant_once_a_round():
     assert got == {"a": [1.0, 3.0, 5.0], "b": [2.0, 4.0, 6.0]}
 
 
-def test_timer_warm_up_runs_back_to_back_until_its_device_time(monkeypatch):
-    """``timer._warm``: doubling batches of back-to-back runs until about ``warm_ms`` of event time, at most
-    WARM_MAX_RUNS runs, none for 0 ms (events stubbed: each run takes 0.5 ms)."""
+def _fake_events(monkeypatch, calls, run_ms):
+    """``torch.cuda.Event`` stubbed in ``adapt.bench.timer``: an event records how many runs ``calls`` holds, and
+    the time between two events is the sum of ``run_ms(i)`` over the runs i (1-based) between them."""
     from adapt.bench import timer
-
-    calls = []
 
     class FakeEvent:
         def __init__(self, enable_timing=False):
@@ -238,9 +236,17 @@ def test_timer_warm_up_runs_back_to_back_until_its_device_time(monkeypatch):
             pass
 
         def elapsed_time(self, end):
-            return 0.5 * (end.at - self.at)
+            return float(sum(run_ms(i) for i in range(self.at + 1, end.at + 1)))
 
     monkeypatch.setattr(timer.torch.cuda, "Event", FakeEvent)
+    return timer
+
+
+def test_timer_warm_up_runs_back_to_back_until_its_device_time(monkeypatch):
+    """``timer._warm``: doubling batches of back-to-back runs until about ``warm_ms`` of event time, at most
+    WARM_MAX_RUNS runs, none for 0 ms (events stubbed: each run takes 0.5 ms)."""
+    calls = []
+    timer = _fake_events(monkeypatch, calls, lambda i: 0.5)
     assert timer._warm(lambda: calls.append(1), 0.0) == 0 and not calls
     assert timer._warm(lambda: calls.append(1), 10.0) == 31  # 1 + 2 + 4 + 8 = 15 runs (7.5 ms), then 16 more
     assert len(calls) == 31
@@ -254,24 +260,8 @@ def test_timer_batched_samples_average_back_to_back_runs(monkeypatch):
     an L2 flush between runs."""
     import pytest
 
-    from adapt.bench import timer
-
     calls = []
-
-    class FakeEvent:
-        def __init__(self, enable_timing=False):
-            self.at = 0
-
-        def record(self):
-            self.at = len(calls)
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return float(sum(range(self.at + 1, end.at + 1)))
-
-    monkeypatch.setattr(timer.torch.cuda, "Event", FakeEvent)
+    timer = _fake_events(monkeypatch, calls, lambda i: i)
     got = timer._batched_times_us(lambda: calls.append(1), 3, 4)
     assert got == [1e3 * (1 + 2 + 3 + 4) / 4, 1e3 * (5 + 6 + 7 + 8) / 4, 1e3 * (9 + 10 + 11 + 12) / 4]
     with pytest.raises(ValueError, match="cannot flush L2"):
