@@ -125,11 +125,16 @@ def _convert_experts_words_kernel(
     slot_base,
     n_rows,
     k_scales,
+    n_items,
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
     MIN_SHIFT: tl.constexpr,
+    PERSIST: tl.constexpr = False,
 ):
     """The conversion hot path, 8 codes per 32-bit lane; program (i, rb) as ``_convert_experts_kernel``.
+    PERSIST: a grid of fewer programs, each taking work items w = i * row_blocks + rb in turn (w from
+    ``program_id(0)`` up to ``n_items`` by the grid size), so the conversion can run beside the GEMMs
+    with a few programs an SM (``FP8Workspace(schedule="cohabit")``).
 
     words int32 [E, N, K/8] (the packed bytes as words; one 32-block = 4 words = one 16-byte load),
     packed uint8 [E, N, K/2] (same memory), scales uint8 [E, N, K/32] -> out64 int64 [slots, N, K/8]
@@ -141,12 +146,28 @@ def _convert_experts_words_kernel(
     of 16 (gpt-oss: K = 2880, 90 blocks; passed as integers, K/8 = 360 lost them: 4-byte word loads,
     8-byte stores, sm_90 PTX).
     """
+    if PERSIST:
+        row_blocks = tl.cdiv(n_rows, BLOCK_R)
+        for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            _convert_word_rows(words_ptr, packed_ptr, scales_ptr, out64_ptr, out_ptr, exp_ptr, offsets_ptr, e_lo,
+                               slot_base, n_rows, k_scales, w // row_blocks, w % row_blocks, BLOCK_R, BLOCK_B,
+                               MIN_SHIFT)
+    else:
+        _convert_word_rows(words_ptr, packed_ptr, scales_ptr, out64_ptr, out_ptr, exp_ptr, offsets_ptr, e_lo,
+                           slot_base, n_rows, k_scales, tl.program_id(0), tl.program_id(1), BLOCK_R, BLOCK_B,
+                           MIN_SHIFT)
+
+
+@triton.jit
+def _convert_word_rows(words_ptr, packed_ptr, scales_ptr, out64_ptr, out_ptr, exp_ptr, offsets_ptr, e_lo, slot_base,
+                       n_rows, k_scales, i, rb, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+                       MIN_SHIFT: tl.constexpr):
+    """Rows [rb * BLOCK_R, (rb + 1) * BLOCK_R) of the chunk's expert i (``_convert_experts_words_kernel``)."""
     k = k_scales * 32
     k_words = k_scales * 4
-    i = tl.program_id(0)
     e = e_lo + i
     if tl.load(offsets_ptr + e + 1) > tl.load(offsets_ptr + e):
-        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         rm = r < n_rows
         src = e.to(tl.int64) * n_rows + r
         dst = (slot_base + i).to(tl.int64) * n_rows + r
@@ -197,13 +218,16 @@ def convert_experts(
     slot_base: int,
     count_loss: bool = True,
     config: tuple[int, int, int] | None = None,
+    programs: int = 0,
+    maxnreg: int = 0,
 ) -> None:
     """Convert experts [lo, hi) that own tokens into slots slot_base + (e - lo) of ``out``/``exps``.
 
     packed uint8 [E, N, K/2], scales uint8 [E, N, K/32]; out e4m3 [slots, N, K], exps int32 [slots, N].
     count_loss: take the one-code-per-lane kernel that also adds the fold's lost elements to ``lost``
     (load time); otherwise the word kernel (8 codes per 32-bit lane, no counting: the hot path), whose
-    program is ``config`` = (rows, 32-blocks per step, warps), ``CONVERT_CONFIG`` when None.
+    program is ``config`` = (rows, 32-blocks per step, warps), ``CONVERT_CONFIG`` when None; programs > 0:
+    that many persistent programs take the (expert, row block) items in turn; maxnreg: a register cap.
     """
     lo, hi = experts
     n, k = packed.shape[1], packed.shape[2] * 2
@@ -230,7 +254,9 @@ def convert_experts(
         return
     br, bmax, warps = config or CONVERT_CONFIG
     bb = max(1, min(bmax, triton.next_power_of_2(k // 32)))  # 32-blocks per step (16: 512 elements)
-    _convert_experts_words_kernel[(hi - lo, triton.cdiv(n, br))](
+    n_items = (hi - lo) * triton.cdiv(n, br)
+    grid = (min(programs, n_items),) if programs > 0 else (hi - lo, triton.cdiv(n, br))
+    _convert_experts_words_kernel[grid](
         packed.view(torch.int32),
         packed,
         scales,
@@ -242,9 +268,12 @@ def convert_experts(
         slot_base,
         n,
         k // 32,
+        n_items,
         BLOCK_R=br,
         BLOCK_B=bb,
         MIN_SHIFT=FOLD_WORD_MIN_SHIFT,
+        PERSIST=programs > 0,
+        maxnreg=maxnreg or None,
         num_warps=warps,
     )
 
@@ -256,7 +285,7 @@ against 5,419 for the earlier default (4, 16, 2) and 5,066 for (2, 16, 1); gpt-o
 1,682. Before that (2026-11-30-s3-prefill, call 3) (4, 16, 2) replaced (8, 16, 4): 5,342 / 1,809 against 6,119 /
 1,921 us; (16, 16, 4) 6,295 / 2,185, 8 warps slower."""
 
-SCHEDULES = ("serial", "side", "split")
+SCHEDULES = ("serial", "side", "split", "cohabit")
 """How ``FP8Workspace.run_layer`` orders conversion and GEMMs (see ``FP8Workspace``)."""
 
 
@@ -290,6 +319,9 @@ class FP8Workspace:
         reserve_sms: int = 16,
         convert_config: tuple[int, int, int] | None = None,
         planar_config: tuple[int, int, int] | None = None,
+        gemm_maxnreg: int = 192,
+        convert_programs_per_sm: int = 2,
+        convert_maxnreg: int = 0,
     ):
         if chunk_experts < 1:
             raise InputError(f"chunk_experts must be >= 1, got {chunk_experts}", field="chunk_experts")
@@ -299,6 +331,9 @@ class FP8Workspace:
             )
         self.schedule = schedule
         self.reserve_sms = reserve_sms
+        self.gemm_maxnreg = gemm_maxnreg
+        self.convert_programs_per_sm = convert_programs_per_sm
+        self.convert_maxnreg = convert_maxnreg
         self.convert_config = convert_config
         self.planar_config = planar_config
         self.chunk_experts = chunk_experts
@@ -345,6 +380,12 @@ class FP8Workspace:
 
     def _convert(self, weights, perm, chunk: tuple[int, int], buf: int) -> None:
         base = buf * self.chunk_experts
+        extra = {}
+        if self.schedule == "cohabit" and not isinstance(weights, PlanarExperts):
+            from adapt.kernels.moe_tiles import num_sms
+
+            extra = dict(programs=num_sms(self.w1.device) * self.convert_programs_per_sm,
+                         maxnreg=self.convert_maxnreg)
         if isinstance(weights, PlanarExperts):  # the layer's only MXFP4 copy is planar: convert from it
             for p, out, exps in ((weights.w1, self.w1, self.w1_exp), (weights.w2, self.w2, self.w2_exp)):
                 planar_to_fp8(p, out, exps, perm.expert_offsets, chunk, base, self.planar_config)
@@ -360,6 +401,7 @@ class FP8Workspace:
             base,
             self.count_loss,
             self.convert_config,
+            **extra,
         )
         convert_experts(
             weights.w2_packed,
@@ -372,6 +414,7 @@ class FP8Workspace:
             base,
             self.count_loss,
             self.convert_config,
+            **extra,
         )
 
     def run_layer(
@@ -393,6 +436,10 @@ class FP8Workspace:
             )
         if self.schedule == "side":
             configs = tuple(dataclasses.replace(c, programs_per_sm=0) for c in configs)
+        elif self.schedule == "cohabit":
+            configs = tuple(
+                dataclasses.replace(c, programs_per_sm=1, reserve_sms=0, maxnreg=self.gemm_maxnreg) for c in configs
+            )
         elif self.schedule == "split":
             configs = tuple(
                 dataclasses.replace(c, programs_per_sm=max(1, c.programs_per_sm), reserve_sms=self.reserve_sms)

@@ -267,10 +267,11 @@ def test_offline_and_workspace_paths():
     assert ws.record_fold_loss(w) == 0 and ws.lost.item() == 0
 
 
-@pytest.mark.parametrize("schedule", ["serial", "side", "split"])
+@pytest.mark.parametrize("schedule", ["serial", "side", "split", "cohabit"])
 def test_workspace_schedules_match_offline(schedule):
     """Every conversion / GEMM order gives the offline path's output bit for bit; split leaves SMs
-    free (on the interpreter's 2 SMs a reserve of 5 still runs one persistent program)."""
+    free (on the interpreter's 2 SMs a reserve of 5 still runs one persistent program); cohabit converts
+    with 4 persistent programs (2 an SM) taking 16 row blocks of each chunk's 2 experts in turn."""
     g = _gen(9)
     w = make_layer(5, 64, 32, bias=True, seed=9)
     x = torch.randn(7, 64, generator=g, device=DEV).bfloat16()
