@@ -163,7 +163,7 @@ def _decode_case(
 
     scores = dsa.index_scores(q8, weights, layer.index_k, layer.index_scale, block_table, token_seq, limits,
                               context, rows_per_tile=1, **tiles["decode_index"])
-    scores_ms = _time_graph_ms(
+    scores_ms = _time_steady_ms(
         lambda: dsa.index_scores(
             q8,
             weights,
@@ -179,17 +179,18 @@ def _decode_case(
         reps,
     )
     selected = torch.empty(batch, topk, dtype=torch.int32, device="cuda")
-    select_ms = _time_graph_ms(lambda: topk_indices(scores, limits, topk, out=selected), reps)
+    select_ms = _time_steady_ms(lambda: topk_indices(scores, limits, topk, out=selected), reps)
     select_by_bits = {bits: 1e3 * _time_graph_ms(lambda b=bits: topk_indices(scores, limits, topk, out=selected,
                                                                              digit_bits=b), reps)
                       for bits in (4, 8)}
-    torch_topk_ms = _time_graph_ms(lambda: torch.topk(scores, topk, dim=-1, sorted=False), reps)
+    torch_topk_ms = _time_steady_ms(lambda: torch.topk(scores, topk, dim=-1, sorted=False), reps)
     topk_sweep = []
     for opt in (TOPK_SWEEP if batch >= SWEEP_BATCH and sweep else ()):  # select tiles where torch.topk ran
         ms = _time_graph_ms(lambda o=opt: topk_indices(scores, limits, topk, out=selected, **o), reps)
         topk_sweep.append({**opt, "us": ms * 1e3})
     decode_select = _decode_select_rows(scores, limits, topk, selected, reps, sweep)
-    index_ms = _time_graph_ms(index, reps)
+    index_ms = _time_steady_ms(index, reps)
+    index_synced_ms = _time_graph_ms(index, reps)
     checks = {
         "topk_equals_twin": bool(torch.equal(topk_indices(scores, limits, topk), topk_indices_torch(scores, limits,
                                                                                                     topk))),
@@ -221,7 +222,8 @@ def _decode_case(
         *twin_args, qk_fp8=bool(mla_tiles.get("qk_fp8"))))
     if mla_tiles.get("qk_fp8"):  # what q.k in e4m3 moves the output from the bf16-q function (not a twin check)
         checks["sparse_mla_rel_err_vs_bf16_q_twin"] = _rel_err(got, sparse_mla.sparse_mla_torch(*twin_args))
-    attend_ms = _time_graph_ms(attend, reps)
+    attend_ms = _time_steady_ms(attend, reps)
+    attend_synced_ms = _time_graph_ms(attend, reps)
     step_ms = _time_steady_ms(lambda: (index(), attend()), reps)
     step_synced_ms = _time_graph_ms(lambda: (index(), attend()), reps)
 
@@ -256,6 +258,7 @@ def _decode_case(
         "context": context,
         "latent_format": latent_format,
         "index_topk_us": index_ms * 1e3,
+        "index_topk_us_synced": index_synced_ms * 1e3,
         "index_scores_us": scores_ms * 1e3,
         "topk_us": (index_ms - scores_ms) * 1e3,
         "topk_kernel_us": select_ms * 1e3,
@@ -270,6 +273,7 @@ def _decode_case(
         "step_us_decode_select": step_decode_ms * 1e3,
         "step_over_floor_decode_select": step_decode_ms * 1e3 / floor_us,
         "sparse_mla_us": attend_ms * 1e3,
+        "sparse_mla_us_synced": attend_synced_ms * 1e3,
         "sparse_mla_tiles": mla_tiles,
         "sparse_mla_splits_sweep": splits_sweep,
         "index_programs_sweep": programs_sweep,
@@ -279,8 +283,9 @@ def _decode_case(
         "step_us_synced": step_synced_ms * 1e3,
         "step_us_per_layer_in_graph_of_layers": layered,
         "step_us_per_layer_in_graph_of_layers_synced": layered_synced,
-        "step_timing": f"CUDA-graph replays, {STEADY_BATCH} back to back a sample (device time, the host ahead); "
-                       "_synced: one replay a sample with a sync after it (host launch latency included)",
+        "step_timing": f"CUDA-graph replays, {STEADY_BATCH} back to back a sample (device time, the host ahead): the "
+                       "step, index_topk, index_scores, the select kernels, torch.topk, sparse MLA and the dense "
+                       "baseline; _synced: one replay a sample with a sync after it (host launch latency included)",
         "graph_layers": GRAPH_LAYERS if layered is not None else None,
         "floor_bytes": floor_bytes,
         "floor_us": floor_us,
@@ -424,7 +429,7 @@ def _mla_tiles(tiles: dict, rows: int) -> dict:
 
 def _dense_decode(batch: int, context: int, reps: int, copy_tbps: float) -> dict:
     """Dense absorbed MLA decode as a serving engine without a fused kernel runs it, timed like the DSA
-    step (CUDA-graph replays): per sequence, 128 query heads x the whole dense latent cache
+    step (CUDA-graph replays back to back, ``_time_steady_ms``; the synced figure beside): per sequence, 128 query heads x the whole dense latent cache
     [S, 576] bf16: scores = q @ KV^T (bf16 matmul), fp32 softmax, o = P @ KV[:, :512].
 
     Byte floor: the latent cache read once, B * S * 1152 B (bf16) at the same-run copy rate; the fp8
@@ -445,7 +450,8 @@ def _dense_decode(batch: int, context: int, reps: int, copy_tbps: float) -> dict
         probs = torch.softmax(logits.float() * 0.1, dim=-1).to(torch.bfloat16)
         return torch.bmm(probs, kv[..., :RANK])
 
-    ms = _time_graph_ms(dense, reps)
+    ms = _time_steady_ms(dense, reps)
+    row.update(dense_us_synced=_time_graph_ms(dense, reps) * 1e3)
     row.update(dense_us=ms * 1e3, dense_TBps=kv_bytes / ms / 1e9, dense_over_floor=ms * 1e3 / row["dense_floor_us"])
     return row
 

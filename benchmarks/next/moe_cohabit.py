@@ -11,7 +11,11 @@ Rows, per shape, in one process (CUDA-graph medians, with the weighted combine):
 - the conversion alone with the persistent programs (its rate with a few programs an SM).
 Each workspace row is compared bit for bit with offline.
 
-Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_cohabit.py OUT_DIR [shapes] [reps]
+- ``pair_*``: the diagnostic, every GEMM of the layer (offline weights, capped, one program an SM) and the whole
+  layer's persistent conversion on two streams with no dependency; about the longer of ``gemms_*`` and
+  ``convert_*`` if the two share SMs, their sum if not.
+
+Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_cohabit.py OUT_DIR [shapes] [reps] [only: name prefixes]
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def _convert_persistent(routed, ws, perm, config, programs):
     return ws.w1[0, 0].float()
 
 
-def run_shape(name: str, reps: int, log) -> list[dict]:
+def run_shape(name: str, reps: int, log, only: str = "") -> list[dict]:
     shape = SHAPES[name]
     torch.manual_seed(0)
     routed, _ = _random_layer(shape, "cuda")
@@ -83,16 +87,39 @@ def run_shape(name: str, reps: int, log) -> list[dict]:
     for conv, pps in (((4, 32, 2), 0), ((4, 32, 2), 2), ((4, 32, 2), 3), ((8, 16, 4), 1), ((8, 32, 4), 1)):
         variants[f"convert_a{conv[0]}b{conv[1]}w{conv[2]}_p{pps}"] = partial(
             _convert_persistent, routed, conv_ws, perm, conv, pps * sms)
+    # the diagnostic: all GEMMs (offline weights, capped) and the whole layer's conversion on two streams with no
+    # dependency between them; if the two share SMs the pair takes about the longer of the two, else their sum
+    side = torch.cuda.Stream()
+
+    def pair(cap, conv, pps):
+        cfg = (replace(c1, programs_per_sm=1, maxnreg=cap), replace(c2, programs_per_sm=1, maxnreg=cap))
+
+        def fn():
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                _convert_persistent(routed, conv_ws, perm, conv, pps * sms)
+            y = mlp(fp8_weights=off, config=cfg)
+            cur.wait_stream(side)
+            return y
+        return fn
+
+    for cap, conv, pps in ((192, (4, 32, 2), 3), (192, (4, 32, 2), 2), (0, (4, 32, 2), 3)):
+        variants[f"pair_r{cap}_a{conv[0]}b{conv[1]}w{conv[2]}_p{pps}"] = pair(cap, conv, pps)
+        cfg = (replace(c1, programs_per_sm=1, maxnreg=cap), replace(c2, programs_per_sm=1, maxnreg=cap))
+        variants[f"gemms_r{cap}"] = partial(mlp, fp8_weights=off, config=cfg)
     rows, ref, base_us = [], None, None
     flops = 6 * T * k * h * inter
     for vname, fn in variants.items():
+        if only and vname != "fp8_offline_combine" and not vname.startswith(tuple(only.split(","))):
+            continue
         try:
             y = fn()
             torch.cuda.synchronize()
             same = None
             if vname == "fp8_offline_combine":
                 ref = y
-            elif not vname.startswith("convert"):
+            elif not vname.startswith(("convert", "pair", "gemms")):
                 same = bool(torch.equal(y, ref))
             us = time_cuda(fn, reps=reps).median_us
         except Exception as exc:  # a variant that fails to compile or run is recorded, the rest go on
@@ -102,7 +129,7 @@ def run_shape(name: str, reps: int, log) -> list[dict]:
         if vname == "fp8_offline_combine":
             base_us = us
         row = dict(shape=name, tokens=T, variant=vname, time_us=round(us, 1), equal_to_offline=same)
-        if not vname.startswith("convert"):
+        if not vname.startswith(("convert", "pair", "gemms")):
             row["tflops"] = round(flops / us / 1e6, 1)
             row["x_offline"] = round(us / base_us, 4)
         rows.append(row)
@@ -110,7 +137,7 @@ def run_shape(name: str, reps: int, log) -> list[dict]:
     return rows
 
 
-def main(out: str, shapes: str = "deepseek-v3,gpt-oss-120b", reps: str = "10") -> None:
+def main(out: str, shapes: str = "deepseek-v3,gpt-oss-120b", reps: str = "10", only: str = "") -> None:
     os.makedirs(out, exist_ok=True)
     logf = open(os.path.join(out, "cohabit.log"), "a")
 
@@ -121,7 +148,7 @@ def main(out: str, shapes: str = "deepseek-v3,gpt-oss-120b", reps: str = "10") -
 
     rows = []
     for name in shapes.split(","):
-        rows += run_shape(name, int(reps), log)
+        rows += run_shape(name, int(reps), log, only)
     result = dict(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
                   commit=os.environ.get("ADAPT_COMMIT", "unknown"), torch=torch.__version__, rows=rows)
     with open(os.path.join(out, "cohabit.json"), "w") as f:
