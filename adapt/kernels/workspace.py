@@ -351,7 +351,7 @@ class FP8Workspace:
         self._side = torch.cuda.Stream(dev) if cuda and schedule != "serial" else None
         # split: the GEMMs on a high-priority stream, so their persistent programs are placed before the
         # conversion's blocks (torch instantiates graphs with per-node priorities)
-        self._gemm = torch.cuda.Stream(dev, priority=-1) if cuda and schedule == "split" else None
+        self._gemm = torch.cuda.Stream(dev, priority=-1) if cuda and schedule in ("split", "cohabit") else None
 
     @property
     def nbytes(self) -> int:
