@@ -1,0 +1,132 @@
+"""Issue 15: do the offline GEMMs (one program an SM, register-capped) share SMs with small blocks of another kernel?
+
+Session 15's calls 2-3 timed the layer's GEMMs and the persistent conversion on two streams with no dependency and
+got their sum (about 23 ms against 13 + 11.4), whatever the register cap or the stream priority. This probe replaces
+the conversion with a kernel that only waits (each block spins on %globaltimer for SPIN_MS): if its blocks sit beside
+the GEMM programs the pair takes about the GEMMs' time, else GEMMs + SPIN_MS. Then the same with the spin kernel's
+and the conversion's preferred shared-memory carveout set to the maximum (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_
+CARVEOUT = 100), in case an SM set up for a small-shared-memory kernel cannot take a 144 KB GEMM program.
+
+Usage (GPU): PYTHONPATH=. python benchmarks/next/cohab_spin.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from dataclasses import replace
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+
+from adapt.bench.timer import time_cuda
+from adapt.kernels.moe_configs import pick_configs
+from adapt.kernels.moe_gemm import expert_mlp
+from adapt.kernels.moe_weights import FP8Weights
+from adapt.kernels.workspace import FP8Workspace, convert_experts
+from adapt.stages.bench_moe import SHAPES, _point, _random_layer
+
+SPIN_MS = 4.0
+T = 16384
+
+
+@triton.jit
+def _spin_kernel(out_ptr, ns):
+    pid = tl.program_id(0)
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False, pack=1)
+    t = t0
+    while t - t0 < ns:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    tl.store(out_ptr + pid, t - t0)
+
+
+def _carveout(compiled, percent: int) -> int:
+    """cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT) on a Triton CompiledKernel; returns the CUresult."""
+    compiled._init_handles()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    return cuda.cuFuncSetAttribute(ctypes.c_void_p(compiled.function), 9, ctypes.c_int(percent))
+
+
+def main(out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    shape = SHAPES["deepseek-v3"]
+    torch.manual_seed(0)
+    routed, _ = _random_layer(shape, "cuda")
+    e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
+    x, perm, _, topw = _point(T, e, k, h, "cuda")
+    off = FP8Weights.from_mxfp4(routed, validate=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    c1, c2 = pick_configs(T * k, e, "fp8_stored")
+    cfg = (replace(c1, programs_per_sm=1, maxnreg=192), replace(c2, programs_per_sm=1, maxnreg=192))
+    gemms = partial(expert_mlp, x, perm, routed, top_k=k, activation=shape["activation"], fp8_weights=off, config=cfg)
+    spin_out = torch.zeros(sms * 8, dtype=torch.int64, device="cuda")
+    ns = int(SPIN_MS * 1e6)
+    state = {}
+
+    def spin(per_sm: int):
+        state["spin"] = _spin_kernel[(sms * per_sm,)](spin_out, ns, num_warps=2)
+
+    ws = FP8Workspace(32, h, inter, "cuda")
+
+    def convert():
+        for lo in range(0, e, 32):
+            for packed, scales, o, exps in ((routed.w1_packed, routed.w1_scales, ws.w1, ws.w1_exp),
+                                            (routed.w2_packed, routed.w2_scales, ws.w2, ws.w2_exp)):
+                convert_experts(packed, scales, o, exps, ws.lost, perm.expert_offsets, (lo, lo + 32), 0, False,
+                                (4, 32, 2), programs=3 * sms)
+
+    side, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+
+    def pair(other):
+        def fn():
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            high.wait_stream(cur)
+            with torch.cuda.stream(high):
+                y = gemms()
+            with torch.cuda.stream(side):
+                other()
+            cur.wait_stream(high)
+            cur.wait_stream(side)
+            return y
+        return fn
+
+    rows = []
+
+    def timed(name, fn):
+        fn()
+        torch.cuda.synchronize()
+        us = time_cuda(fn, reps=5).median_us
+        rows.append(dict(variant=name, time_us=round(us, 1)))
+        print(json.dumps(rows[-1]), flush=True)
+
+    timed("gemms_r192", gemms)
+    timed("spin_3", partial(spin, 3))
+    timed("convert_p3", convert)
+    timed("pair_spin_3", pair(partial(spin, 3)))
+    timed("pair_spin_1", pair(partial(spin, 1)))
+    timed("pair_convert_p3", pair(convert))
+    # the carveout at the maximum for the small kernels
+    spin(3)
+    torch.cuda.synchronize()
+    rc_spin = _carveout(state["spin"], 100)
+    from adapt.kernels import workspace as W
+    conv_kernels = list(W._convert_experts_words_kernel.device_caches[0][0].values())
+    rc_conv = [_carveout(ck, 100) for ck in conv_kernels]
+    rows.append(dict(carveout_rc_spin=rc_spin, carveout_rc_convert=rc_conv))
+    print(json.dumps(rows[-1]), flush=True)
+    timed("pair_spin_3_carveout100", pair(partial(spin, 3)))
+    timed("pair_convert_p3_carveout100", pair(convert))
+    timed("convert_p3_carveout100", convert)
+    with open(os.path.join(out, "cohab_spin.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("ADAPT_COMMIT", "unknown"),
+                       spin_ms=SPIN_MS, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
