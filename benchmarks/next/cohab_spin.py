@@ -7,6 +7,8 @@ the GEMM programs the pair takes about the GEMMs' time, else GEMMs + SPIN_MS. Th
 and the conversion's preferred shared-memory carveout set to the maximum (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_
 CARVEOUT = 100), in case an SM set up for a small-shared-memory kernel cannot take a 144 KB GEMM program.
 
+Last, a plain persistent copy (copy_*) of about the conversion's bytes as the co-resident job, with the carveout set.
+
 Usage (GPU): PYTHONPATH=. python benchmarks/next/cohab_spin.py OUT_DIR
 """
 
@@ -43,6 +45,15 @@ def _spin_kernel(out_ptr, ns):
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
                                       pack=1)
     tl.store(out_ptr + pid, t - t0)
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    """Persistent copy of n int32 (n a multiple of BLOCK * UNROLL): one load of UNROLL x BLOCK, then its store."""
+    step = BLOCK * UNROLL
+    for base in range(tl.program_id(0) * step, n, tl.num_programs(0) * step):
+        offs = base + tl.arange(0, UNROLL)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs))
 
 
 def _carveout(compiled, percent: int) -> int:
@@ -123,6 +134,23 @@ def main(out: str) -> None:
     timed("pair_spin_3_carveout100", pair(partial(spin, 3)))
     timed("pair_convert_p3_carveout100", pair(convert))
     timed("convert_p3_carveout100", convert)
+    # a plain streaming copy of about the conversion's bytes (8 GB read, 8 GB written) as the co-resident job: if the
+    # pair stays near the GEMMs' time, a conversion that keeps as many bytes in flight could hide beside them
+    n = 2 * 2**30
+    src = torch.empty(n, dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    for per_sm, warps, block, unroll in ((3, 2, 1024, 4), (1, 4, 2048, 4), (1, 2, 1024, 8)):
+        name = f"copy_p{per_sm}w{warps}b{block}u{unroll}"
+
+        def copy(p=per_sm, w=warps, b=block, u=unroll):
+            state["copy"] = _copy_kernel[(sms * p,)](src, dst, n, BLOCK=b, UNROLL=u, num_warps=w)
+
+        copy()
+        torch.cuda.synchronize()
+        rows.append(dict(variant=name + "_carveout_rc", rc=_carveout(state["copy"], 100)))
+        timed(name, copy)
+        timed("pair_" + name, pair(copy))
+    timed("copy_torch_full_grid", lambda: dst.copy_(src))
     with open(os.path.join(out, "cohab_spin.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("ADAPT_COMMIT", "unknown"),
                        spin_ms=SPIN_MS, rows=rows), f, indent=1)

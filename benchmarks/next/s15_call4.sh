@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 15, call 4: issue 15, whether small blocks of another kernel share SMs with the capped GEMMs (cohab_spin.py).
+# Session 15, call 4 (and 5, with the copy rows): issue 15, whether small blocks of another kernel share SMs with the capped GEMMs (cohab_spin.py).
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
