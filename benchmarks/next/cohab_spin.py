@@ -33,6 +33,10 @@ from adapt.kernels.workspace import FP8Workspace, convert_experts
 from adapt.stages.bench_moe import SHAPES, _point, _random_layer
 
 SPIN_MS = 4.0
+# co-resident copies: (programs an SM, warps, BLOCK, UNROLL, nanosleep after each step); the throttled ones spread
+# the copy's bytes over about the GEMMs' time, in case a co-resident job only hides while it leaves bandwidth free
+COPIES = ((3, 2, 1024, 4, 0), (3, 2, 1024, 4, 2000), (3, 2, 1024, 4, 4000), (3, 2, 1024, 4, 8000))
+PARTS = os.environ.get("COHAB_PARTS", "spin,convert,copy").split(",")  # COHAB_PARTS=copy: the copy rows only
 T = 16384
 
 
@@ -48,12 +52,16 @@ def _spin_kernel(out_ptr, ns):
 
 
 @triton.jit
-def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
-    """Persistent copy of n int32 (n a multiple of BLOCK * UNROLL): one load of UNROLL x BLOCK, then its store."""
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr, SLEEP_NS: tl.constexpr = 0):
+    """Persistent copy of n int32 (n a multiple of BLOCK * UNROLL): one load of UNROLL x BLOCK, then its store;
+    SLEEP_NS > 0: each thread sleeps that long (``nanosleep``) after each store, to throttle the copy's rate."""
     step = BLOCK * UNROLL
     for base in range(tl.program_id(0) * step, n, tl.num_programs(0) * step):
         offs = base + tl.arange(0, UNROLL)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs))
+        if SLEEP_NS > 0:
+            tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP_NS}; mov.u32 $0, 0;", "=r,r", [base], dtype=tl.int32,
+                                      is_pure=False, pack=1)
 
 
 def _carveout(compiled, percent: int) -> int:
@@ -117,6 +125,9 @@ def main(out: str) -> None:
         print(json.dumps(rows[-1]), flush=True)
 
     timed("gemms_r192", gemms)
+    if "spin" not in PARTS:
+        _copies(rows, timed, pair, state, sms)
+        return _write(out, rows)
     timed("spin_3", partial(spin, 3))
     timed("convert_p3", convert)
     timed("pair_spin_3", pair(partial(spin, 3)))
@@ -134,16 +145,21 @@ def main(out: str) -> None:
     timed("pair_spin_3_carveout100", pair(partial(spin, 3)))
     timed("pair_convert_p3_carveout100", pair(convert))
     timed("convert_p3_carveout100", convert)
+    _copies(rows, timed, pair, state, sms)
+    _write(out, rows)
+
+
+def _copies(rows, timed, pair, state, sms):
     # a plain streaming copy of 6.4 GB read and 6.4 GB written (the conversion: 17 GB) as the co-resident job: if the
     # pair stays near the GEMMs' time, a conversion that keeps as many bytes in flight could hide beside them
     n = 3 * 2**29  # int32 offsets: below 2**31
     src = torch.empty(n, dtype=torch.int32, device="cuda")
     dst = torch.empty_like(src)
-    for per_sm, warps, block, unroll in ((3, 2, 1024, 4), (1, 4, 2048, 4), (1, 2, 1024, 8)):
-        name = f"copy_p{per_sm}w{warps}b{block}u{unroll}"
+    for per_sm, warps, block, unroll, sleep in COPIES:
+        name = f"copy_p{per_sm}w{warps}b{block}u{unroll}" + (f"_sleep{sleep}" if sleep else "")
 
-        def copy(p=per_sm, w=warps, b=block, u=unroll):
-            state["copy"] = _copy_kernel[(sms * p,)](src, dst, n, BLOCK=b, UNROLL=u, num_warps=w)
+        def copy(p=per_sm, w=warps, b=block, u=unroll, z=sleep):
+            state["copy"] = _copy_kernel[(sms * p,)](src, dst, n, BLOCK=b, UNROLL=u, SLEEP_NS=z, num_warps=w)
 
         copy()
         torch.cuda.synchronize()
@@ -151,6 +167,9 @@ def main(out: str) -> None:
         timed(name, copy)
         timed("pair_" + name, pair(copy))
     timed("copy_torch_full_grid", lambda: dst.copy_(src))
+
+
+def _write(out, rows):
     with open(os.path.join(out, "cohab_spin.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("ADAPT_COMMIT", "unknown"),
                        spin_ms=SPIN_MS, rows=rows), f, indent=1)
