@@ -6,6 +6,6 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 R=$OUT/s15c5; mkdir -p $R
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv; echo "commit ${ADAPT_COMMIT:-unknown}"; } > $R/call.log 2>&1
 cat $R/call.log
-timeout ${MOE_S:-150} COHAB_PARTS=${COHAB_PARTS:-copy} python3 benchmarks/next/cohab_spin.py $R >> $R/call.log 2>&1
+timeout ${MOE_S:-150} env COHAB_PARTS=${COHAB_PARTS:-copy} python3 benchmarks/next/cohab_spin.py $R >> $R/call.log 2>&1
 echo "cohabit rc=$?" | tee -a $R/call.log
 date -u | tee -a $R/call.log
