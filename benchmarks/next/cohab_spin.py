@@ -35,7 +35,10 @@ from adapt.stages.bench_moe import SHAPES, _point, _random_layer
 SPIN_MS = 4.0
 # co-resident copies: (programs an SM, warps, BLOCK, UNROLL, nanosleep after each step); the throttled ones spread
 # the copy's bytes over about the GEMMs' time, in case a co-resident job only hides while it leaves bandwidth free
-COPIES = ((3, 2, 1024, 4, 0), (3, 2, 1024, 4, 2000), (3, 2, 1024, 4, 4000), (3, 2, 1024, 4, 8000))
+COPIES = ((3, 2, 1024, 4, 0, False), (3, 2, 1024, 4, 2000, False), (3, 2, 1024, 4, 4000, False),
+          (3, 2, 1024, 4, 8000, False))
+if os.environ.get("COHAB_STREAM"):  # session 15, call 6: the same copies with L2 streaming hints
+    COPIES = ((3, 2, 1024, 4, 0, True), (3, 2, 1024, 4, 4000, True), (3, 2, 1024, 4, 8000, True))
 PARTS = os.environ.get("COHAB_PARTS", "spin,convert,copy").split(",")  # COHAB_PARTS=copy: the copy rows only
 T = 16384
 
@@ -52,13 +55,19 @@ def _spin_kernel(out_ptr, ns):
 
 
 @triton.jit
-def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr, SLEEP_NS: tl.constexpr = 0):
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr, SLEEP_NS: tl.constexpr = 0,
+                 STREAM: tl.constexpr = False):
     """Persistent copy of n int32 (n a multiple of BLOCK * UNROLL): one load of UNROLL x BLOCK, then its store;
-    SLEEP_NS > 0: each thread sleeps that long (``nanosleep``) after each store, to throttle the copy's rate."""
+    SLEEP_NS > 0: each thread sleeps that long (``nanosleep``) after each store, to throttle the copy's rate;
+    STREAM: loads marked evict-first and stores streaming (``.cs``), so the copy does not push the GEMMs' tiles out
+    of L2."""
     step = BLOCK * UNROLL
     for base in range(tl.program_id(0) * step, n, tl.num_programs(0) * step):
         offs = base + tl.arange(0, UNROLL)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs))
+        if STREAM:
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, eviction_policy="evict_first"), cache_modifier=".cs")
+        else:
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs))
         if SLEEP_NS > 0:
             tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP_NS}; mov.u32 $0, 0;", "=r,r", [base], dtype=tl.int32,
                                       is_pure=False, pack=1)
@@ -155,11 +164,13 @@ def _copies(rows, timed, pair, state, sms):
     n = 3 * 2**29  # int32 offsets: below 2**31
     src = torch.empty(n, dtype=torch.int32, device="cuda")
     dst = torch.empty_like(src)
-    for per_sm, warps, block, unroll, sleep in COPIES:
-        name = f"copy_p{per_sm}w{warps}b{block}u{unroll}" + (f"_sleep{sleep}" if sleep else "")
+    for per_sm, warps, block, unroll, sleep, stream in COPIES:
+        name = (f"copy_p{per_sm}w{warps}b{block}u{unroll}" + (f"_sleep{sleep}" if sleep else "")
+                + ("_stream" if stream else ""))
 
-        def copy(p=per_sm, w=warps, b=block, u=unroll, z=sleep):
-            state["copy"] = _copy_kernel[(sms * p,)](src, dst, n, BLOCK=b, UNROLL=u, SLEEP_NS=z, num_warps=w)
+        def copy(p=per_sm, w=warps, b=block, u=unroll, z=sleep, st=stream):
+            state["copy"] = _copy_kernel[(sms * p,)](src, dst, n, BLOCK=b, UNROLL=u, SLEEP_NS=z, STREAM=st,
+                                                     num_warps=w)
 
         copy()
         torch.cuda.synchronize()
