@@ -39,6 +39,8 @@ COPIES = ((3, 2, 1024, 4, 0, False), (3, 2, 1024, 4, 2000, False), (3, 2, 1024, 
           (3, 2, 1024, 4, 8000, False))
 if os.environ.get("COHAB_STREAM"):  # session 15, call 6: the same copies with L2 streaming hints
     COPIES = ((3, 2, 1024, 4, 0, True), (3, 2, 1024, 4, 4000, True), (3, 2, 1024, 4, 8000, True))
+if os.environ.get("COHAB_FEW"):  # session 15, call 7: one and two copy programs an SM (room for them beyond doubt)
+    COPIES = ((1, 2, 1024, 4, 0, False), (2, 2, 1024, 4, 0, False), (1, 2, 1024, 4, 0, True))
 PARTS = os.environ.get("COHAB_PARTS", "spin,convert,copy").split(",")  # COHAB_PARTS=copy: the copy rows only
 T = 16384
 
