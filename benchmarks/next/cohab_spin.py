@@ -39,6 +39,10 @@ COPIES = ((3, 2, 1024, 4, 0, False), (3, 2, 1024, 4, 2000, False), (3, 2, 1024, 
           (3, 2, 1024, 4, 8000, False))
 if os.environ.get("COHAB_STREAM"):  # session 15, call 6: the same copies with L2 streaming hints
     COPIES = ((3, 2, 1024, 4, 0, True), (3, 2, 1024, 4, 4000, True), (3, 2, 1024, 4, 8000, True))
+# (programs an SM at most, grid programs an SM) for the SM-limited copy
+LIMITED = ((1, 4), (2, 4), (3, 4), (3, 8))
+if os.environ.get("COHAB_LIMITED"):  # session 15, call 8: the SM-limited copy alone
+    COPIES = ()
 if os.environ.get("COHAB_FEW"):  # session 15, call 7: one and two copy programs an SM (room for them beyond doubt)
     COPIES = ((1, 2, 1024, 4, 0, False), (2, 2, 1024, 4, 0, False), (1, 2, 1024, 4, 0, True))
 PARTS = os.environ.get("COHAB_PARTS", "spin,convert,copy").split(",")  # COHAB_PARTS=copy: the copy rows only
@@ -73,6 +77,26 @@ def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
         if SLEEP_NS > 0:
             tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP_NS}; mov.u32 $0, 0;", "=r,r", [base], dtype=tl.int32,
                                       is_pure=False, pack=1)
+
+
+@triton.jit
+def _copy_limited_kernel(src_ptr, dst_ptr, n, sm_count_ptr, ticket_ptr, LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+                         UNROLL: tl.constexpr):
+    """The copy with at most LIMIT programs an SM: a program reads its SM (%smid) and takes a place there
+    (``sm_count_ptr``, zeroed before the launch); past LIMIT it exits at once. The ones that stay take steps from a
+    shared ticket (``ticket_ptr``), so the work does not depend on which programs stayed. Without the limit the block
+    scheduler may pack a persistent grid onto a few SMs, where no GEMM program then fits beside it."""
+    pid = tl.program_id(0)
+    smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [pid], dtype=tl.int32, is_pure=False, pack=1)
+    place = tl.atomic_add(sm_count_ptr + smid, 1)
+    if place < LIMIT:
+        step = BLOCK * UNROLL
+        n_steps = n // step
+        t = tl.atomic_add(ticket_ptr, 1)
+        while t < n_steps:
+            offs = t * step + tl.arange(0, UNROLL)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs))
+            t = tl.atomic_add(ticket_ptr, 1)
 
 
 def _carveout(compiled, percent: int) -> int:
@@ -179,6 +203,21 @@ def _copies(rows, timed, pair, state, sms):
         rows.append(dict(variant=name + "_carveout_rc", rc=_carveout(state["copy"], 100)))
         timed(name, copy)
         timed("pair_" + name, pair(copy))
+    counters = torch.zeros(1024 + 1, dtype=torch.int32, device="cuda")
+    for limit, grid_per_sm in LIMITED:
+        name = f"copy_limited{limit}_grid{grid_per_sm}"
+
+        def limited(lim=limit, g=grid_per_sm):
+            counters.zero_()
+            state["lim"] = _copy_limited_kernel[(sms * g,)](src, dst, n, counters, counters[1024:], LIMIT=lim,
+                                                            BLOCK=1024, UNROLL=4, num_warps=2)
+
+        limited()
+        torch.cuda.synchronize()
+        ok = bool(torch.equal(dst[:4096], src[:4096])) and bool(torch.equal(dst[-4096:], src[-4096:]))
+        rows.append(dict(variant=name + "_carveout_rc", rc=_carveout(state["lim"], 100), copied=ok))
+        timed(name, limited)
+        timed("pair_" + name, pair(limited))
     timed("copy_torch_full_grid", lambda: dst.copy_(src))
 
 
