@@ -7,9 +7,14 @@ GEMMs run. ``schedule`` orders the two: "serial" (default: the fastest on the H2
 benchmarks/moe/2026-11-30-s2 call 5) on one stream with the offline path's persistent GEMMs;
 "side" converts chunk c+1 on a side stream while chunk c's GEMMs run one program per tile; "split"
 does the same with persistent GEMMs on a high-priority stream that leave ``reserve_sms`` SMs to the
-conversion. Neither overlapped (call 5: online = conversion + GEMMs): the fp8 GEMM tiles at large T
-take an SM's whole register file (GEMM1 255 registers x 256 threads, sm_90 compile), so a conversion
-block never shares an SM with a GEMM program. Its size follows the experts computed at
+conversion; "cohabit" caps the persistent GEMMs' registers (``gemm_maxnreg``) so that a few persistent
+conversion programs an SM (``convert_programs_per_sm``) fit beside them. None overlapped (call 5: online =
+conversion + GEMMs): the fp8 GEMM tiles at large T take an SM's whole register file (GEMM1 255 registers x
+256 threads, sm_90 compile), and under a cap (benchmarks/moe/2026-12-02-s15) cohabit was 1.73-2.59x offline
+against the serial 1.37x. That record takes it apart on the H200. Blocks of another kernel share SMs with the
+GEMM programs only when their shared-memory carveout is set to the maximum. Even then any kernel that moves
+memory beside the GEMMs adds about its own time to the pair: the conversion, a plain copy at 1-3 programs an
+SM, a copy throttled to 1.57 TB/s, a copy with L2 streaming hints. Its size follows the experts computed at
 once (2 * chunk_experts), never the expert count; ``online_memory_ratio`` gives the model's bound.
 
     ws = FP8Workspace(chunk_experts=16, hidden=7168, intermediate=2048, device="cuda")
@@ -286,7 +291,8 @@ against 5,419 for the earlier default (4, 16, 2) and 5,066 for (2, 16, 1); gpt-o
 1,921 us; (16, 16, 4) 6,295 / 2,185, 8 warps slower."""
 
 SCHEDULES = ("serial", "side", "split", "cohabit")
-"""How ``FP8Workspace.run_layer`` orders conversion and GEMMs (see ``FP8Workspace``)."""
+"""How ``FP8Workspace.run_layer`` orders conversion and GEMMs (see ``FP8Workspace``; "serial", the default, was the
+fastest of the four on the H200)."""
 
 
 def online_memory_ratio(n_layers: int, n_experts: int, hidden: int, intermediate: int, chunk_experts: int) -> float:
@@ -426,7 +432,9 @@ class FP8Workspace:
         Schedules: "serial" converts chunk c, then runs its GEMMs with the offline path's persistent
         configs, on the caller's stream; "side" converts chunk c+1 on a side stream while chunk c's
         GEMMs run one program per tile; "split" runs the GEMMs persistent on all SMs but
-        ``reserve_sms`` on a high-priority stream and chunk c+1's conversion on the side stream.
+        ``reserve_sms`` on a high-priority stream and chunk c+1's conversion on the side stream; "cohabit" runs
+        them one persistent program an SM under ``gemm_maxnreg`` on the high-priority stream and chunk c+1's
+        conversion as ``convert_programs_per_sm`` persistent programs an SM on the side stream.
         """
         if (weights.hidden, weights.intermediate) != (self.hidden, self.intermediate):
             raise InputError(
