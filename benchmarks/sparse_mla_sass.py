@@ -1,7 +1,8 @@
 """Compile adapt's sparse MLA decode kernels for sm_90 on a machine without a GPU and count their SASS.
 
 Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
-       (an object with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
+       (an object with "bf16": true compiles ``sparse_mla_gluon.sparse_mla_gluon_bf16_kernel``, the prefill
+       kernel over a dense bf16 latent, its SPLIT and BLOCK_K from the object; one with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
        SPLIT, PREFETCH, EARLY_LOADS, DIRECT, L2_AHEAD, WARPS, ABLATE, LAZY, PDL and PARTIAL_BF16 from the object:
        ``compile_gluon``; its row adds ``branch_skip``, the loop's longest forward branch: with LAZY the
        accumulator's rescale, so loop_len - branch_skip.len instructions a tile on the tiles that skip it)
@@ -74,6 +75,19 @@ def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool 
                                "bf16" if partial_bf16 else "fp32")
 
 
+def compile_gluon_bf16(split: bool, block_k: int = 64):
+    """``sparse_mla_gluon_bf16_kernel`` (the prefill kernel over a dense bf16 latent) for sm_90, 8 warps."""
+    kern = smg.sparse_mla_gluon_bf16_kernel
+    const = dict(RANK=512, ROPE=64, BLOCK_H=64, BLOCK_K=block_k, SPLIT=split, HEAD_BLOCKS=2)
+    ptrs = dict(qn_ptr="bf16", qr_ptr="bf16", nope_ptr="bf16", rope_ptr="bf16", seq_ptr="i32", idx_ptr="i32",
+                out_ptr="fp32" if split else "bf16", lse_ptr="fp32")
+    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
+           for n in kern.arg_names}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
+    return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8))
+
+
 def compile_gluon_ws(split: bool, pwarps: int = 4, pregs: int = 152, maxnreg: int = 168, pair: bool = True,
                      pv_wait: bool = False):
     """``sparse_mla_gluon_ws_kernel`` for sm_90 (8 consumer warps + a producer of ``pwarps``), capped at ``maxnreg``
@@ -129,6 +143,10 @@ if __name__ == "__main__":
                                       setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                        ptx))),
                                       mbarrier_waits=ptx.count("mbarrier.try_wait"))), flush=True)
+                continue
+            if c.get("bf16"):
+                ck = compile_gluon_bf16(c.get("SPLIT", False), c.get("BLOCK_K", 64))
+                print(json.dumps(dict(config=c, **report(ck, 0), order=load_mma_order(ck))), flush=True)
                 continue
             if c.get("gluon"):
                 ck = compile_gluon(c.get("BLOCK_K", 64), c.get("SPLIT", False), c.get("PREFETCH", True),

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from adapt.kernels import pdl, sparse_mla_gluon
 from adapt.kernels.dsa import quantize_fp8_rows
-from adapt.kernels.formats import PAGE_SIZE
+from adapt.kernels.formats import PAGE_SIZE, is_sm90
 from adapt.kernels.formats import interpreting as _interpreting
 from adapt.kernels.fp8 import amax_scale, quantize_fp8_groups
 
@@ -571,6 +571,76 @@ def wave_splits(programs: int, topk: int, block_k: int, sms: int) -> int:
     return min(range(1, tiles + 1), key=lambda s: (triton.cdiv(s * programs, sms) * triton.cdiv(tiles, s), s))
 
 
+@triton.jit
+def _upconvert_kernel(nope_ptr, scale_ptr, rope_ptr, block_table_ptr, out_nope_ptr, out_rope_ptr, bt_stride, width,
+                      RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+                      ROWS: tl.constexpr, UPCAST: tl.constexpr):
+    """ROWS cache rows of block-table entry program_id(0) (sequence // width, entry % width) as bf16: the e4m3 row
+    times its group's fp32 scale, rounded once to bf16 (the sparse MLA kernels' MMA operand), and the rope row as is,
+    into dense row entry * PAGE + r. Entries below 0 read page 0 (rows no selection reaches)."""
+    entry = tl.program_id(0)
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    page = tl.maximum(tl.load(block_table_ptr + (entry // width) * bt_stride + entry % width), 0).to(tl.int64)
+    src = page * PAGE + r
+    dst = entry.to(tl.int64) * PAGE + r
+    cols = tl.arange(0, RANK)
+    raw = tl.load(nope_ptr + src[:, None] * RANK + cols[None, :]).to(tl.float32)
+    scale = tl.load(scale_ptr + src[:, None] * (RANK // GROUP) + cols[None, :] // GROUP)
+    tl.store(out_nope_ptr + dst[:, None] * RANK + cols[None, :], _to_bf16(raw * scale, UPCAST))
+    rc = tl.arange(0, ROPE)
+    tl.store(out_rope_ptr + dst[:, None] * ROPE + rc[None, :], tl.load(rope_ptr + src[:, None] * ROPE + rc[None, :]))
+
+
+def upconvert_latent(latent_nope: torch.Tensor, latent_scale: torch.Tensor, latent_rope: torch.Tensor,
+                     block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paged e4m3 latent cache of every block-table row as a dense bf16 latent, for a prefill's sparse MLA: (nope
+    bf16 [B, W * 64, R], rope bf16 [B, W * 64, Dr]) for a block table [B, W]; sequence b's position p is [b, p].
+    Each value is what the sparse MLA kernels dequantise in their loop (``bf16(e4m3 * fp32 scale)``), so attention
+    over it is the same arithmetic; it is computed once instead of once a (row, 64 heads) program that selects it.
+    One launch; bytes read B * W * 64 * (R + 4 * R / group + 2 * Dr), written B * W * 64 * 2 * (R + Dr) (at 128K
+    positions: 86 MB read, 151 MB written). Twin: ``upconvert_latent_torch``."""
+    rank, rope = latent_nope.shape[-1], latent_rope.shape[-1]
+    n_seq, width = block_table.shape
+    out_nope = torch.empty(n_seq, width * PAGE_SIZE, rank, dtype=torch.bfloat16, device=latent_nope.device)
+    out_rope = torch.empty(n_seq, width * PAGE_SIZE, rope, dtype=torch.bfloat16, device=latent_nope.device)
+    rows = 4 if _interpreting() else 16
+    if n_seq * width:
+        _upconvert_kernel[(n_seq * width, PAGE_SIZE // rows)](
+            latent_nope, latent_scale, latent_rope, block_table, out_nope, out_rope, block_table.stride(0), width,
+            RANK=rank, ROPE=rope, GROUP=rank // latent_scale.shape[-1], PAGE=PAGE_SIZE, ROWS=rows, UPCAST=_interpreting(),
+            num_warps=4)
+    return out_nope, out_rope
+
+
+def upconvert_latent_torch(latent_nope: torch.Tensor, latent_scale: torch.Tensor, latent_rope: torch.Tensor,
+                           block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``upconvert_latent`` (torch gathers and fp32 math)."""
+    rank = latent_nope.shape[-1]
+    n_seq, width = block_table.shape
+    pages = block_table.long().clamp(min=0).reshape(-1)
+    nope = latent_nope[pages].float().reshape(-1, latent_scale.shape[-1], rank // latent_scale.shape[-1])
+    nope = (nope * latent_scale[pages].reshape(-1, latent_scale.shape[-1], 1)).to(torch.bfloat16)
+    return (nope.reshape(n_seq, width * PAGE_SIZE, rank),
+            latent_rope[pages].reshape(n_seq, width * PAGE_SIZE, latent_rope.shape[-1]).clone())
+
+
+def upconvert_worth(n_rows: int, n_heads: int, topk: int, block_table: torch.Tensor) -> bool:
+    """Whether ``sparse_mla``'s ``upconvert=None`` converts the cache first: once the rows' (row, 64 heads) programs
+    would dequantise at least UPCONVERT_MIN_RATIO times the positions converted, and the dense copy stays within
+    UPCONVERT_MAX_BYTES."""
+    if not UPCONVERT_AUTO:
+        return False
+    positions = block_table.shape[0] * block_table.shape[1] * PAGE_SIZE
+    gathered = n_rows * triton.cdiv(n_heads, sparse_mla_gluon.GLUON_BLOCK_H) * topk
+    return gathered >= UPCONVERT_MIN_RATIO * positions and positions * 1152 <= UPCONVERT_MAX_BYTES
+
+
+# ``sparse_mla``'s upconvert=None rule (``upconvert_worth``): off until measured on the H200.
+UPCONVERT_AUTO = False
+UPCONVERT_MIN_RATIO = 8
+UPCONVERT_MAX_BYTES = 4 << 30
+
+
 def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Tensor,
                latent_scale: torch.Tensor | None, latent_rope: torch.Tensor, block_table: torch.Tensor,
                token_seq: torch.Tensor, indices: torch.Tensor, softmax_scale: float, *,
@@ -578,7 +648,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
                qk_chunk: int | None = None, splits: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, prefetch: bool | None = None, groups4: bool | None = None,
                qk_fp8: bool | None = None, swap_ab: bool = False, heads_inner: bool = False,
-               half: bool = False, gluon: bool | dict | None = None) -> torch.Tensor:
+               half: bool = False, gluon: bool | dict | None = None, upconvert: bool | None = None) -> torch.Tensor:
     """Sparse latent attention of N query rows over their selected cached positions (Triton).
 
     q_nope: bf16 [N, H, R] absorbed latent queries; q_rope: bf16 [N, H, Dr];
@@ -615,6 +685,12 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     stays bf16. Off by default (H200 sweep of 2026-11-30: benchmarks/gpu-2026-11-30-dsa-s3-decode). ``swap_ab`` (groups4
     only): q.k with positions on the MMA's M side (``_sparse_mla_fp8x4_kernel``'s SWAP_AB; same function).
 
+    ``upconvert`` (e4m3 latent): first convert the cache of every block-table row to a dense bf16 latent
+    (``upconvert_latent``, the same values the kernels dequantise), then attend over that: on sm_90 with
+    ``sparse_mla_gluon.sparse_mla_gluon_bf16_kernel`` (no dequantisation in the loop, cp.async gathers), elsewhere
+    the tl kernel's bf16 path. For prefill, where each position is gathered by many rows. None: ``upconvert_worth``.
+    Other tile options do not apply with it.
+
     Defaults: an fp8 latent of rank 512 in four scale groups on the GPU takes the four-group kernel
     (groups4) with block_k 128 and 1 stage (H200 sweep of 2026-11-30, batch 64 x 128K: 218 us against
     247-263 us for the fused tile with block_k 64: benchmarks/gpu-2026-11-30-dsa-s2/README.md); another
@@ -631,6 +707,18 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     fp8 = latent_scale is not None
     group = rank // latent_scale.shape[-1] if fp8 else rank
     interpreting = _interpreting()
+    if upconvert is None:
+        upconvert = fp8 and upconvert_worth(n_rows, n_heads, topk, block_table)
+    if upconvert:
+        given = [k for k, v in dict(block_h=block_h, block_k=block_k, v_split=v_split, qk_chunk=qk_chunk,
+                                    num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, groups4=groups4,
+                                    qk_fp8=qk_fp8, swap_ab=swap_ab, heads_inner=heads_inner, half=half,
+                                    gluon=gluon).items() if v is not None and v is not False]
+        if not fp8 or given:
+            raise ValueError("upconvert needs an e4m3 latent and takes no tile option but splits"
+                             + (f" (given: {', '.join(given)})" if given else ""))
+        return _sparse_mla_upconverted(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table,
+                                       token_seq, indices, softmax_scale, out, splits)
     tl_options = dict(block_h=block_h, v_split=v_split, qk_chunk=qk_chunk, num_warps=num_warps,
                       num_stages=num_stages, groups4=groups4, qk_fp8=qk_fp8, swap_ab=swap_ab,
                       heads_inner=heads_inner, half=half)
@@ -744,6 +832,29 @@ def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, bl
                             softmax_scale, partial, lse, splits, positions_per_split, block_k, prefetch, flags)
     if splits > 1:
         _combine(partial, lse, out, splits, False)
+    return out
+
+
+def _sparse_mla_upconverted(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
+                            softmax_scale, out, splits) -> torch.Tensor:
+    """``sparse_mla(..., upconvert=True)``: the dense bf16 latent, then the Gluon bf16 kernel on sm_90 (rank 512,
+    rope 64), else the tl kernel's bf16 path over the dense rows (a block table of consecutive pages)."""
+    nope, rope = upconvert_latent(latent_nope, latent_scale, latent_rope, block_table)
+    n_seq, width = block_table.shape
+    rank = q_nope.shape[-1]
+    if (not _interpreting() and q_nope.device.type == "cuda" and is_sm90(q_nope.device)
+            and rank == 512 and q_rope.shape[-1] == 64):
+        head_blocks = triton.cdiv(q_nope.shape[1], sparse_mla_gluon.GLUON_BLOCK_H)
+        splits, positions_per_split, partial, lse = _slices(out, indices.shape[1], 64, splits, head_blocks)
+        sparse_mla_gluon.launch_bf16(q_nope, q_rope, nope, rope, width * PAGE_SIZE, token_seq, indices,
+                                     softmax_scale, partial, lse, splits, positions_per_split)
+        if splits > 1:
+            _combine(partial, lse, out, splits, False)
+        return out
+    dense_table = torch.arange(n_seq * width, dtype=torch.int32, device=block_table.device).view(n_seq, width)
+    out.copy_(sparse_mla(q_nope, q_rope, nope.view(n_seq * width, PAGE_SIZE, rank), None,
+                         rope.view(n_seq * width, PAGE_SIZE, -1), dense_table, token_seq, indices, softmax_scale,
+                         splits=splits, upconvert=False))
     return out
 
 

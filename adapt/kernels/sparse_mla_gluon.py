@@ -34,6 +34,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -374,6 +375,106 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
 
 
 
+
+@gluon.jit
+def _copy_tile_bf16(base, idx_c, idx_r, nope_ptr, rope_ptr, kv_dst, kr_dst, RANK: gl.constexpr, ROPE: gl.constexpr,
+                    CL: gl.constexpr, RL: gl.constexpr):
+    """cp.async (16-byte copies, no registers) of one tile's bf16 rows of a dense latent (row ``base + position``)
+    into a ring slot: the latent [BLOCK_K, RANK] with positions ``idx_c`` (SliceLayout(1, CL)) and the rope rows
+    [BLOCK_K, ROPE] with ``idx_r`` (SliceLayout(1, RL)); -1 = none, zero-filled (the copy's source size 0)."""
+    rows_c = base + idx_c.to(gl.int64)
+    cols = gl.arange(0, RANK, layout=gl.SliceLayout(0, CL))
+    cp.async_copy_global_to_shared(kv_dst, nope_ptr + gl.expand_dims(rows_c * RANK, 1) + gl.expand_dims(cols, 0),
+                                   mask=gl.expand_dims(idx_c >= 0, 1))
+    rows_r = base + idx_r.to(gl.int64)
+    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
+    cp.async_copy_global_to_shared(kr_dst, rope_ptr + gl.expand_dims(rows_r * ROPE, 1) + gl.expand_dims(rc, 0),
+                                   mask=gl.expand_dims(idx_r >= 0, 1))
+
+
+@gluon.jit
+def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, idx_ptr, out_ptr, lse_ptr, n_heads,
+                                 topk, positions_per_split, seq_rows, scale_log2, RANK: gl.constexpr,
+                                 ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
+                                 SPLIT: gl.constexpr, HEAD_BLOCKS: gl.constexpr):
+    """``sparse_mla_gluon_kernel``'s arithmetic over a dense bf16 latent (``sparse_mla.upconvert_latent``'s: sequence
+    s's position p is row ``s * seq_rows + p`` of ``nope_ptr`` [., RANK] and ``rope_ptr`` [., ROPE]), for prefill.
+    The same tiles, ring, MMA shapes and softmax, so the same values where the bf16 rows are the fp8 kernel's
+    dequantised ones; what differs is how a tile reaches its ring slot and the step's order. No block table, no
+    registers and no dequantisation: at the top of step t the rows of tile t + 1 go into the other slot as cp.async
+    copies (16 bytes each, -1 positions zero-filled), which land while tile t's q.k, softmax and p @ v run; the step
+    ends waiting for them (wait_group, fence, barrier). Both MMAs are waited for inside their step: with p @ v in
+    flight across the loop's back edge ptxas serialises every wgmma of the loop (C7515: it reuses the q.k
+    accumulator's registers for addresses while p @ v runs). 8 warps, one program an SM (224 KB of shared
+    memory, as the fp8 kernel)."""
+    gl.static_assert(BLOCK_H == 64)
+    # a row's head blocks are neighbours in launch order (program_id(0) = row * HEAD_BLOCKS + block), so they run
+    # together and the second reads the row's gathered rows from L2
+    row = (gl.program_id(0) // HEAD_BLOCKS).to(gl.int64)
+    head0 = (gl.program_id(0) % HEAD_BLOCKS) * BLOCK_H
+    split = gl.program_id(2)
+    WG: gl.constexpr = 2
+    # latent copies: warps 0-3 (warpgroup 0) take columns 0 .. RANK / 2, warps 4-7 the rest (warp order dim 0 first)
+    CL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, WG], [0, 1])
+    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # bf16 rows of 64
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # bf16 rows of 512
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                  instr_shape=[16, BLOCK_K // WG, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                  instr_shape=[16, RANK // WG, 16])
+    VL: gl.constexpr = gl.SliceLayout(0, S_L)
+    CS: gl.constexpr = gl.SliceLayout(1, CL)
+    RS: gl.constexpr = gl.SliceLayout(1, RL)
+    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K)
+
+    seq = gl.load(seq_ptr + row).to(gl.int64)
+    base = seq * seq_rows
+    first = split * positions_per_split
+    last = gl.minimum(first + positions_per_split, topk)
+    _copy_tile_bf16(base, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, CS),
+                    _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, RS), nope_ptr, rope_ptr, kv_smem.index(0),
+                    kr_smem.index(0), RANK, ROPE, CL, RL)
+    cp.commit_group()
+    _load_q(qn_ptr, qr_ptr, q_smem, qr_smem, row, head0, n_heads, RANK, ROPE, BLOCK_H, QL, RL)
+    valid = _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, VL) >= 0
+    idx_c = _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, CS)
+    idx_r = _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, RS)
+    cp.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BLOCK_H, RANK], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=S_L)
+    buf = 0
+    for k0 in range(first, last, BLOCK_K):
+        kv_buf = kv_smem.index(buf)
+        # the next tile into the other slot (free: its MMAs were waited for before the last step's barrier)
+        _copy_tile_bf16(base, idx_c, idx_r, nope_ptr, rope_ptr, kv_smem.index(1 - buf), kr_smem.index(1 - buf),
+                        RANK, ROPE, CL, RL)
+        cp.commit_group()
+        s = warpgroup_mma(qr_smem, kr_smem.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem, kv_buf.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        valid_n = _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, VL) >= 0
+        idx_c = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, CS)
+        idx_r = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, RS)
+        p, alpha, m_i, l_i, rescale = _online_softmax(s, valid, m_i, l_i, scale_log2)
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        acc = warpgroup_mma(p_smem, kv_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        cp.wait_group(0)  # the next tile's rows landed (every thread's copies: the barrier)
+        fence_async_shared()
+        gl.thread_barrier()
+        buf = 1 - buf
+        valid = valid_n
+    _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK, BLOCK_H, SPLIT, S_L, O_L)
+
+
 @gluon.jit
 def _ws_slots(idx_ptr, block_table_ptr, row, seq, k0, last, topk, bt_stride, RB: gl.constexpr, PAGE: gl.constexpr,
               L3: gl.constexpr, RL: gl.constexpr):
@@ -662,3 +763,17 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
         chain = pdl.launch_options(q_nope.device) if GLUON_PDL else {}
         sparse_mla_gluon_kernel[grid](*args, **shape, PREFETCH=prefetch, ABLATE=ablate,
                                       **{k: opts[k] for k in GLUON_FLAGS}, num_warps=opts["WARPS"], **chain)
+
+
+def launch_bf16(q_nope, q_rope, dense_nope, dense_rope, seq_rows, token_seq, indices, softmax_scale, partial, lse,
+                splits: int, positions_per_split: int, block_k: int = 64) -> None:
+    """Launch ``sparse_mla_gluon_bf16_kernel`` on grid (rows x heads / 64, 1, splits) over a dense bf16 latent
+    (``sparse_mla.upconvert_latent``: ``dense_nope`` [sequences * seq_rows, RANK], ``dense_rope`` [., ROPE]);
+    ``partial`` / ``lse`` as for ``launch``."""
+    n_rows, n_heads, rank = q_nope.shape
+    head_blocks = triton.cdiv(n_heads, GLUON_BLOCK_H)
+    sparse_mla_gluon_bf16_kernel[(n_rows * head_blocks, 1, splits)](
+        q_nope.contiguous(), q_rope.contiguous(), dense_nope, dense_rope, token_seq.to(torch.int32).contiguous(),
+        indices.to(torch.int32).contiguous(), partial, lse, n_heads, indices.shape[1], positions_per_split, seq_rows,
+        softmax_scale * math.log2(math.e), RANK=rank, ROPE=q_rope.shape[-1], BLOCK_H=GLUON_BLOCK_H, BLOCK_K=block_k,
+        SPLIT=splits > 1, HEAD_BLOCKS=head_blocks, num_warps=8)

@@ -1072,6 +1072,9 @@ PREFILL_MLA_SWEEP = (
     dict(half=True, heads_inner=True),
     dict(half=True, heads_inner=True, block_k=64),
     dict(half=True, heads_inner=True, block_k=64, num_stages=2, prefetch=True),
+    # session 16: the cache converted once to a dense bf16 latent, then the Gluon bf16 kernel (no dequantisation in
+    # its loop, cp.async gathers; the conversion is inside the timed call)
+    dict(upconvert=True),
 )
 
 # Sparse MLA decode tiles for the acceptance run (batch 64 x 128K), 64 heads x 8 warps each, all the
