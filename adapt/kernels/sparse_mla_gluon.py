@@ -396,7 +396,8 @@ def _copy_tile_bf16(base, idx_c, idx_r, nope_ptr, rope_ptr, kv_dst, kr_dst, RANK
 def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, idx_ptr, out_ptr, lse_ptr, n_heads,
                                  topk, positions_per_split, seq_rows, scale_log2, RANK: gl.constexpr,
                                  ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-                                 SPLIT: gl.constexpr, HEAD_BLOCKS: gl.constexpr):
+                                 SPLIT: gl.constexpr, HEAD_BLOCKS: gl.constexpr,
+                                 HEADS_INNER: gl.constexpr = True):
     """``sparse_mla_gluon_kernel``'s arithmetic over a dense bf16 latent (``sparse_mla.upconvert_latent``'s: sequence
     s's position p is row ``s * seq_rows + p`` of ``nope_ptr`` [., RANK] and ``rope_ptr`` [., ROPE]), for prefill.
     The same tiles, ring, MMA shapes and softmax, so the same values where the bf16 rows are the fp8 kernel's
@@ -410,8 +411,13 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
     gl.static_assert(BLOCK_H == 64)
     # a row's head blocks are neighbours in launch order (program_id(0) = row * HEAD_BLOCKS + block), so they run
     # together and the second reads the row's gathered rows from L2
-    row = (gl.program_id(0) // HEAD_BLOCKS).to(gl.int64)
-    head0 = (gl.program_id(0) % HEAD_BLOCKS) * BLOCK_H
+    if HEADS_INNER:
+        row = (gl.program_id(0) // HEAD_BLOCKS).to(gl.int64)
+        head0 = (gl.program_id(0) % HEAD_BLOCKS) * BLOCK_H
+    else:  # row-major (the fp8 kernel's order): program_id(0) = block * rows + row
+        n_rows = gl.num_programs(0) // HEAD_BLOCKS
+        row = (gl.program_id(0) % n_rows).to(gl.int64)
+        head0 = (gl.program_id(0) // n_rows) * BLOCK_H
     split = gl.program_id(2)
     WG: gl.constexpr = 2
     # latent copies: warps 0-3 (warpgroup 0) take columns 0 .. RANK / 2, warps 4-7 the rest (warp order dim 0 first)
@@ -766,14 +772,15 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
 
 
 def launch_bf16(q_nope, q_rope, dense_nope, dense_rope, seq_rows, token_seq, indices, softmax_scale, partial, lse,
-                splits: int, positions_per_split: int, block_k: int = 64) -> None:
+                splits: int, positions_per_split: int, block_k: int = 64, heads_inner: bool = True) -> None:
     """Launch ``sparse_mla_gluon_bf16_kernel`` on grid (rows x heads / 64, 1, splits) over a dense bf16 latent
     (``sparse_mla.upconvert_latent``: ``dense_nope`` [sequences * seq_rows, RANK], ``dense_rope`` [., ROPE]);
-    ``partial`` / ``lse`` as for ``launch``."""
+    ``partial`` / ``lse`` as for ``launch``. ``heads_inner`` False: a row's head blocks as far apart in launch order
+    as the fp8 kernel's grid puts them (a probe of what the L2 sharing gives)."""
     n_rows, n_heads, rank = q_nope.shape
     head_blocks = triton.cdiv(n_heads, GLUON_BLOCK_H)
     sparse_mla_gluon_bf16_kernel[(n_rows * head_blocks, 1, splits)](
         q_nope.contiguous(), q_rope.contiguous(), dense_nope, dense_rope, token_seq.to(torch.int32).contiguous(),
         indices.to(torch.int32).contiguous(), partial, lse, n_heads, indices.shape[1], positions_per_split, seq_rows,
         softmax_scale * math.log2(math.e), RANK=rank, ROPE=q_rope.shape[-1], BLOCK_H=GLUON_BLOCK_H, BLOCK_K=block_k,
-        SPLIT=splits > 1, HEAD_BLOCKS=head_blocks, num_warps=8)
+        SPLIT=splits > 1, HEAD_BLOCKS=head_blocks, HEADS_INNER=heads_inner, num_warps=8)

@@ -66,7 +66,12 @@ def main() -> None:
         sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
                                      idx, 0.1, out, out, 1, TOPK)
 
+    def bf16_row_major():
+        sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
+                                     idx, 0.1, out, out, 1, TOPK, heads_inner=False)
+
     variants = [("fp8 gluon (default)", lambda: sm.sparse_mla(*args)),
+                ("bf16 gluon alone, head blocks row-major", bf16_row_major),
                 ("upconvert + bf16 gluon", lambda: sm.sparse_mla(*args, upconvert=True)),
                 ("conversion alone", lambda: sm.upconvert_latent(*cache)),
                 ("bf16 gluon alone", bf16_only)]
