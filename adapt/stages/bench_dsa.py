@@ -652,6 +652,8 @@ def _prefill_case(
         "dense_sdpa_TFLOPs": dense_flops / dense_ms / 1e9,
         "speedup_vs_dense": dense_ms / total_ms,
         "sparse_mla_rows_per_launch": attend_rows,
+        "sparse_mla_upconvert_auto": sparse_mla.UPCONVERT_AUTO,
+        "sparse_mla_upconverts_chunks": sparse_mla.upconvert_worth(attend_rows, HEADS, topk, block_table),
         "index_tiles": tiles["prefill_index"],
         "sparse_mla_tiles": mla_options,
         "topk_last4096_rows_ms": tail_select,
@@ -1504,6 +1506,10 @@ if __name__ == "__main__":
                         help="below batch 64, the step with the indexer programs and sparse MLA splits its sweeps "
                              "timed fastest alone, or with the library's defaults (default: "
                              f"STEP_SWEPT_TILES, now {STEP_SWEPT_TILES})")
+    parser.add_argument("--mla-upconvert", action=argparse.BooleanOptionalAction, default=None,
+                        help="sparse MLA over the cache converted once to bf16 where sparse_mla.upconvert_worth "
+                             "counts it worth it (prefill chunks), or never (default: sparse_mla.UPCONVERT_AUTO, now "
+                             f"{sparse_mla.UPCONVERT_AUTO})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1517,6 +1523,8 @@ if __name__ == "__main__":
         sparse_mla.GLUON_SLICED = args.mla_gluon_sliced
     if args.combine_at_once is not None:
         sparse_mla.COMBINE_AT_ONCE = args.combine_at_once
+    if args.mla_upconvert is not None:
+        sparse_mla.UPCONVERT_AUTO = args.mla_upconvert
     if args.step_swept_tiles is not None:
         globals()["STEP_SWEPT_TILES"] = args.step_swept_tiles
     if args.few_rows_options:

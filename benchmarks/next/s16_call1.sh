@@ -12,3 +12,7 @@ echo "pytest rc=$?" | tee -a $R/call.log; tail -15 $R/pytest.log
 timeout ${PROBE_S:-240} python3 benchmarks/next/mla_upconvert.py $R ${ROUNDS:-2} > $R/probe.log 2>&1
 echo "probe rc=$?" | tee -a $R/call.log; tail -30 $R/probe.log
 date -u | tee -a $R/call.log
+# the prefill acceptance case (128K: indexer, top-k, sparse MLA, against dense SDPA) with the upconvert rule on
+timeout ${ACC_S:-240} python3 -m adapt.stages.bench_dsa --out $R/acc --acceptance --no-sweep --prefill-only --mla-upconvert > $R/dsa.log 2>&1
+echo "dsa rc=$?" | tee -a $R/call.log; tail -25 $R/dsa.log
+date -u | tee -a $R/call.log
