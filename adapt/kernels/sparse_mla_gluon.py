@@ -397,7 +397,7 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
                                  topk, positions_per_split, seq_rows, scale_log2, RANK: gl.constexpr,
                                  ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
                                  SPLIT: gl.constexpr, HEAD_BLOCKS: gl.constexpr,
-                                 HEADS_INNER: gl.constexpr = True):
+                                 HEADS_INNER: gl.constexpr = True, EARLY_WAIT: gl.constexpr = False):
     """``sparse_mla_gluon_kernel``'s arithmetic over a dense bf16 latent (``sparse_mla.upconvert_latent``'s: sequence
     s's position p is row ``s * seq_rows + p`` of ``nope_ptr`` [., RANK] and ``rope_ptr`` [., ROPE]), for prefill.
     The same tiles, ring, MMA shapes and softmax, so the same values where the bf16 rows are the fp8 kernel's
@@ -407,7 +407,13 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
     ends waiting for them (wait_group, fence, barrier). Both MMAs are waited for inside their step: with p @ v in
     flight across the loop's back edge ptxas serialises every wgmma of the loop (C7515: it reuses the q.k
     accumulator's registers for addresses while p @ v runs). 8 warps, one program an SM (224 KB of shared
-    memory, as the fp8 kernel)."""
+    memory, as the fp8 kernel).
+
+    EARLY_WAIT: each thread waits for its copies before the barrier that publishes p (they have had the q.k and the
+    softmax to land), and the step's closing wait and barrier go: warpgroup w's copies write only the latent columns
+    its own p @ v read, which it waited for, and the rope rows were last read by a q.k that ended before that
+    barrier; p itself is rewritten only after the next softmax's cross-warp reductions, which wait for both
+    warpgroups."""
     gl.static_assert(BLOCK_H == 64)
     # a row's head blocks are neighbours in launch order (program_id(0) = row * HEAD_BLOCKS + block), so they run
     # together and the second reads the row's gathered rows from L2
@@ -467,15 +473,18 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
         idx_c = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, CS)
         idx_r = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, RS)
         p, alpha, m_i, l_i, rescale = _online_softmax(s, valid, m_i, l_i, scale_log2)
+        if EARLY_WAIT:  # the next tile's rows landed (this thread's copies; the barrier below: everyone's)
+            cp.wait_group(0)
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
         acc = warpgroup_mma(p_smem, kv_buf, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        cp.wait_group(0)  # the next tile's rows landed (every thread's copies: the barrier)
-        fence_async_shared()
-        gl.thread_barrier()
+        if not EARLY_WAIT:
+            cp.wait_group(0)  # the next tile's rows landed (every thread's copies: the barrier)
+            fence_async_shared()
+            gl.thread_barrier()
         buf = 1 - buf
         valid = valid_n
     _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK, BLOCK_H, SPLIT, S_L, O_L)
@@ -771,16 +780,23 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
                                       **{k: opts[k] for k in GLUON_FLAGS}, num_warps=opts["WARPS"], **chain)
 
 
+# ``sparse_mla_gluon_bf16_kernel``'s EARLY_WAIT by default: off until measured.
+BF16_EARLY_WAIT = False
+
+
 def launch_bf16(q_nope, q_rope, dense_nope, dense_rope, seq_rows, token_seq, indices, softmax_scale, partial, lse,
-                splits: int, positions_per_split: int, block_k: int = 64, heads_inner: bool = True) -> None:
+                splits: int, positions_per_split: int, block_k: int = 64, heads_inner: bool = True,
+                early_wait: bool | None = None) -> None:
     """Launch ``sparse_mla_gluon_bf16_kernel`` on grid (rows x heads / 64, 1, splits) over a dense bf16 latent
     (``sparse_mla.upconvert_latent``: ``dense_nope`` [sequences * seq_rows, RANK], ``dense_rope`` [., ROPE]);
     ``partial`` / ``lse`` as for ``launch``. ``heads_inner`` False: a row's head blocks as far apart in launch order
-    as the fp8 kernel's grid puts them (a probe of what the L2 sharing gives)."""
+    as the fp8 kernel's grid puts them (a probe of what the L2 sharing gives). ``early_wait``: the kernel's
+    EARLY_WAIT (None: ``BF16_EARLY_WAIT``)."""
     n_rows, n_heads, rank = q_nope.shape
     head_blocks = triton.cdiv(n_heads, GLUON_BLOCK_H)
     sparse_mla_gluon_bf16_kernel[(n_rows * head_blocks, 1, splits)](
         q_nope.contiguous(), q_rope.contiguous(), dense_nope, dense_rope, token_seq.to(torch.int32).contiguous(),
         indices.to(torch.int32).contiguous(), partial, lse, n_heads, indices.shape[1], positions_per_split, seq_rows,
         softmax_scale * math.log2(math.e), RANK=rank, ROPE=q_rope.shape[-1], BLOCK_H=GLUON_BLOCK_H, BLOCK_K=block_k,
-        SPLIT=splits > 1, HEAD_BLOCKS=head_blocks, HEADS_INNER=heads_inner, num_warps=8)
+        SPLIT=splits > 1, HEAD_BLOCKS=head_blocks, HEADS_INNER=heads_inner,
+        EARLY_WAIT=BF16_EARLY_WAIT if early_wait is None else early_wait, num_warps=8)

@@ -85,7 +85,9 @@ def test_gluon_bf16_kernel_builds_for_sm90_with_its_mmas_in_flight():
     from tests.kernels.test_sparse_mla_gluon import H200_SHARED_BYTES
     from tests.kernels.test_sparse_mla_sass import sass_rows
 
-    for row in sass_rows([{"bf16": True, "SPLIT": False}, {"bf16": True, "SPLIT": True}]):
+    rows = sass_rows([{"bf16": True, "SPLIT": False}, {"bf16": True, "SPLIT": True},
+                      {"bf16": True, "SPLIT": False, "EARLY_WAIT": True}])
+    for row in rows:
         assert "error" not in row, row
         assert row["regs"] <= 255 and row["spill_bytes"] == 0 and row["shared"] <= H200_SHARED_BYTES, row
         ops = row["loop_ops"]
@@ -101,11 +103,12 @@ def _v32_case(heads=128, topk=2048):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [None, 16])
-def test_upconverted_gluon_deepseek_v32_shape_matches_twin_and_fp8_kernel(splits):
+@pytest.mark.parametrize("splits,early_wait", [(None, False), (16, False), (None, True), (16, True)])
+def test_upconverted_gluon_deepseek_v32_shape_matches_twin_and_fp8_kernel(monkeypatch, splits, early_wait):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens: the Gluon bf16 kernel
     against the twin and the float64 reference, and bit-equal to the fp8 Gluon kernel (the same bf16 operands,
     tiles, MMA shapes and softmax)."""
+    monkeypatch.setattr(sm.sparse_mla_gluon, "BF16_EARLY_WAIT", early_wait)
     layer, sub, args = _v32_case()
     args[7][1] = -1
     got = sm.sparse_mla(*args, upconvert=True, splits=splits)
