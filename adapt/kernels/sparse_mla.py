@@ -624,19 +624,23 @@ def upconvert_latent_torch(latent_nope: torch.Tensor, latent_scale: torch.Tensor
             latent_rope[pages].reshape(n_seq, width * PAGE_SIZE, latent_rope.shape[-1]).clone())
 
 
-def upconvert_worth(n_rows: int, n_heads: int, topk: int, block_table: torch.Tensor) -> bool:
-    """Whether ``sparse_mla``'s ``upconvert=None`` converts the cache first: once the rows' (row, 64 heads) programs
-    would dequantise at least UPCONVERT_MIN_RATIO times the positions converted, and the dense copy stays within
-    UPCONVERT_MAX_BYTES."""
-    if not UPCONVERT_AUTO:
+def upconvert_worth(n_rows: int, n_heads: int, topk: int, block_table: torch.Tensor, gluon_bf16: bool = True) -> bool:
+    """Whether ``sparse_mla``'s ``upconvert=None`` converts the cache first: where the Gluon bf16 kernel takes the
+    call (``gluon_bf16``), once the rows' (row, 64 heads) programs would dequantise at least UPCONVERT_MIN_RATIO
+    times the positions converted, and the dense copy stays within UPCONVERT_MAX_BYTES."""
+    if not (UPCONVERT_AUTO and gluon_bf16):
         return False
     positions = block_table.shape[0] * block_table.shape[1] * PAGE_SIZE
     gathered = n_rows * triton.cdiv(n_heads, sparse_mla_gluon.GLUON_BLOCK_H) * topk
     return gathered >= UPCONVERT_MIN_RATIO * positions and positions * 1152 <= UPCONVERT_MAX_BYTES
 
 
-# ``sparse_mla``'s upconvert=None rule (``upconvert_worth``): off until measured on the H200.
-UPCONVERT_AUTO = False
+# ``sparse_mla``'s upconvert=None rule (``upconvert_worth``). H200, 2026-12-03 (benchmarks/gpu-2026-12-03-dsa-s16, calls
+# 1-2, commits 9d19688 / 3546204): the 128K prefill's sparse MLA (16384-row chunks, each converting the whole 128K
+# cache first: 72-77 us) 208.2-209.8 ms against 239.7-241.4 for the fp8 Gluon kernel, 204.7-205.8 with the bf16
+# kernel's EARLY_WAIT; bit-equal. Decode batches stay on the fp8 kernel (64 rows x 128K: 2 head blocks x 2048
+# gathers a row against 8.4M positions to convert).
+UPCONVERT_AUTO = True
 UPCONVERT_MIN_RATIO = 8
 UPCONVERT_MAX_BYTES = 4 << 30
 
@@ -708,7 +712,8 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     group = rank // latent_scale.shape[-1] if fp8 else rank
     interpreting = _interpreting()
     if upconvert is None:
-        upconvert = fp8 and upconvert_worth(n_rows, n_heads, topk, block_table)
+        upconvert = fp8 and upconvert_worth(n_rows, n_heads, topk, block_table,
+                                            _gluon_bf16_applies(q_nope, q_rope, rank))
     if upconvert:
         given = [k for k, v in dict(block_h=block_h, block_k=block_k, v_split=v_split, qk_chunk=qk_chunk,
                                     num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, groups4=groups4,
@@ -835,6 +840,12 @@ def _sparse_mla_gluon(q_nope, q_rope, latent_nope, latent_scale, latent_rope, bl
     return out
 
 
+def _gluon_bf16_applies(q_nope: torch.Tensor, q_rope: torch.Tensor, rank: int) -> bool:
+    """Whether ``sparse_mla_gluon.sparse_mla_gluon_bf16_kernel`` takes an upconverted call: sm_90, rank 512, rope 64."""
+    return (not _interpreting() and q_nope.device.type == "cuda" and rank == 512 and q_rope.shape[-1] == 64
+            and is_sm90(q_nope.device))
+
+
 def _sparse_mla_upconverted(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices,
                             softmax_scale, out, splits) -> torch.Tensor:
     """``sparse_mla(..., upconvert=True)``: the dense bf16 latent, then the Gluon bf16 kernel on sm_90 (rank 512,
@@ -842,8 +853,7 @@ def _sparse_mla_upconverted(q_nope, q_rope, latent_nope, latent_scale, latent_ro
     nope, rope = upconvert_latent(latent_nope, latent_scale, latent_rope, block_table)
     n_seq, width = block_table.shape
     rank = q_nope.shape[-1]
-    if (not _interpreting() and q_nope.device.type == "cuda" and is_sm90(q_nope.device)
-            and rank == 512 and q_rope.shape[-1] == 64):
+    if _gluon_bf16_applies(q_nope, q_rope, rank):
         head_blocks = triton.cdiv(q_nope.shape[1], sparse_mla_gluon.GLUON_BLOCK_H)
         splits, positions_per_split, partial, lse = _slices(out, indices.shape[1], 64, splits, head_blocks)
         sparse_mla_gluon.launch_bf16(q_nope, q_rope, nope, rope, width * PAGE_SIZE, token_seq, indices,

@@ -148,6 +148,15 @@ def _online_softmax(s, valid, m_i, l_i, scale_log2, LAZY: gl.constexpr = 0.0):
 
 
 @gluon.jit
+def _online_softmax_nosum(s, valid, m_i, scale_log2):
+    """``_online_softmax`` without the row sum (LAZY 0): (p, alpha, running max)."""
+    s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return gl.exp2(s - gl.expand_dims(m_safe, 1)), gl.exp2(m_i - m_safe), m_new
+
+
+@gluon.jit
 def _any_rescale(flag_smem, BLOCK_H: gl.constexpr, WARPS: gl.constexpr):
     """Whether any row of the program flagged its accumulator for a rescale (``flag_smem``: int32 [BLOCK_H], 1 =
     rescale, stored before a barrier), as a scalar the same in every thread: each warp reads all BLOCK_H flags (2
@@ -397,7 +406,8 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
                                  topk, positions_per_split, seq_rows, scale_log2, RANK: gl.constexpr,
                                  ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
                                  SPLIT: gl.constexpr, HEAD_BLOCKS: gl.constexpr,
-                                 HEADS_INNER: gl.constexpr = True, EARLY_WAIT: gl.constexpr = False):
+                                 HEADS_INNER: gl.constexpr = True, EARLY_WAIT: gl.constexpr = False,
+                                 DEFER_SUM: gl.constexpr = False):
     """``sparse_mla_gluon_kernel``'s arithmetic over a dense bf16 latent (``sparse_mla.upconvert_latent``'s: sequence
     s's position p is row ``s * seq_rows + p`` of ``nope_ptr`` [., RANK] and ``rope_ptr`` [., ROPE]), for prefill.
     The same tiles, ring, MMA shapes and softmax, so the same values where the bf16 rows are the fp8 kernel's
@@ -413,7 +423,11 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
     softmax to land), and the step's closing wait and barrier go: warpgroup w's copies write only the latent columns
     its own p @ v read, which it waited for, and the rope rows were last read by a q.k that ended before that
     barrier; p itself is rewritten only after the next softmax's cross-warp reductions, which wait for both
-    warpgroups."""
+    warpgroups.
+
+    DEFER_SUM: the softmax's row sums are kept as an elementwise [64, BLOCK_K] running sum (l * alpha + p, 16 FMA a
+    thread) and reduced once at the end, so a tile takes one cross-warp reduction (the max) instead of two. The sums
+    then add in another order than the fp8 kernel's: within the kernel-vs-twin tolerance, not bit-equal to it."""
     gl.static_assert(BLOCK_H == 64)
     # a row's head blocks are neighbours in launch order (program_id(0) = row * HEAD_BLOCKS + block), so they run
     # together and the second reads the row's gathered rows from L2
@@ -457,6 +471,7 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_acc = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=S_L)  # DEFER_SUM: the row sums' elementwise parts
     acc = gl.zeros([BLOCK_H, RANK], gl.float32, layout=O_L)
     s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=S_L)
     buf = 0
@@ -472,7 +487,11 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
         valid_n = _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, VL) >= 0
         idx_c = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, CS)
         idx_r = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, RS)
-        p, alpha, m_i, l_i, rescale = _online_softmax(s, valid, m_i, l_i, scale_log2)
+        if DEFER_SUM:
+            p, alpha, m_i = _online_softmax_nosum(s, valid, m_i, scale_log2)
+            l_acc = l_acc * gl.expand_dims(alpha, 1) + p
+        else:
+            p, alpha, m_i, l_i, rescale = _online_softmax(s, valid, m_i, l_i, scale_log2)
         if EARLY_WAIT:  # the next tile's rows landed (this thread's copies; the barrier below: everyone's)
             cp.wait_group(0)
         p_smem.store(p.to(gl.bfloat16))
@@ -487,6 +506,8 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
             gl.thread_barrier()
         buf = 1 - buf
         valid = valid_n
+    if DEFER_SUM:
+        l_i = gl.sum(l_acc, axis=1)
     _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK, BLOCK_H, SPLIT, S_L, O_L)
 
 
@@ -780,18 +801,22 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
                                       **{k: opts[k] for k in GLUON_FLAGS}, num_warps=opts["WARPS"], **chain)
 
 
-# ``sparse_mla_gluon_bf16_kernel``'s EARLY_WAIT by default: off until measured.
-BF16_EARLY_WAIT = False
+# ``sparse_mla_gluon_bf16_kernel``'s EARLY_WAIT by default. H200, 2026-12-03, commit 3546204
+# (benchmarks/gpu-2026-12-03-dsa-s16, call 2): the 128K prefill's attention 204.7-205.8 ms against 208.8-209.8 without,
+# three rounds in turn, bit-equal.
+BF16_EARLY_WAIT = True
+# DEFER_SUM by default: off until measured.
+BF16_DEFER_SUM = False
 
 
 def launch_bf16(q_nope, q_rope, dense_nope, dense_rope, seq_rows, token_seq, indices, softmax_scale, partial, lse,
                 splits: int, positions_per_split: int, block_k: int = 64, heads_inner: bool = True,
-                early_wait: bool | None = None) -> None:
+                early_wait: bool | None = None, defer_sum: bool | None = None) -> None:
     """Launch ``sparse_mla_gluon_bf16_kernel`` on grid (rows x heads / 64, 1, splits) over a dense bf16 latent
     (``sparse_mla.upconvert_latent``: ``dense_nope`` [sequences * seq_rows, RANK], ``dense_rope`` [., ROPE]);
     ``partial`` / ``lse`` as for ``launch``. ``heads_inner`` False: a row's head blocks as far apart in launch order
     as the fp8 kernel's grid puts them (a probe of what the L2 sharing gives). ``early_wait``: the kernel's
-    EARLY_WAIT (None: ``BF16_EARLY_WAIT``)."""
+    EARLY_WAIT (None: ``BF16_EARLY_WAIT``); ``defer_sum``: its DEFER_SUM (None: ``BF16_DEFER_SUM``)."""
     n_rows, n_heads, rank = q_nope.shape
     head_blocks = triton.cdiv(n_heads, GLUON_BLOCK_H)
     sparse_mla_gluon_bf16_kernel[(n_rows * head_blocks, 1, splits)](
@@ -799,4 +824,5 @@ def launch_bf16(q_nope, q_rope, dense_nope, dense_rope, seq_rows, token_seq, ind
         indices.to(torch.int32).contiguous(), partial, lse, n_heads, indices.shape[1], positions_per_split, seq_rows,
         softmax_scale * math.log2(math.e), RANK=rank, ROPE=q_rope.shape[-1], BLOCK_H=GLUON_BLOCK_H, BLOCK_K=block_k,
         SPLIT=splits > 1, HEAD_BLOCKS=head_blocks, HEADS_INNER=heads_inner,
-        EARLY_WAIT=BF16_EARLY_WAIT if early_wait is None else early_wait, num_warps=8)
+        EARLY_WAIT=BF16_EARLY_WAIT if early_wait is None else early_wait,
+        DEFER_SUM=BF16_DEFER_SUM if defer_sum is None else defer_sum, num_warps=8)

@@ -654,6 +654,8 @@ def _prefill_case(
         "sparse_mla_rows_per_launch": attend_rows,
         "sparse_mla_upconvert_auto": sparse_mla.UPCONVERT_AUTO,
         "sparse_mla_upconverts_chunks": sparse_mla.upconvert_worth(attend_rows, HEADS, topk, block_table),
+        "sparse_mla_bf16_flags": {"early_wait": sparse_mla.sparse_mla_gluon.BF16_EARLY_WAIT,
+                                  "defer_sum": sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM},
         "index_tiles": tiles["prefill_index"],
         "sparse_mla_tiles": mla_options,
         "topk_last4096_rows_ms": tail_select,
@@ -1510,6 +1512,9 @@ if __name__ == "__main__":
                         help="sparse MLA over the cache converted once to bf16 where sparse_mla.upconvert_worth "
                              "counts it worth it (prefill chunks), or never (default: sparse_mla.UPCONVERT_AUTO, now "
                              f"{sparse_mla.UPCONVERT_AUTO})")
+    parser.add_argument("--mla-defer-sum", action=argparse.BooleanOptionalAction, default=None,
+                        help="the bf16 sparse MLA kernel's DEFER_SUM (default: sparse_mla_gluon.BF16_DEFER_SUM, now "
+                             f"{sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1525,6 +1530,8 @@ if __name__ == "__main__":
         sparse_mla.COMBINE_AT_ONCE = args.combine_at_once
     if args.mla_upconvert is not None:
         sparse_mla.UPCONVERT_AUTO = args.mla_upconvert
+    if args.mla_defer_sum is not None:
+        sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM = args.mla_defer_sum
     if args.step_swept_tiles is not None:
         globals()["STEP_SWEPT_TILES"] = args.step_swept_tiles
     if args.few_rows_options:

@@ -56,7 +56,7 @@ def main() -> None:
     idx = torch.randint(0, CONTEXT, (TAIL, TOPK), device="cuda", dtype=torch.int32)
     args = (q_nope[:TAIL], q_rope[:TAIL], *cache[:3], block_table, token_seq[:TAIL], idx, 0.1)
     twin = sm.sparse_mla_torch(*(a[:256] if i in (0, 1, 6, 7) else a for i, a in enumerate(args)))
-    base = sm.sparse_mla(*args)
+    base = sm.sparse_mla(*args, upconvert=False)
     dense = sm.upconvert_latent(*cache)
     conv_ok = torch.equal(dense[0], sm.upconvert_latent_torch(*cache)[0])
     seq_rows = dense[0].shape[1]
@@ -74,20 +74,27 @@ def main() -> None:
         sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
                                      idx, 0.1, out, out, 1, TOPK, early_wait=True)
 
-    variants = [("fp8 gluon (default)", lambda: sm.sparse_mla(*args)),
+    def bf16_defer():
+        sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
+                                     idx, 0.1, out, out, 1, TOPK, early_wait=True, defer_sum=True)
+
+    variants = [("fp8 gluon", lambda: sm.sparse_mla(*args, upconvert=False)),
                 ("bf16 gluon alone, early wait", bf16_early),
+                ("bf16 gluon alone, early wait + defer sum", bf16_defer),
                 ("bf16 gluon alone, head blocks row-major", bf16_row_major),
                 ("upconvert + bf16 gluon", lambda: sm.sparse_mla(*args, upconvert=True)),
                 ("conversion alone", lambda: sm.upconvert_latent(*cache)),
                 ("bf16 gluon alone", bf16_only)]
     got = sm.sparse_mla(*args, upconvert=True)
+    bf16_defer()
+    defer_err = _rel_err(out[:256].float(), twin.float())
     bf16_early()
     early_equal = bool(torch.equal(out, got))
     bf16_only()
     check = {"rel_err_vs_twin_fp8": _rel_err(base[:256].float(), twin.float()),
              "rel_err_vs_twin_upconvert": _rel_err(got[:256].float(), twin.float()),
              "upconvert_equals_fp8": bool(torch.equal(got, base)), "bf16_alone_equals": bool(torch.equal(out, got)),
-             "early_wait_equals": early_equal,
+             "early_wait_equals": early_equal, "rel_err_vs_twin_defer_sum": defer_err,
              "conversion_equals_twin": conv_ok}
     emit({"case": "tail 4096 rows, uniform positions", **check})
     for r in range(rounds):
@@ -112,11 +119,12 @@ def main() -> None:
                           full_idx[r0:r1], 0.1, **opt)
 
     for r in range(rounds):
-        for name, opt, early in [("fp8 gluon (default)", {}, False), ("upconvert + bf16 gluon", {"upconvert": True}, False),
-                                 ("upconvert + bf16 gluon, early wait", {"upconvert": True}, True)]:
-            sparse_mla_gluon.BF16_EARLY_WAIT = early
+        for name, opt, defer in [("fp8 gluon", {"upconvert": False}, False),
+                                 ("upconvert + bf16 gluon, early wait", {"upconvert": True}, False),
+                                 ("upconvert + bf16 gluon, early wait + defer sum", {"upconvert": True}, True)]:
+            sparse_mla_gluon.BF16_DEFER_SUM = defer
             t = time_cuda(lambda o=opt: attend(**o), 3, warmup=1, graph=False)
-            sparse_mla_gluon.BF16_EARLY_WAIT = False
+            sparse_mla_gluon.BF16_DEFER_SUM = False
             emit({"case": "prefill 128K attention", "round": r, "variant": name, "ms": t.median_us / 1e3,
                   "timed_as": t.mode, "TFLOPs": flops(positions) / t.median_us / 1e6})
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}

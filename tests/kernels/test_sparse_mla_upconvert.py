@@ -72,8 +72,9 @@ def test_upconvert_rule_counts_gathers_against_converted_positions(monkeypatch):
     assert not sm.upconvert_worth(64, 128, 2048, table)  # decode: 2x fewer
     monkeypatch.setattr(sm, "UPCONVERT_MAX_BYTES", 1 << 20)
     assert not sm.upconvert_worth(16384, 128, 2048, table)  # the dense copy over its bound
-    monkeypatch.setattr(sm, "UPCONVERT_AUTO", False)
     monkeypatch.setattr(sm, "UPCONVERT_MAX_BYTES", 4 << 30)
+    assert not sm.upconvert_worth(16384, 128, 2048, table, gluon_bf16=False)  # no Gluon bf16 kernel (CPU, shape)
+    monkeypatch.setattr(sm, "UPCONVERT_AUTO", False)
     assert not sm.upconvert_worth(16384, 128, 2048, table)
 
 
@@ -86,13 +87,16 @@ def test_gluon_bf16_kernel_builds_for_sm90_with_its_mmas_in_flight():
     from tests.kernels.test_sparse_mla_sass import sass_rows
 
     rows = sass_rows([{"bf16": True, "SPLIT": False}, {"bf16": True, "SPLIT": True},
-                      {"bf16": True, "SPLIT": False, "EARLY_WAIT": True}])
+                      {"bf16": True, "SPLIT": False, "EARLY_WAIT": False},
+                      {"bf16": True, "SPLIT": True, "DEFER_SUM": True}])
     for row in rows:
         assert "error" not in row, row
         assert row["regs"] <= 255 and row["spill_bytes"] == 0 and row["shared"] <= H200_SHARED_BYTES, row
         ops = row["loop_ops"]
         assert ops.get("HGMMA", 0) == 40 and ops.get("WARPGROUP", 0) <= 8, row
         assert ops.get("LDGSTS", 0) == 18 and ops.get("HADD2", 0) == 0 and ops.get("F2FP", 0) <= 8, row
+    # DEFER_SUM: one cross-warp reduction a tile instead of two (fewer barriers and shuffles)
+    assert rows[3]["loop_ops"]["BAR"] < rows[1]["loop_ops"]["BAR"], rows
 
 
 def _v32_case(heads=128, topk=2048):
@@ -103,16 +107,23 @@ def _v32_case(heads=128, topk=2048):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,early_wait", [(None, False), (16, False), (None, True), (16, True)])
-def test_upconverted_gluon_deepseek_v32_shape_matches_twin_and_fp8_kernel(monkeypatch, splits, early_wait):
+@pytest.mark.parametrize("splits,early_wait,defer_sum", [(None, False, False), (16, False, False), (None, True, False),
+                                                       (16, True, False), (None, True, True), (16, True, True)])
+def test_upconverted_gluon_deepseek_v32_shape_matches_twin_and_fp8_kernel(monkeypatch, splits, early_wait,
+                                                                          defer_sum):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens: the Gluon bf16 kernel
     against the twin and the float64 reference, and bit-equal to the fp8 Gluon kernel (the same bf16 operands,
-    tiles, MMA shapes and softmax)."""
+    tiles, MMA shapes and softmax) unless DEFER_SUM; ``upconvert=None`` takes it where the rule says so."""
     monkeypatch.setattr(sm.sparse_mla_gluon, "BF16_EARLY_WAIT", early_wait)
+    monkeypatch.setattr(sm.sparse_mla_gluon, "BF16_DEFER_SUM", defer_sum)
     layer, sub, args = _v32_case()
     args[7][1] = -1
     got = sm.sparse_mla(*args, upconvert=True, splits=splits)
     assert torch.equal(got[1].float().cpu(), torch.zeros(128, 512))
     assert rel(got, sm.sparse_mla_torch(*args)) <= TWIN_REL_TOL["cuda"]
     assert rel(got, reference(layer, sub, args[7], args[0], args[1], 0.07)) < 1e-2
-    assert torch.equal(got, sm.sparse_mla(*args, gluon=True, splits=splits))
+    if not defer_sum:  # DEFER_SUM adds the softmax sums in another order
+        assert torch.equal(got, sm.sparse_mla(*args, gluon=True, splits=splits))
+    # the default rule takes the bf16 kernel for these 8 rows x 2 head blocks x 2048 only with a low ratio
+    monkeypatch.setattr(sm, "UPCONVERT_MIN_RATIO", 0)
+    assert torch.equal(sm.sparse_mla(*args, splits=splits), got)
