@@ -75,11 +75,12 @@ def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool 
                                "bf16" if partial_bf16 else "fp32")
 
 
-def compile_gluon_bf16(split: bool, block_k: int = 64, early_wait: bool = True, defer_sum: bool = False):
+def compile_gluon_bf16(split: bool, block_k: int = 64, early_wait: bool = True, defer_sum: bool = True,
+                       copy_rows4: bool = False):
     """``sparse_mla_gluon_bf16_kernel`` (the prefill kernel over a dense bf16 latent) for sm_90, 8 warps."""
     kern = smg.sparse_mla_gluon_bf16_kernel
     const = dict(RANK=512, ROPE=64, BLOCK_H=64, BLOCK_K=block_k, SPLIT=split, HEAD_BLOCKS=2, EARLY_WAIT=early_wait,
-                 DEFER_SUM=defer_sum)
+                 DEFER_SUM=defer_sum, COPY_ROWS4=copy_rows4)
     ptrs = dict(qn_ptr="bf16", qr_ptr="bf16", nope_ptr="bf16", rope_ptr="bf16", seq_ptr="i32", idx_ptr="i32",
                 out_ptr="fp32" if split else "bf16", lse_ptr="fp32")
     sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
@@ -147,7 +148,7 @@ if __name__ == "__main__":
                 continue
             if c.get("bf16"):
                 ck = compile_gluon_bf16(c.get("SPLIT", False), c.get("BLOCK_K", 64), c.get("EARLY_WAIT", True),
-                                        c.get("DEFER_SUM", False))
+                                        c.get("DEFER_SUM", True), c.get("COPY_ROWS4", False))
                 print(json.dumps(dict(config=c, **report(ck, 0), order=load_mma_order(ck))), flush=True)
                 continue
             if c.get("gluon"):

@@ -407,7 +407,7 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
                                  ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
                                  SPLIT: gl.constexpr, HEAD_BLOCKS: gl.constexpr,
                                  HEADS_INNER: gl.constexpr = True, EARLY_WAIT: gl.constexpr = False,
-                                 DEFER_SUM: gl.constexpr = False):
+                                 DEFER_SUM: gl.constexpr = False, COPY_ROWS4: gl.constexpr = False):
     """``sparse_mla_gluon_kernel``'s arithmetic over a dense bf16 latent (``sparse_mla.upconvert_latent``'s: sequence
     s's position p is row ``s * seq_rows + p`` of ``nope_ptr`` [., RANK] and ``rope_ptr`` [., ROPE]), for prefill.
     The same tiles, ring, MMA shapes and softmax, so the same values where the bf16 rows are the fp8 kernel's
@@ -425,6 +425,9 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
     barrier; p itself is rewritten only after the next softmax's cross-warp reductions, which wait for both
     warpgroups.
 
+    COPY_ROWS4 (not with EARLY_WAIT): the latent copies in a layout of 4 rows a thread instead of 16 (4 position loads
+    and row addresses a tile instead of 16), whose columns are not split by warpgroup.
+
     DEFER_SUM: the softmax's row sums are kept as an elementwise [64, BLOCK_K] running sum (l * alpha + p, 16 FMA a
     thread) and reduced once at the end, so a tile takes one cross-warp reduction (the max) instead of two. The sums
     then add in another order than the fp8 kernel's: within the kernel-vs-twin tolerance, not bit-equal to it."""
@@ -441,7 +444,11 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
     split = gl.program_id(2)
     WG: gl.constexpr = 2
     # latent copies: warps 0-3 (warpgroup 0) take columns 0 .. RANK / 2, warps 4-7 the rest (warp order dim 0 first)
-    CL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, WG], [0, 1])
+    if COPY_ROWS4:  # 4 rows a thread (fewer position loads and row addresses), columns interleaved across warpgroups
+        gl.static_assert(not EARLY_WAIT)
+        CL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, WG], [1, 0])
+    else:
+        CL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, WG], [0, 1])
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # bf16 rows of 64
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # bf16 rows of 512
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
@@ -809,22 +816,27 @@ BF16_EARLY_WAIT = True
 # prefill's attention 198.7 / 200.3 ms against 206.4 / 206.9 with EARLY_WAIT alone (two rounds in turn); relative error
 # against the twin on 256 rows 0.0020858, as before to 5 digits; the prefill acceptance case 414.6 against 422.0 ms.
 BF16_DEFER_SUM = True
+# COPY_ROWS4 by default: off until measured.
+BF16_COPY_ROWS4 = False
 
 
 def launch_bf16(q_nope, q_rope, dense_nope, dense_rope, seq_rows, token_seq, indices, softmax_scale, partial, lse,
                 splits: int, positions_per_split: int, block_k: int = 64, heads_inner: bool = True,
-                early_wait: bool | None = None, defer_sum: bool | None = None) -> None:
+                early_wait: bool | None = None, defer_sum: bool | None = None, copy_rows4: bool | None = None) -> None:
     """Launch ``sparse_mla_gluon_bf16_kernel`` on grid (rows x heads / 64, 1, splits) over a dense bf16 latent
     (``sparse_mla.upconvert_latent``: ``dense_nope`` [sequences * seq_rows, RANK], ``dense_rope`` [., ROPE]);
     ``partial`` / ``lse`` as for ``launch``. ``heads_inner`` False: a row's head blocks as far apart in launch order
     as the fp8 kernel's grid puts them (a probe of what the L2 sharing gives). ``early_wait``: the kernel's
-    EARLY_WAIT (None: ``BF16_EARLY_WAIT``); ``defer_sum``: its DEFER_SUM (None: ``BF16_DEFER_SUM``)."""
+    EARLY_WAIT (None: ``BF16_EARLY_WAIT``); ``defer_sum``: its DEFER_SUM (None: ``BF16_DEFER_SUM``); ``copy_rows4``:
+    its COPY_ROWS4 (None: ``BF16_COPY_ROWS4``; it turns EARLY_WAIT off)."""
     n_rows, n_heads, rank = q_nope.shape
     head_blocks = triton.cdiv(n_heads, GLUON_BLOCK_H)
+    copy_rows4 = BF16_COPY_ROWS4 if copy_rows4 is None else copy_rows4
+    early_wait = (BF16_EARLY_WAIT if early_wait is None else early_wait) and not copy_rows4
     sparse_mla_gluon_bf16_kernel[(n_rows * head_blocks, 1, splits)](
         q_nope.contiguous(), q_rope.contiguous(), dense_nope, dense_rope, token_seq.to(torch.int32).contiguous(),
         indices.to(torch.int32).contiguous(), partial, lse, n_heads, indices.shape[1], positions_per_split, seq_rows,
         softmax_scale * math.log2(math.e), RANK=rank, ROPE=q_rope.shape[-1], BLOCK_H=GLUON_BLOCK_H, BLOCK_K=block_k,
         SPLIT=splits > 1, HEAD_BLOCKS=head_blocks, HEADS_INNER=heads_inner,
-        EARLY_WAIT=BF16_EARLY_WAIT if early_wait is None else early_wait,
-        DEFER_SUM=BF16_DEFER_SUM if defer_sum is None else defer_sum, num_warps=8)
+        EARLY_WAIT=early_wait,
+        DEFER_SUM=BF16_DEFER_SUM if defer_sum is None else defer_sum, COPY_ROWS4=copy_rows4, num_warps=8)

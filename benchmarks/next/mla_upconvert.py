@@ -74,6 +74,10 @@ def main() -> None:
         sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
                                      idx, 0.1, out, out, 1, TOPK, early_wait=True)
 
+    def bf16_rows4():
+        sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
+                                     idx, 0.1, out, out, 1, TOPK, defer_sum=True, copy_rows4=True)
+
     def bf16_defer():
         sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
                                      idx, 0.1, out, out, 1, TOPK, early_wait=True, defer_sum=True)
@@ -81,6 +85,7 @@ def main() -> None:
     variants = [("fp8 gluon", lambda: sm.sparse_mla(*args, upconvert=False)),
                 ("bf16 gluon alone, early wait", bf16_early),
                 ("bf16 gluon alone, early wait + defer sum", bf16_defer),
+                ("bf16 gluon alone, copy rows 4 + defer sum", bf16_rows4),
                 ("bf16 gluon alone, head blocks row-major", bf16_row_major),
                 ("upconvert + bf16 gluon", lambda: sm.sparse_mla(*args, upconvert=True)),
                 ("conversion alone", lambda: sm.upconvert_latent(*cache)),
@@ -88,6 +93,9 @@ def main() -> None:
     got = sm.sparse_mla(*args, upconvert=True)
     bf16_defer()
     defer_err = _rel_err(out[:256].float(), twin.float())
+    defer_out = out.clone()
+    bf16_rows4()
+    rows4_equal = bool(torch.equal(out, defer_out))
     bf16_early()
     early_equal = bool(torch.equal(out, got))
     bf16_only()
@@ -95,6 +103,7 @@ def main() -> None:
              "rel_err_vs_twin_upconvert": _rel_err(got[:256].float(), twin.float()),
              "upconvert_equals_fp8": bool(torch.equal(got, base)), "bf16_alone_equals": bool(torch.equal(out, got)),
              "early_wait_equals": early_equal, "rel_err_vs_twin_defer_sum": defer_err,
+             "copy_rows4_equals_defer_sum": rows4_equal,
              "conversion_equals_twin": conv_ok}
     emit({"case": "tail 4096 rows, uniform positions", **check})
     for r in range(rounds):
@@ -119,12 +128,12 @@ def main() -> None:
                           full_idx[r0:r1], 0.1, **opt)
 
     for r in range(rounds):
-        for name, opt, defer in [("fp8 gluon", {"upconvert": False}, False),
-                                 ("upconvert + bf16 gluon, early wait", {"upconvert": True}, False),
-                                 ("upconvert + bf16 gluon, early wait + defer sum", {"upconvert": True}, True)]:
-            sparse_mla_gluon.BF16_DEFER_SUM = defer
+        for name, opt, rows4 in [("fp8 gluon", {"upconvert": False}, False),
+                                 ("upconvert + bf16 gluon, early wait + defer sum", {"upconvert": True}, False),
+                                 ("upconvert + bf16 gluon, copy rows 4 + defer sum", {"upconvert": True}, True)]:
+            sparse_mla_gluon.BF16_COPY_ROWS4 = rows4
             t = time_cuda(lambda o=opt: attend(**o), 3, warmup=1, graph=False)
-            sparse_mla_gluon.BF16_DEFER_SUM = False
+            sparse_mla_gluon.BF16_COPY_ROWS4 = False
             emit({"case": "prefill 128K attention", "round": r, "variant": name, "ms": t.median_us / 1e3,
                   "timed_as": t.mode, "TFLOPs": flops(positions) / t.median_us / 1e6})
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}

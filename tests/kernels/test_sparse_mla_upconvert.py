@@ -86,9 +86,10 @@ def test_gluon_bf16_kernel_builds_for_sm90_with_its_mmas_in_flight():
     from tests.kernels.test_sparse_mla_gluon import H200_SHARED_BYTES
     from tests.kernels.test_sparse_mla_sass import sass_rows
 
-    rows = sass_rows([{"bf16": True, "SPLIT": False}, {"bf16": True, "SPLIT": True},
-                      {"bf16": True, "SPLIT": False, "EARLY_WAIT": False},
-                      {"bf16": True, "SPLIT": True, "DEFER_SUM": True}])
+    rows = sass_rows([{"bf16": True, "SPLIT": False, "DEFER_SUM": False}, {"bf16": True, "SPLIT": True, "DEFER_SUM": False},
+                      {"bf16": True, "SPLIT": False, "EARLY_WAIT": False, "DEFER_SUM": False},
+                      {"bf16": True, "SPLIT": True, "DEFER_SUM": True},
+                      {"bf16": True, "SPLIT": False, "EARLY_WAIT": False, "COPY_ROWS4": True}])
     for row in rows:
         assert "error" not in row, row
         assert row["regs"] <= 255 and row["spill_bytes"] == 0 and row["shared"] <= H200_SHARED_BYTES, row
@@ -107,15 +108,18 @@ def _v32_case(heads=128, topk=2048):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,early_wait,defer_sum", [(None, False, False), (16, False, False), (None, True, False),
-                                                       (16, True, False), (None, True, True), (16, True, True)])
+@pytest.mark.parametrize("splits,early_wait,defer_sum,rows4", [(None, False, False, False), (16, False, False, False),
+                                                             (None, True, False, False), (16, True, False, False),
+                                                             (None, True, True, False), (16, True, True, False),
+                                                             (None, False, False, True), (16, False, True, True)])
 def test_upconverted_gluon_deepseek_v32_shape_matches_twin_and_fp8_kernel(monkeypatch, splits, early_wait,
-                                                                          defer_sum):
+                                                                          defer_sum, rows4):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens: the Gluon bf16 kernel
     against the twin and the float64 reference, and bit-equal to the fp8 Gluon kernel (the same bf16 operands,
     tiles, MMA shapes and softmax) unless DEFER_SUM; ``upconvert=None`` takes it where the rule says so."""
     monkeypatch.setattr(sm.sparse_mla_gluon, "BF16_EARLY_WAIT", early_wait)
     monkeypatch.setattr(sm.sparse_mla_gluon, "BF16_DEFER_SUM", defer_sum)
+    monkeypatch.setattr(sm.sparse_mla_gluon, "BF16_COPY_ROWS4", rows4)
     layer, sub, args = _v32_case()
     args[7][1] = -1
     got = sm.sparse_mla(*args, upconvert=True, splits=splits)
