@@ -816,8 +816,10 @@ BF16_EARLY_WAIT = True
 # prefill's attention 198.7 / 200.3 ms against 206.4 / 206.9 with EARLY_WAIT alone (two rounds in turn); relative error
 # against the twin on 256 rows 0.0020858, as before to 5 digits; the prefill acceptance case 414.6 against 422.0 ms.
 BF16_DEFER_SUM = True
-# COPY_ROWS4 by default: off until measured.
-BF16_COPY_ROWS4 = False
+# COPY_ROWS4 by default (it turns EARLY_WAIT off). H200, 2026-12-03, commit 132e8e3 (benchmarks/gpu-2026-12-03-dsa-s16,
+# call 5): the 128K prefill's attention 193.9 / 194.6 ms against 197.0 / 196.8 with EARLY_WAIT (two rounds in turn),
+# bit-equal; the sm_90 loop 615 instructions a thread a tile against 754.
+BF16_COPY_ROWS4 = True
 
 
 def launch_bf16(q_nope, q_rope, dense_nope, dense_rope, seq_rows, token_seq, indices, softmax_scale, partial, lse,
