@@ -607,8 +607,8 @@ def upconvert_latent(latent_nope: torch.Tensor, latent_scale: torch.Tensor, late
     if n_seq * width:
         _upconvert_kernel[(n_seq * width, PAGE_SIZE // rows)](
             latent_nope, latent_scale, latent_rope, block_table, out_nope, out_rope, block_table.stride(0), width,
-            RANK=rank, ROPE=rope, GROUP=rank // latent_scale.shape[-1], PAGE=PAGE_SIZE, ROWS=rows, UPCAST=_interpreting(),
-            num_warps=4)
+            RANK=rank, ROPE=rope, GROUP=rank // latent_scale.shape[-1], PAGE=PAGE_SIZE, ROWS=rows,
+            UPCAST=_interpreting(), num_warps=4)
     return out_nope, out_rope
 
 
@@ -624,22 +624,23 @@ def upconvert_latent_torch(latent_nope: torch.Tensor, latent_scale: torch.Tensor
             latent_rope[pages].reshape(n_seq, width * PAGE_SIZE, latent_rope.shape[-1]).clone())
 
 
-def upconvert_worth(n_rows: int, n_heads: int, topk: int, block_table: torch.Tensor, gluon_bf16: bool = True) -> bool:
+def upconvert_worth(n_rows: int, n_heads: int, topk: int, block_table: torch.Tensor, gluon_bf16: bool = True,
+                    row_bytes: int = 2 * (512 + 64)) -> bool:
     """Whether ``sparse_mla``'s ``upconvert=None`` converts the cache first: where the Gluon bf16 kernel takes the
     call (``gluon_bf16``), once the rows' (row, 64 heads) programs would dequantise at least UPCONVERT_MIN_RATIO
-    times the positions converted, and the dense copy stays within UPCONVERT_MAX_BYTES."""
+    times the positions converted, and the dense copy (``row_bytes`` a position) stays within UPCONVERT_MAX_BYTES."""
     if not (UPCONVERT_AUTO and gluon_bf16):
         return False
     positions = block_table.shape[0] * block_table.shape[1] * PAGE_SIZE
     gathered = n_rows * triton.cdiv(n_heads, sparse_mla_gluon.GLUON_BLOCK_H) * topk
-    return gathered >= UPCONVERT_MIN_RATIO * positions and positions * 1152 <= UPCONVERT_MAX_BYTES
+    return gathered >= UPCONVERT_MIN_RATIO * positions and positions * row_bytes <= UPCONVERT_MAX_BYTES
 
 
-# ``sparse_mla``'s upconvert=None rule (``upconvert_worth``). H200, 2026-12-03 (benchmarks/gpu-2026-12-03-dsa-s16, calls
-# 1-2, commits 9d19688 / 3546204): the 128K prefill's sparse MLA (16384-row chunks, each converting the whole 128K
-# cache first: 72-77 us) 208.2-209.8 ms against 239.7-241.4 for the fp8 Gluon kernel, 204.7-205.8 with the bf16
-# kernel's EARLY_WAIT; bit-equal. Decode batches stay on the fp8 kernel (64 rows x 128K: 2 head blocks x 2048
-# gathers a row against 8.4M positions to convert).
+# ``sparse_mla``'s upconvert=None rule (``upconvert_worth``). H200, 2026-12-03 (benchmarks/gpu-2026-12-03-dsa-s16): the
+# 128K prefill's sparse MLA (16384-row chunks, each converting the whole 128K cache first: 72-77 us) 193.9-194.6 ms
+# at the bf16 kernel's final defaults against 239.6-239.7 for the fp8 Gluon kernel (call 5; 208.2-208.7 against
+# 239.7-239.8 with none of its options, call 1, bit-equal). Decode batches stay on the fp8 kernel (64 rows x 128K: 2
+# head blocks x 2048 gathers a row against 8.4M positions to convert).
 UPCONVERT_AUTO = True
 UPCONVERT_MIN_RATIO = 8
 UPCONVERT_MAX_BYTES = 4 << 30
@@ -713,7 +714,7 @@ def sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_nope: torch.Te
     interpreting = _interpreting()
     if upconvert is None:
         upconvert = fp8 and upconvert_worth(n_rows, n_heads, topk, block_table,
-                                            _gluon_bf16_applies(q_nope, q_rope, rank))
+                                            _gluon_bf16_applies(q_nope, q_rope, rank), 2 * (rank + rope))
     if upconvert:
         given = [k for k, v in dict(block_h=block_h, block_k=block_k, v_split=v_split, qk_chunk=qk_chunk,
                                     num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, groups4=groups4,

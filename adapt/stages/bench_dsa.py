@@ -429,8 +429,9 @@ def _mla_tiles(tiles: dict, rows: int) -> dict:
 
 def _dense_decode(batch: int, context: int, reps: int, copy_tbps: float) -> dict:
     """Dense absorbed MLA decode as a serving engine without a fused kernel runs it, timed like the DSA
-    step (CUDA-graph replays back to back, ``_time_steady_ms``; the synced figure beside): per sequence, 128 query heads x the whole dense latent cache
-    [S, 576] bf16: scores = q @ KV^T (bf16 matmul), fp32 softmax, o = P @ KV[:, :512].
+    step (CUDA-graph replays back to back, ``_time_steady_ms``; the synced figure beside): per sequence, 128 query
+    heads x the whole dense latent cache [S, 576] bf16: scores = q @ KV^T (bf16 matmul), fp32 softmax,
+    o = P @ KV[:, :512].
 
     Byte floor: the latent cache read once, B * S * 1152 B (bf16) at the same-run copy rate; the fp8
     cache of the DSA path (656 B/token) would give B * S * 656 B. None when the buffers would not

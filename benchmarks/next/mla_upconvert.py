@@ -4,9 +4,10 @@ Gluon kernel, which gathers e4m3 rows and dequantises them in its loop (about a 
 tile, sm_90 build), for every (row, 64 heads) program that selects them.
 
 Cases (one 128K sequence, 128 heads, top-2048; FLOPs 2 * heads * positions * (512 + 64 + 512) a row):
-- the last 4096 rows with uniformly random positions (as ``mla_ws.py``): default, upconvert (conversion included),
-  the conversion alone, the bf16 kernel alone over a converted cache; each checked against the twin on 256 rows and
-  bit-compared with the default;
+- the last 4096 rows with uniformly random positions (as ``mla_ws.py``): the fp8 kernel, upconvert (conversion
+  included), the conversion alone, the bf16 kernel alone over a converted cache at its defaults and with its options
+  (EARLY_WAIT, DEFER_SUM, COPY_ROWS4) named; checked against the twin on 256 rows and bit-compared (without DEFER_SUM
+  the bf16 kernel equals the fp8 one);
 - the whole prefill's attention as ``bench_dsa`` runs it (128K rows in chunks of 16384, causal random positions;
   its ``sparse_mla_ms``): default against upconvert, in turns.
 
@@ -72,7 +73,7 @@ def main() -> None:
 
     def bf16_early():
         sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
-                                     idx, 0.1, out, out, 1, TOPK, early_wait=True)
+                                     idx, 0.1, out, out, 1, TOPK, early_wait=True, defer_sum=False, copy_rows4=False)
 
     def bf16_rows4():
         sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
@@ -80,7 +81,7 @@ def main() -> None:
 
     def bf16_defer():
         sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
-                                     idx, 0.1, out, out, 1, TOPK, early_wait=True, defer_sum=True)
+                                     idx, 0.1, out, out, 1, TOPK, early_wait=True, defer_sum=True, copy_rows4=False)
 
     variants = [("fp8 gluon", lambda: sm.sparse_mla(*args, upconvert=False)),
                 ("bf16 gluon alone, early wait", bf16_early),
@@ -97,12 +98,12 @@ def main() -> None:
     bf16_rows4()
     rows4_equal = bool(torch.equal(out, defer_out))
     bf16_early()
-    early_equal = bool(torch.equal(out, got))
+    early_equal = bool(torch.equal(out, base))
     bf16_only()
     check = {"rel_err_vs_twin_fp8": _rel_err(base[:256].float(), twin.float()),
              "rel_err_vs_twin_upconvert": _rel_err(got[:256].float(), twin.float()),
              "upconvert_equals_fp8": bool(torch.equal(got, base)), "bf16_alone_equals": bool(torch.equal(out, got)),
-             "early_wait_equals": early_equal, "rel_err_vs_twin_defer_sum": defer_err,
+             "early_wait_equals_fp8": early_equal, "rel_err_vs_twin_defer_sum": defer_err,
              "copy_rows4_equals_defer_sum": rows4_equal,
              "conversion_equals_twin": conv_ok}
     emit({"case": "tail 4096 rows, uniform positions", **check})
@@ -131,9 +132,10 @@ def main() -> None:
         for name, opt, rows4 in [("fp8 gluon", {"upconvert": False}, False),
                                  ("upconvert + bf16 gluon, early wait + defer sum", {"upconvert": True}, False),
                                  ("upconvert + bf16 gluon, copy rows 4 + defer sum", {"upconvert": True}, True)]:
+            default = sparse_mla_gluon.BF16_COPY_ROWS4
             sparse_mla_gluon.BF16_COPY_ROWS4 = rows4
             t = time_cuda(lambda o=opt: attend(**o), 3, warmup=1, graph=False)
-            sparse_mla_gluon.BF16_COPY_ROWS4 = False
+            sparse_mla_gluon.BF16_COPY_ROWS4 = default
             emit({"case": "prefill 128K attention", "round": r, "variant": name, "ms": t.median_us / 1e3,
                   "timed_as": t.mode, "TFLOPs": flops(positions) / t.median_us / 1e6})
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}

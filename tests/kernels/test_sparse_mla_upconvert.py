@@ -86,7 +86,8 @@ def test_gluon_bf16_kernel_builds_for_sm90_with_its_mmas_in_flight():
     from tests.kernels.test_sparse_mla_gluon import H200_SHARED_BYTES
     from tests.kernels.test_sparse_mla_sass import sass_rows
 
-    rows = sass_rows([{"bf16": True, "SPLIT": False, "DEFER_SUM": False}, {"bf16": True, "SPLIT": True, "DEFER_SUM": False},
+    rows = sass_rows([{"bf16": True, "SPLIT": False, "DEFER_SUM": False},
+                      {"bf16": True, "SPLIT": True, "DEFER_SUM": False},
                       {"bf16": True, "SPLIT": False, "EARLY_WAIT": False, "DEFER_SUM": False},
                       {"bf16": True, "SPLIT": True, "DEFER_SUM": True},
                       {"bf16": True, "SPLIT": False, "EARLY_WAIT": False, "COPY_ROWS4": True}])
@@ -98,6 +99,8 @@ def test_gluon_bf16_kernel_builds_for_sm90_with_its_mmas_in_flight():
         assert ops.get("LDGSTS", 0) == 18 and ops.get("HADD2", 0) == 0 and ops.get("F2FP", 0) <= 8, row
     # DEFER_SUM: one cross-warp reduction a tile instead of two (fewer barriers and shuffles)
     assert rows[3]["loop_ops"]["BAR"] < rows[1]["loop_ops"]["BAR"], rows
+    # COPY_ROWS4 (the shipped default, with DEFER_SUM): 4 position loads and row addresses a thread, not 16
+    assert rows[4]["loop_ops"]["LDG"] < rows[3]["loop_ops"]["LDG"] and rows[4]["loop_len"] < rows[3]["loop_len"], rows
 
 
 def _v32_case(heads=128, topk=2048):
