@@ -112,7 +112,7 @@ def main() -> None:
             t = time_cuda(fn, 10, warmup=2)
             emit({"case": "tail 4096", "round": r, "variant": name, "us": t.median_us, "timed_as": t.mode,
                   "TFLOPs": flops(TAIL * TOPK) / t.median_us / 1e6 if "conversion" not in name else None})
-    del dense, out, got, base
+    dense = out = got = base = None  # freed before the whole-prefill case
     torch.cuda.empty_cache()
 
     # the whole prefill's attention (bench_dsa's attend(): chunks of 16384 rows, causal random positions)
