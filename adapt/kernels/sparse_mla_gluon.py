@@ -443,11 +443,10 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
         head0 = (gl.program_id(0) // n_rows) * BLOCK_H
     split = gl.program_id(2)
     WG: gl.constexpr = 2
-    # latent copies: warps 0-3 (warpgroup 0) take columns 0 .. RANK / 2, warps 4-7 the rest (warp order dim 0 first)
     if COPY_ROWS4:  # 4 rows a thread (fewer position loads and row addresses), columns interleaved across warpgroups
         gl.static_assert(not EARLY_WAIT)
         CL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, WG], [1, 0])
-    else:
+    else:  # warps 0-3 (warpgroup 0) copy columns 0 .. RANK / 2, warps 4-7 the rest (warp order dim 0 first)
         CL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, WG], [0, 1])
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # bf16 rows of 64
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # bf16 rows of 512
