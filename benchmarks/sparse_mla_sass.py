@@ -2,7 +2,8 @@
 
 Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_FP8": true, "warps": 8, "stages": 1}]']
        (an object with "bf16": true compiles ``sparse_mla_gluon.sparse_mla_gluon_bf16_kernel``, the prefill
-       kernel over a dense bf16 latent, its SPLIT and BLOCK_K from the object; one with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
+       kernel over a dense bf16 latent, its SPLIT, BLOCK_K, EARLY_WAIT, DEFER_SUM and COPY_ROWS4 from the object;
+       one with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
        SPLIT, PREFETCH, EARLY_LOADS, DIRECT, L2_AHEAD, WARPS, ABLATE, LAZY, PDL and PARTIAL_BF16 from the object:
        ``compile_gluon``; its row adds ``branch_skip``, the loop's longest forward branch: with LAZY the
        accumulator's rescale, so loop_len - branch_skip.len instructions a tile on the tiles that skip it)
@@ -50,12 +51,15 @@ def compile_groups4(const: dict, num_warps: int, num_stages: int, swap_ab: bool 
     return compile_sm90(kern, const, ptrs, (), num_warps, num_stages, floats=("scale_log2",))
 
 
-def _compile_gluon_sm90(kern, const: dict, options: dict, partial: str = "fp32"):
+def _compile_gluon_sm90(kern, const: dict, options: dict, partial: str = "fp32", ptr_types: dict | None = None):
     """A Gluon sparse MLA kernel for sm_90 at the DeepSeek-V3.2 shapes (rank 512 in four e4m3 groups, rope 64, 64
-    heads) with these constexprs (SPLIT among them) and launch options; pointers 16-byte aligned; ``partial``: the
-    slice partials' element type under SPLIT."""
-    const = dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, PAGE=64, **const)
+    heads) with these constexprs (SPLIT among them; shape constexprs the kernel does not take are dropped) and launch
+    options; pointers 16-byte aligned; ``partial``: the slice partials' element type under SPLIT; ``ptr_types``:
+    pointer element types other than ``PTRS``'."""
+    const = {k: v for k, v in dict(RANK=512, ROPE=64, GROUP=128, BLOCK_H=64, PAGE=64, **const).items()
+             if k in kern.arg_names}
     ptrs = {k: v for k, v in PTRS.items() if k not in ("qscale_ptr",)}
+    ptrs.update(ptr_types or {})
     ptrs["out_ptr"] = partial if const["SPLIT"] else "bf16"
     sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
            for n in kern.arg_names}
@@ -78,16 +82,10 @@ def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool 
 def compile_gluon_bf16(split: bool, block_k: int = 64, early_wait: bool = True, defer_sum: bool = True,
                        copy_rows4: bool = False):
     """``sparse_mla_gluon_bf16_kernel`` (the prefill kernel over a dense bf16 latent) for sm_90, 8 warps."""
-    kern = smg.sparse_mla_gluon_bf16_kernel
-    const = dict(RANK=512, ROPE=64, BLOCK_H=64, BLOCK_K=block_k, SPLIT=split, HEAD_BLOCKS=2, EARLY_WAIT=early_wait,
-                 DEFER_SUM=defer_sum, COPY_ROWS4=copy_rows4)
-    ptrs = dict(qn_ptr="bf16", qr_ptr="bf16", nope_ptr="bf16", rope_ptr="bf16", seq_ptr="i32", idx_ptr="i32",
-                out_ptr="fp32" if split else "bf16", lse_ptr="fp32")
-    sig = {n: ("constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32")
-           for n in kern.arg_names}
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in ptrs}
-    return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8))
+    const = dict(BLOCK_K=block_k, SPLIT=split, HEAD_BLOCKS=2, EARLY_WAIT=early_wait, DEFER_SUM=defer_sum,
+                 COPY_ROWS4=copy_rows4)
+    return _compile_gluon_sm90(smg.sparse_mla_gluon_bf16_kernel, const, dict(num_warps=8),
+                               ptr_types={"nope_ptr": "bf16"})
 
 
 def compile_gluon_ws(split: bool, pwarps: int = 4, pregs: int = 152, maxnreg: int = 168, pair: bool = True,

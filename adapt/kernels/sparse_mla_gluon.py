@@ -130,11 +130,12 @@ def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.con
 
 
 @gluon.jit
-def _online_softmax(s, valid, m_i, l_i, scale_log2, LAZY: gl.constexpr = 0.0):
+def _online_softmax(s, valid, m_i, l_i, scale_log2, LAZY: gl.constexpr = 0.0, SUM: gl.constexpr = True):
     """One tile's online-softmax step in log2 units: the tile's probabilities p (positions not ``valid`` -inf),
     the rescale alpha of what came before, the running max and sum, and which rows' accumulators need alpha (max
     moved from a finite value; a row still at -inf has a zero accumulator). LAZY > 0 (log2 units): a row keeps its
-    running max unless the tile's exceeds it by more than LAZY (alpha is then exactly 1 and p at most 2^LAZY)."""
+    running max unless the tile's exceeds it by more than LAZY (alpha is then exactly 1 and p at most 2^LAZY).
+    SUM False: ``l_i`` is returned as given (the caller keeps the sums itself; no cross-warp sum)."""
     s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     moved = m_new > m_i + LAZY
@@ -144,16 +145,9 @@ def _online_softmax(s, valid, m_i, l_i, scale_log2, LAZY: gl.constexpr = 0.0):
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1), rescale
-
-
-@gluon.jit
-def _online_softmax_nosum(s, valid, m_i, scale_log2):
-    """``_online_softmax`` without the row sum (LAZY 0): (p, alpha, running max)."""
-    s = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    return gl.exp2(s - gl.expand_dims(m_safe, 1)), gl.exp2(m_i - m_safe), m_new
+    if SUM:
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i, rescale
 
 
 @gluon.jit
@@ -493,11 +487,9 @@ def sparse_mla_gluon_bf16_kernel(qn_ptr, qr_ptr, nope_ptr, rope_ptr, seq_ptr, id
         valid_n = _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, VL) >= 0
         idx_c = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, CS)
         idx_r = _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk, BLOCK_K, RS)
+        p, alpha, m_i, l_i, rescale = _online_softmax(s, valid, m_i, l_i, scale_log2, 0.0, not DEFER_SUM)
         if DEFER_SUM:
-            p, alpha, m_i = _online_softmax_nosum(s, valid, m_i, scale_log2)
             l_acc = l_acc * gl.expand_dims(alpha, 1) + p
-        else:
-            p, alpha, m_i, l_i, rescale = _online_softmax(s, valid, m_i, l_i, scale_log2)
         if EARLY_WAIT:  # the next tile's rows landed (this thread's copies; the barrier below: everyone's)
             cp.wait_group(0)
         p_smem.store(p.to(gl.bfloat16))

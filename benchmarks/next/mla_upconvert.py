@@ -63,25 +63,16 @@ def main() -> None:
     seq_rows = dense[0].shape[1]
     out = torch.empty_like(base)
 
-    def bf16_only():
-        sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
-                                     idx, 0.1, out, out, 1, TOPK)
+    def bf16(**flags):
+        """The bf16 kernel alone over the converted cache, its launch options ``flags`` (defaults where not named)."""
+        return lambda: sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows,
+                                                    token_seq[:TAIL], idx, 0.1, out, out, 1, TOPK, **flags)
 
-    def bf16_row_major():
-        sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
-                                     idx, 0.1, out, out, 1, TOPK, heads_inner=False)
-
-    def bf16_early():
-        sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
-                                     idx, 0.1, out, out, 1, TOPK, early_wait=True, defer_sum=False, copy_rows4=False)
-
-    def bf16_rows4():
-        sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
-                                     idx, 0.1, out, out, 1, TOPK, defer_sum=True, copy_rows4=True)
-
-    def bf16_defer():
-        sparse_mla_gluon.launch_bf16(q_nope[:TAIL], q_rope[:TAIL], dense[0], dense[1], seq_rows, token_seq[:TAIL],
-                                     idx, 0.1, out, out, 1, TOPK, early_wait=True, defer_sum=True, copy_rows4=False)
+    bf16_only = bf16()
+    bf16_row_major = bf16(heads_inner=False)
+    bf16_early = bf16(early_wait=True, defer_sum=False, copy_rows4=False)
+    bf16_rows4 = bf16(defer_sum=True, copy_rows4=True)
+    bf16_defer = bf16(early_wait=True, defer_sum=True, copy_rows4=False)
 
     variants = [("fp8 gluon", lambda: sm.sparse_mla(*args, upconvert=False)),
                 ("bf16 gluon alone, early wait", bf16_early),
