@@ -813,6 +813,15 @@ BF16_DEFER_SUM = True
 BF16_COPY_ROWS4 = True
 
 
+def bf16_flags(early_wait: bool | None = None, defer_sum: bool | None = None,
+               copy_rows4: bool | None = None) -> dict:
+    """The options ``launch_bf16`` gives ``sparse_mla_gluon_bf16_kernel``: the named ones, else the ``BF16_*``
+    defaults; COPY_ROWS4 turns EARLY_WAIT off."""
+    copy_rows4 = BF16_COPY_ROWS4 if copy_rows4 is None else copy_rows4
+    return {"early_wait": (BF16_EARLY_WAIT if early_wait is None else early_wait) and not copy_rows4,
+            "defer_sum": BF16_DEFER_SUM if defer_sum is None else defer_sum, "copy_rows4": copy_rows4}
+
+
 def launch_bf16(q_nope, q_rope, dense_nope, dense_rope, seq_rows, token_seq, indices, softmax_scale, partial, lse,
                 splits: int, positions_per_split: int, block_k: int = 64, heads_inner: bool = True,
                 early_wait: bool | None = None, defer_sum: bool | None = None, copy_rows4: bool | None = None) -> None:
@@ -824,12 +833,10 @@ def launch_bf16(q_nope, q_rope, dense_nope, dense_rope, seq_rows, token_seq, ind
     its COPY_ROWS4 (None: ``BF16_COPY_ROWS4``; it turns EARLY_WAIT off)."""
     n_rows, n_heads, rank = q_nope.shape
     head_blocks = triton.cdiv(n_heads, GLUON_BLOCK_H)
-    copy_rows4 = BF16_COPY_ROWS4 if copy_rows4 is None else copy_rows4
-    early_wait = (BF16_EARLY_WAIT if early_wait is None else early_wait) and not copy_rows4
+    flags = bf16_flags(early_wait, defer_sum, copy_rows4)
     sparse_mla_gluon_bf16_kernel[(n_rows * head_blocks, 1, splits)](
         q_nope.contiguous(), q_rope.contiguous(), dense_nope, dense_rope, token_seq.to(torch.int32).contiguous(),
         indices.to(torch.int32).contiguous(), partial, lse, n_heads, indices.shape[1], positions_per_split, seq_rows,
         softmax_scale * math.log2(math.e), RANK=rank, ROPE=q_rope.shape[-1], BLOCK_H=GLUON_BLOCK_H, BLOCK_K=block_k,
         SPLIT=splits > 1, HEAD_BLOCKS=head_blocks, HEADS_INNER=heads_inner,
-        EARLY_WAIT=early_wait,
-        DEFER_SUM=BF16_DEFER_SUM if defer_sum is None else defer_sum, COPY_ROWS4=copy_rows4, num_warps=8)
+        EARLY_WAIT=flags["early_wait"], DEFER_SUM=flags["defer_sum"], COPY_ROWS4=flags["copy_rows4"], num_warps=8)
