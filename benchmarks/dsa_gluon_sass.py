@@ -36,15 +36,21 @@ def compile_gluon(const: dict, maxnreg: int = 0):
     """``_index_scores_gluon_kernel`` compiled for sm_90 (4 warps) with the given constexprs; maxnreg: a
     register cap (0: none)."""
     const = dict(const)
+    warps = dsa_gluon.GLUON_WARPS
     kern = dsa_gluon._index_scores_gluon_rows_kernel if const.pop("SPLIT_ROWS", False) else \
         dsa_gluon._index_scores_gluon_kernel
-    if kern is dsa_gluon._index_scores_gluon_rows_kernel:
+    groups = const.pop("WARPGROUPS", 0)
+    if groups:
+        kern, warps = dsa_gluon._index_scores_gluon_wg_kernel, 4 * groups
+        const.update(BLOCK_S=64 * groups, WARPS=warps)
+        const.pop("ROWS", None)
+    if kern is not dsa_gluon._index_scores_gluon_kernel:
         const.pop("W_SMEM", None)
     sig = {n: ("constexpr" if n in const else "*" + PTRS[n] if n in PTRS else "i32") for n in kern.arg_names}
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in PTRS or n in DIV16}
     return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=dsa_gluon.GLUON_WARPS, **({"maxnreg": maxnreg} if maxnreg else {})))
+                          options=dict(num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def wgmma_notes(ck, maxnreg: int = 0) -> list[str]:

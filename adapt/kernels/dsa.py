@@ -376,7 +376,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  num_stages: int | None = None, num_warps: int | None = None,
                  programs: int | None = None, stacked: bool = True, full_tiles: bool = False,
                  gluon: bool | None = None, gluon_w_smem: bool = True,
-                 gluon_maxnreg: int | None = None, gluon_split_rows: bool = False) -> torch.Tensor:
+                 gluon_maxnreg: int | None = None, gluon_split_rows: bool = False,
+                 gluon_warpgroups: int = 0) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -402,7 +403,9 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     one key tile overlapped with the epilogue of the one before; 4 warps, 64-key tiles); None: ``PREFILL_GLUON``
     where ``dsa_gluon.gluon_applies``, True: required (ValueError where it does not apply, e.g. on CPU);
     ``gluon_w_smem``: its epilogue re-reads the head weights from shared memory; ``gluon_maxnreg``: its
-    register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``).
+    register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``);
+    ``gluon_warpgroups`` G (with ``gluon``, 2-row tiles): the multi-warpgroup kernel, key tiles of 64 G keys on
+    4 G warps (``key_block`` defaults to 64 G).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -415,7 +418,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         tiles = token_seq
     else:
         tiles = _query_tiles(token_seq, per_tile).flip(0).contiguous()  # causal: the longest rows start first
-    block_s = key_block or (DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
+    block_s = key_block or (64 * gluon_warpgroups if gluon_warpgroups and not decode else
+                            DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     key_tiles = triton.cdiv(num_cols, block_s)
     if decode and not programs:
         programs = min(DECODE_PROGRAMS, DECODE_PROGRAMS_PER_ROW * tiles.shape[0])
@@ -424,7 +428,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     grid = (tiles.shape[0], splits)
     block_h = max(16, triton.next_power_of_2(n_heads))
     use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))
-    if use_gluon and (_interpreting() or not dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE)):
+    if use_gluon and (_interpreting() or not dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE,
+                                                                     gluon_warpgroups)):
         if gluon:
             raise ValueError("gluon=True needs a CUDA device of capability 9.x, 64-key tiles inside one page, "
                              "a head dim that is a multiple of 32 and rows_per_tile x heads <= 256")
@@ -433,7 +438,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         dsa_gluon.launch(grid, q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
                          limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
                          rows=per_tile, page=PAGE_SIZE, num_stages=num_stages or 3, w_smem=gluon_w_smem,
-                         maxnreg=gluon_maxnreg, split_rows=gluon_split_rows)
+                         maxnreg=gluon_maxnreg, split_rows=gluon_split_rows, warpgroups=gluon_warpgroups)
         return out
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,

@@ -305,10 +305,120 @@ def _index_scores_gluon_rows_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr
                      mask=(r < n_rows) & (pos < out_cols))
 
 
+@gluon.constexpr_function
+def _wg_copy_layout(head_dim, warps):
+    """Blocked layout for 16-byte copies of [16 * warps, head_dim] e4m3 in which warp w writes rows [16 w, 16 w + 16)
+    (4 rows a thread), so that each warpgroup copies exactly the 64 rows its own wgmma reads."""
+    along = min(8, head_dim // 16)
+    return gl.BlockedLayout([max(1, along // 2), 16], [32 // along, along], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, kt, kv_end, buf, HEAD_DIM: gl.constexpr,
+                   BLOCK_S: gl.constexpr, PAGE: gl.constexpr, load_layout: gl.constexpr):
+    """cp.async of key tile ``kt`` ([BLOCK_S, HEAD_DIM] e4m3, BLOCK_S / PAGE pages through the block table) into
+    ``buf``; rows at or past ``kv_end`` (the sequence's allocated keys) are not read."""
+    pos = kt * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, load_layout))
+    ok = pos < kv_end
+    page = gl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=ok, other=0).to(gl.int64)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load_layout))
+    cp.async_copy_global_to_shared(buf, k_ptr + (page * PAGE + pos % PAGE)[:, None] * HEAD_DIM + cols[None, :],
+                                   mask=ok[:, None])
+
+
+@gluon.jit
+def _wg_row_epilogue(logits, w, kscale, pos, limit, out_row, store_ok, out_cols):
+    """One query row's scores over the tile: sum over heads of ReLU(logit) x w, x kscale, -inf at and past the row's
+    limit; stored where ``store_ok`` and inside the output."""
+    score = gl.sum(gl.maximum(logits, 0.0) * w[None, :], axis=1)
+    score = gl.where(pos < limit, score * kscale, float("-inf"))
+    gl.store(out_row + pos, score, mask=store_ok & (pos < out_cols))
+
+
+@gluon.jit
+def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
+                                  n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
+                                  HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
+                                  PAGE: gl.constexpr, NUM_STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """The multi-warpgroup form (``launch(..., warpgroups=G)``): 2-row query tiles against key tiles of
+    BLOCK_S = 64 G keys, one warpgroup a 64-key slice (keys on the wgmma M side). Each row is its own N = BLOCK_H
+    bank: both banks' wgmmas are issued together and row 0's epilogue runs while row 1's MMA does. The head
+    weights stay in registers; the per-key scale is loaded once a tile for both rows; each warpgroup copies the
+    rows its own wgmma reads. Same grid, tile table, arithmetic and output as ``_index_scores_gluon_kernel``
+    (key tiles of BLOCK_S)."""
+    gl.static_assert(BLOCK_S == 16 * WARPS)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, BLOCK_H, 32])
+    smem_layout: gl.constexpr = _smem_layout(HEAD_DIM)
+    load_layout: gl.constexpr = _wg_copy_layout(HEAD_DIM, WARPS)
+    q_layout: gl.constexpr = _copy_layout(HEAD_DIM, WARPS)
+    key_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    head_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+
+    row0, n_rows, seq, tile_limit, first, last, live = _program_range(tiles_ptr, limit_ptr, out_cols,
+                                                                       tiles_per_split, BLOCK_S)
+    kv_end = gl.cdiv(tile_limit, PAGE) * PAGE  # keys of the pages the last row sees
+
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    q_rows = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_H, HEAD_DIM], smem_layout)
+    wh = gl.arange(0, BLOCK_H, layout=head_layout)
+    q_off = (row0.to(gl.int64) * n_heads + heads) * HEAD_DIM
+    q_rows.index(0).store(gl.load(q_ptr + q_off[:, None] + dims[None, :], mask=(heads < n_heads)[:, None], other=0.0))
+    q_rows.index(1).store(gl.load(q_ptr + q_off[:, None] + n_heads * HEAD_DIM + dims[None, :],
+                                  mask=((heads < n_heads) & (n_rows > 1))[:, None], other=0.0))
+    w0 = gl.load(w_ptr + row0.to(gl.int64) * n_heads + wh, mask=wh < n_heads, other=0.0)
+    w1 = gl.load(w_ptr + (row0 + 1).to(gl.int64) * n_heads + wh, mask=(wh < n_heads) & (n_rows > 1), other=0.0)
+    limit0 = gl.load(limit_ptr + row0)
+    limit1 = gl.load(limit_ptr + row0 + 1, mask=n_rows > 1, other=0)
+    out0 = out_ptr + row0.to(gl.int64) * out_stride
+    out1 = out0 + out_stride
+    q0_t = q_rows.index(0).permute((1, 0))
+    q1_t = q_rows.index(1).permute((1, 0))
+
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_S, HEAD_DIM], smem_layout)
+    for s in gl.static_range(NUM_STAGES):
+        if first + s < live:
+            _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, first + s, kv_end, ring.index(s), HEAD_DIM,
+                           BLOCK_S, PAGE, load_layout)
+        cp.commit_group()
+    fence_async_shared()
+
+    zero = gl.zeros([BLOCK_S, BLOCK_H], gl.float32, layout=mma_layout)
+    for kt in range(first, live):
+        stage = ring.index((kt - first) % NUM_STAGES)
+        cp.wait_group(NUM_STAGES - 1)
+        fence_async_shared()
+        gl.thread_barrier()
+        acc0 = warpgroup_mma(stage, q0_t, zero, use_acc=False, is_async=True)
+        acc1 = warpgroup_mma(stage, q1_t, zero, use_acc=False, is_async=True)
+        pos = kt * BLOCK_S + gl.arange(0, BLOCK_S, layout=key_layout)
+        key_ok = pos < tile_limit
+        page = gl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_ok, other=0).to(gl.int64)
+        kscale = gl.load(ks_ptr + page * PAGE + pos % PAGE, mask=key_ok, other=0.0)
+        logits0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+        _wg_row_epilogue(logits0, w0, kscale, pos, limit0, out0, n_rows > 0, out_cols)
+        logits1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+        # both wgmmas of this warpgroup are done with the stage: refill it (this warpgroup's rows only)
+        nxt = kt + NUM_STAGES
+        if nxt < live:
+            _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, nxt, kv_end, stage, HEAD_DIM, BLOCK_S, PAGE,
+                           load_layout)
+        cp.commit_group()
+        _wg_row_epilogue(logits1, w1, kscale, pos, limit1, out1, n_rows > 1, out_cols)
+    cp.wait_group(0)
+
+    for kt in range(gl.maximum(first, live), last):  # tiles past the query tile's last visible key: -inf
+        pos = kt * BLOCK_S + gl.arange(0, BLOCK_S, layout=key_layout)
+        inf = gl.full([BLOCK_S], float("-inf"), gl.float32, layout=key_layout)
+        gl.store(out0 + pos, inf, mask=pos < out_cols)
+        gl.store(out1 + pos, inf, mask=(pos < out_cols) & (n_rows > 1))
+
+
 def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
            index_scale: torch.Tensor, block_table: torch.Tensor, limits: torch.Tensor, tiles: torch.Tensor,
            out: torch.Tensor, tiles_per_split: int, *, block_h: int, rows: int, page: int, num_stages: int,
-           w_smem: bool = True, maxnreg: int | None = None, split_rows: bool = False) -> None:
+           w_smem: bool = True, maxnreg: int | None = None, split_rows: bool = False, warpgroups: int = 0) -> None:
     """``_index_scores_gluon_kernel`` over ``grid`` (query tiles, splits) with ``dsa.index_scores``' arguments:
     q_fp8 e4m3 [N, H, D], weights fp32 [N, H], index_k e4m3 [pages, PAGE, D], index_scale fp32 [pages, PAGE],
     limits int32 [N], tiles int32 [query tiles, 3], out fp32 [N, cols]; 64-key tiles, 4 warps. ``maxnreg``: a
@@ -320,18 +430,29 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
     args = (q_fp8, weights, index_k, index_scale, block_table, limits, tiles, out,
             n_heads, block_table.stride(0), out.stride(0), out.shape[1], tiles_per_split)
     const = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=64, ROWS=rows, PAGE=page, NUM_STAGES=num_stages)
-    if split_rows:
+    if warpgroups:
+        if rows != 2:
+            raise ValueError(f"the multi-warpgroup indexer kernel takes 2-row query tiles, not {rows}")
+        _index_scores_gluon_wg_kernel[grid](*args, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=64 * warpgroups,
+                                            PAGE=page, NUM_STAGES=num_stages, WARPS=4 * warpgroups,
+                                            num_warps=4 * warpgroups, **extra)
+    elif split_rows:
         _index_scores_gluon_rows_kernel[grid](*args, **const, num_warps=GLUON_WARPS, **extra)
     else:
         _index_scores_gluon_kernel[grid](*args, **const, W_SMEM=w_smem, num_warps=GLUON_WARPS, **extra)
 
 
-def gluon_applies(q_fp8: torch.Tensor, rows_per_tile: int, key_block: int, page: int) -> bool:
+def gluon_applies(q_fp8: torch.Tensor, rows_per_tile: int, key_block: int, page: int, warpgroups: int = 0) -> bool:
     """Whether ``_index_scores_gluon_kernel`` takes these shapes on this device: CUDA capability 9.x, 64-key
     tiles inside one page, HEAD_DIM a multiple of 32, ROWS * BLOCK_H at most 256 (BLOCK_H: heads padded to a
-    power of two, at least 16)."""
+    power of two, at least 16). With ``warpgroups`` G (``_index_scores_gluon_wg_kernel``): 2-row tiles, key tiles
+    of 64 G keys, pages of at least 4 keys, BLOCK_H at most 256."""
     n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
     block_h = max(16, 1 << (n_heads - 1).bit_length())
+    if warpgroups:
+        return (is_sm90(q_fp8.device) and warpgroups in (1, 2, 4) and key_block == 64 * warpgroups
+                and rows_per_tile == 2 and page % 4 == 0 and head_dim % 32 == 0 and head_dim <= 256
+                and block_h <= 256)
     return (is_sm90(q_fp8.device) and key_block == 64
             and page % key_block == 0 and head_dim % 32 == 0 and head_dim <= 256 and rows_per_tile * block_h <= 256
             and rows_per_tile & (rows_per_tile - 1) == 0)

@@ -18,8 +18,10 @@ from tests.kernels.test_sparse_mla_sass import sass_rows
 # The configs the prefill sweep times on the H200 (DeepSeek-V3.2: 64 heads x 128, 2 rows, 64-key pages), and the
 # small head count / head dim of the GPU test below.
 SHIPPED = [{}, {"maxnreg": 168}, {"NUM_STAGES": 4, "maxnreg": 168}, {"W_SMEM": False}, {"SPLIT_ROWS": True},
-           {"SPLIT_ROWS": True, "ROWS": 4}, {"SPLIT_ROWS": True, "maxnreg": 96}]
-SMALL = [{"HEAD_DIM": 32, "BLOCK_H": 16}, {"HEAD_DIM": 32, "BLOCK_H": 16, "SPLIT_ROWS": True}]
+           {"SPLIT_ROWS": True, "ROWS": 4}, {"SPLIT_ROWS": True, "maxnreg": 96},
+           {"WARPGROUPS": 1}, {"WARPGROUPS": 2}, {"WARPGROUPS": 2, "NUM_STAGES": 4}, {"WARPGROUPS": 4}]
+SMALL = [{"HEAD_DIM": 32, "BLOCK_H": 16}, {"HEAD_DIM": 32, "BLOCK_H": 16, "SPLIT_ROWS": True},
+         {"HEAD_DIM": 32, "BLOCK_H": 16, "WARPGROUPS": 2}]
 
 
 def test_sm90_build_keeps_the_wgmma_async_without_spills():
@@ -38,6 +40,8 @@ def test_sm90_build_keeps_the_wgmma_async_without_spills():
             assert row["regs"] <= row["config"]["maxnreg"], row
         if row["config"].get("SPLIT_ROWS"):  # 4 programs of 128 threads per SM
             assert row["regs"] <= 128, row
+        if row["config"].get("WARPGROUPS", 0) in (1, 2):  # 2 programs of 8 warps per SM (4 of 4 warps at G = 1)
+            assert row["regs"] <= 128, row
 
 
 def test_dispatch_keeps_the_tl_kernel_off_hopper():
@@ -49,13 +53,21 @@ def test_dispatch_keeps_the_tl_kernel_off_hopper():
     assert_close_scores(got, dsa.index_scores_torch(*args), "cpu")
     with pytest.raises(ValueError, match="gluon=True"):
         dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=True)
+    with pytest.raises(ValueError, match="gluon=True"):
+        dsa.index_scores(*args, rows_per_tile=2, gluon=True, gluon_warpgroups=2)
+    # asked for without gluon=True, the warpgroup option keeps the tl kernel (with its own 128-key tiles) here
+    got = dsa.index_scores(*args, rows_per_tile=2, gluon_warpgroups=2)
+    assert_close_scores(got, dsa.index_scores_torch(*args), "cpu")
 
 
 GPU_OPTIONS = [dict(gluon=True), dict(gluon=True, gluon_maxnreg=168), dict(gluon=True, num_stages=2),
                dict(gluon=True, gluon_w_smem=False), dict(gluon=True, programs=1),
                dict(gluon=True, gluon_split_rows=True), dict(gluon=True, gluon_split_rows=True, programs=1),
                dict(gluon=True, gluon_split_rows=True, rows_per_tile=4, num_stages=2),
-               dict(gluon=True, gluon_split_rows=True, gluon_maxnreg=96)]
+               dict(gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
+               dict(gluon=True, gluon_warpgroups=2, key_block=None), dict(gluon=True, gluon_warpgroups=1),
+               dict(gluon=True, gluon_warpgroups=4, key_block=None, num_stages=2),
+               dict(gluon=True, gluon_warpgroups=2, key_block=None, programs=1)]
 
 
 @pytest.mark.gpu
@@ -74,7 +86,7 @@ def test_gluon_scores_match_twin_on_gpu(opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_rows", [False, True])
+@pytest.mark.parametrize("split_rows", [False, True, "wg2"])
 def test_gluon_scores_at_deepseek_shapes_on_gpu(split_rows):
     """DeepSeek-V3.2's indexer (64 heads x 128) on the last 64 rows of a 4160-token causal prefill: against the
     twin at the tight GPU tolerance, and against the tl kernel (the same arithmetic)."""
@@ -84,7 +96,10 @@ def test_gluon_scores_at_deepseek_shapes_on_gpu(split_rows):
     last = slice(n - 64, n)
     args = (q8[last], weights[last], layer.index_k, layer.index_scale, batch.block_table, batch.token_seq[last],
             limits[last], n)
-    got = dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=True, gluon_split_rows=split_rows)
+    if split_rows == "wg2":  # the two-warpgroup kernel, 128-key tiles
+        got = dsa.index_scores(*args, rows_per_tile=2, gluon=True, gluon_warpgroups=2)
+    else:
+        got = dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=True, gluon_split_rows=split_rows)
     tl_scores = dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=False)
     assert_close_scores(got, dsa.index_scores_torch(*args), "cuda")
     assert_close_scores(got, tl_scores, "cuda")

@@ -1,0 +1,120 @@
+"""Issue 16, indexer prefill: the multi-warpgroup Gluon kernel (``dsa_gluon._index_scores_gluon_wg_kernel``:
+2-row query tiles, key tiles of 64 G keys on G warpgroups, each row its own N = 64 bank, row 0's epilogue under row
+1's MMA, head weights in registers) against the tl 2 x 64 tile (the default) and the row-split Gluon kernel.
+
+One causal 128K sequence, DeepSeek-V3.2's indexer (64 heads x 128, e4m3). Each variant is first checked on the last
+64 rows against the tl kernel (max |diff| over max |tl|) and the twin, then timed in turns (ROUNDS rounds) on the
+last 4096 rows and over all 128K rows in chunks of 4096 rows (the acceptance line's measure, ``bench_dsa``'s
+``all_rows_TFLOPs``). FLOPs 2 * 64 * 128 per visible (row, key).
+
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/index_wg.py OUT_DIR [ROUNDS [BUDGET_S]]
+Writes OUT_DIR/index_wg.json; prints one line per row. Under Nsight Compute:
+``ncu ... python3 benchmarks/next/index_wg.py --ncu "wg2 s3" ...``: each named variant's last 4096 rows, twice.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from adapt.bench.timer import time_eager_ms
+from adapt.kernels import dsa
+from adapt.stages.bench_dsa import INDEX_DIM, INDEX_HEADS, _queries, _random_cache
+
+LENGTH, TAIL = 131072, 4096
+VARIANTS = {
+    "tl 2x64 (default)": dict(rows_per_tile=2, key_block=64),
+    "gluon rows cap96": dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_split_rows=True,
+                             gluon_maxnreg=96),
+    "wg1 s3": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3),
+    "wg2 s3": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=3),
+    "wg2 s2": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=2),
+    "wg2 s4": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=4),
+    "wg4 s2": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=4, num_stages=2),
+    "wg4 s3": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=4, num_stages=3),
+}
+
+
+def main() -> None:
+    if sys.argv[1] == "--ncu":
+        return profile(sys.argv[2:])
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    budget = float(sys.argv[3]) if len(sys.argv) > 3 else 150.0
+    t0 = time.time()
+    cache = _random_cache(LENGTH, "fp8")
+    layer = cache.dsa_layer(0)
+    table = torch.arange(LENGTH // 64, device="cuda", dtype=torch.int32)[None]
+    seq = torch.zeros(LENGTH, device="cuda", dtype=torch.int32)
+    limits = torch.arange(1, LENGTH + 1, device="cuda", dtype=torch.int32)
+    q8, weights, _, _ = _queries(LENGTH)
+
+    def run(opts: dict, r0: int, r1: int) -> torch.Tensor:
+        return dsa.index_scores(q8[r0:r1], weights[r0:r1], layer.index_k, layer.index_scale, table, seq[r0:r1],
+                                limits[r0:r1], LENGTH, **opts)
+
+    def all_rows(opts: dict) -> None:
+        for r0 in range(0, LENGTH, TAIL):
+            run(opts, r0, r0 + TAIL)
+
+    tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(LENGTH - TAIL + 1, LENGTH + 1))
+    all_flops = 2 * INDEX_HEADS * INDEX_DIM * LENGTH * (LENGTH + 1) / 2
+    result = {"device": torch.cuda.get_device_name(), "rows": [], "checks": {}}
+    ref = run(VARIANTS["tl 2x64 (default)"], LENGTH - 64, LENGTH)
+    twin = dsa.index_scores_torch(q8[-64:], weights[-64:], layer.index_k, layer.index_scale, table, seq[-64:],
+                                  limits[-64:], LENGTH)
+    finite = torch.isfinite(ref)
+    scale = float(ref[finite].abs().max())
+    live = {}
+    for name, opts in VARIANTS.items():
+        try:
+            got = run(opts, LENGTH - 64, LENGTH)
+            torch.cuda.synchronize()
+        except Exception as err:  # a variant that fails is recorded, the others still run
+            result["checks"][name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            print(name, "ERROR", result["checks"][name]["error"], flush=True)
+            continue
+        same_inf = bool(torch.equal(torch.isfinite(got), finite))
+        check = {"vs_tl": float((got[finite] - ref[finite]).abs().max()) / scale,
+                 "vs_twin": float((got[finite] - twin[finite]).abs().max()) / scale,
+                 "bit_equal_tl": bool(torch.equal(got, ref)), "same_inf": same_inf}
+        result["checks"][name] = check
+        print(name, json.dumps(check), flush=True)
+        if same_inf and check["vs_twin"] < 5e-3:
+            live[name] = opts
+    for rnd in range(rounds):
+        for name, opts in live.items():
+            if time.time() - t0 > budget:
+                break
+            tail_ms = time_eager_ms(lambda o=opts: run(o, LENGTH - TAIL, LENGTH), 5)
+            all_ms = time_eager_ms(lambda o=opts: all_rows(o), 2)
+            row = {"variant": name, "round": rnd, "tail_ms": tail_ms, "tail_TFLOPs": tail_flops / tail_ms / 1e9,
+                   "all_ms": all_ms, "all_TFLOPs": all_flops / all_ms / 1e9}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    (out_dir / "index_wg.json").write_text(json.dumps(result, indent=1))
+
+
+def profile(names: list[str]) -> None:
+    """Each named variant on the last 4096 rows, twice (for ``ncu --launch-skip``)."""
+    cache = _random_cache(LENGTH, "fp8")
+    layer = cache.dsa_layer(0)
+    table = torch.arange(LENGTH // 64, device="cuda", dtype=torch.int32)[None]
+    seq = torch.zeros(TAIL, device="cuda", dtype=torch.int32)
+    limits = torch.arange(LENGTH - TAIL + 1, LENGTH + 1, device="cuda", dtype=torch.int32)
+    q8, weights, _, _ = _queries(TAIL)
+    for name in names:
+        for _ in range(2):
+            dsa.index_scores(q8, weights, layer.index_k, layer.index_scale, table, seq, limits, LENGTH,
+                             **VARIANTS[name])
+    torch.cuda.synchronize()
+    print("profiled", names)
+
+
+if __name__ == "__main__":
+    main()
