@@ -314,15 +314,15 @@ def _wg_copy_layout(head_dim, warps):
 
 
 @gluon.jit
-def _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, kt, kv_end, buf, HEAD_DIM: gl.constexpr,
+def _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, kt, kv_end, in_page, buf, HEAD_DIM: gl.constexpr,
                    BLOCK_S: gl.constexpr, PAGE: gl.constexpr, load_layout: gl.constexpr):
-    """cp.async of key tile ``kt`` ([BLOCK_S, HEAD_DIM] e4m3, BLOCK_S / PAGE pages through the block table) into
-    ``buf``; rows at or past ``kv_end`` (the sequence's allocated keys) are not read."""
-    pos = kt * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, load_layout))
-    ok = pos < kv_end
-    page = gl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=ok, other=0).to(gl.int64)
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load_layout))
-    cp.async_copy_global_to_shared(buf, k_ptr + (page * PAGE + pos % PAGE)[:, None] * HEAD_DIM + cols[None, :],
+    """cp.async of key tile ``kt`` ([BLOCK_S, HEAD_DIM] e4m3, BLOCK_S / PAGE whole pages through the block table)
+    into ``buf``; ``in_page``: each element's offset inside its page (the same for every tile); pages at or past
+    ``kv_end`` (the sequence's allocated keys) are not read."""
+    rows = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, load_layout))
+    ok = kt * BLOCK_S + rows < kv_end
+    page = gl.load(block_table_ptr + seq * bt_stride + kt * (BLOCK_S // PAGE) + rows // PAGE, mask=ok, other=0)
+    cp.async_copy_global_to_shared(buf, k_ptr + page.to(gl.int64)[:, None] * (PAGE * HEAD_DIM) + in_page,
                                    mask=ok[:, None])
 
 
@@ -377,14 +377,18 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
     q1_t = q_rows.index(1).permute((1, 0))
 
     ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_S, HEAD_DIM], smem_layout)
+    copy_rows = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, load_layout))
+    copy_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load_layout))
+    in_page = (copy_rows % PAGE)[:, None] * HEAD_DIM + copy_cols[None, :]
     for s in gl.static_range(NUM_STAGES):
         if first + s < live:
-            _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, first + s, kv_end, ring.index(s), HEAD_DIM,
-                           BLOCK_S, PAGE, load_layout)
+            _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, first + s, kv_end, in_page, ring.index(s),
+                           HEAD_DIM, BLOCK_S, PAGE, load_layout)
         cp.commit_group()
     fence_async_shared()
 
     zero = gl.zeros([BLOCK_S, BLOCK_H], gl.float32, layout=mma_layout)
+    keys = gl.arange(0, BLOCK_S, layout=key_layout)
     for kt in range(first, live):
         stage = ring.index((kt - first) % NUM_STAGES)
         cp.wait_group(NUM_STAGES - 1)
@@ -392,18 +396,19 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
         gl.thread_barrier()
         acc0 = warpgroup_mma(stage, q0_t, zero, use_acc=False, is_async=True)
         acc1 = warpgroup_mma(stage, q1_t, zero, use_acc=False, is_async=True)
-        pos = kt * BLOCK_S + gl.arange(0, BLOCK_S, layout=key_layout)
+        pos = kt * BLOCK_S + keys
         key_ok = pos < tile_limit
-        page = gl.load(block_table_ptr + seq * bt_stride + pos // PAGE, mask=key_ok, other=0).to(gl.int64)
-        kscale = gl.load(ks_ptr + page * PAGE + pos % PAGE, mask=key_ok, other=0.0)
+        page = gl.load(block_table_ptr + seq * bt_stride + kt * (BLOCK_S // PAGE) + keys // PAGE, mask=key_ok,
+                       other=0)
+        kscale = gl.load(ks_ptr + page.to(gl.int64) * PAGE + keys % PAGE, mask=key_ok, other=0.0)
         logits0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
         _wg_row_epilogue(logits0, w0, kscale, pos, limit0, out0, n_rows > 0, out_cols)
         logits1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
         # both wgmmas of this warpgroup are done with the stage: refill it (this warpgroup's rows only)
         nxt = kt + NUM_STAGES
         if nxt < live:
-            _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, nxt, kv_end, stage, HEAD_DIM, BLOCK_S, PAGE,
-                           load_layout)
+            _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, nxt, kv_end, in_page, stage, HEAD_DIM, BLOCK_S,
+                           PAGE, load_layout)
         cp.commit_group()
         _wg_row_epilogue(logits1, w1, kscale, pos, limit1, out1, n_rows > 1, out_cols)
     cp.wait_group(0)
@@ -446,12 +451,12 @@ def gluon_applies(q_fp8: torch.Tensor, rows_per_tile: int, key_block: int, page:
     """Whether ``_index_scores_gluon_kernel`` takes these shapes on this device: CUDA capability 9.x, 64-key
     tiles inside one page, HEAD_DIM a multiple of 32, ROWS * BLOCK_H at most 256 (BLOCK_H: heads padded to a
     power of two, at least 16). With ``warpgroups`` G (``_index_scores_gluon_wg_kernel``): 2-row tiles, key tiles
-    of 64 G keys, pages of at least 4 keys, BLOCK_H at most 256."""
+    of 64 G keys (whole pages), BLOCK_H at most 256."""
     n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
     block_h = max(16, 1 << (n_heads - 1).bit_length())
     if warpgroups:
         return (is_sm90(q_fp8.device) and warpgroups in (1, 2, 4) and key_block == 64 * warpgroups
-                and rows_per_tile == 2 and page % 4 == 0 and head_dim % 32 == 0 and head_dim <= 256
+                and rows_per_tile == 2 and key_block % page == 0 and head_dim % 32 == 0 and head_dim <= 256
                 and block_h <= 256)
     return (is_sm90(q_fp8.device) and key_block == 64
             and page % key_block == 0 and head_dim % 32 == 0 and head_dim <= 256 and rows_per_tile * block_h <= 256
