@@ -43,6 +43,7 @@ def compile_gluon(const: dict, maxnreg: int = 0):
     if groups:
         kern, warps = dsa_gluon._index_scores_gluon_wg_kernel, 4 * groups
         const.update(BLOCK_S=64 * groups, WARPS=warps)
+        const.setdefault("CARRY", False)
         const.pop("ROWS", None)
     if kern is not dsa_gluon._index_scores_gluon_kernel:
         const.pop("W_SMEM", None)

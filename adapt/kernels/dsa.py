@@ -377,7 +377,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  programs: int | None = None, stacked: bool = True, full_tiles: bool = False,
                  gluon: bool | None = None, gluon_w_smem: bool = True,
                  gluon_maxnreg: int | None = None, gluon_split_rows: bool = False,
-                 gluon_warpgroups: int = 0) -> torch.Tensor:
+                 gluon_warpgroups: int = 0, gluon_carry: bool = False) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -405,7 +405,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     ``gluon_w_smem``: its epilogue re-reads the head weights from shared memory; ``gluon_maxnreg``: its
     register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``);
     ``gluon_warpgroups`` G (with ``gluon``, 2-row tiles): the multi-warpgroup kernel, key tiles of 64 G keys on
-    4 G warps (``key_block`` defaults to 64 G).
+    4 G warps (``key_block`` defaults to 64 G); ``gluon_carry``: its second row's epilogue under the next tile's MMAs.
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -438,7 +438,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         dsa_gluon.launch(grid, q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
                          limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
                          rows=per_tile, page=PAGE_SIZE, num_stages=num_stages or 3, w_smem=gluon_w_smem,
-                         maxnreg=gluon_maxnreg, split_rows=gluon_split_rows, warpgroups=gluon_warpgroups)
+                         maxnreg=gluon_maxnreg, split_rows=gluon_split_rows, warpgroups=gluon_warpgroups,
+                         carry=gluon_carry)
         return out
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,

@@ -339,13 +339,15 @@ def _wg_row_epilogue(logits, w, kscale, pos, limit, out_row, store_ok, out_cols)
 def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
                                   n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
                                   HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
-                                  PAGE: gl.constexpr, NUM_STAGES: gl.constexpr, WARPS: gl.constexpr):
+                                  PAGE: gl.constexpr, NUM_STAGES: gl.constexpr, WARPS: gl.constexpr,
+                                  CARRY: gl.constexpr = False):
     """The multi-warpgroup form (``launch(..., warpgroups=G)``): 2-row query tiles against key tiles of
     BLOCK_S = 64 G keys, one warpgroup a 64-key slice (keys on the wgmma M side). Each row is its own N = BLOCK_H
     bank: both banks' wgmmas are issued together and row 0's epilogue runs while row 1's MMA does. The head
     weights stay in registers; the per-key scale is loaded once a tile for both rows; each warpgroup copies the
     rows its own wgmma reads. Same grid, tile table, arithmetic and output as ``_index_scores_gluon_kernel``
-    (key tiles of BLOCK_S)."""
+    (key tiles of BLOCK_S). CARRY: row 1's epilogue of a tile runs after the next tile's wgmmas are issued (its
+    ReLU'd logits carried over the back edge as a finished tensor), so both rows' epilogues run under an MMA."""
     gl.static_assert(BLOCK_S == 16 * WARPS)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
@@ -389,6 +391,9 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
 
     zero = gl.zeros([BLOCK_S, BLOCK_H], gl.float32, layout=mma_layout)
     keys = gl.arange(0, BLOCK_S, layout=key_layout)
+    prev1 = zero  # CARRY: row 1's ReLU'd logits of the tile before, its scale and positions
+    prev_scale = gl.zeros([BLOCK_S], gl.float32, layout=key_layout)
+    prev_pos = keys
     for kt in range(first, live):
         stage = ring.index((kt - first) % NUM_STAGES)
         cp.wait_group(NUM_STAGES - 1)
@@ -401,6 +406,8 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
         page = gl.load(block_table_ptr + seq * bt_stride + kt * (BLOCK_S // PAGE) + keys // PAGE, mask=key_ok,
                        other=0)
         kscale = gl.load(ks_ptr + page.to(gl.int64) * PAGE + keys % PAGE, mask=key_ok, other=0.0)
+        if CARRY:  # unconditional (nothing stored on the first trip): a branch here waits for the wgmmas first
+            _wg_row_epilogue(prev1, w1, prev_scale, prev_pos, limit1, out1, (n_rows > 1) & (kt > first), out_cols)
         logits0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
         _wg_row_epilogue(logits0, w0, kscale, pos, limit0, out0, n_rows > 0, out_cols)
         logits1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
@@ -410,7 +417,15 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
             _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, nxt, kv_end, in_page, stage, HEAD_DIM, BLOCK_S,
                            PAGE, load_layout)
         cp.commit_group()
-        _wg_row_epilogue(logits1, w1, kscale, pos, limit1, out1, n_rows > 1, out_cols)
+        if CARRY:  # ReLU now: the carried registers are no longer wgmma-written (C7517 otherwise)
+            prev1 = gl.maximum(logits1, 0.0)
+            prev_scale = kscale
+            prev_pos = pos
+        else:
+            _wg_row_epilogue(logits1, w1, kscale, pos, limit1, out1, n_rows > 1, out_cols)
+    if CARRY:
+        if live > first:
+            _wg_row_epilogue(prev1, w1, prev_scale, prev_pos, limit1, out1, n_rows > 1, out_cols)
     cp.wait_group(0)
 
     for kt in range(gl.maximum(first, live), last):  # tiles past the query tile's last visible key: -inf
@@ -423,7 +438,8 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
 def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
            index_scale: torch.Tensor, block_table: torch.Tensor, limits: torch.Tensor, tiles: torch.Tensor,
            out: torch.Tensor, tiles_per_split: int, *, block_h: int, rows: int, page: int, num_stages: int,
-           w_smem: bool = True, maxnreg: int | None = None, split_rows: bool = False, warpgroups: int = 0) -> None:
+           w_smem: bool = True, maxnreg: int | None = None, split_rows: bool = False, warpgroups: int = 0,
+           carry: bool = False) -> None:
     """``_index_scores_gluon_kernel`` over ``grid`` (query tiles, splits) with ``dsa.index_scores``' arguments:
     q_fp8 e4m3 [N, H, D], weights fp32 [N, H], index_k e4m3 [pages, PAGE, D], index_scale fp32 [pages, PAGE],
     limits int32 [N], tiles int32 [query tiles, 3], out fp32 [N, cols]; 64-key tiles, 4 warps. ``maxnreg``: a
@@ -438,8 +454,10 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
     if warpgroups:
         if rows != 2:
             raise ValueError(f"the multi-warpgroup indexer kernel takes 2-row query tiles, not {rows}")
+        if carry and not maxnreg:  # sm_90, 64 x 128 heads: 167 registers uncapped, 128 without spills capped
+            extra = {"maxnreg": 128}
         _index_scores_gluon_wg_kernel[grid](*args, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=64 * warpgroups,
-                                            PAGE=page, NUM_STAGES=num_stages, WARPS=4 * warpgroups,
+                                            PAGE=page, NUM_STAGES=num_stages, WARPS=4 * warpgroups, CARRY=carry,
                                             num_warps=4 * warpgroups, **extra)
     elif split_rows:
         _index_scores_gluon_rows_kernel[grid](*args, **const, num_warps=GLUON_WARPS, **extra)

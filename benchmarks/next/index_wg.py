@@ -36,6 +36,9 @@ VARIANTS = {
     "wg2 s4": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=4),
     "wg4 s2": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=4, num_stages=2),
     "wg4 s3": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=4, num_stages=3),
+    "wg1 s3 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3, gluon_carry=True),
+    "wg2 s3 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=3, gluon_carry=True),
+    "wg4 s2 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=4, num_stages=2, gluon_carry=True),
 }
 
 

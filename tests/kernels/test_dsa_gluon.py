@@ -19,7 +19,8 @@ from tests.kernels.test_sparse_mla_sass import sass_rows
 # small head count / head dim of the GPU test below.
 SHIPPED = [{}, {"maxnreg": 168}, {"NUM_STAGES": 4, "maxnreg": 168}, {"W_SMEM": False}, {"SPLIT_ROWS": True},
            {"SPLIT_ROWS": True, "ROWS": 4}, {"SPLIT_ROWS": True, "maxnreg": 96},
-           {"WARPGROUPS": 1}, {"WARPGROUPS": 2}, {"WARPGROUPS": 2, "NUM_STAGES": 4}, {"WARPGROUPS": 4}]
+           {"WARPGROUPS": 1}, {"WARPGROUPS": 2}, {"WARPGROUPS": 2, "NUM_STAGES": 4}, {"WARPGROUPS": 4},
+           {"WARPGROUPS": 2, "CARRY": True, "maxnreg": 128}, {"WARPGROUPS": 4, "CARRY": True}]
 SMALL = [{"HEAD_DIM": 32, "BLOCK_H": 16}, {"HEAD_DIM": 32, "BLOCK_H": 16, "SPLIT_ROWS": True},
          {"HEAD_DIM": 32, "BLOCK_H": 16, "WARPGROUPS": 2}]
 
@@ -67,7 +68,9 @@ GPU_OPTIONS = [dict(gluon=True), dict(gluon=True, gluon_maxnreg=168), dict(gluon
                dict(gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
                dict(gluon=True, gluon_warpgroups=2, key_block=None), dict(gluon=True, gluon_warpgroups=1),
                dict(gluon=True, gluon_warpgroups=4, key_block=None, num_stages=2),
-               dict(gluon=True, gluon_warpgroups=2, key_block=None, programs=1)]
+               dict(gluon=True, gluon_warpgroups=2, key_block=None, programs=1),
+               dict(gluon=True, gluon_warpgroups=2, key_block=None, gluon_carry=True),
+               dict(gluon=True, gluon_warpgroups=1, gluon_carry=True, programs=1)]
 
 
 @pytest.mark.gpu
@@ -86,7 +89,7 @@ def test_gluon_scores_match_twin_on_gpu(opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_rows", [False, True, "wg2"])
+@pytest.mark.parametrize("split_rows", [False, True, "wg2", "wg2c"])
 def test_gluon_scores_at_deepseek_shapes_on_gpu(split_rows):
     """DeepSeek-V3.2's indexer (64 heads x 128) on the last 64 rows of a 4160-token causal prefill: against the
     twin at the tight GPU tolerance, and against the tl kernel (the same arithmetic)."""
@@ -96,8 +99,8 @@ def test_gluon_scores_at_deepseek_shapes_on_gpu(split_rows):
     last = slice(n - 64, n)
     args = (q8[last], weights[last], layer.index_k, layer.index_scale, batch.block_table, batch.token_seq[last],
             limits[last], n)
-    if split_rows == "wg2":  # the two-warpgroup kernel, 128-key tiles
-        got = dsa.index_scores(*args, rows_per_tile=2, gluon=True, gluon_warpgroups=2)
+    if split_rows in ("wg2", "wg2c"):  # the two-warpgroup kernel, 128-key tiles (with its carried epilogue)
+        got = dsa.index_scores(*args, rows_per_tile=2, gluon=True, gluon_warpgroups=2, gluon_carry=split_rows == "wg2c")
     else:
         got = dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=True, gluon_split_rows=split_rows)
     tl_scores = dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=False)
