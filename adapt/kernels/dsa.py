@@ -77,6 +77,15 @@ PREFILL_ROWS_PER_TILE = 2
 # 64-key tiles in one page). Off: on an H200 (2026-12-01, commits 146e6ef / 63bde98 / 534dcd7) no Gluon form beat
 # this tl tile over all 128K rows (best 719 against 737-739 TFLOP/s; benchmarks/gpu-2026-12-01-dsa-s4-indexer).
 PREFILL_GLUON = False
+# Where the prefill call leaves the kernel to the library (``gluon=None``, no Gluon options, 2-row tiles), on CUDA
+# capability 9.x it takes the multi-warpgroup Gluon kernel (``dsa_gluon._index_scores_gluon_wg_kernel``) with
+# PREFILL_WG_GROUPS warpgroups (0: the tl tile) and its carried second-row epilogue (PREFILL_WG_CARRY). H200,
+# 2026-12-03 (benchmarks/gpu-2026-12-03-dsa-s17, call 1, benchmarks/next/index_wg.py, three rounds in turns, the
+# same scores bit for bit): last 4096 rows 850-900 TFLOP/s against the tl tile's 720-746; every 4096-row chunk of
+# the 128K prefill with all 128K columns written 761-779 against 706-717. Two and four warpgroups (128- and 256-key
+# tiles, 2 and 1 programs an SM) were slower than one (4 an SM): 755 / 685-714 with the carry.
+PREFILL_WG_GROUPS = 1
+PREFILL_WG_CARRY = True
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
 KEY_BLOCK = 128
@@ -400,8 +409,10 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     tiles every row of the query tile sees whole run in a loop without masks (sm_90: 158 registers
     against 125, so one program per SM instead of two; H200: 399 against 663 TFLOP/s; off by default).
     ``gluon`` (stacked prefill tiles): the Gluon kernel of ``dsa_gluon`` (the same tile and arithmetic, MMA of
-    one key tile overlapped with the epilogue of the one before; 4 warps, 64-key tiles); None: ``PREFILL_GLUON``
-    where ``dsa_gluon.gluon_applies``, True: required (ValueError where it does not apply, e.g. on CPU);
+    one key tile overlapped with the epilogue of the one before; 4 warps, 64-key tiles); None: the
+    multi-warpgroup kernel as PREFILL_WG_GROUPS / PREFILL_WG_CARRY say where it applies and no other Gluon option
+    is given, else ``PREFILL_GLUON`` where ``dsa_gluon.gluon_applies``; True: required (ValueError where it does
+    not apply, e.g. on CPU); False: the tl kernel;
     ``gluon_w_smem``: its epilogue re-reads the head weights from shared memory; ``gluon_maxnreg``: its
     register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``);
     ``gluon_warpgroups`` G (with ``gluon``, 2-row tiles): the multi-warpgroup kernel, key tiles of 64 G keys on
@@ -418,6 +429,11 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         tiles = token_seq
     else:
         tiles = _query_tiles(token_seq, per_tile).flip(0).contiguous()  # causal: the longest rows start first
+    if (gluon is None and not decode and stacked and PREFILL_WG_GROUPS and not gluon_warpgroups
+            and not gluon_split_rows and gluon_maxnreg is None and key_block in (None, 64 * PREFILL_WG_GROUPS)
+            and not _interpreting() and dsa_gluon.gluon_applies(q_fp8, per_tile, 64 * PREFILL_WG_GROUPS, PAGE_SIZE,
+                                                                PREFILL_WG_GROUPS)):
+        gluon, gluon_warpgroups, gluon_carry = True, PREFILL_WG_GROUPS, PREFILL_WG_CARRY
     block_s = key_block or (64 * gluon_warpgroups if gluon_warpgroups and not decode else
                             DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     key_tiles = triton.cdiv(num_cols, block_s)

@@ -657,6 +657,8 @@ def _prefill_case(
         "sparse_mla_upconverts_chunks": sparse_mla.upconvert_worth(attend_rows, HEADS, topk, block_table),
         "sparse_mla_bf16_flags": sparse_mla.sparse_mla_gluon.bf16_flags(),
         "index_tiles": tiles["prefill_index"],
+        # the library's default prefill scoring kernel where the tiles leave it open (0 groups: the tl tile)
+        "index_default": dict(wg_groups=dsa.PREFILL_WG_GROUPS, wg_carry=dsa.PREFILL_WG_CARRY),
         "sparse_mla_tiles": mla_options,
         "topk_last4096_rows_ms": tail_select,
         "index_sweep": sweep_rows,
@@ -1044,7 +1046,7 @@ PREFILL_INDEX_SWEEP = (
     dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8, full_tiles=True),
     dict(rows_per_tile=4, key_block=64, num_stages=2, num_warps=8),
     dict(rows_per_tile=4, key_block=64, num_stages=4, num_warps=8),
-    dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4),
+    dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4, gluon=False),
     # Fourth session: the Gluon kernels of adapt.kernels.dsa_gluon (the same 2 x 64 tile on 4 warps, the MMA of one
     # key tile or row overlapped with the epilogue of the one before). H200, benchmarks/gpu-2026-12-01-dsa-s4-indexer,
     # TFLOP/s on the last 4096 rows / over all 128K rows, tl 2 x 64 in the same call 720 / 738 and 706 / 737:
@@ -1057,6 +1059,10 @@ PREFILL_INDEX_SWEEP = (
     # at that cap): 3 / 2 stages 733 / 719 and 731 / 717 against tl 722 / 739 in the same call (534dcd7)
     dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
     dict(rows_per_tile=2, key_block=64, num_stages=2, gluon=True, gluon_split_rows=True, gluon_maxnreg=96),
+    # Session 17: the multi-warpgroup Gluon kernel (dsa.PREFILL_WG_GROUPS / PREFILL_WG_CARRY: one warpgroup with the
+    # carried epilogue is the library's default on sm_90), and two warpgroups on 128-key tiles
+    dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_warpgroups=1, gluon_carry=True),
+    dict(rows_per_tile=2, key_block=128, num_stages=3, gluon=True, gluon_warpgroups=2, gluon_carry=True),
 )
 
 # Sparse MLA prefill tiles (the last 4096 rows of the 128K prefill, 16 tiles of 128 positions per row; H200,
@@ -1515,6 +1521,10 @@ if __name__ == "__main__":
     parser.add_argument("--mla-defer-sum", action=argparse.BooleanOptionalAction, default=None,
                         help="the bf16 sparse MLA kernel's DEFER_SUM (default: sparse_mla_gluon.BF16_DEFER_SUM, now "
                              f"{sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM})")
+    parser.add_argument("--prefill-gluon-wg", type=int, default=None, metavar="G",
+                        help="prefill scoring's default kernel: the multi-warpgroup Gluon kernel with G warpgroups "
+                             f"(1, 2 or 4), or 0 for the tl tile (default: dsa.PREFILL_WG_GROUPS, now "
+                             f"{dsa.PREFILL_WG_GROUPS})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1532,6 +1542,10 @@ if __name__ == "__main__":
         sparse_mla.UPCONVERT_AUTO = args.mla_upconvert
     if args.mla_defer_sum is not None:
         sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM = args.mla_defer_sum
+    if args.prefill_gluon_wg is not None:
+        if args.prefill_gluon_wg not in (0, 1, 2, 4):
+            parser.error(f"--prefill-gluon-wg: 0, 1, 2 or 4 warpgroups, not {args.prefill_gluon_wg}")
+        dsa.PREFILL_WG_GROUPS = args.prefill_gluon_wg
     if args.step_swept_tiles is not None:
         globals()["STEP_SWEPT_TILES"] = args.step_swept_tiles
     if args.few_rows_options:

@@ -27,19 +27,18 @@ from adapt.stages.bench_dsa import INDEX_DIM, INDEX_HEADS, _queries, _random_cac
 
 LENGTH, TAIL = 131072, 4096
 VARIANTS = {
-    "tl 2x64 (default)": dict(rows_per_tile=2, key_block=64),
+    "tl 2x64": dict(rows_per_tile=2, key_block=64, gluon=False),
+    "default": dict(),
     "gluon rows cap96": dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_split_rows=True,
                              gluon_maxnreg=96),
     "wg1 s3": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3),
-    "wg2 s3": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=3),
-    "wg2 s2": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=2),
-    "wg2 s4": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=4),
-    "wg4 s2": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=4, num_stages=2),
-    "wg4 s3": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=4, num_stages=3),
+    "wg1 s2 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=2, gluon_carry=True),
     "wg1 s3 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3, gluon_carry=True),
+    "wg1 s4 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=4, gluon_carry=True),
     "wg2 s3 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=3, gluon_carry=True),
-    "wg4 s2 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=4, num_stages=2, gluon_carry=True),
 }
+# Session 17, call 1 (b9c0252) also ran: wg2 without the carry at 2, 3, 4 stages (tail 762-779, all rows 719-729),
+# wg4 at 2 and 3 stages (671-708 / 645-661) and wg4 s2 carry (726-742 / 685-714), all below wg1.
 
 
 def main() -> None:
@@ -61,14 +60,16 @@ def main() -> None:
         return dsa.index_scores(q8[r0:r1], weights[r0:r1], layer.index_k, layer.index_scale, table, seq[r0:r1],
                                 limits[r0:r1], LENGTH, **opts)
 
-    def all_rows(opts: dict) -> None:
+    def all_rows(opts: dict) -> None:  # as bench_dsa's scores_only: each chunk's columns up to its last row
         for r0 in range(0, LENGTH, TAIL):
-            run(opts, r0, r0 + TAIL)
+            r1 = r0 + TAIL
+            dsa.index_scores(q8[r0:r1], weights[r0:r1], layer.index_k, layer.index_scale, table, seq[r0:r1],
+                             limits[r0:r1], -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK, **opts)
 
     tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(LENGTH - TAIL + 1, LENGTH + 1))
     all_flops = 2 * INDEX_HEADS * INDEX_DIM * LENGTH * (LENGTH + 1) / 2
     result = {"device": torch.cuda.get_device_name(), "rows": [], "checks": {}}
-    ref = run(VARIANTS["tl 2x64 (default)"], LENGTH - 64, LENGTH)
+    ref = run(VARIANTS["tl 2x64"], LENGTH - 64, LENGTH)
     twin = dsa.index_scores_torch(q8[-64:], weights[-64:], layer.index_k, layer.index_scale, table, seq[-64:],
                                   limits[-64:], LENGTH)
     finite = torch.isfinite(ref)
