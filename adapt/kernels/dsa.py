@@ -372,6 +372,12 @@ def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
     return torch.stack([starts, counts, token_seq[starts].long()], dim=1).to(torch.int32).contiguous()
 
 
+def prefill_query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
+    """The prefill tile table ``index_scores`` launches over (``_query_tiles``, longest rows first); its length is
+    read back to the host (one sync)."""
+    return _query_tiles(token_seq.to(torch.int32), rows_per_tile).flip(0).contiguous()
+
+
 def _key_splits(key_tiles: int, row_tiles: int, programs: int | None) -> tuple[int, int]:
     """(key tiles per program, programs per row tile): a row tile's key tiles split so that about ``programs``
     (default DEFAULT_PROGRAMS) programs run in all."""
@@ -386,7 +392,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  programs: int | None = None, stacked: bool = True, full_tiles: bool = False,
                  gluon: bool | None = None, gluon_w_smem: bool = True,
                  gluon_maxnreg: int | None = None, gluon_split_rows: bool = False,
-                 gluon_warpgroups: int = 0, gluon_carry: bool = False) -> torch.Tensor:
+                 gluon_warpgroups: int = 0, gluon_carry: bool = False,
+                 query_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -417,6 +424,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``);
     ``gluon_warpgroups`` G (with ``gluon``, 2-row tiles): the multi-warpgroup kernel, key tiles of 64 G keys on
     4 G warps (``key_block`` defaults to 64 G); ``gluon_carry``: its second row's epilogue under the next tile's MMAs.
+    ``query_tiles`` (prefill): ``prefill_query_tiles(token_seq, rows_per_tile)`` computed ahead, so that this call
+    makes no host sync (the table otherwise costs one: its length is data-dependent).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -428,7 +437,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     if decode:  # one row per program, sequence read in the kernel: no tile table (no extra launches)
         tiles = token_seq
     else:
-        tiles = _query_tiles(token_seq, per_tile).flip(0).contiguous()  # causal: the longest rows start first
+        tiles = prefill_query_tiles(token_seq, per_tile) if query_tiles is None else query_tiles
     if (gluon is None and not decode and stacked and PREFILL_WG_GROUPS and not gluon_warpgroups
             and not gluon_split_rows and gluon_maxnreg is None and key_block in (None, 64 * PREFILL_WG_GROUPS)
             and not _interpreting() and dsa_gluon.gluon_applies(q_fp8, per_tile, 64 * PREFILL_WG_GROUPS, PAGE_SIZE,

@@ -319,11 +319,15 @@ def _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, kt, kv_end, in_page, 
     """cp.async of key tile ``kt`` ([BLOCK_S, HEAD_DIM] e4m3, BLOCK_S / PAGE whole pages through the block table)
     into ``buf``; ``in_page``: each element's offset inside its page (the same for every tile); pages at or past
     ``kv_end`` (the sequence's allocated keys) are not read."""
-    rows = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, load_layout))
-    ok = kt * BLOCK_S + rows < kv_end
-    page = gl.load(block_table_ptr + seq * bt_stride + kt * (BLOCK_S // PAGE) + rows // PAGE, mask=ok, other=0)
-    cp.async_copy_global_to_shared(buf, k_ptr + page.to(gl.int64)[:, None] * (PAGE * HEAD_DIM) + in_page,
-                                   mask=ok[:, None])
+    if BLOCK_S == PAGE:  # one page: a uniform block-table read, no mask (tiles below ``live`` are allocated)
+        page = gl.load(block_table_ptr + seq * bt_stride + kt).to(gl.int64)
+        cp.async_copy_global_to_shared(buf, k_ptr + page * (PAGE * HEAD_DIM) + in_page)
+    else:
+        rows = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, load_layout))
+        ok = kt * BLOCK_S + rows < kv_end
+        page = gl.load(block_table_ptr + seq * bt_stride + kt * (BLOCK_S // PAGE) + rows // PAGE, mask=ok, other=0)
+        cp.async_copy_global_to_shared(buf, k_ptr + page.to(gl.int64)[:, None] * (PAGE * HEAD_DIM) + in_page,
+                                       mask=ok[:, None])
 
 
 @gluon.jit
@@ -403,9 +407,13 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
         acc1 = warpgroup_mma(stage, q1_t, zero, use_acc=False, is_async=True)
         pos = kt * BLOCK_S + keys
         key_ok = pos < tile_limit
-        page = gl.load(block_table_ptr + seq * bt_stride + kt * (BLOCK_S // PAGE) + keys // PAGE, mask=key_ok,
-                       other=0)
-        kscale = gl.load(ks_ptr + page.to(gl.int64) * PAGE + keys % PAGE, mask=key_ok, other=0.0)
+        if BLOCK_S == PAGE:
+            kscale = gl.load(ks_ptr + gl.load(block_table_ptr + seq * bt_stride + kt).to(gl.int64) * PAGE + keys,
+                             mask=key_ok, other=0.0)
+        else:
+            page = gl.load(block_table_ptr + seq * bt_stride + kt * (BLOCK_S // PAGE) + keys // PAGE, mask=key_ok,
+                           other=0)
+            kscale = gl.load(ks_ptr + page.to(gl.int64) * PAGE + keys % PAGE, mask=key_ok, other=0.0)
         if CARRY:  # unconditional (nothing stored on the first trip): a branch here waits for the wgmmas first
             _wg_row_epilogue(prev1, w1, prev_scale, prev_pos, limit1, out1, (n_rows > 1) & (kt > first), out_cols)
         logits0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))

@@ -29,16 +29,15 @@ LENGTH, TAIL = 131072, 4096
 VARIANTS = {
     "tl 2x64": dict(rows_per_tile=2, key_block=64, gluon=False),
     "default": dict(),
-    "gluon rows cap96": dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_split_rows=True,
-                             gluon_maxnreg=96),
-    "wg1 s3": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3),
+    "default presync": dict(presync=True),
     "wg1 s2 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=2, gluon_carry=True),
     "wg1 s3 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3, gluon_carry=True),
     "wg1 s4 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=4, gluon_carry=True),
-    "wg2 s3 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=2, num_stages=3, gluon_carry=True),
 }
 # Session 17, call 1 (b9c0252) also ran: wg2 without the carry at 2, 3, 4 stages (tail 762-779, all rows 719-729),
-# wg4 at 2 and 3 stages (671-708 / 645-661) and wg4 s2 carry (726-742 / 685-714), all below wg1.
+# wg4 at 2 and 3 stages (671-708 / 645-661) and wg4 s2 carry (726-742 / 685-714), all below wg1; call 2 (8dafb98,
+# columns per chunk as bench_dsa) the row-split Gluon kernel capped at 96 (696-720 over all rows), wg1 s3 without
+# the carry (811-814) and wg2 s3 carry (779-808) against the default (wg1 s3 carry, 800-839).
 
 
 def main() -> None:
@@ -57,14 +56,20 @@ def main() -> None:
     q8, weights, _, _ = _queries(LENGTH)
 
     def run(opts: dict, r0: int, r1: int) -> torch.Tensor:
+        opts = {k: v for k, v in opts.items() if k != "presync"}
         return dsa.index_scores(q8[r0:r1], weights[r0:r1], layer.index_k, layer.index_scale, table, seq[r0:r1],
                                 limits[r0:r1], LENGTH, **opts)
 
+    chunk_tiles = [dsa.prefill_query_tiles(seq[r0:r0 + TAIL], 2) for r0 in range(0, LENGTH, TAIL)]
+
     def all_rows(opts: dict) -> None:  # as bench_dsa's scores_only: each chunk's columns up to its last row
-        for r0 in range(0, LENGTH, TAIL):
+        opts = dict(opts)
+        presync = opts.pop("presync", False)  # the tile tables computed ahead: no host sync between the launches
+        for i, r0 in enumerate(range(0, LENGTH, TAIL)):
             r1 = r0 + TAIL
             dsa.index_scores(q8[r0:r1], weights[r0:r1], layer.index_k, layer.index_scale, table, seq[r0:r1],
-                             limits[r0:r1], -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK, **opts)
+                             limits[r0:r1], -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK,
+                             query_tiles=chunk_tiles[i] if presync else None, **opts)
 
     tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(LENGTH - TAIL + 1, LENGTH + 1))
     all_flops = 2 * INDEX_HEADS * INDEX_DIM * LENGTH * (LENGTH + 1) / 2

@@ -56,6 +56,9 @@ def test_dispatch_keeps_the_tl_kernel_off_hopper():
         dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=True)
     with pytest.raises(ValueError, match="gluon=True"):
         dsa.index_scores(*args, rows_per_tile=2, gluon=True, gluon_warpgroups=2)
+    # a tile table computed ahead (no host sync in the call) gives the same scores
+    tiles = dsa.prefill_query_tiles(batch.token_seq, 2)
+    assert torch.equal(dsa.index_scores(*args, rows_per_tile=2, key_block=64, query_tiles=tiles), got)
     # asked for without gluon=True, the warpgroup option keeps the tl kernel (with its own 128-key tiles) here
     got = dsa.index_scores(*args, rows_per_tile=2, gluon_warpgroups=2)
     assert_close_scores(got, dsa.index_scores_torch(*args), "cpu")
