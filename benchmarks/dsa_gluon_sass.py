@@ -44,14 +44,30 @@ def compile_gluon(const: dict, maxnreg: int = 0):
         kern, warps = dsa_gluon._index_scores_gluon_wg_kernel, 4 * groups
         const.update(BLOCK_S=64 * groups, WARPS=warps)
         const.setdefault("CARRY", False)
+        const.setdefault("TMA", False)
         const.pop("ROWS", None)
     if kern is not dsa_gluon._index_scores_gluon_kernel:
         const.pop("W_SMEM", None)
     sig = {n: ("constexpr" if n in const else "*" + PTRS[n] if n in PTRS else "i32") for n in kern.arg_names}
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names if n in PTRS or n in DIV16}
+    if "k_desc" in sig:  # the wg kernel: the key cache as a TMA descriptor, or its pointer again (unused)
+        sig["k_desc"] = _key_desc_type(const["HEAD_DIM"], const["BLOCK_S"]) if const.get("TMA") else "*fp8e4nv"
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names
+             if n in PTRS or n in DIV16 or (n == "k_desc" and not const.get("TMA"))}
     return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))
+
+
+def _key_desc_type(head_dim: int, rows: int) -> str:
+    """The signature type of ``dsa_gluon.launch``'s TMA descriptor of the key cache (one page a box)."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=8, rank=2)
+    return mangle_type(TensorDescriptor.from_tensor(torch.empty(4 * rows, head_dim, dtype=torch.float8_e4m3fn),
+                                                    [rows, head_dim], layout))
 
 
 def wgmma_notes(ck, maxnreg: int = 0) -> list[str]:

@@ -392,7 +392,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  programs: int | None = None, stacked: bool = True, full_tiles: bool = False,
                  gluon: bool | None = None, gluon_w_smem: bool = True,
                  gluon_maxnreg: int | None = None, gluon_split_rows: bool = False,
-                 gluon_warpgroups: int = 0, gluon_carry: bool = False,
+                 gluon_warpgroups: int = 0, gluon_carry: bool = False, gluon_tma: bool = False,
                  query_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
@@ -423,7 +423,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     ``gluon_w_smem``: its epilogue re-reads the head weights from shared memory; ``gluon_maxnreg``: its
     register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``);
     ``gluon_warpgroups`` G (with ``gluon``, 2-row tiles): the multi-warpgroup kernel, key tiles of 64 G keys on
-    4 G warps (``key_block`` defaults to 64 G); ``gluon_carry``: its second row's epilogue under the next tile's MMAs.
+    4 G warps (``key_block`` defaults to 64 G); ``gluon_carry``: its second row's epilogue under the next tile's MMAs;
+    ``gluon_tma`` (G = 1, 64-key pages): its key pages by TMA.
     ``query_tiles`` (prefill): ``prefill_query_tiles(token_seq, rows_per_tile)`` computed ahead, so that this call
     makes no host sync (the table otherwise costs one: its length is data-dependent).
     """
@@ -464,7 +465,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                          limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
                          rows=per_tile, page=PAGE_SIZE, num_stages=num_stages or 3, w_smem=gluon_w_smem,
                          maxnreg=gluon_maxnreg, split_rows=gluon_split_rows, warpgroups=gluon_warpgroups,
-                         carry=gluon_carry)
+                         carry=gluon_carry, use_tma=gluon_tma)
         return out
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,

@@ -34,9 +34,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from adapt.kernels.formats import is_sm90
 
@@ -331,6 +334,15 @@ def _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, kt, kv_end, in_page, 
 
 
 @gluon.jit
+def _tma_key_page(k_desc, block_table_ptr, seq, bt_stride, kt, buf, bar, BLOCK_S: gl.constexpr,
+                  HEAD_DIM: gl.constexpr):
+    """TMA of key tile ``kt`` (one whole page of BLOCK_S keys) into ``buf``, completing ``bar``."""
+    page = gl.load(block_table_ptr + seq * bt_stride + kt)
+    mbarrier.expect(bar, BLOCK_S * HEAD_DIM)
+    tma.async_copy_global_to_shared(k_desc, [page * BLOCK_S, 0], bar, buf)
+
+
+@gluon.jit
 def _wg_row_epilogue(logits, w, kscale, pos, limit, out_row, store_ok, out_cols):
     """One query row's scores over the tile: sum over heads of ReLU(logit) x w, x kscale, -inf at and past the row's
     limit; stored where ``store_ok`` and inside the output."""
@@ -341,18 +353,22 @@ def _wg_row_epilogue(logits, w, kscale, pos, limit, out_row, store_ok, out_cols)
 
 @gluon.jit
 def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
-                                  n_heads, bt_stride, out_stride, out_cols, tiles_per_split,
+                                  n_heads, bt_stride, out_stride, out_cols, tiles_per_split, k_desc,
                                   HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
                                   PAGE: gl.constexpr, NUM_STAGES: gl.constexpr, WARPS: gl.constexpr,
-                                  CARRY: gl.constexpr = False):
+                                  CARRY: gl.constexpr = False, TMA: gl.constexpr = False):
     """The multi-warpgroup form (``launch(..., warpgroups=G)``): 2-row query tiles against key tiles of
     BLOCK_S = 64 G keys, one warpgroup a 64-key slice (keys on the wgmma M side). Each row is its own N = BLOCK_H
     bank: both banks' wgmmas are issued together and row 0's epilogue runs while row 1's MMA does. The head
     weights stay in registers; the per-key scale is loaded once a tile for both rows; each warpgroup copies the
     rows its own wgmma reads. Same grid, tile table, arithmetic and output as ``_index_scores_gluon_kernel``
     (key tiles of BLOCK_S). CARRY: row 1's epilogue of a tile runs after the next tile's wgmmas are issued (its
-    ReLU'd logits carried over the back edge as a finished tensor), so both rows' epilogues run under an MMA."""
+    ReLU'd logits carried over the back edge as a finished tensor), so both rows' epilogues run under an MMA.
+    TMA (one warpgroup, one-page tiles): the key pages come by TMA (``k_desc``: the cache as [pages * PAGE,
+    HEAD_DIM]) on one mbarrier a stage instead of per-thread cp.async."""
     gl.static_assert(BLOCK_S == 16 * WARPS)
+    if TMA:
+        gl.static_assert(BLOCK_S == PAGE)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     smem_layout: gl.constexpr = _smem_layout(HEAD_DIM)
@@ -386,12 +402,22 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
     copy_rows = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, load_layout))
     copy_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load_layout))
     in_page = (copy_rows % PAGE)[:, None] * HEAD_DIM + copy_cols[None, :]
-    for s in gl.static_range(NUM_STAGES):
-        if first + s < live:
-            _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, first + s, kv_end, in_page, ring.index(s),
-                           HEAD_DIM, BLOCK_S, PAGE, load_layout)
-        cp.commit_group()
-    fence_async_shared()
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    if TMA:
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        fence_async_shared()
+        for s in gl.static_range(NUM_STAGES):
+            if first + s < live:
+                _tma_key_page(k_desc, block_table_ptr, seq, bt_stride, first + s, ring.index(s), ready.index(s),
+                              BLOCK_S, HEAD_DIM)
+    else:
+        for s in gl.static_range(NUM_STAGES):
+            if first + s < live:
+                _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, first + s, kv_end, in_page, ring.index(s),
+                               HEAD_DIM, BLOCK_S, PAGE, load_layout)
+            cp.commit_group()
+        fence_async_shared()
 
     zero = gl.zeros([BLOCK_S, BLOCK_H], gl.float32, layout=mma_layout)
     keys = gl.arange(0, BLOCK_S, layout=key_layout)
@@ -400,9 +426,12 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
     prev_pos = keys
     for kt in range(first, live):
         stage = ring.index((kt - first) % NUM_STAGES)
-        cp.wait_group(NUM_STAGES - 1)
-        fence_async_shared()
-        gl.thread_barrier()
+        if TMA:
+            mbarrier.wait(ready.index((kt - first) % NUM_STAGES), ((kt - first) // NUM_STAGES) & 1)
+        else:
+            cp.wait_group(NUM_STAGES - 1)
+            fence_async_shared()
+            gl.thread_barrier()
         acc0 = warpgroup_mma(stage, q0_t, zero, use_acc=False, is_async=True)
         acc1 = warpgroup_mma(stage, q1_t, zero, use_acc=False, is_async=True)
         pos = kt * BLOCK_S + keys
@@ -421,10 +450,16 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
         logits1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
         # both wgmmas of this warpgroup are done with the stage: refill it (this warpgroup's rows only)
         nxt = kt + NUM_STAGES
-        if nxt < live:
-            _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, nxt, kv_end, in_page, stage, HEAD_DIM, BLOCK_S,
-                           PAGE, load_layout)
-        cp.commit_group()
+        if TMA:
+            gl.thread_barrier()  # every warp's wgmma reads of the stage are done before one thread refills it
+            if nxt < live:
+                _tma_key_page(k_desc, block_table_ptr, seq, bt_stride, nxt, stage,
+                              ready.index((kt - first) % NUM_STAGES), BLOCK_S, HEAD_DIM)
+        else:
+            if nxt < live:
+                _issue_wg_keys(k_ptr, block_table_ptr, seq, bt_stride, nxt, kv_end, in_page, stage, HEAD_DIM,
+                               BLOCK_S, PAGE, load_layout)
+            cp.commit_group()
         if CARRY:  # ReLU now: the carried registers are no longer wgmma-written (C7517 otherwise)
             prev1 = gl.maximum(logits1, 0.0)
             prev_scale = kscale
@@ -434,7 +469,8 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
     if CARRY:
         if live > first:
             _wg_row_epilogue(prev1, w1, prev_scale, prev_pos, limit1, out1, n_rows > 1, out_cols)
-    cp.wait_group(0)
+    if not TMA:
+        cp.wait_group(0)
 
     for kt in range(gl.maximum(first, live), last):  # tiles past the query tile's last visible key: -inf
         pos = kt * BLOCK_S + gl.arange(0, BLOCK_S, layout=key_layout)
@@ -447,7 +483,7 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
            index_scale: torch.Tensor, block_table: torch.Tensor, limits: torch.Tensor, tiles: torch.Tensor,
            out: torch.Tensor, tiles_per_split: int, *, block_h: int, rows: int, page: int, num_stages: int,
            w_smem: bool = True, maxnreg: int | None = None, split_rows: bool = False, warpgroups: int = 0,
-           carry: bool = False) -> None:
+           carry: bool = False, use_tma: bool = False) -> None:
     """``_index_scores_gluon_kernel`` over ``grid`` (query tiles, splits) with ``dsa.index_scores``' arguments:
     q_fp8 e4m3 [N, H, D], weights fp32 [N, H], index_k e4m3 [pages, PAGE, D], index_scale fp32 [pages, PAGE],
     limits int32 [N], tiles int32 [query tiles, 3], out fp32 [N, cols]; 64-key tiles, 4 warps. ``maxnreg``: a
@@ -464,8 +500,16 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
             raise ValueError(f"the multi-warpgroup indexer kernel takes 2-row query tiles, not {rows}")
         if carry and not maxnreg:  # sm_90, 64 x 128 heads: 167 registers uncapped, 128 without spills capped
             extra = {"maxnreg": 128}
-        _index_scores_gluon_wg_kernel[grid](*args, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=64 * warpgroups,
-                                            PAGE=page, NUM_STAGES=num_stages, WARPS=4 * warpgroups, CARRY=carry,
+        if use_tma and (warpgroups != 1 or page != 64):
+            raise ValueError("the TMA key loads take one warpgroup and 64-key pages")
+        k_desc = index_k
+        if use_tma:  # the cache as [pages * PAGE, HEAD_DIM] rows, one page a box
+            k_desc = TensorDescriptor.from_tensor(index_k.view(-1, head_dim), [page, head_dim],
+                                                  gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim),
+                                                                       element_bitwidth=8, rank=2))
+        _index_scores_gluon_wg_kernel[grid](*args, k_desc, HEAD_DIM=head_dim, BLOCK_H=block_h,
+                                            BLOCK_S=64 * warpgroups, PAGE=page, NUM_STAGES=num_stages,
+                                            WARPS=4 * warpgroups, CARRY=carry, TMA=use_tma,
                                             num_warps=4 * warpgroups, **extra)
     elif split_rows:
         _index_scores_gluon_rows_kernel[grid](*args, **const, num_warps=GLUON_WARPS, **extra)

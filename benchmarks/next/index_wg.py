@@ -33,6 +33,10 @@ VARIANTS = {
     "wg1 s2 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=2, gluon_carry=True),
     "wg1 s3 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3, gluon_carry=True),
     "wg1 s4 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=4, gluon_carry=True),
+    "wg1 s3 carry tma": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3, gluon_carry=True,
+                             gluon_tma=True),
+    "wg1 s4 carry tma": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=4, gluon_carry=True,
+                             gluon_tma=True),
 }
 # Session 17, call 1 (b9c0252) also ran: wg2 without the carry at 2, 3, 4 stages (tail 762-779, all rows 719-729),
 # wg4 at 2 and 3 stages (671-708 / 645-661) and wg4 s2 carry (726-742 / 685-714), all below wg1; call 2 (8dafb98,

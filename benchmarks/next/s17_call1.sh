@@ -12,7 +12,7 @@ cat $R/env.txt
 T=tests/kernels/test_dsa_gluon.py
 timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider \
   "$T::test_gluon_scores_at_deepseek_shapes_on_gpu[wg2]" "$T::test_gluon_scores_at_deepseek_shapes_on_gpu[wg2c]" \
-  $(for i in 9 10 11 12 13 14; do echo "$T::test_gluon_scores_match_twin_on_gpu[opts$i]"; done) > $R/pytest.log 2>&1
+  $(for i in 9 10 11 12 13 14 15 16; do echo "$T::test_gluon_scores_match_twin_on_gpu[opts$i]"; done) > $R/pytest.log 2>&1
 echo "pytest rc=$?"; tail -5 $R/pytest.log
 timeout ${PROBE_S:-200} python3 benchmarks/next/index_wg.py $R ${ROUNDS:-3} ${BUDGET:-170} > $R/index_wg.log 2>&1
 echo "probe rc=$?"; cat $R/index_wg.log | tail -40
