@@ -8,6 +8,11 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 R=$OUT/s17c3; mkdir -p $R
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv; echo "commit ${ADAPT_COMMIT:-unknown}"; } > $R/env.txt 2>&1
 cat $R/env.txt
+T=tests/kernels/test_dsa_gluon.py
+timeout 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider "$T::test_gluon_scores_match_twin_on_gpu[opts15]" \
+  "$T::test_gluon_scores_match_twin_on_gpu[opts16]" > $R/pytest_tma.log 2>&1
+rc=$?; echo "pytest tma rc=$rc"; tail -2 $R/pytest_tma.log
+[ $rc = 0 ] || export INDEX_WG_SKIP=tma
 if [ "${PROBE_S:-110}" != 0 ]; then
   timeout ${PROBE_S:-110} python3 benchmarks/next/index_wg.py $R ${ROUNDS:-3} ${BUDGET:-90} > $R/index_wg.log 2>&1
   echo "probe rc=$?"; grep -v '^{"variant"' $R/index_wg.log | tail -8
