@@ -86,6 +86,9 @@ PREFILL_GLUON = False
 # tiles, 2 and 1 programs an SM) were slower than one (4 an SM): 755 / 685-714 with the carry.
 PREFILL_WG_GROUPS = 1
 PREFILL_WG_CARRY = True
+# ... and its key pages by TMA (one warpgroup, 64-key pages). H200, 2026-12-03, call 3 (1aece6a), three rounds in
+# turns: 834-879 TFLOP/s over all rows against 815-841 with cp.async, both bit-equal to the tl tile.
+PREFILL_WG_TMA = True
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
 KEY_BLOCK = 128
@@ -359,23 +362,33 @@ def _decode_sample_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_pt
     tl.store(sample_ptr + row * SAMPLE + entry, tl.where(m, score, float("-inf")))
 
 
-def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
+def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int, padded: bool = False) -> torch.Tensor:
     """int32 [tiles, 3] of (first row, rows, sequence): runs of consecutive rows of one
-    sequence, cut every ``rows_per_tile`` rows (prefill; decode rows need no table)."""
+    sequence, cut every ``rows_per_tile`` rows (prefill; decode rows need no table). ``padded``: N entries
+    whatever the tile count, the tiles first and then empty ones (rows 0, first row N - 1), built without reading
+    anything back to the host (the exact table's length costs a sync)."""
     n = token_seq.shape[0]
     rows = torch.arange(n, device=token_seq.device)
     new_run = torch.ones(n, dtype=torch.bool, device=token_seq.device)
     new_run[1:] = token_seq[1:] != token_seq[:-1]
     run_start = torch.cummax(torch.where(new_run, rows, 0), dim=0).values
-    starts = torch.nonzero((rows - run_start) % rows_per_tile == 0).flatten()
+    first = (rows - run_start) % rows_per_tile == 0
+    if padded:  # each tile's first row to its rank among them; the rest to a slot past the end
+        slots = torch.full((n + 1,), n, dtype=rows.dtype, device=rows.device)
+        slots.scatter_(0, torch.where(first, torch.cumsum(first, 0) - 1, n), rows)
+        starts = slots[:n]
+    else:
+        starts = torch.nonzero(first).flatten()
     counts = torch.diff(starts, append=starts.new_tensor([n]))
+    starts = starts.clamp(max=n - 1)
     return torch.stack([starts, counts, token_seq[starts].long()], dim=1).to(torch.int32).contiguous()
 
 
-def prefill_query_tiles(token_seq: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
-    """The prefill tile table ``index_scores`` launches over (``_query_tiles``, longest rows first); its length is
-    read back to the host (one sync)."""
-    return _query_tiles(token_seq.to(torch.int32), rows_per_tile).flip(0).contiguous()
+def prefill_query_tiles(token_seq: torch.Tensor, rows_per_tile: int, padded: bool = False) -> torch.Tensor:
+    """The prefill tile table ``index_scores`` launches over (``_query_tiles``, longest rows first): exact, its length
+    read back to the host (one sync), or ``padded`` to one entry a row with empty tiles (no sync; only the
+    multi-warpgroup Gluon kernel takes empty tiles)."""
+    return _query_tiles(token_seq.to(torch.int32), rows_per_tile, padded).flip(0).contiguous()
 
 
 def _key_splits(key_tiles: int, row_tiles: int, programs: int | None) -> tuple[int, int]:
@@ -425,8 +438,10 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     ``gluon_warpgroups`` G (with ``gluon``, 2-row tiles): the multi-warpgroup kernel, key tiles of 64 G keys on
     4 G warps (``key_block`` defaults to 64 G); ``gluon_carry``: its second row's epilogue under the next tile's MMAs;
     ``gluon_tma`` (G = 1, 64-key pages): its key pages by TMA.
-    ``query_tiles`` (prefill): ``prefill_query_tiles(token_seq, rows_per_tile)`` computed ahead, so that this call
-    makes no host sync (the table otherwise costs one: its length is data-dependent).
+    ``query_tiles`` (prefill): the table of ``prefill_query_tiles(token_seq, rows_per_tile)`` computed ahead (the
+    exact table, or the padded one for the multi-warpgroup kernel). Without it, the multi-warpgroup kernel's calls
+    build the padded table (no host sync); the other kernels' cost one (its length is data-dependent; H200,
+    2026-12-03: 32 chunked launches over a 128K prefill 859-873 TFLOP/s without the syncs, 787-802 with them).
     """
     n_rows, n_heads, head_dim = q_fp8.shape
     out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q_fp8.device)
@@ -435,24 +450,14 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     decode = rows_per_tile == 1 or (rows_per_tile is None and bool((token_seq[1:] != token_seq[:-1]).all()))
     per_tile = 1 if decode else (rows_per_tile or PREFILL_ROWS_PER_TILE)
     token_seq = token_seq.to(torch.int32).contiguous()
-    if decode:  # one row per program, sequence read in the kernel: no tile table (no extra launches)
-        tiles = token_seq
-    else:
-        tiles = prefill_query_tiles(token_seq, per_tile) if query_tiles is None else query_tiles
     if (gluon is None and not decode and stacked and PREFILL_WG_GROUPS and not gluon_warpgroups
             and not gluon_split_rows and gluon_maxnreg is None and key_block in (None, 64 * PREFILL_WG_GROUPS)
             and not _interpreting() and dsa_gluon.gluon_applies(q_fp8, per_tile, 64 * PREFILL_WG_GROUPS, PAGE_SIZE,
                                                                 PREFILL_WG_GROUPS)):
         gluon, gluon_warpgroups, gluon_carry = True, PREFILL_WG_GROUPS, PREFILL_WG_CARRY
+        gluon_tma = PREFILL_WG_TMA and PREFILL_WG_GROUPS == 1 and PAGE_SIZE == 64
     block_s = key_block or (64 * gluon_warpgroups if gluon_warpgroups and not decode else
                             DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
-    key_tiles = triton.cdiv(num_cols, block_s)
-    if decode and not programs:
-        programs = min(DECODE_PROGRAMS, DECODE_PROGRAMS_PER_ROW * tiles.shape[0])
-    tiles_per_split, splits = _key_splits(key_tiles, tiles.shape[0], programs)
-    num_stages = num_stages or (DECODE_STAGES if decode else 3)
-    grid = (tiles.shape[0], splits)
-    block_h = max(16, triton.next_power_of_2(n_heads))
     use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))
     if use_gluon and (_interpreting() or not dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE,
                                                                      gluon_warpgroups)):
@@ -460,6 +465,22 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
             raise ValueError("gluon=True needs a CUDA device of capability 9.x, 64-key tiles inside one page, "
                              "a head dim that is a multiple of 32 and rows_per_tile x heads <= 256")
         use_gluon = False
+    padded = use_gluon and bool(gluon_warpgroups)  # the wg kernel takes empty tiles: a table without a host sync
+    if decode:  # one row per program, sequence read in the kernel: no tile table (no extra launches)
+        tiles = token_seq
+    elif query_tiles is not None:
+        tiles = query_tiles
+    else:
+        tiles = prefill_query_tiles(token_seq, per_tile, padded=padded)
+    key_tiles = triton.cdiv(num_cols, block_s)
+    if decode and not programs:
+        programs = min(DECODE_PROGRAMS, DECODE_PROGRAMS_PER_ROW * tiles.shape[0])
+    # a padded table has an entry a row: split as for the tiles of one sequence
+    tiles_per_split, splits = _key_splits(key_tiles, triton.cdiv(n_rows, per_tile) if padded else tiles.shape[0],
+                                          programs)
+    num_stages = num_stages or (DECODE_STAGES if decode else 3)
+    grid = (tiles.shape[0], splits)
+    block_h = max(16, triton.next_power_of_2(n_heads))
     if use_gluon:
         dsa_gluon.launch(grid, q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
                          limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
@@ -711,12 +732,17 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
 
     widest = round_up(max_keys if max_keys is not None else int(limits.max()))
     rows_per_chunk = max(1, max_score_bytes // (4 * widest))
+    starts = range(0, n_rows, rows_per_chunk)
+    if max_keys is None:  # every chunk's widest row in one read-back, not one a chunk
+        pad = -n_rows % rows_per_chunk
+        chunk_max = torch.nn.functional.pad(limits.to(torch.int64), (0, pad)).view(-1, rows_per_chunk).amax(dim=1)
+        chunk_cols = [round_up(int(v)) for v in chunk_max.tolist()]
     peak = 0
     chunks = 0
     fallback = 0
-    for start in range(0, n_rows, rows_per_chunk):
+    for i, start in enumerate(starts):
         end = min(n_rows, start + rows_per_chunk)
-        cols = widest if max_keys is not None else round_up(int(limits[start:end].max()))
+        cols = widest if max_keys is not None else chunk_cols[i]
         args = (q_fp8[start:end], weights[start:end], index_k, index_scale, block_table, token_seq[start:end],
                 limits[start:end])
         if fused:  # scoring keeps the candidates, one select over them (misjudged rows: redone on the device)

@@ -71,16 +71,21 @@ def _issue_key_tile(k_ptr, block_table_ptr, seq, bt_stride, kt, buf, HEAD_DIM: g
 
 
 @gluon.jit
-def _program_range(tiles_ptr, limit_ptr, out_cols, tiles_per_split, BLOCK_S: gl.constexpr):
+def _program_range(tiles_ptr, limit_ptr, out_cols, tiles_per_split, BLOCK_S: gl.constexpr,
+                   EMPTY_TILES: gl.constexpr = False):
     """This program's query tile (first row, rows, sequence, keys its last row sees) and key tiles: [first, last)
     of its split, of which [first, live) hold visible keys."""
     tile = gl.program_id(0)
     row0 = gl.load(tiles_ptr + tile * 3)
     n_rows = gl.load(tiles_ptr + tile * 3 + 1)
     seq = gl.load(tiles_ptr + tile * 3 + 2).to(gl.int64)
-    tile_limit = gl.load(limit_ptr + row0 + n_rows - 1)
     first = gl.program_id(1) * tiles_per_split
     last = gl.minimum(first + tiles_per_split, gl.cdiv(out_cols, BLOCK_S))
+    if EMPTY_TILES:  # an empty tile (a padded table's, ``dsa.prefill_query_tiles``) has no key tiles
+        tile_limit = gl.load(limit_ptr + row0 + n_rows - 1, mask=n_rows > 0, other=0)
+        last = gl.where(n_rows > 0, last, first)
+    else:
+        tile_limit = gl.load(limit_ptr + row0 + n_rows - 1)
     live = gl.minimum(last, gl.cdiv(tile_limit, BLOCK_S))
     return row0, n_rows, seq, tile_limit, first, last, live
 
@@ -378,7 +383,7 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
     head_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
 
     row0, n_rows, seq, tile_limit, first, last, live = _program_range(tiles_ptr, limit_ptr, out_cols,
-                                                                       tiles_per_split, BLOCK_S)
+                                                                       tiles_per_split, BLOCK_S, True)
     kv_end = gl.cdiv(tile_limit, PAGE) * PAGE  # keys of the pages the last row sees
 
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
@@ -386,12 +391,13 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
     q_rows = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_H, HEAD_DIM], smem_layout)
     wh = gl.arange(0, BLOCK_H, layout=head_layout)
     q_off = (row0.to(gl.int64) * n_heads + heads) * HEAD_DIM
-    q_rows.index(0).store(gl.load(q_ptr + q_off[:, None] + dims[None, :], mask=(heads < n_heads)[:, None], other=0.0))
+    q_rows.index(0).store(gl.load(q_ptr + q_off[:, None] + dims[None, :],
+                                  mask=((heads < n_heads) & (n_rows > 0))[:, None], other=0.0))
     q_rows.index(1).store(gl.load(q_ptr + q_off[:, None] + n_heads * HEAD_DIM + dims[None, :],
                                   mask=((heads < n_heads) & (n_rows > 1))[:, None], other=0.0))
-    w0 = gl.load(w_ptr + row0.to(gl.int64) * n_heads + wh, mask=wh < n_heads, other=0.0)
+    w0 = gl.load(w_ptr + row0.to(gl.int64) * n_heads + wh, mask=(wh < n_heads) & (n_rows > 0), other=0.0)
     w1 = gl.load(w_ptr + (row0 + 1).to(gl.int64) * n_heads + wh, mask=(wh < n_heads) & (n_rows > 1), other=0.0)
-    limit0 = gl.load(limit_ptr + row0)
+    limit0 = gl.load(limit_ptr + row0, mask=n_rows > 0, other=0)
     limit1 = gl.load(limit_ptr + row0 + 1, mask=n_rows > 1, other=0)
     out0 = out_ptr + row0.to(gl.int64) * out_stride
     out1 = out0 + out_stride

@@ -5,7 +5,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-R=$OUT/s17c3; mkdir -p $R
+R=$OUT/${CALL:-s17c3}; mkdir -p $R
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv; echo "commit ${ADAPT_COMMIT:-unknown}"; } > $R/env.txt 2>&1
 cat $R/env.txt
 T=tests/kernels/test_dsa_gluon.py

@@ -115,3 +115,18 @@ def test_gluon_scores_at_deepseek_shapes_on_gpu(split_rows):
     assert_close_scores(got, tl_scores, "cuda")
     finite = torch.isfinite(tl_scores)
     assert float((got[finite] - tl_scores[finite]).abs().max()) <= 1e-3 * float(tl_scores[finite].abs().max())
+
+
+def test_padded_query_tiles_hold_the_exact_tiles_then_empty_ones():
+    """The padded prefill tile table (no host sync) holds the exact table's tiles in the same order, then empty
+    tiles whose rows are in range; one entry a row."""
+    token_seq = torch.tensor([0] * 5 + [1] * 2 + [2] * 1 + [3] * 6, dtype=torch.int32)
+    exact = dsa.prefill_query_tiles(token_seq, 2)
+    padded = dsa.prefill_query_tiles(token_seq, 2, padded=True)
+    assert padded.shape == (token_seq.numel(), 3)
+    real = padded[padded[:, 1] > 0]
+    assert torch.equal(real, exact)
+    empty = padded[padded[:, 1] == 0]
+    assert empty.shape[0] == token_seq.numel() - exact.shape[0]
+    assert bool((empty[:, 0] >= 0).all() and (empty[:, 0] < token_seq.numel()).all())
+    assert torch.equal(padded[: empty.shape[0], 1], torch.zeros(empty.shape[0], dtype=torch.int32))
