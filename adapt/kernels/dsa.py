@@ -379,7 +379,7 @@ def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int, padded: bool = Fal
         starts = slots[:n]
     else:
         starts = torch.nonzero(first).flatten()
-    counts = torch.diff(starts, append=starts.new_tensor([n]))
+    counts = torch.diff(starts, append=torch.full((1,), n, dtype=starts.dtype, device=starts.device))  # no copy in
     starts = starts.clamp(max=n - 1)
     return torch.stack([starts, counts, token_seq[starts].long()], dim=1).to(torch.int32).contiguous()
 
@@ -733,10 +733,24 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
     widest = round_up(max_keys if max_keys is not None else int(limits.max()))
     rows_per_chunk = max(1, max_score_bytes // (4 * widest))
     starts = range(0, n_rows, rows_per_chunk)
+    chunk_rows = [None] * len(starts)
     if max_keys is None:  # every chunk's widest row in one read-back, not one a chunk
         pad = -n_rows % rows_per_chunk
         chunk_max = torch.nn.functional.pad(limits.to(torch.int64), (0, pad)).view(-1, rows_per_chunk).amax(dim=1)
-        chunk_cols = [round_up(int(v)) for v in chunk_max.tolist()]
+        if tile_options.get("rows_per_tile") is None and not fused:
+            # and whether each chunk's rows are all of different sequences (decode tiles, as ``index_scores``
+            # decides when rows_per_tile is None): decided here, so that no chunk's call reads it back
+            same = torch.zeros(n_rows, dtype=torch.int64, device=token_seq.device)
+            same[1:] = (token_seq[1:] == token_seq[:-1]).to(torch.int64)
+            cum = torch.cumsum(same, 0)
+            first = torch.arange(0, n_rows, rows_per_chunk, device=token_seq.device)
+            last = (first + rows_per_chunk).clamp(max=n_rows) - 1
+            repeats = cum[last] - cum[first]  # pairs of neighbours of one sequence inside each chunk
+            chunk_max, decode_rows = torch.stack([chunk_max, repeats]).tolist()
+            chunk_rows = [1 if r == 0 else PREFILL_ROWS_PER_TILE for r in decode_rows]
+        else:
+            chunk_max = chunk_max.tolist()
+        chunk_cols = [round_up(int(v)) for v in chunk_max]
     peak = 0
     chunks = 0
     fallback = 0
@@ -748,7 +762,8 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
         if fused:  # scoring keeps the candidates, one select over them (misjudged rows: redone on the device)
             scores = index_topk_fused(*args, topk, cols, out=out[start:end], **tile_options)[1]
         else:
-            scores = score_fn(*args, cols, **tile_options)
+            options = tile_options if chunk_rows[i] is None else {**tile_options, "rows_per_tile": chunk_rows[i]}
+            scores = score_fn(*args, cols, **options)
             fallback += select_fn(scores, limits[start:end], topk, out=out[start:end], method=select)
         peak = max(peak, scores.numel() * 4)
         del scores

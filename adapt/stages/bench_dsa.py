@@ -522,6 +522,10 @@ def _prefill_case(
     rows_per_chunk = max(1, max_score_bytes // (4 * length))
 
     def scores_only(options: dict | None = None):
+        # the chunks' tile rows given, as ``dsa.index_topk`` decides them once a call (else each call reads back
+        # whether its rows are one sequence's)
+        options = {"rows_per_tile": dsa.PREFILL_ROWS_PER_TILE,
+                   **(tiles["prefill_index"] if options is None else options)}
         for r0 in range(0, length, rows_per_chunk):
             r1 = min(length, r0 + rows_per_chunk)
             dsa.index_scores(
@@ -533,7 +537,7 @@ def _prefill_case(
                 token_seq[r0:r1],
                 limits[r0:r1],
                 -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK,
-                **(tiles["prefill_index"] if options is None else options),
+                **options,
             )
 
     tail_flops = 2 * INDEX_HEADS * INDEX_DIM * sum(range(length - PREFILL_TAIL_ROWS + 1, length + 1))

@@ -30,6 +30,7 @@ LENGTH, TAIL = 131072, 4096
 VARIANTS = {
     "tl 2x64": dict(rows_per_tile=2, key_block=64, gluon=False),
     "default": dict(),
+    "default 2 rows": dict(rows_per_tile=2),  # no read-back of whether the rows are one sequence's
     "default presync": dict(presync=True),
     "wg1 s2 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=2, gluon_carry=True),
     "wg1 s3 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3, gluon_carry=True),

@@ -196,3 +196,20 @@ def test_deepseek_v32_shapes_on_gpu():
     assert stats.peak_score_bytes <= 1 << 24 and stats.chunks > 1
     ref, _ = dsa.index_topk_torch(q8[rows], weights[rows], *args, batch.token_seq[rows], limits[rows], 2048)
     assert_same_topk(idx[rows].cpu(), ref.cpu(), want.cpu(), 2048, score_tol("cuda", want))
+
+
+def test_topk_chunks_decide_their_tile_rows_once(monkeypatch):
+    """index_topk without rows_per_tile decides every chunk's tiles in one read-back: a chunk whose rows are all of
+    different sequences gets decode tiles (1 row), a chunk with neighbours of one sequence prefill tiles; the result
+    is the twin's either way."""
+    layer, batch, q8, weights = filled_cache((1, 1, 1, 1, 60), heads=4, dim=32, device="cpu")
+    limits = (batch.positions + 1).int()
+    args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
+    seen = []
+    real = dsa.index_scores
+    monkeypatch.setattr(dsa, "index_scores", lambda *a, **kw: seen.append(kw.get("rows_per_tile")) or real(*a, **kw))
+    idx, stats = dsa._index_topk_chunked(dsa.index_scores, dsa._select_topk, *args, 8, 4 * 128 * 4, None, "auto", {})
+    assert stats.chunks == 16 and seen[0] == 1 and set(seen[1:]) == {dsa.PREFILL_ROWS_PER_TILE}
+    ref, _ = dsa.index_topk_torch(*args, 8)
+    scores = dsa.index_scores_torch(*args, 128)
+    assert_same_topk(idx, ref, scores, 8, score_tol("cpu", scores))
