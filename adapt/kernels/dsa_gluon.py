@@ -18,7 +18,11 @@ per SM like the tl tile.
 Measured on an H200 (2026-12-01, benchmarks/gpu-2026-12-01-dsa-s4-indexer): both forms match the tl kernel
 exactly at DeepSeek shapes; over all 128K rows of a prefill they ran at 499-719 TFLOP/s against the tl tile's
 737-739 (the row-split one capped at 96 registers, 5 programs per SM, was best, and 1.5% faster than tl on the
-last 4096 rows only), so the dispatch default stays the tl kernel (``dsa.PREFILL_GLUON``).
+last 4096 rows only), so they stay opt-in (``dsa.PREFILL_GLUON``).
+
+The multi-warpgroup form (``_index_scores_gluon_wg_kernel``, 2026-12-03) is the default on sm_90 with one warpgroup,
+its carried second-row epilogue and TMA key pages (``dsa.PREFILL_WG_*``; benchmarks/gpu-2026-12-03-dsa-s17): bit-equal
+to the tl kernel, 834-910 TFLOP/s over all 128K rows against 705-738.
 
 Gluon does not run under TRITON_INTERPRET; ``dsa.index_scores`` dispatches here only on a CUDA device of
 capability 9.x when ``gluon=True`` (the CPU interpreter path stays the ``tl`` kernel). Shapes supported:
