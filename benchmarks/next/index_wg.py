@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,11 @@ def main() -> None:
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     (out_dir / "index_wg.json").write_text(json.dumps(result, indent=1))
+    for name in dict.fromkeys(row["variant"] for row in result["rows"]):  # min-max (median) over the rounds
+        tail = [row["tail_TFLOPs"] for row in result["rows"] if row["variant"] == name]
+        every = [row["all_TFLOPs"] for row in result["rows"] if row["variant"] == name]
+        print(f"{name:18s} tail {min(tail):6.1f}-{max(tail):6.1f} ({statistics.median(tail):6.1f})  all rows "
+              f"{min(every):6.1f}-{max(every):6.1f} ({statistics.median(every):6.1f})", flush=True)
 
 
 def profile(names: list[str]) -> None:

@@ -16,14 +16,7 @@ if [ "${TEST_S:-200}" != 0 ]; then
 fi
 if [ "${PROBE_S:-120}" != 0 ]; then
   timeout ${PROBE_S:-120} python3 benchmarks/next/index_wg.py $R ${ROUNDS:-3} ${BUDGET:-100} > $R/index_wg.log 2>&1
-  echo "probe rc=$?"; grep -v '^{"variant"' $R/index_wg.log | tail -12
-  python3 - $R/index_wg.json <<'PY'
-import json, sys, statistics as st
-rows = json.load(open(sys.argv[1]))["rows"]
-for v in dict.fromkeys(r["variant"] for r in rows):
-    t = [r["tail_TFLOPs"] for r in rows if r["variant"] == v]; a = [r["all_TFLOPs"] for r in rows if r["variant"] == v]
-    print(f"{v:16s} tail {min(t):6.1f}-{max(t):6.1f} (median {st.median(t):6.1f})  all rows {min(a):6.1f}-{max(a):6.1f} (median {st.median(a):6.1f})")
-PY
+  echo "probe rc=$?"; grep -v '^{"variant"' $R/index_wg.log | tail -20
 fi
 for g in ${ACC_GROUPS:-1 0}; do
   timeout ${ACC_S:-170} python3 -m adapt.stages.bench_dsa --out $R/acc_wg$g --acceptance --no-sweep --prefill-only \

@@ -15,14 +15,7 @@ rc=$?; echo "pytest tma rc=$rc"; tail -2 $R/pytest_tma.log
 [ $rc = 0 ] || export INDEX_WG_SKIP=tma
 if [ "${PROBE_S:-110}" != 0 ]; then
   timeout ${PROBE_S:-110} python3 benchmarks/next/index_wg.py $R ${ROUNDS:-3} ${BUDGET:-90} > $R/index_wg.log 2>&1
-  echo "probe rc=$?"; grep -v '^{"variant"' $R/index_wg.log | tail -8
-  python3 - $R/index_wg.json <<'PY'
-import json, sys, statistics as st
-rows = json.load(open(sys.argv[1]))["rows"]
-for v in dict.fromkeys(r["variant"] for r in rows):
-    t = [r["tail_TFLOPs"] for r in rows if r["variant"] == v]; a = [r["all_TFLOPs"] for r in rows if r["variant"] == v]
-    print(f"{v:16s} tail {min(t):6.1f}-{max(t):6.1f} (median {st.median(t):6.1f})  all rows {min(a):6.1f}-{max(a):6.1f} (median {st.median(a):6.1f})")
-PY
+  echo "probe rc=$?"; grep -v '^{"variant"' $R/index_wg.log | tail -20
 fi
 if [ "${ACC_S:-280}" != 0 ]; then
   timeout ${ACC_S:-280} python3 -m adapt.stages.bench_dsa --out $R/acc --acceptance --no-sweep > $R/dsa.log 2>&1
