@@ -19,9 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
 
 from adapt.kernels import dsa_gluon
 from benchmarks.moe.sass_report import BIN, report
@@ -60,14 +62,8 @@ def compile_gluon(const: dict, maxnreg: int = 0):
 
 def _key_desc_type(head_dim: int, rows: int) -> str:
     """The signature type of ``dsa_gluon.launch``'s TMA descriptor of the key cache (one page a box)."""
-    import torch
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
-
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=8, rank=2)
-    return mangle_type(TensorDescriptor.from_tensor(torch.empty(4 * rows, head_dim, dtype=torch.float8_e4m3fn),
-                                                    [rows, head_dim], layout))
+    cache = torch.empty(4, rows, head_dim, dtype=torch.float8_e4m3fn)
+    return mangle_type(dsa_gluon.key_page_descriptor(cache, rows))
 
 
 def wgmma_notes(ck, maxnreg: int = 0) -> list[str]:

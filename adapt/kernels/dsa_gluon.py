@@ -489,6 +489,15 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
         gl.store(out1 + pos, inf, mask=(pos < out_cols) & (n_rows > 1))
 
 
+def key_page_descriptor(index_k: torch.Tensor, page: int) -> TensorDescriptor:
+    """TMA descriptor of the key cache e4m3 [pages, PAGE, D] as [pages * PAGE, D] rows, one page a box, in the
+    shared layout of the kernels' key ring."""
+    head_dim = index_k.shape[-1]
+    return TensorDescriptor.from_tensor(index_k.view(-1, head_dim), [page, head_dim],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=8,
+                                                             rank=2))
+
+
 def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
            index_scale: torch.Tensor, block_table: torch.Tensor, limits: torch.Tensor, tiles: torch.Tensor,
            out: torch.Tensor, tiles_per_split: int, *, block_h: int, rows: int, page: int, num_stages: int,
@@ -512,11 +521,7 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
             extra = {"maxnreg": 128}
         if use_tma and (warpgroups != 1 or page != 64):
             raise ValueError("the TMA key loads take one warpgroup and 64-key pages")
-        k_desc = index_k
-        if use_tma:  # the cache as [pages * PAGE, HEAD_DIM] rows, one page a box
-            k_desc = TensorDescriptor.from_tensor(index_k.view(-1, head_dim), [page, head_dim],
-                                                  gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim),
-                                                                       element_bitwidth=8, rank=2))
+        k_desc = key_page_descriptor(index_k, page) if use_tma else index_k
         _index_scores_gluon_wg_kernel[grid](*args, k_desc, HEAD_DIM=head_dim, BLOCK_H=block_h,
                                             BLOCK_S=64 * warpgroups, PAGE=page, NUM_STAGES=num_stages,
                                             WARPS=4 * warpgroups, CARRY=carry, TMA=use_tma,

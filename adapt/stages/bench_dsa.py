@@ -662,7 +662,8 @@ def _prefill_case(
         "sparse_mla_bf16_flags": sparse_mla.sparse_mla_gluon.bf16_flags(),
         "index_tiles": tiles["prefill_index"],
         # the library's default prefill scoring kernel where the tiles leave it open (0 groups: the tl tile)
-        "index_default": dict(wg_groups=dsa.PREFILL_WG_GROUPS, wg_carry=dsa.PREFILL_WG_CARRY),
+        "index_default": dict(wg_groups=dsa.PREFILL_WG_GROUPS, wg_carry=dsa.PREFILL_WG_CARRY,
+                              wg_tma=dsa.PREFILL_WG_TMA),
         "sparse_mla_tiles": mla_options,
         "topk_last4096_rows_ms": tail_select,
         "index_sweep": sweep_rows,
