@@ -47,6 +47,7 @@ def compile_gluon(const: dict, maxnreg: int = 0):
         const.update(BLOCK_S=64 * groups, WARPS=warps)
         const.setdefault("CARRY", False)
         const.setdefault("TMA", False)
+        const.setdefault("REG_A", False)
         const.pop("ROWS", None)
     if kern is not dsa_gluon._index_scores_gluon_kernel:
         const.pop("W_SMEM", None)

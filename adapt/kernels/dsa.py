@@ -89,6 +89,8 @@ PREFILL_WG_CARRY = True
 # ... and its key pages by TMA (one warpgroup, 64-key pages). H200, 2026-12-03, call 3 (1aece6a), three rounds in
 # turns: 834-879 TFLOP/s over all rows against 815-841 with cp.async, both bit-equal to the tl tile.
 PREFILL_WG_TMA = True
+# ... and its key tile in registers as both rows' wgmma A operand (``gluon_reg_a``): not measured yet.
+PREFILL_WG_REG_A = False
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
 KEY_BLOCK = 128
@@ -406,7 +408,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  gluon: bool | None = None, gluon_w_smem: bool = True,
                  gluon_maxnreg: int | None = None, gluon_split_rows: bool = False,
                  gluon_warpgroups: int = 0, gluon_carry: bool = False, gluon_tma: bool = False,
-                 query_tiles: torch.Tensor | None = None) -> torch.Tensor:
+                 gluon_reg_a: bool | None = None, query_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -437,7 +439,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     register cap; ``gluon_split_rows``: one MMA per query row instead of the stacked one (see ``dsa_gluon.launch``);
     ``gluon_warpgroups`` G (with ``gluon``, 2-row tiles): the multi-warpgroup kernel, key tiles of 64 G keys on
     4 G warps (``key_block`` defaults to 64 G); ``gluon_carry``: its second row's epilogue under the next tile's MMAs;
-    ``gluon_tma`` (G = 1, 64-key pages): its key pages by TMA.
+    ``gluon_tma`` (G = 1, 64-key pages): its key pages by TMA; ``gluon_reg_a``: its key tile in registers as both
+    rows' wgmma A operand (default PREFILL_WG_REG_A where the library picks the kernel, else off).
     ``query_tiles`` (prefill): the table of ``prefill_query_tiles(token_seq, rows_per_tile)`` computed ahead (the
     exact table, or the padded one for the multi-warpgroup kernel). Without it, the multi-warpgroup kernel's calls
     build the padded table (no host sync); the other kernels' cost one (its length is data-dependent; H200,
@@ -456,6 +459,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                                                                 PREFILL_WG_GROUPS)):
         gluon, gluon_warpgroups, gluon_carry = True, PREFILL_WG_GROUPS, PREFILL_WG_CARRY
         gluon_tma = PREFILL_WG_TMA and PREFILL_WG_GROUPS == 1 and PAGE_SIZE == 64
+        gluon_reg_a = PREFILL_WG_REG_A if gluon_reg_a is None else gluon_reg_a
     block_s = key_block or (64 * gluon_warpgroups if gluon_warpgroups and not decode else
                             DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))
@@ -486,7 +490,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                          limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
                          rows=per_tile, page=PAGE_SIZE, num_stages=num_stages or 3, w_smem=gluon_w_smem,
                          maxnreg=gluon_maxnreg, split_rows=gluon_split_rows, warpgroups=gluon_warpgroups,
-                         carry=gluon_carry, use_tma=gluon_tma)
+                         carry=gluon_carry, use_tma=gluon_tma, reg_a=bool(gluon_reg_a))
         return out
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,

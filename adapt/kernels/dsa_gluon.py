@@ -365,7 +365,8 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
                                   n_heads, bt_stride, out_stride, out_cols, tiles_per_split, k_desc,
                                   HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
                                   PAGE: gl.constexpr, NUM_STAGES: gl.constexpr, WARPS: gl.constexpr,
-                                  CARRY: gl.constexpr = False, TMA: gl.constexpr = False):
+                                  CARRY: gl.constexpr = False, TMA: gl.constexpr = False,
+                                  REG_A: gl.constexpr = False):
     """The multi-warpgroup form (``launch(..., warpgroups=G)``): 2-row query tiles against key tiles of
     BLOCK_S = 64 G keys, one warpgroup a 64-key slice (keys on the wgmma M side). Each row is its own N = BLOCK_H
     bank: both banks' wgmmas are issued together and row 0's epilogue runs while row 1's MMA does. The head
@@ -374,7 +375,9 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
     (key tiles of BLOCK_S). CARRY: row 1's epilogue of a tile runs after the next tile's wgmmas are issued (its
     ReLU'd logits carried over the back edge as a finished tensor), so both rows' epilogues run under an MMA.
     TMA (one warpgroup, one-page tiles): the key pages come by TMA (``k_desc``: the cache as [pages * PAGE,
-    HEAD_DIM]) on one mbarrier a stage instead of per-thread cp.async."""
+    HEAD_DIM]) on one mbarrier a stage instead of per-thread cp.async. REG_A: the key tile is read from shared
+    memory into registers once (ldmatrix) and is both wgmmas' A operand (the MMAs then read only the query rows
+    from shared memory: 16 of the 24 KB a tile)."""
     gl.static_assert(BLOCK_S == 16 * WARPS)
     if TMA:
         gl.static_assert(BLOCK_S == PAGE)
@@ -385,6 +388,7 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
     q_layout: gl.constexpr = _copy_layout(HEAD_DIM, WARPS)
     key_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     head_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
 
     row0, n_rows, seq, tile_limit, first, last, live = _program_range(tiles_ptr, limit_ptr, out_cols,
                                                                        tiles_per_split, BLOCK_S, True)
@@ -442,8 +446,13 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
             cp.wait_group(NUM_STAGES - 1)
             fence_async_shared()
             gl.thread_barrier()
-        acc0 = warpgroup_mma(stage, q0_t, zero, use_acc=False, is_async=True)
-        acc1 = warpgroup_mma(stage, q1_t, zero, use_acc=False, is_async=True)
+        if REG_A:
+            key_regs = stage.load(a_layout)
+            acc0 = warpgroup_mma(key_regs, q0_t, zero, use_acc=False, is_async=True)
+            acc1 = warpgroup_mma(key_regs, q1_t, zero, use_acc=False, is_async=True)
+        else:
+            acc0 = warpgroup_mma(stage, q0_t, zero, use_acc=False, is_async=True)
+            acc1 = warpgroup_mma(stage, q1_t, zero, use_acc=False, is_async=True)
         pos = kt * BLOCK_S + keys
         key_ok = pos < tile_limit
         if BLOCK_S == PAGE:
@@ -502,13 +511,14 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
            index_scale: torch.Tensor, block_table: torch.Tensor, limits: torch.Tensor, tiles: torch.Tensor,
            out: torch.Tensor, tiles_per_split: int, *, block_h: int, rows: int, page: int, num_stages: int,
            w_smem: bool = True, maxnreg: int | None = None, split_rows: bool = False, warpgroups: int = 0,
-           carry: bool = False, use_tma: bool = False) -> None:
+           carry: bool = False, use_tma: bool = False, reg_a: bool = False) -> None:
     """``_index_scores_gluon_kernel`` over ``grid`` (query tiles, splits) with ``dsa.index_scores``' arguments:
     q_fp8 e4m3 [N, H, D], weights fp32 [N, H], index_k e4m3 [pages, PAGE, D], index_scale fp32 [pages, PAGE],
     limits int32 [N], tiles int32 [query tiles, 3], out fp32 [N, cols]; 64-key tiles, 4 warps. ``maxnreg``: a
     register cap (sm_90 at 64 x 128 heads, 2 rows: 186 registers uncapped, 2 programs per SM; 162 under a cap of
     168 without spills, 3 per SM; ``benchmarks/dsa_gluon_sass.py``). ``split_rows``: the row-split kernel
-    (``_index_scores_gluon_rows_kernel``: 117 registers, 4 programs per SM; ``w_smem`` does not apply)."""
+    (``_index_scores_gluon_rows_kernel``: 117 registers, 4 programs per SM; ``w_smem`` does not apply).
+    ``reg_a`` (the wg kernel): each key tile read into registers once, the A operand of both rows' wgmmas."""
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
     args = (q_fp8, weights, index_k, index_scale, block_table, limits, tiles, out,
@@ -524,7 +534,7 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
         k_desc = key_page_descriptor(index_k, page) if use_tma else index_k
         _index_scores_gluon_wg_kernel[grid](*args, k_desc, HEAD_DIM=head_dim, BLOCK_H=block_h,
                                             BLOCK_S=64 * warpgroups, PAGE=page, NUM_STAGES=num_stages,
-                                            WARPS=4 * warpgroups, CARRY=carry, TMA=use_tma,
+                                            WARPS=4 * warpgroups, CARRY=carry, TMA=use_tma, REG_A=reg_a,
                                             num_warps=4 * warpgroups, **extra)
     elif split_rows:
         _index_scores_gluon_rows_kernel[grid](*args, **const, num_warps=GLUON_WARPS, **extra)

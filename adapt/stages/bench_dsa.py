@@ -663,7 +663,7 @@ def _prefill_case(
         "index_tiles": tiles["prefill_index"],
         # the library's default prefill scoring kernel where the tiles leave it open (0 groups: the tl tile)
         "index_default": dict(wg_groups=dsa.PREFILL_WG_GROUPS, wg_carry=dsa.PREFILL_WG_CARRY,
-                              wg_tma=dsa.PREFILL_WG_TMA),
+                              wg_tma=dsa.PREFILL_WG_TMA, wg_reg_a=dsa.PREFILL_WG_REG_A),
         "sparse_mla_tiles": mla_options,
         "topk_last4096_rows_ms": tail_select,
         "index_sweep": sweep_rows,
@@ -1530,6 +1530,9 @@ if __name__ == "__main__":
                         help="prefill scoring's default kernel: the multi-warpgroup Gluon kernel with G warpgroups "
                              f"(1, 2 or 4), or 0 for the tl tile (default: dsa.PREFILL_WG_GROUPS, now "
                              f"{dsa.PREFILL_WG_GROUPS})")
+    parser.add_argument("--prefill-reg-a", action=argparse.BooleanOptionalAction, default=None,
+                        help="the multi-warpgroup prefill kernel's key tile in registers as its wgmma A operand "
+                             f"(default: dsa.PREFILL_WG_REG_A, now {dsa.PREFILL_WG_REG_A})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1551,6 +1554,8 @@ if __name__ == "__main__":
         if args.prefill_gluon_wg not in (0, 1, 2, 4):
             parser.error(f"--prefill-gluon-wg: 0, 1, 2 or 4 warpgroups, not {args.prefill_gluon_wg}")
         dsa.PREFILL_WG_GROUPS = args.prefill_gluon_wg
+    if args.prefill_reg_a is not None:
+        dsa.PREFILL_WG_REG_A = args.prefill_reg_a
     if args.step_swept_tiles is not None:
         globals()["STEP_SWEPT_TILES"] = args.step_swept_tiles
     if args.few_rows_options:

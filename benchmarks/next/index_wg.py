@@ -33,14 +33,14 @@ VARIANTS = {
     "default": dict(),
     "default 2 rows": dict(rows_per_tile=2),  # no read-back of whether the rows are one sequence's
     "default presync": dict(presync=True),
-    "wg1 s2 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=2, gluon_carry=True),
-    "wg1 s3 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3, gluon_carry=True),
-    "wg1 s4 carry": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=4, gluon_carry=True),
-    "wg1 s3 carry tma": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=3, gluon_carry=True,
-                             gluon_tma=True),
-    "wg1 s4 carry tma": dict(rows_per_tile=2, gluon=True, gluon_warpgroups=1, num_stages=4, gluon_carry=True,
-                             gluon_tma=True),
+    "reg_a": dict(rows_per_tile=2, gluon_reg_a=True),
+    "reg_a s4": dict(rows_per_tile=2, gluon_reg_a=True, num_stages=4),
+    "2 rows p2048": dict(rows_per_tile=2, programs=2048),
+    "2 rows p4096": dict(rows_per_tile=2, programs=4096),
+    "reg_a p4096": dict(rows_per_tile=2, gluon_reg_a=True, programs=4096),
 }
+# Session 17 also ran wg1 s2 / s3 / s4 with the carry, with and without TMA (call 4 / session 18 call 1: s3 tma
+# 885-895, s4 tma 897-902 over all rows; s2-s4 with cp.async 850-865).
 # Session 17, call 1 (b9c0252) also ran: wg2 without the carry at 2, 3, 4 stages (tail 762-779, all rows 719-729),
 # wg4 at 2 and 3 stages (671-708 / 645-661) and wg4 s2 carry (726-742 / 685-714), all below wg1; call 2 (8dafb98,
 # columns per chunk as bench_dsa) the row-split Gluon kernel capped at 96 (696-720 over all rows), wg1 s3 without

@@ -22,9 +22,11 @@ SHIPPED = [{}, {"maxnreg": 168}, {"NUM_STAGES": 4, "maxnreg": 168}, {"W_SMEM": F
            {"WARPGROUPS": 1}, {"WARPGROUPS": 2}, {"WARPGROUPS": 2, "NUM_STAGES": 4}, {"WARPGROUPS": 4},
            {"WARPGROUPS": 2, "CARRY": True, "maxnreg": 128}, {"WARPGROUPS": 4, "CARRY": True},
            {"WARPGROUPS": 1, "CARRY": True, "maxnreg": 128},
-           {"WARPGROUPS": 1, "CARRY": True, "TMA": True, "maxnreg": 128}]
+           {"WARPGROUPS": 1, "CARRY": True, "TMA": True, "maxnreg": 128},
+           {"WARPGROUPS": 1, "CARRY": True, "TMA": True, "REG_A": True, "maxnreg": 128}]
 SMALL = [{"HEAD_DIM": 32, "BLOCK_H": 16}, {"HEAD_DIM": 32, "BLOCK_H": 16, "SPLIT_ROWS": True},
-         {"HEAD_DIM": 32, "BLOCK_H": 16, "WARPGROUPS": 2}]
+         {"HEAD_DIM": 32, "BLOCK_H": 16, "WARPGROUPS": 2},
+         {"HEAD_DIM": 32, "BLOCK_H": 16, "WARPGROUPS": 1, "CARRY": True, "TMA": True, "REG_A": True}]
 
 
 def test_sm90_build_keeps_the_wgmma_async_without_spills():
@@ -39,6 +41,8 @@ def test_sm90_build_keeps_the_wgmma_async_without_spills():
         per_trip = row["config"].get("ROWS", 2) if row["config"].get("SPLIT_ROWS") else 2
         assert row["loop_ops"].get("QGMMA") == per_trip * row["config"].get("HEAD_DIM", 128) // 32, row
         assert row["loop_ops"].get("UTMALDG" if row["config"].get("TMA") else "LDGSTS", 0) >= 1, row
+        if row["config"].get("REG_A"):  # the key tile read into registers once (ldmatrix) for both wgmmas
+            assert row["loop_ops"].get("LDSM", 0) >= 1, row
         if "maxnreg" in row["config"]:
             assert row["regs"] <= row["config"]["maxnreg"], row
         if row["config"].get("SPLIT_ROWS"):  # 4 programs of 128 threads per SM
@@ -77,7 +81,10 @@ GPU_OPTIONS = [dict(gluon=True), dict(gluon=True, gluon_maxnreg=168), dict(gluon
                dict(gluon=True, gluon_warpgroups=2, key_block=None, gluon_carry=True),
                dict(gluon=True, gluon_warpgroups=1, gluon_carry=True, programs=1),
                dict(gluon=True, gluon_warpgroups=1, gluon_carry=True, gluon_tma=True),
-               dict(gluon=True, gluon_warpgroups=1, gluon_carry=True, gluon_tma=True, programs=1, num_stages=2)]
+               dict(gluon=True, gluon_warpgroups=1, gluon_carry=True, gluon_tma=True, programs=1, num_stages=2),
+               dict(gluon=True, gluon_warpgroups=1, gluon_carry=True, gluon_tma=True, gluon_reg_a=True),
+               dict(gluon=True, gluon_warpgroups=1, gluon_carry=True, gluon_tma=True, gluon_reg_a=True, programs=1,
+                    num_stages=2)]
 
 
 @pytest.mark.gpu
