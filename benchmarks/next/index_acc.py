@@ -1,0 +1,83 @@
+"""Issue 16: why the acceptance's indexer line (``bench_dsa._prefill_case``'s ``index_scores_all_TFLOPs``, 855-858 in
+session 18's calls 1-2) sits below ``index_wg.py``'s same call over the same chunks (900-905).
+
+One process: the probe's all-rows scoring (4096-row chunks, 2-row tiles, the library's default kernel) timed in
+turns with the bench's form, then the bench's own prefill case as the acceptance runs it (``--no-sweep``), then the
+probe's form again. Each line prints the SM clock (NVML) before and after.
+
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/index_acc.py OUT_DIR [ROUNDS]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from adapt.bench.timer import time_eager_ms
+from adapt.kernels import dsa
+from adapt.stages import bench_dsa
+from adapt.stages.bench_dsa import INDEX_DIM, INDEX_HEADS, _queries, _random_cache
+
+LENGTH, CHUNK = 131072, 4096
+FLOPS = 2 * INDEX_HEADS * INDEX_DIM * LENGTH * (LENGTH + 1) / 2
+
+
+def clock() -> str:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    return out.replace(", ", "/")
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    rows = []
+
+    def record(name: str, ms: float, before: str) -> None:
+        row = {"form": name, "ms": ms, "TFLOPs": FLOPS / ms / 1e9, "clock_before": before, "clock_after": clock()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    cache = _random_cache(LENGTH, "fp8")
+    layer = cache.dsa_layer(0)
+    table = torch.arange(LENGTH // 64, device="cuda", dtype=torch.int32)[None]
+    seq = torch.zeros(LENGTH, device="cuda", dtype=torch.int32)
+    limits = torch.arange(1, LENGTH + 1, device="cuda", dtype=torch.int32)
+    q8, weights, _, _ = _queries(LENGTH)
+
+    def all_rows() -> None:
+        for r0 in range(0, LENGTH, CHUNK):
+            r1 = r0 + CHUNK
+            dsa.index_scores(q8[r0:r1], weights[r0:r1], layer.index_k, layer.index_scale, table, seq[r0:r1],
+                             limits[r0:r1], -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK, rows_per_tile=2)
+
+    for _ in range(rounds):
+        for name, fn, reps in (("probe form, 2 reps", all_rows, 2), ("probe form, 5 reps", all_rows, 5)):
+            before = clock()
+            record(name, time_eager_ms(fn, reps), before)
+    del cache, layer
+    torch.cuda.empty_cache()
+    before = clock()
+    case = bench_dsa._prefill_case(LENGTH, 2048, "fp8", 2, 2 << 30, 16384,
+                                   {"decode_index": {}, "prefill_index": {}, "mla": {}}, index_sweep=({},),
+                                   mla_sweep=({},), selects=("auto",))
+    rows.append({"form": "bench _prefill_case", "ms": case["index_scores_ms"],
+                 "TFLOPs": case["index_scores_all_TFLOPs"], "clock_before": before, "clock_after": clock(),
+                 "last4096_TFLOPs": case["index_scores_TFLOPs"], "total_ms": case["total_ms"]})
+    print(json.dumps(rows[-1]), flush=True)
+    torch.cuda.empty_cache()
+    cache = _random_cache(LENGTH, "fp8")
+    layer = cache.dsa_layer(0)
+    for _ in range(rounds):
+        before = clock()
+        record("probe form after the case, 2 reps", time_eager_ms(all_rows, 2), before)
+    (out_dir / "index_acc.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
