@@ -10,9 +10,12 @@ Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/index_acc.
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,11 +35,40 @@ def clock() -> str:
     return out.replace(", ", "/")
 
 
+CALLS: dict = collections.defaultdict(lambda: {"calls": 0, "host_ms": 0.0, "syncs": 0})
+PHASE = ["setup"]
+
+
+def _watch_index_scores() -> None:
+    """Wrap ``dsa.index_scores``: per phase and option set, its calls, host milliseconds and the syncs torch
+    reports inside it (``torch.cuda.set_sync_debug_mode``)."""
+    inner = dsa.index_scores
+
+    def wrapped(*args, **kwargs):
+        key = f"{PHASE[0]} | rows {args[0].shape[0]} | " + json.dumps(
+            {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}, sort_keys=True)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                entry = CALLS[key]
+                entry["calls"] += 1
+                entry["host_ms"] += (time.perf_counter() - t0) * 1e3
+                entry["syncs"] += sum("synchroniz" in str(w.message) for w in caught)
+
+    dsa.index_scores = wrapped
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     rows = []
+    _watch_index_scores()
 
     def record(name: str, ms: float, before: str) -> None:
         row = {"form": name, "ms": ms, "TFLOPs": FLOPS / ms / 1e9, "clock_before": before, "clock_after": clock()}
@@ -56,6 +88,7 @@ def main() -> None:
             dsa.index_scores(q8[r0:r1], weights[r0:r1], layer.index_k, layer.index_scale, table, seq[r0:r1],
                              limits[r0:r1], -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK, rows_per_tile=2)
 
+    PHASE[0] = "probe form"
     for _ in range(rounds):
         for name, fn, reps in (("probe form, 2 reps", all_rows, 2), ("probe form, 5 reps", all_rows, 5)):
             before = clock()
@@ -63,6 +96,7 @@ def main() -> None:
     del cache, layer
     torch.cuda.empty_cache()
     before = clock()
+    PHASE[0] = "bench case"
     case = bench_dsa._prefill_case(LENGTH, 2048, "fp8", 2, 2 << 30, 16384,
                                    {"decode_index": {}, "prefill_index": {}, "mla": {}}, index_sweep=({},),
                                    mla_sweep=({},), selects=("auto",))
@@ -73,10 +107,14 @@ def main() -> None:
     torch.cuda.empty_cache()
     cache = _random_cache(LENGTH, "fp8")
     layer = cache.dsa_layer(0)
+    PHASE[0] = "probe form after"
     for _ in range(rounds):
         before = clock()
         record("probe form after the case, 2 reps", time_eager_ms(all_rows, 2), before)
-    (out_dir / "index_acc.json").write_text(json.dumps(rows, indent=1))
+    for key, entry in CALLS.items():
+        print(f"{key}: {entry['calls']} calls, {entry['host_ms'] / max(1, entry['calls']):.3f} host ms a call, "
+              f"{entry['syncs']} syncs", flush=True)
+    (out_dir / "index_acc.json").write_text(json.dumps({"rows": rows, "calls": CALLS}, indent=1))
 
 
 if __name__ == "__main__":
