@@ -523,10 +523,11 @@ def _prefill_case(
 
     def scores_only(options: dict | None = None):
         # the chunks' tile rows given, as ``dsa.index_topk`` decides them once a call (else each call reads back
-        # whether its rows are one sequence's)
+        # whether its rows are one sequence's), and its chunk order
         options = {"rows_per_tile": dsa.PREFILL_ROWS_PER_TILE,
                    **(tiles["prefill_index"] if options is None else options)}
-        for r0 in range(0, length, rows_per_chunk):
+        starts = range(0, length, rows_per_chunk)  # in ``dsa.index_topk``'s order
+        for r0 in reversed(starts) if dsa.CHUNKS_WIDEST_FIRST else starts:
             r1 = min(length, r0 + rows_per_chunk)
             dsa.index_scores(
                 q8[r0:r1],

@@ -2,8 +2,9 @@
 session 18's calls 1-2) sits below ``index_wg.py``'s same call over the same chunks (900-905).
 
 One process: the probe's all-rows scoring (4096-row chunks, 2-row tiles, the library's default kernel) timed in
-turns with the bench's form, then the bench's own prefill case as the acceptance runs it (``--no-sweep``), then the
-probe's form again. Each line prints the SM clock (NVML) before and after.
+turns with the bench's form and with the chunks widest first, then the bench's own prefill case as the acceptance
+runs it (``--no-sweep``; ``dsa.CHUNKS_WIDEST_FIRST`` on, off, on), then the probe's form again. Each line prints the
+SM clock (NVML) before and after; first, the host's microseconds a call of the scoring call's parts.
 
 Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/index_acc.py OUT_DIR [ROUNDS]
 """
@@ -88,23 +89,49 @@ def main() -> None:
             dsa.index_scores(q8[r0:r1], weights[r0:r1], layer.index_k, layer.index_scale, table, seq[r0:r1],
                              limits[r0:r1], -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK, rows_per_tile=2)
 
+    def all_rows_widest_first() -> None:
+        for r0 in reversed(range(0, LENGTH, CHUNK)):
+            r1 = r0 + CHUNK
+            dsa.index_scores(q8[r0:r1], weights[r0:r1], layer.index_k, layer.index_scale, table, seq[r0:r1],
+                             limits[r0:r1], -(-r1 // dsa.KEY_BLOCK) * dsa.KEY_BLOCK, rows_per_tile=2)
+
+    host = {}  # host microseconds a call of the scoring call's parts, the GPU idle before each batch
+    first = (q8[:CHUNK], weights[:CHUNK], layer.index_k, layer.index_scale, table, seq[:CHUNK], limits[:CHUNK])
+    parts = {"index_scores (first chunk)": lambda: dsa.index_scores(*first, CHUNK, rows_per_tile=2),
+             "prefill_query_tiles padded": lambda: dsa.prefill_query_tiles(seq[:CHUNK], 2, padded=True),
+             "key_page_descriptor": lambda: dsa.dsa_gluon.key_page_descriptor(layer.index_k, 64),
+             "torch.empty 4096 x 131072": lambda: torch.empty(CHUNK, LENGTH, device="cuda")}
+    for name, fn in parts.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        host[name] = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+    print("host us a call:", json.dumps({k: round(v, 1) for k, v in host.items()}), flush=True)
     PHASE[0] = "probe form"
     for _ in range(rounds):
-        for name, fn, reps in (("probe form, 2 reps", all_rows, 2), ("probe form, 5 reps", all_rows, 5)):
+        for name, fn, reps in (("probe form, 2 reps", all_rows, 2), ("probe form, 5 reps", all_rows, 5),
+                               ("probe form widest first, 2 reps", all_rows_widest_first, 2)):
             before = clock()
             record(name, time_eager_ms(fn, reps), before)
     del cache, layer
     torch.cuda.empty_cache()
-    before = clock()
-    PHASE[0] = "bench case"
-    case = bench_dsa._prefill_case(LENGTH, 2048, "fp8", 2, 2 << 30, 16384,
-                                   {"decode_index": {}, "prefill_index": {}, "mla": {}}, index_sweep=({},),
-                                   mla_sweep=({},), selects=("auto",))
-    rows.append({"form": "bench _prefill_case", "ms": case["index_scores_ms"],
-                 "TFLOPs": case["index_scores_all_TFLOPs"], "clock_before": before, "clock_after": clock(),
-                 "last4096_TFLOPs": case["index_scores_TFLOPs"], "total_ms": case["total_ms"]})
-    print(json.dumps(rows[-1]), flush=True)
-    torch.cuda.empty_cache()
+    for widest in (True, False, True):
+        dsa.CHUNKS_WIDEST_FIRST = widest
+        before = clock()
+        PHASE[0] = f"bench case, widest first {widest}"
+        case = bench_dsa._prefill_case(LENGTH, 2048, "fp8", 2, 2 << 30, 16384,
+                                       {"decode_index": {}, "prefill_index": {}, "mla": {}}, index_sweep=({},),
+                                       mla_sweep=({},), selects=("auto",))
+        rows.append({"form": PHASE[0], "ms": case["index_scores_ms"],
+                     "TFLOPs": case["index_scores_all_TFLOPs"], "clock_before": before, "clock_after": clock(),
+                     "last4096_TFLOPs": case["index_scores_TFLOPs"], "index_topk_ms": case["index_topk_ms"],
+                     "total_ms": case["total_ms"], "speedup": case["speedup_vs_dense"]})
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    dsa.CHUNKS_WIDEST_FIRST = True
     cache = _random_cache(LENGTH, "fp8")
     layer = cache.dsa_layer(0)
     PHASE[0] = "probe form after"
