@@ -89,7 +89,9 @@ PREFILL_WG_CARRY = True
 # ... and its key pages by TMA (one warpgroup, 64-key pages). H200, 2026-12-03, call 3 (1aece6a), three rounds in
 # turns: 834-879 TFLOP/s over all rows against 815-841 with cp.async, both bit-equal to the tl tile.
 PREFILL_WG_TMA = True
-# ... and its key tile in registers as both rows' wgmma A operand (``gluon_reg_a``): not measured yet.
+# ... and its key tile in registers as both rows' wgmma A operand (``gluon_reg_a``; 274 against 282 instructions a
+# tile): off, slower. H200, 2026-12-03 (e3e4b1b, benchmarks/gpu-2026-12-03-dsa-s18 call 2, bit-equal): all rows
+# 878-881 TFLOP/s against 900-905 (869-875 at 4 stages); the prefill acceptance with it 858.
 PREFILL_WG_REG_A = False
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
@@ -108,8 +110,11 @@ DECODE_PROGRAMS = 4096
 DECODE_PROGRAMS_PER_ROW = 512
 DEFAULT_MAX_SCORE_BYTES = 1 << 30
 # Prefill chunks scored widest first (``index_topk``): a causal prefill's first chunks take a fraction of a
-# millisecond on the GPU each, less than the host takes to launch one (0.5-1 ms on the H200 machine, session 18), so in
-# row order the GPU waits on the host until the chunks outgrow it; the widest chunk first puts the host ahead at once.
+# millisecond on the GPU each, less than the host takes to launch one (0.44-1.2 ms a scoring call on the H200
+# machine, session 18), so in row order the GPU waits on the host until the chunks outgrow it; the widest chunk
+# first puts the host ahead at once. Measured (H200, 2026-12-03, f3db705, benchmarks/gpu-2026-12-03-dsa-s18 call 5,
+# 128K prefill): index_topk 179.3 / 180.5 ms widest first against 182.6 in row order; the scoring alone within the
+# run-to-run spread (866 / 893 against 886 TFLOP/s).
 CHUNKS_WIDEST_FIRST = True
 _E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -390,11 +395,65 @@ def _query_tiles(token_seq: torch.Tensor, rows_per_tile: int, padded: bool = Fal
     return torch.stack([starts, counts, token_seq[starts].long()], dim=1).to(torch.int32).contiguous()
 
 
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _padded_tiles_kernel(seq_ptr, out_ptr, n, R: tl.constexpr, BLOCK: tl.constexpr):
+    """``prefill_query_tiles(token_seq, R, padded=True)`` in one program: the rows in blocks of BLOCK, each block's
+    run starts (a max scan) and tile ranks (a sum scan) carried into the next. Tile k (row order) goes to entry
+    n - 1 - k; the entries below the tiles are empty (first row n - 1, no rows)."""
+    run_carry = 0
+    tiles = 0
+    for b0 in range(0, n, BLOCK):
+        rows = b0 + tl.arange(0, BLOCK)
+        ok = rows < n
+        seq = tl.load(seq_ptr + rows, mask=ok, other=0)
+        prev = tl.load(seq_ptr + rows - 1, mask=ok & (rows > 0), other=0)
+        new_run = ok & ((rows == 0) | (seq != prev))
+        run_start = tl.maximum(tl.associative_scan(tl.where(new_run, rows, 0), 0, _max_combine), run_carry)
+        first = ok & ((rows - run_start) % R == 0)
+        rank = tiles + tl.cumsum(first.to(tl.int32), 0) - 1
+        count = tl.full([BLOCK], 1, tl.int32)
+        going = first
+        for j in tl.static_range(1, R):  # the tile's rows: up to R, while no new run starts
+            nxt = tl.load(seq_ptr + rows + j, mask=going & (rows + j < n), other=0)
+            here = tl.load(seq_ptr + rows + j - 1, mask=going & (rows + j < n), other=0)
+            going = going & (rows + j < n) & (nxt == here)
+            count += going.to(tl.int32)
+        entry = out_ptr + (n - 1 - rank) * 3
+        tl.store(entry, rows, mask=first)
+        tl.store(entry + 1, count, mask=first)
+        tl.store(entry + 2, seq, mask=first)
+        run_carry = tl.maximum(run_carry, tl.max(tl.where(ok, run_start, 0), 0))
+        tiles += tl.sum(first.to(tl.int32), 0)
+    last_seq = tl.load(seq_ptr + n - 1)
+    for e0 in range(0, n - tiles, BLOCK):  # the empty entries
+        e = e0 + tl.arange(0, BLOCK)
+        empty = e < n - tiles
+        tl.store(out_ptr + e * 3, tl.zeros([BLOCK], tl.int32) + (n - 1), mask=empty)
+        tl.store(out_ptr + e * 3 + 1, tl.zeros([BLOCK], tl.int32), mask=empty)
+        tl.store(out_ptr + e * 3 + 2, tl.zeros([BLOCK], tl.int32) + last_seq, mask=empty)
+
+
+# The padded tile table by one Triton program (``_padded_tiles_kernel``) instead of about 17 torch operations:
+# H200 machine, session 18, the torch form took 240 us of host time a call (index_scores 461 us in all).
+PADDED_TILES_KERNEL = True
+
+
 def prefill_query_tiles(token_seq: torch.Tensor, rows_per_tile: int, padded: bool = False) -> torch.Tensor:
     """The prefill tile table ``index_scores`` launches over (``_query_tiles``, longest rows first): exact, its length
     read back to the host (one sync), or ``padded`` to one entry a row with empty tiles (no sync; only the
-    multi-warpgroup Gluon kernel takes empty tiles)."""
-    return _query_tiles(token_seq.to(torch.int32), rows_per_tile, padded).flip(0).contiguous()
+    multi-warpgroup Gluon kernel takes empty tiles; one Triton program, PADDED_TILES_KERNEL)."""
+    token_seq = token_seq.to(torch.int32).contiguous()
+    n = token_seq.shape[0]
+    if padded and PADDED_TILES_KERNEL and n:
+        out = torch.empty(n, 3, dtype=torch.int32, device=token_seq.device)
+        _padded_tiles_kernel[(1,)](token_seq, out, n, R=rows_per_tile, BLOCK=1024, num_warps=4)
+        return out
+    return _query_tiles(token_seq, rows_per_tile, padded).flip(0).contiguous()
 
 
 def _key_splits(key_tiles: int, row_tiles: int, programs: int | None) -> tuple[int, int]:

@@ -231,3 +231,21 @@ def test_topk_chunks_run_widest_first(monkeypatch):
     widths.clear()
     in_order, _ = dsa._index_topk_chunked(dsa.index_scores, dsa._select_topk, *args, 16, bound, None, "auto", {})
     assert widths == sorted(widths) and torch.equal(idx, in_order)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows_per_tile", [1, 2, 3, 4])
+def test_padded_tile_table_kernel_matches_the_torch_form(monkeypatch, rows_per_tile, device):
+    """The padded tile table's one-program kernel (``dsa._padded_tiles_kernel``) equals the torch form bit for bit:
+    runs of 1-700 rows (a run across the kernel's 1024-row blocks), a single row, one run."""
+    gen = torch.Generator().manual_seed(rows_per_tile)
+    lengths = torch.randint(1, 700, (9,), generator=gen).tolist() + [1, 3]
+    cases = [torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+             torch.zeros(1, dtype=torch.int64), torch.full((2049,), 5), torch.arange(7)]
+    for token_seq in cases:
+        token_seq = token_seq.to(device=device, dtype=torch.int32)
+        got = dsa.prefill_query_tiles(token_seq, rows_per_tile, padded=True)
+        monkeypatch.setattr(dsa, "PADDED_TILES_KERNEL", False)
+        want = dsa.prefill_query_tiles(token_seq, rows_per_tile, padded=True)
+        monkeypatch.setattr(dsa, "PADDED_TILES_KERNEL", True)
+        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), token_seq.numel()
