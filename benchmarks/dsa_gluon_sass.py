@@ -42,7 +42,13 @@ def compile_gluon(const: dict, maxnreg: int = 0):
     kern = dsa_gluon._index_scores_gluon_rows_kernel if const.pop("SPLIT_ROWS", False) else \
         dsa_gluon._index_scores_gluon_kernel
     groups = const.pop("WARPGROUPS", 0)
-    if groups:
+    if const.pop("WS4", False):  # 4-row tiles on two warpgroups sharing the TMA'd key pages
+        kern = dsa_gluon._index_scores_gluon_ws4_kernel
+        const.update(BLOCK_S=64, TMA=True)
+        const.setdefault("CARRY", True)
+        const.setdefault("WREGS", 128)
+        const.pop("ROWS", None)
+    elif groups:
         kern, warps = dsa_gluon._index_scores_gluon_wg_kernel, 4 * groups
         const.update(BLOCK_S=64 * groups, WARPS=warps)
         const.setdefault("CARRY", False)
@@ -51,11 +57,13 @@ def compile_gluon(const: dict, maxnreg: int = 0):
         const.pop("ROWS", None)
     if kern is not dsa_gluon._index_scores_gluon_kernel:
         const.pop("W_SMEM", None)
+    tma = bool(const.get("TMA"))
+    const = {k: v for k, v in const.items() if k in kern.arg_names}
     sig = {n: ("constexpr" if n in const else "*" + PTRS[n] if n in PTRS else "i32") for n in kern.arg_names}
     if "k_desc" in sig:  # the wg kernel: the key cache as a TMA descriptor, or its pointer again (unused)
-        sig["k_desc"] = _key_desc_type(const["HEAD_DIM"], const["BLOCK_S"]) if const.get("TMA") else "*fp8e4nv"
+        sig["k_desc"] = _key_desc_type(const["HEAD_DIM"], const["BLOCK_S"]) if tma else "*fp8e4nv"
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in kern.arg_names
-             if n in PTRS or n in DIV16 or (n == "k_desc" and not const.get("TMA"))}
+             if n in PTRS or n in DIV16 or (n == "k_desc" and not tma)}
     return triton.compile(GluonASTSource(kern, sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))

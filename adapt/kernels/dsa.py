@@ -93,6 +93,9 @@ PREFILL_WG_TMA = True
 # tile): off, slower. H200, 2026-12-03 (e3e4b1b, benchmarks/gpu-2026-12-03-dsa-s18 call 2, bit-equal): all rows
 # 878-881 TFLOP/s against 900-905 (869-875 at 4 stages); the prefill acceptance with it 858.
 PREFILL_WG_REG_A = False
+# With 4-row prefill tiles (PREFILL_ROWS_PER_TILE = 4) where the library picks the kernel: the two-warpgroup kernel
+# (``dsa_gluon._index_scores_gluon_ws4_kernel``: a TMA'd key page serves 4 rows). Not measured yet: off.
+PREFILL_WS4 = False
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
 KEY_BLOCK = 128
@@ -471,7 +474,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  gluon: bool | None = None, gluon_w_smem: bool = True,
                  gluon_maxnreg: int | None = None, gluon_split_rows: bool = False,
                  gluon_warpgroups: int = 0, gluon_carry: bool = False, gluon_tma: bool = False,
-                 gluon_reg_a: bool | None = None, query_tiles: torch.Tensor | None = None) -> torch.Tensor:
+                 gluon_reg_a: bool | None = None, gluon_ws4: bool = False,
+                 query_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
     q_fp8: e4m3 [N, H, D]; weights: fp32 [N, H] from ``fold_index_weights``;
@@ -503,7 +507,9 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     ``gluon_warpgroups`` G (with ``gluon``, 2-row tiles): the multi-warpgroup kernel, key tiles of 64 G keys on
     4 G warps (``key_block`` defaults to 64 G); ``gluon_carry``: its second row's epilogue under the next tile's MMAs;
     ``gluon_tma`` (G = 1, 64-key pages): its key pages by TMA; ``gluon_reg_a``: its key tile in registers as both
-    rows' wgmma A operand (default PREFILL_WG_REG_A where the library picks the kernel, else off).
+    rows' wgmma A operand (default PREFILL_WG_REG_A where the library picks the kernel, else off);
+    ``gluon_ws4`` (with ``gluon`` and rows_per_tile=4): the two-warpgroup kernel whose key pages serve 4 rows (where
+    the library picks the kernel at 4-row tiles: PREFILL_WS4).
     ``query_tiles`` (prefill): the table of ``prefill_query_tiles(token_seq, rows_per_tile)`` computed ahead (the
     exact table, or the padded one for the multi-warpgroup kernel). Without it, the multi-warpgroup kernel's calls
     build the padded table (no host sync); the other kernels' cost one (its length is data-dependent; H200,
@@ -523,6 +529,10 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         gluon, gluon_warpgroups, gluon_carry = True, PREFILL_WG_GROUPS, PREFILL_WG_CARRY
         gluon_tma = PREFILL_WG_TMA and PREFILL_WG_GROUPS == 1 and PAGE_SIZE == 64
         gluon_reg_a = PREFILL_WG_REG_A if gluon_reg_a is None else gluon_reg_a
+    if (gluon is None and not decode and stacked and PREFILL_WS4 and per_tile == 4 and not gluon_warpgroups
+            and not gluon_split_rows and key_block in (None, 64) and PAGE_SIZE == 64 and not _interpreting()
+            and dsa_gluon.gluon_applies(q_fp8, 4, 64, PAGE_SIZE)):
+        gluon, gluon_ws4, gluon_carry = True, True, True
     block_s = key_block or (64 * gluon_warpgroups if gluon_warpgroups and not decode else
                             DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))
@@ -532,7 +542,10 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
             raise ValueError("gluon=True needs a CUDA device of capability 9.x, 64-key tiles inside one page, "
                              "a head dim that is a multiple of 32 and rows_per_tile x heads <= 256")
         use_gluon = False
-    padded = use_gluon and bool(gluon_warpgroups)  # the wg kernel takes empty tiles: a table without a host sync
+    if gluon_ws4 and not (use_gluon and per_tile == 4):
+        raise ValueError("gluon_ws4 needs the Gluon kernel (gluon=True, CUDA capability 9.x) and rows_per_tile=4")
+    # the wg and ws4 kernels take empty tiles: a table without a host sync
+    padded = use_gluon and (bool(gluon_warpgroups) or gluon_ws4)
     if decode:  # one row per program, sequence read in the kernel: no tile table (no extra launches)
         tiles = token_seq
     elif query_tiles is not None:
@@ -553,7 +566,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                          limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
                          rows=per_tile, page=PAGE_SIZE, num_stages=num_stages or 3, w_smem=gluon_w_smem,
                          maxnreg=gluon_maxnreg, split_rows=gluon_split_rows, warpgroups=gluon_warpgroups,
-                         carry=gluon_carry, use_tma=gluon_tma, reg_a=bool(gluon_reg_a))
+                         carry=gluon_carry, use_tma=gluon_tma, reg_a=bool(gluon_reg_a), ws4=gluon_ws4)
         return out
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,

@@ -498,6 +498,127 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
         gl.store(out1 + pos, inf, mask=(pos < out_cols) & (n_rows > 1))
 
 
+@gluon.jit
+def _ws4_rows(q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr, out_ptr, seq,
+              bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last, live,
+              HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CARRY: gl.constexpr, ROW_OFF: gl.constexpr, PRODUCER: gl.constexpr):
+    """One warpgroup of ``_index_scores_gluon_ws4_kernel``: rows ROW_OFF and ROW_OFF + 1 of the 4-row tile against
+    every key page of the shared ring, as ``_index_scores_gluon_wg_kernel`` runs its 2 rows (a bank a row, CARRY).
+    PRODUCER: this warpgroup refills each stage by TMA once the other has handed it back (``empty``); the other
+    hands each stage back after its two wgmmas read it."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_H, 32])
+    key_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    head_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    ra = row0 + ROW_OFF
+    ok0 = n_rows > ROW_OFF
+    ok1 = n_rows > ROW_OFF + 1
+    wh = gl.arange(0, BLOCK_H, layout=head_layout)
+    w0 = gl.load(w_ptr + ra.to(gl.int64) * n_heads + wh, mask=(wh < n_heads) & ok0, other=0.0)
+    w1 = gl.load(w_ptr + (ra + 1).to(gl.int64) * n_heads + wh, mask=(wh < n_heads) & ok1, other=0.0)
+    limit0 = gl.load(limit_ptr + ra, mask=ok0, other=0)
+    limit1 = gl.load(limit_ptr + ra + 1, mask=ok1, other=0)
+    out0 = out_ptr + ra.to(gl.int64) * out_stride
+    out1 = out0 + out_stride
+    q0_t = q_rows.index(ROW_OFF).permute((1, 0))
+    q1_t = q_rows.index(ROW_OFF + 1).permute((1, 0))
+    zero = gl.zeros([BLOCK_S, BLOCK_H], gl.float32, layout=mma_layout)
+    keys = gl.arange(0, BLOCK_S, layout=key_layout)
+    prev1 = zero
+    prev_scale = gl.zeros([BLOCK_S], gl.float32, layout=key_layout)
+    prev_pos = keys
+    for kt in range(first, live):
+        i = kt - first
+        stage = ring.index(i % NUM_STAGES)
+        mbarrier.wait(ready.index(i % NUM_STAGES), (i // NUM_STAGES) & 1)
+        acc0 = warpgroup_mma(stage, q0_t, zero, use_acc=False, is_async=True)
+        acc1 = warpgroup_mma(stage, q1_t, zero, use_acc=False, is_async=True)
+        pos = kt * BLOCK_S + keys
+        kscale = gl.load(ks_ptr + gl.load(block_table_ptr + seq * bt_stride + kt).to(gl.int64) * BLOCK_S + keys,
+                         mask=pos < tile_limit, other=0.0)
+        if CARRY:
+            _wg_row_epilogue(prev1, w1, prev_scale, prev_pos, limit1, out1, ok1 & (kt > first), out_cols)
+        logits0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+        _wg_row_epilogue(logits0, w0, kscale, pos, limit0, out0, ok0, out_cols)
+        logits1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+        gl.thread_barrier()  # this warpgroup's wgmmas are done with the stage
+        if PRODUCER:
+            nxt = kt + NUM_STAGES
+            if nxt < live:
+                mbarrier.wait(empty.index(i % NUM_STAGES), (i // NUM_STAGES) & 1)
+                _tma_key_page(k_desc, block_table_ptr, seq, bt_stride, nxt, stage, ready.index(i % NUM_STAGES),
+                              BLOCK_S, HEAD_DIM)
+        else:
+            mbarrier.arrive(empty.index(i % NUM_STAGES), count=1)
+        if CARRY:
+            prev1 = gl.maximum(logits1, 0.0)
+            prev_scale = kscale
+            prev_pos = pos
+        else:
+            _wg_row_epilogue(logits1, w1, kscale, pos, limit1, out1, ok1, out_cols)
+    if CARRY:
+        if live > first:
+            _wg_row_epilogue(prev1, w1, prev_scale, prev_pos, limit1, out1, ok1, out_cols)
+    for kt in range(gl.maximum(first, live), last):  # tiles past the query tile's last visible key: -inf
+        pos = kt * BLOCK_S + gl.arange(0, BLOCK_S, layout=key_layout)
+        inf = gl.full([BLOCK_S], float("-inf"), gl.float32, layout=key_layout)
+        gl.store(out0 + pos, inf, mask=(pos < out_cols) & ok0)
+        gl.store(out1 + pos, inf, mask=(pos < out_cols) & ok1)
+
+
+@gluon.jit
+def _index_scores_gluon_ws4_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
+                                   n_heads, bt_stride, out_stride, out_cols, tiles_per_split, k_desc,
+                                   HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
+                                   PAGE: gl.constexpr, NUM_STAGES: gl.constexpr, CARRY: gl.constexpr,
+                                   WREGS: gl.constexpr):
+    """4-row query tiles on two warpgroups that share each TMA'd key page (``launch(..., ws4=True)``): the default
+    partition runs rows 0-1 and refills the ring, a worker partition of 4 warps (WREGS registers) rows 2-3, each
+    as ``_index_scores_gluon_wg_kernel`` runs its 2 rows. A key page then serves 4 rows: half the L2 reads and TMA
+    copies of the 2-row kernel a FLOP. Same scores as the 2-row kernels, bit for bit."""
+    gl.static_assert(BLOCK_S == PAGE)
+    gl.static_assert(BLOCK_S == 64)
+    smem_layout: gl.constexpr = _smem_layout(HEAD_DIM)
+    q_layout: gl.constexpr = _copy_layout(HEAD_DIM, 4)
+    row0, n_rows, seq, tile_limit, first, last, live = _program_range(tiles_ptr, limit_ptr, out_cols,
+                                                                       tiles_per_split, BLOCK_S, True)
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    q_rows = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_H, HEAD_DIM], smem_layout)
+    q_off = (row0.to(gl.int64) * n_heads + heads) * HEAD_DIM
+    for r in gl.static_range(4):
+        q_rows.index(r).store(gl.load(q_ptr + q_off[:, None] + r * n_heads * HEAD_DIM + dims[None, :],
+                                      mask=((heads < n_heads) & (n_rows > r))[:, None], other=0.0))
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_S, HEAD_DIM], smem_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    for s in gl.static_range(NUM_STAGES):
+        if first + s < live:
+            _tma_key_page(k_desc, block_table_ptr, seq, bt_stride, first + s, ring.index(s), ready.index(s),
+                          BLOCK_S, HEAD_DIM)
+    OFF_A: gl.constexpr = 0
+    OFF_B: gl.constexpr = 2
+    gl.warp_specialize([
+        (_ws4_rows, (q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr, out_ptr, seq,
+                     bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last, live, HEAD_DIM,
+                     BLOCK_H, BLOCK_S, NUM_STAGES, CARRY, OFF_A, True)),
+        (_ws4_rows, (q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr, out_ptr, seq,
+                     bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last, live, HEAD_DIM,
+                     BLOCK_H, BLOCK_S, NUM_STAGES, CARRY, OFF_B, False)),
+    ], [4], [WREGS])
+
+
+# Registers a thread of the ws4 kernel's worker warpgroup (rows 2-3); the default partition runs under the launch's
+# cap (128: sm_90, 64 x 128 heads, no spills; two programs of 8 warps an SM; benchmarks/dsa_gluon_sass.py).
+WS4_WORKER_REGS = 128
+
+
 def key_page_descriptor(index_k: torch.Tensor, page: int) -> TensorDescriptor:
     """TMA descriptor of the key cache e4m3 [pages, PAGE, D] as [pages * PAGE, D] rows, one page a box, in the
     shared layout of the kernels' key ring."""
@@ -511,20 +632,29 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
            index_scale: torch.Tensor, block_table: torch.Tensor, limits: torch.Tensor, tiles: torch.Tensor,
            out: torch.Tensor, tiles_per_split: int, *, block_h: int, rows: int, page: int, num_stages: int,
            w_smem: bool = True, maxnreg: int | None = None, split_rows: bool = False, warpgroups: int = 0,
-           carry: bool = False, use_tma: bool = False, reg_a: bool = False) -> None:
+           carry: bool = False, use_tma: bool = False, reg_a: bool = False, ws4: bool = False) -> None:
     """``_index_scores_gluon_kernel`` over ``grid`` (query tiles, splits) with ``dsa.index_scores``' arguments:
     q_fp8 e4m3 [N, H, D], weights fp32 [N, H], index_k e4m3 [pages, PAGE, D], index_scale fp32 [pages, PAGE],
     limits int32 [N], tiles int32 [query tiles, 3], out fp32 [N, cols]; 64-key tiles, 4 warps. ``maxnreg``: a
     register cap (sm_90 at 64 x 128 heads, 2 rows: 186 registers uncapped, 2 programs per SM; 162 under a cap of
     168 without spills, 3 per SM; ``benchmarks/dsa_gluon_sass.py``). ``split_rows``: the row-split kernel
     (``_index_scores_gluon_rows_kernel``: 117 registers, 4 programs per SM; ``w_smem`` does not apply).
-    ``reg_a`` (the wg kernel): each key tile read into registers once, the A operand of both rows' wgmmas."""
+    ``reg_a`` (the wg kernel): each key tile read into registers once, the A operand of both rows' wgmmas.
+    ``ws4``: ``_index_scores_gluon_ws4_kernel`` (4-row tiles, 64-key pages by TMA, two warpgroups)."""
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
     args = (q_fp8, weights, index_k, index_scale, block_table, limits, tiles, out,
             n_heads, block_table.stride(0), out.stride(0), out.shape[1], tiles_per_split)
     const = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=64, ROWS=rows, PAGE=page, NUM_STAGES=num_stages)
-    if warpgroups:
+    if ws4:
+        if rows != 4 or page != 64:
+            raise ValueError(f"the two-warpgroup 4-row indexer kernel takes 4-row tiles and 64-key pages, not {rows} "
+                             f"rows and {page}-key pages")
+        _index_scores_gluon_ws4_kernel[grid](*args, key_page_descriptor(index_k, page), HEAD_DIM=head_dim,
+                                             BLOCK_H=block_h, BLOCK_S=64, PAGE=page, NUM_STAGES=num_stages,
+                                             CARRY=carry, WREGS=WS4_WORKER_REGS, num_warps=4,
+                                             maxnreg=maxnreg or 128)
+    elif warpgroups:
         if rows != 2:
             raise ValueError(f"the multi-warpgroup indexer kernel takes 2-row query tiles, not {rows}")
         if carry and not maxnreg:  # sm_90, 64 x 128 heads: 167 registers uncapped, 128 without spills capped

@@ -664,7 +664,8 @@ def _prefill_case(
         "index_tiles": tiles["prefill_index"],
         # the library's default prefill scoring kernel where the tiles leave it open (0 groups: the tl tile)
         "index_default": dict(wg_groups=dsa.PREFILL_WG_GROUPS, wg_carry=dsa.PREFILL_WG_CARRY,
-                              wg_tma=dsa.PREFILL_WG_TMA, wg_reg_a=dsa.PREFILL_WG_REG_A),
+                              wg_tma=dsa.PREFILL_WG_TMA, wg_reg_a=dsa.PREFILL_WG_REG_A, ws4=dsa.PREFILL_WS4,
+                              rows_per_tile=dsa.PREFILL_ROWS_PER_TILE),
         "sparse_mla_tiles": mla_options,
         "topk_last4096_rows_ms": tail_select,
         "index_sweep": sweep_rows,
@@ -1534,6 +1535,9 @@ if __name__ == "__main__":
     parser.add_argument("--prefill-reg-a", action=argparse.BooleanOptionalAction, default=None,
                         help="the multi-warpgroup prefill kernel's key tile in registers as its wgmma A operand "
                              f"(default: dsa.PREFILL_WG_REG_A, now {dsa.PREFILL_WG_REG_A})")
+    parser.add_argument("--prefill-ws4", action=argparse.BooleanOptionalAction, default=None,
+                        help="prefill scoring on 4-row tiles with the two-warpgroup Gluon kernel (dsa.PREFILL_WS4 and "
+                             f"PREFILL_ROWS_PER_TILE = 4; default: now {dsa.PREFILL_WS4})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1555,6 +1559,9 @@ if __name__ == "__main__":
         if args.prefill_gluon_wg not in (0, 1, 2, 4):
             parser.error(f"--prefill-gluon-wg: 0, 1, 2 or 4 warpgroups, not {args.prefill_gluon_wg}")
         dsa.PREFILL_WG_GROUPS = args.prefill_gluon_wg
+    if args.prefill_ws4 is not None:
+        dsa.PREFILL_WS4 = args.prefill_ws4
+        dsa.PREFILL_ROWS_PER_TILE = 4 if args.prefill_ws4 else 2
     if args.prefill_reg_a is not None:
         dsa.PREFILL_WG_REG_A = args.prefill_reg_a
     if args.step_swept_tiles is not None:

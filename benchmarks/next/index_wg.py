@@ -30,15 +30,17 @@ from adapt.stages.bench_dsa import INDEX_DIM, INDEX_HEADS, _queries, _random_cac
 LENGTH, TAIL = 131072, 4096
 VARIANTS = {
     "tl 2x64": dict(rows_per_tile=2, key_block=64, gluon=False),
-    "default": dict(),
     "default 2 rows": dict(rows_per_tile=2),  # no read-back of whether the rows are one sequence's
-    "default presync": dict(presync=True),
-    "reg_a": dict(rows_per_tile=2, gluon_reg_a=True),
-    "reg_a s4": dict(rows_per_tile=2, gluon_reg_a=True, num_stages=4),
-    "2 rows p2048": dict(rows_per_tile=2, programs=2048),
-    "2 rows p4096": dict(rows_per_tile=2, programs=4096),
-    "reg_a p4096": dict(rows_per_tile=2, gluon_reg_a=True, programs=4096),
+    "ws4": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, gluon_carry=True),
+    "ws4 s2": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, gluon_carry=True, num_stages=2),
+    "ws4 s4": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, gluon_carry=True, num_stages=4),
+    "ws4 s6": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, gluon_carry=True, num_stages=6),
+    "ws4 no carry": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, num_stages=4),
 }
+# Session 18, calls 1-2: the default with a read-back a chunk ("default": dict()) 816-842 over all rows, with the
+# tile tables computed ahead ("default presync": dict(presync=True)) 873-895. Call 2 (e3e4b1b): REG_A (the key tile
+# in registers as both wgmmas' A operand) 878-881 (869-875 at 4 stages) against the default's 900-905; key splits
+# over 2048 / 4096 programs 893-894.
 # Session 17 also ran wg1 s2 / s3 / s4 with the carry, with and without TMA (call 4 / session 18 call 1: s3 tma
 # 885-895, s4 tma 897-902 over all rows; s2-s4 with cp.async 850-865).
 # Session 17, call 1 (b9c0252) also ran: wg2 without the carry at 2, 3, 4 stages (tail 762-779, all rows 719-729),
