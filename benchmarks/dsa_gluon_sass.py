@@ -42,12 +42,12 @@ def compile_gluon(const: dict, maxnreg: int = 0):
     kern = dsa_gluon._index_scores_gluon_rows_kernel if const.pop("SPLIT_ROWS", False) else \
         dsa_gluon._index_scores_gluon_kernel
     groups = const.pop("WARPGROUPS", 0)
-    if const.pop("WS4", False):  # 4-row tiles on two warpgroups sharing the TMA'd key pages
-        kern = dsa_gluon._index_scores_gluon_ws4_kernel
-        const.update(BLOCK_S=64, TMA=True)
+    ws_rows = const.pop("WS", 0)
+    if ws_rows:  # WS-row tiles on WS / 2 warpgroups sharing the TMA'd key pages
+        kern = dsa_gluon._index_scores_gluon_ws_kernel
+        const.update(BLOCK_S=64, TMA=True, ROWS=ws_rows)
         const.setdefault("CARRY", True)
         const.setdefault("WREGS", 128)
-        const.pop("ROWS", None)
     elif groups:
         kern, warps = dsa_gluon._index_scores_gluon_wg_kernel, 4 * groups
         const.update(BLOCK_S=64 * groups, WARPS=warps)

@@ -93,9 +93,21 @@ PREFILL_WG_TMA = True
 # tile): off, slower. H200, 2026-12-03 (e3e4b1b, benchmarks/gpu-2026-12-03-dsa-s18 call 2, bit-equal): all rows
 # 878-881 TFLOP/s against 900-905 (869-875 at 4 stages); the prefill acceptance with it 858.
 PREFILL_WG_REG_A = False
-# With 4-row prefill tiles (PREFILL_ROWS_PER_TILE = 4) where the library picks the kernel: the two-warpgroup kernel
-# (``dsa_gluon._index_scores_gluon_ws4_kernel``: a TMA'd key page serves 4 rows). Not measured yet: off.
-PREFILL_WS4 = False
+# Where the library picks the prefill kernel on CUDA capability 9.x (64-key pages): tiles of PREFILL_WS_ROWS rows on
+# the warp-specialised kernel (``dsa_gluon._index_scores_gluon_ws_kernel``: a warpgroup every 2 rows, each TMA'd key
+# page serving all of them); 0: 2-row tiles on the one-warpgroup kernel above. H200, 2026-12-03 (890b066,
+# benchmarks/gpu-2026-12-03-dsa-s18 call 7, three rounds in turns, bit-equal to the tl tile): 4 rows 935-948 TFLOP/s
+# over all rows against 864-901 for the 2-row kernel; the prefill acceptance 886 and 3.57x dense (855-869, 3.45-3.49x
+# at 2 rows in calls 1, 2, 6).
+PREFILL_WS_ROWS = 4
+
+
+def prefill_rows_per_tile(device: torch.device) -> int:
+    """Query rows a prefill scoring tile holds where the library picks the kernel: PREFILL_WS_ROWS on CUDA capability
+    9.x (not under the interpreter), else PREFILL_ROWS_PER_TILE."""
+    if PREFILL_WS_ROWS and PAGE_SIZE == 64 and not _interpreting() and dsa_gluon.is_sm90(device):
+        return PREFILL_WS_ROWS
+    return PREFILL_ROWS_PER_TILE
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
 KEY_BLOCK = 128
@@ -474,7 +486,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                  gluon: bool | None = None, gluon_w_smem: bool = True,
                  gluon_maxnreg: int | None = None, gluon_split_rows: bool = False,
                  gluon_warpgroups: int = 0, gluon_carry: bool = False, gluon_tma: bool = False,
-                 gluon_reg_a: bool | None = None, gluon_ws4: bool = False,
+                 gluon_reg_a: bool | None = None, gluon_ws: bool = False,
                  query_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores of N query rows against the paged key cache (Triton, FP8 MMA).
 
@@ -508,8 +520,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     4 G warps (``key_block`` defaults to 64 G); ``gluon_carry``: its second row's epilogue under the next tile's MMAs;
     ``gluon_tma`` (G = 1, 64-key pages): its key pages by TMA; ``gluon_reg_a``: its key tile in registers as both
     rows' wgmma A operand (default PREFILL_WG_REG_A where the library picks the kernel, else off);
-    ``gluon_ws4`` (with ``gluon`` and rows_per_tile=4): the two-warpgroup kernel whose key pages serve 4 rows (where
-    the library picks the kernel at 4-row tiles: PREFILL_WS4).
+    ``gluon_ws`` (with ``gluon``, rows_per_tile 4 or 8): the warp-specialised kernel whose key pages serve all the
+    tile's rows (where the library picks the kernel: PREFILL_WS_ROWS, and ``prefill_rows_per_tile`` rows a tile).
     ``query_tiles`` (prefill): the table of ``prefill_query_tiles(token_seq, rows_per_tile)`` computed ahead (the
     exact table, or the padded one for the multi-warpgroup kernel). Without it, the multi-warpgroup kernel's calls
     build the padded table (no host sync); the other kernels' cost one (its length is data-dependent; H200,
@@ -520,7 +532,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     if n_rows == 0 or num_cols == 0:
         return out
     decode = rows_per_tile == 1 or (rows_per_tile is None and bool((token_seq[1:] != token_seq[:-1]).all()))
-    per_tile = 1 if decode else (rows_per_tile or PREFILL_ROWS_PER_TILE)
+    per_tile = 1 if decode else (rows_per_tile or (prefill_rows_per_tile(q_fp8.device) if gluon is None else
+                                                   PREFILL_ROWS_PER_TILE))
     token_seq = token_seq.to(torch.int32).contiguous()
     if (gluon is None and not decode and stacked and PREFILL_WG_GROUPS and not gluon_warpgroups
             and not gluon_split_rows and gluon_maxnreg is None and key_block in (None, 64 * PREFILL_WG_GROUPS)
@@ -529,23 +542,25 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
         gluon, gluon_warpgroups, gluon_carry = True, PREFILL_WG_GROUPS, PREFILL_WG_CARRY
         gluon_tma = PREFILL_WG_TMA and PREFILL_WG_GROUPS == 1 and PAGE_SIZE == 64
         gluon_reg_a = PREFILL_WG_REG_A if gluon_reg_a is None else gluon_reg_a
-    if (gluon is None and not decode and stacked and PREFILL_WS4 and per_tile == 4 and not gluon_warpgroups
-            and not gluon_split_rows and key_block in (None, 64) and PAGE_SIZE == 64 and not _interpreting()
-            and dsa_gluon.gluon_applies(q_fp8, 4, 64, PAGE_SIZE)):
-        gluon, gluon_ws4, gluon_carry = True, True, True
+    if (gluon is None and not decode and stacked and PREFILL_WS_ROWS and per_tile == PREFILL_WS_ROWS
+            and not gluon_warpgroups and not gluon_split_rows and key_block in (None, 64) and not _interpreting()
+            and dsa_gluon.ws_applies(q_fp8, per_tile, PAGE_SIZE)):
+        gluon, gluon_ws, gluon_carry = True, True, True
     block_s = key_block or (64 * gluon_warpgroups if gluon_warpgroups and not decode else
                             DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))
-    if use_gluon and (_interpreting() or not dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE,
-                                                                     gluon_warpgroups)):
+    if use_gluon and (_interpreting() or not (dsa_gluon.ws_applies(q_fp8, per_tile, PAGE_SIZE) if gluon_ws else
+                                              dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE,
+                                                                      gluon_warpgroups))):
         if gluon:
             raise ValueError("gluon=True needs a CUDA device of capability 9.x, 64-key tiles inside one page, "
                              "a head dim that is a multiple of 32 and rows_per_tile x heads <= 256")
         use_gluon = False
-    if gluon_ws4 and not (use_gluon and per_tile == 4):
-        raise ValueError("gluon_ws4 needs the Gluon kernel (gluon=True, CUDA capability 9.x) and rows_per_tile=4")
-    # the wg and ws4 kernels take empty tiles: a table without a host sync
-    padded = use_gluon and (bool(gluon_warpgroups) or gluon_ws4)
+    if gluon_ws and not use_gluon:
+        raise ValueError("gluon_ws needs the Gluon kernel (gluon=True, CUDA capability 9.x), rows_per_tile 4 or 8 and "
+                         "64-key pages")
+    # the wg and ws kernels take empty tiles: a table without a host sync
+    padded = use_gluon and (bool(gluon_warpgroups) or gluon_ws)
     if decode:  # one row per program, sequence read in the kernel: no tile table (no extra launches)
         tiles = token_seq
     elif query_tiles is not None:
@@ -566,7 +581,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                          limits.to(torch.int32).contiguous(), tiles, out, tiles_per_split, block_h=block_h,
                          rows=per_tile, page=PAGE_SIZE, num_stages=num_stages or 3, w_smem=gluon_w_smem,
                          maxnreg=gluon_maxnreg, split_rows=gluon_split_rows, warpgroups=gluon_warpgroups,
-                         carry=gluon_carry, use_tma=gluon_tma, reg_a=bool(gluon_reg_a), ws4=gluon_ws4)
+                         carry=gluon_carry, use_tma=gluon_tma, reg_a=bool(gluon_reg_a),
+                         ws_rows=per_tile if gluon_ws else 0)
         return out
     _index_scores_kernel[grid](
         q_fp8.contiguous(), weights.float().contiguous(), index_k, index_scale, block_table,
@@ -827,7 +843,7 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
             last = (first + rows_per_chunk).clamp(max=n_rows) - 1
             repeats = cum[last] - cum[first]  # pairs of neighbours of one sequence inside each chunk
             chunk_max, decode_rows = torch.stack([chunk_max, repeats]).tolist()
-            chunk_rows = [1 if r == 0 else PREFILL_ROWS_PER_TILE for r in decode_rows]
+            chunk_rows = [1 if r == 0 else prefill_rows_per_tile(q_fp8.device) for r in decode_rows]
         else:
             chunk_max = chunk_max.tolist()
         chunk_cols = [round_up(int(v)) for v in chunk_max]

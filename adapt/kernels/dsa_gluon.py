@@ -499,14 +499,14 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
 
 
 @gluon.jit
-def _ws4_rows(q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr, out_ptr, seq,
-              bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last, live,
-              HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CARRY: gl.constexpr, ROW_OFF: gl.constexpr, PRODUCER: gl.constexpr):
-    """One warpgroup of ``_index_scores_gluon_ws4_kernel``: rows ROW_OFF and ROW_OFF + 1 of the 4-row tile against
-    every key page of the shared ring, as ``_index_scores_gluon_wg_kernel`` runs its 2 rows (a bank a row, CARRY).
-    PRODUCER: this warpgroup refills each stage by TMA once the other has handed it back (``empty``); the other
-    hands each stage back after its two wgmmas read it."""
+def _ws_rows(ROW_OFF: gl.constexpr, PRODUCER: gl.constexpr, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr,
+             block_table_ptr, limit_ptr, out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols,
+             tile_limit, first, last, live, HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
+             NUM_STAGES: gl.constexpr, CARRY: gl.constexpr):
+    """One warpgroup of ``_index_scores_gluon_ws_kernel``: rows ROW_OFF and ROW_OFF + 1 of the tile against every
+    key page of the shared ring, as ``_index_scores_gluon_wg_kernel`` runs its 2 rows (a bank a row, CARRY).
+    PRODUCER: this warpgroup refills each stage by TMA once the others have handed it back (``empty``); the others
+    hand each stage back after their two wgmmas read it."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     key_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -568,26 +568,28 @@ def _ws4_rows(q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr
 
 
 @gluon.jit
-def _index_scores_gluon_ws4_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
-                                   n_heads, bt_stride, out_stride, out_cols, tiles_per_split, k_desc,
-                                   HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
-                                   PAGE: gl.constexpr, NUM_STAGES: gl.constexpr, CARRY: gl.constexpr,
-                                   WREGS: gl.constexpr):
-    """4-row query tiles on two warpgroups that share each TMA'd key page (``launch(..., ws4=True)``): the default
-    partition runs rows 0-1 and refills the ring, a worker partition of 4 warps (WREGS registers) rows 2-3, each
-    as ``_index_scores_gluon_wg_kernel`` runs its 2 rows. A key page then serves 4 rows: half the L2 reads and TMA
-    copies of the 2-row kernel a FLOP. Same scores as the 2-row kernels, bit for bit."""
+def _index_scores_gluon_ws_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, limit_ptr, tiles_ptr, out_ptr,
+                                  n_heads, bt_stride, out_stride, out_cols, tiles_per_split, k_desc,
+                                  HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
+                                  PAGE: gl.constexpr, NUM_STAGES: gl.constexpr, CARRY: gl.constexpr,
+                                  ROWS: gl.constexpr, WREGS: gl.constexpr):
+    """ROWS-row query tiles (4 or 8) on ROWS / 2 warpgroups that share each TMA'd key page (``launch(...,
+    ws_rows=ROWS)``): the default partition runs rows 0-1 and refills the ring once every worker has handed the
+    stage back (``empty``, one arrival a worker), each worker partition of 4 warps (WREGS registers) two more rows,
+    each warpgroup as ``_index_scores_gluon_wg_kernel`` runs its 2 rows. A key page then serves ROWS rows: 2 / ROWS
+    of the 2-row kernel's L2 reads and TMA copies a FLOP. Same scores as the 2-row kernels, bit for bit."""
     gl.static_assert(BLOCK_S == PAGE)
     gl.static_assert(BLOCK_S == 64)
+    gl.static_assert(ROWS == 4 or ROWS == 8)
     smem_layout: gl.constexpr = _smem_layout(HEAD_DIM)
     q_layout: gl.constexpr = _copy_layout(HEAD_DIM, 4)
     row0, n_rows, seq, tile_limit, first, last, live = _program_range(tiles_ptr, limit_ptr, out_cols,
                                                                        tiles_per_split, BLOCK_S, True)
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-    q_rows = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_H, HEAD_DIM], smem_layout)
+    q_rows = gl.allocate_shared_memory(gl.float8e4nv, [ROWS, BLOCK_H, HEAD_DIM], smem_layout)
     q_off = (row0.to(gl.int64) * n_heads + heads) * HEAD_DIM
-    for r in gl.static_range(4):
+    for r in gl.static_range(ROWS):
         q_rows.index(r).store(gl.load(q_ptr + q_off[:, None] + r * n_heads * HEAD_DIM + dims[None, :],
                                       mask=((heads < n_heads) & (n_rows > r))[:, None], other=0.0))
     ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_S, HEAD_DIM], smem_layout)
@@ -595,28 +597,47 @@ def _index_scores_gluon_ws4_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr,
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=ROWS // 2 - 1)
     fence_async_shared()
     gl.thread_barrier()
     for s in gl.static_range(NUM_STAGES):
         if first + s < live:
             _tma_key_page(k_desc, block_table_ptr, seq, bt_stride, first + s, ring.index(s), ready.index(s),
                           BLOCK_S, HEAD_DIM)
-    OFF_A: gl.constexpr = 0
-    OFF_B: gl.constexpr = 2
-    gl.warp_specialize([
-        (_ws4_rows, (q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr, out_ptr, seq,
-                     bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last, live, HEAD_DIM,
-                     BLOCK_H, BLOCK_S, NUM_STAGES, CARRY, OFF_A, True)),
-        (_ws4_rows, (q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr, out_ptr, seq,
-                     bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last, live, HEAD_DIM,
-                     BLOCK_H, BLOCK_S, NUM_STAGES, CARRY, OFF_B, False)),
-    ], [4], [WREGS])
+    OFF0: gl.constexpr = 0
+    OFF2: gl.constexpr = 2
+    OFF4: gl.constexpr = 4
+    OFF6: gl.constexpr = 6
+    if ROWS == 4:
+        gl.warp_specialize([
+            (_ws_rows, (OFF0, True, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
+                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
+                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+            (_ws_rows, (OFF2, False, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
+                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
+                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+        ], [4], [WREGS])
+    else:
+        gl.warp_specialize([
+            (_ws_rows, (OFF0, True, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
+                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
+                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+            (_ws_rows, (OFF2, False, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
+                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
+                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+            (_ws_rows, (OFF4, False, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
+                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
+                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+            (_ws_rows, (OFF6, False, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
+                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
+                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+        ], [4, 4, 4], [WREGS, WREGS, WREGS])
 
 
-# Registers a thread of the ws4 kernel's worker warpgroup (rows 2-3); the default partition runs under the launch's
-# cap (128: sm_90, 64 x 128 heads, no spills; two programs of 8 warps an SM; benchmarks/dsa_gluon_sass.py).
-WS4_WORKER_REGS = 128
+# Registers a thread of the ws kernel's worker warpgroups; the default partition runs under the launch's cap (128:
+# sm_90, 64 x 128 heads, no spills; 4 rows: two programs of 8 warps an SM, 8 rows: one of 16;
+# benchmarks/dsa_gluon_sass.py).
+WS_WORKER_REGS = 128
 
 
 def key_page_descriptor(index_k: torch.Tensor, page: int) -> TensorDescriptor:
@@ -632,7 +653,7 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
            index_scale: torch.Tensor, block_table: torch.Tensor, limits: torch.Tensor, tiles: torch.Tensor,
            out: torch.Tensor, tiles_per_split: int, *, block_h: int, rows: int, page: int, num_stages: int,
            w_smem: bool = True, maxnreg: int | None = None, split_rows: bool = False, warpgroups: int = 0,
-           carry: bool = False, use_tma: bool = False, reg_a: bool = False, ws4: bool = False) -> None:
+           carry: bool = False, use_tma: bool = False, reg_a: bool = False, ws_rows: int = 0) -> None:
     """``_index_scores_gluon_kernel`` over ``grid`` (query tiles, splits) with ``dsa.index_scores``' arguments:
     q_fp8 e4m3 [N, H, D], weights fp32 [N, H], index_k e4m3 [pages, PAGE, D], index_scale fp32 [pages, PAGE],
     limits int32 [N], tiles int32 [query tiles, 3], out fp32 [N, cols]; 64-key tiles, 4 warps. ``maxnreg``: a
@@ -640,20 +661,21 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
     168 without spills, 3 per SM; ``benchmarks/dsa_gluon_sass.py``). ``split_rows``: the row-split kernel
     (``_index_scores_gluon_rows_kernel``: 117 registers, 4 programs per SM; ``w_smem`` does not apply).
     ``reg_a`` (the wg kernel): each key tile read into registers once, the A operand of both rows' wgmmas.
-    ``ws4``: ``_index_scores_gluon_ws4_kernel`` (4-row tiles, 64-key pages by TMA, two warpgroups)."""
+    ``ws_rows`` (4 or 8): ``_index_scores_gluon_ws_kernel`` (tiles of that many rows, 64-key pages by TMA, a
+    warpgroup every 2 rows)."""
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
     args = (q_fp8, weights, index_k, index_scale, block_table, limits, tiles, out,
             n_heads, block_table.stride(0), out.stride(0), out.shape[1], tiles_per_split)
     const = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=64, ROWS=rows, PAGE=page, NUM_STAGES=num_stages)
-    if ws4:
-        if rows != 4 or page != 64:
-            raise ValueError(f"the two-warpgroup 4-row indexer kernel takes 4-row tiles and 64-key pages, not {rows} "
-                             f"rows and {page}-key pages")
-        _index_scores_gluon_ws4_kernel[grid](*args, key_page_descriptor(index_k, page), HEAD_DIM=head_dim,
-                                             BLOCK_H=block_h, BLOCK_S=64, PAGE=page, NUM_STAGES=num_stages,
-                                             CARRY=carry, WREGS=WS4_WORKER_REGS, num_warps=4,
-                                             maxnreg=maxnreg or 128)
+    if ws_rows:
+        if ws_rows not in (4, 8) or rows != ws_rows or page != 64:
+            raise ValueError(f"the warp-specialised indexer kernel takes 4- or 8-row tiles (ws_rows) and 64-key pages, "
+                             f"not {rows} rows and {page}-key pages")
+        _index_scores_gluon_ws_kernel[grid](*args, key_page_descriptor(index_k, page), HEAD_DIM=head_dim,
+                                            BLOCK_H=block_h, BLOCK_S=64, PAGE=page, NUM_STAGES=num_stages,
+                                            CARRY=carry, ROWS=rows, WREGS=WS_WORKER_REGS, num_warps=4,
+                                            maxnreg=maxnreg or 128)
     elif warpgroups:
         if rows != 2:
             raise ValueError(f"the multi-warpgroup indexer kernel takes 2-row query tiles, not {rows}")
@@ -670,6 +692,15 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
         _index_scores_gluon_rows_kernel[grid](*args, **const, num_warps=GLUON_WARPS, **extra)
     else:
         _index_scores_gluon_kernel[grid](*args, **const, W_SMEM=w_smem, num_warps=GLUON_WARPS, **extra)
+
+
+def ws_applies(q_fp8: torch.Tensor, rows_per_tile: int, page: int) -> bool:
+    """Whether ``_index_scores_gluon_ws_kernel`` takes these shapes on this device: CUDA capability 9.x, 4- or 8-row
+    tiles, 64-key pages, HEAD_DIM a multiple of 32 (at most 256), the tile's query rows at most 64 KB of e4m3."""
+    n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
+    block_h = max(16, 1 << (n_heads - 1).bit_length())
+    return (is_sm90(q_fp8.device) and rows_per_tile in (4, 8) and page == 64 and head_dim % 32 == 0
+            and head_dim <= 256 and block_h <= 256 and rows_per_tile * block_h * head_dim <= 65536)
 
 
 def gluon_applies(q_fp8: torch.Tensor, rows_per_tile: int, key_block: int, page: int, warpgroups: int = 0) -> bool:

@@ -524,7 +524,7 @@ def _prefill_case(
     def scores_only(options: dict | None = None):
         # the chunks' tile rows given, as ``dsa.index_topk`` decides them once a call (else each call reads back
         # whether its rows are one sequence's), and its chunk order
-        options = {"rows_per_tile": dsa.PREFILL_ROWS_PER_TILE,
+        options = {"rows_per_tile": dsa.prefill_rows_per_tile(q8.device),
                    **(tiles["prefill_index"] if options is None else options)}
         starts = range(0, length, rows_per_chunk)  # in ``dsa.index_topk``'s order
         for r0 in reversed(starts) if dsa.CHUNKS_WIDEST_FIRST else starts:
@@ -664,8 +664,8 @@ def _prefill_case(
         "index_tiles": tiles["prefill_index"],
         # the library's default prefill scoring kernel where the tiles leave it open (0 groups: the tl tile)
         "index_default": dict(wg_groups=dsa.PREFILL_WG_GROUPS, wg_carry=dsa.PREFILL_WG_CARRY,
-                              wg_tma=dsa.PREFILL_WG_TMA, wg_reg_a=dsa.PREFILL_WG_REG_A, ws4=dsa.PREFILL_WS4,
-                              rows_per_tile=dsa.PREFILL_ROWS_PER_TILE),
+                              wg_tma=dsa.PREFILL_WG_TMA, wg_reg_a=dsa.PREFILL_WG_REG_A, ws_rows=dsa.PREFILL_WS_ROWS,
+                              rows_per_tile=dsa.prefill_rows_per_tile(q8.device)),
         "sparse_mla_tiles": mla_options,
         "topk_last4096_rows_ms": tail_select,
         "index_sweep": sweep_rows,
@@ -1535,9 +1535,10 @@ if __name__ == "__main__":
     parser.add_argument("--prefill-reg-a", action=argparse.BooleanOptionalAction, default=None,
                         help="the multi-warpgroup prefill kernel's key tile in registers as its wgmma A operand "
                              f"(default: dsa.PREFILL_WG_REG_A, now {dsa.PREFILL_WG_REG_A})")
-    parser.add_argument("--prefill-ws4", action=argparse.BooleanOptionalAction, default=None,
-                        help="prefill scoring on 4-row tiles with the two-warpgroup Gluon kernel (dsa.PREFILL_WS4 and "
-                             f"PREFILL_ROWS_PER_TILE = 4; default: now {dsa.PREFILL_WS4})")
+    parser.add_argument("--prefill-ws", type=int, default=None, metavar="ROWS",
+                        help="prefill scoring's default tiles on sm_90: ROWS (4 or 8) rows on the warp-specialised "
+                             "Gluon kernel, or 0 for 2-row tiles on the one-warpgroup kernel (default: "
+                             f"dsa.PREFILL_WS_ROWS, now {dsa.PREFILL_WS_ROWS})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1559,9 +1560,10 @@ if __name__ == "__main__":
         if args.prefill_gluon_wg not in (0, 1, 2, 4):
             parser.error(f"--prefill-gluon-wg: 0, 1, 2 or 4 warpgroups, not {args.prefill_gluon_wg}")
         dsa.PREFILL_WG_GROUPS = args.prefill_gluon_wg
-    if args.prefill_ws4 is not None:
-        dsa.PREFILL_WS4 = args.prefill_ws4
-        dsa.PREFILL_ROWS_PER_TILE = 4 if args.prefill_ws4 else 2
+    if args.prefill_ws is not None:
+        if args.prefill_ws not in (0, 4, 8):
+            parser.error(f"--prefill-ws: 0, 4 or 8 rows, not {args.prefill_ws}")
+        dsa.PREFILL_WS_ROWS = args.prefill_ws
     if args.prefill_reg_a is not None:
         dsa.PREFILL_WG_REG_A = args.prefill_reg_a
     if args.step_swept_tiles is not None:

@@ -31,13 +31,16 @@ LENGTH, TAIL = 131072, 4096
 VARIANTS = {
     "tl 2x64": dict(rows_per_tile=2, key_block=64, gluon=False),
     "default 2 rows": dict(rows_per_tile=2),  # no read-back of whether the rows are one sequence's
-    "ws4": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, gluon_carry=True),
-    "ws4 s2": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, gluon_carry=True, num_stages=2),
-    "ws4 s4": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, gluon_carry=True, num_stages=4),
-    "ws4 s6": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, gluon_carry=True, num_stages=6),
-    "ws4 no carry": dict(rows_per_tile=4, gluon=True, gluon_ws4=True, num_stages=4),
+    "default": dict(),  # rows_per_tile None: prefill_rows_per_tile (one read-back a chunk: decode rows or not)
+    "ws4": dict(rows_per_tile=4),
+    "ws4 s4": dict(rows_per_tile=4, num_stages=4),
+    "ws8": dict(rows_per_tile=8, gluon=True, gluon_ws=True, gluon_carry=True),
+    "ws8 s4": dict(rows_per_tile=8, gluon=True, gluon_ws=True, gluon_carry=True, num_stages=4),
+    "ws8 s6": dict(rows_per_tile=8, gluon=True, gluon_ws=True, gluon_carry=True, num_stages=6),
 }
-# Session 18, calls 1-2: the default with a read-back a chunk ("default": dict()) 816-842 over all rows, with the
+# Session 18, call 7 (890b066): 4-row tiles on the warp-specialised kernel at 2-6 stages with the carry 911-948 over
+# all rows (3 stages 935-948, 4 stages 937-944), without the carry 893-901, against the 2-row kernel's 864-901.
+# Calls 1-2: the default with a read-back a chunk ("default": dict()) 816-842 over all rows, with the
 # tile tables computed ahead ("default presync": dict(presync=True)) 873-895. Call 2 (e3e4b1b): REG_A (the key tile
 # in registers as both wgmmas' A operand) 878-881 (869-875 at 4 stages) against the default's 900-905; key splits
 # over 2048 / 4096 programs 893-894.

@@ -24,11 +24,12 @@ SHIPPED = [{}, {"maxnreg": 168}, {"NUM_STAGES": 4, "maxnreg": 168}, {"W_SMEM": F
            {"WARPGROUPS": 1, "CARRY": True, "maxnreg": 128},
            {"WARPGROUPS": 1, "CARRY": True, "TMA": True, "maxnreg": 128},
            {"WARPGROUPS": 1, "CARRY": True, "TMA": True, "REG_A": True, "maxnreg": 128},
-           {"WS4": True, "maxnreg": 128}, {"WS4": True, "CARRY": False, "maxnreg": 128}]
+           {"WS": 4, "maxnreg": 128}, {"WS": 4, "CARRY": False, "maxnreg": 128}, {"WS": 8, "maxnreg": 128}]
 SMALL = [{"HEAD_DIM": 32, "BLOCK_H": 16}, {"HEAD_DIM": 32, "BLOCK_H": 16, "SPLIT_ROWS": True},
          {"HEAD_DIM": 32, "BLOCK_H": 16, "WARPGROUPS": 2},
          {"HEAD_DIM": 32, "BLOCK_H": 16, "WARPGROUPS": 1, "CARRY": True, "TMA": True, "REG_A": True},
-         {"HEAD_DIM": 32, "BLOCK_H": 16, "WS4": True, "maxnreg": 128}]
+         {"HEAD_DIM": 32, "BLOCK_H": 16, "WS": 4, "maxnreg": 128},
+         {"HEAD_DIM": 32, "BLOCK_H": 16, "WS": 8, "maxnreg": 128}]
 
 
 def test_sm90_build_keeps_the_wgmma_async_without_spills():
@@ -42,7 +43,7 @@ def test_sm90_build_keeps_the_wgmma_async_without_spills():
         # two key tiles per trip (stacked) or ROWS MMAs per key tile (split rows), HEAD_DIM / 32 k-steps each
         per_trip = row["config"].get("ROWS", 2) if row["config"].get("SPLIT_ROWS") else 2
         assert row["loop_ops"].get("QGMMA") == per_trip * row["config"].get("HEAD_DIM", 128) // 32, row
-        if not row["config"].get("WS4"):  # (ws4: the loop found may be the worker's, which issues no copies)
+        if not row["config"].get("WS"):  # (ws: the loop found may be a worker's, which issues no copies)
             assert row["loop_ops"].get("UTMALDG" if row["config"].get("TMA") else "LDGSTS", 0) >= 1, row
         if row["config"].get("REG_A"):  # the key tile read into registers once (ldmatrix) for both wgmmas
             assert row["loop_ops"].get("LDSM", 0) >= 1, row
@@ -50,8 +51,8 @@ def test_sm90_build_keeps_the_wgmma_async_without_spills():
             assert row["regs"] <= row["config"]["maxnreg"], row
         if row["config"].get("SPLIT_ROWS"):  # 4 programs of 128 threads per SM
             assert row["regs"] <= 128, row
-        if row["config"].get("WARPGROUPS", 0) in (1, 2) or row["config"].get("WS4"):
-            # 2 programs of 8 warps per SM (4 of 4 warps at G = 1)
+        if row["config"].get("WARPGROUPS", 0) in (1, 2) or row["config"].get("WS"):
+            # 2 programs of 8 warps per SM (4 of 4 warps at G = 1; ws: 8 warps at 4 rows, 16 at 8)
             assert row["regs"] <= 128, row
 
 
@@ -89,9 +90,11 @@ GPU_OPTIONS = [dict(gluon=True), dict(gluon=True, gluon_maxnreg=168), dict(gluon
                dict(gluon=True, gluon_warpgroups=1, gluon_carry=True, gluon_tma=True, gluon_reg_a=True),
                dict(gluon=True, gluon_warpgroups=1, gluon_carry=True, gluon_tma=True, gluon_reg_a=True, programs=1,
                     num_stages=2),
-               dict(gluon=True, gluon_ws4=True, gluon_carry=True, rows_per_tile=4),
-               dict(gluon=True, gluon_ws4=True, gluon_carry=True, rows_per_tile=4, programs=1, num_stages=2),
-               dict(gluon=True, gluon_ws4=True, rows_per_tile=4, num_stages=4)]
+               dict(gluon=True, gluon_ws=True, gluon_carry=True, rows_per_tile=4),
+               dict(gluon=True, gluon_ws=True, gluon_carry=True, rows_per_tile=4, programs=1, num_stages=2),
+               dict(gluon=True, gluon_ws=True, rows_per_tile=4, num_stages=4),
+               dict(gluon=True, gluon_ws=True, gluon_carry=True, rows_per_tile=8),
+               dict(gluon=True, gluon_ws=True, gluon_carry=True, rows_per_tile=8, programs=1, num_stages=2)]
 
 
 @pytest.mark.gpu
@@ -110,7 +113,7 @@ def test_gluon_scores_match_twin_on_gpu(opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_rows", [False, True, "wg2", "wg2c", "ws4"])
+@pytest.mark.parametrize("split_rows", [False, True, "wg2", "wg2c", "ws4", "ws8"])
 def test_gluon_scores_at_deepseek_shapes_on_gpu(split_rows):
     """DeepSeek-V3.2's indexer (64 heads x 128) on the last 64 rows of a 4160-token causal prefill: against the
     twin at the tight GPU tolerance, and against the tl kernel (the same arithmetic)."""
@@ -120,8 +123,8 @@ def test_gluon_scores_at_deepseek_shapes_on_gpu(split_rows):
     last = slice(n - 64, n)
     args = (q8[last], weights[last], layer.index_k, layer.index_scale, batch.block_table, batch.token_seq[last],
             limits[last], n)
-    if split_rows == "ws4":  # 4-row tiles on two warpgroups sharing the key pages
-        got = dsa.index_scores(*args, rows_per_tile=4, gluon=True, gluon_ws4=True, gluon_carry=True)
+    if split_rows in ("ws4", "ws8"):  # 4- or 8-row tiles on a warpgroup every 2 rows, sharing the key pages
+        got = dsa.index_scores(*args, rows_per_tile=int(split_rows[2]), gluon=True, gluon_ws=True, gluon_carry=True)
     elif split_rows in ("wg2", "wg2c"):  # the two-warpgroup kernel, 128-key tiles (with its carried epilogue)
         got = dsa.index_scores(*args, rows_per_tile=2, gluon=True, gluon_warpgroups=2, gluon_carry=split_rows == "wg2c")
     else:
