@@ -19,7 +19,7 @@ What is Triton and what is torch here:
 - ``quantize_fp8_rows``: Triton (torch twin ``quantize_fp8_rows_torch``).
 - ``index_scores``: Triton FP8 scoring kernel over the paged cache. A program holds a query
   tile (decode: one row, its [H, D] query kept in registers; prefill: up to
-  ``PREFILL_ROWS_PER_TILE`` consecutive rows of one sequence) and streams a contiguous range
+  ``prefill_rows_per_tile`` consecutive rows of one sequence) and streams a contiguous range
   of 128-key tiles through a software pipeline (several tiles in flight); each key tile is
   read once per query tile. The context is split across programs so that about 1024 run
   (batch 64 decode at 128K: 64 sequences x 16 splits of 64 tiles). Torch twin
@@ -84,6 +84,8 @@ PREFILL_GLUON = False
 # same scores bit for bit): last 4096 rows 850-900 TFLOP/s against the tl tile's 720-746; every 4096-row chunk of
 # the 128K prefill with all 128K columns written 761-779 against 706-717. Two and four warpgroups (128- and 256-key
 # tiles, 2 and 1 programs an SM) were slower than one (4 an SM): 755 / 685-714 with the carry.
+# (Since session 18 a call that leaves the tile rows open gets 4-row tiles on sm_90, PREFILL_WS_ROWS below; this
+# kernel runs where the rows are given as 2.)
 PREFILL_WG_GROUPS = 1
 PREFILL_WG_CARRY = True
 # ... and its key pages by TMA (one warpgroup, 64-key pages). H200, 2026-12-03, call 3 (1aece6a), three rounds in
@@ -100,6 +102,9 @@ PREFILL_WG_REG_A = False
 # over all rows against 864-901 for the 2-row kernel; the prefill acceptance 886 and 3.57x dense (855-869, 3.45-3.49x
 # at 2 rows in calls 1, 2, 6).
 PREFILL_WS_ROWS = 4
+# ... at PREFILL_WS_STAGES key pages in flight. The probe (calls 7-8) put 4 stages at or above 3 (937-944 against
+# 935-948, then 940-943 against 919-926); the acceptance runs measured 3 (886, 893): 4 is the next call's first check.
+PREFILL_WS_STAGES = 3
 
 
 def prefill_rows_per_tile(device: torch.device) -> int:
@@ -499,8 +504,8 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     query tile, N * num_cols * 4 written.
     Hopper's FP8 MMA accumulates with less than fp32 precision: scores differ from the fp32
     twin by about 1e-3 relative there (exactly equal under the interpreter).
-    Tiling: ``rows_per_tile`` query rows share each key tile (default
-    ``PREFILL_ROWS_PER_TILE``; 1 when every row is its own sequence, as in decode);
+    Tiling: ``rows_per_tile`` query rows share each key tile (default ``prefill_rows_per_tile``: 4 on sm_90,
+    PREFILL_ROWS_PER_TILE = 2 elsewhere or with ``gluon`` given; 1 when every row is its own sequence, as in decode);
     ``key_block`` keys per tile (default DECODE_KEY_BLOCK = 64 in decode, 64 in prefill); ``num_stages`` key
     tiles in flight (default DECODE_STAGES = 8 in decode, 3 in prefill); the context is split so that about
     ``programs`` programs run (default in decode DECODE_PROGRAMS = 4096, at most DECODE_PROGRAMS_PER_ROW = 512 a
@@ -546,6 +551,7 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
             and not gluon_warpgroups and not gluon_split_rows and key_block in (None, 64) and not _interpreting()
             and dsa_gluon.ws_applies(q_fp8, per_tile, PAGE_SIZE)):
         gluon, gluon_ws, gluon_carry = True, True, True
+        num_stages = num_stages or PREFILL_WS_STAGES
     block_s = key_block or (64 * gluon_warpgroups if gluon_warpgroups and not decode else
                             DECODE_KEY_BLOCK if decode else PREFILL_KEY_BLOCK)
     use_gluon = not decode and stacked and (gluon or (gluon is None and PREFILL_GLUON))

@@ -665,7 +665,7 @@ def _prefill_case(
         # the library's default prefill scoring kernel where the tiles leave it open (0 groups: the tl tile)
         "index_default": dict(wg_groups=dsa.PREFILL_WG_GROUPS, wg_carry=dsa.PREFILL_WG_CARRY,
                               wg_tma=dsa.PREFILL_WG_TMA, wg_reg_a=dsa.PREFILL_WG_REG_A, ws_rows=dsa.PREFILL_WS_ROWS,
-                              rows_per_tile=dsa.prefill_rows_per_tile(q8.device)),
+                              ws_stages=dsa.PREFILL_WS_STAGES, rows_per_tile=dsa.prefill_rows_per_tile(q8.device)),
         "sparse_mla_tiles": mla_options,
         "topk_last4096_rows_ms": tail_select,
         "index_sweep": sweep_rows,
@@ -1539,6 +1539,9 @@ if __name__ == "__main__":
                         help="prefill scoring's default tiles on sm_90: ROWS (4 or 8) rows on the warp-specialised "
                              "Gluon kernel, or 0 for 2-row tiles on the one-warpgroup kernel (default: "
                              f"dsa.PREFILL_WS_ROWS, now {dsa.PREFILL_WS_ROWS})")
+    parser.add_argument("--prefill-ws-stages", type=int, default=None, metavar="N",
+                        help="key pages in flight in the warp-specialised prefill kernel (default: "
+                             f"dsa.PREFILL_WS_STAGES, now {dsa.PREFILL_WS_STAGES})")
     parser.add_argument("--prefill-selects", default=None,
                         help="with --acceptance: comma-separated index_topk select methods timed over the whole "
                              f"prefill, the first the step's (of {', '.join(dsa.SELECT_METHODS)}; default: auto, "
@@ -1564,6 +1567,10 @@ if __name__ == "__main__":
         if args.prefill_ws not in (0, 4, 8):
             parser.error(f"--prefill-ws: 0, 4 or 8 rows, not {args.prefill_ws}")
         dsa.PREFILL_WS_ROWS = args.prefill_ws
+    if args.prefill_ws_stages is not None:
+        if not 2 <= args.prefill_ws_stages <= 8:
+            parser.error(f"--prefill-ws-stages: 2 to 8 key pages in flight, not {args.prefill_ws_stages}")
+        dsa.PREFILL_WS_STAGES = args.prefill_ws_stages
     if args.prefill_reg_a is not None:
         dsa.PREFILL_WG_REG_A = args.prefill_reg_a
     if args.step_swept_tiles is not None:
