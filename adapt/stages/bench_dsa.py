@@ -1048,11 +1048,12 @@ def _run_prefill(result: dict, context: int, topk: int, latent_format: str, tile
 # its unmasked full-tile loop (158 registers: one program per SM), 2 and 4 stages, and 2 x 64 on 4 warps
 # (the wider tiles above were slower in both earlier calls and are not re-run). H200, commit 4f58965, TFLOP/s
 # on the last 4096 rows: 663, 399, 662, 671, 740 (now the default).
+# (The tl rows name gluon=False since session 18: 4-row tiles left to the library run the warp-specialised kernel.)
 PREFILL_INDEX_SWEEP = (
-    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8),
-    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8, full_tiles=True),
-    dict(rows_per_tile=4, key_block=64, num_stages=2, num_warps=8),
-    dict(rows_per_tile=4, key_block=64, num_stages=4, num_warps=8),
+    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8, gluon=False),
+    dict(rows_per_tile=4, key_block=64, num_stages=3, num_warps=8, full_tiles=True, gluon=False),
+    dict(rows_per_tile=4, key_block=64, num_stages=2, num_warps=8, gluon=False),
+    dict(rows_per_tile=4, key_block=64, num_stages=4, num_warps=8, gluon=False),
     dict(rows_per_tile=2, key_block=64, num_stages=3, num_warps=4, gluon=False),
     # Fourth session: the Gluon kernels of adapt.kernels.dsa_gluon (the same 2 x 64 tile on 4 warps, the MMA of one
     # key tile or row overlapped with the epilogue of the one before). H200, benchmarks/gpu-2026-12-01-dsa-s4-indexer,
@@ -1070,6 +1071,11 @@ PREFILL_INDEX_SWEEP = (
     # carried epilogue is the library's default on sm_90), and two warpgroups on 128-key tiles
     dict(rows_per_tile=2, key_block=64, num_stages=3, gluon=True, gluon_warpgroups=1, gluon_carry=True),
     dict(rows_per_tile=2, key_block=128, num_stages=3, gluon=True, gluon_warpgroups=2, gluon_carry=True),
+    # Session 18: the warp-specialised kernel, a warpgroup every 2 rows sharing each key page (4 rows at 3 stages is
+    # the library's default on sm_90, dsa.PREFILL_WS_ROWS / PREFILL_WS_STAGES; benchmarks/gpu-2026-12-03-dsa-s18)
+    dict(rows_per_tile=4, num_stages=3, gluon=True, gluon_ws=True, gluon_carry=True),
+    dict(rows_per_tile=4, num_stages=4, gluon=True, gluon_ws=True, gluon_carry=True),
+    dict(rows_per_tile=8, num_stages=4, gluon=True, gluon_ws=True, gluon_carry=True),
 )
 
 # Sparse MLA prefill tiles (the last 4096 rows of the 128K prefill, 16 tiles of 128 positions per row; H200,
