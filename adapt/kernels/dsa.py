@@ -113,6 +113,8 @@ def prefill_rows_per_tile(device: torch.device) -> int:
     if PREFILL_WS_ROWS and PAGE_SIZE == 64 and not _interpreting() and dsa_gluon.is_sm90(device):
         return PREFILL_WS_ROWS
     return PREFILL_ROWS_PER_TILE
+
+
 PREFILL_KEY_BLOCK = 64
 PREFILL_WARPS = 4
 KEY_BLOCK = 128
@@ -558,13 +560,15 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     if use_gluon and (_interpreting() or not (dsa_gluon.ws_applies(q_fp8, per_tile, PAGE_SIZE) if gluon_ws else
                                               dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE,
                                                                       gluon_warpgroups))):
+        if gluon_ws:
+            raise ValueError("gluon_ws=True needs a CUDA device of capability 9.x, rows_per_tile 4 or 8, 64-key pages "
+                             "and a head dim that is a multiple of 32")
         if gluon:
             raise ValueError("gluon=True needs a CUDA device of capability 9.x, 64-key tiles inside one page, "
                              "a head dim that is a multiple of 32 and rows_per_tile x heads <= 256")
         use_gluon = False
     if gluon_ws and not use_gluon:
-        raise ValueError("gluon_ws needs the Gluon kernel (gluon=True, CUDA capability 9.x), rows_per_tile 4 or 8 and "
-                         "64-key pages")
+        raise ValueError("gluon_ws=True needs gluon=True (the Gluon kernels)")
     # the wg and ws kernels take empty tiles: a table without a host sync
     padded = use_gluon and (bool(gluon_warpgroups) or gluon_ws)
     if decode:  # one row per program, sequence read in the kernel: no tile table (no extra launches)
@@ -849,7 +853,8 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
             last = (first + rows_per_chunk).clamp(max=n_rows) - 1
             repeats = cum[last] - cum[first]  # pairs of neighbours of one sequence inside each chunk
             chunk_max, decode_rows = torch.stack([chunk_max, repeats]).tolist()
-            chunk_rows = [1 if r == 0 else prefill_rows_per_tile(q_fp8.device) for r in decode_rows]
+            rows = prefill_rows_per_tile(q_fp8.device) if tile_options.get("gluon") is None else PREFILL_ROWS_PER_TILE
+            chunk_rows = [1 if r == 0 else rows for r in decode_rows]
         else:
             chunk_max = chunk_max.tolist()
         chunk_cols = [round_up(int(v)) for v in chunk_max]

@@ -67,6 +67,12 @@ def test_dispatch_keeps_the_tl_kernel_off_hopper():
         dsa.index_scores(*args, rows_per_tile=2, key_block=64, gluon=True)
     with pytest.raises(ValueError, match="gluon=True"):
         dsa.index_scores(*args, rows_per_tile=2, gluon=True, gluon_warpgroups=2)
+    with pytest.raises(ValueError, match="gluon_ws=True needs a CUDA"):  # the warp-specialised kernel: sm_90 only
+        dsa.index_scores(*args, rows_per_tile=4, gluon=True, gluon_ws=True)
+    with pytest.raises(ValueError, match="gluon_ws=True needs gluon=True"):
+        dsa.index_scores(*args, rows_per_tile=4, gluon=False, gluon_ws=True)
+    # the library's prefill tile rows off sm_90: the 2-row default (4 rows on sm_90, the warp-specialised kernel)
+    assert dsa.prefill_rows_per_tile(q8.device) == dsa.PREFILL_ROWS_PER_TILE == 2
     # a tile table computed ahead (no host sync in the call) gives the same scores
     tiles = dsa.prefill_query_tiles(batch.token_seq, 2)
     assert torch.equal(dsa.index_scores(*args, rows_per_tile=2, key_block=64, query_tiles=tiles), got)
