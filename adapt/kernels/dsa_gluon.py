@@ -20,9 +20,15 @@ exactly at DeepSeek shapes; over all 128K rows of a prefill they ran at 499-719 
 737-739 (the row-split one capped at 96 registers, 5 programs per SM, was best, and 1.5% faster than tl on the
 last 4096 rows only), so they stay opt-in (``dsa.PREFILL_GLUON``).
 
-The multi-warpgroup form (``_index_scores_gluon_wg_kernel``, 2026-12-03) is the default on sm_90 with one warpgroup,
+The multi-warpgroup form (``_index_scores_gluon_wg_kernel``, 2026-12-03) runs 2-row tiles on sm_90 with one warpgroup,
 its carried second-row epilogue and TMA key pages (``dsa.PREFILL_WG_*``; benchmarks/gpu-2026-12-03-dsa-s17): bit-equal
 to the tl kernel, 834-910 TFLOP/s over all 128K rows against 705-738.
+
+The warp-specialised form (``_index_scores_gluon_ws_kernel``, session 18) is the sm_90 default: 4-row tiles (or 8)
+on a warpgroup every 2 rows, each warpgroup the wg kernel's loop, all of them on one TMA key ring that the default
+partition refills once the workers hand a stage back (an ``empty`` mbarrier). A key page serves 4 rows. The board
+runs this work at its 700 W cap, and the page's L2 read and TMA copy are shared by twice the FLOPs: 919-948 TFLOP/s
+over all rows against 864-901 for the wg kernel (``dsa.PREFILL_WS_ROWS``; benchmarks/gpu-2026-12-03-dsa-s18).
 
 Gluon does not run under TRITON_INTERPRET; ``dsa.index_scores`` dispatches here only on a CUDA device of
 capability 9.x when ``gluon=True`` (the CPU interpreter path stays the ``tl`` kernel). Shapes supported:
