@@ -561,11 +561,12 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
                                               dsa_gluon.gluon_applies(q_fp8, per_tile, block_s, PAGE_SIZE,
                                                                       gluon_warpgroups))):
         if gluon_ws:
-            raise ValueError("gluon_ws=True needs a CUDA device of capability 9.x, rows_per_tile 4 or 8, 64-key pages "
-                             "and a head dim that is a multiple of 32")
+            raise ValueError("gluon_ws=True needs a CUDA device of capability 9.x, rows_per_tile 4 or 8, 64-key pages, "
+                             "at most 64 heads and a head dim that is a multiple of 32")
         if gluon:
             raise ValueError("gluon=True needs a CUDA device of capability 9.x, 64-key tiles inside one page, "
-                             "a head dim that is a multiple of 32 and rows_per_tile x heads <= 256")
+                             "a head dim that is a multiple of 32 and rows_per_tile x heads <= 256 (with "
+                             "gluon_warpgroups: 2-row tiles and at most 64 heads)")
         use_gluon = False
     if gluon_ws and not use_gluon:
         raise ValueError("gluon_ws=True needs gluon=True (the Gluon kernels)")

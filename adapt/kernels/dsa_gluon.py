@@ -702,24 +702,25 @@ def launch(grid: tuple[int, int], q_fp8: torch.Tensor, weights: torch.Tensor, in
 
 def ws_applies(q_fp8: torch.Tensor, rows_per_tile: int, page: int) -> bool:
     """Whether ``_index_scores_gluon_ws_kernel`` takes these shapes on this device: CUDA capability 9.x, 4- or 8-row
-    tiles, 64-key pages, HEAD_DIM a multiple of 32 (at most 256), the tile's query rows at most 64 KB of e4m3."""
+    tiles, 64-key pages, HEAD_DIM a multiple of 32 (at most 256), at most 64 heads (BLOCK_H 128 spills 1,904 bytes
+    under the 128-register cap, sm_90 build), the tile's query rows at most 64 KB of e4m3."""
     n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
     block_h = max(16, 1 << (n_heads - 1).bit_length())
     return (is_sm90(q_fp8.device) and rows_per_tile in (4, 8) and page == 64 and head_dim % 32 == 0
-            and head_dim <= 256 and block_h <= 256 and rows_per_tile * block_h * head_dim <= 65536)
+            and head_dim <= 256 and block_h <= 64 and rows_per_tile * block_h * head_dim <= 65536)
 
 
 def gluon_applies(q_fp8: torch.Tensor, rows_per_tile: int, key_block: int, page: int, warpgroups: int = 0) -> bool:
     """Whether ``_index_scores_gluon_kernel`` takes these shapes on this device: CUDA capability 9.x, 64-key
     tiles inside one page, HEAD_DIM a multiple of 32, ROWS * BLOCK_H at most 256 (BLOCK_H: heads padded to a
     power of two, at least 16). With ``warpgroups`` G (``_index_scores_gluon_wg_kernel``): 2-row tiles, key tiles
-    of 64 G keys (whole pages), BLOCK_H at most 256."""
+    of 64 G keys (whole pages), BLOCK_H at most 64."""
     n_heads, head_dim = q_fp8.shape[1], q_fp8.shape[2]
     block_h = max(16, 1 << (n_heads - 1).bit_length())
-    if warpgroups:
+    if warpgroups:  # at most 64 heads: BLOCK_H 128 spills 784 bytes under the carry's 128-register cap (sm_90)
         return (is_sm90(q_fp8.device) and warpgroups in (1, 2, 4) and key_block == 64 * warpgroups
                 and rows_per_tile == 2 and key_block % page == 0 and head_dim % 32 == 0 and head_dim <= 256
-                and block_h <= 256)
+                and block_h <= 64)
     return (is_sm90(q_fp8.device) and key_block == 64
             and page % key_block == 0 and head_dim % 32 == 0 and head_dim <= 256 and rows_per_tile * block_h <= 256
             and rows_per_tile & (rows_per_tile - 1) == 0)
