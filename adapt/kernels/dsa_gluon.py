@@ -505,14 +505,15 @@ def _index_scores_gluon_wg_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
 
 
 @gluon.jit
-def _ws_rows(ROW_OFF: gl.constexpr, PRODUCER: gl.constexpr, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr,
-             block_table_ptr, limit_ptr, out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols,
-             tile_limit, first, last, live, HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_S: gl.constexpr,
-             NUM_STAGES: gl.constexpr, CARRY: gl.constexpr):
+def _ws_rows(ROW_OFF: gl.constexpr, PRODUCER: gl.constexpr, shared, HEAD_DIM: gl.constexpr, BLOCK_H: gl.constexpr,
+             BLOCK_S: gl.constexpr, NUM_STAGES: gl.constexpr, CARRY: gl.constexpr):
     """One warpgroup of ``_index_scores_gluon_ws_kernel``: rows ROW_OFF and ROW_OFF + 1 of the tile against every
     key page of the shared ring, as ``_index_scores_gluon_wg_kernel`` runs its 2 rows (a bank a row, CARRY).
     PRODUCER: this warpgroup refills each stage by TMA once the others have handed it back (``empty``); the others
-    hand each stage back after their two wgmmas read it."""
+    hand each stage back after their two wgmmas read it. ``shared``: what every partition gets (the shared-memory
+    buffers and barriers, the pointers and the program's tile and key range)."""
+    (q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr, out_ptr, seq, bt_stride, row0,
+     n_rows, n_heads, out_stride, out_cols, tile_limit, first, last, live) = shared
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     key_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -610,34 +611,18 @@ def _index_scores_gluon_ws_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, block_table_ptr, 
         if first + s < live:
             _tma_key_page(k_desc, block_table_ptr, seq, bt_stride, first + s, ring.index(s), ready.index(s),
                           BLOCK_S, HEAD_DIM)
-    OFF0: gl.constexpr = 0
-    OFF2: gl.constexpr = 2
-    OFF4: gl.constexpr = 4
-    OFF6: gl.constexpr = 6
+    shared = (q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr, out_ptr, seq, bt_stride,
+              row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last, live)
     if ROWS == 4:
-        gl.warp_specialize([
-            (_ws_rows, (OFF0, True, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
-                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
-                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
-            (_ws_rows, (OFF2, False, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
-                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
-                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
-        ], [4], [WREGS])
+        gl.warp_specialize([(_ws_rows, (0, True, shared, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+                            (_ws_rows, (2, False, shared, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY))],
+                           [4], [WREGS])
     else:
-        gl.warp_specialize([
-            (_ws_rows, (OFF0, True, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
-                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
-                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
-            (_ws_rows, (OFF2, False, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
-                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
-                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
-            (_ws_rows, (OFF4, False, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
-                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
-                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
-            (_ws_rows, (OFF6, False, q_rows, ring, ready, empty, k_desc, w_ptr, ks_ptr, block_table_ptr, limit_ptr,
-                        out_ptr, seq, bt_stride, row0, n_rows, n_heads, out_stride, out_cols, tile_limit, first, last,
-                        live, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
-        ], [4, 4, 4], [WREGS, WREGS, WREGS])
+        gl.warp_specialize([(_ws_rows, (0, True, shared, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+                            (_ws_rows, (2, False, shared, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+                            (_ws_rows, (4, False, shared, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY)),
+                            (_ws_rows, (6, False, shared, HEAD_DIM, BLOCK_H, BLOCK_S, NUM_STAGES, CARRY))],
+                           [4, 4, 4], [WREGS, WREGS, WREGS])
 
 
 # Registers a thread of the ws kernel's worker warpgroups; the default partition runs under the launch's cap (128:
