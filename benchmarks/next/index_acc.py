@@ -24,7 +24,8 @@ import torch
 from adapt.bench.timer import time_eager_ms
 from adapt.kernels import dsa
 from adapt.stages import bench_dsa
-from adapt.stages.bench_dsa import INDEX_DIM, INDEX_HEADS, _queries, _random_cache
+from adapt.stages.bench_dsa import INDEX_DIM, INDEX_HEADS
+from benchmarks.next.index_wg import prefill_inputs
 
 LENGTH, CHUNK = 131072, 4096
 FLOPS = 2 * INDEX_HEADS * INDEX_DIM * LENGTH * (LENGTH + 1) / 2
@@ -76,12 +77,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    cache = _random_cache(LENGTH, "fp8")
-    layer = cache.dsa_layer(0)
-    table = torch.arange(LENGTH // 64, device="cuda", dtype=torch.int32)[None]
-    seq = torch.zeros(LENGTH, device="cuda", dtype=torch.int32)
-    limits = torch.arange(1, LENGTH + 1, device="cuda", dtype=torch.int32)
-    q8, weights, _, _ = _queries(LENGTH)
+    layer, table, seq, limits, q8, weights = prefill_inputs(LENGTH)
 
     def all_rows() -> None:
         for r0 in range(0, LENGTH, CHUNK):
@@ -116,7 +112,7 @@ def main() -> None:
                                ("probe form widest first, 2 reps", all_rows_widest_first, 2)):
             before = clock()
             record(name, time_eager_ms(fn, reps), before)
-    del cache, layer
+    del layer
     torch.cuda.empty_cache()
     for widest in (True, False, True):
         dsa.CHUNKS_WIDEST_FIRST = widest
@@ -132,8 +128,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     dsa.CHUNKS_WIDEST_FIRST = True
-    cache = _random_cache(LENGTH, "fp8")
-    layer = cache.dsa_layer(0)
+    layer = prefill_inputs(LENGTH)[0]
     PHASE[0] = "probe form after"
     for _ in range(rounds):
         before = clock()

@@ -17,7 +17,7 @@ import torch
 
 from adapt.bench.timer import time_eager_ms
 from adapt.kernels import dsa
-from adapt.stages.bench_dsa import _queries, _random_cache
+from benchmarks.next.index_wg import prefill_inputs
 
 LENGTHS = (4096, 8192, 16384)
 
@@ -38,12 +38,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     length = max(LENGTHS)
-    cache = _random_cache(length, "fp8")
-    layer = cache.dsa_layer(0)
-    table = torch.arange(length // 64, device="cuda", dtype=torch.int32)[None]
-    seq = torch.zeros(length, device="cuda", dtype=torch.int32)
-    limits = torch.arange(1, length + 1, device="cuda", dtype=torch.int32)
-    q8, weights, _, _ = _queries(length)
+    layer, table, seq, limits, q8, weights = prefill_inputs(length)
     result = {"device": torch.cuda.get_device_name(), "host_us": {}, "index_topk_ms": {}}
     for kernel in (True, False):
         dsa.PADDED_TILES_KERNEL = kernel

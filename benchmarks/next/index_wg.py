@@ -52,6 +52,17 @@ VARIANTS = {
 # the carry (811-814) and wg2 s3 carry (779-808) against the default (wg1 s3 carry, 800-839).
 
 
+def prefill_inputs(length: int):
+    """One causal sequence of ``length`` tokens in a random one-layer cache (pages in order) and its indexer queries,
+    as ``bench_dsa``'s prefill case builds them: (layer, block table, token_seq, limits, q8, weights)."""
+    layer = _random_cache(length, "fp8").dsa_layer(0)
+    table = torch.arange(-(-length // 64), device="cuda", dtype=torch.int32)[None]
+    seq = torch.zeros(length, device="cuda", dtype=torch.int32)
+    limits = torch.arange(1, length + 1, device="cuda", dtype=torch.int32)
+    q8, weights, _, _ = _queries(length)
+    return layer, table, seq, limits, q8, weights
+
+
 def main() -> None:
     if sys.argv[1] == "--ncu":
         return profile(sys.argv[2:])
@@ -60,12 +71,7 @@ def main() -> None:
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     budget = float(sys.argv[3]) if len(sys.argv) > 3 else 150.0
     t0 = time.time()
-    cache = _random_cache(LENGTH, "fp8")
-    layer = cache.dsa_layer(0)
-    table = torch.arange(LENGTH // 64, device="cuda", dtype=torch.int32)[None]
-    seq = torch.zeros(LENGTH, device="cuda", dtype=torch.int32)
-    limits = torch.arange(1, LENGTH + 1, device="cuda", dtype=torch.int32)
-    q8, weights, _, _ = _queries(LENGTH)
+    layer, table, seq, limits, q8, weights = prefill_inputs(LENGTH)
 
     def run(opts: dict, r0: int, r1: int) -> torch.Tensor:
         opts = {k: v for k, v in opts.items() if k != "presync"}
