@@ -217,20 +217,30 @@ def test_topk_chunks_decide_their_tile_rows_once(monkeypatch):
 
 def test_topk_chunks_run_widest_first(monkeypatch):
     """A causal prefill's chunks are scored widest first (the host ahead of the GPU from the first launch); each
-    chunk writes its own rows, so the result is the one in row order, bit for bit."""
+    chunk writes its own rows, so the result is the one in row order, bit for bit (the twin scores the chunks here:
+    the order is the chunking's, whatever kernel scores them)."""
     layer, batch, q8, weights = filled_cache((300,), heads=4, dim=32, device="cpu")
     limits = (batch.positions + 1).int()
     args = (q8, weights, layer.index_k, layer.index_scale, batch.block_table, batch.token_seq, limits)
     widths = []
-    real = dsa.index_scores
-    monkeypatch.setattr(dsa, "index_scores", lambda *a, **kw: widths.append(a[7]) or real(*a, **kw))
+
+    def score(*a, **kw):
+        widths.append(a[7])
+        return dsa.index_scores_torch(*a, **kw)
+
+    def select(scores, lims, k, *, out, method):
+        out.copy_(dsa.topk_indices_torch(scores, lims, k))
+        return 0
+
     bound = 64 * 384 * 4  # 64 rows a chunk (the widest row's 300 keys in 384 columns): widths 128, 128, 256, 256, 384
-    idx, stats = dsa._index_topk_chunked(dsa.index_scores, dsa._select_topk, *args, 16, bound, None, "auto", {})
+    idx, stats = dsa._index_topk_chunked(score, select, *args, 16, bound, None, "auto", {})
     assert stats.chunks == 5 and widths == sorted(widths, reverse=True) and widths[0] > widths[-1]
     monkeypatch.setattr(dsa, "CHUNKS_WIDEST_FIRST", False)
     widths.clear()
-    in_order, _ = dsa._index_topk_chunked(dsa.index_scores, dsa._select_topk, *args, 16, bound, None, "auto", {})
+    in_order, _ = dsa._index_topk_chunked(score, select, *args, 16, bound, None, "auto", {})
     assert widths == sorted(widths) and torch.equal(idx, in_order)
+    ref, _ = dsa.index_topk_torch(*args, 16)
+    assert torch.equal(idx, ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
