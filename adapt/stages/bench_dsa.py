@@ -1535,9 +1535,9 @@ if __name__ == "__main__":
                         help="the bf16 sparse MLA kernel's DEFER_SUM (default: sparse_mla_gluon.BF16_DEFER_SUM, now "
                              f"{sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM})")
     parser.add_argument("--prefill-gluon-wg", type=int, default=None, metavar="G",
-                        help="prefill scoring's default kernel: the multi-warpgroup Gluon kernel with G warpgroups "
-                             f"(1, 2 or 4), or 0 for the tl tile (default: dsa.PREFILL_WG_GROUPS, now "
-                             f"{dsa.PREFILL_WG_GROUPS})")
+                        help="prefill scoring's default kernel at 2-row tiles (--prefill-ws 0): the multi-warpgroup "
+                             "Gluon kernel with G warpgroups (1, 2 or 4), or 0 for the tl tile (default: "
+                             f"dsa.PREFILL_WG_GROUPS, now {dsa.PREFILL_WG_GROUPS})")
     parser.add_argument("--prefill-reg-a", action=argparse.BooleanOptionalAction, default=None,
                         help="the multi-warpgroup prefill kernel's key tile in registers as its wgmma A operand "
                              f"(default: dsa.PREFILL_WG_REG_A, now {dsa.PREFILL_WG_REG_A})")
