@@ -107,10 +107,10 @@ PREFILL_WS_ROWS = 4
 PREFILL_WS_STAGES = 3
 
 
-def prefill_rows_per_tile(device: torch.device) -> int:
-    """Query rows a prefill scoring tile holds where the library picks the kernel: PREFILL_WS_ROWS on CUDA capability
-    9.x (not under the interpreter), else PREFILL_ROWS_PER_TILE."""
-    if PREFILL_WS_ROWS and PAGE_SIZE == 64 and not _interpreting() and dsa_gluon.is_sm90(device):
+def prefill_rows_per_tile(device: torch.device, gluon: bool | None = None) -> int:
+    """Query rows a prefill scoring tile holds where the library picks the kernel (``gluon`` None): PREFILL_WS_ROWS on
+    CUDA capability 9.x (not under the interpreter), else (or with ``gluon`` given) PREFILL_ROWS_PER_TILE."""
+    if gluon is None and PREFILL_WS_ROWS and PAGE_SIZE == 64 and not _interpreting() and dsa_gluon.is_sm90(device):
         return PREFILL_WS_ROWS
     return PREFILL_ROWS_PER_TILE
 
@@ -539,19 +539,18 @@ def index_scores(q_fp8: torch.Tensor, weights: torch.Tensor, index_k: torch.Tens
     if n_rows == 0 or num_cols == 0:
         return out
     decode = rows_per_tile == 1 or (rows_per_tile is None and bool((token_seq[1:] != token_seq[:-1]).all()))
-    per_tile = 1 if decode else (rows_per_tile or (prefill_rows_per_tile(q_fp8.device) if gluon is None else
-                                                   PREFILL_ROWS_PER_TILE))
+    per_tile = 1 if decode else (rows_per_tile or prefill_rows_per_tile(q_fp8.device, gluon))
     token_seq = token_seq.to(torch.int32).contiguous()
-    if (gluon is None and not decode and stacked and PREFILL_WG_GROUPS and not gluon_warpgroups
-            and not gluon_split_rows and gluon_maxnreg is None and key_block in (None, 64 * PREFILL_WG_GROUPS)
-            and not _interpreting() and dsa_gluon.gluon_applies(q_fp8, per_tile, 64 * PREFILL_WG_GROUPS, PAGE_SIZE,
-                                                                PREFILL_WG_GROUPS)):
+    # the library picks the prefill kernel: no Gluon option given, not under the interpreter
+    library_picks = (gluon is None and not decode and stacked and not gluon_warpgroups and not gluon_split_rows
+                     and not _interpreting())
+    if (library_picks and PREFILL_WG_GROUPS and gluon_maxnreg is None and key_block in (None, 64 * PREFILL_WG_GROUPS)
+            and dsa_gluon.gluon_applies(q_fp8, per_tile, 64 * PREFILL_WG_GROUPS, PAGE_SIZE, PREFILL_WG_GROUPS)):
         gluon, gluon_warpgroups, gluon_carry = True, PREFILL_WG_GROUPS, PREFILL_WG_CARRY
         gluon_tma = PREFILL_WG_TMA and PREFILL_WG_GROUPS == 1 and PAGE_SIZE == 64
         gluon_reg_a = PREFILL_WG_REG_A if gluon_reg_a is None else gluon_reg_a
-    if (gluon is None and not decode and stacked and PREFILL_WS_ROWS and per_tile == PREFILL_WS_ROWS
-            and not gluon_warpgroups and not gluon_split_rows and key_block in (None, 64) and not _interpreting()
-            and dsa_gluon.ws_applies(q_fp8, per_tile, PAGE_SIZE)):
+    elif (library_picks and PREFILL_WS_ROWS and per_tile == PREFILL_WS_ROWS and key_block in (None, 64)
+          and dsa_gluon.ws_applies(q_fp8, per_tile, PAGE_SIZE)):
         gluon, gluon_ws, gluon_carry = True, True, True
         num_stages = num_stages or PREFILL_WS_STAGES
     block_s = key_block or (64 * gluon_warpgroups if gluon_warpgroups and not decode else
@@ -854,7 +853,7 @@ def _index_topk_chunked(score_fn, select_fn, q_fp8, weights, index_k, index_scal
             last = (first + rows_per_chunk).clamp(max=n_rows) - 1
             repeats = cum[last] - cum[first]  # pairs of neighbours of one sequence inside each chunk
             chunk_max, decode_rows = torch.stack([chunk_max, repeats]).tolist()
-            rows = prefill_rows_per_tile(q_fp8.device) if tile_options.get("gluon") is None else PREFILL_ROWS_PER_TILE
+            rows = prefill_rows_per_tile(q_fp8.device, tile_options.get("gluon"))
             chunk_rows = [1 if r == 0 else rows for r in decode_rows]
         else:
             chunk_max = chunk_max.tolist()
