@@ -64,6 +64,9 @@ PLANAR_STEP = 128
 """K elements per step of the planar layout (16 words per row)."""
 ROW_BLOCK = 64
 """Rows per block of the tiled layout (one step of a block is 64 x 16 words, contiguous)."""
+ZERO_FIRST = True
+"""The fused combine's fp32 sum is set (zeros, or the shared expert's output) before the tile map, not between GEMM1
+and GEMM2, so the two GEMMs are neighbours in the PDL chain. False: the former order (a probe's A/B)."""
 FAST_SCALE_MAX = 128
 """Largest E8M0 byte for which 2**126 * scale is a finite bf16 (one multiply per pair)."""
 SCALE_BIAS = FAST_SCALE_MAX - 2
@@ -370,16 +373,52 @@ def _scale_pairs(s4, ODD: tl.constexpr, TWO_MULS: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch_share(base, n_words, part, parts):
-    """Prefetch share ``part`` of ``parts`` of words [0, n_words) at ``base`` (int32 pointer) into L2, evict-last:
-    one ``prefetch.global.L2`` a 128-byte line, no registers written, nothing waited for."""
-    per = tl.cdiv(tl.cdiv(n_words, parts), 32) * 32
-    lo = part * per
-    hi = tl.minimum(lo + per, n_words)
+def _l2_prefetch_words(base, lo, hi, EVICT_LAST: tl.constexpr):
+    """Prefetch words [lo, hi) at ``base`` (int32 pointer) into L2 (EVICT_LAST: with the evict-last priority): one
+    ``prefetch.global.L2`` a 128-byte line, no registers written, nothing waited for."""
     for i0 in range(lo, hi, 32 * 256):
         offs = tl.minimum(i0 + tl.arange(0, 256) * 32, hi - 1)  # clamped: a repeated line costs nothing
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        if EVICT_LAST:
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _l2_prefetch_share(base, n_words, part, parts):
+    """Prefetch share ``part`` of ``parts`` of words [0, n_words) at ``base`` (int32 pointer) into L2, evict-last."""
+    per = tl.cdiv(tl.cdiv(n_words, parts), 32) * 32
+    lo = part * per
+    _l2_prefetch_words(base, lo, tl.minimum(lo + per, n_words), True)
+
+
+@triton.jit
+def _early_l2(w_ptr, sc_ptr, stride_we, stride_se, tile_expert_ptr, tile_start_ptr, n_experts, n_rows, k_words,
+              k_steps, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The words and scales of the program's first work item (``tile_slots``' order, tile program_id(0), its K
+    split) into L2, for a program that runs this before its PDL wait. The tile map it reads may be stale if the
+    kernel before has not finished writing it: the expert and row blocks are clamped into the weights, so a stale
+    value only prefetches the wrong lines (no fault, no effect on results)."""
+    n_m = tl.minimum(tl.maximum(tl.load(tile_start_ptr + n_experts), 0), 1 << 20)
+    n_n = tl.cdiv(n_rows, BLOCK_N)
+    tile = tl.program_id(0)
+    if tile < n_m * n_n:
+        width = GROUP_M * n_n
+        first_m = (tile // width) * GROUP_M
+        gsz = tl.minimum(n_m - first_m, GROUP_M)
+        mt = first_m + (tile % width) % gsz
+        nt = (tile % width) // gsz
+        e = tl.minimum(tl.maximum(tl.load(tile_expert_ptr + mt), 0), n_experts - 1).to(tl.int64)
+        steps = k_words // 16
+        per_split = tl.cdiv(steps, SPLIT_K)
+        s_lo = tl.program_id(1) * per_split
+        s_hi = tl.minimum(s_lo + per_split, steps)
+        for b in tl.static_range(max(1, BLOCK_N // 64)):  # the tile's 64-row blocks: each holds its steps in turn
+            rb = tl.minimum(nt * (BLOCK_N // 64) + b, tl.cdiv(n_rows, 64) - 1).to(tl.int64)
+            _l2_prefetch_words(w_ptr + e * stride_we + rb * (k_words * 64), s_lo * 1024, s_hi * 1024, False)
+            _l2_prefetch_words(sc_ptr + e * stride_se + rb * (k_steps * 64), s_lo * 64, s_hi * 64, False)
 
 
 @triton.jit
@@ -429,6 +468,7 @@ def _planar_gemm_kernel(
     pf_words=0,
     pf_stride_e=0,
     L2_NEXT: tl.constexpr = False,
+    EARLY_L2: tl.constexpr = False,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
@@ -450,7 +490,14 @@ def _planar_gemm_kernel(
     L2_NEXT (``PlanarConfig.l2_next``): the programs of each expert's first m-tile prefetch n-tile nt's share of the
     first pf_words words of that expert's next-GEMM words (pf_ptr, pf_stride_e words an expert) into L2 with the
     evict-last priority (this GEMM's words, streamed once through the asynchronous copies, keep the normal one).
+    EARLY_L2 (``PlanarConfig.early_l2``, with PDL, not STREAM_K): before its PDL wait the program asks L2 for its first
+    work item's words (``_early_l2``), so a program that starts while the kernel before is still running streams its
+    weights then. The tile map must come from a kernel at least two back (GEMM2 after GEMM1: the map was written
+    before GEMM1's wait returned); a stale map only misdirects the prefetch.
     """
+    if EARLY_L2:
+        _early_l2(w_ptr, sc_ptr, stride_we, stride_se, tile_expert_ptr, tile_start_ptr, n_experts, n_rows, k_words,
+                  k_steps, SPLIT_K, BLOCK_N, GROUP_M)
     pdl.enter(PDL)
     n_m = tl.load(tile_start_ptr + n_experts)
     n_n = tl.cdiv(n_rows, BLOCK_N)
@@ -826,6 +873,8 @@ def planar_gemm(
         per_e = next_w.words.stride(0)
         prefetch = dict(pf_ptr=next_w.words, pf_words=max(32, int(per_e * min(1.0, cfg.l2_next))), pf_stride_e=per_e,
                         L2_NEXT=True)
+    if cfg.early_l2 and not stream and pdl.active(x.device):
+        prefetch["EARLY_L2"] = True
     _planar_gemm_kernel[(max(1, n_work), split)](
         x,
         x.stride(0),
@@ -1180,6 +1229,10 @@ def planar_experts_run(
     c1, c2 = config if config is not None else pick_planar_configs(s, e, name, h, inter)
     if c1.block_m != c2.block_m:
         raise InputError("GEMM1 and GEMM2 configs must share block_m", field="config")
+    acc = None
+    if topw is not None and ZERO_FIRST:  # the fused combine's fp32 sum, set before the tile map so that no torch
+        # kernel sits between GEMM1 and GEMM2 (with PDL, GEMM2 then launches while GEMM1 finishes)
+        acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
     tiles = (tile_map_torch if twin else tile_map)(perm.expert_offsets, c1.block_m, max_m_tiles(s, e, c1.block_m))
     hbuf = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
     gemm = planar_gemm_torch if twin else planar_gemm
@@ -1190,7 +1243,8 @@ def planar_experts_run(
     if topw is None:
         y = torch.empty(s, h, dtype=torch.bfloat16, device=dev)
         return gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, y, gather=False, activation=0, cfg=c2, **common)
-    acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
+    if acc is None:
+        acc = shared.float() if shared is not None else torch.zeros(t, h, dtype=torch.float32, device=dev)
     gamma = topw.reshape(-1).float().contiguous()
     gemm(hbuf, planar.w2, planar.w2_bias, perm, tiles, acc, gather=False, activation=0, cfg=c2, gamma=gamma,
          **common)

@@ -1,7 +1,14 @@
 """Where the planar MoE layer's time goes at small T (issue 15: DeepSeek-V3 T = 1 within 1.6x of its byte floor,
-T = 64 at 0.85 of copy): each kernel of ``planar_moe`` (the runtime's path, PDL as the runtime sets it) under
-``torch.profiler`` over CUDA-graph replays, its mean device time beside the layer's graph median and the byte
-floors of the two GEMMs' MXFP4 words (GEMM1: gate_up, 2 I x H; GEMM2: down, H x I, of the active experts).
+T = 64 at 0.85 of copy), and two changes to the chain timed against the former one.
+
+1. Each kernel of ``planar_moe`` (the runtime's path) under ``torch.profiler`` over CUDA-graph replays, labelled by
+   its place in the layer, with PDL off (with PDL a kernel's span includes its wait for the one before), beside the
+   byte floors of the two GEMMs' MXFP4 words (GEMM1: gate_up, 2 I x H; GEMM2: down, H x I, of the active experts).
+2. In turns (PDL on, CUDA-graph medians of replays back to back, as ``bench_moe`` times T <= 1024):
+   - ``former``: the fused combine's fp32 sum zeroed between GEMM1 and GEMM2 (``moe_planar.ZERO_FIRST`` False);
+   - ``zero_first``: zeroed before the tile map, so GEMM2 follows GEMM1 in the PDL chain (the default now);
+   - ``early_l2``: that, and GEMM2's programs prefetch their first work item's words into L2 before their PDL wait
+     (``PlanarConfig.early_l2``).
 
 Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_kernels.py OUT_JSON [T ...]   (default T: 1 16 64)
 """
@@ -9,23 +16,27 @@ Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_kernels.py OUT_JSON [T ...]
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import statistics
 import sys
 
 import torch
-from moe_probe import floor_us, header, moe_fn, planar_layer
+from moe_probe import floor_us, header, planar_layer
 from torch.profiler import ProfilerActivity, profile
 
 from adapt.bench.ceilings import measure_ceilings
-from adapt.bench.timer import time_cuda
+from adapt.bench.timer import time_cuda, time_in_turns
+from adapt.kernels import moe_planar, pdl
+from adapt.kernels.moe_configs import pick_planar_configs
+from adapt.kernels.moe_gemm import ACTIVATIONS
 from adapt.stages.bench_moe import _point
 
-REPLAYS = 50
+REPLAYS, ROUNDS, REPS = 30, 5, 20
 
 
-def kernel_means(fn, replays: int) -> tuple[list[dict], float]:
-    """(kernel name, calls per layer, mean us) of ``fn``'s CUDA-graph replays under the profiler, and the summed
-    mean of all of them per layer."""
+def graph_of(fn):
+    """A CUDA graph of ``fn`` (captured after a warm-up call)."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -37,21 +48,38 @@ def kernel_means(fn, replays: int) -> tuple[list[dict], float]:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    for _ in range(5):
+    return g
+
+
+def kernel_means(fn, replays: int) -> list[dict]:
+    """Each kernel of a replay of ``fn``'s graph, in launch order: its name and mean device us."""
+    g = graph_of(fn)
+    for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
+    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda ev: ev.time_range.start)
+    per = len(evs) // replays
     acc = collections.defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            acc[ev.name].append(ev.device_time)
-    rows = [dict(kernel=k[:110], calls=len(v) / replays, mean_us=sum(v) / len(v), per_layer_us=sum(v) / replays)
-            for k, v in acc.items()]
-    rows.sort(key=lambda r: -r["per_layer_us"])
-    return rows, sum(r["per_layer_us"] for r in rows)
+    names = {}
+    for i, ev in enumerate(evs[: per * replays]):
+        acc[i % per].append(ev.device_time)
+        names[i % per] = ev.name[:90]
+    return [dict(place=i, kernel=names[i], mean_us=statistics.mean(acc[i])) for i in range(per)]
+
+
+def variant(fn, zero_first: bool):
+    """``fn`` run with ``moe_planar.ZERO_FIRST`` set (a graph captured inside keeps the order)."""
+
+    def run():
+        moe_planar.ZERO_FIRST = zero_first
+        return fn()
+
+    return run
 
 
 def main(out: str, tokens: list[int]) -> None:
@@ -59,21 +87,39 @@ def main(out: str, tokens: list[int]) -> None:
     res = header(ceil)
     for name in ("deepseek-v3", "gpt-oss-120b"):
         shape, planar = planar_layer(name)
-        e, k, h = shape["experts"], shape["top_k"], shape["hidden"]
+        e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["intermediate"]
+        act = ACTIVATIONS[shape["activation"]]
         for t in tokens:
             x, perm, active, topw = _point(t, e, k, h, "cuda")
-            fn = moe_fn(shape, planar, x, perm, topw)
-            layer = time_cuda(fn, 50).median_us
-            rows, summed = kernel_means(fn, REPLAYS)
+            c1, c2 = pick_planar_configs(t * k, e, torch.cuda.get_device_name(), h, inter)
+            early = (c1, dataclasses.replace(c2, early_l2=True))
+
+            def layer(config=None, args=(x, perm, planar, topw, k, act)):
+                return lambda: moe_planar.planar_moe(*args[:4], top_k=args[4], activation=args[5], config=config)
+
+            fns = {"former": variant(layer(), False), "zero_first": variant(layer(), True),
+                   "early_l2": variant(layer(early), True)}
+            outs = {v: f() for v, f in fns.items()}
+            torch.cuda.synchronize()
+            diff = {v: float((o.float() - outs["former"].float()).abs().max()) for v, o in outs.items()}
+            pdl.set_enabled(False)
+            kernels = kernel_means(variant(layer(), True), REPLAYS)
+            pdl.set_enabled(True)
+            times = time_in_turns(fns, ROUNDS, REPS, timer=lambda fn, reps: time_cuda(fn, reps, batch=10))
+            med = {v: statistics.median(ts) for v, ts in times.items()}
             floor = floor_us(shape, active, ceil["copy_tbps"])
-            g1 = floor * 2 / 3  # gate_up: two thirds of an expert's MXFP4 bytes
-            row = dict(shape=name, tokens=t, active=active, layer_us=layer, kernels_sum_us=summed, floor_us=floor,
-                       gemm1_floor_us=g1, gemm2_floor_us=floor - g1, kernels=rows)
+            row = dict(shape=name, tokens=t, active=active, floor_us=floor, gemm1_floor_us=floor * 2 / 3,
+                       gemm2_floor_us=floor / 3, us=times, median_us=med, max_abs_diff=diff, kernels_pdl_off=kernels)
             res["rows"].append(row)
-            print(f"{name:13s} T={t:5d} active {active:3d}: layer {layer:8.1f} us (graph median), kernels sum "
-                  f"{summed:8.1f}, floor {floor:7.1f} (GEMM1 {g1:6.1f}, GEMM2 {floor - g1:6.1f})", flush=True)
-            for r in rows:
-                print(f"    {r['per_layer_us']:8.1f} us  x{r['calls']:.0f}  {r['kernel']}", flush=True)
+            print(f"{name:13s} T={t:5d} active {active:3d}: floor {floor:7.1f} us (GEMM1 {floor * 2 / 3:6.1f}, "
+                  f"GEMM2 {floor / 3:6.1f}); max |diff| vs former {diff}", flush=True)
+            print("    in turns (PDL on): " + ", ".join(
+                f"{v} {m:8.1f} ({m / floor:.3f}x floor, {floor / m:.3f} of copy; {m / med['former']:.3f})"
+                for v, m in med.items()), flush=True)
+            print("    kernels, PDL off: " + "; ".join(f"{r['place']}:{r['kernel'][:28]} {r['mean_us']:.1f}"
+                                                      for r in kernels) +
+                  f"; sum {sum(r['mean_us'] for r in kernels):.1f}", flush=True)
+        moe_planar.ZERO_FIRST = True
         planar = None
         torch.cuda.empty_cache()
     with open(out, "w") as f:

@@ -982,3 +982,41 @@ def test_planar_l2_next_prefetch_keeps_the_output():
     for fraction in (0.5, 1.0) if DEV == "cuda" else (1.0,):
         cfg = (dataclasses.replace(c, l2_next=fraction), c)
         assert torch.equal(planar_moe(x, perm, planar, topw, top_k=2, activation=1, config=cfg, fused=False), ref)
+
+
+def test_planar_zero_first_and_early_l2_keep_the_output():
+    """The fused combine's sum set before the tile map (``moe_planar.ZERO_FIRST``, so GEMM1 and GEMM2 are neighbours
+    in the PDL chain) and GEMM2's prefetch of its first work item before its PDL wait (``PlanarConfig.early_l2``,
+    compiled with PDL only) change no output: bit for bit where the sums are added in one order (the interpreter runs
+    the programs one by one; on the GPU the unfused path), with a shared expert's output as the start and without."""
+    from adapt.kernels import moe_planar as mp
+    from adapt.kernels.moe_configs import PlanarConfig
+
+    g = _gen(23)
+    e, h, i = (8, 512, 256) if DEV == "cuda" else (4, 128, 64)
+    planar = mp.PlanarExperts.from_weights(make_layer(e, h, i, bias=True, seed=23))
+    x = torch.randn(3, h, generator=g, device=DEV).bfloat16()
+    ids = torch.randint(0, e, (3, 2), generator=g, device=DEV).int()
+    topw = torch.rand(3, 2, generator=g, device=DEV)
+    shared = torch.randn(3, h, generator=g, device=DEV).bfloat16()
+    perm = rt.permute_by_expert(ids, e)
+    c = PlanarConfig(16, 64, 1, 4, 4, 3, 0, True, 128) if DEV == "cuda" else mc.pick_planar_configs(6, e)[0]
+    early = (c, dataclasses.replace(c, early_l2=True))
+    fused_ref = {}
+    try:
+        for first in (False, True):
+            mp.ZERO_FIRST = first
+            for sh in (None, shared):
+                got = mp.planar_moe(x, perm, planar, topw, top_k=2, activation=1, config=(c, c), fused=True,
+                                    shared=sh)
+                fused_ref.setdefault(sh is None, got)
+                if DEV == "cuda":
+                    assert rel(got, fused_ref[sh is None]) < 1e-3  # fp32 atomics in any order, then bf16
+                else:
+                    assert torch.equal(got, fused_ref[sh is None])
+    finally:
+        mp.ZERO_FIRST = True
+    assert not torch.equal(fused_ref[True], fused_ref[False])  # the shared start is in the sum
+    ref = mp.planar_moe(x, perm, planar, topw, top_k=2, activation=1, config=(c, c), fused=False)
+    assert torch.equal(mp.planar_moe(x, perm, planar, topw, top_k=2, activation=1, config=early, fused=False), ref)
+    assert rel(mp.planar_moe(x, perm, planar, topw, top_k=2, activation=1, config=early, fused=True), ref) < 1e-2
