@@ -8,7 +8,9 @@ T = 64 at 0.85 of copy), and two changes to the chain timed against the former o
    - ``former``: the fused combine's fp32 sum zeroed between GEMM1 and GEMM2 (``moe_planar.ZERO_FIRST`` False);
    - ``zero_first``: zeroed before the tile map, so GEMM2 follows GEMM1 in the PDL chain (the default now);
    - ``early_l2``: that, and GEMM2's programs prefetch their first work item's words into L2 before their PDL wait
-     (``PlanarConfig.early_l2``).
+     (``PlanarConfig.early_l2``);
+   - ``other_combine``, ``other_early_l2``: the two above with the combine the other way (fused into GEMM2's epilogue
+     where the table does not fuse it, and the reverse).
 
 Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_kernels.py OUT_JSON [T ...]   (default T: 1 16 64)
 """
@@ -28,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.timer import time_cuda, time_in_turns
 from adapt.kernels import moe_planar, pdl
-from adapt.kernels.moe_configs import pick_planar_configs
+from adapt.kernels.moe_configs import pick_planar_configs, pick_planar_fused_combine
 from adapt.kernels.moe_gemm import ACTIVATIONS
 from adapt.stages.bench_moe import _point
 
@@ -94,11 +96,16 @@ def main(out: str, tokens: list[int]) -> None:
             c1, c2 = pick_planar_configs(t * k, e, torch.cuda.get_device_name(), h, inter)
             early = (c1, dataclasses.replace(c2, early_l2=True))
 
-            def layer(config=None, args=(x, perm, planar, topw, k, act)):
-                return lambda: moe_planar.planar_moe(*args[:4], top_k=args[4], activation=args[5], config=config)
+            fused = pick_planar_fused_combine(t * k, e, torch.cuda.get_device_name(), h, inter)
+
+            def layer(config=None, fuse=fused, args=(x, perm, planar, topw, k, act)):
+                return lambda: moe_planar.planar_moe(*args[:4], top_k=args[4], activation=args[5], config=config,
+                                                     fused=fuse)
 
             fns = {"former": variant(layer(), False), "zero_first": variant(layer(), True),
-                   "early_l2": variant(layer(early), True)}
+                   "early_l2": variant(layer(early), True),
+                   "other_combine": variant(layer(fuse=not fused), True),
+                   "other_early_l2": variant(layer(early, fuse=not fused), True)}
             outs = {v: f() for v, f in fns.items()}
             torch.cuda.synchronize()
             diff = {v: float((o.float() - outs["former"].float()).abs().max()) for v, o in outs.items()}
@@ -108,11 +115,12 @@ def main(out: str, tokens: list[int]) -> None:
             times = time_in_turns(fns, ROUNDS, REPS, timer=lambda fn, reps: time_cuda(fn, reps, batch=10))
             med = {v: statistics.median(ts) for v, ts in times.items()}
             floor = floor_us(shape, active, ceil["copy_tbps"])
-            row = dict(shape=name, tokens=t, active=active, floor_us=floor, gemm1_floor_us=floor * 2 / 3,
-                       gemm2_floor_us=floor / 3, us=times, median_us=med, max_abs_diff=diff, kernels_pdl_off=kernels)
+            row = dict(shape=name, tokens=t, active=active, fused_combine=fused, floor_us=floor,
+                       gemm1_floor_us=floor * 2 / 3, gemm2_floor_us=floor / 3, us=times, median_us=med,
+                       max_abs_diff=diff, kernels_pdl_off=kernels)
             res["rows"].append(row)
-            print(f"{name:13s} T={t:5d} active {active:3d}: floor {floor:7.1f} us (GEMM1 {floor * 2 / 3:6.1f}, "
-                  f"GEMM2 {floor / 3:6.1f}); max |diff| vs former {diff}", flush=True)
+            print(f"{name:13s} T={t:5d} active {active:3d} fused {fused}: floor {floor:7.1f} us "
+                  f"(GEMM1 {floor * 2 / 3:6.1f}, GEMM2 {floor / 3:6.1f}); max |diff| vs former {diff}", flush=True)
             print("    in turns (PDL on): " + ", ".join(
                 f"{v} {m:8.1f} ({m / floor:.3f}x floor, {floor / m:.3f} of copy; {m / med['former']:.3f})"
                 for v, m in med.items()), flush=True)
