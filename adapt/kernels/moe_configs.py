@@ -66,8 +66,7 @@ class PlanarConfig:
     STREAM_K; split_k and flatten ignored); l2_next (GEMM1 only, 0 off): the programs of each expert's first
     m-tile prefetch that fraction of the expert's next-GEMM words into L2 (evict-last priority), so GEMM2 reads
     them from L2 (``moe_planar._planar_gemm_kernel``'s L2_NEXT). Measured slower at T = 1..64 on the H200 (3-14%,
-    benchmarks/moe/2026-12-02-s11 call 5), so no table row sets it. early_l2 (GEMM2 only, with PDL, not stream_k):
-    each program prefetches its first work item's words into L2 before its PDL wait (``moe_planar._early_l2``)."""
+    benchmarks/moe/2026-12-02-s11 call 5), so no table row sets it."""
 
     block_m: int = 16
     block_n: int = 64
@@ -81,7 +80,6 @@ class PlanarConfig:
     flatten: bool = False
     stream_k: bool = False
     l2_next: float = 0.0
-    early_l2: bool = False
 
 
 @dataclass(frozen=True)

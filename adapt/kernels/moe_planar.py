@@ -395,33 +395,6 @@ def _l2_prefetch_share(base, n_words, part, parts):
 
 
 @triton.jit
-def _early_l2(w_ptr, sc_ptr, stride_we, stride_se, tile_expert_ptr, tile_start_ptr, n_experts, n_rows, k_words,
-              k_steps, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """The words and scales of the program's first work item (``tile_slots``' order, tile program_id(0), its K
-    split) into L2, for a program that runs this before its PDL wait. The tile map it reads may be stale if the
-    kernel before has not finished writing it: the expert and row blocks are clamped into the weights, so a stale
-    value only prefetches the wrong lines (no fault, no effect on results)."""
-    n_m = tl.minimum(tl.maximum(tl.load(tile_start_ptr + n_experts), 0), 1 << 20)
-    n_n = tl.cdiv(n_rows, BLOCK_N)
-    tile = tl.program_id(0)
-    if tile < n_m * n_n:
-        width = GROUP_M * n_n
-        first_m = (tile // width) * GROUP_M
-        gsz = tl.minimum(n_m - first_m, GROUP_M)
-        mt = first_m + (tile % width) % gsz
-        nt = (tile % width) // gsz
-        e = tl.minimum(tl.maximum(tl.load(tile_expert_ptr + mt), 0), n_experts - 1).to(tl.int64)
-        steps = k_words // 16
-        per_split = tl.cdiv(steps, SPLIT_K)
-        s_lo = tl.program_id(1) * per_split
-        s_hi = tl.minimum(s_lo + per_split, steps)
-        for b in tl.static_range(max(1, BLOCK_N // 64)):  # the tile's 64-row blocks: each holds its steps in turn
-            rb = tl.minimum(nt * (BLOCK_N // 64) + b, tl.cdiv(n_rows, 64) - 1).to(tl.int64)
-            _l2_prefetch_words(w_ptr + e * stride_we + rb * (k_words * 64), s_lo * 1024, s_hi * 1024, False)
-            _l2_prefetch_words(sc_ptr + e * stride_se + rb * (k_steps * 64), s_lo * 64, s_hi * 64, False)
-
-
-@triton.jit
 def _planar_gemm_kernel(
     x_ptr,
     stride_x,
@@ -468,7 +441,6 @@ def _planar_gemm_kernel(
     pf_words=0,
     pf_stride_e=0,
     L2_NEXT: tl.constexpr = False,
-    EARLY_L2: tl.constexpr = False,
 ):
     """acc[n, m] = W[e, n, :] . x[m, :] for one (m-tile, n-tile) per loop iteration; K split
     SPLIT_K ways by program_id(1).
@@ -490,14 +462,7 @@ def _planar_gemm_kernel(
     L2_NEXT (``PlanarConfig.l2_next``): the programs of each expert's first m-tile prefetch n-tile nt's share of the
     first pf_words words of that expert's next-GEMM words (pf_ptr, pf_stride_e words an expert) into L2 with the
     evict-last priority (this GEMM's words, streamed once through the asynchronous copies, keep the normal one).
-    EARLY_L2 (``PlanarConfig.early_l2``, with PDL, not STREAM_K): before its PDL wait the program asks L2 for its first
-    work item's words (``_early_l2``), so a program that starts while the kernel before is still running streams its
-    weights then. The tile map must come from a kernel at least two back (GEMM2 after GEMM1: the map was written
-    before GEMM1's wait returned); a stale map only misdirects the prefetch.
     """
-    if EARLY_L2:
-        _early_l2(w_ptr, sc_ptr, stride_we, stride_se, tile_expert_ptr, tile_start_ptr, n_experts, n_rows, k_words,
-                  k_steps, SPLIT_K, BLOCK_N, GROUP_M)
     pdl.enter(PDL)
     n_m = tl.load(tile_start_ptr + n_experts)
     n_n = tl.cdiv(n_rows, BLOCK_N)
@@ -873,8 +838,6 @@ def planar_gemm(
         per_e = next_w.words.stride(0)
         prefetch = dict(pf_ptr=next_w.words, pf_words=max(32, int(per_e * min(1.0, cfg.l2_next))), pf_stride_e=per_e,
                         L2_NEXT=True)
-    if cfg.early_l2 and not stream and pdl.active(x.device):
-        prefetch["EARLY_L2"] = True
     _planar_gemm_kernel[(max(1, n_work), split)](
         x,
         x.stride(0),

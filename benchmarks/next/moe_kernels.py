@@ -7,10 +7,10 @@ T = 64 at 0.85 of copy), and two changes to the chain timed against the former o
 2. In turns (PDL on, CUDA-graph medians of replays back to back, as ``bench_moe`` times T <= 1024):
    - ``former``: the fused combine's fp32 sum zeroed between GEMM1 and GEMM2 (``moe_planar.ZERO_FIRST`` False);
    - ``zero_first``: zeroed before the tile map, so GEMM2 follows GEMM1 in the PDL chain (the default now);
-   - ``early_l2``: that, and GEMM2's programs prefetch their first work item's words into L2 before their PDL wait
-     (``PlanarConfig.early_l2``);
-   - ``other_combine``, ``other_early_l2``: the two above with the combine the other way (fused into GEMM2's epilogue
-     where the table does not fuse it, and the reverse).
+   - ``other_combine``: that with the combine the other way (fused into GEMM2's epilogue where the table does not
+     fuse it, and the reverse).
+   Session 19's call 3 (bc82479) also timed ``early_l2``, GEMM2's programs prefetching their first work item's words
+   into L2 before their PDL wait: 1.07-1.12x slower, removed (benchmarks/moe/2026-12-03-s19).
 
 Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_kernels.py OUT_JSON [T ...]   (default T: 1 16 64)
 """
@@ -18,7 +18,6 @@ Usage (GPU): PYTHONPATH=. python benchmarks/next/moe_kernels.py OUT_JSON [T ...]
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import statistics
 import sys
@@ -30,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from adapt.bench.ceilings import measure_ceilings
 from adapt.bench.timer import time_cuda, time_in_turns
 from adapt.kernels import moe_planar, pdl
-from adapt.kernels.moe_configs import pick_planar_configs, pick_planar_fused_combine
+from adapt.kernels.moe_configs import pick_planar_fused_combine
 from adapt.kernels.moe_gemm import ACTIVATIONS
 from adapt.stages.bench_moe import _point
 
@@ -93,9 +92,6 @@ def main(out: str, tokens: list[int]) -> None:
         act = ACTIVATIONS[shape["activation"]]
         for t in tokens:
             x, perm, active, topw = _point(t, e, k, h, "cuda")
-            c1, c2 = pick_planar_configs(t * k, e, torch.cuda.get_device_name(), h, inter)
-            early = (c1, dataclasses.replace(c2, early_l2=True))
-
             fused = pick_planar_fused_combine(t * k, e, torch.cuda.get_device_name(), h, inter)
 
             def layer(config=None, fuse=fused, args=(x, perm, planar, topw, k, act)):
@@ -103,9 +99,7 @@ def main(out: str, tokens: list[int]) -> None:
                                                      fused=fuse)
 
             fns = {"former": variant(layer(), False), "zero_first": variant(layer(), True),
-                   "early_l2": variant(layer(early), True),
-                   "other_combine": variant(layer(fuse=not fused), True),
-                   "other_early_l2": variant(layer(early, fuse=not fused), True)}
+                   "other_combine": variant(layer(fuse=not fused), True)}
             outs = {v: f() for v, f in fns.items()}
             torch.cuda.synchronize()
             diff = {v: float((o.float() - outs["former"].float()).abs().max()) for v, o in outs.items()}
