@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Session 19, call 4 (issue 16): does the first DSA process of a call read the indexer slower because it compiles (an
+# empty Triton cache) or because the GPU sat idle before it? The prefill acceptance five times: a fresh cache, the same
+# cache again, another fresh cache, that cache again, and that cache again after 20 s idle; SM clock and power logged.
+# About 130 s of command. CALL=s19c4 ADAPT_COMMIT=<sha> OUT=$OUT bash benchmarks/next/s19_call4.sh
+set -u
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+R=$OUT/${CALL:-s19c4}; mkdir -p $R
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv; echo "commit ${ADAPT_COMMIT:-unknown}"; } > $R/env.txt 2>&1
+cat $R/env.txt
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active --format=csv,noheader -lms 200 > $R/smi.csv 2>&1 &
+SMI=$!
+C1=$(mktemp -d); C2=$(mktemp -d)
+for run in a_cold1:$C1:0 b_warm1:$C1:0 c_cold2:$C2:0 d_warm2:$C2:0 e_idle2:$C2:20; do
+  IFS=: read name cache idle <<< "$run"
+  sleep $idle
+  echo "$name start $(date -u +%T.%N | cut -c1-12)" >> $R/runs.txt
+  TRITON_CACHE_DIR=$cache timeout ${ACC_S:-80} python3 -m adapt.stages.bench_dsa --out /tmp/acc_$name --acceptance \
+    --no-sweep --prefill-only > $R/dsa_$name.log 2>&1
+  echo "$name rc=$? end $(date -u +%T.%N | cut -c1-12)" >> $R/runs.txt
+  echo "$name: $(grep -E '^  131072:' $R/dsa_$name.log | cut -c1-60) $(grep -E 'indexer prefill scoring' $R/dsa_$name.log | grep -E '^ *(NOT )?MET' | sed 's/.*= //')"
+done
+kill $SMI
+cat $R/runs.txt
+date -u
