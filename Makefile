@@ -54,7 +54,7 @@ demo: $(STAMP)
 
 # two workers (the CI machine has 2 cores); tests/conftest.py groups them by file, vLLM servers in one queue
 test: $(STAMP) $(SERVE_STAMP) $(SGLANG_STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check adapt tests

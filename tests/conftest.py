@@ -49,19 +49,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (``make test``): one xdist group per test file, so a file's
-    module fixtures are built once; test_precision.py's slow tests spread one per group; every test that
-    starts a vLLM server in one group, queued first (the longest chain, and one server at a time)."""
-    if config.getoption("dist", "no") != "loadgroup":
-        return
-    for item in items:
-        if item.get_closest_marker("vllm"):
-            group = "vllm"
-        elif item.path.name == "test_precision.py":
-            group = item.nodeid.replace("@", "_")
-        else:
-            group = item.path.relative_to(config.rootpath).as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+    """Every test that starts a vLLM server first (the longest chain), in collection order otherwise (a stable sort,
+    the same in every xdist worker). ``make test`` distributes whole files (``--dist loadfile``), so a file's module
+    fixtures are built once. (``--dist loadgroup`` cannot group them with pytest 9.2: xdist 3.8 names an item's group
+    by rewriting ``item._nodeid``, which pytest 9's ``nodeid`` no longer reads, so each test went its own way and a
+    module's vLLM server was started once per worker.)"""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
 
 
