@@ -52,7 +52,8 @@ sglang-env: $(SGLANG_STAMP)
 demo: $(STAMP)
 	$(BIN)/adapt demo
 
-# two workers (the CI machine has 2 cores); tests/conftest.py groups them by file, vLLM servers in one queue
+# two workers (the CI machine has 2 cores), each test file whole on one (its module fixtures built once); the
+# files of vLLM tests first (tests/conftest.py)
 test: $(STAMP) $(SERVE_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 

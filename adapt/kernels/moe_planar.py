@@ -373,25 +373,16 @@ def _scale_pairs(s4, ODD: tl.constexpr, TWO_MULS: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch_words(base, lo, hi, EVICT_LAST: tl.constexpr):
-    """Prefetch words [lo, hi) at ``base`` (int32 pointer) into L2 (EVICT_LAST: with the evict-last priority): one
-    ``prefetch.global.L2`` a 128-byte line, no registers written, nothing waited for."""
-    for i0 in range(lo, hi, 32 * 256):
-        offs = tl.minimum(i0 + tl.arange(0, 256) * 32, hi - 1)  # clamped: a repeated line costs nothing
-        if EVICT_LAST:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _l2_prefetch_share(base, n_words, part, parts):
-    """Prefetch share ``part`` of ``parts`` of words [0, n_words) at ``base`` (int32 pointer) into L2, evict-last."""
+    """Prefetch share ``part`` of ``parts`` of words [0, n_words) at ``base`` (int32 pointer) into L2, evict-last:
+    one ``prefetch.global.L2`` a 128-byte line, no registers written, nothing waited for."""
     per = tl.cdiv(tl.cdiv(n_words, parts), 32) * 32
     lo = part * per
-    _l2_prefetch_words(base, lo, tl.minimum(lo + per, n_words), True)
+    hi = tl.minimum(lo + per, n_words)
+    for i0 in range(lo, hi, 32 * 256):
+        offs = tl.minimum(i0 + tl.arange(0, 256) * 32, hi - 1)  # clamped: a repeated line costs nothing
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
