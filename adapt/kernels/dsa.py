@@ -103,7 +103,8 @@ PREFILL_WG_REG_A = False
 # at 2 rows in calls 1, 2, 6).
 PREFILL_WS_ROWS = 4
 # ... at PREFILL_WS_STAGES key pages in flight. The probe (calls 7-8) put 4 stages at or above 3 (937-944 against
-# 935-948, then 940-943 against 919-926); the acceptance runs measured 3 (886, 893): 4 is the next call's first check.
+# 935-948, then 940-943 against 919-926); the prefill acceptance in turns did not (benchmarks/gpu-2026-12-03-dsa-s19,
+# call 1: 3 stages 933.9 / 926.8, 4 stages 890.9 / 927.9), so 3 stay.
 PREFILL_WS_STAGES = 3
 
 
