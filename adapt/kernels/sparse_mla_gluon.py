@@ -114,17 +114,24 @@ def _l2_prefetch_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, 
 
 
 @gluon.jit
-def _dequant_rows(raw, sc, kr, kv_view, kr_view, RANK: gl.constexpr, ROWS: gl.constexpr):
-    """Dequantise ROWS gathered rows (fp32 product rounded to bf16, as the twin) into their rows of a ring slot."""
-    kv = (raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
-    kv_view.store(gl.reshape(kv, [ROWS, RANK]))
-    kr_view.store(kr)
+def _dequant_rows(raw, sc, kr, kv_view, kr_view, RANK: gl.constexpr, ROWS: gl.constexpr, F16: gl.constexpr = False):
+    """Dequantise ROWS gathered rows into their rows of a ring slot: the fp32 product rounded to bf16, as the twin;
+    F16: e4m3 to fp16 (exact, two a conversion) times the scale rounded to fp16, an fp16 product (HMUL2), and the
+    bf16 rope row converted to fp16."""
+    if F16:
+        kv = raw.to(gl.float16) * gl.expand_dims(sc.to(gl.float16), 2)
+        kv_view.store(gl.reshape(kv, [ROWS, RANK]))
+        kr_view.store(kr.to(gl.float16))
+    else:
+        kv = (raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
+        kv_view.store(gl.reshape(kv, [ROWS, RANK]))
+        kr_view.store(kr)
 
 
 @gluon.jit
-def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.constexpr):
+def _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK: gl.constexpr, BLOCK_K: gl.constexpr, F16: gl.constexpr = False):
     """Dequantise a gathered tile into its ring slot, visible to the MMAs' async reads."""
-    _dequant_rows(raw, sc, kr, kv_buf, kr_buf, RANK, BLOCK_K)
+    _dequant_rows(raw, sc, kr, kv_buf, kr_buf, RANK, BLOCK_K, F16)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -159,19 +166,20 @@ def _any_rescale(flag_smem, BLOCK_H: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _allocate(RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+def _allocate(RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
+              DT: gl.constexpr = gl.bfloat16):
     """The shared memory of a sparse MLA program: q, q_rope, the two-slot ring of dequantised tiles (latent and
-    rope) and p, each in the NVMMA layout its MMA reads."""
-    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], gl.bfloat16)
-    qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], gl.bfloat16)
-    kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], gl.bfloat16)
-    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROPE], gl.bfloat16)
-    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, RANK], q_lay)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], qr_lay)
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, RANK], kv_lay)
-    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, ROPE], kr_lay)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K], p_lay)
+    rope) and p, each in the NVMMA layout its MMA reads, all of element type DT (bf16, or fp16 with F16)."""
+    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], DT)
+    qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], DT)
+    kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], DT)
+    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROPE], DT)
+    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], DT)
+    q_smem = gl.allocate_shared_memory(DT, [BLOCK_H, RANK], q_lay)
+    qr_smem = gl.allocate_shared_memory(DT, [BLOCK_H, ROPE], qr_lay)
+    kv_smem = gl.allocate_shared_memory(DT, [2, BLOCK_K, RANK], kv_lay)
+    kr_smem = gl.allocate_shared_memory(DT, [2, BLOCK_K, ROPE], kr_lay)
+    p_smem = gl.allocate_shared_memory(DT, [BLOCK_H, BLOCK_K], p_lay)
     return q_smem, qr_smem, kv_smem, kr_smem, p_smem
 
 
@@ -183,12 +191,12 @@ def _load_q(qn_ptr, qr_ptr, q_smem, qr_smem, row, head0, n_heads, RANK: gl.const
     qc = gl.arange(0, RANK, layout=gl.SliceLayout(0, QL))
     q = gl.load(qn_ptr + gl.expand_dims((row * n_heads + hq) * RANK, 1) + gl.expand_dims(qc, 0),
                 mask=gl.expand_dims(hq < n_heads, 1), other=0.0)
-    q_smem.store(q)
+    q_smem.store(q.to(q_smem.dtype))
     hr = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, RL))
     rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
     qr = gl.load(qr_ptr + gl.expand_dims((row * n_heads + hr) * ROPE, 1) + gl.expand_dims(rc, 0),
                  mask=gl.expand_dims(hr < n_heads, 1), other=0.0)
-    qr_smem.store(qr)
+    qr_smem.store(qr.to(qr_smem.dtype))
 
 
 @gluon.jit
@@ -222,7 +230,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                             BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
                             PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
                             DIRECT: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0, WARPS: gl.constexpr = 8,
-                            ABLATE: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, PDL: gl.constexpr = False):
+                            ABLATE: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, PDL: gl.constexpr = False,
+                            F16: gl.constexpr = False):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
@@ -264,7 +273,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     VL: gl.constexpr = gl.SliceLayout(0, S_L)
     PFL: gl.constexpr = gl.BlockedLayout([1, 16 // WARPS], [16, 2], [4, WG], [1, 0])  # [64, 8]: a tile's L2 prefetches
     PFR: gl.constexpr = gl.SliceLayout(1, PFL)
-    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K)
+    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K,
+                                                          gl.float16 if F16 else gl.bfloat16)
 
     _load_q(qn_ptr, qr_ptr, q_smem, qr_smem, row, head0, n_heads, RANK, ROPE, BLOCK_H, QL, RL)
 
@@ -281,7 +291,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
         slot_r = slot_r * 0 - 1
     raw, sc, kr, valid = _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL, slot_r,
                                       idx_v, DIRECT)
-    _stage_tile(raw, sc, kr, kv_smem.index(0), kr_smem.index(0), RANK, BLOCK_K)
+    _stage_tile(raw, sc, kr, kv_smem.index(0), kr_smem.index(0), RANK, BLOCK_K, F16)
     # PREFETCH: the slots of the next tile are known before its loop step (its data loads then wait on one
     # memory round trip, not three: position -> block-table entry -> row)
     slot_n = _idx_slots(block_table_ptr, seq, bt_stride,
@@ -344,7 +354,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
             rescale = alpha < 0.0  # no row
         else:
             p, alpha, m_i, l_i, rescale = _online_softmax(s, valid, m_i, l_i, scale_log2, LAZY)
-        p_smem.store(p.to(gl.bfloat16))
+        p_smem.store(p.to(p_smem.dtype))
         if LAZY > 0:  # read by every warp after the barrier below
             flag_smem.store(rescale.to(gl.int32))
         fence_async_shared()
@@ -372,7 +382,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                     slot_rn = _idx_slots(block_table_ptr, seq, bt_stride, idx_rnn, PAGE)
         if L2_AHEAD > 0:
             slot_pf = _idx_slots(block_table_ptr, seq, bt_stride, idx_pf, PAGE)
-        _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K)
+        _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K, F16)
         valid = valid_n
     _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK, BLOCK_H, SPLIT, S_L, O_L)
 
@@ -753,7 +763,11 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # LAZY (0 = off, else the threshold in log2 units, 8.0 as FlashAttention-4): the lazy rescale of
 # ``sparse_mla_gluon_kernel`` (its docstring). Slower, so off: benchmarks/gpu-2026-12-02-dsa-s11 (422ab57), TAU 8 at
 # batch 64 x 128K 141.8 / 142.3 us against 136.1 / 133.9, 4096 prefill rows 8.18 / 8.19 ms against 7.73 / 7.74.
-GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0}
+# F16: the MMAs in fp16 instead of bf16 (q, q_rope, the dequantised tile and p rounded to fp16; fp32 accumulators as
+# before): the tile's dequantisation becomes one e4m3x2 -> f16x2 conversion and one HMUL2 per two elements, against
+# the conversion, two widenings, two FMUL and a pack. Not bit-equal to the twin's bf16 tile (fp16 keeps 3 more
+# mantissa bits; values must stay within fp16's range, 65504). Off until measured.
+GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0, "F16": False}
 # Programmatic dependent launch for ``sparse_mla_gluon_kernel`` where ``pdl.active`` (the decode chain's other kernels
 # take it there since session 10): the kernel launches while the select ends and waits for it in hardware. Bit-equal
 # and slower, so off: H200, 2026-12-02 (benchmarks/gpu-2026-12-02-dsa-s14, call 2, five rounds in turn), the batch-1

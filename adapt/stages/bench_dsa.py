@@ -993,6 +993,7 @@ def run_dsa_acceptance(
         "few_rows_grid_options": dsa.FEW_ROWS_GRID_OPTIONS,
         "combine_at_once": sparse_mla.COMBINE_AT_ONCE,
         "mla_gluon_sliced": sparse_mla.GLUON_SLICED,
+        "mla_gluon_flags": dict(sparse_mla.sparse_mla_gluon.GLUON_FLAGS),
         "step_swept_tiles": STEP_SWEPT_TILES,
         "timer_warm_ms": timer.WARM_MS,
         "decode": [],
@@ -1133,6 +1134,7 @@ ACCEPTANCE_MLA_SWEEP = (
     dict(_FUSED, block_k=64, num_stages=2, prefetch=True, swap_ab=True, qk_fp8=True),
     dict(gluon=False),  # the tl tile even where the Gluon kernel is the default
     dict(gluon=True),  # the Gluon kernel (sparse_mla_gluon; sm_90)
+    dict(gluon={"F16": True}),  # the Gluon kernel with fp16 MMAs (its F16 flag)
 )
 
 
@@ -1546,6 +1548,10 @@ if __name__ == "__main__":
                         help="sparse MLA over the cache converted once to bf16 where sparse_mla.upconvert_worth "
                              "counts it worth it (prefill chunks), or never (default: sparse_mla.UPCONVERT_AUTO, now "
                              f"{sparse_mla.UPCONVERT_AUTO})")
+    parser.add_argument("--mla-f16", action=argparse.BooleanOptionalAction, default=None,
+                        help="the Gluon sparse MLA decode kernel's MMAs in fp16 (its F16 flag), or in bf16 (default: "
+                             "sparse_mla_gluon.GLUON_FLAGS['F16'], now "
+                             f"{sparse_mla.sparse_mla_gluon.GLUON_FLAGS['F16']})")
     parser.add_argument("--mla-defer-sum", action=argparse.BooleanOptionalAction, default=None,
                         help="the bf16 sparse MLA kernel's DEFER_SUM (default: sparse_mla_gluon.BF16_DEFER_SUM, now "
                              f"{sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM})")
@@ -1578,6 +1584,8 @@ if __name__ == "__main__":
         sparse_mla.COMBINE_AT_ONCE = args.combine_at_once
     if args.mla_upconvert is not None:
         sparse_mla.UPCONVERT_AUTO = args.mla_upconvert
+    if args.mla_f16 is not None:
+        sparse_mla.sparse_mla_gluon.GLUON_FLAGS["F16"] = args.mla_f16
     if args.mla_defer_sum is not None:
         sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM = args.mla_defer_sum
     if args.prefill_gluon_wg is not None:

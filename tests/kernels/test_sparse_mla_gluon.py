@@ -18,6 +18,9 @@ LAZY = [{"gluon": True, "SPLIT": split, "DIRECT": True, "LAZY": 8.0} for split i
 CHAIN = [{"gluon": True, "SPLIT": True, "DIRECT": True, "PDL": True},
          {"gluon": True, "SPLIT": True, "DIRECT": True, "PARTIAL_BF16": True}]
 H200_SHARED_BYTES = 232448  # 227 KB per block (CUDA sm_90 limit)
+# F16 against ``sparse_mla_torch(..., half=True)`` (q and the tile rounded to fp16 as the kernel does; p stays fp32
+# there, fp16 in the kernel): the tl half tile measured 6.5e-4 against it (benchmarks/gpu-2026-11-30-dsa-s3-prefill)
+F16_HALF_TWIN_REL_TOL = 1.5e-3
 TWIN_REL_TOL_CUDA = 5e-3  # test_sparse_mla.TWIN_REL_TOL["cuda"]: p rounded to bf16 for p @ v, the twin keeps fp32
 
 
@@ -50,6 +53,25 @@ def test_lazy_rescale_skips_the_accumulator_multiplies():
         assert row["branch_skip"] == {"len": 128, "ops": {"FMUL": 128}}, row
         assert row["loop_ops"]["BAR"] == default["loop_ops"]["BAR"], row
         assert row["loop_ops"].get("WARPGROUP", 0) <= 8, row
+
+
+@pytest.mark.slow
+def test_f16_tile_dequantises_in_packed_half_math():
+    """F16: the tile is dequantised as e4m3x2 -> f16x2 conversions and HMUL2 (64 a thread a tile: 128 elements), with
+    no fp32 widening (HADD2.F32) left in the loop, and both MMAs stay HGMMA; within registers and shared memory (the
+    fp16 buffers are the bf16 ones' size), and the loop shorter than the bf16 build's."""
+    from tests.kernels.test_sparse_mla_sass import sass_rows
+
+    bf16, f16 = sass_rows([{"gluon": True, "SPLIT": True, "DIRECT": True},
+                           {"gluon": True, "SPLIT": True, "DIRECT": True, "F16": True}])
+    for row in (bf16, f16):
+        assert "error" not in row, row
+        assert row["regs"] <= 255 and row["spill_bytes"] == 0 and row["shared"] <= H200_SHARED_BYTES, row
+        assert row["loop_ops"].get("HGMMA", 0) >= 2, row
+    assert f16["loop_ops"].get("HMUL2", 0) == 64 and "HADD2" not in f16["loop_ops"], f16
+    assert bf16["loop_ops"].get("HADD2", 0) >= 64 and "HMUL2" not in bf16["loop_ops"], bf16
+    assert f16["shared"] == bf16["shared"], (f16, bf16)
+    assert f16["loop_len"] < bf16["loop_len"] - 128, (f16, bf16)
 
 
 @pytest.mark.slow
@@ -97,6 +119,8 @@ def _case(lengths, rows, heads, topk, seed=0):
                                      pytest.param({"gluon": {"WS": True, "PV_WAIT": True}}, id="ws_pv_wait"),
                                      pytest.param({"gluon": {"WS": True, "PV_WAIT": True, "PAIR": False}, "splits": 5},
                                                   id="ws_pv_wait_single_tiles"),
+                                     pytest.param({"gluon": {"F16": True}}, id="f16"),
+                                     pytest.param({"gluon": {"F16": True}, "splits": 3}, id="f16_splits3"),
                                      pytest.param({"gluon": {"LAZY": 8.0}}, id="lazy8"),
                                      pytest.param({"gluon": {"LAZY": 0.25}, "splits": 3}, id="lazy_small_splits3")])
 def test_gluon_decode_batch64_matches_twin(options):
@@ -122,6 +146,8 @@ def test_gluon_decode_batch64_matches_twin(options):
     if l2:  # the L2 prefetches change no arithmetic: bit-equal to the same launch without them
         assert torch.equal(sparse_mla(*args, **{**options, "gluon": {**options["gluon"], "L2_AHEAD": 0}}), got)
     flags = options.get("gluon", {})
+    if flags.get("F16"):  # the fp16 tile: nearer still to the twin that rounds q and the tile to fp16 as it does
+        assert rel(got, sparse_mla_torch(*args, half=True)) <= F16_HALF_TWIN_REL_TOL
     if flags.get("WS"):  # same arithmetic and reduction order as the single-partition kernel: bit-equal
         # (WARPS 16 is not: its softmax row sums add four warpgroups' parts, not two)
         assert torch.equal(sparse_mla(*args, **{**options, "gluon": {}}), got)
@@ -139,6 +165,8 @@ def test_gluon_decode_batch64_matches_twin(options):
                                      pytest.param({"gluon": {"WARPS": 16}}, id="w16"),
                                      pytest.param({"gluon": {"WS": True, "PV_WAIT": True}, "splits": 11},
                                                   id="ws_pv_wait_three_tile_slices"),
+                                     pytest.param({"gluon": {"F16": True}}, id="f16"),
+                                     pytest.param({"gluon": {"F16": True}, "splits": 16}, id="f16_splits16"),
                                      pytest.param({"gluon": {"LAZY": 8.0}, "splits": 16}, id="lazy8_splits16")])
 def test_gluon_deepseek_v32_shape_matches_twin(options):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens (rows 0 .. 2047 select
@@ -157,6 +185,9 @@ def test_gluon_deepseek_v32_shape_matches_twin(options):
     assert torch.equal(got[1].float().cpu(), torch.zeros(128, 512))
     assert rel(got, want) < 1e-2
     assert rel(got, twin) <= TWIN_REL_TOL_CUDA
+    if options.get("gluon", {}).get("F16"):  # fp16 keeps 3 more mantissa bits of the tile and of p than bf16
+        assert rel(got, sparse_mla_torch(*args, half=True)) <= F16_HALF_TWIN_REL_TOL
+        assert rel(got, want) < rel(sparse_mla(*args, gluon={}, splits=options.get("splits")), want)
 
 
 @pytest.mark.gpu
