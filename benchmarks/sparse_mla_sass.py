@@ -91,10 +91,10 @@ def compile_gluon_bf16(split: bool, block_k: int = 64, early_wait: bool = True, 
 
 
 def compile_gluon_ws(split: bool, pwarps: int = 4, pregs: int = 152, maxnreg: int = 168, pair: bool = True,
-                     pv_wait: bool = False):
+                     pv_wait: bool = False, f16: bool = False):
     """``sparse_mla_gluon_ws_kernel`` for sm_90 (8 consumer warps + a producer of ``pwarps``), capped at ``maxnreg``
-    registers as ``sparse_mla_gluon.launch`` launches it."""
-    const = dict(BLOCK_K=64, SPLIT=split, PWARPS=pwarps, PREGS=pregs, PAIR=pair, PV_WAIT=pv_wait)
+    registers as ``sparse_mla_gluon.launch`` launches it (``f16``: its F16)."""
+    const = dict(BLOCK_K=64, SPLIT=split, PWARPS=pwarps, PREGS=pregs, PAIR=pair, PV_WAIT=pv_wait, F16=bool(f16))
     return _compile_gluon_sm90(smg.sparse_mla_gluon_ws_kernel, const, dict(num_warps=8, maxnreg=maxnreg))
 
 
@@ -139,7 +139,8 @@ if __name__ == "__main__":
         try:
             if c.get("ws"):
                 ck = compile_gluon_ws(c.get("SPLIT", False), c.get("PWARPS", 4), c.get("PREGS", 152),
-                                      c.get("MAXNREG", 168), c.get("PAIR", True), c.get("PV_WAIT", False))
+                                      c.get("MAXNREG", 168), c.get("PAIR", True), c.get("PV_WAIT", False),
+                                      c.get("F16", False))
                 ptx = ck.asm["ptx"]
                 print(json.dumps(dict(config=c, **report(ck, c.get("MAXNREG", 168)), order=load_mma_order(ck),
                                       setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",

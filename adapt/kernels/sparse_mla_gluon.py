@@ -562,18 +562,18 @@ def _ws_gather(slot, slot_r, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr,
 
 @gluon.jit
 def _ws_stage_tile(raw0, sc0, kr0, raw1, sc1, kr1, raw2, sc2, kr2, raw3, sc3, kr3, kv_buf, kr_buf, RANK: gl.constexpr,
-                   RB: gl.constexpr):
-    """A whole tile's four gathered blocks dequantised into its ring slot."""
-    _dequant_rows(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
-    _dequant_rows(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
-    _dequant_rows(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
-    _dequant_rows(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
+                   RB: gl.constexpr, F16: gl.constexpr = False):
+    """A whole tile's four gathered blocks dequantised into its ring slot (``_dequant_rows``' F16)."""
+    _dequant_rows(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB, F16)
+    _dequant_rows(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB, F16)
+    _dequant_rows(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB, F16)
+    _dequant_rows(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB, F16)
 
 
 @gluon.jit
 def _ws_producer(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_smem, kr_smem, ready, empty, row, seq,
                  first, n_tiles, last, topk, bt_stride, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
-                 BLOCK_K: gl.constexpr, PAGE: gl.constexpr, PWARPS: gl.constexpr):
+                 BLOCK_K: gl.constexpr, PAGE: gl.constexpr, PWARPS: gl.constexpr, F16: gl.constexpr = False):
     """The producer partition (PWARPS warps) of ``sparse_mla_gluon_ws_kernel`` without PAIR: each tile in four
     blocks of BLOCK_K / 4 rows (gathered e4m3 rows, fp32 scales, bf16 rope rows), all four issued at the top of
     the tile's step (their cache slots looked up one tile ahead), then dequantised into the tile's ring slot once
@@ -594,7 +594,7 @@ def _ws_producer(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_sm
                                                          RB, PAGE, L3, RL)
         mbarrier.wait(empty.index(buf), ((t // 2) & 1) ^ 1)
         _ws_stage_tile(raw0, sc0, kr0, raw1, sc1, kr1, raw2, sc2, kr2, raw3, sc3, kr3, kv_smem.index(buf),
-                       kr_smem.index(buf), RANK, RB)
+                       kr_smem.index(buf), RANK, RB, F16)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(buf), count=1)
@@ -603,7 +603,8 @@ def _ws_producer(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_sm
 @gluon.jit
 def _ws_producer_pair(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_smem, kr_smem, ready, empty, row,
                       seq, first, n_tiles, last, topk, bt_stride, RANK: gl.constexpr, ROPE: gl.constexpr,
-                      GROUP: gl.constexpr, BLOCK_K: gl.constexpr, PAGE: gl.constexpr, PWARPS: gl.constexpr):
+                      GROUP: gl.constexpr, BLOCK_K: gl.constexpr, PAGE: gl.constexpr, PWARPS: gl.constexpr,
+                      F16: gl.constexpr = False):
     """The producer of ``sparse_mla_gluon_ws_kernel`` with PAIR: tiles two at a step (t0 = 2u into slot 0, t1 into
     slot 1). The first tile's four blocks are issued at the top of the step; each block of the second tile is issued
     as soon as the same block of the first is stored, so the second tile's loads fly while the first is
@@ -626,13 +627,13 @@ def _ws_producer_pair(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, 
         mbarrier.wait(empty.index(0), phase ^ 1)
         kv_buf = kv_smem.index(0)
         kr_buf = kr_smem.index(0)
-        _dequant_rows(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB)
+        _dequant_rows(raw0, sc0, kr0, kv_buf.slice(0, RB), kr_buf.slice(0, RB), RANK, RB, F16)
         raw0, sc0, kr0 = _ws_gather(s0, r0, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
-        _dequant_rows(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB)
+        _dequant_rows(raw1, sc1, kr1, kv_buf.slice(RB, RB), kr_buf.slice(RB, RB), RANK, RB, F16)
         raw1, sc1, kr1 = _ws_gather(s1, r1, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
-        _dequant_rows(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB)
+        _dequant_rows(raw2, sc2, kr2, kv_buf.slice(2 * RB, RB), kr_buf.slice(2 * RB, RB), RANK, RB, F16)
         raw2, sc2, kr2 = _ws_gather(s2, r2, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
-        _dequant_rows(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB)
+        _dequant_rows(raw3, sc3, kr3, kv_buf.slice(3 * RB, RB), kr_buf.slice(3 * RB, RB), RANK, RB, F16)
         raw3, sc3, kr3 = _ws_gather(s3, r3, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL)
         fence_async_shared()
         gl.thread_barrier()
@@ -644,7 +645,7 @@ def _ws_producer_pair(nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, 
         if 2 * u + 1 < n_tiles:
             mbarrier.wait(empty.index(1), phase ^ 1)
             _ws_stage_tile(raw0, sc0, kr0, raw1, sc1, kr1, raw2, sc2, kr2, raw3, sc3, kr3, kv_smem.index(1),
-                           kr_smem.index(1), RANK, RB)
+                           kr_smem.index(1), RANK, RB, F16)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ready.index(1), count=1)
@@ -680,7 +681,7 @@ def _ws_consumer(q_smem, qr_smem, kv_smem, kr_smem, p_smem, ready, empty, idx_pt
         gl.thread_barrier()
         mbarrier.arrive(empty.index(1 - buf), count=1, pred=t > 0)
         p, alpha, m_i, l_i, _ = _online_softmax(s, idx_v >= 0, m_i, l_i, scale_log2)
-        p_smem.store(p.to(gl.bfloat16))
+        p_smem.store(p.to(p_smem.dtype))
         fence_async_shared()
         gl.thread_barrier()
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
@@ -696,7 +697,7 @@ def sparse_mla_gluon_ws_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
                                RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
                                BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
                                PWARPS: gl.constexpr, PREGS: gl.constexpr, PAIR: gl.constexpr,
-                               PV_WAIT: gl.constexpr = False):
+                               PV_WAIT: gl.constexpr = False, F16: gl.constexpr = False):
     """Warp-specialised form of ``sparse_mla_gluon_kernel`` (same grid, arguments, outputs and arithmetic): a
     producer partition of PWARPS warps (PREGS registers a thread) gathers and dequantises each tile into the two-slot
     ring while the 8 warps of the default partition run q.k, the softmax and p @ v. The two sides meet at an mbarrier
@@ -708,7 +709,8 @@ def sparse_mla_gluon_ws_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
     split = gl.program_id(2)
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K)
+    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K,
+                                                          gl.float16 if F16 else gl.bfloat16)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -730,7 +732,7 @@ def sparse_mla_gluon_ws_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
                             SPLIT, PV_WAIT)),
             (_ws_producer_pair, (nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_smem, kr_smem, ready,
                                  empty, row, seq, first, n_tiles, last, topk, bt_stride, RANK, ROPE, GROUP, BLOCK_K,
-                                 PAGE, PWARPS)),
+                                 PAGE, PWARPS, F16)),
         ], [PWARPS], [PREGS])
     else:
         gl.warp_specialize([
@@ -738,7 +740,8 @@ def sparse_mla_gluon_ws_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
                             head0, split, n_heads, first, n_tiles, last, topk, scale_log2, RANK, BLOCK_H, BLOCK_K,
                             SPLIT, PV_WAIT)),
             (_ws_producer, (nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, idx_ptr, kv_smem, kr_smem, ready, empty,
-                            row, seq, first, n_tiles, last, topk, bt_stride, RANK, ROPE, GROUP, BLOCK_K, PAGE, PWARPS)),
+                            row, seq, first, n_tiles, last, topk, bt_stride, RANK, ROPE, GROUP, BLOCK_K, PAGE, PWARPS,
+                            F16)),
         ], [PWARPS], [PREGS])
 
 GLUON_BLOCK_H = 64
@@ -805,7 +808,7 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
                  BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1)
     if opts["WS"]:
         sparse_mla_gluon_ws_kernel[grid](*args, **shape, PWARPS=opts["PWARPS"], PREGS=opts["PREGS"],
-                                         PAIR=opts["PAIR"], PV_WAIT=opts["PV_WAIT"], num_warps=8,
+                                         PAIR=opts["PAIR"], PV_WAIT=opts["PV_WAIT"], F16=opts["F16"], num_warps=8,
                                          maxnreg=opts["MAXNREG"])
     else:
         chain = pdl.launch_options(q_nope.device) if GLUON_PDL else {}

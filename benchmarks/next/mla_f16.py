@@ -11,7 +11,9 @@ rows of one 128K sequence), each checked against the bf16 twin and the fp16 twin
 half=True)``), and against a float64 reference on the first rows (``rel_err_vs_fp64``: e4m3 times its scale in
 float64, no rounding of q, the tile or p).
 
-Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/mla_f16.py OUT_DIR [BUDGET_S]
+Usage (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/next/mla_f16.py OUT_DIR [BUDGET_S [VARIANTS]]
+(VARIANTS: a JSON list of [name, Gluon flags] pairs in place of the four above; "cases": "b64" in the flags
+object of the first limits the run to batch 64)
 Writes OUT_DIR/mla_f16.json; prints one line per variant.
 """
 
@@ -62,7 +64,7 @@ def run_case(name, args, rows, out, budget_end, reps=30, twin_rows=None):
     sub = args if twin_rows is None else tuple(a[:twin_rows] if i in (0, 1, 6, 7) else a for i, a in enumerate(args))
     twin = sparse_mla_torch(*sub).float()
     twin_half = sparse_mla_torch(*sub, half=True).float()
-    ref = reference_fp64(args, FP64_ROWS)
+    ref = reference_fp64(args, min(FP64_ROWS, rows))
     for vname, flags in VARIANTS:
         if time.time() > budget_end:
             out.append({"case": name, "variant": vname, "skipped": "budget"})
@@ -74,7 +76,7 @@ def run_case(name, args, rows, out, budget_end, reps=30, twin_rows=None):
             torch.cuda.synchronize()
             row["rel_err_vs_twin"] = _rel_err(got[:twin.shape[0]].float(), twin)
             row["rel_err_vs_half_twin"] = _rel_err(got[:twin.shape[0]].float(), twin_half)
-            row["rel_err_vs_fp64"] = _rel_err(got[:FP64_ROWS].double(), ref)
+            row["rel_err_vs_fp64"] = _rel_err(got[:ref.shape[0]].double(), ref)
             row["finite"] = bool(torch.isfinite(got).all())
             t = time_cuda(lambda o=opts: sparse_mla(*args, **o), reps, warmup=2)
             row.update(us=t.median_us, timed_as=t.mode, tflops=flops(rows) / t.median_us / 1e6)
@@ -88,6 +90,10 @@ def main() -> None:
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
     budget_end = time.time() + (float(sys.argv[2]) if len(sys.argv) > 2 else 240)
+    only_b64 = False
+    if len(sys.argv) > 3:
+        VARIANTS[:] = [(name, dict(flags)) for name, flags in json.loads(sys.argv[3])]
+        only_b64 = VARIANTS[0][1].pop("cases", None) == "b64"
     torch.manual_seed(0)
     rows_out: list[dict] = []
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -97,6 +103,9 @@ def main() -> None:
     args = (q_nope, q_rope, layer.latent_nope, layer.latent_scale, layer.latent_rope, block_table, token_seq, idx,
             0.1)
     run_case("decode b64 x 128K", args, 64, rows_out, budget_end)
+    if only_b64:
+        (out_dir / "mla_f16.json").write_text(json.dumps({"info": info, "rows": rows_out}, indent=1))
+        return
     args1 = tuple(a[:1] if i in (0, 1, 6, 7) else a for i, a in enumerate(args))
     run_case("decode b1 x 128K", args1, 1, rows_out, budget_end)
     layer = block_table = args = args1 = None
