@@ -72,13 +72,13 @@ def run_case(name, args, rows, out, budget_end, reps=30, twin_rows=None):
         opts = {"gluon": dict(flags)}
         row = {"case": name, "variant": vname, "flags": flags}
         try:
-            got = sparse_mla(*args, **opts)
+            got = sparse_mla(*args, **opts, upconvert=False)
             torch.cuda.synchronize()
             row["rel_err_vs_twin"] = _rel_err(got[:twin.shape[0]].float(), twin)
             row["rel_err_vs_half_twin"] = _rel_err(got[:twin.shape[0]].float(), twin_half)
             row["rel_err_vs_fp64"] = _rel_err(got[:ref.shape[0]].double(), ref)
             row["finite"] = bool(torch.isfinite(got).all())
-            t = time_cuda(lambda o=opts: sparse_mla(*args, **o), reps, warmup=2)
+            t = time_cuda(lambda o=opts: sparse_mla(*args, **o, upconvert=False), reps, warmup=2)
             row.update(us=t.median_us, timed_as=t.mode, tflops=flops(rows) / t.median_us / 1e6)
         except Exception as err:  # recorded; the other variants still run
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
