@@ -231,7 +231,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                             PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
                             DIRECT: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0, WARPS: gl.constexpr = 8,
                             ABLATE: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, PDL: gl.constexpr = False,
-                            F16: gl.constexpr = False):
+                            F16: gl.constexpr = False, GATHER_ROWS: gl.constexpr = 1):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
@@ -254,7 +254,13 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     LAZY 0 on the H200 (``GLUON_FLAGS``): the flag round trip sits on the q.k -> p @ v chain.
 
     PDL: a kernel of the decode chain launched with programmatic dependent launch (``adapt.kernels.pdl``): it waits
-    for the kernel before (the select) before any load, then lets the next (the slices' combine) launch."""
+    for the kernel before (the select) before any load, then lets the next (the slices' combine) launch.
+
+    GATHER_ROWS: the rows one warp's gathered loads (and so its dequantised stores) span. With 1, a warp's 32 lanes
+    take one row's 32 chunks of 16 columns, which the ring slot's 128-byte swizzle puts in the same bank group of
+    its eight 64-column blocks: every store into the slot is an 8-way bank conflict (Nsight Compute, H200: 6.9-way
+    on average, 42% of the kernel's shared-store wavefronts). With 8 a warp takes 4 chunks of each of 8 rows, whose
+    swizzles differ, so its stores are conflict-free."""
     pdl.enter(PDL)
     gl.static_assert(BLOCK_H == 64)
     row = gl.program_id(0).to(gl.int64)
@@ -263,7 +269,9 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     # register layouts (WARPS = 8 or 16: WARPS / 4 warpgroups split both MMAs' N side)
     gl.static_assert(WARPS == 8 or WARPS == 16)
     WG: gl.constexpr = WARPS // 4
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # e4m3 rows, 16 B a thread
+    # e4m3 rows, 16 B a thread, GATHER_ROWS rows a warp (lanes along the row's 16-byte chunks, then rows)
+    gl.static_assert(GATHER_ROWS == 1 or GATHER_ROWS == 2 or GATHER_ROWS == 4 or GATHER_ROWS == 8)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [GATHER_ROWS, 32 // GATHER_ROWS, 1], [WARPS, 1, 1], [2, 1, 0])
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])  # bf16 rows of 64
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])  # bf16 rows of 512
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
@@ -770,7 +778,10 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # before): the tile's dequantisation becomes one e4m3x2 -> f16x2 conversion and one HMUL2 per two elements, against
 # the conversion, two widenings, two FMUL and a pack. Not bit-equal to the twin's bf16 tile (fp16 keeps 3 more
 # mantissa bits; values must stay within fp16's range, 65504). Off until measured.
-GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0, "F16": False}
+# GATHER_ROWS: the rows a warp gathers and stores at once (``sparse_mla_gluon_kernel``'s docstring); 1 until
+# measured.
+GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0, "F16": False,
+               "GATHER_ROWS": 1}
 # Programmatic dependent launch for ``sparse_mla_gluon_kernel`` where ``pdl.active`` (the decode chain's other kernels
 # take it there since session 10): the kernel launches while the select ends and waits for it in hardware. Bit-equal
 # and slower, so off: H200, 2026-12-02 (benchmarks/gpu-2026-12-02-dsa-s14, call 2, five rounds in turn), the batch-1

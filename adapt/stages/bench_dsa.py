@@ -1552,6 +1552,10 @@ if __name__ == "__main__":
                         help="the Gluon sparse MLA decode kernel's MMAs in fp16 (its F16 flag), or in bf16 (default: "
                              "sparse_mla_gluon.GLUON_FLAGS['F16'], now "
                              f"{sparse_mla.sparse_mla_gluon.GLUON_FLAGS['F16']})")
+    parser.add_argument("--mla-gather-rows", type=int, default=None, metavar="N",
+                        help="rows a warp of the Gluon sparse MLA decode kernel gathers at once (1, 2, 4 or 8; its "
+                             "GATHER_ROWS; default: sparse_mla_gluon.GLUON_FLAGS['GATHER_ROWS'], now "
+                             f"{sparse_mla.sparse_mla_gluon.GLUON_FLAGS['GATHER_ROWS']})")
     parser.add_argument("--mla-defer-sum", action=argparse.BooleanOptionalAction, default=None,
                         help="the bf16 sparse MLA kernel's DEFER_SUM (default: sparse_mla_gluon.BF16_DEFER_SUM, now "
                              f"{sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM})")
@@ -1586,6 +1590,10 @@ if __name__ == "__main__":
         sparse_mla.UPCONVERT_AUTO = args.mla_upconvert
     if args.mla_f16 is not None:
         sparse_mla.sparse_mla_gluon.GLUON_FLAGS["F16"] = args.mla_f16
+    if args.mla_gather_rows is not None:
+        if args.mla_gather_rows not in (1, 2, 4, 8):
+            parser.error(f"--mla-gather-rows: 1, 2, 4 or 8 rows, not {args.mla_gather_rows}")
+        sparse_mla.sparse_mla_gluon.GLUON_FLAGS["GATHER_ROWS"] = args.mla_gather_rows
     if args.mla_defer_sum is not None:
         sparse_mla.sparse_mla_gluon.BF16_DEFER_SUM = args.mla_defer_sum
     if args.prefill_gluon_wg is not None:

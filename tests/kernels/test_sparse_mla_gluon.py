@@ -62,8 +62,9 @@ def test_f16_tile_dequantises_in_packed_half_math():
     fp16 buffers are the bf16 ones' size), and the loop shorter than the bf16 build's."""
     from tests.kernels.test_sparse_mla_sass import sass_rows
 
-    bf16, f16 = sass_rows([{"gluon": True, "SPLIT": True, "DIRECT": True},
-                           {"gluon": True, "SPLIT": True, "DIRECT": True, "F16": True}])
+    bf16, f16, rows8 = sass_rows([{"gluon": True, "SPLIT": True, "DIRECT": True},
+                                  {"gluon": True, "SPLIT": True, "DIRECT": True, "F16": True},
+                                  {"gluon": True, "SPLIT": True, "DIRECT": True, "F16": True, "GATHER_ROWS": 8}])
     for row in (bf16, f16):
         assert "error" not in row, row
         assert row["regs"] <= 255 and row["spill_bytes"] == 0 and row["shared"] <= H200_SHARED_BYTES, row
@@ -72,6 +73,10 @@ def test_f16_tile_dequantises_in_packed_half_math():
     assert bf16["loop_ops"].get("HADD2", 0) >= 64 and "HMUL2" not in bf16["loop_ops"], bf16
     assert f16["shared"] == bf16["shared"], (f16, bf16)
     assert f16["loop_len"] < bf16["loop_len"] - 128, (f16, bf16)
+    # GATHER_ROWS 8 (8 rows a warp): the same stores and MMAs, within registers, and fewer loads of the row scales
+    assert "error" not in rows8 and rows8["regs"] <= 255 and rows8["spill_bytes"] == 0, rows8
+    assert rows8["loop_ops"]["STS"] == f16["loop_ops"]["STS"] and rows8["loop_ops"]["HGMMA"] == f16["loop_ops"]["HGMMA"]
+    assert rows8["loop_ops"]["LDG"] < f16["loop_ops"]["LDG"], (rows8, f16)
 
 
 @pytest.mark.slow
@@ -121,6 +126,9 @@ def _case(lengths, rows, heads, topk, seed=0):
                                                   id="ws_pv_wait_single_tiles"),
                                      pytest.param({"gluon": {"F16": True}}, id="f16"),
                                      pytest.param({"gluon": {"F16": True}, "splits": 3}, id="f16_splits3"),
+                                     pytest.param({"gluon": {"GATHER_ROWS": 8}}, id="gather_rows8"),
+                                     pytest.param({"gluon": {"GATHER_ROWS": 4}, "splits": 3}, id="rows4_splits3"),
+                                     pytest.param({"gluon": {"GATHER_ROWS": 8, "F16": True}}, id="gather_rows8_f16"),
                                      pytest.param({"gluon": {"LAZY": 8.0}}, id="lazy8"),
                                      pytest.param({"gluon": {"LAZY": 0.25}, "splits": 3}, id="lazy_small_splits3")])
 def test_gluon_decode_batch64_matches_twin(options):
@@ -146,6 +154,9 @@ def test_gluon_decode_batch64_matches_twin(options):
     if l2:  # the L2 prefetches change no arithmetic: bit-equal to the same launch without them
         assert torch.equal(sparse_mla(*args, **{**options, "gluon": {**options["gluon"], "L2_AHEAD": 0}}), got)
     flags = options.get("gluon", {})
+    if flags.get("GATHER_ROWS", 1) != 1:  # another register layout for the same loads and stores: bit-equal
+        same = {**options, "gluon": {k: v for k, v in flags.items() if k != "GATHER_ROWS"}}
+        assert torch.equal(sparse_mla(*args, **same), got)
     if flags.get("F16"):  # the fp16 tile: nearer still to the twin that rounds q and the tile to fp16 as it does
         assert rel(got, sparse_mla_torch(*args, half=True)) <= F16_HALF_TWIN_REL_TOL
     if flags.get("WS"):  # same arithmetic and reduction order as the single-partition kernel: bit-equal
@@ -167,6 +178,7 @@ def test_gluon_decode_batch64_matches_twin(options):
                                                   id="ws_pv_wait_three_tile_slices"),
                                      pytest.param({"gluon": {"F16": True}}, id="f16"),
                                      pytest.param({"gluon": {"F16": True}, "splits": 16}, id="f16_splits16"),
+                                     pytest.param({"gluon": {"GATHER_ROWS": 8}, "splits": 16}, id="gather_rows8"),
                                      pytest.param({"gluon": {"LAZY": 8.0}, "splits": 16}, id="lazy8_splits16")])
 def test_gluon_deepseek_v32_shape_matches_twin(options):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens (rows 0 .. 2047 select
