@@ -231,7 +231,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                             PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
                             DIRECT: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0, WARPS: gl.constexpr = 8,
                             ABLATE: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, PDL: gl.constexpr = False,
-                            F16: gl.constexpr = False, GATHER_ROWS: gl.constexpr = 1):
+                            F16: gl.constexpr = False, GATHER_ROWS: gl.constexpr = 1, AHEAD2: gl.constexpr = False):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
@@ -260,8 +260,14 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     take one row's 32 chunks of 16 columns, which the ring slot's 128-byte swizzle puts in the same bank group of
     its eight 64-column blocks: every store into the slot is an 8-way bank conflict (Nsight Compute, H200: 6.9-way
     on average, 42% of the kernel's shared-store wavefronts). With 8 a warp takes 4 chunks of each of 8 rows, whose
-    swizzles differ, so its stores are conflict-free."""
+    swizzles differ, so its stores are conflict-free.
+
+    AHEAD2 (with PREFETCH and DIRECT): the gathers run two tiles ahead, not one: at the step of tile t the loads of
+    tile t + 2 are issued and tile t + 1's, issued a step earlier, are dequantised, so each gathered row has a whole
+    step (about 4 us at batch 64), not q.k and the softmax, to arrive. Costs one more tile's gathered registers."""
     pdl.enter(PDL)
+    if AHEAD2:
+        gl.static_assert(PREFETCH and DIRECT and not EARLY_LOADS and L2_AHEAD == 0 and ABLATE == 0)
     gl.static_assert(BLOCK_H == 64)
     row = gl.program_id(0).to(gl.int64)
     head0 = gl.program_id(1) * BLOCK_H
@@ -306,6 +312,14 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                         _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
     slot_rn = _idx_slots(block_table_ptr, seq, bt_stride,
                          _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
+    if AHEAD2:  # tile 1's gathers fly into the loop (dequantised at its first step); the slots of tile 2
+        raw1, sc1, kr1, valid1 = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL,
+                                              slot_rn, _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K,
+                                                                 VL), DIRECT)
+        slot_n = _idx_slots(block_table_ptr, seq, bt_stride,
+                            _tile_idx(idx_ptr, row, first + 2 * BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
+        slot_rn = _idx_slots(block_table_ptr, seq, bt_stride,
+                             _tile_idx(idx_ptr, row, first + 2 * BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
 
     if L2_AHEAD > 0:  # slots of the tile L2_AHEAD steps ahead (its rows are prefetched at the loop's first step)
         slot_pf = _idx_slots(block_table_ptr, seq, bt_stride,
@@ -334,7 +348,13 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
             slot_n = slot_n * 0 - 1
             slot_rn = slot_rn * 0 - 1
         # the next tile's gathers fly while q.k runs
-        if PREFETCH:
+        if AHEAD2:  # the gathers of the tile two ahead, and the positions of the one after it
+            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL,
+                                                VL, slot_rn, _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk,
+                                                                       BLOCK_K, VL), DIRECT)
+            idx_nn = _tile_idx(idx_ptr, row, k0 + 3 * BLOCK_K, last, topk, BLOCK_K, SL)
+            idx_rnn = _tile_idx(idx_ptr, row, k0 + 3 * BLOCK_K, last, topk, BLOCK_K, RS)
+        elif PREFETCH:
             if not EARLY_LOADS:
                 raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL,
                                                     VL, slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk,
@@ -390,8 +410,16 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                     slot_rn = _idx_slots(block_table_ptr, seq, bt_stride, idx_rnn, PAGE)
         if L2_AHEAD > 0:
             slot_pf = _idx_slots(block_table_ptr, seq, bt_stride, idx_pf, PAGE)
-        _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K, F16)
-        valid = valid_n
+        if AHEAD2:  # tile t + 1 (gathered a step ago) into the other slot; tile t + 2's loads carried on
+            _stage_tile(raw1, sc1, kr1, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K, F16)
+            valid = valid1
+            raw1 = raw
+            sc1 = sc
+            kr1 = kr
+            valid1 = valid_n
+        else:
+            _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K, F16)
+            valid = valid_n
     _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK, BLOCK_H, SPLIT, S_L, O_L)
 
 
@@ -781,7 +809,7 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # GATHER_ROWS: the rows a warp gathers and stores at once (``sparse_mla_gluon_kernel``'s docstring); 1 until
 # measured.
 GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0, "F16": False,
-               "GATHER_ROWS": 1}
+               "GATHER_ROWS": 1, "AHEAD2": False}
 # Programmatic dependent launch for ``sparse_mla_gluon_kernel`` where ``pdl.active`` (the decode chain's other kernels
 # take it there since session 10): the kernel launches while the select ends and waits for it in hardware. Bit-equal
 # and slower, so off: H200, 2026-12-02 (benchmarks/gpu-2026-12-02-dsa-s14, call 2, five rounds in turn), the batch-1
