@@ -4,8 +4,8 @@ Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_
        (an object with "bf16": true compiles ``sparse_mla_gluon.sparse_mla_gluon_bf16_kernel``, the prefill
        kernel over a dense bf16 latent, its SPLIT, BLOCK_K, EARLY_WAIT, DEFER_SUM and COPY_ROWS4 from the object;
        one with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
-       SPLIT, PREFETCH, EARLY_LOADS, DIRECT, L2_AHEAD, WARPS, ABLATE, LAZY, PDL, PARTIAL_BF16, F16,
-       GATHER_ROWS and AHEAD2 from the object:
+       SPLIT, PREFETCH, EARLY_LOADS, DIRECT, L2_AHEAD, WARPS, ABLATE, LAZY, PDL, PARTIAL_BF16, F16 and
+       GATHER_ROWS from the object:
        ``compile_gluon``; its row adds ``branch_skip``, the loop's longest forward branch: with LAZY the
        accumulator's rescale, so loop_len - branch_skip.len instructions a tile on the tiles that skip it)
 
@@ -71,13 +71,13 @@ def _compile_gluon_sm90(kern, const: dict, options: dict, partial: str = "fp32",
 
 def compile_gluon(block_k: int, split: bool, prefetch: bool = True, early: bool = False, direct: bool = False,
                   l2_ahead: int = 0, warps: int = 8, ablate: int = 0, lazy: float = 0.0, pdl: bool = False,
-                  partial_bf16: bool = False, f16: bool = False, gather_rows: int = 1, ahead2: bool = False):
+                  partial_bf16: bool = False, f16: bool = False, gather_rows: int = 1):
     """``sparse_mla_gluon_kernel`` for sm_90 (``warps`` warps, 8 as launched by default; ``lazy``: its LAZY;
     ``pdl``: its PDL; ``partial_bf16``: bf16 slice partials, as ``sparse_mla.PARTIAL_BF16`` allocates them; ``f16``:
-    its F16, fp16 MMAs; ``gather_rows``: its GATHER_ROWS; ``ahead2``: its AHEAD2)."""
+    its F16, fp16 MMAs; ``gather_rows``: its GATHER_ROWS)."""
     const = dict(BLOCK_K=block_k, SPLIT=split, PREFETCH=prefetch, EARLY_LOADS=early, DIRECT=direct,
                  L2_AHEAD=l2_ahead, WARPS=warps, ABLATE=ablate, LAZY=float(lazy), PDL=bool(pdl), F16=bool(f16),
-                 GATHER_ROWS=int(gather_rows), AHEAD2=bool(ahead2))
+                 GATHER_ROWS=int(gather_rows))
     return _compile_gluon_sm90(smg.sparse_mla_gluon_kernel, const, dict(num_warps=warps),
                                "bf16" if partial_bf16 else "fp32")
 
@@ -157,8 +157,7 @@ if __name__ == "__main__":
                 ck = compile_gluon(c.get("BLOCK_K", 64), c.get("SPLIT", False), c.get("PREFETCH", True),
                                    c.get("EARLY_LOADS", False), c.get("DIRECT", False), c.get("L2_AHEAD", 0),
                                    c.get("WARPS", 8), c.get("ABLATE", 0), c.get("LAZY", 0.0), c.get("PDL", False),
-                                   c.get("PARTIAL_BF16", False), c.get("F16", False), c.get("GATHER_ROWS", 1),
-                                   c.get("AHEAD2", False))
+                                   c.get("PARTIAL_BF16", False), c.get("F16", False), c.get("GATHER_ROWS", 1))
                 print(json.dumps(dict(config=c, **report(ck, 0), order=load_mma_order(ck),
                                       branch_skip=branch_skip(ck))), flush=True)
                 continue

@@ -231,7 +231,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                             PREFETCH: gl.constexpr = True, EARLY_LOADS: gl.constexpr = False,
                             DIRECT: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0, WARPS: gl.constexpr = 8,
                             ABLATE: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, PDL: gl.constexpr = False,
-                            F16: gl.constexpr = False, GATHER_ROWS: gl.constexpr = 1, AHEAD2: gl.constexpr = False):
+                            F16: gl.constexpr = False, GATHER_ROWS: gl.constexpr = 1):
     """One program: one query row (program_id(0)), BLOCK_H = 64 heads (program_id(1)), one slice of the row's
     positions (program_id(2)); 8 warps. Outputs as ``_sparse_mla_fp8x4_kernel``: SPLIT writes the slice's
     normalised fp32 partial [rows, splits, H, RANK] and its log2-sum-exp [rows, splits, H]; else bf16 [rows, H,
@@ -260,14 +260,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     take one row's 32 chunks of 16 columns, which the ring slot's 128-byte swizzle puts in the same bank group of
     its eight 64-column blocks: every store into the slot is an 8-way bank conflict (Nsight Compute, H200: 6.9-way
     on average, 42% of the kernel's shared-store wavefronts). With 8 a warp takes 4 chunks of each of 8 rows, whose
-    swizzles differ, so its stores are conflict-free.
-
-    AHEAD2 (with PREFETCH and DIRECT): the gathers run two tiles ahead, not one: at the step of tile t the loads of
-    tile t + 2 are issued and tile t + 1's, issued a step earlier, are dequantised, so each gathered row has a whole
-    step (about 4 us at batch 64), not q.k and the softmax, to arrive. Costs one more tile's gathered registers."""
+    swizzles differ, so its stores are conflict-free."""
     pdl.enter(PDL)
-    if AHEAD2:
-        gl.static_assert(PREFETCH and DIRECT and not EARLY_LOADS and L2_AHEAD == 0 and ABLATE == 0)
     gl.static_assert(BLOCK_H == 64)
     row = gl.program_id(0).to(gl.int64)
     head0 = gl.program_id(1) * BLOCK_H
@@ -312,14 +306,6 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                         _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
     slot_rn = _idx_slots(block_table_ptr, seq, bt_stride,
                          _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
-    if AHEAD2:  # tile 1's gathers fly into the loop (dequantised at its first step); the slots of tile 2
-        raw1, sc1, kr1, valid1 = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL,
-                                              slot_rn, _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K,
-                                                                 VL), DIRECT)
-        slot_n = _idx_slots(block_table_ptr, seq, bt_stride,
-                            _tile_idx(idx_ptr, row, first + 2 * BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
-        slot_rn = _idx_slots(block_table_ptr, seq, bt_stride,
-                             _tile_idx(idx_ptr, row, first + 2 * BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
 
     if L2_AHEAD > 0:  # slots of the tile L2_AHEAD steps ahead (its rows are prefetched at the loop's first step)
         slot_pf = _idx_slots(block_table_ptr, seq, bt_stride,
@@ -348,13 +334,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
             slot_n = slot_n * 0 - 1
             slot_rn = slot_rn * 0 - 1
         # the next tile's gathers fly while q.k runs
-        if AHEAD2:  # the gathers of the tile two ahead, and the positions of the one after it
-            raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL,
-                                                VL, slot_rn, _tile_idx(idx_ptr, row, k0 + 2 * BLOCK_K, last, topk,
-                                                                       BLOCK_K, VL), DIRECT)
-            idx_nn = _tile_idx(idx_ptr, row, k0 + 3 * BLOCK_K, last, topk, BLOCK_K, SL)
-            idx_rnn = _tile_idx(idx_ptr, row, k0 + 3 * BLOCK_K, last, topk, BLOCK_K, RS)
-        elif PREFETCH:
+        if PREFETCH:
             if not EARLY_LOADS:
                 raw, sc, kr, valid_n = _gather_rows(slot_n, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL,
                                                     VL, slot_rn, _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk,
@@ -410,16 +390,8 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
                     slot_rn = _idx_slots(block_table_ptr, seq, bt_stride, idx_rnn, PAGE)
         if L2_AHEAD > 0:
             slot_pf = _idx_slots(block_table_ptr, seq, bt_stride, idx_pf, PAGE)
-        if AHEAD2:  # tile t + 1 (gathered a step ago) into the other slot; tile t + 2's loads carried on
-            _stage_tile(raw1, sc1, kr1, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K, F16)
-            valid = valid1
-            raw1 = raw
-            sc1 = sc
-            kr1 = kr
-            valid1 = valid_n
-        else:
-            _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K, F16)
-            valid = valid_n
+        _stage_tile(raw, sc, kr, kv_smem.index(buf), kr_smem.index(buf), RANK, BLOCK_K, F16)
+        valid = valid_n
     _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK, BLOCK_H, SPLIT, S_L, O_L)
 
 
@@ -804,12 +776,15 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # batch 64 x 128K 141.8 / 142.3 us against 136.1 / 133.9, 4096 prefill rows 8.18 / 8.19 ms against 7.73 / 7.74.
 # F16: the MMAs in fp16 instead of bf16 (q, q_rope, the dequantised tile and p rounded to fp16; fp32 accumulators as
 # before): the tile's dequantisation becomes one e4m3x2 -> f16x2 conversion and one HMUL2 per two elements, against
-# the conversion, two widenings, two FMUL and a pack. Not bit-equal to the twin's bf16 tile (fp16 keeps 3 more
-# mantissa bits; values must stay within fp16's range, 65504). Off until measured.
-# GATHER_ROWS: the rows a warp gathers and stores at once (``sparse_mla_gluon_kernel``'s docstring); 1 until
-# measured.
+# the conversion, two widenings, two FMUL and a pack (the sm_90 loop 1,006 instructions a thread a tile against
+# 1,226). Not bit-equal to the twin's bf16 tile: fp16 keeps 3 more mantissa bits (relative error against float64 at
+# batch 64 x 128K 1.69e-3 against 2.65e-3), and q and the latent must stay within fp16's range (65504). No faster:
+# H200, 2026-12-03 (benchmarks/gpu-2026-12-03-dsa-s20), batch 64 x 128K 135.4-138.8 us against 133.1-137.8 over five
+# calls in turns, 4096 prefill rows 7.77 against 7.66-7.71 ms. So off: the tile's arithmetic is not what bounds it.
+# GATHER_ROWS (``sparse_mla_gluon_kernel``'s docstring): 8 takes the ring slot's 8-way bank conflicts away (Nsight
+# Compute) but ran slower, 148.8-149.1 us against 133.1-136.5 (4: 163.7; with F16 137.6 against 135.4), so 1.
 GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0, "F16": False,
-               "GATHER_ROWS": 1, "AHEAD2": False}
+               "GATHER_ROWS": 1}
 # Programmatic dependent launch for ``sparse_mla_gluon_kernel`` where ``pdl.active`` (the decode chain's other kernels
 # take it there since session 10): the kernel launches while the select ends and waits for it in hardware. Bit-equal
 # and slower, so off: H200, 2026-12-02 (benchmarks/gpu-2026-12-02-dsa-s14, call 2, five rounds in turn), the batch-1

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 20, call 6 (issue 16): the sparse MLA's gathers two tiles ahead (AHEAD2; the sm_90 build spills about 2 KB
+# Session 20, call 6 (issue 16): the sparse MLA's gathers two tiles ahead (AHEAD2, built at ff175f8 and removed after
+# this call: 8.5x slower; the sm_90 build spills about 2 KB
 # a thread: 370-400 local stores and loads a tile), bf16 and F16, at batch 64 x 128K in turns with the default,
 # each checked against the twins. About 60 s of command. CALL=s20c6 ADAPT_COMMIT=<sha> OUT=$OUT bash ...
 set -u
