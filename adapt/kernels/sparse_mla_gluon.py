@@ -796,6 +796,8 @@ GLUON_PDL = False
 # two at a step; PV_WAIT: the consumers wait for p @ v inside its step (else ptxas serialises their wgmmas).
 # Measured slower than the single-partition kernel on the H200 (benchmarks/gpu-2026-12-01-dsa-s9): batch 64 x 128K
 # 146.8-149.7 us (PV_WAIT 153.8-156.1, PAIR 175-188) against 134.4-141.4; WARPS 16: 201-203 us. Off by default.
+# With F16 (session 20, benchmarks/gpu-2026-12-03-dsa-s20, call 2) slower still: PAIR 196.8 us (bf16 175.7), single
+# tiles with a 96- or 112-register producer (the consumers then without spills) 278.7-291.8.
 WS_FLAGS = {"WS": False, "PWARPS": 4, "PREGS": 152, "MAXNREG": 168, "PAIR": True, "PV_WAIT": False}
 
 
