@@ -5,7 +5,8 @@ Usage: PYTHONPATH=. python benchmarks/sparse_mla_sass.py ['[{"BLOCK_K": 64, "QK_
        kernel over a dense bf16 latent, its SPLIT, BLOCK_K, EARLY_WAIT, DEFER_SUM and COPY_ROWS4 from the object;
        one with "gluon": true compiles ``sparse_mla_gluon.sparse_mla_gluon_kernel`` instead, its BLOCK_K,
        SPLIT, PREFETCH, EARLY_LOADS, DIRECT, L2_AHEAD, WARPS, ABLATE, LAZY, PDL, PARTIAL_BF16, F16 and
-       GATHER_ROWS from the object:
+       GATHER_ROWS from the object; one with "cp": true ``sparse_mla_gluon.sparse_mla_gluon_cp_kernel``, its SPLIT
+       and F16:
        ``compile_gluon``; its row adds ``branch_skip``, the loop's longest forward branch: with LAZY the
        accumulator's rescale, so loop_len - branch_skip.len instructions a tile on the tiles that skip it)
 
@@ -99,6 +100,12 @@ def compile_gluon_ws(split: bool, pwarps: int = 4, pregs: int = 152, maxnreg: in
     return _compile_gluon_sm90(smg.sparse_mla_gluon_ws_kernel, const, dict(num_warps=8, maxnreg=maxnreg))
 
 
+def compile_gluon_cp(split: bool, f16: bool = False):
+    """``sparse_mla_gluon_cp_kernel`` (the gathers two tiles ahead by cp.async) for sm_90, 8 warps."""
+    const = dict(BLOCK_K=64, SPLIT=split, F16=bool(f16))
+    return _compile_gluon_sm90(smg.sparse_mla_gluon_cp_kernel, const, dict(num_warps=8))
+
+
 def branch_skip(ck) -> dict:
     """The longest forward branch inside the loop that holds the MMAs: the instructions it jumps over (``len``) and
     their opcode counts. With LAZY that is the accumulator's rescale (128 FMUL a thread at 8 warps)."""
@@ -147,6 +154,10 @@ if __name__ == "__main__":
                                       setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                        ptx))),
                                       mbarrier_waits=ptx.count("mbarrier.try_wait"))), flush=True)
+                continue
+            if c.get("cp"):
+                ck = compile_gluon_cp(c.get("SPLIT", False), c.get("F16", False))
+                print(json.dumps(dict(config=c, **report(ck, 0), order=load_mma_order(ck))), flush=True)
                 continue
             if c.get("bf16"):
                 ck = compile_gluon_bf16(c.get("SPLIT", False), c.get("BLOCK_K", 64), c.get("EARLY_WAIT", True),

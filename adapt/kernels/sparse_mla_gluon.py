@@ -398,6 +398,125 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
 
 
 @gluon.jit
+def _copy_rows_fp8(slot, slot_r, nope_ptr, nscale_ptr, rope_ptr, raw_dst, sc_dst, kr_dst, RANK: gl.constexpr,
+                   ROPE: gl.constexpr, GROUP: gl.constexpr, L3: gl.constexpr, RL: gl.constexpr):
+    """cp.async (no registers) of one tile's gathered cache rows into the staging buffers: e4m3 rows [BLOCK_K,
+    RANK / 16, 16] (16-byte copies, L3), their group scales repeated per 16 columns [BLOCK_K, RANK / 16] (4-byte
+    copies) and the bf16 rope rows [BLOCK_K, ROPE] (RL); slots -1 = none, zero-filled. Each thread later reads back
+    exactly the elements it copied (the same layouts), so its own ``cp.wait_group`` makes them visible to it."""
+    SL2: gl.constexpr = gl.SliceLayout(2, L3)
+    s64 = slot.to(gl.int64)
+    c32 = gl.arange(0, RANK // 16, layout=gl.SliceLayout(0, SL2))
+    c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    cols3 = gl.expand_dims(gl.expand_dims(c32 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(c16, 0), 1)
+    cp.async_copy_global_to_shared(raw_dst, nope_ptr + gl.expand_dims(gl.expand_dims(s64, 1), 2) * RANK + cols3,
+                                   mask=gl.expand_dims(gl.expand_dims(slot >= 0, 1), 2))
+    cp.async_copy_global_to_shared(sc_dst, nscale_ptr + gl.expand_dims(s64, 1) * (RANK // GROUP)
+                                   + gl.expand_dims(c32 * 16 // GROUP, 0), mask=gl.expand_dims(slot >= 0, 1))
+    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
+    cp.async_copy_global_to_shared(kr_dst, rope_ptr + gl.expand_dims(slot_r.to(gl.int64), 1) * ROPE
+                                   + gl.expand_dims(rc, 0), mask=gl.expand_dims(slot_r >= 0, 1))
+
+
+@gluon.jit
+def sparse_mla_gluon_cp_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, block_table_ptr, seq_ptr, idx_ptr,
+                               out_ptr, lse_ptr, n_heads, topk, positions_per_split, bt_stride, scale_log2,
+                               RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
+                               BLOCK_K: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+                               F16: gl.constexpr = False):
+    """``sparse_mla_gluon_kernel``'s arithmetic (same grid, arguments and outputs; F16 as there) with the gathers two
+    tiles ahead through shared memory: the cache rows of tile t + 2 are copied by cp.async into a staging buffer
+    (e4m3 rows, scales, rope rows: 48 KB) right after tile t + 1's were read out of it, so each row has a whole step
+    to arrive without holding registers. To make room there is one dequantised slot, not two (q 64 KB + q_rope 8 +
+    slot 72 + p 8 + staging 48 = 200 KB): the dequantisation of tile t + 1 waits for p @ v of tile t instead of
+    running under it. 8 warps, 64 heads."""
+    gl.static_assert(BLOCK_H == 64)
+    row = gl.program_id(0).to(gl.int64)
+    head0 = gl.program_id(1) * BLOCK_H
+    split = gl.program_id(2)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [8, 1, 1], [2, 1, 0])
+    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_K // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, RANK // 2, 16])
+    VL: gl.constexpr = gl.SliceLayout(0, S_L)
+    SL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+    RS: gl.constexpr = gl.SliceLayout(1, RL)
+    DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], DT)
+    qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], DT)
+    kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], DT)
+    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROPE], DT)
+    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], DT)
+    q_smem = gl.allocate_shared_memory(DT, [BLOCK_H, RANK], q_lay)
+    qr_smem = gl.allocate_shared_memory(DT, [BLOCK_H, ROPE], qr_lay)
+    kv_buf = gl.allocate_shared_memory(DT, [BLOCK_K, RANK], kv_lay)
+    kr_buf = gl.allocate_shared_memory(DT, [BLOCK_K, ROPE], kr_lay)
+    p_smem = gl.allocate_shared_memory(DT, [BLOCK_H, BLOCK_K], p_lay)
+    flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    raw_st = gl.allocate_shared_memory(nope_ptr.dtype.element_ty, [BLOCK_K, RANK // 16, 16], flat3)
+    sc_st = gl.allocate_shared_memory(gl.float32, [BLOCK_K, RANK // 16], flat2)
+    kr_st = gl.allocate_shared_memory(rope_ptr.dtype.element_ty, [BLOCK_K, ROPE], flat2)
+
+    _load_q(qn_ptr, qr_ptr, q_smem, qr_smem, row, head0, n_heads, RANK, ROPE, BLOCK_H, QL, RL)
+    seq = gl.load(seq_ptr + row).to(gl.int64)
+    first = split * positions_per_split
+    last = gl.minimum(first + positions_per_split, topk)
+    # tile 0 through registers into the slot; tile 1 copied into the staging buffer; the slots of tile 2
+    slot = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, SL), PAGE)
+    slot_r = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, RS), PAGE)
+    raw, sc, kr, valid = _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL, slot_r,
+                                      _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, VL), True)
+    slot = _idx_slots(block_table_ptr, seq, bt_stride,
+                      _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
+    slot_r = _idx_slots(block_table_ptr, seq, bt_stride,
+                        _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
+    _copy_rows_fp8(slot, slot_r, nope_ptr, nscale_ptr, rope_ptr, raw_st, sc_st, kr_st, RANK, ROPE, GROUP, L3, RL)
+    cp.commit_group()
+    _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK, BLOCK_K, F16)
+    slot = _idx_slots(block_table_ptr, seq, bt_stride,
+                      _tile_idx(idx_ptr, row, first + 2 * BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
+    slot_r = _idx_slots(block_table_ptr, seq, bt_stride,
+                        _tile_idx(idx_ptr, row, first + 2 * BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BLOCK_H, RANK], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=S_L)
+    for k0 in range(first, last, BLOCK_K):
+        s = warpgroup_mma(qr_smem, kr_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem, kv_buf.permute((1, 0)), s, is_async=True)
+        idx_nn = _tile_idx(idx_ptr, row, k0 + 3 * BLOCK_K, last, topk, BLOCK_K, SL)
+        idx_rnn = _tile_idx(idx_ptr, row, k0 + 3 * BLOCK_K, last, topk, BLOCK_K, RS)
+        valid_n = _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, VL) >= 0
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        p, alpha, m_i, l_i, _ = _online_softmax(s, valid, m_i, l_i, scale_log2)
+        p_smem.store(p.to(DT))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        acc = warpgroup_mma(p_smem, kv_buf, acc, is_async=True)
+        # tile t + 1 out of the staging buffer (this thread's own copies) while p @ v runs
+        cp.wait_group(0)
+        raw = raw_st.load(L3)
+        sc = sc_st.load(gl.SliceLayout(2, L3))
+        kr = kr_st.load(RL)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()  # both warpgroups' p @ v done reading the slot; every staging read done
+        _copy_rows_fp8(slot, slot_r, nope_ptr, nscale_ptr, rope_ptr, raw_st, sc_st, kr_st, RANK, ROPE, GROUP, L3, RL)
+        cp.commit_group()
+        slot = _idx_slots(block_table_ptr, seq, bt_stride, idx_nn, PAGE)
+        slot_r = _idx_slots(block_table_ptr, seq, bt_stride, idx_rnn, PAGE)
+        _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK, BLOCK_K, F16)
+        valid = valid_n
+    cp.wait_group(0)
+    _finish(acc, m_i, l_i, out_ptr, lse_ptr, row, head0, split, n_heads, RANK, BLOCK_H, SPLIT, S_L, O_L)
+
+
+@gluon.jit
 def _copy_tile_bf16(base, idx_c, idx_r, nope_ptr, rope_ptr, kv_dst, kr_dst, RANK: gl.constexpr, ROPE: gl.constexpr,
                     CL: gl.constexpr, RL: gl.constexpr):
     """cp.async (16-byte copies, no registers) of one tile's bf16 rows of a dense latent (row ``base + position``)
@@ -785,6 +904,9 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 # Compute) but ran slower, 148.8-149.1 us against 133.1-136.5 (4: 163.7; with F16 137.6 against 135.4), so 1.
 GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0, "F16": False,
                "GATHER_ROWS": 1}
+# CP: ``sparse_mla_gluon_cp_kernel`` instead (the gathers two tiles ahead by cp.async into a staging buffer, one
+# dequantised slot). Off until measured.
+CP_FLAGS = {"CP": False}
 # Programmatic dependent launch for ``sparse_mla_gluon_kernel`` where ``pdl.active`` (the decode chain's other kernels
 # take it there since session 10): the kernel launches while the select ends and waits for it in hardware. Bit-equal
 # and slower, so off: H200, 2026-12-02 (benchmarks/gpu-2026-12-02-dsa-s14, call 2, five rounds in turn), the batch-1
@@ -804,14 +926,16 @@ WS_FLAGS = {"WS": False, "PWARPS": 4, "PREGS": 152, "MAXNREG": 168, "PAIR": True
 def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, token_seq, indices, softmax_scale,
            partial, lse, splits: int, positions_per_split: int, block_k: int = 64, prefetch: bool = True,
            flags: dict | None = None, ablate: int = 0) -> None:
-    """Launch ``sparse_mla_gluon_kernel`` (or, with the WS flag, ``sparse_mla_gluon_ws_kernel``) on grid (rows,
-    heads / 64, splits): ``partial``/``lse`` as ``sparse_mla.sparse_mla`` allocates them (the bf16 output itself
-    when splits == 1); ``flags`` override ``GLUON_FLAGS`` and ``WS_FLAGS``. ``ablate``: the kernel's ABLATE
-    (timing probes only: a non-zero value gives a wrong output; ``sparse_mla`` never passes it)."""
-    unknown = set(flags or {}) - set(GLUON_FLAGS) - set(WS_FLAGS)
+    """Launch ``sparse_mla_gluon_kernel`` (with the WS flag ``sparse_mla_gluon_ws_kernel``, with CP
+    ``sparse_mla_gluon_cp_kernel``) on grid (rows, heads / 64, splits): ``partial``/``lse`` as
+    ``sparse_mla.sparse_mla`` allocates them (the bf16 output itself when splits == 1); ``flags`` override
+    ``GLUON_FLAGS``, ``WS_FLAGS`` and ``CP_FLAGS``. ``ablate``: the kernel's ABLATE (timing probes only: a
+    non-zero value gives a wrong output; ``sparse_mla`` never passes it)."""
+    known = {**GLUON_FLAGS, **WS_FLAGS, **CP_FLAGS}
+    unknown = set(flags or {}) - set(known)
     if unknown:
-        raise ValueError(f"unknown Gluon kernel flags {sorted(unknown)}; known: {sorted({**GLUON_FLAGS, **WS_FLAGS})}")
-    opts = {**GLUON_FLAGS, **WS_FLAGS, **(flags or {})}
+        raise ValueError(f"unknown Gluon kernel flags {sorted(unknown)}; known: {sorted(known)}")
+    opts = {**known, **(flags or {})}
     if opts["WS"] and opts["LAZY"]:
         raise ValueError("the Gluon flag LAZY applies to the single-partition kernel only; drop WS or LAZY")
     n_rows, n_heads, rank = q_nope.shape
@@ -822,7 +946,12 @@ def launch(q_nope, q_rope, latent_nope, latent_scale, latent_rope, block_table, 
             n_heads, topk, positions_per_split, block_table.stride(0), softmax_scale * math.log2(math.e))
     shape = dict(RANK=rank, ROPE=q_rope.shape[-1], GROUP=rank // latent_scale.shape[-1], BLOCK_H=GLUON_BLOCK_H,
                  BLOCK_K=block_k, PAGE=PAGE_SIZE, SPLIT=splits > 1)
-    if opts["WS"]:
+    if opts["CP"]:
+        if opts["WS"] or opts["LAZY"] or opts["L2_AHEAD"] or opts["EARLY_LOADS"] or opts["WARPS"] != 8 or ablate:
+            raise ValueError("the Gluon flag CP takes only F16 besides it (no WS, LAZY, L2_AHEAD, EARLY_LOADS, "
+                             "WARPS other than 8, or ablate)")
+        sparse_mla_gluon_cp_kernel[grid](*args, **shape, F16=opts["F16"], num_warps=8)
+    elif opts["WS"]:
         sparse_mla_gluon_ws_kernel[grid](*args, **shape, PWARPS=opts["PWARPS"], PREGS=opts["PREGS"],
                                          PAIR=opts["PAIR"], PV_WAIT=opts["PV_WAIT"], F16=opts["F16"], num_warps=8,
                                          maxnreg=opts["MAXNREG"])

@@ -993,7 +993,7 @@ def run_dsa_acceptance(
         "few_rows_grid_options": dsa.FEW_ROWS_GRID_OPTIONS,
         "combine_at_once": sparse_mla.COMBINE_AT_ONCE,
         "mla_gluon_sliced": sparse_mla.GLUON_SLICED,
-        "mla_gluon_flags": dict(sparse_mla.sparse_mla_gluon.GLUON_FLAGS),
+        "mla_gluon_flags": {**sparse_mla.sparse_mla_gluon.GLUON_FLAGS, **sparse_mla.sparse_mla_gluon.CP_FLAGS},
         "step_swept_tiles": STEP_SWEPT_TILES,
         "timer_warm_ms": timer.WARM_MS,
         "decode": [],
@@ -1135,6 +1135,7 @@ ACCEPTANCE_MLA_SWEEP = (
     dict(gluon=False),  # the tl tile even where the Gluon kernel is the default
     dict(gluon=True),  # the Gluon kernel (sparse_mla_gluon; sm_90)
     dict(gluon={"F16": True}),  # the Gluon kernel with fp16 MMAs (its F16 flag)
+    dict(gluon={"CP": True}),  # the gathers two tiles ahead by cp.async (sparse_mla_gluon_cp_kernel)
 )
 
 
@@ -1552,6 +1553,10 @@ if __name__ == "__main__":
                         help="the Gluon sparse MLA decode kernel's MMAs in fp16 (its F16 flag), or in bf16 (default: "
                              "sparse_mla_gluon.GLUON_FLAGS['F16'], now "
                              f"{sparse_mla.sparse_mla_gluon.GLUON_FLAGS['F16']})")
+    parser.add_argument("--mla-cp", action=argparse.BooleanOptionalAction, default=None,
+                        help="the Gluon sparse MLA decode kernel that stages the gathers two tiles ahead by cp.async "
+                             "(sparse_mla_gluon.CP_FLAGS['CP'], now "
+                             f"{sparse_mla.sparse_mla_gluon.CP_FLAGS['CP']})")
     parser.add_argument("--mla-gather-rows", type=int, default=None, metavar="N",
                         help="rows a warp of the Gluon sparse MLA decode kernel gathers at once (1, 2, 4 or 8; its "
                              "GATHER_ROWS; default: sparse_mla_gluon.GLUON_FLAGS['GATHER_ROWS'], now "
@@ -1590,6 +1595,8 @@ if __name__ == "__main__":
         sparse_mla.UPCONVERT_AUTO = args.mla_upconvert
     if args.mla_f16 is not None:
         sparse_mla.sparse_mla_gluon.GLUON_FLAGS["F16"] = args.mla_f16
+    if args.mla_cp is not None:
+        sparse_mla.sparse_mla_gluon.CP_FLAGS["CP"] = args.mla_cp
     if args.mla_gather_rows is not None:
         if args.mla_gather_rows not in (1, 2, 4, 8):
             parser.error(f"--mla-gather-rows: 1, 2, 4 or 8 rows, not {args.mla_gather_rows}")

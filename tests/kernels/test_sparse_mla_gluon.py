@@ -80,6 +80,20 @@ def test_f16_tile_dequantises_in_packed_half_math():
 
 
 @pytest.mark.slow
+def test_cp_async_kernel_stages_two_tiles_ahead_within_shared_memory():
+    """CP (``sparse_mla_gluon_cp_kernel``): the loop copies the rows of the tile two ahead by cp.async (LDGSTS: 8
+    e4m3 chunks, 8 scales and 2 rope chunks a thread) after its MMAs, holds both MMAs (HGMMA; HMUL2 with F16), and
+    fits one program in the H200's shared memory with one dequantised slot and the staging buffer."""
+    from tests.kernels.test_sparse_mla_sass import sass_rows
+
+    for row in sass_rows([{"cp": True}, {"cp": True, "F16": True, "SPLIT": True}]):
+        assert "error" not in row, row
+        assert row["regs"] <= 255 and row["shared"] <= H200_SHARED_BYTES, row
+        assert row["loop_ops"].get("LDGSTS", 0) == 18 and row["loop_ops"].get("HGMMA", 0) >= 2, row
+        assert ("HMUL2" in row["loop_ops"]) == bool(row["config"].get("F16")), row
+
+
+@pytest.mark.slow
 def test_warp_specialised_kernel_builds_for_sm90():
     """The WS form (benchmarks/gpu-2026-12-01-dsa-s9): 8 consumer warps + 4 producer warps under the launch's
     168-register cap, the producer at PREGS and the consumers at the rest (setmaxnreg), within shared memory;
@@ -129,6 +143,8 @@ def _case(lengths, rows, heads, topk, seed=0):
                                      pytest.param({"gluon": {"GATHER_ROWS": 8}}, id="gather_rows8"),
                                      pytest.param({"gluon": {"GATHER_ROWS": 4}, "splits": 3}, id="rows4_splits3"),
                                      pytest.param({"gluon": {"GATHER_ROWS": 8, "F16": True}}, id="gather_rows8_f16"),
+                                     pytest.param({"gluon": {"CP": True}}, id="cp"),
+                                     pytest.param({"gluon": {"CP": True, "F16": True}, "splits": 3}, id="cp_f16_s3"),
                                      pytest.param({"gluon": {"LAZY": 8.0}}, id="lazy8"),
                                      pytest.param({"gluon": {"LAZY": 0.25}, "splits": 3}, id="lazy_small_splits3")])
 def test_gluon_decode_batch64_matches_twin(options):
@@ -154,6 +170,9 @@ def test_gluon_decode_batch64_matches_twin(options):
     if l2:  # the L2 prefetches change no arithmetic: bit-equal to the same launch without them
         assert torch.equal(sparse_mla(*args, **{**options, "gluon": {**options["gluon"], "L2_AHEAD": 0}}), got)
     flags = options.get("gluon", {})
+    if flags.get("CP"):  # the same arithmetic in the same order, the rows staged through shared memory: bit-equal
+        assert torch.equal(sparse_mla(*args, **{**options, "gluon": {k: v for k, v in flags.items() if k != "CP"}}),
+                           got)
     if flags.get("GATHER_ROWS", 1) != 1:  # another register layout for the same loads and stores: bit-equal
         same = {**options, "gluon": {k: v for k, v in flags.items() if k != "GATHER_ROWS"}}
         assert torch.equal(sparse_mla(*args, **same), got)
@@ -179,6 +198,8 @@ def test_gluon_decode_batch64_matches_twin(options):
                                      pytest.param({"gluon": {"F16": True}}, id="f16"),
                                      pytest.param({"gluon": {"F16": True}, "splits": 16}, id="f16_splits16"),
                                      pytest.param({"gluon": {"GATHER_ROWS": 8}, "splits": 16}, id="gather_rows8"),
+                                     pytest.param({"gluon": {"CP": True}}, id="cp"),
+                                     pytest.param({"gluon": {"CP": True}, "splits": 16}, id="cp_splits16"),
                                      pytest.param({"gluon": {"LAZY": 8.0}, "splits": 16}, id="lazy8_splits16")])
 def test_gluon_deepseek_v32_shape_matches_twin(options):
     """128 heads, latent 512 + 64 in e4m3 (four groups), top-2048 over 5000 cached tokens (rows 0 .. 2047 select
