@@ -905,7 +905,9 @@ def gluon_supported(q_nope: torch.Tensor, latent_scale: torch.Tensor | None) -> 
 GLUON_FLAGS = {"EARLY_LOADS": False, "DIRECT": True, "L2_AHEAD": 0, "WARPS": 8, "LAZY": 0.0, "F16": False,
                "GATHER_ROWS": 1}
 # CP: ``sparse_mla_gluon_cp_kernel`` instead (the gathers two tiles ahead by cp.async into a staging buffer, one
-# dequantised slot). Off until measured.
+# dequantised slot). Bit-equal to the default and slower, so off: H200, 2026-12-03 (benchmarks/gpu-2026-12-03-dsa-s20,
+# call 8), batch 64 x 128K 173.6 / 177.0 us (with F16 168.9 / 167.9) against 137.4 / 137.3, 4096 prefill rows 9.99 /
+# 10.02 ms against 7.75 / 7.70: the dequantisation after p @ v, not under it, costs more than the gathers' wait.
 CP_FLAGS = {"CP": False}
 # Programmatic dependent launch for ``sparse_mla_gluon_kernel`` where ``pdl.active`` (the decode chain's other kernels
 # take it there since session 10): the kernel launches while the select ends and waits for it in hardware. Bit-equal
