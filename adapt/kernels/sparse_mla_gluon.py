@@ -167,9 +167,9 @@ def _any_rescale(flag_smem, BLOCK_H: gl.constexpr, WARPS: gl.constexpr):
 
 @gluon.jit
 def _allocate(RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-              DT: gl.constexpr = gl.bfloat16):
-    """The shared memory of a sparse MLA program: q, q_rope, the two-slot ring of dequantised tiles (latent and
-    rope) and p, each in the NVMMA layout its MMA reads, all of element type DT (bf16, or fp16 with F16)."""
+              DT: gl.constexpr = gl.bfloat16, SLOTS: gl.constexpr = 2):
+    """The shared memory of a sparse MLA program: q, q_rope, the ring of SLOTS dequantised tiles (latent and rope)
+    and p, each in the NVMMA layout its MMA reads, all of element type DT (bf16, or fp16 with F16)."""
     q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], DT)
     qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], DT)
     kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], DT)
@@ -177,8 +177,8 @@ def _allocate(RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLO
     p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], DT)
     q_smem = gl.allocate_shared_memory(DT, [BLOCK_H, RANK], q_lay)
     qr_smem = gl.allocate_shared_memory(DT, [BLOCK_H, ROPE], qr_lay)
-    kv_smem = gl.allocate_shared_memory(DT, [2, BLOCK_K, RANK], kv_lay)
-    kr_smem = gl.allocate_shared_memory(DT, [2, BLOCK_K, ROPE], kr_lay)
+    kv_smem = gl.allocate_shared_memory(DT, [SLOTS, BLOCK_K, RANK], kv_lay)
+    kr_smem = gl.allocate_shared_memory(DT, [SLOTS, BLOCK_K, ROPE], kr_lay)
     p_smem = gl.allocate_shared_memory(DT, [BLOCK_H, BLOCK_K], p_lay)
     return q_smem, qr_smem, kv_smem, kr_smem, p_smem
 
@@ -444,17 +444,10 @@ def sparse_mla_gluon_cp_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
     VL: gl.constexpr = gl.SliceLayout(0, S_L)
     SL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
     RS: gl.constexpr = gl.SliceLayout(1, RL)
-    DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
-    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], DT)
-    qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], DT)
-    kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], DT)
-    kr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, ROPE], DT)
-    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], DT)
-    q_smem = gl.allocate_shared_memory(DT, [BLOCK_H, RANK], q_lay)
-    qr_smem = gl.allocate_shared_memory(DT, [BLOCK_H, ROPE], qr_lay)
-    kv_buf = gl.allocate_shared_memory(DT, [BLOCK_K, RANK], kv_lay)
-    kr_buf = gl.allocate_shared_memory(DT, [BLOCK_K, ROPE], kr_lay)
-    p_smem = gl.allocate_shared_memory(DT, [BLOCK_H, BLOCK_K], p_lay)
+    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K,
+                                                          gl.float16 if F16 else gl.bfloat16, 1)
+    kv_buf = kv_smem.index(0)
+    kr_buf = kr_smem.index(0)
     flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     raw_st = gl.allocate_shared_memory(nope_ptr.dtype.element_ty, [BLOCK_K, RANK // 16, 16], flat3)
@@ -494,7 +487,7 @@ def sparse_mla_gluon_cp_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
         valid_n = _tile_idx(idx_ptr, row, k0 + BLOCK_K, last, topk, BLOCK_K, VL) >= 0
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         p, alpha, m_i, l_i, _ = _online_softmax(s, valid, m_i, l_i, scale_log2)
-        p_smem.store(p.to(DT))
+        p_smem.store(p.to(p_smem.dtype))
         fence_async_shared()
         gl.thread_barrier()
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
