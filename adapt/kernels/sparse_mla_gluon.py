@@ -64,6 +64,34 @@ def _idx_slots(block_table_ptr, seq, bt_stride, idx, PAGE: gl.constexpr):
 
 
 @gluon.jit
+def _nope_ptrs(slot, nope_ptr, RANK: gl.constexpr, L3: gl.constexpr):
+    """Addresses and mask of the gathered e4m3 rows [BLOCK_K, RANK / 16, 16] (L3, 16 bytes a thread) of cache slots
+    ``slot`` (int32 [BLOCK_K] in SliceLayout(1, SliceLayout(2, L3)), -1 = none)."""
+    c32 = gl.arange(0, RANK // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    cols3 = gl.expand_dims(gl.expand_dims(c32 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(c16, 0), 1)
+    return (nope_ptr + gl.expand_dims(gl.expand_dims(slot.to(gl.int64), 1), 2) * RANK + cols3,
+            gl.expand_dims(gl.expand_dims(slot >= 0, 1), 2))
+
+
+@gluon.jit
+def _scale_ptrs(slot, nscale_ptr, RANK: gl.constexpr, GROUP: gl.constexpr, L3: gl.constexpr):
+    """Addresses and mask of those rows' fp32 group scales, repeated per 16 columns [BLOCK_K, RANK / 16]."""
+    c32 = gl.arange(0, RANK // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    return (nscale_ptr + gl.expand_dims(slot.to(gl.int64), 1) * (RANK // GROUP) + gl.expand_dims(c32 * 16 // GROUP, 0),
+            gl.expand_dims(slot >= 0, 1))
+
+
+@gluon.jit
+def _rope_ptrs(slot_r, rope_ptr, ROPE: gl.constexpr, RL: gl.constexpr):
+    """Addresses and mask of the bf16 rope rows [BLOCK_K, ROPE] (RL) of cache slots ``slot_r`` (SliceLayout(1, RL),
+    -1 = none)."""
+    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
+    return (rope_ptr + gl.expand_dims(slot_r.to(gl.int64), 1) * ROPE + gl.expand_dims(rc, 0),
+            gl.expand_dims(slot_r >= 0, 1))
+
+
+@gluon.jit
 def _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
                  L3: gl.constexpr, RL: gl.constexpr, VL: gl.constexpr, slot_rope, idx_v, DIRECT: gl.constexpr):
     """Issue the gathered loads of one tile's cache slots (int32 [BLOCK_K] in SliceLayout(1, SliceLayout(2, L3)),
@@ -71,26 +99,18 @@ def _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr, ROPE:
     bf16 rope rows [BLOCK_K, ROPE] in RL, valid [BLOCK_K] in VL). Rows without a slot read as zeros. DIRECT: the
     rope rows' slots ``slot_rope`` (in SliceLayout(1, RL)) and the positions ``idx_v`` (in VL) are given, else
     both are converted from ``slot`` (a shared-memory round trip and a barrier each)."""
-    SL: gl.constexpr = gl.SliceLayout(2, L3)
-    valid = slot >= 0
-    slot64 = slot.to(gl.int64)
-    c32 = gl.arange(0, RANK // 16, layout=gl.SliceLayout(0, SL))
-    c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    slot3 = gl.expand_dims(gl.expand_dims(slot64, 1), 2)
-    valid3 = gl.expand_dims(gl.expand_dims(valid, 1), 2)
-    cols3 = gl.expand_dims(gl.expand_dims(c32 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(c16, 0), 1)
-    raw = gl.load(nope_ptr + slot3 * RANK + cols3, mask=valid3, other=0.0)
-    sc = gl.load(nscale_ptr + gl.expand_dims(slot64, 1) * (RANK // GROUP) + gl.expand_dims(c32 * 16 // GROUP, 0),
-                 mask=gl.expand_dims(valid, 1), other=0.0)
+    nope_p, nope_m = _nope_ptrs(slot, nope_ptr, RANK, L3)
+    raw = gl.load(nope_p, mask=nope_m, other=0.0)
+    sc_p, sc_m = _scale_ptrs(slot, nscale_ptr, RANK, GROUP, L3)
+    sc = gl.load(sc_p, mask=sc_m, other=0.0)
     if DIRECT:  # the rope rows' slots and the softmax validity given in their own layouts (no conversion)
-        slot_r = slot_rope.to(gl.int64)
+        slot_r = slot_rope
         valid_v = idx_v >= 0
     else:
-        slot_r = gl.convert_layout(slot64, gl.SliceLayout(1, RL))
-        valid_v = gl.convert_layout(valid, VL)
-    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
-    kr = gl.load(rope_ptr + gl.expand_dims(slot_r, 1) * ROPE + gl.expand_dims(rc, 0),
-                 mask=gl.expand_dims(slot_r >= 0, 1), other=0.0)
+        slot_r = gl.convert_layout(slot.to(gl.int64), gl.SliceLayout(1, RL))
+        valid_v = gl.convert_layout(slot >= 0, VL)
+    rope_p, rope_m = _rope_ptrs(slot_r, rope_ptr, ROPE, RL)
+    kr = gl.load(rope_p, mask=rope_m, other=0.0)
     return raw, sc, kr, valid_v
 
 
@@ -120,12 +140,10 @@ def _dequant_rows(raw, sc, kr, kv_view, kr_view, RANK: gl.constexpr, ROWS: gl.co
     bf16 rope row converted to fp16."""
     if F16:
         kv = raw.to(gl.float16) * gl.expand_dims(sc.to(gl.float16), 2)
-        kv_view.store(gl.reshape(kv, [ROWS, RANK]))
-        kr_view.store(kr.to(gl.float16))
     else:
         kv = (raw.to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
-        kv_view.store(gl.reshape(kv, [ROWS, RANK]))
-        kr_view.store(kr)
+    kv_view.store(gl.reshape(kv, [ROWS, RANK]))
+    kr_view.store(kr.to(kr_view.dtype))
 
 
 @gluon.jit
@@ -167,9 +185,10 @@ def _any_rescale(flag_smem, BLOCK_H: gl.constexpr, WARPS: gl.constexpr):
 
 @gluon.jit
 def _allocate(RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-              DT: gl.constexpr = gl.bfloat16, SLOTS: gl.constexpr = 2):
+              F16: gl.constexpr = False, SLOTS: gl.constexpr = 2):
     """The shared memory of a sparse MLA program: q, q_rope, the ring of SLOTS dequantised tiles (latent and rope)
-    and p, each in the NVMMA layout its MMA reads, all of element type DT (bf16, or fp16 with F16)."""
+    and p, each in the NVMMA layout its MMA reads, all bf16 (fp16 with F16)."""
+    DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
     q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], DT)
     qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], DT)
     kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, RANK], DT)
@@ -281,8 +300,7 @@ def sparse_mla_gluon_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, bloc
     VL: gl.constexpr = gl.SliceLayout(0, S_L)
     PFL: gl.constexpr = gl.BlockedLayout([1, 16 // WARPS], [16, 2], [4, WG], [1, 0])  # [64, 8]: a tile's L2 prefetches
     PFR: gl.constexpr = gl.SliceLayout(1, PFL)
-    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K,
-                                                          gl.float16 if F16 else gl.bfloat16)
+    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K, F16)
 
     _load_q(qn_ptr, qr_ptr, q_smem, qr_smem, row, head0, n_heads, RANK, ROPE, BLOCK_H, QL, RL)
 
@@ -404,18 +422,12 @@ def _copy_rows_fp8(slot, slot_r, nope_ptr, nscale_ptr, rope_ptr, raw_dst, sc_dst
     RANK / 16, 16] (16-byte copies, L3), their group scales repeated per 16 columns [BLOCK_K, RANK / 16] (4-byte
     copies) and the bf16 rope rows [BLOCK_K, ROPE] (RL); slots -1 = none, zero-filled. Each thread later reads back
     exactly the elements it copied (the same layouts), so its own ``cp.wait_group`` makes them visible to it."""
-    SL2: gl.constexpr = gl.SliceLayout(2, L3)
-    s64 = slot.to(gl.int64)
-    c32 = gl.arange(0, RANK // 16, layout=gl.SliceLayout(0, SL2))
-    c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    cols3 = gl.expand_dims(gl.expand_dims(c32 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(c16, 0), 1)
-    cp.async_copy_global_to_shared(raw_dst, nope_ptr + gl.expand_dims(gl.expand_dims(s64, 1), 2) * RANK + cols3,
-                                   mask=gl.expand_dims(gl.expand_dims(slot >= 0, 1), 2))
-    cp.async_copy_global_to_shared(sc_dst, nscale_ptr + gl.expand_dims(s64, 1) * (RANK // GROUP)
-                                   + gl.expand_dims(c32 * 16 // GROUP, 0), mask=gl.expand_dims(slot >= 0, 1))
-    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
-    cp.async_copy_global_to_shared(kr_dst, rope_ptr + gl.expand_dims(slot_r.to(gl.int64), 1) * ROPE
-                                   + gl.expand_dims(rc, 0), mask=gl.expand_dims(slot_r >= 0, 1))
+    nope_p, nope_m = _nope_ptrs(slot, nope_ptr, RANK, L3)
+    cp.async_copy_global_to_shared(raw_dst, nope_p, mask=nope_m)
+    sc_p, sc_m = _scale_ptrs(slot, nscale_ptr, RANK, GROUP, L3)
+    cp.async_copy_global_to_shared(sc_dst, sc_p, mask=sc_m)
+    rope_p, rope_m = _rope_ptrs(slot_r, rope_ptr, ROPE, RL)
+    cp.async_copy_global_to_shared(kr_dst, rope_p, mask=rope_m)
 
 
 @gluon.jit
@@ -444,8 +456,7 @@ def sparse_mla_gluon_cp_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
     VL: gl.constexpr = gl.SliceLayout(0, S_L)
     SL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
     RS: gl.constexpr = gl.SliceLayout(1, RL)
-    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K,
-                                                          gl.float16 if F16 else gl.bfloat16, 1)
+    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K, F16, 1)
     kv_buf = kv_smem.index(0)
     kr_buf = kr_smem.index(0)
     flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
@@ -459,21 +470,16 @@ def sparse_mla_gluon_cp_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
     first = split * positions_per_split
     last = gl.minimum(first + positions_per_split, topk)
     # tile 0 through registers into the slot; tile 1 copied into the staging buffer; the slots of tile 2
-    slot = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, SL), PAGE)
-    slot_r = _idx_slots(block_table_ptr, seq, bt_stride, _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, RS), PAGE)
+    slot, slot_r = _ws_slots(idx_ptr, block_table_ptr, row, seq, first, last, topk, bt_stride, BLOCK_K, PAGE, L3, RL)
     raw, sc, kr, valid = _gather_rows(slot, nope_ptr, nscale_ptr, rope_ptr, RANK, ROPE, GROUP, L3, RL, VL, slot_r,
                                       _tile_idx(idx_ptr, row, first, last, topk, BLOCK_K, VL), True)
-    slot = _idx_slots(block_table_ptr, seq, bt_stride,
-                      _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
-    slot_r = _idx_slots(block_table_ptr, seq, bt_stride,
-                        _tile_idx(idx_ptr, row, first + BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
+    slot, slot_r = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + BLOCK_K, last, topk, bt_stride, BLOCK_K,
+                             PAGE, L3, RL)
     _copy_rows_fp8(slot, slot_r, nope_ptr, nscale_ptr, rope_ptr, raw_st, sc_st, kr_st, RANK, ROPE, GROUP, L3, RL)
     cp.commit_group()
     _stage_tile(raw, sc, kr, kv_buf, kr_buf, RANK, BLOCK_K, F16)
-    slot = _idx_slots(block_table_ptr, seq, bt_stride,
-                      _tile_idx(idx_ptr, row, first + 2 * BLOCK_K, last, topk, BLOCK_K, SL), PAGE)
-    slot_r = _idx_slots(block_table_ptr, seq, bt_stride,
-                        _tile_idx(idx_ptr, row, first + 2 * BLOCK_K, last, topk, BLOCK_K, RS), PAGE)
+    slot, slot_r = _ws_slots(idx_ptr, block_table_ptr, row, seq, first + 2 * BLOCK_K, last, topk, bt_stride, BLOCK_K,
+                             PAGE, L3, RL)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -666,18 +672,12 @@ def _ws_gather(slot, slot_r, nope_ptr, nscale_ptr, rope_ptr, RANK: gl.constexpr,
                GROUP: gl.constexpr, L3: gl.constexpr, RL: gl.constexpr):
     """Issue the loads of RB gathered rows (e4m3 [RB, RANK / 16, 16], fp32 scales [RB, RANK / 16], bf16 rope
     [RB, ROPE]); rows without a slot read as zeros."""
-    c32 = gl.arange(0, RANK // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    c16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    cols3 = gl.expand_dims(gl.expand_dims(c32 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(c16, 0), 1)
-    s64 = slot.to(gl.int64)
-    raw = gl.load(nope_ptr + gl.expand_dims(gl.expand_dims(s64, 1), 2) * RANK + cols3,
-                  mask=gl.expand_dims(gl.expand_dims(slot >= 0, 1), 2), other=0.0)
-    sc = gl.load(nscale_ptr + gl.expand_dims(s64, 1) * (RANK // GROUP) + gl.expand_dims(c32 * 16 // GROUP, 0),
-                 mask=gl.expand_dims(slot >= 0, 1), other=0.0)
-    rc = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
-    kr = gl.load(rope_ptr + gl.expand_dims(slot_r.to(gl.int64), 1) * ROPE + gl.expand_dims(rc, 0),
-                 mask=gl.expand_dims(slot_r >= 0, 1), other=0.0)
-    return raw, sc, kr
+    nope_p, nope_m = _nope_ptrs(slot, nope_ptr, RANK, L3)
+    raw = gl.load(nope_p, mask=nope_m, other=0.0)
+    sc_p, sc_m = _scale_ptrs(slot, nscale_ptr, RANK, GROUP, L3)
+    sc = gl.load(sc_p, mask=sc_m, other=0.0)
+    rope_p, rope_m = _rope_ptrs(slot_r, rope_ptr, ROPE, RL)
+    return raw, sc, gl.load(rope_p, mask=rope_m, other=0.0)
 
 
 @gluon.jit
@@ -829,8 +829,7 @@ def sparse_mla_gluon_ws_kernel(qn_ptr, qr_ptr, nope_ptr, nscale_ptr, rope_ptr, b
     split = gl.program_id(2)
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K,
-                                                          gl.float16 if F16 else gl.bfloat16)
+    q_smem, qr_smem, kv_smem, kr_smem, p_smem = _allocate(RANK, ROPE, BLOCK_H, BLOCK_K, F16)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
